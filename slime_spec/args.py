@@ -1,0 +1,237 @@
+"""Every flag, parsed once into a typed `Config`.
+
+Three sources, in increasing precedence: `--config file.yaml`, the slime-compatible flags of
+`flags.py`, and `--sglang-<flag>` for every SGLang server flag. The `--sglang-*` set is built
+at start-up from the installed SGLang's own `ServerArgs.add_cli_args`, so it always matches
+the SGLang in use; values are parsed by SGLang's own parser and forwarded verbatim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import functools
+import importlib.util
+from dataclasses import dataclass, field
+
+from slime_spec import flags as F
+from slime_spec.config import (ClusterConfig, Config, EngineConfig, RolloutConfig, TrainConfig, WandbConfig,
+                               WeightSyncConfig)
+
+SGLANG_PREFIX = "--sglang-"
+# SGLang flags renamed between releases: old -> new. Applied only when the installed SGLang
+# lacks the old name and has the new one, so each SGLang gets the spelling it understands.
+SGLANG_RENAMED = {
+    "--cuda-graph-bs": "--cuda-graph-bs-decode",
+    "--cuda-graph-max-bs": "--cuda-graph-max-bs-decode",
+}
+
+
+class ArgsError(ValueError):
+    """A flag problem the user must fix; the message names the flag and the fix."""
+
+
+@dataclass
+class ParsedArgs:
+    """What the command line said, before it becomes a `Config`."""
+
+    namespace: argparse.Namespace
+    sglang_tokens: list[str]  # forwarded tokens, `--sglang-` stripped to `--`, in the user's order
+    sglang_set: dict  # SGLang dest -> parsed value, for the flags the user set
+    set_flags: set[str]  # dests the user set explicitly (CLI or YAML)
+    unknown_flags: list[str] = field(default_factory=list)  # non-SGLang flags we do not know
+    renamed: list[tuple[str, str]] = field(default_factory=list)  # (user's --sglang- flag, forwarded flag)
+
+
+@functools.cache
+def sglang_parser() -> argparse.ArgumentParser:
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except ImportError as e:  # pragma: no cover - the venv always has it
+        raise ArgsError(f"cannot import SGLang's ServerArgs ({e}); run `make venv` or install sglang") from e
+    parser = argparse.ArgumentParser(prog="sglang.launch_server", add_help=False, exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def sglang_version() -> str:
+    import sglang
+
+    return getattr(sglang, "__version__", "unknown")
+
+
+def _sglang_options() -> dict[str, argparse.Action]:
+    return {opt: a for a in sglang_parser()._actions for opt in a.option_strings if opt.startswith("--")}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="slime-spec",
+        description="slime-compatible flags. Every SGLang server flag is also accepted as --sglang-<flag>\n"
+        "(generated from the installed SGLang). These are set by slime-spec and refused in --sglang- form:\n"
+        + "\n".join(f"  --{d.replace('_', '-')} ({why})" for d, why in F.FRAMEWORK_OWNED_SGLANG.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    for group_name, entries in F.GROUPS.items():
+        group = parser.add_argument_group(group_name)
+        for flag, kwargs in entries:
+            group.add_argument(flag, **kwargs)
+    return parser
+
+
+def _yaml_to_argv(path: str) -> list[str]:
+    from omegaconf import OmegaConf
+
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except Exception as e:  # OmegaConf raises many types; all mean "this file is not usable"
+        raise ArgsError(f"--config {path}: cannot read YAML ({e})") from e
+    if not isinstance(data, dict):
+        raise ArgsError(f"--config {path}: expected a mapping of flag names to values")
+    argv: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _split_flag_groups(argv: list[str]) -> list[list[str]]:
+    """[['--a', 'v'], ['--b'], ...]: each flag with the tokens up to the next `--flag`."""
+    groups: list[list[str]] = []
+    for tok in argv:
+        if tok.startswith("--"):
+            groups.append([tok])
+        elif groups:
+            groups[-1].append(tok)
+        else:
+            raise ArgsError(f"unexpected argument {tok!r}: flags start with --")
+    return groups
+
+
+def _closest(name: str, options) -> str:
+    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f"; did you mean {match[0]}?" if match else ""
+
+
+def parse(argv: list[str]) -> ParsedArgs:
+    """Parse the command line (and `--config` YAML). Raises ArgsError with a fix on bad input."""
+    argv = list(argv)
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise ArgsError("--config needs a YAML file path")
+        argv = _yaml_to_argv(argv[i + 1]) + argv[:i] + argv[i + 2:]
+
+    own_parser = build_parser()
+    own_options = {opt for a in own_parser._actions for opt in a.option_strings}
+    sg_options = _sglang_options()
+    own_tokens, sg_tokens, unknown, renamed = [], [], [], []
+    for group in _split_flag_groups(argv):
+        flag = group[0].split("=", 1)[0]
+        if flag in own_options:
+            own_tokens += group
+        elif flag.startswith(SGLANG_PREFIX):
+            sg_flag = "--" + flag[len(SGLANG_PREFIX):]
+            if sg_flag not in sg_options and SGLANG_RENAMED.get(sg_flag) in sg_options:
+                renamed.append((flag, SGLANG_PREFIX + SGLANG_RENAMED[sg_flag][2:]))
+                sg_flag = SGLANG_RENAMED[sg_flag]
+            action = sg_options.get(sg_flag)
+            if action is None:
+                raise ArgsError(f"unknown SGLang flag {flag} (SGLang {sglang_version()} has no {sg_flag})"
+                                + _closest(flag, [SGLANG_PREFIX + o[2:] for o in sg_options]))
+            if action.dest in F.FRAMEWORK_OWNED_SGLANG:
+                raise ArgsError(f"{flag} is not forwarded: it is {F.FRAMEWORK_OWNED_SGLANG[action.dest]}; remove it")
+            sg_tokens += [sg_flag + group[0][len(flag):], *group[1:]]
+        else:
+            unknown.append(flag)
+
+    try:
+        ns = own_parser.parse_args(own_tokens)
+    except SystemExit as e:  # argparse already printed the flag and the problem
+        raise ArgsError("invalid slime-spec flags (see the message above)") from e
+    set_flags = {a.dest for a in own_parser._actions
+                 if any(t.split("=", 1)[0] in a.option_strings for t in own_tokens)}
+    sg_set = _parse_sglang(sg_tokens, sg_options)
+    return ParsedArgs(ns, sg_tokens, sg_set, set_flags, unknown, renamed)
+
+
+def _parse_sglang(tokens: list[str], options: dict[str, argparse.Action]) -> dict:
+    if not tokens:
+        return {}
+    try:
+        ns = sglang_parser().parse_args(["--model-path", "__unset__", *tokens])
+    except (argparse.ArgumentError, SystemExit) as e:
+        raise ArgsError(f"invalid --sglang-* value: {e}") from e
+    dests = {options[t.split("=", 1)[0]].dest for t in tokens if t.startswith("--") and t.split("=", 1)[0] in options}
+    return {d: getattr(ns, d) for d in dests}
+
+
+def full_sglang_available() -> bool:
+    """True where the real SGLang server can run: its CUDA kernels package and a CUDA GPU."""
+    if importlib.util.find_spec("sgl_kernel") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def to_config(p: ParsedArgs) -> Config:
+    a = p.namespace
+    if not a.hf_checkpoint:
+        raise ArgsError("--hf-checkpoint is required: the HF model directory the engines and trainer load")
+    backend = a.rollout_backend or ("sglang" if full_sglang_available() else "embedded")
+    mtp_layers = a.mtp_num_layers or 0
+    engine = EngineConfig(
+        backend=backend, model_path=a.hf_checkpoint, num_gpus_per_engine=a.rollout_num_gpus_per_engine,
+        forwarded_argv=tuple(p.sglang_tokens), server_args=dict(p.sglang_set), seed=a.seed,
+    )
+    rollout = RolloutConfig(
+        hf_checkpoint=a.hf_checkpoint, prompt_data=a.prompt_data, input_key=a.input_key, label_key=a.label_key,
+        apply_chat_template=a.apply_chat_template, rollout_shuffle=a.rollout_shuffle, rollout_seed=a.rollout_seed,
+        rm_type=a.rm_type, custom_rm_path=a.custom_rm_path,
+        custom_generate_function_path=a.custom_generate_function_path, num_rollout=a.num_rollout,
+        rollout_batch_size=a.rollout_batch_size, n_samples_per_prompt=a.n_samples_per_prompt,
+        rollout_max_response_len=a.rollout_max_response_len, rollout_max_prompt_len=a.rollout_max_prompt_len,
+        rollout_temperature=a.rollout_temperature, rollout_top_p=a.rollout_top_p, rollout_top_k=a.rollout_top_k,
+        rollout_stop=tuple(a.rollout_stop or ()), rollout_stop_token_ids=tuple(a.rollout_stop_token_ids or ()),
+        rollout_skip_special_tokens=a.rollout_skip_special_tokens, max_concurrency=a.sglang_server_concurrency,
+        use_sglang_router=a.use_sglang_router, save_debug_rollout_data=a.save_debug_rollout_data,
+        load_debug_rollout_data=a.load_debug_rollout_data, metrics_jsonl=a.metrics_jsonl,
+        engine_start_timeout_s=a.engine_start_timeout,
+    )
+    train = TrainConfig(
+        hf_checkpoint=a.hf_checkpoint, load=a.load, save=a.save, ref_load=a.ref_load, save_interval=a.save_interval,
+        loss_type="sft" if a.loss_type in ("sft", "sft_loss") else "policy_loss",
+        advantage_estimator=a.advantage_estimator, n_samples_per_prompt=a.n_samples_per_prompt,
+        eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
+        kl_loss_type=a.kl_loss_type, entropy_coef=a.entropy_coef, lr=a.lr, min_lr=a.min_lr,
+        weight_decay=a.weight_decay, adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps,
+        clip_grad=a.clip_grad,
+        global_batch_size=a.global_batch_size or a.rollout_batch_size * a.n_samples_per_prompt,
+        micro_batch_size=a.micro_batch_size, mtp_num_layers=mtp_layers, enable_mtp_training=a.enable_mtp_training,
+        mtp_loss_scaling_factor=a.mtp_loss_scaling_factor, tensor_model_parallel_size=a.tensor_model_parallel_size,
+        seed=a.seed,
+    )
+    transport = a.weight_sync_transport or ("tensor" if a.colocate else "distributed")
+    return Config(
+        cluster=ClusterConfig(a.actor_num_nodes, a.actor_num_gpus_per_node, a.rollout_num_gpus,
+                              a.rollout_num_gpus_per_engine, a.rollout_num_engines, a.colocate),
+        engine=engine, rollout=rollout, train=train,
+        weight_sync=WeightSyncConfig(transport, a.update_weight_buffer_size, a.check_weight_sync),
+        wandb=WandbConfig(a.use_wandb, a.wandb_project, a.wandb_group, a.wandb_key, a.wandb_dir),
+        debug_rollout_only=a.debug_rollout_only, debug_train_only=a.debug_train_only,
+        eval_interval=a.eval_interval, eval_prompt_data=tuple(a.eval_prompt_data or ()), output_dir=a.output_dir,
+    )
+
+
+def parse_config(argv: list[str]) -> tuple[Config, ParsedArgs]:
+    parsed = parse(argv)
+    return to_config(parsed), parsed

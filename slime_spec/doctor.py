@@ -1,0 +1,163 @@
+"""`slime-spec doctor <training flags> [--json]`: check a configuration before launch.
+
+Reads local files only (config.json of target and draft, the prompt data), never contacts a
+model hub and never needs a GPU. Exit code 0 without errors, 2 with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from slime_spec import flags as F
+from slime_spec.args import ArgsError, ParsedArgs, parse, sglang_version, to_config
+from slime_spec.config import Config
+from slime_spec.spec_check import CheckInput, Finding, run_checks
+
+DISPLAY_PYTHON = "python3"
+
+
+def read_hf_config(path: str | None, what: str) -> tuple[dict | None, list[Finding]]:
+    if not path:
+        return None, []
+    cfg_path = Path(path) / "config.json"
+    try:
+        return json.loads(cfg_path.read_text()), []
+    except FileNotFoundError:
+        return None, [Finding("error", "CONFIG_UNREADABLE", f"{what}: {cfg_path} does not exist",
+                              f"point the flag at a local HF model directory containing config.json")]
+    except (OSError, json.JSONDecodeError) as e:
+        return None, [Finding("error", "CONFIG_UNREADABLE", f"{what}: cannot read {cfg_path} ({e})",
+                              "fix or re-download the checkpoint's config.json")]
+
+
+def longest_prompt_tokens(config: Config) -> tuple[int | None, list[Finding]]:
+    """Tokens in the longest prompt of --prompt-data, if both data and tokenizer are local."""
+    r = config.rollout
+    if not r.prompt_data:
+        return None, []
+    if not Path(r.prompt_data).is_file():
+        return None, [Finding("error", "PROMPT_DATA_UNREADABLE", f"--prompt-data {r.prompt_data} does not exist",
+                              "pass a local JSONL file")]
+    if not (Path(r.hf_checkpoint) / "tokenizer_config.json").exists() and not (Path(r.hf_checkpoint) / "tokenizer.json").exists():
+        return None, [Finding("info", "PROMPT_LENGTH_UNCHECKED", "no tokenizer next to --hf-checkpoint; prompt lengths not checked", "")]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(r.hf_checkpoint)
+    longest = 0
+    with open(r.prompt_data) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                prompt = json.loads(line)[r.input_key]
+            except (json.JSONDecodeError, KeyError) as e:
+                return None, [Finding("error", "PROMPT_DATA_UNREADABLE",
+                                      f"--prompt-data line {line_no}: no {r.input_key!r} field or bad JSON ({e})",
+                                      "fix the line or set --input-key to the prompt's field name")]
+            if r.apply_chat_template:
+                messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+                ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+                n = len(ids["input_ids"] if isinstance(ids, dict) else ids)
+            else:
+                n = len(tok(prompt if isinstance(prompt, str) else json.dumps(prompt))["input_ids"])
+            longest = max(longest, n)
+    if r.rollout_max_prompt_len:
+        longest = min(longest, r.rollout_max_prompt_len)
+    return longest, []
+
+
+def flag_findings(parsed: ParsedArgs) -> list[Finding]:
+    out = []
+    for dest in sorted(parsed.set_flags - F.HONOURED):
+        out.append(Finding("info", "FLAG_NOT_HONOURED",
+                           f"--{dest.replace('_', '-')} is parsed for slime compatibility but slime-spec does not act on it yet",
+                           ""))
+    for old, new in parsed.renamed:
+        out.append(Finding("warning", "SGLANG_FLAG_RENAMED",
+                           f"{old} does not exist in SGLang {sglang_version()}; it was renamed and is forwarded as {new}",
+                           f"write {new} in SGLANG_ARGS"))
+    known = [opt for _, entries in F.GROUPS.items() for opt, _ in entries]
+    import difflib
+
+    for flag in parsed.unknown_flags:
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        out.append(Finding("warning", "UNKNOWN_FLAG", f"{flag} is not a slime/Megatron flag slime-spec knows; ignored",
+                           f"did you mean {close[0]}?" if close else "remove it if it is a typo"))
+    return out
+
+
+def engine_argvs(config: Config) -> list[dict]:
+    return [{"index": i, "backend": config.engine.backend,
+             "argv": config.engine.server_argv("127.0.0.1", 30000 + i, base_gpu_id=i * config.engine.num_gpus_per_engine,
+                                                python=DISPLAY_PYTHON)}
+            for i in range(config.num_engines)]
+
+
+def diagnose(parsed: ParsedArgs) -> tuple[Config | None, list[Finding]]:
+    try:
+        config = to_config(parsed)
+    except ArgsError as e:
+        return None, [Finding("error", "ARGS_ERROR", str(e), "")]
+    findings: list[Finding] = []
+    target, f1 = read_hf_config(config.engine.model_path, "--hf-checkpoint")
+    draft_path = config.engine.server_args.get("speculative_draft_model_path")
+    draft, f2 = read_hf_config(draft_path, "--sglang-speculative-draft-model-path")
+    findings += f1 + f2
+    longest, f3 = longest_prompt_tokens(config) if target is not None else (None, [])
+    findings += f3
+    model_flags = {d: getattr(parsed.namespace, d) for d in F.MODEL_SHAPE_FLAGS if d in parsed.set_flags}
+    findings += run_checks(CheckInput(
+        sglang=config.engine.server_args, backend=config.engine.backend, sglang_version=sglang_version(),
+        target_config=target, draft_config=draft, enable_mtp_training=config.train.enable_mtp_training,
+        mtp_num_layers=config.train.mtp_num_layers, longest_prompt_tokens=longest,
+        max_response_len=config.rollout.rollout_max_response_len, model_flags=model_flags,
+    ), F.MODEL_SHAPE_FLAGS)
+    findings += flag_findings(parsed)
+    if config.engine.backend == "embedded" and parsed.namespace.rollout_backend is None:
+        findings.append(Finding("info", "BACKEND_EMBEDDED",
+                                "no CUDA GPU with a full SGLang here: engines use the embedded backend",
+                                "on a GPU node the same flags start sglang.launch_server"))
+    return config, findings
+
+
+def render_text(config: Config | None, findings: list[Finding], engines: list[dict]) -> str:
+    lines = [f"slime-spec doctor (SGLang {sglang_version()})"]
+    order = {"error": 0, "warning": 1, "info": 2}
+    for f in sorted(findings, key=lambda f: order[f.level]):
+        lines.append(f"  [{f.level.upper():7}] {f.code}: {f.message}")
+        if f.fix:
+            lines.append(f"            fix: {f.fix}")
+    if not findings:
+        lines.append("  no findings")
+    for e in engines:
+        lines.append(f"  engine {e['index']} ({e['backend']}; the port is chosen at launch): {' '.join(e['argv'])}")
+    n_err = sum(f.level == "error" for f in findings)
+    lines.append(f"{n_err} error(s), {sum(f.level == 'warning' for f in findings)} warning(s)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
+    argv = [a for a in argv if a != "--json"]
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        parsed = parse(argv)
+        config, findings = diagnose(parsed)
+    except ArgsError as e:
+        config, findings = None, [Finding("error", "ARGS_ERROR", str(e), "")]
+    engines = engine_argvs(config) if config is not None else []
+    if as_json:
+        print(json.dumps({"sglang_version": sglang_version(), "findings": [f.to_dict() for f in findings],
+                          "engines": engines}))
+    else:
+        print(render_text(config, findings, engines))
+    return 2 if any(f.level == "error" for f in findings) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""A gpt-fast-style decoder for Llama, Qwen2 (qkv bias) and MiMo (Qwen2 + MTP layers), by HF names.
+
+Module attribute paths equal the HF checkpoint names (`model.layers.0.self_attn.q_proj.weight`, ...),
+so `state_dict()` is the checkpoint and weight updates need no name mapping.
+
+The KV cache is static: one row per request slot, `[slots, max_seq, kv_heads, head_dim]` per layer.
+A forward takes `slots` (which rows), `positions` `[B, T]` (each row starts at its own cache length)
+and writes its keys/values at those positions; queries attend to every key at a position <= their own.
+Rolling back rejected draft tokens is just resetting the row's length: stale entries past it are
+overwritten before any query can see them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    mtp_layers: int
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "ModelArgs":
+        arch = (config.get("architectures") or ["?"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architectures={config.get('architectures')}: the embedded engine runs "
+                             f"{SUPPORTED_ARCHITECTURES}; use --backend sglang for other models")
+        if config.get("rope_scaling") or (config.get("rope_parameters") or {}).get("rope_type", "default") != "default":
+            raise ValueError("rope_scaling is not supported by the embedded engine; remove it from config.json")
+        heads = config["num_attention_heads"]
+        rope = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        return cls(
+            vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"], num_layers=config["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=config.get("num_key_value_heads", heads),
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(rope),
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=arch != "LlamaForCausalLM" or bool(config.get("attention_bias", False)),
+            mtp_layers=int(config.get("num_nextn_predict_layers", 0)) if arch == "MiMoForCausalLM" else 0,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin `[B, T, head_dim]` for HF's rotate-half RoPE, computed in float32 like transformers."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64)
+                                .float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, H, D]; cos/sin: [B, T, D]."""
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class KVCache:
+    """Static per-slot keys/values for a stack of layers: `[slots, max_seq, kv_heads, head_dim]` each."""
+
+    def __init__(self, num_layers: int, slots: int, max_seq: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (slots, max_seq, kv_heads, head_dim)
+        self.max_seq = max_seq
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.a = a
+        self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.qkv_bias)
+        self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, mask):
+        B, T, _ = x.shape
+        a = self.a
+        q = apply_rope(self.q_proj(x).view(B, T, a.num_heads, a.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(B, T, a.num_kv_heads, a.head_dim), cos, sin)
+        v = self.v_proj(x).view(B, T, a.num_kv_heads, a.head_dim)
+        cache_k[slots[:, None], positions] = k
+        cache_v[slots[:, None], positions] = v
+        S = mask.shape[-1]
+        keys = cache_k[slots, :S].transpose(1, 2)
+        values = cache_v[slots, :S].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                             enable_gqa=a.num_heads != a.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = Attention(a)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = MLP(a)
+
+    def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, slots, positions, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MTPLayer(DecoderLayer):
+    """MiMo's `model.mtp_layers.{i}`: norms + input_proj in front of a full decoder layer (see `mtp_forward`)."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__(a)
+        self.token_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.hidden_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.input_proj = nn.Linear(2 * a.hidden_size, a.hidden_size, bias=False)
+        self.final_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        if a.mtp_layers:
+            self.mtp_layers = nn.ModuleList(MTPLayer(a) for _ in range(a.mtp_layers))
+
+
+def causal_mask(positions: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[B, 1, T, S] boolean: query at position p sees keys at positions 0..p of its own row."""
+    keys = torch.arange(num_keys, device=positions.device)
+    return (keys[None, None, :] <= positions[:, :, None])[:, None]
+
+
+class CausalLM(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.args = a
+        self.model = Backbone(a)
+        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+        if a.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def new_cache(self, slots: int, max_seq: int) -> KVCache:
+        p = self.lm_head.weight
+        return KVCache(self.args.num_layers, slots, max_seq, self.args.num_kv_heads, self.args.head_dim,
+                       p.dtype, p.device)
+
+    def new_mtp_cache(self, slots: int, max_seq: int) -> KVCache:
+        p = self.lm_head.weight
+        return KVCache(1, slots, max_seq, self.args.num_kv_heads, self.args.head_dim, p.dtype, p.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                slots: torch.Tensor) -> torch.Tensor:
+        """input_ids/positions [B, T] -> final-normed hidden states [B, T, H] (logits: `self.logits(hidden)`)."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
+        mask = causal_mask(positions, int(positions.max()) + 1)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], slots, positions, mask)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
+                    cache: KVCache, slots: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """One MiMo MTP layer, as SGLang's MiMoMultiTokenPredictorLayer runs it.
+
+        At position p it reads the token x_{p+1} and the hidden state of position p (the target's final-normed
+        hidden, or this layer's own output when drafting further), zeroes the token embedding at position 0,
+        projects `cat(hidden_layernorm(hidden), token_layernorm(embed))`, runs the decoder layer, and returns
+        final_layernorm(out): both what the shared lm_head reads and the hidden state of the next draft step.
+        """
+        mtp = self.model.mtp_layers[layer]
+        embeds = self.model.embed_tokens(input_ids)
+        embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)
+        x = mtp.input_proj(torch.cat((mtp.hidden_layernorm(prev_hidden), mtp.token_layernorm(embeds)), dim=-1))
+        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
+        mask = causal_mask(positions, int(positions.max()) + 1)
+        x = DecoderLayer.forward(mtp, x, cos, sin, cache.k[0], cache.v[0], slots, positions, mask)
+        return mtp.final_layernorm(x)
+
+
+def hf_weight_names(model: CausalLM) -> list[str]:
+    """The checkpoint names of a model's tensors (a tied lm_head is not a separate tensor in HF checkpoints)."""
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    if model.args.tie_word_embeddings:
+        names.remove("lm_head.weight")
+    return names
+
+
+def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> tuple[CausalLM, dict]:
+    """Build the model from `path/config.json` and load every tensor of `path/*.safetensors` by HF name."""
+    path = Path(path)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+    config = json.loads((path / "config.json").read_text())
+    args = ModelArgs.from_hf_config(config)
+    with torch.device("meta"):
+        model = CausalLM(args)
+    model = model.to_empty(device=device).to(DTYPES[dtype])
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"--model-path {path}: no *.safetensors files")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    expected = set(hf_weight_names(model))
+    ignored = {n for n in state if "rotary_emb.inv_freq" in n or (n == "lm_head.weight" and args.tie_word_embeddings)}
+    missing = expected - set(state)
+    unknown = set(state) - expected - ignored
+    if missing or unknown:
+        raise ValueError(f"checkpoint {path} does not match {config['architectures'][0]}: "
+                         f"missing {sorted(missing)[:5]}, unexpected {sorted(unknown)[:5]}")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name in expected:
+            if params[name].shape != state[name].shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(state[name].shape)} != "
+                                 f"config shape {tuple(params[name].shape)}")
+            params[name].copy_(state[name])
+    return model.eval().requires_grad_(False), config

@@ -1,0 +1,91 @@
+"""Sampling and speculative acceptance as pure tensor functions (one row per request, per-row parameters).
+
+Filtering mirrors SGLang's `top_k_top_p_min_p_sampling_from_probs_torch` (sglang/srt/layers/sampler.py):
+probs = softmax(logits / temperature); on the probs sorted descending, zero ranks >= top_k, zero every
+entry whose preceding cumulative mass already exceeds top_p (cumsum computed before the top-k zeroing),
+then zero entries below min_p * max prob. A request is greedy when temperature == 0 or top_k == 1
+(SGLang normalises temperature < 1e-6 to top_k = 1); greedy picks argmax of the raw logits.
+
+Returned logprobs follow SGLang's default (SGLANG_RETURN_ORIGINAL_LOGPROB unset, no rl-on-policy mode):
+greedy rows get log_softmax(logits); sampled rows get log(softmax(logits / temperature)), i.e. temperature
+applied but top-k / top-p / min-p not (SGLang takes the log of the probabilities before filtering).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SAMPLING_EPS = 1e-6
+
+
+def is_greedy(temperature: float, top_k: int) -> bool:
+    return temperature < SAMPLING_EPS or top_k == 1
+
+
+def filtered_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                   min_ps: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] float32, params [N] -> normalized sampling distribution [N, V] after SGLang's filters.
+
+    top_ks uses the vocabulary size (or more) for "off". Greedy rows should not be passed here.
+    """
+    probs = torch.softmax(logits / temperatures[:, None], dim=-1)
+    probs_sort, probs_idx = probs.sort(dim=-1, descending=True)
+    probs_sum = torch.cumsum(probs_sort, dim=-1)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    probs_sort = probs_sort.masked_fill(ranks >= top_ks[:, None], 0.0)
+    probs_sort = probs_sort.masked_fill((probs_sum - probs_sort) > top_ps[:, None], 0.0)
+    probs_sort = probs_sort.masked_fill(probs_sort < (probs_sort[:, :1] * min_ps[:, None]), 0.0)
+    out = torch.zeros_like(probs).scatter_(-1, probs_idx, probs_sort)
+    return out / out.sum(-1, keepdim=True)
+
+
+def output_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """[N, V] logprobs as SGLang returns them by default (see module docstring)."""
+    scale = torch.where(greedy, torch.ones_like(temperatures), temperatures)
+    return torch.log_softmax(logits / scale[:, None], dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row from normalized probs [N, V]."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def speculative_accept(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens: torch.Tensor,
+                       generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Standard speculative sampling (Leviathan et al. / Chen et al.) for a chain of k draft tokens.
+
+    target_probs [N, k+1, V]: the target's filtered distribution at each draft position plus the bonus position.
+    draft_probs [N, k, V] or None: the draft's distribution q; None means a deterministic draft (q one-hot at
+      the drafted token: MTP/STANDALONE greedy drafts, NGRAM).
+    draft_tokens [N, k].
+    Token j is accepted with probability min(1, p(x)/q(x)); at the first rejection the next token is drawn from
+    normalize(max(p - q, 0)); if all k are accepted the bonus token is drawn from p at position k.
+    Returns (accept_len [N] in 0..k, next_token [N]: the residual or bonus token).
+    """
+    n, k = draft_tokens.shape
+    p_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+        q_full = torch.zeros_like(target_probs[:, :k]).scatter_(-1, draft_tokens[..., None], 1.0)
+    else:
+        q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+        q_full = draft_probs
+    u = torch.rand(p_draft.shape, generator=generator, device=p_draft.device, dtype=p_draft.dtype)
+    accepted = u * q_draft < p_draft  # u < p/q without dividing by zero
+    accept_len = torch.cumprod(accepted.to(torch.int64), dim=-1).sum(-1)
+    rows = torch.arange(n, device=draft_tokens.device)
+    residual = (target_probs[:, :k] - q_full).clamp_min(0.0)
+    # Position k has no draft: the bonus distribution is p itself.
+    residual = torch.cat((residual, target_probs[:, k:]), dim=1)[rows, accept_len]
+    mass = residual.sum(-1, keepdim=True)
+    # A rejection with zero residual mass can only happen through float round-off (p == q); fall back to p.
+    residual = torch.where(mass > 0, residual, target_probs[rows, accept_len])
+    return accept_len, sample(residual / residual.sum(-1, keepdim=True), generator)
+
+
+def greedy_accept(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification: accept while the draft equals the target's argmax; next token is the argmax after."""
+    target = target_logits.argmax(-1)  # [N, k+1]
+    k = draft_tokens.shape[1]
+    accept_len = torch.cumprod((draft_tokens == target[:, :k]).to(torch.int64), dim=-1).sum(-1)
+    return accept_len, target.gather(1, accept_len[:, None]).squeeze(1)

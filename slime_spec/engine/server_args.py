@@ -1,0 +1,292 @@
+"""The embedded server's flags: SGLang's own server flags, each one honoured, ignored or refused.
+
+The flags are parsed with the installed SGLang's parser (`ServerArgs.add_cli_args`), so names,
+aliases and defaults are SGLang's. Every flag whose value differs from SGLang's default is then
+looked up in one data table:
+
+- HONOURED: the embedded engine implements it;
+- PERFORMANCE_ONLY: it tunes speed, memory or logging in SGLang and cannot change a generated
+  token here; accepted and logged once at start;
+- anything else: it would change results (quantization, LoRA, a token map, accept thresholds,
+  parallelism, ...) or is simply not implemented, so the server refuses to start and names it.
+
+`classify_flags` and the `resolve_*` helpers are pure; `parse_server_args` is the one entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HONOURED = frozenset({
+    "model_path", "tokenizer_path", "host", "port", "dtype", "device", "base_gpu_id", "context_length",
+    "max_running_requests", "random_seed", "api_key", "admin_api_key", "served_model_name",
+    "weight_version", "skip_tokenizer_init", "log_level", "trust_remote_code",
+    "enable_deterministic_inference", "tp_size",
+    "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
+    "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_ngram_max_trie_depth",
+})
+
+# Speed, memory, scheduling, logging and serving knobs: they cannot change a generated token of the
+# embedded engine (speculative decoding is lossless, so draft-shape knobs of NGRAM are speed only).
+PERFORMANCE_ONLY = frozenset({
+    "tokenizer_worker_num", "detokenizer_worker_num", "enable_tf32_matmul", "mem_fraction_static",
+    "max_queued_requests", "max_total_tokens", "chunked_prefill_size", "prefill_decode_interval",
+    "enable_dynamic_chunking", "max_prefill_tokens", "prefill_max_requests", "schedule_policy",
+    "schedule_conservativeness", "page_size", "disable_radix_cache", "radix_eviction_policy",
+    "disable_chunked_prefix_cache", "disable_overlap_schedule", "num_continuous_decode_steps",
+    "scheduler_recv_interval", "enable_mixed_chunk", "nccl_port", "dist_timeout", "watchdog_timeout",
+    "soft_watchdog_timeout", "sleep_on_idle", "gc_threshold", "skip_server_warmup", "warmups",
+    "stream_interval", "batch_notify_size", "gpu_id_step", "numa_node", "enable_p2p_check",
+    "log_level_http", "log_requests", "log_requests_level", "log_requests_format", "log_requests_target",
+    "uvicorn_access_log_exclude_prefixes", "crash_dump_folder", "show_time_cost", "enable_metrics",
+    "enable_mfu_metrics", "enable_metrics_for_all_schedulers", "decode_log_interval",
+    "enable_request_time_stats_logging", "enable_trace", "enable_cache_report", "gc_warning_threshold_secs",
+    "export_metrics_to_file", "export_metrics_to_file_dir", "bucket_time_to_first_token",
+    "bucket_inter_token_latency", "bucket_e2e_request_latency", "prompt_tokens_buckets",
+    "generation_tokens_buckets", "load_snapshot_publish_interval",
+    "attention_backend", "decode_attention_backend", "prefill_attention_backend", "sampling_backend",
+    "grammar_backend", "mm_attention_backend", "fp8_gemm_runner_backend", "fp4_gemm_runner_backend",
+    "bf16_gemm_backend", "moe_runner_backend", "disable_cuda_graph", "disable_cuda_graph_padding",
+    "disable_prefill_cuda_graph", "disable_decode_cuda_graph", "enable_profile_cuda_graph",
+    "enable_cudagraph_gc", "debug_cuda_graph", "enable_torch_compile", "torch_compile_max_bs",
+    "triton_attention_reduce_in_fp32", "triton_attention_num_kv_splits", "triton_attention_split_tile_size",
+    "disable_custom_all_reduce", "enable_nccl_nvls", "enable_symm_mem", "enable_memory_saver",
+    "enable_weights_cpu_backup", "enable_draft_weights_cpu_backup", "enable_hierarchical_cache",
+    "startup_weight_load_mode", "weight_loader_disable_mmap", "weight_loader_prefetch_checkpoints",
+    "weight_loader_prefetch_num_threads", "weight_loader_drop_cache_after_load",
+    "speculative_attention_mode", "speculative_draft_attention_backend", "speculative_ngram_min_bfs_breadth",
+    "speculative_ngram_max_bfs_breadth", "speculative_ngram_match_type", "speculative_ngram_capacity",
+    "speculative_adaptive", "speculative_adaptive_config",
+    # Used only by SGLang's OpenAI-compatible routes, which this server does not serve.
+    "sampling_defaults", "chat_template", "completion_template", "reasoning_parser", "tool_call_parser",
+    "enable_custom_logit_processor", "enable_return_hidden_states",
+})
+PERFORMANCE_ONLY_PREFIXES = ("cuda_graph_", "hicache_", "enable_http2", "http2_")
+
+# Refusals with a specific reason; every other non-default, non-table flag gets the generic one.
+REFUSAL_REASONS = {
+    "tp_size": "the embedded engine runs one process on one device: use --tp-size 1, or backend sglang "
+               "for tensor parallelism",
+    "quantization": "quantized weights change the logits; the embedded engine serves the checkpoint's "
+                    "weights in --dtype only",
+    "kv_cache_dtype": "a low-precision KV cache changes results; the embedded engine keeps it in --dtype",
+    "speculative_token_map": "a reduced draft vocabulary (EAGLE3 token map) is not implemented",
+    "speculative_accept_threshold_single": "relaxed acceptance is lossy; the embedded engine only verifies "
+                                           "losslessly (threshold 1.0)",
+    "speculative_accept_threshold_acc": "relaxed acceptance is lossy; the embedded engine only verifies "
+                                        "losslessly (threshold 1.0)",
+    "enable_lora": "LoRA adapters are not implemented",
+    "lora_paths": "LoRA adapters are not implemented",
+    "allow_auto_truncate": "silently truncating prompts changes results; the embedded engine rejects "
+                           "over-long requests instead",
+}
+
+SUPPORTED_ALGORITHMS = ("NEXTN", "EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
+
+
+class ServerArgsError(ValueError):
+    """A flag the embedded engine cannot honour; the message names every offending flag."""
+
+
+@dataclass(frozen=True)
+class FlagReport:
+    ignored: tuple[str, ...]  # "--flag=value" accepted and ignored
+    refused: tuple[str, ...]  # "--flag=value: reason"
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    algorithm: str | None = None
+    num_steps: int = 3
+    eagle_topk: int = 1
+    num_draft_tokens: int = 4
+    draft_model_path: str | None = None
+    ngram_max_trie_depth: int = 18
+
+
+@dataclass(frozen=True)
+class EngineServerArgs:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    device: str = "cpu"
+    dtype: str = "float32"
+    context_length: int | None = None
+    max_running_requests: int = 32
+    random_seed: int = 0
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    served_model_name: str = ""
+    weight_version: str = "default"
+    skip_tokenizer_init: bool = False
+    log_level: str = "info"
+    spec: SpecSettings = field(default_factory=SpecSettings)
+    ignored_flags: tuple[str, ...] = ()
+    sglang_args: dict = field(default_factory=dict)  # every SGLang flag's value, for /server_info
+
+
+def sglang_parser() -> argparse.ArgumentParser:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="python -m slime_spec.engine",
+                                     description="slime-spec's embedded SGLang-compatible server")
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def option_names(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """dest -> the flag as a user types it (its first option string)."""
+    return {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"}
+
+
+def defaults_of(parser: argparse.ArgumentParser) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for a in parser._actions:
+        if a.option_strings and a.dest != "help":
+            out.setdefault(a.dest, a.default)
+    return out
+
+
+def is_performance_only(dest: str) -> bool:
+    return dest in PERFORMANCE_ONLY or dest.startswith(PERFORMANCE_ONLY_PREFIXES)
+
+
+def classify_flags(values: dict[str, Any], defaults: dict[str, Any], names: dict[str, str]) -> FlagReport:
+    """Sort every flag whose value differs from SGLang's default into ignored or refused."""
+    ignored, refused = [], []
+    for dest, value in values.items():
+        if dest not in defaults or value == defaults[dest]:
+            continue
+        shown = f"{names.get(dest, '--' + dest.replace('_', '-'))}={value!r}"
+        if dest == "tp_size" and value != 1:
+            refused.append(f"{shown}: {REFUSAL_REASONS['tp_size']}")
+        elif dest in HONOURED:
+            continue
+        elif is_performance_only(dest):
+            ignored.append(shown)
+        else:
+            reason = REFUSAL_REASONS.get(dest, "not implemented by the embedded engine and may change results")
+            refused.append(f"{shown}: {reason}")
+    return FlagReport(tuple(ignored), tuple(refused))
+
+
+def resolve_device(device: str | None, cuda_available: bool) -> str:
+    if device is None:
+        return "cuda" if cuda_available else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ServerArgsError(f"--device={device!r}: the embedded engine runs on 'cpu' or 'cuda'")
+    if device.startswith("cuda") and not cuda_available:
+        raise ServerArgsError(f"--device={device!r} but torch sees no CUDA device; use --device cpu")
+    return device
+
+
+_DTYPE_NAMES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
+                "float32": "float32"}
+
+
+def resolve_dtype(dtype: str, device: str, config_dtype: str | None) -> str:
+    """SGLang's 'auto' rule (checkpoint dtype; float32 checkpoints served in float16) on CUDA.
+
+    On CPU 'auto' means float32: half precision on CPU is slow and would make the CPU reference
+    engine less exact than the models it checks.
+    """
+    if dtype != "auto":
+        return _DTYPE_NAMES[dtype]
+    if not device.startswith("cuda"):
+        return "float32"
+    config_dtype = _DTYPE_NAMES.get(config_dtype or "float32", "float32")
+    return "float16" if config_dtype == "float32" else config_dtype
+
+
+def resolve_spec(algorithm: str | None, num_steps: int | None, eagle_topk: int | None,
+                 num_draft_tokens: int | None, draft_model_path: str | None, ngram_max_trie_depth: int,
+                 model_arch: str | None) -> SpecSettings:
+    """SGLang's resolution of the speculative flags (arg_groups/speculative_hook.py), for a chain draft."""
+    if algorithm is None:
+        return SpecSettings()
+    name = algorithm.upper()
+    if name not in SUPPORTED_ALGORITHMS:
+        raise ServerArgsError(f"SPEC_UNSUPPORTED_BY_BACKEND: --speculative-algorithm={algorithm!r} is not "
+                              f"implemented by the embedded engine; use one of {SUPPORTED_ALGORITHMS}")
+    if name == "NGRAM":
+        # SGLang drafts a BFS tree of n-gram matches; the embedded engine drafts one chain of
+        # num_draft_tokens - 1 tokens after the verified one (SGLang's default: 12 draft tokens).
+        draft = 12 if num_draft_tokens is None else num_draft_tokens
+        if draft < 2:
+            raise ServerArgsError(f"--speculative-num-draft-tokens={draft}: NGRAM needs at least 2")
+        return SpecSettings(name, num_steps=draft - 1, eagle_topk=1, num_draft_tokens=draft,
+                            ngram_max_trie_depth=ngram_max_trie_depth)
+    if name == "STANDALONE" and not draft_model_path:
+        raise ServerArgsError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path")
+    if num_steps is None:
+        if eagle_topk is not None or num_draft_tokens is not None:
+            raise ServerArgsError("set --speculative-num-steps together with --speculative-eagle-topk and "
+                                  "--speculative-num-draft-tokens (SGLang chooses all three, or none)")
+        if name == "STANDALONE" or model_arch != "LlamaForCausalLM":
+            num_steps, eagle_topk, num_draft_tokens = 3, 1, 4
+        else:
+            num_steps, eagle_topk, num_draft_tokens = 5, 4, 8
+    eagle_topk = 1 if eagle_topk is None else eagle_topk
+    if eagle_topk == 1:
+        num_draft_tokens = num_steps + 1  # SGLang adjusts it the same way for a chain
+    elif num_draft_tokens is None:
+        raise ServerArgsError("--speculative-num-draft-tokens is required with --speculative-eagle-topk > 1")
+    if num_steps < 1:
+        raise ServerArgsError(f"--speculative-num-steps={num_steps}: must be at least 1")
+    return SpecSettings(name, num_steps=num_steps, eagle_topk=eagle_topk, num_draft_tokens=num_draft_tokens,
+                        draft_model_path=draft_model_path, ngram_max_trie_depth=ngram_max_trie_depth)
+
+
+def read_model_config(model_path: str) -> dict:
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        raise ServerArgsError(f"--model-path={model_path!r}: no config.json there (an HF checkpoint directory "
+                              f"with config.json, *.safetensors and a tokenizer is expected)")
+    return json.loads(path.read_text())
+
+
+def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> EngineServerArgs:
+    """Parse SGLang server flags into the embedded engine's typed arguments, or raise ServerArgsError."""
+    parser = sglang_parser()
+    values = vars(parser.parse_args(argv))
+    names = option_names(parser)
+    report = classify_flags(values, defaults_of(parser), names)
+    if values["tokenizer_path"] not in (None, values["model_path"]):
+        report = FlagReport(report.ignored, report.refused + (
+            f"--tokenizer-path={values['tokenizer_path']!r}: the embedded engine loads the tokenizer from "
+            f"--model-path; drop the flag or point it at the same directory",))
+    if report.refused:
+        raise ServerArgsError("the embedded engine cannot honour these SGLang flags:\n  "
+                              + "\n  ".join(report.refused)
+                              + "\nRemove them, or run this configuration on backend sglang.")
+    if not values["model_path"]:
+        raise ServerArgsError("--model-path is required")
+    config = read_model_config(values["model_path"])
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    device = resolve_device(values["device"], cuda_available)
+    if device == "cuda" and values["base_gpu_id"]:
+        device = f"cuda:{values['base_gpu_id']}"
+    arch = (config.get("architectures") or [None])[0]
+    spec = resolve_spec(values["speculative_algorithm"], values["speculative_num_steps"],
+                        values["speculative_eagle_topk"], values["speculative_num_draft_tokens"],
+                        values["speculative_draft_model_path"], values["speculative_ngram_max_trie_depth"], arch)
+    seed = values["random_seed"] if values["random_seed"] is not None else random.randint(0, 1 << 30)
+    return EngineServerArgs(
+        model_path=values["model_path"], host=values["host"], port=values["port"], device=device,
+        dtype=resolve_dtype(values["dtype"], device, config.get("torch_dtype") or config.get("dtype")),
+        context_length=values["context_length"],
+        max_running_requests=values["max_running_requests"] or 32, random_seed=seed,
+        api_key=values["api_key"], admin_api_key=values["admin_api_key"],
+        served_model_name=values["served_model_name"] or values["model_path"],
+        weight_version=values["weight_version"], skip_tokenizer_init=values["skip_tokenizer_init"],
+        log_level=values["log_level"], spec=spec, ignored_flags=report.ignored,
+        sglang_args={k: v for k, v in values.items() if k not in ("api_key", "admin_api_key")},
+    )

@@ -1,0 +1,279 @@
+"""Drafters: propose k tokens per running row; the engine verifies them with one batched target forward.
+
+Every drafter here drafts greedily (SGLang's eagle_topk 1 chain picks the draft's argmax; NGRAM copies tokens),
+so the draft distribution q is one-hot and verification (see sampling.speculative_accept) is lossless.
+
+Row state the engine keeps (see core._Row): `tokens` (prompt + output), `kv_len` (tokens whose keys/values are
+in the target cache: all but the last, pending one), `slot` (cache row).
+
+Drafter protocol:
+  k                                   draft tokens per verify
+  on_prefill(rows, hidden)            after the target prefilled rows and appended their first token
+  propose(rows) -> LongTensor [B, k]  draft tokens following each row's pending token
+  on_verify(rows, hidden, accepted)   after the verify pass appended accepted[i] + 1 tokens to rows[i]
+  weight_runner() -> {hf name: param} the draft's weights, as SGLang's draft runner loads them (or None)
+  new_cache() / drop_cache()          (re)allocate or free the drafter's KV cache
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names, load_model
+
+UNSUPPORTED = "SPEC_UNSUPPORTED_BY_BACKEND:"
+ALGORITHMS = (None, "NEXTN", "EAGLE", "STANDALONE", "NGRAM")
+
+
+@dataclass
+class SpecConfig:
+    algorithm: str | None = None        # None, "NEXTN", "EAGLE", "STANDALONE", "NGRAM"
+    num_steps: int = 3
+    eagle_topk: int = 1
+    num_draft_tokens: int = 4
+    draft_model_path: str | None = None
+    ngram_max_trie_depth: int = 18      # longest suffix matched against the request's own tokens
+    ngram_min_match_window_size: int = 1  # shortest suffix worth drafting from
+
+    def draft_len(self) -> int:
+        """k: draft tokens per verify (SGLang: num_steps for EAGLE-style chains, num_draft_tokens - 1 for NGRAM)."""
+        return self.num_draft_tokens - 1 if self.algorithm == "NGRAM" else self.num_steps
+
+
+def validate_spec(spec: SpecConfig, has_mtp: bool) -> None:
+    algo = spec.algorithm
+    if algo == "EAGLE3":
+        raise ValueError(f"{UNSUPPORTED} speculative_algorithm=EAGLE3 needs an EAGLE3 draft head, which the embedded "
+                         "engine does not run; use --backend sglang, or STANDALONE / NEXTN / NGRAM here")
+    if algo not in ALGORITHMS:
+        raise ValueError(f"speculative_algorithm={algo!r}: choose one of {[a for a in ALGORITHMS if a]} or none")
+    if algo is None:
+        return
+    if algo in ("NEXTN", "EAGLE", "STANDALONE"):
+        if spec.eagle_topk != 1:
+            raise ValueError(f"{UNSUPPORTED} speculative_eagle_topk={spec.eagle_topk} (tree drafts) is not implemented "
+                             "by the embedded engine; use --speculative-eagle-topk 1 (chain) or --backend sglang")
+        if spec.num_steps < 1:
+            raise ValueError(f"speculative_num_steps={spec.num_steps}: must be at least 1")
+        if spec.num_draft_tokens != spec.num_steps + 1:
+            raise ValueError(f"speculative_num_draft_tokens={spec.num_draft_tokens}: with eagle_topk 1 it must be "
+                             f"speculative_num_steps + 1 = {spec.num_steps + 1} (as SGLang enforces)")
+    if algo in ("NEXTN", "EAGLE") and not has_mtp:
+        raise ValueError(f"speculative_algorithm={algo}: the embedded engine drafts with the checkpoint's own MTP "
+                         "layers (MiMo model.mtp_layers.*) and this checkpoint has none; use STANDALONE with "
+                         "--speculative-draft-model-path, or NGRAM")
+    if algo in ("NEXTN", "EAGLE") and spec.draft_model_path is not None:
+        raise ValueError(f"{UNSUPPORTED} speculative_algorithm={algo} with a separate draft model path "
+                         f"({spec.draft_model_path}) is not supported: MTP drafts come from the target checkpoint; "
+                         "use STANDALONE for a separate draft model")
+    if algo == "STANDALONE" and not spec.draft_model_path:
+        raise ValueError("speculative_algorithm=STANDALONE needs --speculative-draft-model-path")
+    if algo == "NGRAM":
+        if spec.num_draft_tokens < 2:
+            raise ValueError(f"speculative_num_draft_tokens={spec.num_draft_tokens}: NGRAM needs at least 2 "
+                             "(the last verified token plus at least one draft)")
+        if not 1 <= spec.ngram_min_match_window_size <= spec.ngram_max_trie_depth:
+            raise ValueError("speculative_ngram_min_match_window_size must be in [1, speculative_ngram_max_trie_depth]")
+
+
+def _pad(seqs: list[list[int]], device) -> torch.Tensor:
+    width = max(len(s) for s in seqs)
+    return torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.long, device=device)
+
+
+def _slots(rows, device) -> torch.Tensor:
+    return torch.tensor([r.slot for r in rows], dtype=torch.long, device=device)
+
+
+class MTPDrafter:
+    """NEXTN / EAGLE with MiMo's MTP layer 0, driven like SGLang's EAGLE worker drives one MTP layer.
+
+    Draft position p reads (token x_{p+1}, hidden h_p). After each target forward, a draft extend runs over the
+    newly verified positions with the target's hidden states (tokens shifted left by one); its last output gives
+    the first draft token and hidden. Further draft tokens run the same layer on its own output hidden state.
+    """
+
+    def __init__(self, target: CausalLM, k: int, slots: int, max_seq: int):
+        self.target, self.k, self.slots, self.max_seq = target, k, slots, max_seq
+        device = target.lm_head.weight.device
+        self.next_token = torch.zeros(slots, dtype=torch.long, device=device)
+        self.next_hidden = torch.zeros(slots, target.args.hidden_size, dtype=target.lm_head.weight.dtype,
+                                       device=device)
+        self.cache: KVCache | None = None
+        self.new_cache()
+
+    def new_cache(self) -> None:
+        self.cache = self.target.new_mtp_cache(self.slots, self.max_seq)
+
+    def drop_cache(self) -> None:
+        self.cache = None
+
+    def _extend(self, rows, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                last: torch.Tensor) -> None:
+        slots = _slots(rows, tokens.device)
+        out = self.target.mtp_forward(tokens, hidden, positions, self.cache, slots)
+        out = out[torch.arange(len(rows), device=out.device), last]
+        self.next_token[slots] = self.target.logits(out).argmax(-1)
+        self.next_hidden[slots] = out
+
+    def on_prefill(self, rows, hidden: torch.Tensor) -> None:
+        device = hidden.device
+        tokens = _pad([r.tokens[1:] for r in rows], device)  # x_1..x_n: prompt shifted, plus the first output
+        positions = torch.arange(tokens.shape[1], device=device)[None].expand_as(tokens)
+        last = torch.tensor([len(r.tokens) - 2 for r in rows], device=device)
+        self._extend(rows, tokens, hidden[:, : tokens.shape[1]], positions, last)
+
+    def propose(self, rows) -> torch.Tensor:
+        device = self.next_token.device
+        slots = _slots(rows, device)
+        token, hidden = self.next_token[slots], self.next_hidden[slots]
+        drafts = [token]
+        pos = torch.tensor([r.kv_len for r in rows], device=device)
+        for j in range(self.k - 1):
+            hidden = self.target.mtp_forward(token[:, None], hidden[:, None], (pos + j)[:, None], self.cache,
+                                             slots)[:, 0]
+            token = self.target.logits(hidden).argmax(-1)
+            drafts.append(token)
+        return torch.stack(drafts, dim=1)
+
+    def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
+        device = hidden.device
+        k1 = self.k + 1
+        # Row i verified positions n..n+k; its newly committed tokens x_{n+1}..x_{n+a+1} are tokens[-(a+1):].
+        tokens = _pad([r.tokens[len(r.tokens) - a - 1:] for r, a in zip(rows, accepted)], device)
+        tokens = torch.nn.functional.pad(tokens, (0, k1 - tokens.shape[1]))
+        start = torch.tensor([r.kv_len - a - 1 for r, a in zip(rows, accepted)], device=device)
+        positions = start[:, None] + torch.arange(k1, device=device)[None]
+        self._extend(rows, tokens, hidden, positions, torch.tensor(accepted, device=device))
+
+    def weight_runner(self) -> dict[str, torch.nn.Parameter]:
+        """SGLang's MiMoMTP draft runner loads the MTP layers plus the embedding and lm_head it shares."""
+        params = dict(self.target.named_parameters(remove_duplicate=False))
+        names = [n for n in hf_weight_names(self.target) if n.startswith("model.mtp_layers.")]
+        names += ["model.embed_tokens.weight"] + ([] if self.target.args.tie_word_embeddings else ["lm_head.weight"])
+        return {n: params[n] for n in names}
+
+
+class StandaloneDrafter:
+    """STANDALONE: a separate small causal LM with its own KV cache, drafting greedily k tokens per verify.
+
+    `r.draft_len` counts the tokens of row r whose keys/values the draft cache holds; after a verify only the
+    accepted prefix of what the draft consumed stays, and the next propose first catches up on the rest.
+    """
+
+    def __init__(self, draft: CausalLM, k: int, slots: int, max_seq: int):
+        self.draft, self.k, self.slots, self.max_seq = draft, k, slots, max_seq
+        self.cache: KVCache | None = None
+        self.new_cache()
+
+    def new_cache(self) -> None:
+        self.cache = self.draft.new_cache(self.slots, self.max_seq)
+
+    def drop_cache(self) -> None:
+        self.cache = None
+
+    def _feed(self, rows, seqs: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Run the draft over seqs[i] at positions starts[i]...; return the logits at each row's last token."""
+        device = self.draft.lm_head.weight.device
+        tokens = _pad(seqs, device)
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(tokens.shape[1], device=device)
+        hidden = self.draft(tokens, positions, self.cache, _slots(rows, device))
+        last = torch.tensor([len(s) - 1 for s in seqs], device=device)
+        return self.draft.logits(hidden[torch.arange(len(rows), device=device), last])
+
+    def on_prefill(self, rows, hidden: torch.Tensor) -> None:
+        self._feed(rows, [r.tokens[:-1] for r in rows], [0] * len(rows))
+        for r in rows:
+            r.draft_len = len(r.tokens) - 1
+
+    def propose(self, rows) -> torch.Tensor:
+        logits = self._feed(rows, [r.tokens[r.draft_len:] for r in rows], [r.draft_len for r in rows])
+        token = logits.argmax(-1)
+        drafts = [token]
+        device = token.device
+        slots = _slots(rows, device)
+        pos = torch.tensor([len(r.tokens) for r in rows], device=device)
+        for j in range(self.k - 1):
+            hidden = self.draft(token[:, None], (pos + j)[:, None], self.cache, slots)
+            token = self.draft.logits(hidden[:, 0]).argmax(-1)
+            drafts.append(token)
+        return torch.stack(drafts, dim=1)
+
+    def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
+        for r, a in zip(rows, accepted):
+            # The draft consumed the old pending token and d_1..d_{k-1}; valid are the pending token and d_1..d_a.
+            r.draft_len = r.kv_len - a + min(a, self.k - 1)
+
+    def weight_runner(self) -> dict[str, torch.nn.Parameter]:
+        params = dict(self.draft.named_parameters(remove_duplicate=False))
+        return {n: params[n] for n in hf_weight_names(self.draft)}
+
+
+class NgramDrafter:
+    """NGRAM: copy the continuation of the longest earlier match of the row's suffix in its own prompt + output.
+
+    SGLang keeps a trie over recent requests; this is a per-request suffix index (n-gram -> the position right
+    after its latest occurrence), updated incrementally. Rows with no match get filler drafts, which verification
+    rejects at no cost to correctness.
+    """
+
+    def __init__(self, k: int, max_window: int, min_window: int, device):
+        self.k, self.max_window, self.min_window, self.device = k, max_window, min_window, device
+
+    def new_cache(self) -> None:
+        return None
+
+    def drop_cache(self) -> None:
+        return None
+
+    def _index(self, r) -> None:
+        tokens = r.tokens
+        if not hasattr(r, "ngram_index"):
+            r.ngram_index, r.ngram_upto = {}, 1
+        # An n-gram ending right before position e is indexed once tokens[e] (its continuation) exists.
+        for e in range(r.ngram_upto, len(tokens)):
+            for w in range(1, min(self.max_window, e) + 1):
+                r.ngram_index[tuple(tokens[e - w:e])] = e
+        r.ngram_upto = len(tokens)
+
+    def draft_for(self, r) -> list[int]:
+        self._index(r)
+        tokens = r.tokens
+        for w in range(min(self.max_window, len(tokens)), self.min_window - 1, -1):
+            e = r.ngram_index.get(tuple(tokens[-w:]))
+            if e is not None:
+                found = tokens[e:e + self.k]
+                return found + [found[-1]] * (self.k - len(found))
+        return [tokens[-1]] * self.k
+
+    def on_prefill(self, rows, hidden: torch.Tensor) -> None:
+        for r in rows:
+            self._index(r)
+
+    def propose(self, rows) -> torch.Tensor:
+        return torch.tensor([self.draft_for(r) for r in rows], dtype=torch.long, device=self.device)
+
+    def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
+        return None
+
+    def weight_runner(self) -> None:
+        return None
+
+
+def make_drafter(spec: SpecConfig, target: CausalLM, slots: int, max_seq: int, dtype: str, device: str):
+    """The drafter for `spec` (None without speculation); `validate_spec` must have passed."""
+    k = spec.draft_len()
+    if spec.algorithm in ("NEXTN", "EAGLE"):
+        return MTPDrafter(target, k, slots, max_seq)
+    if spec.algorithm == "STANDALONE":
+        draft, config = load_model(spec.draft_model_path, dtype=dtype, device=device)
+        if draft.args.vocab_size != target.args.vocab_size:
+            raise ValueError(f"--speculative-draft-model-path {spec.draft_model_path}: vocab_size "
+                             f"{draft.args.vocab_size} != the target's {target.args.vocab_size}; STANDALONE "
+                             "needs a draft with the target's tokenizer")
+        return StandaloneDrafter(draft, k, slots, max_seq)
+    if spec.algorithm == "NGRAM":
+        return NgramDrafter(k, spec.ngram_max_trie_depth, spec.ngram_min_match_window_size, device)
+    return None

@@ -1,0 +1,245 @@
+"""Write a small random HF checkpoint (config.json, model.safetensors, a character-level tokenizer).
+
+Tests, benchmarks and the CPU demo build every model they use with this: no hub access is needed.
+The checkpoint is a real Llama / Qwen2 / MiMo checkpoint by HF names, loadable by transformers
+(Llama, Qwen2) and by `slime_spec.engine.model`. Deterministic by `seed`.
+
+CLI: `slime-spec make-tiny-model --arch llama|qwen2|mimo [--mtp-layers K] [--vocab N] --out DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import string
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ARCHS = ("llama", "qwen2", "mimo")
+SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+# Most useful characters first, so a truncated vocabulary (--vocab smaller than the full one) keeps them.
+CHARACTERS = (" \n" + string.ascii_lowercase + string.digits + ".,!?'\"-:;()" + string.ascii_uppercase
+              + "".join(c for c in string.punctuation if c not in ".,!?'\"-:;()"))
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def full_vocab_size() -> int:
+    return len(SPECIAL_TOKENS) + len(CHARACTERS)
+
+
+def _byte_level_char(c: str) -> str:
+    """GPT-2's byte-to-unicode map for one ASCII character (what a ByteLevel pre-tokenizer emits)."""
+    b = ord(c)
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    if b in printable:
+        return c
+    return chr(256 + [x for x in range(256) if x not in printable].index(b))
+
+
+def _vocab(vocab_size: int) -> dict[str, int]:
+    n_chars = min(len(CHARACTERS), vocab_size - len(SPECIAL_TOKENS))
+    if n_chars < 2:
+        raise ValueError(f"vocab_size={vocab_size} is too small: need at least {len(SPECIAL_TOKENS) + 2} "
+                         f"({len(SPECIAL_TOKENS)} special tokens + 2 characters)")
+    tokens = list(SPECIAL_TOKENS) + [_byte_level_char(c) for c in CHARACTERS[:n_chars]]
+    return {tok: i for i, tok in enumerate(tokens)}
+
+
+def write_tokenizer(out_dir: Path, vocab_size: int) -> None:
+    """A character-level tokenizer: byte-level BPE without merges, so every ASCII character is one token.
+
+    Byte-level (like Qwen2's) because transformers rebuilds a qwen2 checkpoint's tokenizer with Qwen2's
+    byte-level pipeline from the vocabulary; the same vocabulary then works for every family.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = _vocab(vocab_size)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    # The special tokens are already in the vocabulary, so add_special_tokens keeps their ids.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    for t in SPECIAL_TOKENS:
+        if tok.token_to_id(t) != vocab[t]:
+            raise RuntimeError(f"tokenizers assigned {t!r} id {tok.token_to_id(t)}, expected {vocab[t]}")
+    tok.save(str(out_dir / "tokenizer.json"))
+    special_map = {"pad_token": "<|pad|>", "bos_token": "<|bos|>", "eos_token": "<|eos|>", "unk_token": "<|pad|>",
+                   "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]}
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20,
+              "add_bos_token": False, "add_eos_token": False, "add_prefix_space": False,
+              "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE, **special_map}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def make_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
+                num_kv_heads: int, intermediate_size: int, max_position_embeddings: int, dtype: str,
+                mtp_layers: int, tie_word_embeddings: bool) -> dict:
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r}: choose one of {ARCHS}")
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError(f"hidden_size={hidden_size} must divide by num_heads={num_heads}, "
+                         f"and num_heads by num_kv_heads={num_kv_heads}")
+    config = {
+        "architectures": {"llama": ["LlamaForCausalLM"], "qwen2": ["Qwen2ForCausalLM"],
+                          "mimo": ["MiMoForCausalLM"]}[arch],
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": hidden_size // num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "torch_dtype": dtype,
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+    if arch == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
+    else:
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers,
+                      attention_dropout=0.0)
+    if arch == "mimo":
+        config["num_nextn_predict_layers"] = mtp_layers
+    return config
+
+
+def _decoder_layer(prefix: str, config: dict, gen: torch.Generator, qkv_bias: bool) -> dict[str, torch.Tensor]:
+    h, i = config["hidden_size"], config["intermediate_size"]
+    hd = config["head_dim"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+
+    def linear(out_f: int, in_f: int) -> torch.Tensor:
+        return torch.randn(out_f, in_f, generator=gen) / math.sqrt(in_f)
+
+    def norm() -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(h, generator=gen)
+
+    w = {
+        f"{prefix}.input_layernorm.weight": norm(),
+        f"{prefix}.self_attn.q_proj.weight": linear(q, h),
+        f"{prefix}.self_attn.k_proj.weight": linear(kv, h),
+        f"{prefix}.self_attn.v_proj.weight": linear(kv, h),
+        f"{prefix}.self_attn.o_proj.weight": linear(h, q) * 0.5,
+        f"{prefix}.post_attention_layernorm.weight": norm(),
+        f"{prefix}.mlp.gate_proj.weight": linear(i, h),
+        f"{prefix}.mlp.up_proj.weight": linear(i, h),
+        f"{prefix}.mlp.down_proj.weight": linear(h, i) * 0.5,
+    }
+    if qkv_bias:
+        for name, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            w[f"{prefix}.self_attn.{name}.bias"] = 0.1 * torch.randn(n, generator=gen)
+    return w
+
+
+def make_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights scaled so activations keep unit size and logits are peaked (no near-ties in greedy)."""
+    gen = torch.Generator().manual_seed(seed)
+    h, v = config["hidden_size"], config["vocab_size"]
+    qkv_bias = config["model_type"] in ("qwen2", "mimo")
+    # A tied embedding is also the lm_head: scale it so logits have the same spread as an untied head.
+    embed_std = 2.0 / math.sqrt(h) if config["tie_word_embeddings"] else 1.0
+    w = {"model.embed_tokens.weight": torch.randn(v, h, generator=gen) * embed_std}
+    for layer in range(config["num_hidden_layers"]):
+        w.update(_decoder_layer(f"model.layers.{layer}", config, gen, qkv_bias))
+    w["model.norm.weight"] = 1.0 + 0.1 * torch.randn(h, generator=gen)
+    if not config["tie_word_embeddings"]:
+        w["lm_head.weight"] = torch.randn(v, h, generator=gen) * (2.0 / math.sqrt(h))
+    for k in range(config.get("num_nextn_predict_layers", 0)):
+        p = f"model.mtp_layers.{k}"
+        w[f"{p}.token_layernorm.weight"] = 1.0 + 0.1 * torch.randn(h, generator=gen)
+        w[f"{p}.hidden_layernorm.weight"] = 1.0 + 0.1 * torch.randn(h, generator=gen)
+        w[f"{p}.input_proj.weight"] = torch.randn(h, 2 * h, generator=gen) / math.sqrt(2 * h)
+        w.update(_decoder_layer(p, config, gen, qkv_bias))
+        w[f"{p}.final_layernorm.weight"] = 1.0 + 0.1 * torch.randn(h, generator=gen)
+    return w
+
+
+def make_tiny_model(out_dir: str | Path, arch: str = "llama", mtp_layers: int = 1, vocab_size: int | None = None,
+                    hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                    intermediate_size: int = 128, max_position_embeddings: int = 1024, seed: int = 0,
+                    dtype: str = "float32", init_from: str | None = None,
+                    tie_word_embeddings: bool | None = None) -> Path:
+    """Write a random checkpoint to `out_dir` and return its path.
+
+    vocab_size: None = every special token and character (see `full_vocab_size()`); smaller keeps the
+      first characters of `CHARACTERS`; larger adds unused embedding rows.
+    init_from: a checkpoint directory; every tensor of the same name and shape is copied from it (e.g. a
+      1-layer draft sharing the target's embedding and lm_head, or a MiMo whose base is a given Qwen2).
+    tie_word_embeddings: None = the family's usual choice (llama False, qwen2 True, mimo False).
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r}: choose one of {sorted(_DTYPES)}")
+    if arch == "mimo" and mtp_layers < 1:
+        raise ValueError(f"mtp_layers={mtp_layers}: a mimo checkpoint needs at least one MTP layer")
+    vocab_size = full_vocab_size() if vocab_size is None else int(vocab_size)
+    if tie_word_embeddings is None:
+        tie_word_embeddings = arch == "qwen2"
+    config = make_config(arch, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+                         num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+                         max_position_embeddings=max_position_embeddings, dtype=dtype,
+                         mtp_layers=mtp_layers if arch == "mimo" else 0, tie_word_embeddings=tie_word_embeddings)
+    weights = make_weights(config, seed)
+    if init_from is not None:
+        source = load_file(str(Path(init_from) / "model.safetensors"))
+        for name, tensor in source.items():
+            if name in weights and weights[name].shape == tensor.shape:
+                weights[name] = tensor.float().clone()
+            elif name == "model.embed_tokens.weight" and tie_word_embeddings is False \
+                    and "lm_head.weight" not in source and weights["lm_head.weight"].shape == tensor.shape:
+                weights["lm_head.weight"] = tensor.float().clone()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}, indent=2))
+    save_file({k: t.to(_DTYPES[dtype]).contiguous() for k, t in weights.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    write_tokenizer(out, vocab_size)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="slime-spec make-tiny-model", description=__doc__.splitlines()[0])
+    p.add_argument("--arch", choices=ARCHS, default="llama")
+    p.add_argument("--mtp-layers", type=int, default=1, help="MTP layers (mimo only)")
+    p.add_argument("--vocab", type=int, default=None, help=f"vocab size (default {full_vocab_size()})")
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--intermediate-size", type=int, default=128)
+    p.add_argument("--max-position-embeddings", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    p.add_argument("--init-from", default=None, help="copy same-name, same-shape tensors from this checkpoint")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    path = make_tiny_model(a.out, arch=a.arch, mtp_layers=a.mtp_layers, vocab_size=a.vocab,
+                           hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=a.num_heads,
+                           num_kv_heads=a.num_kv_heads, intermediate_size=a.intermediate_size,
+                           max_position_embeddings=a.max_position_embeddings, seed=a.seed, dtype=a.dtype,
+                           init_from=a.init_from)
+    print(f"wrote {a.arch} checkpoint to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,200 @@
+"""megatron-core GPTModel (+ its MTP block) from an HF config, loading HF weights, and a forward that
+returns the policy's logits and every MTP layer's logits.
+
+Local (non-TransformerEngine) layer spec: RMSNorm, SwiGLU, RoPE, GQA, no linear bias except Qwen2's
+q/k/v bias. Parameters are float32 (training on CPU, and exact comparisons with HF).
+Needs `parallel.init_parallel` first (Megatron's TP groups and RNG trackers).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from slime_spec.config import TrainConfig
+from slime_spec.weight_sync import convert
+
+BUILDABLE_FAMILIES = ("llama", "qwen2", "mimo")
+
+
+def read_hf_config(checkpoint: str | Path) -> dict:
+    path = Path(checkpoint) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--hf-checkpoint {checkpoint}: no config.json there")
+    return json.loads(path.read_text())
+
+
+def read_hf_state(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF safetensors checkpoint (single file or shards), as float32."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(checkpoint).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"--hf-checkpoint {checkpoint}: no *.safetensors files there")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update({k: v.float() for k, v in load_file(str(f)).items()})
+    return state
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """Megatron splits the vocabulary evenly over TP ranks; the extra rows are never read as logits."""
+    return -(-vocab_size // tp_size) * tp_size
+
+
+def _rope_theta(hf_config: dict) -> float:
+    scaling = hf_config.get("rope_scaling") or {}
+    params = hf_config.get("rope_parameters") or {}
+    rope_type = scaling.get("rope_type") or scaling.get("type") or params.get("rope_type") or "default"
+    if rope_type != "default":
+        raise ValueError(f"rope_scaling type {rope_type!r} in the HF config is not supported by the trainer "
+                         f"(only plain RoPE)")
+    return float(hf_config.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def transformer_config(hf_config: dict, train: TrainConfig):
+    """Megatron TransformerConfig equivalent to an HF Llama / Qwen2 / MiMo config."""
+    from megatron.core.transformer import TransformerConfig
+
+    family = convert.family_of(hf_config)
+    if family not in BUILDABLE_FAMILIES:
+        raise ValueError(f"the trainer builds {', '.join(BUILDABLE_FAMILIES)} models; {family} is conversion-only")
+    if hf_config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf_config['hidden_act']!r}: the trainer builds SwiGLU (silu) MLPs only")
+    if hf_config.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported (Megatron's local spec: no MLP bias)")
+    hf_mtp = int(hf_config.get("num_nextn_predict_layers", 0) or 0)
+    if train.mtp_num_layers and family not in convert.MTP_FAMILIES:
+        raise ValueError(f"--mtp-num-layers {train.mtp_num_layers}: {family} checkpoints have no MTP layers for "
+                         f"the engines to serve; use a MiMo checkpoint or --mtp-num-layers 0")
+    if train.mtp_num_layers > hf_mtp and not train.load:
+        raise ValueError(f"--mtp-num-layers {train.mtp_num_layers}: the HF checkpoint has only "
+                         f"num_nextn_predict_layers={hf_mtp} MTP layers to load")
+    if train.enable_mtp_training and not train.mtp_num_layers:
+        raise ValueError("--enable-mtp-training needs --mtp-num-layers >= 1")
+    heads = hf_config["num_attention_heads"]
+    return TransformerConfig(
+        num_layers=hf_config["num_hidden_layers"],
+        hidden_size=hf_config["hidden_size"],
+        ffn_hidden_size=hf_config["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf_config.get("num_key_value_heads") or heads,
+        kv_channels=hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.get("rms_norm_eps", 1e-6),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=family in ("qwen2", "mimo") or bool(hf_config.get("attention_bias")),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=torch.float32,
+        tensor_model_parallel_size=train.tensor_model_parallel_size,
+        mtp_num_layers=train.mtp_num_layers or None,
+        mtp_loss_scaling_factor=train.mtp_loss_scaling_factor,
+    )
+
+
+def build_gpt_model(hf_config: dict, train: TrainConfig):
+    """A randomly initialised GPTModel shaped like the HF model (load weights with `load_hf_weights`)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+
+    config = transformer_config(hf_config, train)
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    mtp_spec = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
+                if train.mtp_num_layers else None)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=padded_vocab_size(hf_config["vocab_size"], train.tensor_model_parallel_size),
+        max_sequence_length=hf_config.get("max_position_embeddings", 4096),
+        parallel_output=False,
+        share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=_rope_theta(hf_config),
+        mtp_block_spec=mtp_spec,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def load_hf_weights(model, hf_state: dict[str, torch.Tensor], hf_config: dict, tp_rank: int, tp_size: int) -> None:
+    """Copy an HF state dict into this rank's shards (HF -> Megatron names, MTP included); strict."""
+    family = convert.family_of(hf_config)
+    mtp_layers = model.config.mtp_num_layers or 0
+    if family == "mimo":  # the checkpoint may carry more MTP layers than the trainer runs
+        hf_state = {k: v for k, v in hf_state.items()
+                    if not k.startswith("model.mtp_layers.") or int(k.split(".")[2]) < mtp_layers}
+    full = convert.hf_to_megatron(family, hf_state, hf_config)
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(full))
+    unexpected = sorted(set(full) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"HF checkpoint does not match the Megatron model: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for name, param in params.items():
+            tensor = full[name]
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                tensor = F.pad(tensor, (0, 0, 0, padded_vocab_size(tensor.shape[0], tp_size) - tensor.shape[0]))
+            shard = convert.split_tp_shard(name, tensor, tp_rank, tp_size)
+            if shard.shape != param.shape:
+                raise ValueError(f"{name}: HF gives shard shape {tuple(shard.shape)}, model has {tuple(param.shape)}")
+            param.copy_(shard)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [batch, seq, vocab]; position i predicts token i + 1
+    mtp_logits: list[torch.Tensor]  # MTP layer k: position i predicts token i + k + 2
+
+
+def causal_mask(seq_len: int, device) -> torch.Tensor:
+    """Megatron's boolean attention mask (True = masked). Right padding needs nothing more."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def forward(model, input_ids: torch.Tensor, vocab_size: int, with_mtp: bool = True) -> ModelOutput:
+    """The policy's and the MTP layers' logits for right-padded `input_ids` [batch, seq].
+
+    Not GPTModel.forward: with MTP it returns only losses (no logits for PPO), and it lets the MTP loss
+    reach the trunk. Here the MTP block sees the decoder output, the embedding and the output layer
+    *detached*: MTP training moves only the MTP layers, the draft follows the policy and never pulls it.
+    """
+    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
+    mask = causal_mask(input_ids.shape[1], input_ids.device)
+    decoder_input, rope, rope_cos, rope_sin, seq_offset = model._preprocess(
+        input_ids=input_ids, position_ids=position_ids)[:5]
+    hidden = model.decoder(hidden_states=decoder_input, attention_mask=mask, rotary_pos_emb=rope,
+                           rotary_pos_cos=rope_cos, rotary_pos_sin=rope_sin, sequence_len_offset=seq_offset)
+    output_weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights \
+        else model.output_layer.weight
+
+    def logits_of(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out, _ = model.output_layer(h, weight=weight, runtime_gather_output=True)
+        return out.transpose(0, 1)[..., :vocab_size]  # [s, b, V] -> [b, s, V], padded rows dropped
+
+    logits = logits_of(hidden, output_weight)
+    mtp_logits: list[torch.Tensor] = []
+    if with_mtp and getattr(model, "mtp_process", False):
+        def detached_embedding(input_ids, position_ids):
+            return model.embedding(input_ids=input_ids, position_ids=position_ids).detach()
+
+        stacked = model.mtp(input_ids=input_ids, position_ids=position_ids, hidden_states=hidden.detach(),
+                            attention_mask=mask, rotary_pos_emb=rope, rotary_pos_cos=rope_cos,
+                            rotary_pos_sin=rope_sin, sequence_len_offset=seq_offset, embedding=detached_embedding)
+        per_layer = torch.chunk(stacked, 1 + model.config.mtp_num_layers, dim=0)[1:]
+        mtp_logits = [logits_of(h, output_weight.detach()) for h in per_layer]
+    return ModelOutput(logits, mtp_logits)

@@ -1,0 +1,78 @@
+"""torch.distributed + megatron-core model-parallel state for one train process.
+
+World = data-parallel x tensor-parallel ranks (no pipeline / context / expert parallelism).
+gloo on CPU, nccl on CUDA. Megatron's state is process-global, so one process holds one model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from slime_spec.trainer import cpu_compat
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+
+
+def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int, tp_size: int,
+                  seed: int, timeout_s: float = 600.0) -> TPInfo:
+    """Join the default process group and set Megatron's TP/DP groups and RNG trackers."""
+    if world_size % tp_size:
+        raise ValueError(f"tensor_model_parallel_size={tp_size} must divide the number of train processes "
+                         f"({world_size} = actor_num_nodes x actor_num_gpus_per_node)")
+    cpu_compat.apply()
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return current_tp_info()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_process(seed: int = 1234) -> TPInfo:
+    """One process, TP=1: tests, the debug trainer, scripts."""
+    return init_parallel(0, 1, "127.0.0.1", free_port(), tp_size=1, seed=seed)
+
+
+def current_tp_info() -> TPInfo:
+    from megatron.core import parallel_state as ps
+
+    return TPInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                  tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+                  dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

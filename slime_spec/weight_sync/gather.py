@@ -1,0 +1,118 @@
+"""From the trainer's parameters to buckets of HF-named full tensors.
+
+Three steps, each a plain function:
+1. gather: every tensor-parallel rank holds a shard; all-gather them over Megatron's TP group and
+   merge them (`convert.merge_tp_shards`: along `tp_split_dim`, regrouping the per-rank [gate; up]
+   halves of `linear_fc1`).
+2. convert: Megatron name and layout -> HF names (`convert.megatron_to_hf`), MTP layers marked.
+3. bucket: group the HF tensors into buckets of at most `buffer_bytes` (one tensor larger than the
+   buffer gets a bucket of its own), target and MTP tensors never mixed, so each kind can go to the
+   runners that serve it.
+
+Every TP rank must iterate the same parameters in the same order (the all-gather is collective);
+only the sending rank uses the result.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Literal
+
+import torch
+import torch.distributed as dist
+
+Kind = Literal["target", "mtp"]
+
+
+@dataclass(frozen=True)
+class NamedTensor:
+    name: str
+    tensor: torch.Tensor
+    kind: Kind = "target"
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+@dataclass
+class Bucket:
+    kind: Kind
+    tensors: list[NamedTensor] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tensors]
+
+
+def make_buckets(tensors: Iterable[NamedTensor], buffer_bytes: int) -> Iterator[Bucket]:
+    """Group tensors, in order, into buckets of at most `buffer_bytes`; target and MTP kept apart.
+
+    Streams: a bucket is yielded as soon as it is full, so only one bucket per kind is held at a time.
+    """
+    if buffer_bytes <= 0:
+        raise ValueError(f"update_weight_buffer_size={buffer_bytes}: must be a positive number of bytes")
+    open_buckets: dict[str, Bucket] = {}
+    for t in tensors:
+        bucket = open_buckets.get(t.kind)
+        if bucket is not None and bucket.tensors and bucket.nbytes + t.nbytes > buffer_bytes:
+            yield bucket
+            bucket = None
+        if bucket is None:
+            bucket = open_buckets[t.kind] = Bucket(t.kind)
+        bucket.tensors.append(t)
+    for kind in ("target", "mtp"):
+        if kind in open_buckets and open_buckets[kind].tensors:
+            yield open_buckets[kind]
+
+
+def gather_tp_param(megatron_name: str, shard: torch.Tensor, tp_group=None, tp_size: int = 1) -> torch.Tensor:
+    """All-gather one parameter's shards over the TP group (collective: every TP rank must call it)."""
+    from slime_spec.weight_sync import convert
+
+    shard = shard.detach()
+    if tp_size == 1 or convert.tp_split_dim(megatron_name) is None:
+        return shard
+    shard = shard.contiguous()
+    shards = [torch.empty_like(shard) for _ in range(tp_size)]
+    dist.all_gather(shards, shard, group=tp_group)
+    return convert.merge_tp_shards(megatron_name, shards)
+
+
+def iter_hf_tensors(named_params: Iterable[tuple[str, torch.Tensor]], hf_config: dict, *,
+                    tp_group=None, tp_size: int = 1) -> Iterator[NamedTensor]:
+    """Megatron (name, local shard) pairs -> HF-named full tensors, MTP layers marked `kind="mtp"`."""
+    from slime_spec.weight_sync import convert
+
+    family = convert.family_of(hf_config)
+    for megatron_name, shard in named_params:
+        full = gather_tp_param(megatron_name, shard, tp_group, tp_size)
+        kind: Kind = "mtp" if convert.is_mtp_param(megatron_name) else "target"
+        for hf_name, tensor in convert.megatron_to_hf(family, megatron_name, full, hf_config):
+            yield NamedTensor(hf_name, tensor.contiguous(), kind)
+
+
+def hf_mtp_matcher(hf_config: dict) -> Callable[[str], bool]:
+    """Which HF names are MTP layers: MiMo's `model.mtp_layers.*`, DeepSeek-V3/GLM's `model.layers.{>=N}`."""
+    n = int(hf_config["num_hidden_layers"])
+    layer = re.compile(r"^model\.layers\.(\d+)\.")
+
+    def is_mtp(name: str) -> bool:
+        if name.startswith("model.mtp_layers."):
+            return True
+        m = layer.match(name)
+        return m is not None and int(m.group(1)) >= n
+
+    return is_mtp
+
+
+def iter_hf_state(state: dict[str, torch.Tensor], hf_config: dict) -> Iterator[NamedTensor]:
+    """An HF state dict (already full, HF-named) as sync tensors: for HF-side trainers, tests and the benchmark."""
+    is_mtp = hf_mtp_matcher(hf_config)
+    for name, tensor in state.items():
+        yield NamedTensor(name, tensor.detach().contiguous(), "mtp" if is_mtp(name) else "target")

@@ -1,0 +1,258 @@
+"""`WeightSyncer`: push the trainer's weights into every engine after a training step, verifiably.
+
+One sync:
+  pause generation (retract: running requests are recomputed with the new weights afterwards)
+  -> [begin_weight_update {selector}]  (SGLang >= 0.5.23; not for disk, which needs no session)
+  -> one update request per bucket (target and MTP tensors each with their own selector)
+  -> [end_weight_update] -> flush the cache
+  -> coverage: every weight the updated runners serve (target, and the MTP draft) was written
+  -> with check_weight_sync: every served checksum equals the sent tensor's
+  -> continue generation.
+
+Failure and engine state. Each update request is all-or-nothing on the engine, so:
+- a failure before any bucket landed (pause, begin, the first bucket) leaves every engine serving
+  the previous weights: the session is closed, generation continues, `WeightSyncError` says so;
+- a failure after some buckets landed leaves those buckets' tensors new and the rest old on the
+  engines that applied them. Serving that mix would poison the rollouts, so generation stays
+  paused and the error names the engines and buckets; the fix is to sync again (a full sync is
+  idempotent) or restart the engines from a checkpoint. Disk syncs are one request: all or nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import requests
+import torch
+
+from slime_spec.config import WeightSyncConfig
+from slime_spec.weight_sync import protocol, verify
+from slime_spec.weight_sync.engine_client import EngineClient, post_all
+from slime_spec.weight_sync.gather import NamedTensor, make_buckets
+from slime_spec.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WeightSyncError(RuntimeError):
+    """A sync failed; `engines_serve_previous_weights` says whether generation was resumed on old weights."""
+
+    def __init__(self, message: str, engines_serve_previous_weights: bool):
+        super().__init__(message)
+        self.engines_serve_previous_weights = engines_serve_previous_weights
+
+
+def resolve_transport(requested: str | None, colocate: bool) -> protocol.Transport:
+    """The transport to use: as asked, else tensor when colocated and distributed when engines are separate."""
+    if requested is None:
+        return "tensor" if colocate else "distributed"
+    if requested not in ("distributed", "tensor", "disk"):
+        raise ValueError(f"--transport {requested!r}: choose distributed, tensor or disk")
+    return requested  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    seconds: float
+    gbps: float
+    target_tensors: int
+    mtp_tensors: int
+    bytes: int
+    buckets: int
+    served_written: dict[str, int]
+
+    def metrics(self) -> dict:
+        """The keys the training loop merges into each rollout's metrics line."""
+        return {"weight_sync_s": self.seconds, "weight_sync_gbps": self.gbps,
+                "weight_sync_params": self.target_tensors, "weight_sync_mtp_params": self.mtp_tensors}
+
+
+class WeightSyncer:
+    def __init__(self, clients: Sequence[EngineClient], config: WeightSyncConfig, *, hf_config: dict,
+                 hf_checkpoint: str | Path, spec: protocol.SpecSetup, has_mtp_layers: bool,
+                 transport: str | None = None, colocate: bool = False, master_address: str = "127.0.0.1",
+                 master_port: int | None = None, backend: str = "gloo", engine_tp_size: int = 1,
+                 disk_dir: str | Path | None = None, timeout_s: float = 300.0):
+        if not clients:
+            raise ValueError("WeightSyncer needs at least one engine")
+        self.clients, self.config, self.hf_config = list(clients), config, hf_config
+        self.hf_checkpoint, self.spec, self.has_mtp_layers = Path(hf_checkpoint), spec, has_mtp_layers
+        self.transport_name = resolve_transport(transport, colocate)
+        if self.transport_name == "distributed" and master_port is None:
+            raise ValueError("transport distributed needs master_port (a free port on the trainer's rank 0)")
+        if self.transport_name == "disk" and disk_dir is None:
+            raise ValueError("transport disk needs disk_dir (a directory every engine can read)")
+        self._transport_args = dict(master_address=master_address, master_port=master_port, backend=backend,
+                                    engine_tp_size=engine_tp_size, disk_dir=disk_dir, timeout_s=timeout_s)
+        self.protocol: protocol.Protocol | None = None
+        self.plan: protocol.SelectorPlan | None = None
+        self.transport = None
+        self.engine_dtype: torch.dtype | None = None
+        self._external_draft_checksums: dict[str, str] | None = None
+
+    # ---- set-up, once, from what the engines say about themselves ----
+    def prepare(self) -> None:
+        if self.plan is not None:
+            return
+        protocols = {c.url: detect_engine_protocol(c) for c in self.clients}
+        sessions = {p.session for p in protocols.values()}
+        if len(sessions) != 1:
+            raise ValueError(f"engines speak different weight-update protocols: {protocols}; run one SGLang version")
+        self.protocol = next(iter(protocols.values()))
+        self.plan = protocol.plan_selectors(self.spec, self.has_mtp_layers, self.transport_name,
+                                            self.protocol.session)
+        self.engine_dtype = self._engine_dtype()
+        a = self._transport_args
+        if self.transport_name == "distributed":
+            self.transport = DistributedTransport(self.clients, a["master_address"], a["master_port"],
+                                                  backend=a["backend"], engine_tp_size=a["engine_tp_size"],
+                                                  session=self.protocol.session, timeout_s=a["timeout_s"])
+        elif self.transport_name == "tensor":
+            self.transport = TensorTransport(self.clients, engine_tp_size=a["engine_tp_size"],
+                                             session=self.protocol.session)
+        else:
+            self.transport = DiskTransport(self.clients, a["disk_dir"], self.hf_checkpoint,
+                                           session=self.protocol.session)
+        if self.spec.uses_draft and not self.spec.native_mtp:
+            self._external_draft_checksums = self._draft_checksums()
+
+    def _engine_dtype(self) -> torch.dtype | None:
+        info = self.clients[0].post("/get_server_info", {}) if not hasattr(self.clients[0], "get") \
+            else self.clients[0].get("/get_server_info")
+        dtype = info.get("dtype") or "auto"
+        if dtype == "auto":
+            dtype = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32"
+        if dtype not in _DTYPES:
+            raise ValueError(f"engine dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+        return _DTYPES[dtype]
+
+    # ---- one sync ----
+    def sync(self, tensors: Iterable[NamedTensor], weight_version: str | None = None) -> dict:
+        """Push `tensors` (HF names, full) into every engine; returns the metrics dict for this sync."""
+        return self.sync_report(tensors, weight_version).metrics()
+
+    def sync_report(self, tensors: Iterable[NamedTensor], weight_version: str | None = None) -> SyncReport:
+        self.prepare()
+        plan, session = self.plan, self.protocol.session
+        use_session = session and self.transport_name != "disk"
+        recorder = verify.ChecksumRecorder(self.engine_dtype) if self.config.check_weight_sync else None
+        counts, nbytes, buckets_applied, sent = {"target": 0, "mtp": 0}, 0, 0, set()
+        t0 = time.perf_counter()
+        post_all(self.clients, "/pause_generation", protocol.pause_payload("retract"))
+        session_open = False
+        try:
+            self.transport.start()
+            if use_session:
+                post_all(self.clients, "/begin_weight_update",
+                         protocol.begin_payload(protocol.session_selector(plan)))
+                session_open = True
+            wanted = [t for t in tensors if t.kind == "target" or plan.mtp is not None] \
+                if False else _only_wanted(tensors, plan)
+            for bucket in make_buckets(wanted, self.config.update_weight_buffer_size):
+                selector = plan.target if bucket.kind == "target" else plan.mtp
+                self.transport.send(bucket, selector, weight_version)
+                buckets_applied += self.transport_name != "disk"
+                counts[bucket.kind] += len(bucket.tensors)
+                nbytes += bucket.nbytes
+                sent.update(bucket.names)
+                if recorder is not None:
+                    for t in bucket.tensors:
+                        recorder.add(t.name, t.tensor)
+            self.transport.finish(weight_version)
+            if use_session:
+                session_open = False
+                post_all(self.clients, "/end_weight_update", protocol.end_payload())
+            post_all(self.clients, "/flush_cache", {})
+        except Exception as e:
+            raise self._failed(e, buckets_applied, session_open, weight_version) from e
+        transfer_s = time.perf_counter() - t0
+        served_written = self._verify(sent, recorder)
+        post_all(self.clients, "/continue_generation", protocol.continue_payload())
+        seconds = time.perf_counter() - t0
+        return SyncReport(seconds=seconds, gbps=nbytes / transfer_s / 1e9 if transfer_s > 0 else 0.0,
+                          target_tensors=counts["target"], mtp_tensors=counts["mtp"], bytes=nbytes,
+                          buckets=buckets_applied, served_written=served_written)
+
+    def _failed(self, error: Exception, buckets_applied: int, session_open: bool,
+                weight_version: str | None) -> WeightSyncError:
+        notes = []
+        if session_open:
+            try:
+                post_all(self.clients, "/end_weight_update", protocol.end_payload())
+            except Exception as end_error:  # reported with the original error, not hidden
+                notes.append(f"closing the weight-update session also failed: {end_error}")
+        if buckets_applied == 0:
+            try:
+                post_all(self.clients, "/continue_generation", protocol.continue_payload())
+                state = "no bucket was applied: the engines still serve the previous weights and generation continues"
+            except Exception as cont_error:
+                state = (f"no bucket was applied (engines hold the previous weights), but continuing generation "
+                         f"failed: {cont_error}")
+            previous = True
+        else:
+            state = (f"{buckets_applied} bucket(s) were applied before the failure: the engines that applied them "
+                     "hold a mix of new and previous weights, so generation stays PAUSED; sync again (a full sync "
+                     "is idempotent) or restart the engines")
+            previous = False
+        message = (f"weight sync (version {weight_version}, transport {self.transport_name}) failed: {error}. "
+                   f"{state}." + ("".join(f" Also: {n}." for n in notes)))
+        return WeightSyncError(message, engines_serve_previous_weights=previous)
+
+    # ---- verification ----
+    def _verify(self, sent: set[str], recorder: verify.ChecksumRecorder | None) -> dict[str, int]:
+        roles = {"target", "draft"} if self.plan.mtp is not None else {"target"}
+        reply = post_all(self.clients[:1], "/weights_checker", protocol.checksum_payload("all"))[0]
+        served = verify.served_by_role(reply)
+        problems = []
+        coverage = verify.check_coverage(served, sent, roles)
+        for role, missing in coverage.missing.items():
+            if missing:
+                problems.append(f"{len(missing)} weight(s) the {role} runner serves were not written: "
+                                f"{missing[:8]}")
+        if self._external_draft_checksums is not None:
+            now = _draft_only(served)
+            changed = sorted(n for n in self._external_draft_checksums if now.get(n) != self._external_draft_checksums[n])
+            if changed:
+                problems.append(f"the external draft ({self.spec.algorithm}) must keep its own weights, but "
+                                f"{len(changed)} of its tensors changed: {changed[:8]} (slime#1177)")
+        if recorder is not None:
+            if verify.engine_tp_size(reply) > 1:
+                problems.append("check_weight_sync compares whole-tensor checksums; engines with TP > 1 hash "
+                                "shards: run the check with engine TP 1")
+            mismatched = verify.compare_checksums(served, recorder.checksums, roles)
+            if mismatched:
+                problems.append(f"check_weight_sync: {len(mismatched)} served weight(s) differ from the "
+                                f"trainer's: {mismatched[:8]}")
+        if problems:
+            raise WeightSyncError("weight sync verification failed on " + self.clients[0].url + ": "
+                                  + "; ".join(problems) + ". Generation stays paused.",
+                                  engines_serve_previous_weights=False)
+        return coverage.written
+
+    def _draft_checksums(self) -> dict[str, str]:
+        reply = post_all(self.clients[:1], "/weights_checker", protocol.checksum_payload("draft"))[0]
+        return _draft_only(verify.served_by_role(reply))
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _only_wanted(tensors: Iterable[NamedTensor], plan: protocol.SelectorPlan) -> Iterable[NamedTensor]:
+    """Drop MTP tensors when no runner should receive them (no draft, or an external draft)."""
+    return (t for t in tensors if t.kind == "target" or plan.mtp is not None)
+
+
+def _draft_only(served: dict[str, dict[str, str]]) -> dict[str, str]:
+    return {f"{role}.{name}": c for role, names in served.items() if role != "target" for name, c in names.items()}
+
+
+def detect_engine_protocol(client: EngineClient) -> protocol.Protocol:
+    """Ask the engine: `version` from /get_server_info, and whether /begin_weight_update exists (404 or not)."""
+    info = requests.get(client.url + "/get_server_info", timeout=60)
+    version = info.json().get("version") if info.status_code == 200 else None
+    status = requests.get(client.url + "/begin_weight_update", timeout=60).status_code
+    return protocol.detect_protocol(version, status)

@@ -1,0 +1,172 @@
+"""Did the sync write every weight the engine serves, and are the served values the trainer's?
+
+Coverage reads the engine's own list of served weights: `/weights_checker {"action": "checksum"}`
+returns, per TP rank, a checksum for every parameter and buffer of every selected runner (target
+keys unprefixed, draft keys prefixed with the runner's role, e.g. `draft.`), in the engine's
+internal names: SGLang fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, and its MTP draft
+models rename the MTP block (`model.layers.{N}.enorm` -> `model.enorm`, ...). A served name is
+covered when some sent tensor maps onto it.
+
+Values (`check_weight_sync`) compare the served checksums with ones computed here from the very
+tensors that were sent, in the engine's dtype: SGLang's CPU `tensor_hash` is the first 8 bytes of a
+sha256 of the raw bytes, so a fused parameter hashes as the concatenation of its parts in stacked
+order. (On GPU SGLang hashes with a Triton kernel; there, use `/get_weights_by_name` values instead.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+# (fused name, parts in the order they are stacked), as SGLang's models declare stacked_params_mapping
+STACKED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+# Prefixes SGLang's MTP draft models put in front of a layer's own names.
+_DRAFT_PREFIXES = ("model.decoder.", "model.mtp_block.", "model.mtp_layers.", "model.layers.", "model.")
+_ROLE_KEY = re.compile(r"^(draft[\w]*)\.(.+)$")
+# Buffers a checksum lists but a sync never writes (derived from the config, not trained).
+_DERIVED = ("rotary_emb", "inv_freq", "cos_sin_cache")
+
+
+def fused_name(name: str) -> str | None:
+    """`...self_attn.q_proj.weight` -> `...self_attn.qkv_proj.weight`; None if the name is not a stacked part."""
+    for fused, parts in STACKED:
+        for part in parts:
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}.")
+    return None
+
+
+def stacked_parts(name: str) -> list[str] | None:
+    """The part names, in stacked order, of a fused name; None if it is not fused."""
+    for fused, parts in STACKED:
+        if f".{fused}." in name:
+            return [name.replace(f".{fused}.", f".{p}.") for p in parts]
+    return None
+
+
+def served_by_role(checker_reply: dict) -> dict[str, dict[str, str]]:
+    """`/weights_checker` reply -> {role: {name: checksum}} (checksums of TP rank 0; names of all ranks)."""
+    ranks = checker_reply.get("ranks")
+    if not ranks:
+        raise ValueError(f"/weights_checker returned no `ranks` (checksums): {checker_reply.get('message')!r}")
+    out: dict[str, dict[str, str]] = {}
+    for rank_index, info in enumerate(ranks):
+        for key, checksum in info["checksums"].items():
+            m = _ROLE_KEY.match(key)
+            role, name = (m.group(1), m.group(2)) if m else ("target", key)
+            if rank_index == 0 or name not in out.get(role, {}):
+                out.setdefault(role, {})[name] = checksum
+    return out
+
+
+def engine_tp_size(checker_reply: dict) -> int:
+    infos = checker_reply["ranks"][0]["parallelism_info"]
+    infos = infos if isinstance(infos, list) else [infos]
+    return max(int(i["tp_size"]) for i in infos)
+
+
+def _tail(name: str) -> str:
+    for prefix in _DRAFT_PREFIXES:
+        if name.startswith(prefix):
+            rest = name[len(prefix):]
+            return re.sub(r"^\d+\.", "", rest)
+    return name
+
+
+def match_sent_name(served: str, sent: set[str], role: str) -> str | None:
+    """The sent name (or fused name of sent parts) that writes `served`; None if none does.
+
+    Target names match exactly (after fusing); a draft name may also match a sent MTP name by its tail,
+    because SGLang's draft models drop the MTP layer prefix (`model.layers.61.enorm` -> `model.enorm`).
+    """
+    if served in sent:
+        return served
+    parts = stacked_parts(served)
+    if parts and all(p in sent for p in parts):
+        return served
+    if role == "target":
+        return None
+    tail = _tail(served)
+    candidates = sorted(n for n in sent | {fused_name(s) for s in sent if fused_name(s)}
+                        if n == tail or n.endswith("." + tail))
+    return candidates[0] if candidates else None
+
+
+@dataclass
+class Coverage:
+    written: dict[str, int] = field(default_factory=dict)  # role -> served tensors written
+    missing: dict[str, list[str]] = field(default_factory=dict)  # role -> served names nothing wrote
+
+    @property
+    def ok(self) -> bool:
+        return not any(self.missing.values())
+
+
+def check_coverage(served: dict[str, dict[str, str]], sent: set[str], roles: set[str]) -> Coverage:
+    """Every served weight of the updated runners (`roles`: "target", and "draft" for a native MTP draft)."""
+    cov = Coverage()
+    for role, names in served.items():
+        if role not in roles and not (role.startswith("draft") and "draft" in roles):
+            continue
+        missing = [n for n in sorted(names) if not _is_derived(n) and match_sent_name(n, sent, role) is None]
+        cov.written[role] = len(names) - len(missing)
+        cov.missing[role] = missing
+    return cov
+
+
+def _is_derived(name: str) -> bool:
+    return any(d in name for d in _DERIVED)
+
+
+def tensor_checksum(tensors: list[torch.Tensor]) -> str:
+    """SGLang's CPU `tensor_hash` of the concatenation of `tensors` (one tensor, or a fused param's parts)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return f"{int.from_bytes(h.digest()[:8], 'big', signed=False):016x}"
+
+
+class ChecksumRecorder:
+    """Checksums of the sent tensors, in the engine's dtype, computed while they stream past.
+
+    Parts of a fused parameter are held until all of them arrived (one layer's q/k/v at most), so the
+    recorder never keeps a copy of the model.
+    """
+
+    def __init__(self, engine_dtype: torch.dtype | None):
+        self.engine_dtype = engine_dtype
+        self.checksums: dict[str, str] = {}
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        t = tensor.detach().cpu()
+        if self.engine_dtype is not None:
+            t = t.to(self.engine_dtype)
+        self.checksums[name] = tensor_checksum([t])
+        fused = fused_name(name)
+        if fused is None:
+            return
+        pending = self._pending.setdefault(fused, {})
+        pending[name] = t
+        parts = stacked_parts(fused)
+        if all(p in pending for p in parts):
+            self.checksums[fused] = tensor_checksum([pending[p] for p in parts])
+            del self._pending[fused]
+
+
+def compare_checksums(served: dict[str, dict[str, str]], expected: dict[str, str], roles: set[str]) -> list[str]:
+    """Names whose served checksum differs from the sent tensor's (one line each, for the error)."""
+    sent = set(expected)
+    bad = []
+    for role, names in served.items():
+        if role not in roles and not (role.startswith("draft") and "draft" in roles):
+            continue
+        for name, checksum in sorted(names.items()):
+            source = match_sent_name(name, sent, role)
+            if source is not None and expected[source] != checksum:
+                bad.append(f"{role}:{name} (engine {checksum}, trainer {expected[source]} from {source})")
+    return bad

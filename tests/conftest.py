@@ -1,0 +1,42 @@
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+
+def write_config(dir_: Path, **fields) -> Path:
+    """A tiny stand-in config.json (no weights) for checks that read only the config."""
+    dir_.mkdir(parents=True, exist_ok=True)
+    (dir_ / "config.json").write_text(json.dumps(fields))
+    return dir_
+
+
+@pytest.fixture
+def llama8b(tmp_path):
+    return write_config(tmp_path / "llama", architectures=["LlamaForCausalLM"], model_type="llama",
+                        torch_dtype="bfloat16", max_position_embeddings=131072, hidden_size=4096,
+                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                        intermediate_size=14336, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
+                        tie_word_embeddings=False)
+
+
+@pytest.fixture
+def eagle3_draft(tmp_path):
+    return write_config(tmp_path / "eagle3", architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+                        torch_dtype="float16", max_position_embeddings=2048)
+
+
+@pytest.fixture
+def mimo7b(tmp_path):
+    return write_config(tmp_path / "mimo", architectures=["MiMoForCausalLM"], model_type="mimo",
+                        torch_dtype="bfloat16", max_position_embeddings=32768, num_nextn_predict_layers=1,
+                        hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                        intermediate_size=11008, vocab_size=151680, rope_theta=640000.0, rms_norm_eps=1e-5,
+                        tie_word_embeddings=False)

@@ -1,0 +1,120 @@
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from slime_spec.args import ArgsError, parse, parse_config
+from tests.conftest import SHARED
+
+
+def sglang_args_of(example: str) -> list[str]:
+    """Expand a shared SGLANG_ARGS=( ... ) example exactly as bash does."""
+    script = (SHARED / "examples" / example).read_text() + '\nprintf "%s\\n" "${SGLANG_ARGS[@]}"\n'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    return out.splitlines()
+
+
+def test_eagle3_example_round_trips_to_exact_argv(llama8b, eagle3_draft):
+    tokens = sglang_args_of("sglang-args-eagle3-llama3.1-8B.sh")
+    tokens = [str(eagle3_draft) if t == "/root/sglang-EAGLE3-LLaMA3.1-Instruct-8B" else t for t in tokens]
+    config, _ = parse_config(["--hf-checkpoint", str(llama8b), "--rollout-backend", "sglang", *tokens])
+    argv = config.engine.server_argv("127.0.0.1", 31000, base_gpu_id=2, python="python3")
+    assert argv == [
+        "python3", "-m", "sglang.launch_server", "--model-path", str(llama8b), "--host", "127.0.0.1",
+        "--port", "31000", "--tp-size", "1", "--random-seed", "1234", "--base-gpu-id", "2",
+        "--mem-fraction-static", "0.8",
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(eagle3_draft),
+        "--speculative-num-steps", "5", "--speculative-eagle-topk", "8", "--speculative-num-draft-tokens", "32",
+        "--max-running-requests", "48", "--dtype", "float16", "--context-length", "2048",
+        "--attention-backend", "fa3",
+    ]
+    sg = config.engine.server_args
+    assert sg["speculative_eagle_topk"] == 8 and sg["context_length"] == 2048 and sg["dtype"] == "float16"
+    assert config.cluster.rollout_num_gpus_per_engine == 1
+
+
+def test_native_mtp_example_round_trips_with_renamed_cuda_graph_flag(mimo7b):
+    tokens = sglang_args_of("sglang-args-native-mtp.sh")
+    config, parsed = parse_config(["--hf-checkpoint", str(mimo7b), "--rollout-backend", "sglang", *tokens])
+    bs = [*range(1, 33), *range(40, 65, 8), *range(80, 161, 16)]
+    argv = config.engine.server_argv("127.0.0.1", 30000, python="python3")
+    assert argv[argv.index("--random-seed") + 4:] == [
+        "--mem-fraction-static", "0.7", "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4", "--attention-backend", "fa3",
+        "--cuda-graph-bs-decode", *map(str, bs), "--max-running-requests", "128",
+    ]
+    # SGLang 0.5.23 split --cuda-graph-bs into -decode/-prefill; the old spelling is translated, not lost.
+    assert parsed.renamed == [("--sglang-cuda-graph-bs", "--sglang-cuda-graph-bs-decode")]
+    assert config.engine.server_args["cuda_graph_bs_decode"] == bs
+
+
+def test_embedded_backend_uses_same_flags(mimo7b):
+    config, _ = parse_config(["--hf-checkpoint", str(mimo7b), "--rollout-backend", "embedded",
+                              "--sglang-speculative-algorithm", "NEXTN", "--rollout-num-engines", "2"])
+    argv = config.engine.server_argv("127.0.0.1", 5000, python="python3")
+    assert argv[:3] == ["python3", "-m", "slime_spec.engine"]
+    assert argv[-2:] == ["--speculative-algorithm", "NEXTN"] and "--base-gpu-id" not in argv
+    assert config.num_engines == 2
+
+
+def test_unknown_sglang_flag_names_closest(mimo7b):
+    with pytest.raises(ArgsError, match=r"--sglang-speculative-num-stepz.*did you mean --sglang-speculative-num-steps"):
+        parse(["--hf-checkpoint", str(mimo7b), "--sglang-speculative-num-stepz", "3"])
+
+
+def test_framework_owned_sglang_flag_refused(mimo7b):
+    with pytest.raises(ArgsError, match="--sglang-tp-size is not forwarded: it is set from --rollout-num-gpus-per-engine"):
+        parse(["--hf-checkpoint", str(mimo7b), "--sglang-tp-size", "2"])
+
+
+def test_bad_sglang_value_is_refused_by_sglangs_parser(mimo7b):
+    with pytest.raises(ArgsError, match="speculative-num-steps"):
+        parse(["--hf-checkpoint", str(mimo7b), "--sglang-speculative-num-steps", "three"])
+
+
+def test_yaml_then_cli_precedence(tmp_path, mimo7b):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"hf-checkpoint: {mimo7b}\nrollout_batch_size: 4\nlr: 0.001\nuse-kl-loss: true\n"
+                   "sglang-speculative-algorithm: NGRAM\nrollout-stop: ['a', 'b']\n")
+    config, parsed = parse_config(["--config", str(cfg), "--rollout-batch-size", "16",
+                                   "--sglang-speculative-algorithm", "NEXTN"])
+    assert config.rollout.rollout_batch_size == 16  # CLI wins
+    assert config.train.lr == 0.001 and config.train.use_kl_loss  # from YAML
+    assert config.rollout.rollout_stop == ("a", "b")
+    assert config.engine.server_args["speculative_algorithm"] == "NEXTN"
+
+
+def test_existing_slime_flags_parse_and_unknown_ones_are_collected(mimo7b):
+    slime_script_flags = [
+        "--swiglu", "--num-layers", "36", "--hidden-size", "4096", "--ffn-hidden-size", "11008",
+        "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
+        "--use-rotary-position-embeddings", "--disable-bias-linear", "--add-qkv-bias", "--normalization", "RMSNorm",
+        "--norm-epsilon", "1e-05", "--rotary-base", "640000", "--vocab-size", "151680",
+        "--untie-embeddings-and-output-weights", "--max-position-embeddings", "32768",
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity", "full",
+        "--recompute-method", "uniform", "--recompute-num-layers", "1", "--use-dynamic-batch-size",
+        "--max-tokens-per-gpu", "9216", "--optimizer", "adam", "--lr-decay-style", "constant",
+        "--eval-prompt-data", "aime", "/root/aime.jsonl", "--kl-loss-type", "low_var_kl", "--balance-data",
+        "--attention-backend", "flash", "--accumulate-allreduce-grads-in-fp32", "--some-future-megatron-flag", "7",
+    ]
+    config, parsed = parse_config(["--hf-checkpoint", str(mimo7b), *slime_script_flags])
+    assert config.train.tensor_model_parallel_size == 2
+    assert config.eval_prompt_data == ("aime", "/root/aime.jsonl")
+    assert parsed.unknown_flags == ["--some-future-megatron-flag"]
+    assert "recompute_granularity" in parsed.set_flags
+
+
+def test_missing_hf_checkpoint_is_a_clear_error():
+    p = parse(["--rollout-batch-size", "2"])
+    from slime_spec.args import to_config
+
+    with pytest.raises(ArgsError, match="--hf-checkpoint is required"):
+        to_config(p)
+
+
+def test_help_lists_framework_owned_flags():
+    from slime_spec.args import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "--tp-size (set from --rollout-num-gpus-per-engine)" in text
+    assert "--sglang-<flag>" in text

@@ -1,0 +1,54 @@
+import json
+
+from slime_spec.doctor import main
+from tests.test_args import sglang_args_of
+
+
+def run(capsys, *argv):
+    rc = main([*argv, "--json"])
+    out = capsys.readouterr().out
+    return rc, json.loads(out)
+
+
+def test_json_shape_and_eagle3_example_is_clean(capsys, llama8b, eagle3_draft):
+    tokens = [str(eagle3_draft) if t.startswith("/root/") else t for t in sglang_args_of("sglang-args-eagle3-llama3.1-8B.sh")]
+    rc, out = run(capsys, "--hf-checkpoint", str(llama8b), "--rollout-backend", "sglang", *tokens)
+    assert rc == 0, out["findings"]
+    assert set(out) == {"sglang_version", "findings", "engines"} and out["sglang_version"] == "0.5.23"
+    # The example gives no CUDA-graph batch list: the one warning it deserves, and no error.
+    assert [f["code"] for f in out["findings"] if f["level"] != "info"] == ["SPEC_CUDA_GRAPH_BS"]
+    assert out["engines"][0]["backend"] == "sglang" and out["engines"][0]["argv"][2] == "sglang.launch_server"
+
+
+def test_errors_exit_2_with_code_message_fix(capsys, llama8b, eagle3_draft):
+    rc, out = run(capsys, "--hf-checkpoint", str(llama8b), "--rollout-backend", "sglang",
+                  "--sglang-speculative-algorithm", "EAGLE3", "--sglang-speculative-draft-model-path", str(eagle3_draft))
+    assert rc == 2
+    by_code = {f["code"]: f for f in out["findings"]}
+    assert by_code["SPEC_DTYPE_MISMATCH"]["fix"] == "--sglang-dtype float16"
+    assert by_code["SPEC_CONTEXT_LENGTH"]["level"] == "error"
+
+
+def test_missing_config_json_is_a_finding_not_a_traceback(capsys, tmp_path):
+    rc, out = run(capsys, "--hf-checkpoint", str(tmp_path / "nope"), "--sglang-speculative-algorithm", "NGRAM")
+    assert rc == 2
+    f = next(f for f in out["findings"] if f["code"] == "CONFIG_UNREADABLE")
+    assert str(tmp_path / "nope" / "config.json") in f["message"]
+
+
+def test_unknown_sglang_flag_and_unhonoured_flags(capsys, mimo7b):
+    rc, out = run(capsys, "--hf-checkpoint", str(mimo7b), "--sglang-speculative-eagle-top-k", "1")
+    assert rc == 2 and "did you mean --sglang-speculative-eagle-topk" in out["findings"][0]["message"]
+    rc, out = run(capsys, "--hf-checkpoint", str(mimo7b), "--recompute-granularity", "full", "--num-layers", "36",
+                  "--hidden-size", "4096", "--rollout-backend", "embedded")
+    assert rc == 0
+    infos = {f["code"] for f in out["findings"]}
+    assert "FLAG_NOT_HONOURED" in infos
+    rc, out = run(capsys, "--hf-checkpoint", str(mimo7b), "--num-layers", "30")
+    assert rc == 2 and any(f["code"] == "MODEL_ARGS_MISMATCH" for f in out["findings"])
+
+
+def test_text_output(capsys, mimo7b):
+    rc = main(["--hf-checkpoint", str(mimo7b), "--sglang-speculative-algorithm", "NEXTN", "--rollout-backend", "embedded"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "engine 0 (embedded" in out and "slime_spec.engine" in out and "0 error(s)" in out

@@ -1,0 +1,76 @@
+"""Server process lifecycle against trivial child processes (python's http.server), no Ray."""
+
+import os
+import sys
+import time
+
+import pytest
+import requests
+
+from slime_spec.rollout.engine_process import EngineStartError, ServerProcess, free_port
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead for our purpose
+        return f.read().split()[2] != "Z"
+
+
+def _http_server(tmp_path, with_health=True, extra_child=False):
+    root = tmp_path / "www"
+    root.mkdir(exist_ok=True)
+    if with_health:
+        (root / "health").write_text("ok")
+    port = free_port()
+    serve = f"{sys.executable} -m http.server {port} --bind 127.0.0.1 --directory {root}"
+    # `extra_child`: the server forks a grandchild, as SGLang's launcher does; both must stop together.
+    cmd = f"sleep 300 & echo child=$! ; exec {serve}" if extra_child else f"exec {serve}"
+    return ServerProcess(["bash", "-c", cmd], url=f"http://127.0.0.1:{port}", log_path=tmp_path / "server.log")
+
+
+def test_start_health_and_stop_kills_group(tmp_path):
+    proc = _http_server(tmp_path, extra_child=True)
+    proc.start(timeout_s=30)
+    assert requests.get(f"{proc.url}/health").text == "ok"
+    deadline = time.time() + 10
+    while proc.log_path.read_text().count("child=") < 2 and time.time() < deadline:  # 1st: the logged argv
+        time.sleep(0.05)
+    child = int(proc.log_path.read_text().split("child=")[-1].split()[0])
+    assert _pid_alive(proc.pid) and _pid_alive(child)
+    proc.stop()
+    assert not proc.alive() and not _pid_alive(child)
+    proc.stop()  # idempotent
+
+
+def test_restart_uses_same_argv_and_url(tmp_path):
+    proc = _http_server(tmp_path)
+    proc.start(timeout_s=30)
+    first = proc.pid
+    os.kill(first, 9)
+    proc.proc.wait()
+    assert not proc.alive()
+    proc.start(timeout_s=30)
+    assert proc.pid != first and requests.get(f"{proc.url}/health").status_code == 200
+    proc.stop()
+
+
+def test_server_that_dies_at_start_reports_exit_code_and_log_tail(tmp_path):
+    script = "import sys\nfor i in range(100): print(f'line {i}')\nprint('ValueError: bad --speculative-num-steps')\nsys.exit(3)"
+    proc = ServerProcess([sys.executable, "-c", script], url=f"http://127.0.0.1:{free_port()}",
+                         log_path=tmp_path / "bad.log")
+    with pytest.raises(EngineStartError) as e:
+        proc.start(timeout_s=30)
+    err = e.value
+    assert err.exit_code == 3
+    assert "bad --speculative-num-steps" in str(err) and "slime-spec doctor" in str(err)
+    assert "line 99" in err.log_tail and "line 10\n" not in err.log_tail  # only the tail
+
+
+def test_server_that_never_gets_healthy_is_stopped(tmp_path):
+    proc = _http_server(tmp_path, with_health=False)  # /health answers 404
+    with pytest.raises(EngineStartError, match="did not become healthy.*HTTP 404"):
+        proc.start(timeout_s=1.5)
+    assert not proc.alive()

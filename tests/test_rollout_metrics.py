@@ -1,0 +1,108 @@
+import asyncio
+import json
+
+import pytest
+
+from slime_spec.rollout.generate import apply_generate_output
+from slime_spec.rollout.metrics import (REQUIRED_KEYS, format_metrics_line, rollout_metrics, spec_summary,
+                                        write_metrics_line)
+from slime_spec.rollout.routing import NoEngineAvailable, Router, pick_engine
+from slime_spec.rollout.sample import Sample, SpecStats, Status
+
+
+def _s(i, completion, verify, engine=0, accepted=None, drafted=None, reward=None, status=Status.COMPLETED):
+    return Sample(index=i, group_index=i, prompt="p", tokens=[0] * (3 + completion), response_length=completion,
+                  reward=reward, status=status, engine_index=engine,
+                  spec=SpecStats(completion, verify, accepted, drafted))
+
+
+def test_accept_length_weighted_vs_sample_mean():
+    # one long sample accepting well, one short sample accepting badly
+    samples = [_s(0, 100, 25), _s(1, 4, 4, engine=1)]
+    m = spec_summary(samples)
+    assert m["spec_accept_length"] == pytest.approx(104 / 29)
+    assert m["spec_accept_length_sample_mean"] == pytest.approx((4.0 + 1.0) / 2)
+    assert m["spec_accept_rate"] is None
+
+
+def test_acceptance_rate_only_from_reporting_samples():
+    m = spec_summary([_s(0, 10, 4, accepted=6, drafted=12), _s(1, 5, 5)])
+    assert m["spec_accept_rate"] == pytest.approx(0.5) and m["spec_draft_tokens"] == 12
+
+
+def test_no_speculation_is_one():
+    m = spec_summary([_s(0, 10, 0)])
+    assert m["spec_accept_length"] == 1.0 and m["spec_accept_length_sample_mean"] == 1.0
+
+
+def test_rollout_metrics_keys_and_per_engine():
+    samples = [_s(0, 8, 2, engine=0, reward=1.0), _s(1, 6, 3, engine=1, reward=0.0, status=Status.TRUNCATED),
+               _s(2, 0, 0, engine=1, status=Status.ABORTED)]
+    m = rollout_metrics(7, samples, 2.0, engine_restarts=1)
+    assert set(REQUIRED_KEYS) <= set(m)
+    assert m["rollout_id"] == 7 and m["num_samples"] == 3 and m["response_tokens"] == 14
+    assert m["tokens_per_s"] == 7.0 and m["truncated_ratio"] == pytest.approx(1 / 3) and m["aborted"] == 1
+    assert m["reward_mean"] == 0.5 and m["engine_restarts"] == 1 and m["prompt_tokens"] == 9
+    assert m["engine_0/spec_accept_length"] == 4.0 and m["engine_1/spec_accept_length"] == 2.0
+    assert m["spec_accept_length"] == pytest.approx(14 / 5)
+    line = format_metrics_line(m)
+    assert "rollout 7" in line and "accept_len 2.800" in line and "0:4.000 1:2.000" in line and "ABORTED 1" in line
+
+
+def test_write_metrics_line_appends(tmp_path):
+    path = tmp_path / "sub" / "m.jsonl"
+    write_metrics_line(path, {"rollout_id": 0, "a": 1.5})
+    write_metrics_line(path, {"rollout_id": 1, "train/loss": 0.1})
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert lines == [{"rollout_id": 0, "a": 1.5}, {"rollout_id": 1, "train/loss": 0.1}]
+
+
+def _output(ids, finish="stop", verify=2, text="xy"):
+    return {"text": text, "output_ids": ids,
+            "meta_info": {"completion_tokens": len(ids), "spec_verify_ct": verify, "finish_reason": {"type": finish},
+                          "output_token_logprobs": [[-0.1 * (k + 1), t, None] for k, t in enumerate(ids)]}}
+
+
+def test_apply_generate_output_sums_multi_request():
+    s = Sample(index=0, group_index=0, prompt="p", tokens=[5, 6])
+    apply_generate_output(s, _output([7, 8, 9], verify=1))
+    apply_generate_output(s, _output([10], finish="length", verify=1))
+    assert s.tokens == [5, 6, 7, 8, 9, 10] and s.response_length == 4 and s.prompt_length == 2
+    assert s.rollout_log_probs == pytest.approx([-0.1, -0.2, -0.3, -0.1])
+    assert s.spec.completion_tokens == 4 and s.spec.verify_ct == 2 and s.spec.accept_length == 2.0
+    assert s.status == Status.TRUNCATED and s.response == "xyxy"
+    bad = _output([1, 2])
+    bad["output_ids"] = [1, 3]
+    with pytest.raises(ValueError, match="disagree"):
+        apply_generate_output(Sample(index=0, group_index=0, prompt="p"), bad)
+
+
+def test_apply_generate_output_abort():
+    s = Sample(index=0, group_index=0, prompt="p")
+    out = _output([1])
+    out["meta_info"]["finish_reason"] = {"type": "abort", "message": "paused"}
+    apply_generate_output(s, out)
+    assert s.status == Status.ABORTED and s.error == "paused"
+
+
+def test_pick_engine():
+    assert pick_engine([3, 1, 1], [True, True, True], 4) == 1
+    assert pick_engine([3, 1, 0], [True, True, False], 4) == 1
+    assert pick_engine([4, 4], [True, True], 4) is None
+
+
+def test_router_waits_for_capacity_and_fails_when_all_dead():
+    async def main():
+        r = Router(2, max_concurrency=1)
+        a, b = await r.acquire(), await r.acquire()
+        assert {a, b} == {0, 1}
+        waiter = asyncio.create_task(r.acquire())
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        await r.release(b)
+        assert await waiter == b
+        await r.set_available(0, False, dead=True)
+        await r.set_available(1, False, dead=True)
+        with pytest.raises(NoEngineAvailable, match="slime-spec doctor"):
+            await r.acquire()
+    asyncio.run(main())

@@ -1,0 +1,86 @@
+import asyncio
+import sys
+import textwrap
+
+import pytest
+
+from slime_spec.config import RolloutConfig
+from slime_spec.rollout.rewards import (assign_reward, exact_match_reward, extract_answer, make_reward_fn,
+                                        math_reward, normalize_answer)
+from slime_spec.rollout.sample import Sample, Status
+
+
+@pytest.mark.parametrize("text,answer", [
+    ("so we get \\boxed{\\frac{1}{2}} done", "\\frac{1}{2}"),
+    ("nested \\boxed{x^{2}+1} end", "x^{2}+1"),
+    ("first \\boxed{3} then \\boxed{4}", "4"),
+    ("The answer is 42.", "42"),
+    ("we have 3 apples and 5 pears, 8", "8"),
+    ("no number here", None),
+])
+def test_extract_answer(text, answer):
+    assert extract_answer(text) == answer
+
+
+@pytest.mark.parametrize("a,b", [
+    ("1,000", "1000"), ("2.0", "2"), ("\\frac{1}{2}", "0.5"), ("\\dfrac{3}{6}", "1/2"), ("x = 3", "3"),
+    ("$7$", "7"), ("50\\%", "50"), (" 12. ", "12"), ("\\frac12", "1/2"),
+])
+def test_normalize_equal(a, b):
+    assert normalize_answer(a) == normalize_answer(b)
+
+
+def test_normalize_different():
+    assert normalize_answer("1/3") != normalize_answer("0.33")
+    assert normalize_answer("x+1") != normalize_answer("x+2")
+
+
+def test_math_reward():
+    assert math_reward("thinking... \\boxed{1/2}", "0.5") == 1.0
+    assert math_reward("the answer is 1,234", "1234") == 1.0
+    assert math_reward("the answer is 7", "\\boxed{8}") == 0.0
+    assert math_reward("nothing", "8") == 0.0
+    with pytest.raises(ValueError, match="--label-key"):
+        math_reward("1", None)
+
+
+def test_exact_match():
+    assert exact_match_reward(" abc\n", "abc") == 1.0
+    assert exact_match_reward("abd", "abc") == 0.0
+
+
+def _sample(response, label, status=Status.COMPLETED):
+    return Sample(index=0, group_index=0, prompt="p", label=label, response=response, status=status)
+
+
+def test_builtin_dispatch_and_aborted():
+    for rm in ("math", "deepscaler"):
+        fn = make_reward_fn(RolloutConfig(hf_checkpoint="x", rm_type=rm))
+        s = _sample("\\boxed{2}", "2")
+        asyncio.run(assign_reward(fn, s))
+        assert s.reward == 1.0
+    aborted = _sample("\\boxed{2}", "2", Status.ABORTED)
+    asyncio.run(assign_reward(make_reward_fn(RolloutConfig(hf_checkpoint="x", rm_type="math")), aborted))
+    assert aborted.reward == 0.0
+    assert make_reward_fn(RolloutConfig(hf_checkpoint="x")) is None
+    with pytest.raises(ValueError, match="--rm-type"):
+        make_reward_fn(RolloutConfig(hf_checkpoint="x", rm_type="nope"))
+
+
+def test_custom_rm(tmp_path, monkeypatch):
+    (tmp_path / "my_rm.py").write_text(textwrap.dedent("""
+        async def rm(args, sample):
+            return len(sample.response) + args.rollout_max_response_len
+        def plain(sample):
+            return 0.25
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    s = _sample("abc", None)
+    asyncio.run(assign_reward(make_reward_fn(RolloutConfig(hf_checkpoint="x", custom_rm_path="my_rm.rm")), s))
+    assert s.reward == 3 + 64
+    s = _sample("abc", None)
+    asyncio.run(assign_reward(make_reward_fn(RolloutConfig(hf_checkpoint="x", custom_rm_path="my_rm.plain")), s))
+    assert s.reward == 0.25
+    with pytest.raises(AttributeError, match="--custom-rm-path"):
+        make_reward_fn(RolloutConfig(hf_checkpoint="x", custom_rm_path="my_rm.missing"))
+    sys.modules.pop("my_rm", None)

@@ -1,0 +1,114 @@
+"""Every check fires on a minimal bad configuration and stays silent on a good one."""
+
+import pytest
+
+from slime_spec.flags import MODEL_SHAPE_FLAGS
+from slime_spec.spec_check import CheckInput, run_checks
+
+LLAMA = {"torch_dtype": "bfloat16", "max_position_embeddings": 131072, "num_hidden_layers": 32, "hidden_size": 4096,
+         "tie_word_embeddings": False, "model_type": "llama"}
+EAGLE3 = {"torch_dtype": "float16", "max_position_embeddings": 2048}
+MIMO = {"torch_dtype": "bfloat16", "max_position_embeddings": 32768, "num_nextn_predict_layers": 1, "model_type": "mimo"}
+GOOD_GPU = {"attention_backend": "fa3", "cuda_graph_bs_decode": list(range(1, 33)) + [40, 48], "max_running_requests": 48}
+
+
+def codes(**kw):
+    base = dict(sglang={}, backend="sglang", sglang_version="0.5.23", target_config=MIMO)
+    base.update(kw)
+    return {f.code: f for f in run_checks(CheckInput(**base), MODEL_SHAPE_FLAGS)}
+
+
+def eagle3(**sg):
+    return {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/d", "speculative_num_steps": 5,
+            "speculative_eagle_topk": 8, "speculative_num_draft_tokens": 32, "dtype": "float16",
+            "context_length": 2048, **GOOD_GPU, **sg}
+
+
+def mtp(**sg):
+    return {"speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+            "speculative_num_draft_tokens": 4, **GOOD_GPU, **sg}
+
+
+def test_good_configurations_are_silent():
+    assert codes(sglang=eagle3(), target_config=LLAMA, draft_config=EAGLE3) == {}
+    assert codes(sglang=mtp()) == {}
+    assert codes(sglang=mtp(), enable_mtp_training=True, mtp_num_layers=1) == {}
+    assert codes(sglang={"speculative_algorithm": "NGRAM"}, backend="embedded") == {
+        "SGLANG_ONLY_CHECKS_SKIPPED": codes(sglang={"speculative_algorithm": "NGRAM"}, backend="embedded")["SGLANG_ONLY_CHECKS_SKIPPED"]}
+    assert codes(sglang={}) == {}
+
+
+def test_dtype_mismatch():
+    f = codes(sglang=eagle3(dtype=None), target_config=LLAMA, draft_config=EAGLE3)["SPEC_DTYPE_MISMATCH"]
+    assert f.level == "error" and "Capture cuda graph failed" in f.message and f.fix == "--sglang-dtype float16"
+
+
+def test_context_length_draft_shorter():
+    f = codes(sglang=eagle3(context_length=None), target_config=LLAMA, draft_config=EAGLE3)["SPEC_CONTEXT_LENGTH"]
+    assert f.level == "error" and f.fix == "--sglang-context-length 2048"
+    assert "SPEC_CONTEXT_LENGTH" in codes(sglang=eagle3(context_length=4096), target_config=LLAMA, draft_config=EAGLE3)
+
+
+def test_context_length_prompt_plus_response():
+    f = codes(sglang=mtp(context_length=1024), longest_prompt_tokens=900, max_response_len=200)["SPEC_CONTEXT_LENGTH"]
+    assert "1100" in f.message and "--rollout-max-response-len to 124" in f.fix
+    assert "SPEC_CONTEXT_LENGTH" not in codes(sglang=mtp(context_length=1024), longest_prompt_tokens=800, max_response_len=200)
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", None])
+def test_flashinfer(backend):
+    f = codes(sglang=mtp(attention_backend=backend))["SPEC_FLASHINFER"]
+    assert f.level == "warning" and "#9888" in f.message and "fa3" in f.fix
+    assert "SPEC_FLASHINFER" not in codes(sglang=mtp(attention_backend="triton"))
+
+
+def test_cuda_graph_bs():
+    f = codes(sglang=mtp(cuda_graph_bs_decode=None))["SPEC_CUDA_GRAPH_BS"]
+    assert "disable-cuda-graph-padding does not help" in f.message and "$(seq 1 32)" in f.fix
+    assert "below the max running requests" in codes(sglang=mtp(max_running_requests=128))["SPEC_CUDA_GRAPH_BS"].message
+    assert "[3, 5]" in codes(sglang=mtp(cuda_graph_bs_decode=[1, 2, 4, *range(6, 49)]))["SPEC_CUDA_GRAPH_BS"].message
+    assert "SPEC_CUDA_GRAPH_BS" not in codes(sglang=mtp(cuda_graph_bs_decode=None, disable_cuda_graph=True))
+
+
+def test_topk_tokens():
+    f = codes(sglang=mtp(speculative_num_draft_tokens=8))["SPEC_TOPK_TOKENS"]
+    assert f.level == "warning" and "overrides" in f.message and f.fix == "--sglang-speculative-num-draft-tokens 4"
+    f = codes(sglang=mtp(speculative_num_steps=None))["SPEC_TOPK_TOKENS"]
+    assert f.level == "error" and "asserts" in f.message
+    f = codes(sglang=eagle3(speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=64),
+              target_config=LLAMA, draft_config=EAGLE3)["SPEC_TOPK_TOKENS"]
+    assert f.level == "error" and "at most 7 nodes" in f.message
+
+
+def test_no_mtp():
+    f = codes(sglang=mtp(), target_config=LLAMA)["SPEC_NO_MTP"]
+    assert f.level == "error" and "NGRAM" in f.fix
+    assert "SPEC_NO_MTP" not in codes(sglang=mtp(speculative_draft_model_path="/d"), target_config=LLAMA)
+
+
+def test_eagle3_without_draft():
+    assert codes(sglang=eagle3(speculative_draft_model_path=None), target_config=LLAMA)["SPEC_EAGLE3_NO_DRAFT"].level == "error"
+
+
+def test_old_sglang_with_external_draft():
+    f = codes(sglang=eagle3(), target_config=LLAMA, draft_config=EAGLE3, sglang_version="0.4.10.post2")["SPEC_SGLANG_VERSION"]
+    assert "#9388" in f.message
+    assert "SPEC_SGLANG_VERSION" not in codes(sglang=eagle3(), target_config=LLAMA, draft_config=EAGLE3, sglang_version="0.5.1")
+
+
+def test_mtp_training():
+    assert "--mtp-num-layers 1" in codes(enable_mtp_training=True, mtp_num_layers=0)["SPEC_MTP_TRAINING"].fix
+    assert "no MTP layers" in codes(enable_mtp_training=True, mtp_num_layers=1, target_config=LLAMA)["SPEC_MTP_TRAINING"].message
+
+
+def test_unsupported_by_embedded_backend():
+    f = codes(sglang=eagle3(), backend="embedded", target_config=LLAMA, draft_config=EAGLE3)["SPEC_UNSUPPORTED_BY_BACKEND"]
+    assert f.level == "error"
+    assert "SPEC_UNSUPPORTED_BY_BACKEND" not in codes(sglang=mtp(), backend="embedded")
+
+
+def test_model_args_mismatch():
+    f = codes(target_config=LLAMA, model_flags={"num_layers": 32, "hidden_size": 4000})["MODEL_ARGS_MISMATCH"]
+    assert "--hidden-size 4000" in f.message and "hidden_size=4096" in f.message
+    assert "MODEL_ARGS_MISMATCH" not in codes(target_config=LLAMA, model_flags={"num_layers": 32, "untie_embeddings_and_output_weights": True})
+    assert "MODEL_ARGS_MISMATCH" in codes(target_config=LLAMA, model_flags={"untie_embeddings_and_output_weights": False})
