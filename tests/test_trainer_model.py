@@ -73,12 +73,12 @@ def mimo_mtp_reference(hf_config: dict, hf_state: dict, ids: torch.Tensor) -> to
     x = torch.cat([rms(h, hf_state[p + "hidden_layernorm.weight"]), rms(emb, hf_state[p + "token_layernorm.weight"])], -1)
     x = x @ hf_state[p + "input_proj.weight"].T
     # One Qwen2 decoder layer = a one-layer Qwen2 model fed with inputs_embeds (its norm = MTP final_layernorm).
-    layer = hf_model(hf_config, {}, num_layers=1)
     layer_state = {k.replace(p, "model.layers.0."): v for k, v in hf_state.items()
                    if k.startswith(p) and k.split(".")[3] in ("self_attn", "mlp", "input_layernorm",
                                                               "post_attention_layernorm")}
     layer_state["model.norm.weight"] = hf_state[p + "final_layernorm.weight"]
-    layer.load_state_dict(layer_state, strict=False)
+    layer_state["model.embed_tokens.weight"] = hf_state["model.embed_tokens.weight"]  # unused: inputs_embeds
+    layer = hf_model(hf_config, layer_state, num_layers=1)
     out = layer.model(inputs_embeds=x).last_hidden_state
     return out @ hf_state["lm_head.weight"].T
 

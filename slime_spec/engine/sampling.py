@@ -89,3 +89,20 @@ def greedy_accept(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tu
     k = draft_tokens.shape[1]
     accept_len = torch.cumprod((draft_tokens == target[:, :k]).to(torch.int64), dim=-1).sum(-1)
     return accept_len, target.gather(1, accept_len[:, None]).squeeze(1)
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson's chi-square goodness-of-fit p-value of token counts against probs (cells with an expected count
+    below min_expected pooled); used to check that speculative sampling follows the target distribution."""
+    n = counts.sum()
+    expected = probs.double() * n
+    small = expected < min_expected
+    obs = torch.cat([counts.double()[~small], counts.double()[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    if obs[~keep].sum() > 0:
+        return 0.0  # a token with zero probability was drawn
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = torch.tensor((len(obs) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(df, stat / 2))

@@ -118,7 +118,7 @@ class RolloutManager:
             # Waits for every engine's /health; an EngineStartError (with the log tail) surfaces here.
             self.urls = ray.get([a.get_url.remote() for a in self.engine_actors])
         except BaseException:
-            self.shutdown()
+            self._stop_engines_blocking()
             raise
         self.router = Router(self.num_engines, self.rollout.max_concurrency)
         self._generation = [0] * self.num_engines  # bumped on every restart of an engine
@@ -214,17 +214,27 @@ class RolloutManager:
     async def resume(self) -> None:
         await asyncio.gather(*[a.continue_generation.remote() for a in self.engine_actors])
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
         """Stop every engine server (and the router); safe to call twice."""
+        refs = [a.shutdown.remote() for a in self.engine_actors]
+        results = await asyncio.gather(*refs, return_exceptions=True)
+        self._release(results)
+
+    def _stop_engines_blocking(self) -> None:
+        """`shutdown` for the constructor's failure path (no event loop running yet)."""
+        refs = [a.shutdown.remote() for a in self.engine_actors]
+        results = []
+        for ref in refs:
+            try:
+                results.append(ray.get(ref, timeout=60))
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                results.append(e)
+        self._release(results)
+
+    def _release(self, stop_results: list) -> None:
         if self._router_process is not None:
             self._router_process.stop()
-        stops = [a.shutdown.remote() for a in self.engine_actors]
-        errors = []
-        for a, ref in zip(self.engine_actors, stops):
-            try:
-                ray.get(ref, timeout=60)
-            except (ray.exceptions.RayError, TimeoutError) as e:  # the actor is gone: its server died with it
-                errors.append(f"{type(e).__name__}: {e}")
+        for a in self.engine_actors:
             ray.kill(a)
         self.engine_actors = []
         if self._own_pg is not None:
@@ -233,8 +243,9 @@ class RolloutManager:
         if self.wandb:
             self.wandb.finish()
             self.wandb = None
-        if errors:
-            print(f"[rollout] shutdown: {len(errors)} engine actor(s) were already gone: {errors[0][:300]}", flush=True)
+        gone = [r for r in stop_results if isinstance(r, BaseException)]
+        if gone:  # an actor that died took its server with it (PR_SET_PDEATHSIG); say so, do not hide it
+            print(f"[rollout] shutdown: {len(gone)} engine actor(s) were already gone: {str(gone[0])[:300]}", flush=True)
 
     # ---- the rollout ----
     async def _run(self, samples: list[Sample], desc: str) -> tuple[list[Sample], float]:

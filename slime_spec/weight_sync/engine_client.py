@@ -9,12 +9,9 @@ server's message, so a failed sync names the engine and the step that failed.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import requests
-
-T = TypeVar("T")
-
 
 class EngineRequestError(RuntimeError):
     def __init__(self, url: str, path: str, status: int | None, message: str):
@@ -47,10 +44,6 @@ class HttpEngineClient:
     def get(self, path: str) -> dict:
         return self._request("GET", path, None)
 
-    def status_of(self, method: str, path: str) -> int:
-        """The HTTP status a route answers with, without a body: used to probe whether a route exists."""
-        return self._session.request(method, self.url + path, timeout=self.timeout_s).status_code
-
     def _request(self, method: str, path: str, payload: dict | None) -> dict:
         try:
             r = self._session.request(method, self.url + path, json=payload, timeout=self.timeout_s)
@@ -58,14 +51,23 @@ class HttpEngineClient:
             raise EngineRequestError(self.url, path, None, f"{type(e).__name__}: {e}") from e
         body = _json_or_text(r)
         if r.status_code >= 400:
-            message = body.get("message") or body.get("detail") or body.get("text") if isinstance(body, dict) else body
-            raise EngineRequestError(self.url, path, r.status_code, str(message))
+            raise EngineRequestError(self.url, path, r.status_code, _error_message(body))
         if isinstance(body, dict) and body.get("success") is False:
             raise EngineRequestError(self.url, path, r.status_code, str(body.get("message")))
         return body if isinstance(body, dict) else {"result": body}
 
     def close(self) -> None:
         self._session.close()
+
+
+def _error_message(body: Any) -> str:
+    """SGLang answers errors as {"success": false, "message"}, {"error": {"message"}} or {"detail"}."""
+    if not isinstance(body, dict):
+        return str(body)
+    error = body.get("error")
+    if isinstance(error, dict):
+        error = error.get("message")
+    return str(body.get("message") or error or body.get("detail") or body.get("text") or body)
 
 
 def _json_or_text(r: requests.Response) -> Any:

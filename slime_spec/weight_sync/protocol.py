@@ -195,8 +195,11 @@ def disk_payload(model_path: str, *, weight_version: str | None, session: bool) 
     return payload
 
 
-def checksum_payload(selector: Selector) -> dict:
-    return {"action": "checksum", "selector": selector}
+def checksum_payload(selector: Selector, session: bool = True) -> dict:
+    payload = {"action": "checksum"}
+    if session:
+        payload["selector"] = selector
+    return payload
 
 
 def get_weights_payload(name: str, truncate_size: int) -> dict:

@@ -20,6 +20,7 @@ Failure and engine state. Each update request is all-or-nothing on the engine, s
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,10 +31,11 @@ import torch
 
 from slime_spec.config import WeightSyncConfig
 from slime_spec.weight_sync import protocol, verify
-from slime_spec.weight_sync.engine_client import EngineClient, post_all
+from slime_spec.weight_sync.engine_client import EngineClient, EngineGroupError, post_all
 from slime_spec.weight_sync.gather import NamedTensor, make_buckets
 from slime_spec.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport
 
+logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -116,13 +118,11 @@ class WeightSyncer:
         else:
             self.transport = DiskTransport(self.clients, a["disk_dir"], self.hf_checkpoint,
                                            session=self.protocol.session)
-        if self.spec.uses_draft and not self.spec.native_mtp:
+        if self.spec.uses_draft and not self.spec.native_mtp and self.protocol.session:
             self._external_draft_checksums = self._draft_checksums()
 
     def _engine_dtype(self) -> torch.dtype | None:
-        info = self.clients[0].post("/get_server_info", {}) if not hasattr(self.clients[0], "get") \
-            else self.clients[0].get("/get_server_info")
-        dtype = info.get("dtype") or "auto"
+        dtype = get_json(self.clients[0], "/get_server_info").get("dtype") or "auto"
         if dtype == "auto":
             dtype = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32"
         if dtype not in _DTYPES:
@@ -149,9 +149,7 @@ class WeightSyncer:
                 post_all(self.clients, "/begin_weight_update",
                          protocol.begin_payload(protocol.session_selector(plan)))
                 session_open = True
-            wanted = [t for t in tensors if t.kind == "target" or plan.mtp is not None] \
-                if False else _only_wanted(tensors, plan)
-            for bucket in make_buckets(wanted, self.config.update_weight_buffer_size):
+            for bucket in make_buckets(_only_wanted(tensors, plan), self.config.update_weight_buffer_size):
                 selector = plan.target if bucket.kind == "target" else plan.mtp
                 self.transport.send(bucket, selector, weight_version)
                 buckets_applied += self.transport_name != "disk"
@@ -203,37 +201,83 @@ class WeightSyncer:
 
     # ---- verification ----
     def _verify(self, sent: set[str], recorder: verify.ChecksumRecorder | None) -> dict[str, int]:
+        """Check every engine; raise WeightSyncError listing each problem (generation stays paused)."""
         roles = {"target", "draft"} if self.plan.mtp is not None else {"target"}
-        reply = post_all(self.clients[:1], "/weights_checker", protocol.checksum_payload("all"))[0]
+        problems, written = [], {}
+        for client in self.clients:
+            try:
+                reply = post_all([client], "/weights_checker",
+                                 protocol.checksum_payload("all", self.protocol.session))[0]
+            except EngineGroupError as e:
+                if not all(getattr(err, "status", None) == 404 for err in e.failures.values()):
+                    raise
+                written = self._verify_by_name(client, sent, recorder, problems)
+                continue
+            written = self._verify_checksums(client, reply, sent, recorder, roles, problems)
+        if problems:
+            raise WeightSyncError("weight sync verification failed: " + "; ".join(problems)
+                                  + ". Generation stays paused.", engines_serve_previous_weights=False)
+        return written
+
+    def _verify_checksums(self, client: EngineClient, reply: dict, sent: set[str],
+                          recorder: verify.ChecksumRecorder | None, roles: set[str], problems: list[str]) -> dict:
         served = verify.served_by_role(reply)
-        problems = []
         coverage = verify.check_coverage(served, sent, roles)
         for role, missing in coverage.missing.items():
             if missing:
-                problems.append(f"{len(missing)} weight(s) the {role} runner serves were not written: "
-                                f"{missing[:8]}")
+                problems.append(f"{client.url}: {len(missing)} weight(s) the {role} runner serves were not "
+                                f"written: {missing[:8]}")
         if self._external_draft_checksums is not None:
-            now = _draft_only(served)
-            changed = sorted(n for n in self._external_draft_checksums if now.get(n) != self._external_draft_checksums[n])
+            now, before = _draft_only(served), self._external_draft_checksums
+            changed = sorted(n for n in before if now.get(n) != before[n])
             if changed:
-                problems.append(f"the external draft ({self.spec.algorithm}) must keep its own weights, but "
-                                f"{len(changed)} of its tensors changed: {changed[:8]} (slime#1177)")
+                problems.append(f"{client.url}: the external draft ({self.spec.algorithm}) must keep its own "
+                                f"weights, but {len(changed)} of its tensors changed: {changed[:8]} (slime#1177)")
         if recorder is not None:
             if verify.engine_tp_size(reply) > 1:
-                problems.append("check_weight_sync compares whole-tensor checksums; engines with TP > 1 hash "
-                                "shards: run the check with engine TP 1")
+                problems.append(f"{client.url}: check_weight_sync compares whole-tensor checksums, but this "
+                                "engine runs TP > 1 and hashes shards: check with engine TP 1")
             mismatched = verify.compare_checksums(served, recorder.checksums, roles)
             if mismatched:
-                problems.append(f"check_weight_sync: {len(mismatched)} served weight(s) differ from the "
-                                f"trainer's: {mismatched[:8]}")
-        if problems:
-            raise WeightSyncError("weight sync verification failed on " + self.clients[0].url + ": "
-                                  + "; ".join(problems) + ". Generation stays paused.",
-                                  engines_serve_previous_weights=False)
+                problems.append(f"{client.url}: check_weight_sync: {len(mismatched)} served weight(s) differ "
+                                f"from the trainer's: {mismatched[:8]}")
         return coverage.written
 
+    def _verify_by_name(self, client: EngineClient, sent: set[str], recorder: verify.ChecksumRecorder | None,
+                        problems: list[str]) -> dict:
+        """For an SGLang without /weights_checker: read each sent target weight back by name.
+
+        This proves every sent target tensor is served (and, with the check, equal); it cannot list what the
+        engine serves beyond that, nor read the draft runner (SGLang's get_weights_by_name reads the target).
+        """
+        logger.warning("%s has no /weights_checker: verifying the target by /get_weights_by_name; the draft "
+                       "runner cannot be verified on this SGLang", client.url)
+        names = sorted(n for n in sent if not self._is_mtp_name(n))
+        unserved, mismatched = [], []
+        for name in names:
+            rows = 1 << 62 if recorder is not None else 1
+            reply = client.post("/get_weights_by_name", protocol.get_weights_payload(name, rows))
+            values = reply.get("result") if isinstance(reply, dict) else reply
+            if not values:
+                unserved.append(name)
+            elif recorder is not None:
+                got = verify.tensor_checksum([torch.tensor(values, dtype=torch.float32)])
+                if got != recorder.float32_checksums[name]:
+                    mismatched.append(name)
+        if unserved:
+            problems.append(f"{client.url}: {len(unserved)} sent target weight(s) are not served: {unserved[:8]}")
+        if mismatched:
+            problems.append(f"{client.url}: check_weight_sync: {len(mismatched)} served weight(s) differ from "
+                            f"the trainer's: {mismatched[:8]}")
+        return {"target": len(names) - len(unserved)}
+
+    def _is_mtp_name(self, name: str) -> bool:
+        from slime_spec.weight_sync.gather import hf_mtp_matcher
+
+        return hf_mtp_matcher(self.hf_config)(name)
+
     def _draft_checksums(self) -> dict[str, str]:
-        reply = post_all(self.clients[:1], "/weights_checker", protocol.checksum_payload("draft"))[0]
+        reply = post_all(self.clients[:1], "/weights_checker", protocol.checksum_payload("draft", True))[0]
         return _draft_only(verify.served_by_role(reply))
 
     def close(self) -> None:
@@ -250,9 +294,18 @@ def _draft_only(served: dict[str, dict[str, str]]) -> dict[str, str]:
     return {f"{role}.{name}": c for role, names in served.items() if role != "target" for name, c in names.items()}
 
 
+def get_json(client: EngineClient, path: str) -> dict:
+    r = requests.get(client.url + path, timeout=60)
+    if r.status_code != 200:
+        raise RuntimeError(f"GET {client.url}{path} answered HTTP {r.status_code}: {r.text[:500]}")
+    return r.json()
+
+
 def detect_engine_protocol(client: EngineClient) -> protocol.Protocol:
-    """Ask the engine: `version` from /get_server_info, and whether /begin_weight_update exists (404 or not)."""
-    info = requests.get(client.url + "/get_server_info", timeout=60)
-    version = info.json().get("version") if info.status_code == 200 else None
+    """Ask the engine: `version` from /get_server_info, and whether /begin_weight_update exists (404 or not).
+
+    The probe is a GET: a POST-only route answers 405 without running, a missing one 404.
+    """
+    version = get_json(client, "/get_server_info").get("version")
     status = requests.get(client.url + "/begin_weight_update", timeout=60).status_code
     return protocol.detect_protocol(version, status)

@@ -116,8 +116,16 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
 
         ForkingPickler(buf).dump(named)
     else:
-        pickle.dump(named, buf, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.dump([(n, compact(t)) for n, t in named], buf)
     return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that owns exactly its bytes: pickling a view would carry its whole storage (e.g. a padded vocab)."""
+    t = t.detach().contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
+        t = t.clone()
+    return t
 
 
 class TensorTransport:
@@ -170,8 +178,8 @@ class DiskTransport:
         from safetensors.torch import save_file
 
         file = f"model-{len(set(self._weight_map.values())):05d}.safetensors"
-        # clone: split views of one fused tensor share storage, which safetensors refuses to write
-        save_file({t.name: t.tensor.detach().cpu().clone() for t in bucket.tensors},
+        # compact: split views of one fused tensor share storage, which safetensors refuses to write
+        save_file({t.name: compact(t.tensor.cpu()) for t in bucket.tensors},
                   str(self.out_dir / file), metadata={"format": "pt"})
         self._weight_map.update({name: file for name in bucket.names})
 

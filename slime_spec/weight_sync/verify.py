@@ -140,6 +140,8 @@ class ChecksumRecorder:
     def __init__(self, engine_dtype: torch.dtype | None):
         self.engine_dtype = engine_dtype
         self.checksums: dict[str, str] = {}
+        # of the engine-dtype values as float32: what /get_weights_by_name returns
+        self.float32_checksums: dict[str, str] = {}
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -147,6 +149,7 @@ class ChecksumRecorder:
         if self.engine_dtype is not None:
             t = t.to(self.engine_dtype)
         self.checksums[name] = tensor_checksum([t])
+        self.float32_checksums[name] = tensor_checksum([t.float()])
         fused = fused_name(name)
         if fused is None:
             return

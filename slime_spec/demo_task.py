@@ -1,0 +1,41 @@
+"""The demo's synthetic task: multi-digit addition with a verifiable answer.
+
+Prompts look like "37+58=" and the answer is "95"; the reward is exact match on the
+generated answer (`--rm-type exact_match`). Pure functions, deterministic by seed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+
+def addition_problems(n: int, seed: int, max_operand: int = 99) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        out.append({"prompt": f"{a}+{b}=", "label": str(a + b)})
+    return out
+
+
+def write_jsonl(rows: list[dict], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def split_problems(n_train: int, n_eval: int, seed: int, max_operand: int = 99) -> tuple[list[dict], list[dict]]:
+    """Disjoint train and eval problems (eval prompts never appear in training)."""
+    pool = addition_problems(4 * (n_train + n_eval), seed, max_operand)
+    seen, unique = set(), []
+    for row in pool:
+        if row["prompt"] not in seen:
+            seen.add(row["prompt"])
+            unique.append(row)
+    if len(unique) < n_train + n_eval:
+        raise ValueError(f"only {len(unique)} distinct problems with operands <= {max_operand}; ask for fewer")
+    return unique[:n_train], unique[n_train:n_train + n_eval]

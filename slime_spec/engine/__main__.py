@@ -1,0 +1,64 @@
+"""`python -m slime_spec.engine --model-path DIR [SGLang server flags]`: the embedded SGLang-compatible server."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from slime_spec.engine.server_args import EngineServerArgs, ServerArgsError, parse_server_args
+
+logger = logging.getLogger("slime_spec.engine")
+
+
+def make_core_factory(args: EngineServerArgs):
+    def make_core():
+        import torch
+
+        from slime_spec.engine.core import EngineCore, SpecConfig
+
+        torch.manual_seed(args.random_seed)
+        s = args.spec
+        spec = SpecConfig(algorithm=s.algorithm, num_steps=s.num_steps, eagle_topk=s.eagle_topk,
+                          num_draft_tokens=s.num_draft_tokens, draft_model_path=s.draft_model_path,
+                          ngram_max_trie_depth=s.ngram_max_trie_depth)
+        return EngineCore(args.model_path, spec, dtype=args.dtype, device=args.device,
+                          max_running_requests=args.max_running_requests, context_length=args.context_length,
+                          seed=args.random_seed)
+    return make_core
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_server_args(sys.argv[1:] if argv is None else argv)
+    except ServerArgsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
+    if args.ignored_flags:
+        logger.info("accepted and ignored (performance-only for the embedded engine): %s",
+                    ", ".join(args.ignored_flags))
+
+    import uvicorn
+
+    from slime_spec.engine.server import create_app
+    from slime_spec.engine.server_loop import EngineLoop
+    from slime_spec.engine.weight_update import WeightUpdater
+
+    loop = EngineLoop(make_core_factory(args))
+    try:
+        loop.start()
+    except ValueError as e:  # the engine refused its configuration (e.g. SPEC_UNSUPPORTED_BY_BACKEND)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    has_draft = args.spec.algorithm in ("NEXTN", "EAGLE", "STANDALONE")
+    weights = WeightUpdater(args.weight_version, args.model_path, args.device, has_draft)
+    app = create_app(args, loop, weights)
+    logger.info("serving %s on http://%s:%d (device %s, dtype %s, speculative %s)", args.model_path, args.host,
+                args.port, args.device, args.dtype, args.spec.algorithm)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
+    loop.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

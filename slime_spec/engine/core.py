@@ -1,0 +1,485 @@
+"""EngineCore: continuous batching over a static KV cache, with optional speculative decoding.
+
+One `step()` admits waiting requests into free cache slots (one batched prefill), then runs one batched
+decode pass (or draft + verify pass) over every running request, and returns the requests that finished.
+Called from a single thread (the server's engine thread); nothing here locks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from slime_spec.engine import sampling
+from slime_spec.engine.model import DTYPES, hf_weight_names, load_model
+from slime_spec.engine.speculative import SpecConfig, make_drafter, validate_spec
+
+__all__ = ["EngineCore", "Output", "Request", "SamplingParams", "SpecConfig"]
+
+
+@dataclass
+class SamplingParams:
+    """SGLang's names and defaults (sglang/srt/sampling/sampling_params.py)."""
+
+    temperature: float = 1.0     # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1              # -1 = off
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    def validate(self) -> None:
+        if not (self.temperature >= 0 and self.temperature != float("inf")):
+            raise ValueError(f"temperature must be a non-negative finite number, got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if self.max_new_tokens is None or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+
+
+@dataclass
+class Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+
+
+@dataclass
+class Output:
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float] | None   # the target's logprob of each output token (see sampling.py)
+    finish_reason: dict                   # SGLang's finish_reason JSON: length | stop (matched) | abort
+    prompt_tokens: int
+    completion_tokens: int
+    spec_verify_ct: int                   # verify passes of this request
+    spec_accept_token_num: int            # accepted draft tokens (bonus tokens excluded)
+    spec_draft_token_num: int             # draft tokens proposed
+    text: str                             # detokenized output
+
+
+@dataclass(eq=False)
+class _Row:
+    req: Request
+    slot: int = -1
+    tokens: list[int] = field(default_factory=list)  # prompt + output
+    kv_len: int = 0                                  # tokens in the target KV cache: all but the pending last
+    logprobs: list[float] = field(default_factory=list)
+    finish: dict | None = None
+    verify_ct: int = 0
+    accept_num: int = 0
+    draft_num: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.req.input_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+def _eos_ids(model_path: Path, config: dict, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    sources = [config.get("eos_token_id")]
+    gen = model_path / "generation_config.json"
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    sources.append(tokenizer.eos_token_id)
+    for s in sources:
+        if isinstance(s, int):
+            ids.add(s)
+        elif isinstance(s, list):
+            ids.update(int(x) for x in s)
+    return ids
+
+
+class EngineCore:
+    def __init__(self, model_path: str, spec: SpecConfig, *, dtype: str = "float32", device: str = "cpu",
+                 max_running_requests: int = 32, context_length: int | None = None, seed: int = 0,
+                 cpu_threads: int | None = None):
+        """cpu_threads: intra-op threads while stepping on CPU; None = 1 for small models (hidden <= 1024), where
+        thread hand-off costs more than the tiny matmuls gain, else torch's default."""
+        from transformers import AutoTokenizer
+
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+        if max_running_requests < 1:
+            raise ValueError(f"max_running_requests={max_running_requests}: must be at least 1")
+        self.device = torch.device(device)
+        self.model, self.model_config = load_model(model_path, dtype=dtype, device=device)
+        validate_spec(spec, has_mtp=self.model.args.mtp_layers > 0)
+        self.spec = spec
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.vocab_size = self.model.args.vocab_size
+        self.context_length = int(context_length or self.model.args.max_position_embeddings)
+        self.eos_token_ids = _eos_ids(Path(model_path), self.model_config, self.tokenizer)
+        self.max_running_requests = max_running_requests
+        k = spec.draft_len() if spec.algorithm else 0
+        self.max_seq = self.context_length + k + 1  # a verify pass writes k positions past the last token
+        self.cache = self.model.new_cache(max_running_requests, self.max_seq)
+        self.drafter = make_drafter(spec, self.model, max_running_requests, self.max_seq, dtype, device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.waiting: deque[_Row] = deque()
+        self.running: list[_Row] = []
+        self.free_slots = list(range(max_running_requests))
+        self._finished_early: list[_Row] = []
+        self._accept_tokens = 0  # sum over verify passes of (accepted + 1), as SGLang's avg_spec_accept_length
+        self._verify_passes = 0
+        self._released: set[str] = set()
+        self._weight_backup: dict[int, torch.Tensor] = {}
+        small = self.model.args.hidden_size <= 1024
+        self.cpu_threads = cpu_threads or (1 if self.device.type == "cpu" and small else None)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, req: Request) -> None:
+        ids = req.input_ids
+        if not ids:
+            raise ValueError(f"request {req.rid}: input_ids is empty; send a non-empty prompt")
+        if any(r.req.rid == req.rid for r in (*self.waiting, *self.running)):
+            raise ValueError(f"request {req.rid}: a request with this rid is already running")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {req.rid}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        req.params.validate()
+        if len(ids) >= self.context_length:
+            raise ValueError(f"The input ({len(ids)} tokens) is longer than the model's context length "
+                             f"({self.context_length} tokens).")
+        if len(ids) + req.params.max_new_tokens > self.context_length:
+            raise ValueError(f"Requested token count exceeds the model's maximum context length of "
+                             f"{self.context_length} tokens. You requested a total of "
+                             f"{len(ids) + req.params.max_new_tokens} tokens: {len(ids)} tokens from the input "
+                             f"messages and {req.params.max_new_tokens} tokens for the completion. Please reduce "
+                             "the number of tokens in the input messages or the completion to fit within the limit.")
+        self.waiting.append(_Row(req=req, tokens=list(ids)))
+
+    def abort(self, rid: str) -> bool:
+        for row in self.waiting:
+            if row.req.rid == rid:
+                self.waiting.remove(row)
+                row.finish = {"type": "abort", "message": "Abort in waiting queue"}
+                self._finished_early.append(row)
+                return True
+        for row in self.running:
+            if row.req.rid == rid and row.finish is None:
+                row.finish = {"type": "abort", "message": "Abort request"}
+                return True
+        return False
+
+    def abort_all(self) -> None:
+        for rid in [r.req.rid for r in (*self.waiting, *self.running)]:
+            self.abort(rid)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._finished_early)
+
+    @property
+    def avg_spec_accept_length(self) -> float:
+        return self._accept_tokens / self._verify_passes if self._verify_passes else 1.0
+
+    # ------------------------------------------------------------------ scheduling
+    def step(self) -> list[Output]:
+        if self.cpu_threads is None:
+            return self._step()
+        saved = torch.get_num_threads()
+        torch.set_num_threads(self.cpu_threads)
+        try:
+            return self._step()
+        finally:
+            torch.set_num_threads(saved)
+
+    def _step(self) -> list[Output]:
+        if self._released:
+            return self._collect()
+        new_rows = []
+        while self.waiting and self.free_slots:
+            row = self.waiting.popleft()
+            row.slot = self.free_slots.pop()
+            self.running.append(row)
+            if row.req.params.max_new_tokens == 0:
+                row.finish = {"type": "length", "length": 0}
+            else:
+                new_rows.append(row)
+        if new_rows:
+            self._prefill(new_rows)
+        active = [r for r in self.running if r.finish is None]
+        if active:
+            self._spec_step(active) if self.drafter is not None else self._decode(active)
+        return self._collect()
+
+    def _collect(self) -> list[Output]:
+        done = [r for r in self.running if r.finish is not None]
+        self.running = [r for r in self.running if r.finish is None]
+        for r in done:
+            self.free_slots.append(r.slot)
+        done += self._finished_early
+        self._finished_early = []
+        return [self._output(r) for r in done]
+
+    def _params(self, rows: list[_Row]):
+        p = [r.req.params for r in rows]
+        dev = self.device
+        greedy = torch.tensor([sampling.is_greedy(x.temperature, x.top_k) for x in p], device=dev)
+        temps = torch.tensor([x.temperature for x in p], dtype=torch.float32, device=dev)
+        top_ks = torch.tensor([x.top_k if x.top_k > 0 else self.vocab_size for x in p], device=dev)
+        top_ps = torch.tensor([x.top_p for x in p], dtype=torch.float32, device=dev)
+        min_ps = torch.tensor([x.min_p for x in p], dtype=torch.float32, device=dev)
+        return greedy, temps, top_ks, top_ps, min_ps
+
+    def _pick(self, rows: list[_Row], logits: torch.Tensor) -> tuple[list[int], list[float] | None]:
+        """Next token per row from logits [B, V] (greedy or SGLang-filtered sampling), plus logprobs if asked."""
+        greedy, temps, top_ks, top_ps, min_ps = self._params(rows)
+        tokens = logits.argmax(-1)
+        sampled = ~greedy
+        if bool(sampled.any()):
+            probs = sampling.filtered_probs(logits[sampled], temps[sampled], top_ks[sampled], top_ps[sampled],
+                                            min_ps[sampled])
+            tokens[sampled] = sampling.sample(probs, self.generator)
+        logprobs = None
+        if any(r.req.return_logprob for r in rows):
+            lp = sampling.output_logprobs(logits, temps, greedy)
+            logprobs = lp.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+        return tokens.tolist(), logprobs
+
+    def _prefill(self, rows: list[_Row]) -> None:
+        dev = self.device
+        width = max(len(r.tokens) for r in rows)
+        ids = torch.tensor([r.tokens + [0] * (width - len(r.tokens)) for r in rows], device=dev)
+        positions = torch.arange(width, device=dev)[None].expand(len(rows), width)
+        slots = torch.tensor([r.slot for r in rows], device=dev)
+        hidden = self.model(ids, positions, self.cache, slots)
+        last = torch.tensor([len(r.tokens) - 1 for r in rows], device=dev)
+        logits = self.model.logits(hidden[torch.arange(len(rows), device=dev), last])
+        tokens, logprobs = self._pick(rows, logits)
+        alive = []
+        for i, row in enumerate(rows):
+            row.kv_len = len(row.tokens)
+            self._append(row, [tokens[i]], None if logprobs is None else [logprobs[i]])
+            if row.finish is None:
+                alive.append(i)
+        if self.drafter is not None and alive:
+            self.drafter.on_prefill([rows[i] for i in alive], hidden[torch.tensor(alive, device=dev)])
+
+    def _decode(self, rows: list[_Row]) -> None:
+        dev = self.device
+        ids = torch.tensor([[r.tokens[-1]] for r in rows], device=dev)
+        positions = torch.tensor([[r.kv_len] for r in rows], device=dev)
+        slots = torch.tensor([r.slot for r in rows], device=dev)
+        logits = self.model.logits(self.model(ids, positions, self.cache, slots)[:, 0])
+        tokens, logprobs = self._pick(rows, logits)
+        for i, row in enumerate(rows):
+            row.kv_len += 1
+            self._append(row, [tokens[i]], None if logprobs is None else [logprobs[i]])
+
+    def _spec_step(self, rows: list[_Row]) -> None:
+        """Draft k tokens per row, verify all rows in one target forward, accept per row, roll back the rest."""
+        dev = self.device
+        drafts = self.drafter.propose(rows)  # [B, k]
+        n, k = drafts.shape
+        ids = torch.cat((torch.tensor([[r.tokens[-1]] for r in rows], device=dev), drafts), dim=1)
+        start = torch.tensor([r.kv_len for r in rows], device=dev)
+        positions = start[:, None] + torch.arange(k + 1, device=dev)[None]
+        slots = torch.tensor([r.slot for r in rows], device=dev)
+        hidden = self.model(ids, positions, self.cache, slots)
+        logits = self.model.logits(hidden)  # [B, k+1, V]
+        greedy, temps, top_ks, top_ps, min_ps = self._params(rows)
+        accept, next_token = sampling.greedy_accept(logits, drafts)
+        sampled = ~greedy
+        if bool(sampled.any()):
+            reps = lambda t: t[sampled].repeat_interleave(k + 1)  # noqa: E731 (one value per position)
+            probs = sampling.filtered_probs(logits[sampled].flatten(0, 1), reps(temps), reps(top_ks), reps(top_ps),
+                                            reps(min_ps)).view(-1, k + 1, logits.shape[-1])
+            accept[sampled], next_token[sampled] = sampling.speculative_accept(probs, None, drafts[sampled],
+                                                                               self.generator)
+        chosen = torch.cat((drafts, torch.zeros_like(drafts[:, :1])), dim=1)
+        chosen[torch.arange(n, device=dev), accept] = next_token
+        logprobs = None
+        if any(r.req.return_logprob for r in rows):
+            lp = sampling.output_logprobs(logits.flatten(0, 1), temps.repeat_interleave(k + 1),
+                                          greedy.repeat_interleave(k + 1))
+            logprobs = lp.gather(-1, chosen.flatten()[:, None]).view(n, k + 1).tolist()
+        accept_list, chosen_list = accept.tolist(), chosen.tolist()
+        alive = []
+        for i, row in enumerate(rows):
+            a = accept_list[i]
+            row.verify_ct += 1
+            row.accept_num += a
+            row.draft_num += k
+            self._accept_tokens += a + 1
+            self._verify_passes += 1
+            row.kv_len += a + 1
+            self._append(row, chosen_list[i][: a + 1], None if logprobs is None else logprobs[i][: a + 1])
+            if row.finish is None:
+                alive.append(i)
+        if alive:
+            idx = torch.tensor(alive, device=dev)
+            self.drafter.on_verify([rows[i] for i in alive], hidden[idx], [accept_list[i] for i in alive])
+
+    # ------------------------------------------------------------------ finishing
+    def _append(self, row: _Row, tokens: list[int], logprobs: list[float] | None) -> None:
+        """Append tokens one by one, stopping at the first finish (SGLang's order: stop string, token, length)."""
+        p = row.req.params
+        for j, t in enumerate(tokens):
+            row.tokens.append(t)
+            if row.req.return_logprob:
+                row.logprobs.append(logprobs[j])
+            out_len = len(row.tokens) - row.prompt_len
+            matched = self._matched_stop_str(row) if p.stop else None
+            if matched is not None:
+                row.finish = {"type": "stop", "matched": matched}
+            elif not p.ignore_eos and (t in self.eos_token_ids or t in p.stop_token_ids):
+                row.finish = {"type": "stop", "matched": t}
+            elif out_len >= p.max_new_tokens:
+                row.finish = {"type": "length", "length": p.max_new_tokens}
+            elif len(row.tokens) >= self.context_length:
+                row.finish = {"type": "length", "length": out_len}
+            if row.finish is not None:
+                return
+
+    def _matched_stop_str(self, row: _Row) -> str | None:
+        p = row.req.params
+        window = max(len(s) for s in p.stop) + 1
+        tail = self.tokenizer.decode(row.output_ids[-window:])
+        for s in p.stop:
+            if s and s in tail:
+                return s
+        return None
+
+    def _output(self, row: _Row) -> Output:
+        p = row.req.params
+        out = row.output_ids
+        text_ids = out
+        if row.finish and row.finish["type"] == "stop" and isinstance(row.finish["matched"], int) \
+                and not p.no_stop_trim and out:
+            text_ids = out[:-1]
+        text = self.tokenizer.decode(text_ids, skip_special_tokens=p.skip_special_tokens)
+        if row.finish and row.finish["type"] == "stop" and isinstance(row.finish["matched"], str) \
+                and not p.no_stop_trim:
+            pos = text.find(row.finish["matched"])
+            text = text[:pos] if pos != -1 else text
+        return Output(rid=row.req.rid, output_ids=list(out),
+                      output_logprobs=list(row.logprobs) if row.req.return_logprob else None,
+                      finish_reason=dict(row.finish), prompt_tokens=row.prompt_len, completion_tokens=len(out),
+                      spec_verify_ct=row.verify_ct, spec_accept_token_num=row.accept_num,
+                      spec_draft_token_num=row.draft_num, text=text)
+
+    # ------------------------------------------------------------------ cache and memory
+    def flush_cache(self) -> bool:
+        """No prefix cache is kept, so there is nothing to drop; like SGLang, refuse while requests run."""
+        return not (self.waiting or self.running)
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Free the KV caches ("kv_cache") and/or weights ("weights": kept in a CPU backup) while idle."""
+        tags = self._check_tags(tags)
+        if self.waiting or self.running:
+            raise ValueError("release_memory_occupation needs an idle engine: abort or finish requests first")
+        if "kv_cache" in tags and "kv_cache" not in self._released:
+            self.cache = None
+            if self.drafter is not None:
+                self.drafter.drop_cache()
+            self._released.add("kv_cache")
+        if "weights" in tags and "weights" not in self._released:
+            for param in self._unique_params():
+                self._weight_backup[id(param)] = param.data.to("cpu", copy=True)
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            self._released.add("weights")
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        tags = self._check_tags(tags)
+        if "weights" in tags and "weights" in self._released:
+            for param in self._unique_params():
+                param.data = self._weight_backup.pop(id(param)).to(self.device)
+            self._released.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self._released:
+            self.cache = self.model.new_cache(self.max_running_requests, self.max_seq)
+            if self.drafter is not None:
+                self.drafter.new_cache()
+            self._released.discard("kv_cache")
+
+    @staticmethod
+    def _check_tags(tags: list[str] | None) -> set[str]:
+        tags = set(tags) if tags else {"weights", "kv_cache"}
+        unknown = tags - {"weights", "kv_cache", "cuda_graph"}
+        if unknown:
+            raise ValueError(f"tags {sorted(unknown)}: known memory tags are 'weights', 'kv_cache', 'cuda_graph'")
+        return tags
+
+    def _unique_params(self) -> list[torch.nn.Parameter]:
+        seen, out = set(), []
+        for runner in self._runners("all"):
+            for p in runner.values():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    # ------------------------------------------------------------------ weights
+    def _runners(self, selector: str) -> list[dict[str, torch.nn.Parameter]]:
+        """Which runners a selector reaches, each as {HF name: parameter} (SGLang 0.5.23's weight_updater)."""
+        if selector not in ("target", "draft", "all"):
+            raise ValueError(f"invalid selector {selector!r}; expected 'target', 'draft', or 'all'")
+        runners = []
+        if selector in ("target", "all"):
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            # The MiMo target runner skips MTP layers; they belong to the draft runner.
+            runners.append({n: params[n] for n in hf_weight_names(self.model)
+                            if not n.startswith("model.mtp_layers.")})
+        if selector in ("draft", "all") and self.drafter is not None:
+            draft = self.drafter.weight_runner()
+            if draft is not None:
+                runners.append(draft)
+        return runners
+
+    def named_weights(self, selector: str) -> dict[str, torch.Tensor]:
+        """Served weights by HF name. With "all" and a STANDALONE draft sharing names, the target's tensor wins."""
+        out: dict[str, torch.Tensor] = {}
+        for runner in reversed(self._runners(selector)):
+            out.update({n: p.detach() for n, p in runner.items()})
+        return out
+
+    def load_weights(self, named: list[tuple[str, torch.Tensor]], selector: str = "all") -> None:
+        """Load HF-named tensors into every selected runner that has the name; all or nothing.
+
+        Every name, shape and dtype is checked before any copy; a name no selected runner has is an error.
+        A tied model's `lm_head.weight` is accepted and skipped, as SGLang's loaders skip it.
+        """
+        if "weights" in self._released:
+            raise ValueError("weights are released (release_memory_occupation); resume them before loading")
+        runners = self._runners(selector)
+        tied = self.model.args.tie_word_embeddings
+        plan: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        for name, tensor in named:
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+            # A shared tensor (MiMo's embedding and lm_head, in target and draft runners) is loaded once.
+            targets = list({id(r[name]): r[name] for r in runners if name in r}.values())
+            if not targets and tied and name == "lm_head.weight" and selector != "draft":
+                targets = [self.model.model.embed_tokens.weight]
+                if tuple(tensor.shape) != tuple(targets[0].shape):
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != served {tuple(targets[0].shape)}")
+                continue
+            if not targets:
+                raise ValueError(f"{name}: no runner selected by selector={selector!r} has this weight "
+                                 f"(algorithm={self.spec.algorithm}); check the name or the selector")
+            if not (tensor.is_floating_point() or tensor.dtype == targets[0].dtype):
+                raise ValueError(f"{name}: dtype {tensor.dtype} cannot be loaded into a {targets[0].dtype} weight")
+            for param in targets:
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != served {tuple(param.shape)}")
+                plan.append((param, tensor))
+        with torch.no_grad():
+            for param, tensor in plan:
+                param.copy_(tensor.to(device=param.device, dtype=param.dtype))

@@ -1,0 +1,265 @@
+"""The weight routes, as SGLang 0.5.23's SchedulerWeightUpdaterManager runs them, on the engine thread.
+
+Each method takes the EngineCore and a validated request body and returns the body SGLang's
+route would return. Messages are SGLang's (scheduler_components/weight_updater.py and
+model_runner_components/weight_updater.py) except where the embedded engine behaves better:
+a failed load leaves the old weights serving (EngineCore.load_weights is all or nothing), and the
+message says so instead of SGLang's "partially updated".
+
+Selector semantics: "target" reaches the target runner, "draft" the draft runner (MiMo MTP layers
+for NEXTN/EAGLE, the separate model for STANDALONE, nothing for NGRAM), "all" both; a distributed
+update is received once and loaded into every selected runner.
+
+`/update_weights_from_tensor` payloads: one base64 string per TP rank (the embedded engine is rank
+0), each a pickle that SGLang's own `MultiprocessingSerializer.deserialize` reads (its SafeUnpickler).
+SGLang's producers pickle with ForkingPickler (shared-memory handles, same host); a plain
+`pickle.dumps([(name, cpu_tensor), ...])` also deserializes there and carries the bytes inline, which
+is what `serialize_named_tensors` below writes: the same payload shape, safe across processes on CPU.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slime_spec.dist_group import WeightUpdateGroup
+
+NOT_IN_SESSION = "{op} must run between begin_weight_update() and end_weight_update()"
+FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
+                 "queued. Retract or finish them, then call /flush_cache.")
+
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+    """A CPU-safe `serialized_named_tensors` entry: base64 of a pickle SGLang's deserializer accepts."""
+    buf = io.BytesIO()
+    pickle.dump([(n, t.detach().cpu().contiguous()) for n, t in named], buf)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def deserialize_named_tensors(payload: Any) -> Any:
+    """One rank's entry (base64 str or bytes) -> what the producer pickled, through SGLang's SafeUnpickler."""
+    from sglang.srt.utils.common import MultiprocessingSerializer, normalize_serialized_named_tensor_payload
+
+    return MultiprocessingSerializer.deserialize(normalize_serialized_named_tensor_payload(payload))
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """SGLang's CPU tensor hash (managers/mm_utils.tensor_hash): sha256 of the raw bytes, first 8, hex."""
+    t = t.detach().cpu().contiguous()
+    digest = hashlib.sha256(memoryview(t.reshape(-1).view(torch.uint8).numpy())).digest()[:8]
+    return f"{int.from_bytes(digest, 'big'):016x}"
+
+
+def overall_checksum(checksums: dict[str, str]) -> str:
+    """SGLang's utils/weight_checker.overall_checksum."""
+    h = hashlib.sha256()
+    for name in sorted(checksums):
+        h.update(name.encode())
+        h.update(checksums[name].encode())
+    return h.hexdigest()
+
+
+def roles_of(selector: str) -> list[str]:
+    if selector == "all":
+        return ["target", "draft"]
+    if selector in ("target", "draft"):
+        return [selector]
+    raise ValueError(f"invalid selector {selector!r}; expected 'target', 'draft', or 'all'")
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}; use a torch dtype name such as 'bfloat16'")
+    return dtype
+
+
+def _unbucket(obj: Any) -> list[tuple[str, torch.Tensor]]:
+    """A flattened_bucket payload ({"flattened_tensor", "metadata"}) -> named tensors, as SGLang rebuilds it."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+
+    meta = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
+                                    end_idx=m.end_idx, numel=m.numel) for m in obj["metadata"]]
+    return FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=meta).reconstruct_tensors()
+
+
+class WeightUpdater:
+    """Session, update groups and weight version of one engine. Every method runs on the engine thread."""
+
+    def __init__(self, weight_version: str, model_path: str, device: str, has_draft: bool):
+        self.weight_version = weight_version
+        self.model_path = model_path
+        self.device = device
+        self.has_draft = has_draft
+        self.session_selector: str | None = None
+        self.groups: dict[str, WeightUpdateGroup] = {}
+
+    # ------------------------------------------------------------------ session
+    def begin(self, core, req: dict) -> dict:
+        if self.session_selector is not None:
+            return _result(False, "a weight-update session is already open; call end_weight_update() first")
+        selector = req.get("selector", "all")
+        roles_of(selector)
+        self.session_selector = selector
+        return _result(True, "Success")
+
+    def end(self, core, req: dict) -> dict:
+        if self.session_selector is None:
+            return _result(False, "no weight-update session is open; call begin_weight_update() first")
+        self.session_selector = None
+        return _result(True, "Success")
+
+    # ------------------------------------------------------------------ groups
+    def init_group(self, core, req: dict) -> dict:
+        backend = req.get("backend", "nccl")
+        if backend == "nccl" and not self.device.startswith("cuda"):
+            return _result(False, "Failed to initialize custom process group: backend 'nccl' needs a CUDA engine "
+                                  "and this engine runs on CPU; ask for backend 'gloo'.")
+        group_name = req.get("group_name", "weight_update_group")
+        if not group_name:
+            return _result(False, "Failed to initialize custom process group: Group name cannot be empty.")
+        try:
+            group = WeightUpdateGroup(req["master_address"], int(req["master_port"]), rank=int(req["rank_offset"]),
+                                      world_size=int(req["world_size"]), group_name=group_name, backend=backend)
+        except (RuntimeError, ValueError) as e:
+            return _result(False, f"Failed to initialize custom process group: {e}.")
+        old = self.groups.pop(group_name, None)
+        if old is not None:
+            old.destroy()
+        self.groups[group_name] = group
+        return _result(True, "Succeeded to initialize custom process group.")
+
+    def destroy_group(self, core, req: dict) -> dict:
+        group = self.groups.pop(req.get("group_name", "weight_update_group"), None)
+        if group is None:
+            return _result(False, "The group to be destroyed does not exist.")
+        group.destroy()
+        return _result(True, "Succeeded to destroy custom process group.")
+
+    # ------------------------------------------------------------------ updates
+    def update_from_distributed(self, core, req: dict) -> dict:
+        if self.session_selector is None:
+            return _result(False, NOT_IN_SESSION.format(op="update_weights_from_distributed"))
+        selector = req.get("selector", "all")
+        roles_of(selector)
+        try:
+            named = self._receive(req)
+        except (RuntimeError, ValueError, AssertionError) as e:
+            return _result(False, f"Failed to receive weights: {e}")
+        return self._load(core, named, selector, req, "Succeeded to update parameter online.")
+
+    def _receive(self, req: dict) -> list[tuple[str, torch.Tensor]]:
+        """One broadcast from rank 0 per tensor, in the order of names (or one flat bucket), as SGLang receives."""
+        group_name = req.get("group_name", "weight_update_group")
+        if group_name not in self.groups:
+            raise ValueError(f"Group {group_name} not in {list(self.groups)}. Please call "
+                             "`init_weights_update_group` first.")
+        group = self.groups[group_name]
+        names, dtypes, shapes = req["names"], req["dtypes"], req["shapes"]
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"names, dtypes and shapes must have the same length, got {len(names)}, "
+                             f"{len(dtypes)}, {len(shapes)}")
+        device = self.device if group.backend == "nccl" else "cpu"
+        if req.get("load_format") == "flattened_bucket":
+            from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+            bucket = FlattenedTensorBucket.empty(names, [_torch_dtype(d) for d in dtypes], shapes, device)
+            group.broadcast(bucket.get_flattened_tensor(), src=0)
+            return bucket.reconstruct_tensors()
+        buffers = [(n, torch.empty([int(s) for s in shape], dtype=_torch_dtype(d), device=device))
+                   for n, d, shape in zip(names, dtypes, shapes)]
+        for _, buf in buffers:
+            group.broadcast(buf, src=0)
+        return buffers
+
+    def update_from_tensor(self, core, req: dict) -> dict:
+        if self.session_selector is None:
+            return _result(False, NOT_IN_SESSION.format(op="update_weights_from_tensor"))
+        selector = req.get("selector", "all")
+        roles_of(selector)
+        payloads = req["serialized_named_tensors"]
+        if not isinstance(payloads, list) or not payloads:
+            return _result(False, "serialized_named_tensors must be a non-empty list (one entry per TP rank)")
+        try:
+            obj = deserialize_named_tensors(payloads[0])
+            named = _unbucket(obj) if req.get("load_format") == "flattened_bucket" else list(obj)
+        except (RuntimeError, ValueError, TypeError, KeyError, pickle.UnpicklingError) as e:
+            return _result(False, f"Failed to deserialize serialized_named_tensors: {e}")
+        if req.get("load_format") not in (None, "direct", "flattened_bucket"):
+            return _result(False, f"Unknown load_format={req.get('load_format')}")
+        return self._load(core, named, selector, req, "Success")
+
+    def update_from_disk(self, core, req: dict) -> dict:
+        """SGLang reloads every runner from the checkpoint (no selector on this route)."""
+        path = Path(req["model_path"])
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            out = _result(False, f"Failed to get weights iterator: no *.safetensors in {path}.")
+            return {**out, "num_paused_requests": 0}
+        from safetensors.torch import load_file
+
+        named = [(n, t) for f in files for n, t in load_file(str(f)).items()]
+        out = self._load(core, named, "all", req, "Succeeded to update model weights.")
+        if out["success"]:
+            self.model_path = str(path)
+        return {**out, "num_paused_requests": 0}
+
+    def _load(self, core, named: list[tuple[str, torch.Tensor]], selector: str, req: dict, ok: str) -> dict:
+        try:
+            core.load_weights(named, selector=selector)
+        except ValueError as e:
+            return _result(False, f"Failed to update parameter online: {e}. The old weights keep serving.")
+        message = ok
+        if req.get("weight_version") is not None:
+            self.weight_version = req["weight_version"]
+            message += f" Weight version updated to {req['weight_version']}."
+        if req.get("flush_cache", True) and not core.flush_cache():
+            return _result(False, FLUSH_REFUSED)
+        return _result(True, message)
+
+    # ------------------------------------------------------------------ reads
+    def get_weights_by_name(self, core, req: dict) -> list | None:
+        """The target runner's tensor as float32 nested lists, first `truncate_size` rows (SGLang's LlamaForCausalLM)."""
+        weights = core.named_weights("target")
+        name = req["name"]
+        if name not in weights and name == "lm_head.weight":
+            name = "model.embed_tokens.weight"  # tied embeddings, as SGLang answers
+        if name not in weights:
+            return None
+        return weights[name].float().cpu().tolist()[: int(req.get("truncate_size", 100))]
+
+    def check_weights(self, core, req: dict) -> dict:
+        action = req.get("action", "checksum")
+        if action != "checksum":
+            return _result(False, f"Unsupported action={action!r}: the embedded engine implements 'checksum'")
+        skip = req.get("skip_tensor_list") or []
+        merged: dict[str, str] = {}
+        infos = []
+        for role in roles_of(req.get("selector", "all")):
+            if role == "draft" and not self.has_draft:
+                continue
+            weights = core.named_weights(role)
+            if role == "draft" and not weights:
+                continue
+            for name, t in weights.items():
+                if any(s in name for s in skip):
+                    continue
+                merged[name if role == "target" else f"{role}.{name}"] = tensor_checksum(t)
+            infos.append({"role": role, "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
+                          "pp_size": 1, "rank": 0, "size": 1})
+        out = _result(True, "Success.")
+        if infos:
+            rank = {"checksums": merged, "per_gpu_checksum": overall_checksum(merged), "parallelism_info": infos}
+            out["ranks"] = [rank]
+            out["per_engine_checksum"] = hashlib.sha256(rank["per_gpu_checksum"].encode()).hexdigest()
+        return out
+
+
+def _result(success: bool, message: str) -> dict:
+    return {"success": success, "message": message}

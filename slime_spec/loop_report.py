@@ -1,0 +1,127 @@
+"""What a training run shows a person: a line per step, metrics JSONL, wandb, a summary table and a plot.
+
+One merged dict per step (rollout + train + weight-sync + canary keys) goes to the console,
+to `--metrics-jsonl` (default `<output-dir>/metrics.jsonl`), and to wandb when `--use-wandb`.
+At the end: a summary table on the console, `summary.json` and `plot.png` in the output dir.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from slime_spec.config import Config
+from slime_spec.rollout.metrics import WandbLogger, format_metrics_line, write_metrics_line
+
+TABLE_COLUMNS = [  # (key, header, format)
+    ("rollout_id", "step", "{}"),
+    ("reward_mean", "reward", "{:.3f}"),
+    ("spec_accept_length", "accept_len", "{:.2f}"),
+    ("tokens_per_s", "tok/s", "{:.0f}"),
+    ("loss", "loss", "{:.4f}"),
+    ("mtp_loss", "mtp_loss", "{:.4f}"),
+    ("weight_sync_s", "sync_s", "{:.2f}"),
+    ("spec_canary_accept_length", "canary", "{:.2f}"),
+]
+
+
+def format_cell(value, fmt: str) -> str:
+    if value is None:
+        return "-"
+    try:
+        return fmt.format(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def summary_table(steps: list[dict]) -> str:
+    cols = [c for c in TABLE_COLUMNS if any(c[0] in s for s in steps)]
+    rows = [[h for _, h, _ in cols]] + [[format_cell(s.get(k), f) for k, _, f in cols] for s in steps]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def summarize(steps: list[dict]) -> dict:
+    def series(key):
+        return [s.get(key) for s in steps]
+
+    def first_last(key):
+        vals = [v for v in series(key) if v is not None]
+        return (vals[0], vals[-1]) if vals else (None, None)
+
+    r0, r1 = first_last("reward_mean")
+    a0, a1 = first_last("spec_accept_length")
+    return {"num_steps": len(steps), "reward_first": r0, "reward_last": r1,
+            "accept_length_first": a0, "accept_length_last": a1,
+            "weight_sync_s_mean": _mean(series("weight_sync_s")), "tokens_per_s_mean": _mean(series("tokens_per_s")),
+            "rollouts": steps}
+
+
+def _mean(values):
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[str, list[dict]] | None = None) -> None:
+    """Reward and accept length over steps; `extra` overlays other runs (e.g. a frozen draft)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {"this run": steps, **(extra or {})}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, key, label in ((axes[0], "reward_mean", "reward (mean)"), (axes[1], "spec_accept_length", "accept length")):
+        for name, run_steps in runs.items():
+            xs = [s["rollout_id"] for s in run_steps if s.get(key) is not None]
+            ys = [s[key] for s in run_steps if s.get(key) is not None]
+            ax.plot(xs, ys, marker="o", label=name)
+        ax.set_xlabel("rollout step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if len(runs) > 1:
+            ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+class LoopReport:
+    def __init__(self, config: Config):
+        self.out_dir = Path(config.output_dir)
+        self.metrics_path = Path(config.rollout.metrics_jsonl or self.out_dir / "metrics.jsonl")
+        self.steps: list[dict] = []
+        self.wandb = WandbLogger(config.wandb, {"train": vars(config.train), "rollout": vars(config.rollout)}) \
+            if config.wandb.use_wandb else None
+
+    def add(self, step: dict) -> None:
+        self.steps.append(step)
+        if "num_samples" in step:
+            line = format_metrics_line(step)
+        else:
+            line = f"rollout {step['rollout_id']}: replayed {step.get('replayed_samples', 0)} samples"
+        extras = [f"{k} {format_cell(step.get(k), '{:.4f}')}" for k in ("loss", "mtp_loss", "grad_norm") if k in step]
+        if "weight_sync_s" in step:
+            extras.append(f"sync {step['weight_sync_s']:.2f}s ({format_cell(step.get('weight_sync_gbps'), '{:.2f}')} GB/s, "
+                          f"{step.get('weight_sync_params')} target + {step.get('weight_sync_mtp_params')} MTP tensors)")
+        if step.get("spec_canary_accept_length") is not None:
+            extras.append(f"canary accept_len {step['spec_canary_accept_length']:.2f}")
+        print(line + ("" if not extras else " | " + " | ".join(extras)), flush=True)
+        write_metrics_line(self.metrics_path, step)
+        if self.wandb:
+            self.wandb.log(step, step=step["rollout_id"])
+
+    def finish(self, title: str = "slime-spec") -> dict:
+        summary = summarize(self.steps)
+        print("\n" + summary_table(self.steps), flush=True)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+        if self.steps:
+            plot(self.steps, self.out_dir / "plot.png", title)
+        if self.wandb:
+            self.wandb.finish()
+        return summary

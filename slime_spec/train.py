@@ -1,0 +1,120 @@
+"""`python -m slime_spec.train`: rollout -> train -> sync weights, for `--num-rollout` steps.
+
+The driver is thin: it parses the flags once, runs the speculative checks (stopping on an
+error), starts a local Ray when no cluster is given, and moves samples and metrics between
+the RolloutManager (engines) and the TrainGroup (Megatron actors). It knows no HTTP payload.
+Modes: separate placement (default), `--colocate` (engine memory released while training),
+`--debug-rollout-only` (no trainer) and `--debug-train-only` (no engines; replays saved data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from slime_spec.args import ArgsError, parse
+from slime_spec.config import Config, WandbConfig
+from slime_spec.doctor import diagnose, render_text
+from slime_spec.loop_report import LoopReport
+
+
+def preflight(argv: list[str]) -> Config:
+    """Parse and check; an error finding stops the run before anything starts."""
+    parsed = parse(argv)
+    config, findings = diagnose(parsed)
+    errors = [f for f in findings if f.level == "error"]
+    shown = [f for f in findings if f.level != "info"]
+    if shown or errors:
+        print(render_text(config, shown, []), flush=True)
+    if errors or config is None:
+        raise SystemExit(2)
+    return config
+
+
+def init_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    env = {"env_vars": {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+                        "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}}
+    if address:  # inside `ray job submit`, or a cluster the user started
+        ray.init(address=address, runtime_env=env, log_to_driver=True)
+    else:
+        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, runtime_env=env, log_to_driver=True)
+
+
+def run(config: Config, *, manager_kwargs: dict | None = None) -> dict:
+    """The whole loop; returns the summary that is also printed and written to output_dir."""
+    import ray
+
+    from slime_spec.rollout.debug_data import load_rollout
+    from slime_spec.rollout.debug_rollout import run_debug_rollout_only
+    from slime_spec.rollout.manager import start_rollout_manager
+    from slime_spec.trainer.group import TrainGroup
+
+    init_ray()
+    if config.debug_rollout_only:
+        return run_debug_rollout_only(config, **(manager_kwargs or {}))
+
+    report = LoopReport(config)
+    # The driver writes one merged line per step (rollout + train + sync) and owns the wandb run.
+    manager = None if config.debug_train_only else start_rollout_manager(
+        dataclasses.replace(config, wandb=WandbConfig()), write_metrics_jsonl=False, **(manager_kwargs or {}))
+    trainer = TrainGroup(config)
+    try:
+        if manager is not None:
+            trainer.connect_engines(ray.get(manager.engine_urls.remote()))
+        for rollout_id in range(config.rollout.num_rollout):
+            step = {"rollout_id": rollout_id}
+            if manager is None:
+                samples = load_rollout(config.rollout.load_debug_rollout_data, rollout_id)
+                step.update(replayed_samples=len(samples))
+            else:
+                samples = ray.get(manager.generate.remote(rollout_id))
+                step.update(ray.get(manager.get_last_metrics.remote()))
+            if config.cluster.colocate and manager is not None:
+                ray.get(manager.release_memory.remote())
+            t0 = time.perf_counter()
+            step.update(trainer.train_step(samples, rollout_id))
+            step["train_time_s"] = time.perf_counter() - t0
+            if config.cluster.colocate and manager is not None:
+                ray.get(manager.resume_memory.remote())
+            if manager is not None:
+                step.update(trainer.sync_weights(rollout_id, probe_samples=samples))
+            if config.train.save and config.train.save_interval and (rollout_id + 1) % config.train.save_interval == 0:
+                trainer.save(rollout_id)
+            if manager is not None and config.eval_interval and (rollout_id + 1) % config.eval_interval == 0:
+                step.update(ray.get(manager.eval.remote(rollout_id)))
+            report.add(step)
+        if config.train.save:
+            trainer.save(config.rollout.num_rollout - 1)
+        return report.finish()
+    finally:
+        trainer.shutdown()
+        if manager is not None:
+            try:
+                ray.get(manager.shutdown.remote())
+            finally:
+                ray.kill(manager)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        config = preflight(argv)
+    except ArgsError as e:
+        print(f"slime-spec: {e}", file=sys.stderr)
+        return 2
+    summary = run(config)
+    print(json.dumps({k: v for k, v in summary.items() if k != "rollouts"}, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Loss math of the trainer, as pure tensor functions (the same formulas as slime's ppo_utils).
+
+Shapes: per-token tensors are [batch, seq] aligned to *target* positions: entry j is about token j
+(its log-prob under the model given tokens < j). Masks are 1.0 on the tokens that are trained.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+
+
+def grpo_advantages(rewards: Sequence[float], group_index: Sequence[int], n_samples_per_prompt: int,
+                    std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Per-sample GRPO advantage: reward minus its group's mean, divided by the group's std (+eps).
+
+    A group is the n_samples_per_prompt samples of one prompt (`Sample.group_index`). The std is torch's
+    unbiased one, as slime computes it.
+    """
+    if len(rewards) != len(group_index):
+        raise ValueError(f"{len(rewards)} rewards for {len(group_index)} samples")
+    members: dict[int, list[int]] = defaultdict(list)
+    for i, g in enumerate(group_index):
+        members[g].append(i)
+    r = torch.tensor([float(x) for x in rewards], dtype=torch.float32)
+    adv = torch.empty_like(r)
+    for g, idx in members.items():
+        if len(idx) != n_samples_per_prompt:
+            raise ValueError(f"GRPO: prompt group {g} has {len(idx)} samples but --n-samples-per-prompt is "
+                             f"{n_samples_per_prompt}; pass every sample of each prompt to the trainer")
+        group = r[idx]
+        centered = group - group.mean()
+        if std_normalize and len(idx) > 1:
+            centered = centered / (group.std() + eps)
+        adv[idx] = centered
+    return adv
+
+
+def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] log p(input_ids[:, j] | input_ids[:, <j]) from logits [b, s, V] (position i predicts i+1);
+    column 0 (no context) is 0."""
+    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return F.pad(lp, (1, 0))
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """[b, s] entropy of the distribution that predicts token j (aligned like `token_log_probs`)."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return F.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+
+
+def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Per-token KL(policy || ref) estimators (Schulman, "Approximating KL divergence"); k3 == low_var_kl,
+    the latter clamped to [-10, 10] as slime does."""
+    log_ratio = log_probs.float() - ref_log_probs.float()
+    if kl_type == "k1":
+        return log_ratio
+    if kl_type == "k2":
+        return log_ratio.pow(2) / 2.0
+    if kl_type in ("k3", "low_var_kl"):
+        kl = (-log_ratio).exp() - 1 + log_ratio
+        return kl.clamp(-10, 10) if kl_type == "low_var_kl" else kl
+    raise ValueError(f"--kl-loss-type {kl_type!r}: choose one of {KL_TYPES}")
+
+
+def ppo_clip_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                  eps_clip: float, eps_clip_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO clipped surrogate (to minimise) and whether the clip was active (1.0/0.0).
+
+    ratio = exp(log_probs - old_log_probs), clipped to [1 - eps_clip, 1 + eps_clip_high].
+    """
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    ratio = (log_probs - old_log_probs).exp()
+    unclipped = -ratio * advantages
+    clipped = -ratio.clamp(1 - eps_clip, 1 + high) * advantages
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def sample_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[b] mean of each sample's values over its masked tokens (0 for a sample with none)."""
+    return (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def mtp_token_losses(mtp_logits: list[torch.Tensor], input_ids: torch.Tensor,
+                     loss_mask: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per MTP layer k: (cross-entropy [b, s-k-2], its mask). Position i of layer k predicts token i+k+2;
+    only targets that are trained tokens (loss_mask, i.e. the response the draft will propose) count."""
+    out = []
+    for k, logits in enumerate(mtp_logits):
+        shift = k + 2
+        targets = input_ids[:, shift:]
+        ce = F.cross_entropy(logits[:, :-shift].float().transpose(1, 2), targets, reduction="none")
+        out.append((ce, loss_mask[:, shift:]))
+    return out
+
+
+@dataclass
+class LossTerms:
+    """Per-sample terms of one micro-batch ([b] each); `total` is what is minimised per sample."""
+
+    total: torch.Tensor
+    pg_loss: torch.Tensor
+    kl: torch.Tensor
+    entropy: torch.Tensor
+    clip_fraction: torch.Tensor
+    mtp_loss: torch.Tensor
+
+
+def policy_loss_terms(log_probs, old_log_probs, advantages, loss_mask, *, eps_clip: float,
+                      eps_clip_high: float | None, entropy: torch.Tensor, entropy_coef: float,
+                      ref_log_probs: torch.Tensor | None = None, kl_loss_coef: float = 0.0,
+                      kl_loss_type: str = "low_var_kl") -> LossTerms:
+    """GRPO/PPO objective: pg_loss + kl_loss_coef * KL(policy || ref) - entropy_coef * entropy."""
+    pg, clipped = ppo_clip_loss(log_probs, old_log_probs, advantages, eps_clip, eps_clip_high)
+    pg_loss = sample_mean(pg, loss_mask)
+    ent = sample_mean(entropy, loss_mask)
+    kl = (sample_mean(approx_kl(log_probs, ref_log_probs, kl_loss_type), loss_mask)
+          if ref_log_probs is not None else torch.zeros_like(pg_loss))
+    total = pg_loss + kl_loss_coef * kl - entropy_coef * ent
+    zero = torch.zeros_like(pg_loss)
+    return LossTerms(total, pg_loss, kl, ent, sample_mean(clipped, loss_mask), zero)
+
+
+def sft_loss_terms(log_probs, loss_mask, entropy: torch.Tensor) -> LossTerms:
+    """Negative log-likelihood of the trained tokens, per sample."""
+    nll = sample_mean(-log_probs, loss_mask)
+    zero = torch.zeros_like(nll)
+    return LossTerms(nll, nll, zero, sample_mean(entropy, loss_mask), zero, zero)
+
+
+def mtp_loss_per_sample(mtp_logits: list[torch.Tensor], input_ids: torch.Tensor,
+                        loss_mask: torch.Tensor) -> torch.Tensor:
+    """[b] MTP cross-entropy averaged over each sample's trained targets, then over MTP layers."""
+    per_layer = [sample_mean(ce, mask) for ce, mask in mtp_token_losses(mtp_logits, input_ids, loss_mask)]
+    return torch.stack(per_layer).mean(0)

@@ -1,0 +1,260 @@
+"""One train process: the Megatron policy (+ MTP layers), its optimizer, and the GRPO / SFT steps.
+
+`TrainActor` (actor.py) is a thin Ray wrapper around this; tests drive it in-process.
+Megatron's parallel state must be initialised first (`parallel.init_parallel`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from slime_spec.config import TrainConfig
+from slime_spec.rollout.sample import Sample
+from slime_spec.trainer import checkpoint, losses
+from slime_spec.trainer import model as M
+from slime_spec.trainer.batch import TokenBatch, collate, step_slices
+from slime_spec.trainer.parallel import TPInfo, current_tp_info
+from slime_spec.weight_sync import convert
+
+logger = logging.getLogger(__name__)
+METRICS = ("loss", "pg_loss", "kl", "clip_fraction", "entropy", "mtp_loss")
+
+
+class Trainer:
+    def __init__(self, train: TrainConfig):
+        if train.loss_type not in ("policy_loss", "sft"):
+            raise ValueError(f"--loss-type {train.loss_type!r}: choose policy_loss or sft")
+        if train.loss_type == "policy_loss" and train.advantage_estimator != "grpo":
+            raise ValueError(f"--advantage-estimator {train.advantage_estimator!r}: only grpo is implemented")
+        if train.use_kl_loss:
+            losses.approx_kl(torch.zeros(1), torch.zeros(1), train.kl_loss_type)  # validates the type early
+        self.train = train
+        self.tp: TPInfo = current_tp_info()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+        self.hf_config = M.read_hf_config(train.hf_checkpoint)
+        self.vocab_size = self.hf_config["vocab_size"]
+        self.model = M.build_gpt_model(self.hf_config, train)
+        self.start_rollout_id = 0
+        resumed = self._load_initial_weights()
+        for name, p in self.model.named_parameters():
+            if convert.is_mtp_param(name):
+                p.requires_grad_(train.enable_mtp_training)  # a frozen draft gets no gradient and no decay
+        trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [p for _, p in trainable if p.dim() > 1], "weight_decay": train.weight_decay},
+             {"params": [p for _, p in trainable if p.dim() <= 1], "weight_decay": 0.0}],  # norms, biases
+            lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
+        if resumed is not None and resumed.get("optimizer") is not None:
+            self.optimizer.load_state_dict(resumed["optimizer"])
+        self.ref_state = self._reference_weights() if train.use_kl_loss else None
+
+    # ---------------------------------------------------------------- weights
+    def _load_initial_weights(self) -> dict | None:
+        """--load when it holds a checkpoint (resume), else the HF checkpoint; returns the loaded shard."""
+        t = self.train
+        if t.load and (Path(t.load) / checkpoint.LATEST).is_file():
+            shard = checkpoint.load_shard(t.load, self.tp.tp_rank, self.tp.tp_size)
+            self._copy_into_model(shard["model"])
+            self.start_rollout_id = shard["rollout_id"] + 1
+            logger.info("resumed from %s at rollout %d", t.load, shard["rollout_id"])
+            return shard
+        if t.load:
+            logger.info("--load %s holds no checkpoint yet; starting from --hf-checkpoint", t.load)
+        M.load_hf_weights(self.model, M.read_hf_state(t.hf_checkpoint), self.hf_config,
+                          self.tp.tp_rank, self.tp.tp_size)
+        return None
+
+    def _copy_into_model(self, state: dict[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        if set(state) != set(params):
+            raise ValueError(f"checkpoint does not match the model: missing {sorted(set(params) - set(state))}, "
+                             f"unexpected {sorted(set(state) - set(params))}")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(state[name])
+
+    def _reference_weights(self) -> dict[str, torch.Tensor]:
+        """The KL reference: --ref-load (an HF or slime-spec checkpoint) or the --hf-checkpoint weights."""
+        source = self.train.ref_load or self.train.hf_checkpoint
+        current = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        if (Path(source) / checkpoint.LATEST).is_file():
+            self._copy_into_model(checkpoint.load_shard(source, self.tp.tp_rank, self.tp.tp_size)["model"])
+        else:
+            M.load_hf_weights(self.model, M.read_hf_state(source), self.hf_config, self.tp.tp_rank, self.tp.tp_size)
+        ref = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self._copy_into_model(current)
+        return ref
+
+    @contextlib.contextmanager
+    def _reference_model(self):
+        """The model with the reference weights swapped in (one model in memory, as slime does)."""
+        current = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self._copy_into_model(self.ref_state)
+        try:
+            yield self.model
+        finally:
+            self._copy_into_model(current)
+
+    def named_megatron_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Megatron name, this rank's TP shard) for every parameter, in a fixed order (for the weight sync)."""
+        for name, p in self.model.named_parameters():
+            yield name, p.detach()
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full HF-named weights: TP shards all-gathered (collective: every TP rank must call it)."""
+        from megatron.core import parallel_state as ps
+
+        family = convert.family_of(self.hf_config)
+        out = {}
+        for name, shard in self.named_megatron_params():
+            if self.tp.tp_size > 1 and convert.tp_split_dim(name) is not None:
+                shards = [torch.empty_like(shard) for _ in range(self.tp.tp_size)]
+                dist.all_gather(shards, shard.contiguous(), group=ps.get_tensor_model_parallel_group())
+                full = convert.merge_tp_shards(name, shards)
+            else:
+                full = shard
+            out.update((k, v.cpu()) for k, v in convert.megatron_to_hf(family, name, full, self.hf_config))
+        return out
+
+    @torch.no_grad()
+    def forward_logits(self, input_ids: list[list[int]]) -> dict[str, torch.Tensor]:
+        """Policy and MTP logits (CPU, [b, s, vocab]) for equal-length token lists: for checks against engines."""
+        self.model.eval()
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        out = M.forward(self.model, ids, self.vocab_size, with_mtp=True)
+        return {"logits": out.logits.cpu(), "mtp_logits": [x.cpu() for x in out.mtp_logits]}
+
+    def get_tp_info(self) -> dict:
+        return dict(self.tp.__dict__)
+
+    def save(self, rollout_id: int) -> Path | None:
+        if not self.train.save:
+            raise ValueError("save() needs --save DIR")
+        path = None
+        if self.tp.dp_rank == 0:
+            path = checkpoint.save_shard(self.train.save, rollout_id, self.tp.tp_rank, self.tp.tp_size,
+                                         self.hf_config, dict(self.named_megatron_params()),
+                                         self.optimizer.state_dict())
+        dist.barrier()
+        if self.tp.rank == 0:
+            checkpoint.mark_latest(self.train.save, rollout_id)
+        return path
+
+    # ---------------------------------------------------------------- steps
+    def _forward(self, batch: TokenBatch, with_mtp: bool):
+        return M.forward(self.model, batch.input_ids, self.vocab_size, with_mtp=with_mtp)
+
+    @torch.no_grad()
+    def _log_probs(self, batch: TokenBatch) -> torch.Tensor:
+        self.model.eval()
+        return losses.token_log_probs(self._forward(batch, with_mtp=False).logits, batch.input_ids)
+
+    def train_step(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
+        """One rollout's worth of training: len(samples) / global_batch_size optimizer steps."""
+        t = self.train
+        sft = t.loss_type == "sft"
+        steps = step_slices(len(samples), t.global_batch_size, t.micro_batch_size, self.tp.dp_rank, self.tp.dp_size)
+        batches = [[collate([samples[i] for i in mb], self.device) for mb in step] for step in steps]
+        if not sft:
+            advantages = losses.grpo_advantages([self._reward(s) for s in samples],
+                                                [s.group_index for s in samples], t.n_samples_per_prompt)
+        # The old policy (and the reference) log-probs, all before the first update of this rollout.
+        old = [[self._log_probs(b) for b in step] for step in batches] if not sft else None
+        ref = None
+        if not sft and self.ref_state is not None:
+            with self._reference_model():
+                ref = [[self._log_probs(b) for b in step] for step in batches]
+
+        sums = torch.zeros(len(METRICS) + 3, dtype=torch.float64)  # METRICS, n_samples, |lp diff|, n_tokens
+        grad_norms = []
+        for s_idx, step in enumerate(batches):
+            self.model.train()
+            self.optimizer.zero_grad(set_to_none=True)
+            for m_idx, batch in enumerate(step):
+                out = self._forward(batch, with_mtp=bool(t.mtp_num_layers))
+                log_probs = losses.token_log_probs(out.logits, batch.input_ids)
+                entropy = losses.token_entropy(out.logits)
+                if sft:
+                    terms = losses.sft_loss_terms(log_probs, batch.loss_mask, entropy)
+                else:
+                    adv = advantages[steps[s_idx][m_idx]].to(self.device)[:, None].expand_as(log_probs)
+                    terms = losses.policy_loss_terms(
+                        log_probs, old[s_idx][m_idx], adv, batch.loss_mask, eps_clip=t.eps_clip,
+                        eps_clip_high=t.eps_clip_high, entropy=entropy, entropy_coef=t.entropy_coef,
+                        ref_log_probs=None if ref is None else ref[s_idx][m_idx],
+                        kl_loss_coef=t.kl_loss_coef, kl_loss_type=t.kl_loss_type)
+                objective = terms.total.sum()
+                if out.mtp_logits:
+                    terms.mtp_loss = losses.mtp_loss_per_sample(out.mtp_logits, batch.input_ids, batch.loss_mask)
+                    if t.enable_mtp_training:
+                        objective = objective + t.mtp_loss_scaling_factor * terms.mtp_loss.sum()
+                (objective / t.global_batch_size).backward()
+                self._accumulate(sums, terms, batch, None if sft else old[s_idx][m_idx])
+            grad_norms.append(self._reduce_and_clip_grads())
+            self.optimizer.step()
+        return self._metrics(sums, grad_norms)
+
+    @staticmethod
+    def _reward(sample: Sample) -> float:
+        if sample.reward is None:
+            raise ValueError(f"sample {sample.index} has no reward: the rollout must score every sample before training")
+        return float(sample.reward)
+
+    def _accumulate(self, sums: torch.Tensor, terms: losses.LossTerms, batch: TokenBatch,
+                    old_log_probs: torch.Tensor | None) -> None:
+        with torch.no_grad():
+            for i, key in enumerate(METRICS):
+                value = terms.total if key == "loss" else getattr(terms, key)
+                sums[i] += value.detach().double().sum().cpu()
+            sums[len(METRICS)] += batch.input_ids.shape[0]
+            if old_log_probs is not None and bool(batch.has_rollout_log_probs.any()):
+                mask = batch.loss_mask * batch.has_rollout_log_probs[:, None]
+                sums[-2] += ((old_log_probs - batch.rollout_log_probs).abs() * mask).sum().double().cpu()
+                sums[-1] += mask.sum().double().cpu()
+
+    def _metrics(self, sums: torch.Tensor, grad_norms: list[float]) -> dict[str, float]:
+        from megatron.core import parallel_state as ps
+
+        if self.tp.dp_size > 1:
+            sums = sums.to(self.device)
+            dist.all_reduce(sums, group=ps.get_data_parallel_group())
+            sums = sums.cpu()
+        n = max(float(sums[len(METRICS)]), 1.0)
+        metrics = {key: float(sums[i]) / n for i, key in enumerate(METRICS)}
+        metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        if sums[-1] > 0:
+            metrics["train_rollout_logprob_abs_diff"] = float(sums[-2] / sums[-1])
+        return metrics
+
+    def _reduce_and_clip_grads(self) -> float:
+        """Average gradients over data-parallel ranks, then clip by the global norm (TP shards counted once)."""
+        from megatron.core import parallel_state as ps
+
+        params = [p for p in self.model.parameters() if p.requires_grad and p.grad is not None]
+        if self.tp.dp_size > 1:
+            for p in params:
+                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in params:
+            sq = p.grad.double().pow(2).sum()
+            if getattr(p, "tensor_model_parallel", False):
+                sharded += sq
+            else:
+                replicated += sq
+        if self.tp.tp_size > 1:
+            dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
+        norm = float((sharded + replicated).sqrt())
+        if self.train.clip_grad and self.train.clip_grad > 0 and norm > self.train.clip_grad:
+            scale = self.train.clip_grad / (norm + 1e-6)
+            for p in params:
+                p.grad.mul_(scale)
+        return norm

@@ -1,0 +1,89 @@
+"""Sampling filters as SGLang applies them, and speculative acceptance that preserves the target distribution."""
+
+import torch
+
+from slime_spec.engine import sampling
+from slime_spec.engine.sampling import chi_square_pvalue
+
+
+def test_filters_mirror_sglang_top_k_top_p_min_p():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 4))
+    temps = torch.ones(4)
+    top_k = torch.tensor([5, 2, 5, 5])
+    top_p = torch.tensor([1.0, 1.0, 0.6, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.3])
+    probs = sampling.filtered_probs(logits, temps, top_k, top_p, min_p)
+    torch.testing.assert_close(probs[0], torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+    torch.testing.assert_close(probs[1], torch.tensor([5 / 7, 2 / 7, 0, 0, 0]))
+    # top_p keeps a token while the mass before it is <= top_p: 0.5 and 0.2 (0.5 <= 0.6), not 0.15 (0.7 > 0.6).
+    torch.testing.assert_close(probs[2], torch.tensor([5 / 7, 2 / 7, 0, 0, 0]))
+    # min_p drops tokens below 0.3 * 0.5 = 0.15 (0.15 itself stays).
+    torch.testing.assert_close(probs[3], torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85)
+    hot = sampling.filtered_probs(logits[:1], torch.tensor([2.0]), top_k[:1], top_p[:1], min_p[:1])
+    torch.testing.assert_close(hot[0], torch.softmax(logits[0] / 2, -1))
+
+
+def test_logprobs_follow_sglang_default():
+    logits = torch.randn(3, 10)
+    greedy = torch.tensor([True, False, False])
+    temps = torch.tensor([0.0, 0.5, 1.0])
+    lp = sampling.output_logprobs(logits, temps, greedy)
+    torch.testing.assert_close(lp[0], torch.log_softmax(logits[0], -1))
+    torch.testing.assert_close(lp[1], torch.log_softmax(logits[1] / 0.5, -1))
+    assert sampling.is_greedy(0.0, -1) and sampling.is_greedy(0.7, 1) and not sampling.is_greedy(0.7, -1)
+
+
+def test_greedy_accept():
+    logits = torch.full((2, 4, 6), -1.0)
+    for row, seq in enumerate([[1, 2, 3, 4], [1, 5, 3, 0]]):
+        for j, t in enumerate(seq):
+            logits[row, j, t] = 1.0
+    drafts = torch.tensor([[1, 2, 3], [1, 2, 3]])
+    accept, nxt = sampling.greedy_accept(logits, drafts)
+    assert accept.tolist() == [3, 1] and nxt.tolist() == [4, 5]
+
+
+def _first_token_of_verify(p, q, deterministic, n, gen):
+    """Draft one token from q per row, verify against p; return the first emitted token per row."""
+    V = p.shape[-1]
+    drafts = torch.multinomial(q.expand(n, V), 1, replacement=True, generator=gen)
+    target = p.expand(n, 2, V).clone()
+    draft_probs = None if deterministic else q.expand(n, 1, V)
+    accept, nxt = sampling.speculative_accept(target, draft_probs, drafts, gen)
+    return torch.where(accept > 0, drafts[:, 0], nxt)
+
+
+def test_speculative_sampling_follows_target_distribution():
+    gen = torch.Generator().manual_seed(0)
+    V, n = 8, 40000
+    p = torch.softmax(torch.randn(V, generator=gen) * 1.5, -1)
+    q = torch.softmax(torch.randn(V, generator=gen) * 1.5, -1)
+    for deterministic in (False, True):
+        out = _first_token_of_verify(p, q, deterministic, n, gen)
+        assert chi_square_pvalue(torch.bincount(out, minlength=V), p) > 1e-3
+    # A deterministic draft (q one-hot): acceptance p(x), residual p without x.
+    onehot = torch.zeros(V)
+    onehot[2] = 1.0
+    out = _first_token_of_verify(p, onehot, True, n, gen)
+    assert chi_square_pvalue(torch.bincount(out, minlength=V), p) > 1e-3
+    # Power check: the wrong rule "on rejection resample from p" is biased towards the draft and is detected.
+    drafts = torch.full((n, 1), 2)
+    u = torch.rand(n, generator=gen)
+    naive = torch.where(u < p[2], drafts[:, 0], torch.multinomial(p.expand(n, V), 1, generator=gen)[:, 0])
+    assert chi_square_pvalue(torch.bincount(naive, minlength=V), p) < 1e-6
+
+
+def test_speculative_chain_joint_distribution():
+    """Two draft tokens: the pair of emitted tokens follows p(x1) p(x2 | x1) when every position has its own p."""
+    gen = torch.Generator().manual_seed(1)
+    V, n = 4, 60000
+    p1 = torch.softmax(torch.randn(V, generator=gen), -1)
+    p2 = torch.softmax(torch.randn(V, V, generator=gen), -1)  # p2[x1] = next distribution after x1
+    drafts = torch.stack([torch.full((n,), 1), torch.full((n,), 3)], dim=1)
+    target = torch.stack([p1.expand(n, V), p2[1].expand(n, V), p2[1].expand(n, V)], dim=1)  # last: unused bonus
+    accept, nxt = sampling.speculative_accept(target, None, drafts, gen)
+    first = torch.where(accept > 0, drafts[:, 0], nxt)
+    # The second token is only determined by this verify when the first draft was accepted (x1 == 1).
+    second = torch.where(accept > 1, drafts[:, 1], nxt)[accept > 0]
+    assert chi_square_pvalue(torch.bincount(first, minlength=V), p1) > 1e-3
+    assert chi_square_pvalue(torch.bincount(second, minlength=V), p2[1]) > 1e-3

@@ -1,0 +1,266 @@
+"""The embedded server over real HTTP: SGLang's /generate contract, control routes, errors, auth.
+
+Two servers on one tiny MiMo checkpoint, started once for the module: `plain` (no speculation,
+an API key) and `spec` (EAGLE with the checkpoint's MTP layer).
+"""
+
+import threading
+import time
+
+import pytest
+import requests
+
+from slime_spec.engine.server_process import ServerProcess
+from slime_spec.engine.tiny_model import make_tiny_model
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPTS = ["hello world", "the cat sat on", "abc abc abc", "0123", "zz", "Once upon a time", "q", "RL is fun"]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine_server")
+    model = make_tiny_model(root / "mimo", arch="mimo", hidden_size=32, num_layers=2, seed=3)
+    plain = ServerProcess(model, ["--api-key", KEY, "--random-seed", "0", "--max-running-requests", "8"],
+                          log_path=root / "plain.log", wait=False)
+    spec = ServerProcess(model, ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+                                 "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
+                                 "--random-seed", "0", "--cuda-graph-max-bs-decode", "8"],
+                         log_path=root / "spec.log", wait=False)
+    try:
+        yield plain.wait(), spec.wait()
+    finally:
+        plain.stop()
+        spec.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def spec(servers):
+    return servers[1]
+
+
+def post(server, path, body=None, headers=AUTH, **kw):
+    return requests.post(server.url + path, json=body, headers=headers, timeout=60, **kw)
+
+
+def generate(server, body, headers=AUTH):
+    r = post(server, "/generate", body, headers=headers)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def greedy(n):
+    return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+
+
+def poll(fn, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if fn():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+def load(server, headers=AUTH):
+    return requests.get(server.url + "/server_info", headers=headers, timeout=10).json()["internal_states"][0]
+
+
+def test_generate_single_text_and_input_ids(plain):
+    out = generate(plain, {"text": "hello", "sampling_params": greedy(6), "rid": "r1"})
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert meta["id"] == "r1" and meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["completion_tokens"] == len(out["output_ids"]) == 6
+    assert meta["weight_version"] == "default" and meta["e2e_latency"] > 0
+    assert not any(k.startswith("spec_") for k in meta)  # SGLang sends no spec keys without speculation
+    ids = generate(plain, {"text": "hello", "sampling_params": greedy(0)})
+    assert ids["output_ids"] == [] and ids["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    by_ids = generate(plain, {"input_ids": [1, 10, 11, 12, 13, 14],
+                              "sampling_params": greedy(4), "return_prompt_token_ids": True})
+    assert by_ids["prompt_token_ids"] == [1, 10, 11, 12, 13, 14] and len(by_ids["output_ids"]) == 4
+
+
+def test_batch_and_parallel_sampling(plain):
+    outs = generate(plain, {"text": PROMPTS[:3], "sampling_params": [greedy(3), greedy(5), greedy(7)],
+                            "rid": ["a", "b", "c"]})
+    assert [o["meta_info"]["id"] for o in outs] == ["a", "b", "c"]
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [3, 5, 7]
+    single = [generate(plain, {"text": p, "sampling_params": greedy(5)})["output_ids"] for p in PROMPTS[:3]]
+    batch = generate(plain, {"text": PROMPTS[:3], "sampling_params": greedy(5)})
+    assert [o["output_ids"] for o in batch] == single
+    par = generate(plain, {"text": "abc", "sampling_params": {"temperature": 1.0, "max_new_tokens": 4, "n": 3}})
+    assert isinstance(par, list) and len(par) == 3 and len({o["meta_info"]["id"] for o in par}) == 3
+
+
+def test_greedy_equal_with_and_without_speculation(plain, spec):
+    body = {"text": PROMPTS, "sampling_params": greedy(24), "return_logprob": True}
+    base, fast = generate(plain, body), generate(spec, body, headers={})
+    assert [o["output_ids"] for o in fast] == [o["output_ids"] for o in base]
+    for b, f in zip(base, fast):
+        assert [x[0] for x in f["meta_info"]["output_token_logprobs"]] == pytest.approx(
+            [x[0] for x in b["meta_info"]["output_token_logprobs"]], abs=1e-4)
+        m = f["meta_info"]
+        assert m["spec_verify_ct"] > 0
+        assert m["spec_accept_length"] == pytest.approx(m["completion_tokens"] / m["spec_verify_ct"])
+        assert m["spec_num_proposed_drafts"] == m["spec_draft_token_num"] == 3 * m["spec_verify_ct"]
+        assert 0 <= m["spec_num_correct_drafts"] == m["spec_accept_token_num"] <= m["spec_num_proposed_drafts"]
+    assert load(spec, headers={})["avg_spec_accept_length"] >= 1.0
+    assert "avg_spec_accept_length" not in load(plain)
+
+
+def test_logprobs_shape(plain):
+    out = generate(plain, {"text": "abc", "sampling_params": greedy(5), "return_logprob": True,
+                           "return_text_in_logprobs": True})
+    meta = out["meta_info"]
+    assert meta["input_token_logprobs"] == [] and meta["output_token_logprobs_length"] == 5
+    for (lp, tok, text), t in zip(meta["output_token_logprobs"], out["output_ids"]):
+        assert lp <= 0 and tok == t and isinstance(text, str)
+    plain_meta = generate(plain, {"text": "abc", "sampling_params": greedy(2), "return_logprob": True})["meta_info"]
+    assert all(entry[2] is None for entry in plain_meta["output_token_logprobs"])
+
+
+def test_stop_conditions(plain):
+    free = generate(plain, {"text": "stop test", "sampling_params": greedy(12)})
+    second = free["output_ids"][1]
+    by_token = generate(plain, {"text": "stop test", "sampling_params": {**greedy(12), "stop_token_ids": [second]}})
+    assert by_token["meta_info"]["finish_reason"] == {"type": "stop", "matched": second}
+    assert by_token["output_ids"] == free["output_ids"][:2]
+    stop_str = free["text"][2:4]
+    by_str = generate(plain, {"text": "stop test", "sampling_params": {**greedy(12), "stop": [stop_str]}})
+    assert by_str["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_str}
+    assert stop_str not in by_str["text"]
+
+
+BAD_BODIES = [
+    ({}, "Either text, input_ids"),
+    ({"text": "a", "input_ids": [1, 2]}, "cannot be provided at the same time"),
+    ({"text": "a", "sampling_params": {"temperature": -1}}, "temperature must be"),
+    ({"text": "a", "sampling_params": {"top_p": 2.0}}, "top_p must be in (0, 1]"),
+    ({"text": "a", "sampling_params": {"not_a_param": 1}}, "not_a_param"),
+    ({"text": "a", "sampling_params": {"repetition_penalty": 1.5}}, "repetition_penalty"),
+    ({"text": "a", "stream": True}, "stream"),
+    ({"input_ids": [1, 100000]}, "out-of-vocabulary"),
+    ({"input_ids": [5] * 1030}, "longer than the model's context length"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": 5000}}, "exceeds the model's maximum context length"),
+    ({"text": ["a", "b"], "rid": ["only-one"]}, "rids length mismatch"),
+    ({"text": "a", "no_such_field": 1}, "no_such_field"),
+    ({"text": "a", "top_logprobs_num": 3, "return_logprob": True}, "top_logprobs_num"),
+    ({"text": 5}, ""),
+]
+
+
+def test_bad_requests_get_400_and_the_server_keeps_serving(plain):
+    for body, needle in BAD_BODIES:
+        r = post(plain, "/generate", body)
+        assert r.status_code == 400, (body, r.text)
+        error = r.json()["error"]
+        message = error["message"] if isinstance(error, dict) else error
+        assert needle in message, (body, message)
+    r = requests.post(plain.url + "/generate", data=b"{not json", headers=AUTH, timeout=10)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = post(plain, "/update_weights_from_distributed", {"names": ["x"]})
+    assert r.status_code == 400 and "missing required field" in r.json()["error"]["message"]
+    r = post(plain, "/pause_generation", {"mode": "sideways"})
+    assert r.status_code == 400 and "sideways" in r.json()["error"]["message"]
+    assert requests.get(plain.url + "/health_generate", timeout=30).status_code == 200
+    assert generate(plain, {"text": "still alive", "sampling_params": greedy(3)})["meta_info"]["completion_tokens"] == 3
+
+
+def test_info_endpoints(plain):
+    assert requests.get(plain.url + "/health", timeout=10).status_code == 200
+    assert requests.get(plain.url + "/health_generate", timeout=30).status_code == 200
+    for path in ("/get_model_info", "/model_info"):
+        info = requests.get(plain.url + path, headers=AUTH, timeout=10).json()
+        assert info["model_type"] == "mimo" and info["architectures"] == ["MiMoForCausalLM"]
+        assert info["is_generation"] is True and info["weight_version"] == "default"
+    for path in ("/get_server_info", "/server_info"):
+        info = requests.get(plain.url + path, headers=AUTH, timeout=10).json()
+        assert info["version"] == "0.5.23" and info["tp_size"] == 1 and info["device"] == "cpu"
+        assert "api_key" not in info and "last_gen_throughput" in info["internal_states"][0]
+
+
+def test_api_key(plain):
+    r = requests.post(plain.url + "/generate", json={"text": "a"}, timeout=10)
+    assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+    r = requests.post(plain.url + "/flush_cache", headers={"Authorization": "Bearer wrong"}, timeout=10)
+    assert r.status_code == 401
+    assert requests.get(plain.url + "/health", timeout=10).status_code == 200
+    assert post(plain, "/flush_cache").status_code == 200
+
+
+def _in_thread(fn):
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("value", fn()))
+    thread.start()
+    return thread, result
+
+
+def test_pause_in_place_holds_requests_and_abort_by_rid(plain):
+    assert post(plain, "/pause_generation", {"mode": "in_place"}).json()["status"] == "ok"
+    waiting, res_w = _in_thread(lambda: generate(plain, {"text": "wait", "sampling_params": greedy(5), "rid": "w"}))
+    aborted, res_a = _in_thread(lambda: generate(plain, {"text": "go", "sampling_params": greedy(5), "rid": "x"}))
+    poll(lambda: load(plain)["num_waiting_reqs"] == 2)
+    assert post(plain, "/abort_request", {"rid": "x"}).status_code == 200
+    aborted.join(timeout=30)
+    assert res_a["value"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert res_a["value"]["output_ids"] == []
+    assert waiting.is_alive()
+    assert post(plain, "/continue_generation", {}).json()["status"] == "ok"
+    waiting.join(timeout=30)
+    assert res_w["value"]["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+
+
+def test_pause_abort_and_retract(plain):
+    long_body = {"text": "long", "sampling_params": greedy(900), "rid": "long"}
+    thread, res = _in_thread(lambda: generate(plain, long_body))
+    poll(lambda: load(plain)["num_running_reqs"] == 1)
+    assert post(plain, "/pause_generation", {}).status_code == 200  # default mode: abort
+    thread.join(timeout=30)
+    assert res["value"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert post(plain, "/continue_generation", {}).status_code == 200
+
+    reference = generate(plain, {**long_body, "sampling_params": greedy(600)})
+    thread, res = _in_thread(lambda: generate(plain, {**long_body, "sampling_params": greedy(600)}))
+    poll(lambda: load(plain)["num_running_reqs"] == 1)
+    assert post(plain, "/pause_generation", {"mode": "retract"}).status_code == 200
+    assert post(plain, "/flush_cache").status_code == 200  # retracted requests hold no cache
+    assert post(plain, "/continue_generation", {}).status_code == 200
+    thread.join(timeout=60)
+    assert res["value"]["output_ids"] == reference["output_ids"]  # greedy: retraction is invisible
+    assert res["value"]["meta_info"]["finish_reason"] == {"type": "length", "length": 600}
+
+
+def test_flush_refused_while_requests_hold_the_cache(plain):
+    assert post(plain, "/pause_generation", {"mode": "in_place"}).status_code == 200
+    thread, res = _in_thread(lambda: generate(plain, {"text": "busy", "sampling_params": greedy(1000)}))
+    poll(lambda: load(plain)["num_waiting_reqs"] == 1)
+    assert post(plain, "/continue_generation", {}).status_code == 200
+    poll(lambda: load(plain)["num_running_reqs"] == 1)
+    assert post(plain, "/pause_generation", {"mode": "in_place"}).status_code == 200
+    r = post(plain, "/flush_cache")
+    assert r.status_code == 400 and "pending requests" in r.text
+    assert post(plain, "/continue_generation", {}).status_code == 200
+    thread.join(timeout=60)
+    assert res["value"]["meta_info"]["completion_tokens"] == 1000
+
+
+def test_release_resume_memory_and_weight_version(spec):
+    before = generate(spec, {"text": PROMPTS[:2], "sampling_params": greedy(8)}, headers={})
+    assert post(spec, "/release_memory_occupation", {"tags": ["weights", "kv_cache"]}, headers={}).status_code == 200
+    assert post(spec, "/resume_memory_occupation", {}, headers={}).status_code == 200
+    after = generate(spec, {"text": PROMPTS[:2], "sampling_params": greedy(8)}, headers={})
+    assert [o["output_ids"] for o in after] == [o["output_ids"] for o in before]
+    assert [o["meta_info"]["spec_num_correct_drafts"] for o in after] == \
+        [o["meta_info"]["spec_num_correct_drafts"] for o in before]
+    r = post(spec, "/release_memory_occupation", {"tags": ["gpu_magic"]}, headers={})
+    assert r.status_code == 400 and "gpu_magic" in r.json()["error"]["message"]
+    r = post(spec, "/update_weight_version", {"new_version": "v7"}, headers={})
+    assert r.json() == {"success": True, "message": "Weight version updated to v7", "new_version": "v7"}
+    assert generate(spec, {"text": "a", "sampling_params": greedy(1)}, headers={})["meta_info"]["weight_version"] == "v7"

@@ -1,0 +1,128 @@
+"""The embedded server's flag handling: SGLang's parser, the honoured/ignored/refused table, resolution."""
+
+import pytest
+
+from slime_spec.engine.server_args import (HONOURED, PERFORMANCE_ONLY, REFUSAL_REASONS, ServerArgsError,
+                                           classify_flags, defaults_of, option_names, parse_server_args,
+                                           resolve_device, resolve_dtype, resolve_spec, sglang_parser)
+from slime_spec.engine.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def parser():
+    return sglang_parser()
+
+
+@pytest.fixture(scope="module")
+def mimo(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("mimo"), arch="mimo", hidden_size=32, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama", hidden_size=32, num_layers=1)
+
+
+def test_every_table_entry_is_a_real_sglang_flag(parser):
+    dests = set(defaults_of(parser))
+    for table in (HONOURED, PERFORMANCE_ONLY, set(REFUSAL_REASONS)):
+        assert table - dests == set()
+
+
+def test_classify_sorts_non_default_flags():
+    defaults = {"model_path": None, "mem_fraction_static": None, "cuda_graph_max_bs_decode": None,
+                "quantization": None, "tp_size": 1, "speculative_token_map": None, "schedule_policy": "fcfs"}
+    names = {d: "--" + d.replace("_", "-") for d in defaults}
+    values = {**defaults, "model_path": "/m", "mem_fraction_static": 0.7, "cuda_graph_max_bs_decode": 8,
+              "quantization": "fp8", "speculative_token_map": "map.pt"}
+    report = classify_flags(values, defaults, names)
+    assert report.ignored == ("--mem-fraction-static=0.7", "--cuda-graph-max-bs-decode=8")
+    assert [r.split(":")[0] for r in report.refused] == ["--quantization='fp8'", "--speculative-token-map='map.pt'"]
+    assert "quantized weights change the logits" in report.refused[0]
+    assert classify_flags(defaults, defaults, names).refused == ()
+
+
+def test_tp_size_must_be_one_and_unknown_flags_are_refused():
+    defaults = {"tp_size": 1, "enable_mixed_precision_magic": False}
+    report = classify_flags({"tp_size": 2, "enable_mixed_precision_magic": True}, defaults, {})
+    assert "use --tp-size 1" in report.refused[0]
+    assert "not implemented by the embedded engine" in report.refused[1]
+
+
+def test_resolve_spec_follows_sglang():
+    assert resolve_spec(None, None, None, None, None, 18, "MiMoForCausalLM").algorithm is None
+    eagle = resolve_spec("eagle", None, None, None, None, 18, "MiMoForCausalLM")
+    assert (eagle.algorithm, eagle.num_steps, eagle.eagle_topk, eagle.num_draft_tokens) == ("EAGLE", 3, 1, 4)
+    llama = resolve_spec("EAGLE", None, None, None, None, 18, "LlamaForCausalLM")
+    assert (llama.num_steps, llama.eagle_topk, llama.num_draft_tokens) == (5, 4, 8)
+    chain = resolve_spec("NEXTN", 2, 1, 7, None, 18, "MiMoForCausalLM")
+    assert chain.num_draft_tokens == 3  # SGLang adjusts a chain to num_steps + 1
+    ngram = resolve_spec("NGRAM", None, None, None, None, 6, "LlamaForCausalLM")
+    assert (ngram.num_draft_tokens, ngram.num_steps, ngram.ngram_max_trie_depth) == (12, 11, 6)
+    with pytest.raises(ServerArgsError, match="needs --speculative-draft-model-path"):
+        resolve_spec("STANDALONE", None, None, None, None, 18, "LlamaForCausalLM")
+    with pytest.raises(ServerArgsError, match="SPEC_UNSUPPORTED_BY_BACKEND"):
+        resolve_spec("DFLASH", None, None, None, None, 18, "LlamaForCausalLM")
+    with pytest.raises(ServerArgsError, match="together"):
+        resolve_spec("EAGLE", None, 1, None, None, 18, "MiMoForCausalLM")
+
+
+def test_resolve_dtype_and_device():
+    assert resolve_dtype("auto", "cpu", "bfloat16") == "float32"
+    assert resolve_dtype("auto", "cuda", "float32") == "float16"
+    assert resolve_dtype("auto", "cuda", "bfloat16") == "bfloat16"
+    assert resolve_dtype("half", "cpu", None) == "float16"
+    assert resolve_device(None, cuda_available=False) == "cpu"
+    assert resolve_device(None, cuda_available=True) == "cuda"
+    with pytest.raises(ServerArgsError, match="no CUDA device"):
+        resolve_device("cuda", cuda_available=False)
+
+
+def test_parse_server_args(mimo, parser):
+    args = parse_server_args(["--model-path", str(mimo), "--port", "1234", "--api-key", "k", "--speculative-algorithm",
+                              "NEXTN", "--speculative-num-steps", "2", "--speculative-eagle-topk", "1",
+                              "--speculative-num-draft-tokens", "3", "--mem-fraction-static", "0.6",
+                              "--random-seed", "7"], cuda_available=False)
+    assert (args.host, args.port, args.device, args.dtype, args.random_seed) == ("127.0.0.1", 1234, "cpu", "float32", 7)
+    assert (args.spec.algorithm, args.spec.num_steps, args.spec.num_draft_tokens) == ("NEXTN", 2, 3)
+    assert args.api_key == "k" and "api_key" not in args.sglang_args
+    assert args.ignored_flags == ("--mem-fraction-static=0.6",)
+    assert option_names(parser)["speculative_draft_model_path"] == "--speculative-draft-model-path"
+
+
+def test_parse_refuses_result_changing_flags_all_at_once(mimo):
+    with pytest.raises(ServerArgsError) as e:
+        parse_server_args(["--model-path", str(mimo), "--tp-size", "2", "--speculative-accept-threshold-single", "0.5",
+                           "--enable-lora", "--tokenizer-path", "/elsewhere"], cuda_available=False)
+    text = str(e.value)
+    for flag in ("--tp-size=2", "--speculative-accept-threshold-single=0.5", "--enable-lora=True",
+                 "--tokenizer-path='/elsewhere'"):
+        assert flag in text
+    with pytest.raises(ServerArgsError, match="no config.json"):
+        parse_server_args(["--model-path", str(mimo / "missing")], cuda_available=False)
+
+
+def test_engine_refuses_what_it_cannot_draft(llama, mimo):
+    from slime_spec.engine.__main__ import make_core_factory
+    from slime_spec.engine.server_loop import EngineLoop
+
+    # eagle_topk > 1 is a tree draft, which the embedded engine does not implement: refused at start.
+    args = parse_server_args(["--model-path", str(llama), "--speculative-algorithm", "STANDALONE",
+                              "--speculative-draft-model-path", str(llama), "--speculative-num-steps", "2",
+                              "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4"],
+                             cuda_available=False)
+    with pytest.raises(ValueError, match="SPEC_UNSUPPORTED_BY_BACKEND"):
+        EngineLoop(make_core_factory(args)).start()
+    args = parse_server_args(["--model-path", str(mimo), "--speculative-algorithm", "EAGLE3"], cuda_available=False)
+    with pytest.raises(ValueError, match="SPEC_UNSUPPORTED_BY_BACKEND"):
+        EngineLoop(make_core_factory(args)).start()
+
+
+def test_server_refuses_to_start_with_a_harmful_flag(mimo, capsys):
+    from slime_spec.engine.__main__ import main
+
+    assert main(["--model-path", str(mimo), "--port", "1", "--quantization", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert "--quantization='fp8'" in err and "change the logits" in err
+    assert main(["--model-path", str(mimo), "--port", "1", "--speculative-algorithm", "EAGLE3"]) == 2
+    assert "SPEC_UNSUPPORTED_BY_BACKEND" in capsys.readouterr().err

@@ -1,0 +1,235 @@
+"""Speculative decoding in the embedded engine: lossless greedy, target-distributed sampling, MTP wiring."""
+
+import pytest
+import torch
+
+from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
+from slime_spec.engine.model import load_model
+from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.engine.sampling import chi_square_pvalue
+
+PROMPTS = ["hello world", "the cat sat on the mat. the cat sat on the", "a", "1 2 3 4 5 6 7 8 1 2 3",
+           "abcabcabcabcabc", "Q: why? A:", "xyz " * 8, "no", "repeat repeat repeat repeat", "!", "tail end",
+           "mixing it up here"]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec_models")
+    llama = make_tiny_model(root / "llama", hidden_size=32, num_layers=2, seed=11)
+    return {
+        "llama": llama,
+        "draft": make_tiny_model(root / "draft", hidden_size=32, num_layers=1, seed=12, init_from=str(llama)),
+        "mimo": make_tiny_model(root / "mimo", arch="mimo", hidden_size=32, num_layers=1, seed=13),
+        "v16": make_tiny_model(root / "v16", vocab_size=16, hidden_size=32, num_layers=1, seed=14),
+        "v16_draft": make_tiny_model(root / "v16d", vocab_size=16, hidden_size=32, num_layers=1, seed=15),
+    }
+
+
+def generate(engine, requests, join_every=2, first_wave=5):
+    """Run requests to completion; the first wave starts together, the rest join mid-flight every few steps."""
+    pending, outs, steps = list(requests), {}, 0
+    for r in pending[:first_wave]:
+        engine.add_request(r)
+    pending = pending[first_wave:]
+    while engine.has_work() or pending:
+        if pending and steps % join_every == 0:
+            engine.add_request(pending.pop(0))
+        for o in engine.step():
+            outs[o.rid] = o
+        steps += 1
+    return outs
+
+
+def make_requests(tok, temps=None, logprob=False):
+    reqs = []
+    for i, text in enumerate(PROMPTS):
+        temp = 0.0 if temps is None else temps[i % len(temps)]
+        params = SamplingParams(temperature=temp, max_new_tokens=8 + 7 * (i % 6), ignore_eos=i % 3 != 0)
+        reqs.append(Request(f"r{i}", tok(text)["input_ids"], params, return_logprob=logprob))
+    return reqs
+
+
+SPECS = {
+    "llama": [SpecConfig("STANDALONE", 3, 1, 4, "{llama}"), SpecConfig("STANDALONE", 2, 1, 3, "{draft}"),
+              SpecConfig("NGRAM", num_draft_tokens=5), SpecConfig("NGRAM", num_draft_tokens=2)],
+    "mimo": [SpecConfig("NEXTN", 3, 1, 4), SpecConfig("EAGLE", 1, 1, 2), SpecConfig("EAGLE", 4, 1, 5)],
+}
+
+
+def _spec(ckpts, spec):
+    path = spec.draft_model_path.format(**{k: str(v) for k, v in ckpts.items()}) if spec.draft_model_path else None
+    return SpecConfig(spec.algorithm, spec.num_steps, spec.eagle_topk, spec.num_draft_tokens, path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mimo"])
+def test_greedy_output_is_identical_with_every_algorithm(ckpts, arch):
+    base_engine = EngineCore(str(ckpts[arch]), SpecConfig(), max_running_requests=4)
+    tok = base_engine.tokenizer
+    base = generate(base_engine, make_requests(tok))
+    # Batching itself is invisible: each request alone gives the same tokens.
+    for i in (1, 4, 11):
+        alone = generate(EngineCore(str(ckpts[arch]), SpecConfig()), [make_requests(tok)[i]])
+        assert alone[f"r{i}"].output_ids == base[f"r{i}"].output_ids
+    for spec in SPECS[arch]:
+        engine = EngineCore(str(ckpts[arch]), _spec(ckpts, spec), max_running_requests=4)
+        # Sampled requests share the batch with greedy ones; greedy rows must not notice.
+        outs = generate(engine, make_requests(tok, temps=[0.0, 0.0, 0.9]), join_every=3)
+        for rid, o in base.items():
+            if int(rid[1:]) % 3 != 2:
+                assert o.output_ids == outs[rid].output_ids, (spec, rid)
+                assert o.finish_reason == outs[rid].finish_reason
+        spec_outs = [o for o in outs.values() if o.spec_verify_ct]
+        assert spec_outs and all(o.spec_draft_token_num == o.spec_verify_ct * spec.num_draft_tokens - o.spec_verify_ct
+                                 for o in spec_outs)
+        assert 1.0 <= engine.avg_spec_accept_length <= spec.num_draft_tokens
+
+
+def test_draft_equal_to_target_accepts_everything(ckpts):
+    engine = EngineCore(str(ckpts["llama"]), SpecConfig("STANDALONE", 3, 1, 4, str(ckpts["llama"])),
+                        max_running_requests=8)
+    outs = generate(engine, make_requests(engine.tokenizer))
+    for o in outs.values():
+        assert o.spec_accept_token_num == o.spec_draft_token_num == 3 * o.spec_verify_ct
+    assert engine.avg_spec_accept_length == 4.0
+
+
+def _reference_mtp_drafts(model, tokens, k):
+    """Draft tokens recomputed from scratch: target forward, MTP extend over x_1..x_n, then k-1 chained steps."""
+    n = len(tokens) - 1
+    ids = torch.tensor([tokens[:n]])
+    pos = torch.arange(n)[None]
+    hidden = model(ids, pos, model.new_cache(1, n + k + 2), torch.tensor([0]))
+    cache = model.new_mtp_cache(1, n + k + 2)
+    out = model.mtp_forward(torch.tensor([tokens[1:]]), hidden, pos, cache, torch.tensor([0]))[:, -1]
+    drafts = [int(model.logits(out).argmax())]
+    for j in range(k - 1):
+        out = model.mtp_forward(torch.tensor([[drafts[-1]]]), out[:, None], torch.tensor([[n + j]]), cache,
+                                torch.tensor([0]))[:, 0]
+        drafts.append(int(model.logits(out).argmax()))
+    return drafts
+
+
+def _copy_target_into_mtp(engine):
+    """An MTP layer that imitates the 1-layer target on the next token (hidden input ignored): a good draft."""
+    w = engine.named_weights("all")
+    h = w["model.embed_tokens.weight"].shape[1]
+    update = [(n.replace("model.layers.0.", "model.mtp_layers.0."), t.clone()) for n, t in w.items()
+              if n.startswith("model.layers.0.")]
+    proj = torch.zeros(h, 2 * h)
+    proj[:, h:] = torch.eye(h)
+    update += [("model.mtp_layers.0.input_proj.weight", proj),
+               ("model.mtp_layers.0.token_layernorm.weight", torch.ones(h)),
+               ("model.mtp_layers.0.final_layernorm.weight", w["model.norm.weight"].clone())]
+    engine.load_weights(update, selector="draft")
+
+
+def test_mtp_drafts_match_reference_recurrence(ckpts):
+    engine = EngineCore(str(ckpts["mimo"]), SpecConfig("NEXTN", 3, 1, 4), max_running_requests=4)
+    _copy_target_into_mtp(engine)  # so that acceptance varies and rollback paths run
+    checked = []
+    propose = engine.drafter.propose
+
+    def recording_propose(rows):
+        drafts = propose(rows)
+        for r, d in zip(rows, drafts.tolist()):
+            if len(checked) < 25 and len(r.tokens) % 3 == 0:
+                checked.append((list(r.tokens), d))
+        return drafts
+
+    engine.drafter.propose = recording_propose
+    outs = generate(engine, make_requests(engine.tokenizer))
+    assert len(checked) == 25 and sum(o.spec_accept_token_num for o in outs.values()) > 0
+    for tokens, drafts in checked:
+        assert drafts == _reference_mtp_drafts(engine.model, tokens, 3), tokens
+
+
+def test_mtp_only_update_changes_acceptance_not_greedy_output(ckpts):
+    spec = SpecConfig("NEXTN", 3, 1, 4)
+    before_engine = EngineCore(str(ckpts["mimo"]), spec, max_running_requests=8)
+    before = generate(before_engine, make_requests(before_engine.tokenizer))
+    engine = EngineCore(str(ckpts["mimo"]), spec, max_running_requests=8)
+    target_before = {n: t.clone() for n, t in engine.named_weights("target").items()}
+    _copy_target_into_mtp(engine)
+    assert all(torch.equal(t, engine.named_weights("target")[n]) for n, t in target_before.items())
+    after = generate(engine, make_requests(engine.tokenizer))
+    assert all(before[r].output_ids == after[r].output_ids for r in before)
+    assert before_engine.avg_spec_accept_length < 1.3 < 2.5 < engine.avg_spec_accept_length
+    # A release/resume cycle keeps the draft's weights: the same outputs and the same acceptance.
+    engine.release_memory(None)
+    assert engine.model.model.mtp_layers[0].input_proj.weight.numel() == 0
+    engine.resume_memory(None)
+    again = generate(engine, make_requests(engine.tokenizer))
+    assert all(again[r].output_ids == after[r].output_ids for r in after)
+    assert [again[r].spec_accept_token_num for r in after] == [after[r].spec_accept_token_num for r in after]
+
+
+def test_logprobs_under_speculation_equal_a_full_forward(ckpts):
+    engine = EngineCore(str(ckpts["llama"]), SpecConfig("STANDALONE", 2, 1, 3, str(ckpts["draft"])),
+                        max_running_requests=4, seed=3)
+    outs = generate(engine, make_requests(engine.tokenizer, temps=[0.0, 0.7], logprob=True))
+    model, _ = load_model(ckpts["llama"])
+    for i, req in enumerate(make_requests(engine.tokenizer, temps=[0.0, 0.7])):
+        o = outs[req.rid]
+        seq = req.input_ids + o.output_ids
+        logits = model.logits(model(torch.tensor([seq]), torch.arange(len(seq))[None], model.new_cache(1, len(seq)),
+                                    torch.tensor([0])))[0]
+        temp = req.params.temperature or 1.0
+        ref = torch.log_softmax(logits[len(req.input_ids) - 1: -1] / temp, -1)
+        ref = ref.gather(-1, torch.tensor(o.output_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(o.output_logprobs), ref, atol=1e-4, rtol=0)
+
+
+def _exact_marginals(path, prompt, temperature):
+    """P(t2) and P(t3) of the plain sampler, by enumerating t1 and (t1, t2) with batched full forwards."""
+    model, config = load_model(path)
+    V = config["vocab_size"]
+
+    def next_probs(seqs):
+        ids = torch.tensor(seqs)
+        pos = torch.arange(ids.shape[1])[None].expand_as(ids)
+        logits = model.logits(model(ids, pos, model.new_cache(len(seqs), ids.shape[1]), torch.arange(len(seqs))))
+        return torch.softmax(logits[:, -1].double() / temperature, -1)
+
+    p1 = next_probs([prompt])[0]
+    p2 = next_probs([prompt + [a] for a in range(V)])  # [V(t1), V(t2)]
+    p3 = next_probs([prompt + [a, b] for a in range(V) for b in range(V)]).view(V, V, V)
+    joint2 = p1[:, None] * p2
+    return joint2.sum(0), (joint2[..., None] * p3).sum((0, 1))
+
+
+@pytest.mark.parametrize("spec", [SpecConfig("STANDALONE", 2, 1, 3, "v16_draft"), SpecConfig("NGRAM", num_draft_tokens=3)])
+def test_speculative_sampling_follows_the_target_distribution(ckpts, spec):
+    prompt, temperature, n = [5, 6, 7, 5, 6], 1.3, 3000
+    path = str(ckpts["v16"])
+    draft = str(ckpts[spec.draft_model_path]) if spec.draft_model_path else None
+    engine = EngineCore(path, SpecConfig(spec.algorithm, spec.num_steps, 1, spec.num_draft_tokens, draft),
+                        max_running_requests=64, seed=0)
+    params = SamplingParams(temperature=temperature, max_new_tokens=3, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(Request(str(i), prompt, params))
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    assert sum(o.spec_accept_token_num for o in outs) > 0.1 * n  # drafts are accepted, and rejected
+    assert sum(o.spec_accept_token_num for o in outs) < sum(o.spec_draft_token_num for o in outs)
+    p2, p3 = _exact_marginals(path, prompt, temperature)
+    t2 = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=16)
+    t3 = torch.bincount(torch.tensor([o.output_ids[2] for o in outs]), minlength=16)
+    assert chi_square_pvalue(t2, p2) > 1e-3
+    assert chi_square_pvalue(t3, p3) > 1e-3
+
+
+def test_unsupported_algorithms_are_rejected_with_the_backend_code(ckpts):
+    with pytest.raises(ValueError, match="^SPEC_UNSUPPORTED_BY_BACKEND:.*EAGLE3"):
+        EngineCore(str(ckpts["mimo"]), SpecConfig("EAGLE3", 3, 1, 4))
+    with pytest.raises(ValueError, match="^SPEC_UNSUPPORTED_BY_BACKEND:.*eagle-topk 1"):
+        EngineCore(str(ckpts["mimo"]), SpecConfig("EAGLE", 3, 4, 8))
+    with pytest.raises(ValueError, match="num_steps \\+ 1"):
+        EngineCore(str(ckpts["mimo"]), SpecConfig("NEXTN", 3, 1, 6))
+    with pytest.raises(ValueError, match="MTP layers"):
+        EngineCore(str(ckpts["llama"]), SpecConfig("NEXTN", 3, 1, 4))
+    with pytest.raises(ValueError, match="draft-model-path"):
+        EngineCore(str(ckpts["llama"]), SpecConfig("STANDALONE", 3, 1, 4))
+    with pytest.raises(ValueError, match="vocab_size"):
+        EngineCore(str(ckpts["llama"]), SpecConfig("STANDALONE", 3, 1, 4, str(ckpts["v16"])))

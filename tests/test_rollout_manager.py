@@ -1,0 +1,133 @@
+"""RolloutManager on real Ray with embedded engines (tiny models): rollouts, metrics, replay, faults."""
+
+import json
+import os
+import textwrap
+
+import pytest
+import ray
+
+from slime_spec.config import EngineConfig, RolloutConfig
+from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.rollout.debug_data import load_rollout
+from slime_spec.rollout.manager import RolloutManagerActor
+from slime_spec.rollout.metrics import REQUIRED_KEYS
+from slime_spec.rollout.sample import Status
+
+BATCH, N_SAMPLES, MAX_LEN = 4, 2, 12
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rollout")
+    make_tiny_model(root / "llama", arch="llama", seed=0)
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps({"input": f"{i}+{i}=", "label": str(2 * i)})
+                                                  for i in range(6)) + "\n")
+    # Test hook for the fault test: a generate function that, once armed with a PID, SIGKILLs that
+    # engine server while the rollout's first requests are in flight, then generates as usual.
+    (root / "rollout_fault_hook.py").write_text(textwrap.dedent(f"""
+        import os, signal
+        from pathlib import Path
+        from slime_spec.rollout.generate import default_generate
+        PID_FILE = Path({str(root / "kill_pid")!r})
+        async def generate_killing_engine(client, sample, sampling_params):
+            if sample.index == 3 and PID_FILE.exists():
+                pid = int(PID_FILE.read_text())
+                PID_FILE.unlink()
+                os.kill(pid, signal.SIGKILL)
+            return await default_generate(client, sample, sampling_params)
+    """))
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(root)}})
+    yield root
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def manager(workdir):
+    rollout = RolloutConfig(
+        hf_checkpoint=str(workdir / "llama"), prompt_data=str(workdir / "prompts.jsonl"), label_key="label",
+        rm_type="math", rollout_batch_size=BATCH, n_samples_per_prompt=N_SAMPLES, rollout_max_response_len=MAX_LEN,
+        max_concurrency=2, metrics_jsonl=str(workdir / "metrics.jsonl"),
+        save_debug_rollout_data=str(workdir / "debug" / "rollout_{rollout_id}.pt"),
+        custom_generate_function_path="rollout_fault_hook.generate_killing_engine")
+    engine = EngineConfig(backend="embedded", model_path=str(workdir / "llama"),
+                          forwarded_argv=("--speculative-algorithm", "NGRAM"))
+    m = RolloutManagerActor.options(num_cpus=0).remote(rollout, engine, 2, log_dir=str(workdir / "logs"),
+                                                       eval_prompt_data=("arith", str(workdir / "prompts.jsonl")),
+                                                       show_progress=False)
+    yield m
+    ray.get(m.shutdown.remote())
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_generate_metrics_and_replay(manager, workdir):
+    samples = ray.get(manager.generate.remote(0))
+    metrics = ray.get(manager.get_last_metrics.remote())
+    assert len(samples) == BATCH * N_SAMPLES
+    assert [s.group_index for s in samples] == [g for g in range(BATCH) for _ in range(N_SAMPLES)]
+    for s in samples:
+        assert s.status in (Status.COMPLETED, Status.TRUNCATED) and s.error is None
+        assert 0 < s.response_length <= MAX_LEN
+        assert len(s.rollout_log_probs) == s.response_length == len(s.tokens) - s.prompt_length
+        assert all(lp <= 0 for lp in s.rollout_log_probs)
+        assert s.spec.completion_tokens == s.response_length and s.spec.verify_ct >= 1
+        assert s.reward in (0.0, 1.0)
+    assert {s.engine_index for s in samples} == {0, 1}  # least-loaded routing used both engines
+    assert set(REQUIRED_KEYS) <= set(metrics)
+    assert metrics["response_tokens"] == sum(s.response_length for s in samples) == metrics["spec_completion_tokens"]
+    assert metrics["spec_verify_ct"] == sum(s.spec.verify_ct for s in samples)
+    assert metrics["spec_accept_length"] >= 1.0 and metrics["spec_accept_length_sample_mean"] >= 1.0
+    assert metrics["engine_0/num_samples"] + metrics["engine_1/num_samples"] == len(samples)
+    assert metrics["engine_restarts"] == 0
+    line = json.loads((workdir / "metrics.jsonl").read_text().splitlines()[0])
+    assert line["rollout_id"] == 0 and line["response_tokens"] == metrics["response_tokens"]
+    assert load_rollout(str(workdir / "debug" / "rollout_{rollout_id}.pt"), 0) == samples
+
+
+def test_killed_engine_is_restarted_and_nothing_is_lost(manager, workdir):
+    engines = ray.get(manager.engines.remote())
+    old_pid = ray.get(engines[0].pid.remote())
+    (workdir / "kill_pid").write_text(str(old_pid))
+    samples = ray.get(manager.generate.remote(1))
+    metrics = ray.get(manager.get_last_metrics.remote())
+    assert not (workdir / "kill_pid").exists()  # the hook fired during this rollout
+    assert not _pid_alive(old_pid)
+    new_pid = ray.get(engines[0].pid.remote())
+    assert new_pid != old_pid and _pid_alive(new_pid)
+    assert len(samples) == BATCH * N_SAMPLES and [s.index for s in samples] == list(range(len(samples)))
+    assert all(s.status != Status.ABORTED and s.response_length > 0 for s in samples), [s.error for s in samples]
+    assert any(s.metadata.get("attempts", 1) > 1 for s in samples)  # some requests were resubmitted
+    assert metrics["engine_restarts"] == 1 and metrics["engine_restarts_total"] == 1
+    # the restarted engine serves the next rollout
+    after = ray.get(manager.generate.remote(2))
+    assert all(s.status != Status.ABORTED for s in after)
+    assert ray.get(manager.get_last_metrics.remote())["engine_restarts"] == 0
+
+
+def test_eval_and_pause_resume(manager):
+    ray.get(manager.pause.remote())
+    ray.get(manager.resume.remote())
+    out = ray.get(manager.eval.remote(5))
+    assert out["eval/arith/num_samples"] == 6 and out["eval/arith/spec_accept_length"] >= 1.0
+    assert out["eval/arith/aborted"] == 0
+
+
+def test_engine_that_fails_at_start_reports_log_tail(workdir):
+    rollout = RolloutConfig(hf_checkpoint=str(workdir / "llama"), prompt_data=str(workdir / "prompts.jsonl"),
+                            engine_start_timeout_s=120)
+    engine = EngineConfig(backend="embedded", model_path=str(workdir / "llama"),
+                          forwarded_argv=("--speculative-algorithm", "NOT_AN_ALGORITHM"))
+    m = RolloutManagerActor.options(num_cpus=0).remote(rollout, engine, 1, log_dir=str(workdir / "bad_logs"))
+    with pytest.raises(ray.exceptions.RayActorError) as e:
+        ray.get(m.engine_urls.remote())
+    msg = str(e.value)
+    assert "exited before becoming healthy" in msg and "slime-spec doctor" in msg
+    assert "NOT_AN_ALGORITHM" in msg.split("last 40 lines of the server log")[1]  # the server's own words

@@ -1,0 +1,247 @@
+"""The cluster scripts: their flags pass `slime-spec doctor` against stand-in config.json files with the
+real models' shapes, a broken setting stops them with the doctor's message, and the launch steps start
+(and stop) only what they own.
+
+The real doctor costs ~9 s per run (SGLang's ServerArgs import), so the five doctor runs start together
+once per module. The launch-flow tests use test doubles for `python` (the doctor) and `ray`.
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+RUN_SCRIPTS = sorted(SCRIPTS.glob("run-*.sh"))
+
+# Stand-ins for the checkpoints' config.json: the real models' values (the doctor checks MODEL_ARGS
+# against them), no weights.
+LLAMA31_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype="bfloat16",
+                  num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                  num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, max_position_embeddings=131072, attention_bias=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+EAGLE3_DRAFT = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", torch_dtype="float16",
+                    max_position_embeddings=2048, num_hidden_layers=1, hidden_size=4096, vocab_size=128256,
+                    draft_vocab_size=32000)
+MIMO_7B = dict(architectures=["MiMoForCausalLM"], model_type="mimo", torch_dtype="bfloat16",
+               num_hidden_layers=36, hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=151680, rope_theta=640000.0, rms_norm_eps=1e-5,
+               tie_word_embeddings=False, max_position_embeddings=32768, attention_bias=True,
+               num_nextn_predict_layers=1)
+GLM45 = dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", torch_dtype="bfloat16",
+             num_hidden_layers=92, hidden_size=5120, intermediate_size=12288, num_attention_heads=96,
+             num_key_value_heads=8, head_dim=128, vocab_size=151552, rope_theta=1000000.0, rms_norm_eps=1e-5,
+             tie_word_embeddings=False, max_position_embeddings=131072, attention_bias=True,
+             partial_rotary_factor=0.5, n_routed_experts=160, n_shared_experts=1, moe_intermediate_size=1536,
+             num_experts_per_tok=8, first_k_dense_replace=3, routed_scaling_factor=2.5, use_qk_norm=True,
+             num_nextn_predict_layers=1)
+DEEPSEEK_V3 = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", torch_dtype="bfloat16",
+                   num_hidden_layers=61, hidden_size=7168, intermediate_size=18432, num_attention_heads=128,
+                   num_key_value_heads=128, vocab_size=129280, rope_theta=10000.0, rms_norm_eps=1e-6,
+                   tie_word_embeddings=False, max_position_embeddings=163840, attention_bias=False,
+                   q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                   n_routed_experts=256, n_shared_experts=1, moe_intermediate_size=2048, num_experts_per_tok=8,
+                   n_group=8, topk_group=4, first_k_dense_replace=3, routed_scaling_factor=2.5,
+                   num_nextn_predict_layers=1,
+                   rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096})
+
+CHECKPOINTS = {"Llama-3.1-8B-Instruct": LLAMA31_8B, "sglang-EAGLE3-LLaMA3.1-Instruct-8B": EAGLE3_DRAFT,
+               "MiMo-7B-RL": MIMO_7B, "GLM-4.5-355B-A32B": GLM45, "DeepSeek-V3": DEEPSEEK_V3}
+PROMPTS = ["gsm8k/gsm8k-train.jsonl", "dapo-math-17k/dapo-math-17k.jsonl", "aime-2024/aime-2024.jsonl"]
+
+# script -> (extra environment, expected engines, expected per-engine --tp-size)
+CLEAN_RUNS = {
+    "run-eagle3-llama3.1-8B.sh": ({}, 8, 1),
+    "run-mimo-7B-rl-mtp.sh": ({}, 8, 1),
+    "run-glm4.5-mtp.sh": ({"DEBUG_ROLLOUT_ONLY": "1"}, 2, 16),
+    "run-deepseek-v3-mtp.sh": ({"DEBUG_ROLLOUT_ONLY": "1"}, 2, 32),
+}
+
+
+def make_base_dir(base: Path) -> Path:
+    for name, cfg in CHECKPOINTS.items():
+        (base / name).mkdir(parents=True)
+        (base / name / "config.json").write_text(json.dumps(cfg))
+    for rel in PROMPTS:
+        (base / rel).parent.mkdir(parents=True, exist_ok=True)
+        (base / rel).write_text(json.dumps({"prompt": "What is 2+3?", "label": "5"}) + "\n")
+    return base
+
+
+def script_env(base: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("DEBUG_ROLLOUT_ONLY", "EXTRA_ARGS", "WANDB_API_KEY")}
+    env.update(BASE_DIR=str(base), PYTHON=sys.executable, DOCTOR_ONLY="1", **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def doctor_runs(tmp_path_factory):
+    """Every script through the real doctor (JSON output), plus one broken setting (text output)."""
+    base = make_base_dir(tmp_path_factory.mktemp("base"))
+    jobs = {name: (SCRIPTS / name, script_env(base, EXTRA_ARGS="--json", **env))
+            for name, (env, _, _) in CLEAN_RUNS.items()}
+    # `--sglang-dtype auto` after the script's `float16`: the float16 draft meets the bfloat16 target.
+    jobs["broken"] = (SCRIPTS / "run-eagle3-llama3.1-8B.sh", script_env(base, EXTRA_ARGS="--sglang-dtype auto"))
+    procs = {name: subprocess.Popen(["bash", str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, cwd=ROOT)
+             for name, (path, env) in jobs.items()}
+    return {name: (p.wait(timeout=300), p.stdout.read()) for name, p in procs.items()}
+
+
+def doctor_json(output: str) -> dict:
+    lines = [line for line in output.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, output
+    return json.loads(lines[0])
+
+
+def test_every_run_script_is_covered():
+    assert sorted(p.name for p in RUN_SCRIPTS) == sorted(CLEAN_RUNS)
+
+
+@pytest.mark.parametrize("name", sorted(CLEAN_RUNS))
+def test_script_passes_doctor_with_no_error_or_warning(doctor_runs, name):
+    rc, out = doctor_runs[name]
+    assert rc == 0, out
+    report = doctor_json(out)
+    problems = [f for f in report["findings"] if f["level"] != "info"]
+    assert problems == [], problems
+    _, n_engines, tp = CLEAN_RUNS[name]
+    engines = report["engines"]
+    assert len(engines) == n_engines and {e["backend"] for e in engines} == {"sglang"}
+    argv = engines[0]["argv"]
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    assert argv[argv.index("--tp-size") + 1] == str(tp)
+    assert "--speculative-algorithm" in argv and "--cuda-graph-bs-decode" in argv
+    assert "DOCTOR_ONLY=1: configuration is clean; not launching" in out
+
+
+def test_eagle3_script_forwards_the_example_sglang_args(doctor_runs):
+    argv = doctor_json(doctor_runs["run-eagle3-llama3.1-8B.sh"][1])["engines"][0]["argv"]
+    text = " ".join(argv)
+    for part in ("--speculative-algorithm EAGLE3", "--speculative-num-steps 5", "--speculative-eagle-topk 8",
+                 "--speculative-num-draft-tokens 32", "--max-running-requests 48", "--dtype float16",
+                 "--context-length 2048", "--attention-backend fa3", "--mem-fraction-static 0.8"):
+        assert part in text
+    assert argv[argv.index("--speculative-draft-model-path") + 1].endswith("/sglang-EAGLE3-LLaMA3.1-Instruct-8B")
+
+
+def test_broken_setting_stops_with_the_doctors_message(doctor_runs):
+    rc, out = doctor_runs["broken"]
+    assert rc == 2, out
+    assert "[ERROR  ] SPEC_DTYPE_MISMATCH: the draft model is float16 but the target is bfloat16" in out
+    assert "fix: --sglang-dtype float16" in out
+    assert "doctor found errors (above)" in out and "DOCTOR_ONLY" not in out
+
+
+def test_no_script_kills_by_name():
+    for path in SCRIPTS.rglob("*.sh"):
+        assert not re.search(r"\b(pkill|killall)\b", path.read_text()), path
+
+
+# ---------------------------------------------------------------- launch flow, with test doubles
+
+FAKE_DOCTOR = """#!/bin/bash
+printf '%s\\n' "$@" > "$FAKE_LOG/doctor.args"
+exit "${FAKE_DOCTOR_RC:-0}"
+"""
+# A stand-in `ray`: logs each call; `job submit` records the entrypoint and can interrupt the script.
+FAKE_RAY = """#!/bin/bash
+echo "$*" >> "$FAKE_LOG/ray.calls"
+case "$1 $2" in
+  "status "*) exit "${FAKE_RAY_STATUS_RC:-1}" ;;
+  "job submit")
+    while [ "$1" != "--" ]; do shift; done; shift
+    printf '%s\\n' "$@" > "$FAKE_LOG/entrypoint.args"
+    if [ -n "$FAKE_INTERRUPT" ]; then kill -TERM "$PPID"; fi
+    exit "${FAKE_JOB_RC:-0}" ;;
+esac
+exit 0
+"""
+
+
+@pytest.fixture
+def fakes(tmp_path):
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    log.mkdir()
+    for name, text in (("fake-doctor-python", FAKE_DOCTOR), ("ray", FAKE_RAY)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return bin_dir, log
+
+
+def launch(fakes, tmp_path, ray_address: str, **env):
+    bin_dir, log = fakes
+    full = {k: v for k, v in os.environ.items() if k not in ("DEBUG_ROLLOUT_ONLY", "EXTRA_ARGS", "DOCTOR_ONLY")}
+    full.update(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "fake-doctor-python"),
+                FAKE_LOG=str(log), BASE_DIR=str(tmp_path), RAY_ADDRESS=ray_address, **env)
+    proc = subprocess.run(["bash", str(SCRIPTS / "run-mimo-7B-rl-mtp.sh")], env=full, capture_output=True,
+                          text=True, timeout=60)
+    calls = (log / "ray.calls").read_text().splitlines() if (log / "ray.calls").exists() else []
+    return proc, calls, log
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_starts_a_head_only_without_a_cluster_and_stops_only_that(fakes, tmp_path):
+    proc, calls, log = launch(fakes, tmp_path, f"127.0.0.1:{closed_port()}", DEBUG_ROLLOUT_ONLY="1")
+    assert proc.returncode == 0, proc.stderr
+    assert [c.split()[0:2] for c in calls] == [["start", "--head"], ["job", "submit"], ["stop"]]
+    doctor_args = (log / "doctor.args").read_text().splitlines()
+    entry = (log / "entrypoint.args").read_text().splitlines()
+    assert doctor_args[:2] == ["-m", "slime_spec.doctor"] and entry[:3] == ["python3", "-m", "slime_spec.train"]
+    assert doctor_args[2:] == entry[3:]  # the job gets exactly the flags the doctor checked
+    assert "--debug-rollout-only" in entry and "--rollout-backend" in entry
+    submit = calls[1].split()
+    assert json.loads(proc_arg(submit, "--runtime-env-json"))["env_vars"]["NCCL_NVLS_ENABLE"] == "0"
+
+
+def proc_arg(tokens: list[str], flag: str) -> str:
+    # the runtime-env JSON has spaces, so rebuild it from the logged call
+    i = tokens.index(flag) + 1
+    j = tokens.index("--", i)
+    return " ".join(tokens[i:j])
+
+
+def test_reuses_a_reachable_cluster_and_leaves_it_running(fakes, tmp_path):
+    with socket.socket() as server:  # something listens at RAY_ADDRESS, and `ray status` succeeds
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        proc, calls, log = launch(fakes, tmp_path, f"127.0.0.1:{port}", FAKE_RAY_STATUS_RC="0")
+    assert proc.returncode == 0, proc.stderr
+    assert [c.split()[0:2] for c in calls] == [["status", "--address"], ["job", "submit"]]
+    assert "--debug-rollout-only" not in (log / "entrypoint.args").read_text().splitlines()
+
+
+def test_doctor_error_starts_nothing(fakes, tmp_path):
+    proc, calls, _ = launch(fakes, tmp_path, f"127.0.0.1:{closed_port()}", FAKE_DOCTOR_RC="2")
+    assert proc.returncode == 2 and calls == []
+    assert "doctor found errors" in proc.stderr
+
+
+def test_interrupted_job_is_stopped_by_its_id_then_the_head(fakes, tmp_path):
+    proc, calls, _ = launch(fakes, tmp_path, f"127.0.0.1:{closed_port()}", FAKE_INTERRUPT="1")
+    assert proc.returncode == 143
+    submit_id = calls[1].split()[calls[1].split().index("--submission-id") + 1]
+    assert submit_id.startswith("run-mimo-7B-rl-mtp-")
+    assert [c.split()[0:2] for c in calls[2:]] == [["job", "stop"], ["stop"]]
+    assert calls[2].split()[-1] == submit_id
+
+
+def test_failed_job_returns_its_exit_code_and_cleans_up(fakes, tmp_path):
+    proc, calls, _ = launch(fakes, tmp_path, f"127.0.0.1:{closed_port()}", FAKE_JOB_RC="3")
+    assert proc.returncode == 3
+    assert [c.split()[0:2] for c in calls] == [["start", "--head"], ["job", "submit"], ["stop"]]

@@ -1,0 +1,135 @@
+"""Loss math, batching and checkpoint bookkeeping of the trainer (pure; no Megatron)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slime_spec.rollout.sample import Sample, Status
+from slime_spec.trainer import batch, checkpoint, losses
+
+
+def test_grpo_advantages_are_normalised_per_group():
+    rewards = [1.0, 0.0, 0.0, 0.0, 5.0, 5.0]
+    groups = [7, 7, 7, 3, 3, 3]
+    adv = losses.grpo_advantages(rewards, groups, n_samples_per_prompt=3)
+    g0 = torch.tensor([1.0, 0.0, 0.0])
+    expected0 = (g0 - g0.mean()) / (g0.std() + 1e-6)  # unbiased std, as slime
+    torch.testing.assert_close(adv[:3], expected0)
+    g1 = torch.tensor([0.0, 5.0, 5.0])
+    torch.testing.assert_close(adv[3:], (g1 - g1.mean()) / (g1.std() + 1e-6))
+    assert abs(float(adv[:3].sum())) < 1e-5 and abs(float(adv[3:].sum())) < 1e-5
+    same = losses.grpo_advantages([2.0, 2.0], [0, 0], n_samples_per_prompt=2)
+    assert torch.equal(same, torch.zeros(2))  # equal rewards: no signal, no division blow-up
+    unscaled = losses.grpo_advantages(rewards, groups, 3, std_normalize=False)
+    torch.testing.assert_close(unscaled[:3], g0 - g0.mean())
+
+
+def test_grpo_rejects_incomplete_groups():
+    with pytest.raises(ValueError, match="n-samples-per-prompt"):
+        losses.grpo_advantages([1.0, 0.0, 1.0], [0, 0, 1], n_samples_per_prompt=2)
+
+
+def test_ppo_clip_loss_clips_only_in_the_direction_of_the_advantage():
+    old = torch.zeros(4)
+    new = torch.log(torch.tensor([1.5, 0.5, 1.5, 0.5]))
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss, clipped = losses.ppo_clip_loss(new, old, adv, eps_clip=0.2, eps_clip_high=0.28)
+    # A > 0, ratio 1.5 -> capped at 1.28; A > 0, ratio 0.5 -> unclipped (min of objectives);
+    # A < 0, ratio 1.5 -> unclipped; A < 0, ratio 0.5 -> capped at 0.8.
+    torch.testing.assert_close(loss, torch.tensor([-1.28, -0.5, 1.5, 0.8]))
+    assert clipped.tolist() == [1.0, 0.0, 0.0, 1.0]
+    sym, _ = losses.ppo_clip_loss(new, old, adv, eps_clip=0.2)  # eps_clip_high defaults to eps_clip
+    torch.testing.assert_close(sym[0], torch.tensor(-1.2))
+
+
+def test_kl_estimators():
+    lp = torch.log(torch.tensor([0.5, 0.2]))
+    ref = torch.log(torch.tensor([0.25, 0.4]))
+    r = lp - ref
+    torch.testing.assert_close(losses.approx_kl(lp, ref, "k1"), r)
+    torch.testing.assert_close(losses.approx_kl(lp, ref, "k2"), r ** 2 / 2)
+    k3 = torch.exp(-r) - 1 + r
+    torch.testing.assert_close(losses.approx_kl(lp, ref, "k3"), k3)
+    torch.testing.assert_close(losses.approx_kl(lp, ref, "low_var_kl"), k3)
+    assert bool((k3 >= 0).all())
+    huge = losses.approx_kl(torch.tensor([-30.0]), torch.tensor([0.0]), "low_var_kl")
+    assert float(huge) == 10.0  # clamped, as slime
+    with pytest.raises(ValueError, match="kl-loss-type"):
+        losses.approx_kl(lp, ref, "k9")
+
+
+def test_log_probs_entropy_and_policy_terms_align_with_targets():
+    logits = torch.randn(2, 5, 7, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 7, (2, 5), generator=torch.Generator().manual_seed(1))
+    lp = losses.token_log_probs(logits, ids)
+    assert lp.shape == (2, 5) and float(lp[:, 0].abs().sum()) == 0.0
+    manual = torch.log_softmax(logits[1, 2], -1)[ids[1, 3]]
+    torch.testing.assert_close(lp[1, 3], manual)
+    ent = losses.token_entropy(logits)
+    p = torch.softmax(logits[0, 0], -1)
+    torch.testing.assert_close(ent[0, 1], -(p * p.log()).sum())
+    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 1, 0]], dtype=torch.float32)
+    terms = losses.policy_loss_terms(lp, lp.detach(), torch.ones(2, 5), mask, eps_clip=0.2, eps_clip_high=None,
+                                     entropy=ent, entropy_coef=0.01, ref_log_probs=lp.detach(), kl_loss_coef=1.0)
+    torch.testing.assert_close(terms.pg_loss, torch.tensor([-1.0, -1.0]))  # ratio 1, advantage 1
+    torch.testing.assert_close(terms.kl, torch.zeros(2))
+    torch.testing.assert_close(terms.total, terms.pg_loss - 0.01 * terms.entropy)
+    assert float(terms.entropy[1]) == pytest.approx(float(ent[1, 3]))  # only the masked token
+    sft = losses.sft_loss_terms(lp, mask, ent)
+    torch.testing.assert_close(sft.total[1], -lp[1, 3])
+
+
+def test_mtp_loss_targets_are_two_ahead_and_response_only():
+    vocab, ids = 6, torch.tensor([[1, 2, 3, 4, 5]])
+    logits = torch.full((1, 5, vocab), -20.0)
+    for i in range(3):  # position i of MTP layer 0 predicts token i + 2, perfectly
+        logits[0, i, ids[0, i + 2]] = 20.0
+    mask = torch.tensor([[0.0, 0.0, 0.0, 1.0, 1.0]])
+    assert float(losses.mtp_loss_per_sample([logits], ids, mask)) < 1e-6
+    wrong = logits.roll(1, dims=1)  # predicting one position late
+    assert float(losses.mtp_loss_per_sample([wrong], ids, mask)) > 10
+    (ce, m), = losses.mtp_token_losses([logits], ids, mask)
+    assert ce.shape == (1, 3) and m.tolist() == [[0.0, 1.0, 1.0]]
+
+
+def sample(index, group, prompt, response, **kw):
+    return Sample(index=index, group_index=group, prompt="p", tokens=prompt + response,
+                  response_length=len(response), **kw)
+
+
+def test_collate_masks_and_pads():
+    s0 = sample(0, 0, [5, 6], [7, 8, 9], loss_mask=[1, 0, 1], rollout_log_probs=[-1.0, -2.0, -3.0])
+    s1 = sample(1, 0, [5], [7], status=Status.ABORTED)
+    b = batch.collate([s0, s1])
+    assert b.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 7, 0, 0, 0]]
+    assert b.loss_mask.tolist() == [[0, 0, 1, 0, 1], [0, 0, 0, 0, 0]]
+    assert b.rollout_log_probs[0].tolist() == [0, 0, -1.0, -2.0, -3.0] and b.has_rollout_log_probs.tolist() == [True, False]
+    with pytest.raises(ValueError, match="loss_mask has 2 entries"):
+        batch.collate([sample(0, 0, [5], [7, 8, 9], loss_mask=[1, 1])])
+
+
+def test_step_slices_split_steps_ranks_and_micro_batches():
+    assert batch.step_slices(8, 4, 1, dp_rank=1, dp_size=2) == [[[2], [3]], [[6], [7]]]
+    assert batch.step_slices(4, 4, 2, dp_rank=0, dp_size=1) == [[[0, 1], [2, 3]]]
+    with pytest.raises(ValueError, match="global-batch-size 3 must divide"):
+        batch.step_slices(4, 3, 1, 0, 1)
+    with pytest.raises(ValueError, match="micro-batch-size"):
+        batch.step_slices(4, 4, 3, 0, 1)
+
+
+def test_save_due_and_checkpoint_format(tmp_path):
+    assert [r for r in range(6) if checkpoint.save_due(2, r)] == [1, 3, 5]
+    assert checkpoint.save_due(4, 4, num_rollout=5) and not checkpoint.save_due(None, 3)
+    state = {"decoder.final_layernorm.weight": torch.arange(3.0)}
+    checkpoint.save_shard(tmp_path, 3, tp_rank=0, tp_size=1, hf_config={"x": 1}, model_state=state,
+                          optimizer_state=None)
+    checkpoint.mark_latest(tmp_path, 3)
+    loaded = checkpoint.load_shard(tmp_path, tp_rank=0, tp_size=1)
+    assert loaded["rollout_id"] == 3 and torch.equal(loaded["model"]["decoder.final_layernorm.weight"], state[
+        "decoder.final_layernorm.weight"])
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=1"):
+        checkpoint.load_shard(tmp_path, tp_rank=0, tp_size=2)
+    with pytest.raises(FileNotFoundError, match="latest_checkpointed_iteration"):
+        checkpoint.load_shard(tmp_path / "nothing", 0, 1)
+    assert len(list(tmp_path.glob("iter_*/*.pt"))) == 1

@@ -1,0 +1,117 @@
+"""The in-process Trainer (what each TrainActor runs): GRPO / SFT steps, MTP training on and off, save/load."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from slime_spec.config import TrainConfig
+from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.rollout.sample import Sample
+from slime_spec.trainer import parallel
+from slime_spec.trainer.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def mimo(tmp_path_factory):
+    parallel.init_single_process(seed=0)
+    return make_tiny_model(tmp_path_factory.mktemp("mimo"), arch="mimo", mtp_layers=1, num_layers=1, seed=1)
+
+
+def rollout(n_prompts: int = 2, n: int = 2, seed: int = 0) -> list[Sample]:
+    """Random prompts/responses; within a prompt, reward = sample number (so advantages differ)."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(n_prompts):
+        prompt = [rng.randrange(5, 100) for _ in range(5)]
+        for j in range(n):
+            response = [rng.randrange(5, 100) for _ in range(6)]
+            out.append(Sample(index=len(out), group_index=g, prompt="p", tokens=prompt + response,
+                              response_length=len(response), reward=float(j)))
+    return out
+
+
+def config(path, **kw) -> TrainConfig:
+    base = dict(hf_checkpoint=str(path), mtp_num_layers=1, lr=1e-3, global_batch_size=2, micro_batch_size=1,
+                n_samples_per_prompt=2)
+    return TrainConfig(**{**base, **kw})
+
+
+def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.clone() for n, p in trainer.named_megatron_params()}
+
+
+def changed(before, trainer) -> dict[str, bool]:
+    return {n: not torch.equal(before[n], p) for n, p in trainer.named_megatron_params()}
+
+
+@pytest.mark.parametrize("enable_mtp_training", [False, True])
+def test_grpo_step_moves_policy_and_mtp_only_when_enabled(mimo, enable_mtp_training):
+    trainer = Trainer(config(mimo, enable_mtp_training=enable_mtp_training, use_kl_loss=True, kl_loss_coef=0.1))
+    samples = rollout()
+    probe = [samples[1].tokens]
+    before, logits_before = snapshot(trainer), trainer.forward_logits(probe)
+    metrics = trainer.train_step(samples, rollout_id=0)
+    for key in ("loss", "pg_loss", "kl", "clip_fraction", "entropy", "grad_norm", "mtp_loss", "lr"):
+        assert key in metrics and metrics[key] == metrics[key], key  # present and not NaN
+    assert metrics["grad_norm"] > 0 and metrics["lr"] == 1e-3 and metrics["mtp_loss"] > 0
+    diff = changed(before, trainer)
+    assert all(v for n, v in diff.items() if not n.startswith("mtp.")), diff
+    assert all(v == enable_mtp_training for n, v in diff.items() if n.startswith("mtp.")), diff
+    after = trainer.forward_logits(probe)
+    assert not torch.allclose(after["logits"], logits_before["logits"])
+
+
+def test_grpo_raises_log_prob_of_rewarded_response_and_mtp_loss_falls(mimo):
+    trainer = Trainer(config(mimo, enable_mtp_training=True, global_batch_size=4))
+    samples = rollout(n_prompts=2, n=2, seed=3)
+    good, bad = samples[1], samples[0]  # reward 1 vs 0 in the same group
+
+    def response_log_prob(s):
+        from slime_spec.trainer.losses import token_log_probs
+
+        logits = trainer.forward_logits([s.tokens])["logits"]
+        return float(token_log_probs(logits, torch.tensor([s.tokens]))[0, -s.response_length:].sum())
+
+    good0, bad0 = response_log_prob(good), response_log_prob(bad)
+    mtp_losses = [trainer.train_step(samples, rollout_id=r)["mtp_loss"] for r in range(3)]
+    assert response_log_prob(good) > good0 and response_log_prob(bad) < bad0
+    assert mtp_losses[-1] < mtp_losses[0]
+
+
+def test_sft_step_lowers_nll(mimo):
+    trainer = Trainer(config(mimo, loss_type="sft", enable_mtp_training=True, global_batch_size=4))
+    samples = rollout(seed=5)
+    first = trainer.train_step(samples, 0)
+    second = trainer.train_step(samples, 1)
+    assert second["loss"] < first["loss"] and second["mtp_loss"] < first["mtp_loss"]
+    assert first["clip_fraction"] == 0.0
+
+
+def test_save_then_load_restores_weights_and_optimizer(mimo, tmp_path):
+    trainer = Trainer(config(mimo, enable_mtp_training=True, save=str(tmp_path), save_interval=1))
+    trainer.train_step(rollout(), 0)
+    trainer.save(0)
+    resumed = Trainer(config(mimo, enable_mtp_training=True, load=str(tmp_path)))
+    assert resumed.start_rollout_id == 1
+    saved = dict(trainer.named_megatron_params())
+    assert all(torch.equal(saved[n], p) for n, p in resumed.named_megatron_params())
+    # Same optimizer state => the same next step.
+    m1, m2 = trainer.train_step(rollout(seed=9), 1), resumed.train_step(rollout(seed=9), 1)
+    assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for (_, a), (_, b) in
+               zip(trainer.named_megatron_params(), resumed.named_megatron_params()))
+
+
+def test_bad_inputs_are_clear_errors(mimo):
+    trainer = Trainer(config(mimo))
+    samples = rollout()
+    samples[2].reward = None
+    with pytest.raises(ValueError, match="sample 2 has no reward"):
+        trainer.train_step(samples, 0)
+    with pytest.raises(ValueError, match="global-batch-size 2 must divide"):
+        trainer.train_step(rollout()[:3], 0)
+    with pytest.raises(ValueError, match="kl-loss-type"):
+        Trainer(config(mimo, use_kl_loss=True, kl_loss_type="k7"))

@@ -1,0 +1,219 @@
+"""Pure parts of the weight sync: buckets, selector policy, protocol detection, payloads, verification, canary."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from slime_spec.sglang_contract import validate_payload
+from slime_spec.weight_sync import canary, protocol, verify
+from slime_spec.weight_sync.gather import NamedTensor, hf_mtp_matcher, make_buckets
+from slime_spec.weight_sync.protocol import SpecSetup, plan_selectors
+
+
+def _t(name: str, numel: int, kind: str = "target") -> NamedTensor:
+    return NamedTensor(name, torch.zeros(numel), kind)  # float32: 4 bytes per element
+
+
+# ---- buckets ----
+
+def test_buckets_respect_size_and_keep_order():
+    tensors = [_t(f"w{i}", 10) for i in range(5)]  # 40 bytes each
+    buckets = list(make_buckets(tensors, buffer_bytes=100))
+    assert [b.names for b in buckets] == [["w0", "w1"], ["w2", "w3"], ["w4"]]
+    assert all(b.nbytes <= 100 for b in buckets)
+
+
+def test_tensor_larger_than_buffer_gets_its_own_bucket():
+    buckets = list(make_buckets([_t("small", 5), _t("huge", 100), _t("small2", 5)], buffer_bytes=64))
+    assert [b.names for b in buckets] == [["small"], ["huge"], ["small2"]]
+
+
+def test_target_and_mtp_tensors_never_share_a_bucket():
+    tensors = [_t("a", 4), _t("m1", 4, "mtp"), _t("b", 4), _t("m2", 4, "mtp"), _t("c", 4)]
+    buckets = list(make_buckets(tensors, buffer_bytes=1000))
+    assert [(b.kind, b.names) for b in buckets] == [("target", ["a", "b", "c"]), ("mtp", ["m1", "m2"])]
+    assert sum(len(b.tensors) for b in buckets) == len(tensors)
+
+
+def test_bucket_size_must_be_positive():
+    with pytest.raises(ValueError, match="update_weight_buffer_size"):
+        list(make_buckets([_t("a", 1)], 0))
+
+
+def test_hf_mtp_names_of_both_layouts():
+    is_mtp = hf_mtp_matcher({"num_hidden_layers": 2})
+    assert is_mtp("model.mtp_layers.0.input_proj.weight")
+    assert is_mtp("model.layers.2.eh_proj.weight")  # DeepSeek-V3 / GLM-4.5: layer N is the MTP layer
+    assert not is_mtp("model.layers.1.mlp.up_proj.weight")
+    assert not is_mtp("lm_head.weight")
+
+
+# ---- selector policy ----
+
+NATIVE = SpecSetup("EAGLE", None, "/ckpt")
+NEXTN_SELF = SpecSetup("NEXTN", "/ckpt", "/ckpt")
+EAGLE3 = SpecSetup("EAGLE3", "/eagle3-draft", "/ckpt")
+STANDALONE = SpecSetup("STANDALONE", "/small-draft", "/ckpt")
+EAGLE_EXTERNAL = SpecSetup("EAGLE", "/eagle-draft", "/ckpt")
+
+
+@pytest.mark.parametrize("spec", [NATIVE, NEXTN_SELF])
+@pytest.mark.parametrize("transport", ["distributed", "tensor", "disk"])
+def test_native_mtp_sends_everything_to_all_runners(spec, transport):
+    plan = plan_selectors(spec, has_mtp_layers=True, transport=transport, session=True)
+    assert (plan.target, plan.mtp) == ("all", "all")
+    assert protocol.session_selector(plan) == "all"
+
+
+@pytest.mark.parametrize("spec", [EAGLE3, STANDALONE, EAGLE_EXTERNAL])
+@pytest.mark.parametrize("transport", ["distributed", "tensor"])
+def test_external_draft_never_receives_target_tensors(spec, transport):
+    plan = plan_selectors(spec, has_mtp_layers=True, transport=transport, session=True)
+    assert (plan.target, plan.mtp) == ("target", None)
+    assert protocol.session_selector(plan) == "target"
+
+
+@pytest.mark.parametrize("algorithm", [None, "NGRAM", "ngram"])
+def test_no_draft_runner_means_target_only(algorithm):
+    plan = plan_selectors(SpecSetup(algorithm, None, "/ckpt"), has_mtp_layers=True, transport="distributed",
+                          session=True)
+    assert (plan.target, plan.mtp) == ("target", None)
+
+
+def test_refused_combinations_name_the_fix():
+    with pytest.raises(ValueError, match="--mtp-num-layers"):
+        plan_selectors(NATIVE, has_mtp_layers=False, transport="distributed", session=True)
+    with pytest.raises(ValueError, match="27718"):  # old SGLang: distributed never reaches the MTP draft
+        plan_selectors(NATIVE, has_mtp_layers=True, transport="distributed", session=False)
+    with pytest.raises(ValueError, match="1177"):  # disk reloads every runner, so the external draft too
+        plan_selectors(STANDALONE, has_mtp_layers=False, transport="disk", session=True)
+    with pytest.raises(ValueError, match="1177"):  # old SGLang tensor path loads every runner
+        plan_selectors(EAGLE3, has_mtp_layers=False, transport="tensor", session=False)
+    # and what old SGLang can do safely
+    assert plan_selectors(NATIVE, True, "tensor", session=False).mtp == "all"
+    assert plan_selectors(EAGLE3, False, "distributed", session=False).target == "target"
+
+
+# ---- protocol detection ----
+
+@pytest.mark.parametrize("version,status,session", [
+    ("0.5.23", 405, True), ("0.5.23", None, True), ("0.6.0", None, True), ("0.5.22", None, False),
+    ("0.4.6.post4", None, False), ("0.4.6.post4", 404, False), (None, 405, True), ("0.5.23", 404, False),
+    ("0.5.0rc2", None, False)])
+def test_detect_protocol(version, status, session):
+    assert protocol.detect_protocol(version, status).session is session
+
+
+def test_detect_protocol_without_any_evidence_is_an_error():
+    with pytest.raises(ValueError, match="version"):
+        protocol.detect_protocol(None, 500)
+
+
+# ---- payloads: every body builds SGLang's own io_struct class ----
+
+@pytest.mark.parametrize("route,payload", [
+    ("/begin_weight_update", protocol.begin_payload("all")),
+    ("/end_weight_update", protocol.end_payload()),
+    ("/init_weights_update_group", protocol.init_group_payload("127.0.0.1", 29500, 1, 3, "g", "gloo")),
+    ("/destroy_weights_update_group", protocol.destroy_group_payload("g")),
+    ("/update_weights_from_distributed", protocol.distributed_payload(
+        ["a"], ["float32"], [[2, 3]], group_name="g", selector="target", weight_version="3", flush_cache=False,
+        session=True)),
+    ("/update_weights_from_distributed", protocol.distributed_payload(
+        ["a"], ["bfloat16"], [[2]], group_name="g", selector="all", weight_version=None, flush_cache=True,
+        session=False)),
+    ("/update_weights_from_tensor", protocol.tensor_payload(["QUJD"], selector="all", weight_version="1",
+                                                            flush_cache=False, session=True)),
+    ("/update_weights_from_disk", protocol.disk_payload("/tmp/x", weight_version="1", session=True)),
+    ("/update_weights_from_disk", protocol.disk_payload("/tmp/x", weight_version="1", session=False)),
+    ("/weights_checker", protocol.checksum_payload("draft")),
+    ("/get_weights_by_name", protocol.get_weights_payload("lm_head.weight", 10)),
+    ("/pause_generation", protocol.pause_payload()),
+    ("/continue_generation", protocol.continue_payload()),
+])
+def test_payloads_match_io_struct(route, payload):
+    validate_payload(protocol.ROUTE_STRUCTS[route], payload)
+
+
+def test_sessionless_payloads_carry_no_selector():
+    assert "selector" not in protocol.distributed_payload(["a"], ["float32"], [[1]], group_name="g", selector="all",
+                                                          weight_version=None, flush_cache=True, session=False)
+    assert "selector" not in protocol.tensor_payload(["x"], selector="target", weight_version=None,
+                                                     flush_cache=True, session=False)
+
+
+# ---- verification ----
+
+def test_fused_names_and_parts():
+    assert verify.fused_name("model.layers.0.self_attn.k_proj.weight") == "model.layers.0.self_attn.qkv_proj.weight"
+    assert verify.fused_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.gate_up_proj.weight"
+    assert verify.fused_name("model.layers.0.mlp.down_proj.weight") is None
+    assert verify.stacked_parts("m.0.self_attn.qkv_proj.bias") == [
+        "m.0.self_attn.q_proj.bias", "m.0.self_attn.k_proj.bias", "m.0.self_attn.v_proj.bias"]
+
+
+def test_checksum_is_sglang_cpu_tensor_hash_and_fuses_by_concatenation():
+    a, b = torch.arange(6.0).reshape(2, 3), torch.ones(1, 3)
+    digest = hashlib.sha256(a.numpy().tobytes()).digest()[:8]
+    assert verify.tensor_checksum([a]) == f"{int.from_bytes(digest, 'big'):016x}"
+    assert verify.tensor_checksum([a, b]) == verify.tensor_checksum([torch.cat([a, b])])
+
+
+def test_coverage_maps_fused_and_draft_names():
+    served = {"target": {"model.layers.0.self_attn.qkv_proj.weight": "1", "lm_head.weight": "2",
+                         "model.layers.0.self_attn.rotary_emb.cos_sin_cache": "3"},
+              "draft": {"model.enorm.weight": "4", "model.decoder.mlp.gate_up_proj.weight": "5"}}
+    sent = {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.0.self_attn.v_proj.weight", "lm_head.weight", "model.layers.1.enorm.weight",
+            "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"}
+    cov = verify.check_coverage(served, sent, {"target", "draft"})
+    assert cov.ok and cov.written == {"target": 3, "draft": 2}
+    cov = verify.check_coverage(served, sent - {"model.layers.0.self_attn.v_proj.weight"}, {"target"})
+    assert cov.missing == {"target": ["model.layers.0.self_attn.qkv_proj.weight"]}
+    assert "draft" not in cov.missing  # the draft runner was not updated, so not checked
+
+
+def test_checksum_recorder_and_compare_catch_a_changed_weight():
+    q, k, v = torch.randn(4, 2), torch.randn(2, 2), torch.randn(2, 2)
+    rec = verify.ChecksumRecorder(torch.float32)
+    for name, t in (("l.self_attn.q_proj.weight", q), ("l.self_attn.k_proj.weight", k),
+                    ("l.self_attn.v_proj.weight", v)):
+        rec.add(name, t)
+    fused = "l.self_attn.qkv_proj.weight"
+    served = {"target": {fused: verify.tensor_checksum([torch.cat([q, k, v])])}}
+    assert verify.compare_checksums(served, rec.checksums, {"target"}) == []
+    served["target"][fused] = verify.tensor_checksum([torch.cat([q, k, v + 1])])
+    assert len(verify.compare_checksums(served, rec.checksums, {"target"})) == 1
+
+
+def test_served_by_role_splits_draft_prefix():
+    reply = {"ranks": [{"checksums": {"a.weight": "1", "draft.b.weight": "2", "draft_step_0.c": "3"},
+                        "per_gpu_checksum": "x", "parallelism_info": [{"tp_size": 1}]}]}
+    assert verify.served_by_role(reply) == {"target": {"a.weight": "1"}, "draft": {"b.weight": "2"},
+                                            "draft_step_0": {"c": "3"}}
+    with pytest.raises(ValueError, match="ranks"):
+        verify.served_by_role({"success": False, "message": "boom"})
+
+
+# ---- canary ----
+
+def test_accept_length_sums_raw_counters():
+    metas = [{"completion_tokens": 30, "spec_verify_ct": 10}, {"completion_tokens": 2, "spec_verify_ct": 2}]
+    assert canary.accept_length(metas) == pytest.approx(32 / 12)
+    assert canary.accept_length([{"completion_tokens": 5}]) == 1.0
+
+
+@pytest.mark.parametrize("spec,event,cause", [(NATIVE, "sync", "27718"), (STANDALONE, "sync", "1177"),
+                                              (NATIVE, "resume", "31674")])
+def test_collapse_is_an_error_with_the_likely_cause(spec, event, cause):
+    verdict = canary.judge_canary(1.02, spec, event, previous=2.5)
+    assert verdict.level == "error" and cause in verdict.message
+
+
+def test_canary_ok_warning_and_off():
+    assert canary.judge_canary(2.4, NATIVE, "sync", previous=2.5).level == "ok"
+    assert canary.judge_canary(1.5, NATIVE, "sync", previous=2.5).level == "warning"
+    assert canary.judge_canary(1.0, SpecSetup(None), "sync").level == "off"
