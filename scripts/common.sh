@@ -3,7 +3,8 @@
 #   1. `python -m slime_spec.doctor <flags>`: stop with exit code 2 and the doctor's message on an error.
 #      DOCTOR_ONLY=1 stops here (exit 0 when the configuration is clean).
 #   2. `ray start --head` only when no Ray cluster answers at $RAY_ADDRESS; remembered, so the exit trap
-#      runs `ray stop` only for a head this script started.
+#      runs `ray stop` only for a head this script started. (`ray stop` stops every Ray process on this
+#      node, so it is never run when the script found a cluster already there.)
 #   3. `ray job submit ... -- python3 -m slime_spec.train <flags>`; if the script is interrupted while the
 #      job runs, the trap stops that job (by its submission id) and nothing else.
 #
@@ -23,7 +24,7 @@ slime_spec_cleanup() {
    local rc=$?
    if [ "$SLIME_SPEC_JOB_RUNNING" = 1 ]; then
       echo "[slime-spec] stopping job $SLIME_SPEC_SUBMISSION_ID (started by this script)" >&2
-      ray job stop --address "$RAY_DASHBOARD" "$SLIME_SPEC_SUBMISSION_ID" \
+      RAY_API_SERVER_ADDRESS="$RAY_DASHBOARD" ray job stop --address "$RAY_DASHBOARD" "$SLIME_SPEC_SUBMISSION_ID" \
          || echo "[slime-spec] could not stop job $SLIME_SPEC_SUBMISSION_ID; check 'ray job list'" >&2
    fi
    if [ "$SLIME_SPEC_STARTED_RAY_HEAD" = 1 ]; then
@@ -33,11 +34,11 @@ slime_spec_cleanup() {
    return $rc
 }
 
-# A closed GCS port means no cluster (fast); an open one is confirmed with `ray status`.
+# A cluster is there when its GCS port accepts connections. (`ray status` would wait ~45 s on a closed
+# port, and fails on a token-authenticated cluster unless RAY_AUTH_MODE is set.)
 slime_spec_ray_reachable() {
    local host="${1%:*}" port="${1##*:}"
-   timeout 5 bash -c "exec 3<>/dev/tcp/${host}/${port}" 2>/dev/null || return 1
-   ray status --address "$1" >/dev/null 2>&1
+   timeout 5 bash -c "exec 3<>/dev/tcp/${host}/${port}" 2>/dev/null
 }
 
 slime_spec_launch() {
@@ -83,7 +84,9 @@ slime_spec_launch() {
    SLIME_SPEC_SUBMISSION_ID="${script_name}-$(date +%Y%m%d-%H%M%S)-$$"
    SLIME_SPEC_JOB_RUNNING=1
    rc=0
-   ray job submit --address "$RAY_DASHBOARD" --submission-id "$SLIME_SPEC_SUBMISSION_ID" \
+   # RAY_API_SERVER_ADDRESS: `ray job` prefers the RAY_ADDRESS environment variable over --address.
+   RAY_API_SERVER_ADDRESS="$RAY_DASHBOARD" ray job submit --address "$RAY_DASHBOARD" \
+      --submission-id "$SLIME_SPEC_SUBMISSION_ID" \
       --runtime-env-json "$runtime_env" \
       -- python3 -m slime_spec.train "${train_args[@]}" || rc=$?
    SLIME_SPEC_JOB_RUNNING=0

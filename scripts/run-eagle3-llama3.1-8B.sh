@@ -14,12 +14,12 @@ SCRIPT_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" &>/dev/null && pwd)"
 source "${SCRIPT_DIR}/models/llama3.1-8B-Instruct.sh"
 source "${SCRIPT_DIR}/common.sh"
 BASE_DIR="${BASE_DIR:-/root}"
-NUM_GPUS="${NUM_GPUS:-8}"
+NUM_GPUS_PER_NODE="${NUM_GPUS_PER_NODE:-8}"
 
 CLUSTER_ARGS=(
    --actor-num-nodes 1
-   --actor-num-gpus-per-node "${NUM_GPUS}"
-   --rollout-num-gpus "${NUM_GPUS}"
+   --actor-num-gpus-per-node "${NUM_GPUS_PER_NODE}"
+   --rollout-num-gpus "${NUM_GPUS_PER_NODE}"
    --colocate
    --rollout-backend sglang
 )
@@ -104,6 +104,10 @@ SGLANG_ARGS=(
    --sglang-attention-backend fa3
    # every batch size up to the 48 running requests has its own CUDA graph (no padding in the draft stage)
    --sglang-cuda-graph-bs-decode $(seq 1 32) 40 48
+   # --colocate: engines release their GPU memory while the trainer runs. Without the memory saver
+   # SGLang's release does nothing; the CPU backup keeps the draft's weights across it.
+   --sglang-enable-memory-saver
+   --sglang-enable-draft-weights-cpu-backup
 )
 
 # The EAGLE3 draft is an external model: no MTP layers to train.

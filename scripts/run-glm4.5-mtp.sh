@@ -1,11 +1,14 @@
 #!/bin/bash
 # GRPO on GLM-4.5-355B-A32B with its native MTP layer as the speculative draft (EAGLE 3/1/4) and the
-# MTP layer trained online. 4 nodes x 8 GPUs, colocated; each SGLang engine spans 16 GPUs (2 nodes).
+# MTP layer trained online. 4 nodes x 8 GPUs, colocated; one SGLang engine per node (TP 8): the bf16
+# weights (about 710 GB) need GPUs of 96 GB or more (H20, H200); on 80 GB GPUs use the FP8 checkpoint.
 #
 # Multi-node: start Ray on every worker node first (`ray start --address ${MASTER_ADDR}:6379 --num-gpus 8`,
 # through your cluster's launcher); this script starts only a head, and only when none answers at
-# $RAY_ADDRESS. The trainer builds Llama, Qwen2 and MiMo models today, not this MoE model: until it does,
-# run the speculative rollout alone with DEBUG_ROLLOUT_ONLY=1 (engines, metrics, no trainer).
+# $RAY_ADDRESS. Engines spanning several nodes (--rollout-num-gpus-per-engine above one node's GPUs)
+# are not available yet: slime-spec does not pass SGLang's --nnodes/--node-rank/--dist-init-addr.
+# The trainer builds Llama, Qwen2 and MiMo models today, not this MoE model: until it does, run the
+# speculative rollout alone with DEBUG_ROLLOUT_ONLY=1 (engines, metrics, no trainer).
 #
 #   DOCTOR_ONLY=1 bash scripts/run-glm4.5-mtp.sh        # only check the configuration
 #   DEBUG_ROLLOUT_ONLY=1 bash scripts/run-glm4.5-mtp.sh # engines only, no trainer
@@ -104,7 +107,7 @@ if [ -n "${WANDB_API_KEY:-}" ]; then
 fi
 
 SGLANG_ARGS=(
-   --rollout-num-gpus-per-engine 16
+   --rollout-num-gpus-per-engine 8
    --sglang-mem-fraction-static 0.7
 
    # native MTP as the EAGLE draft: no draft model path
@@ -118,6 +121,10 @@ SGLANG_ARGS=(
    # capture every batch size up to 32, then a step list up to the max running requests
    --sglang-cuda-graph-bs-decode $(seq 1 32) $(seq 40 8 64) $(seq 80 16 256)
    --sglang-max-running-requests 256
+   # --colocate: engines release their GPU memory while the trainer runs. Without the memory saver
+   # SGLang's release does nothing; the CPU backup keeps the draft's weights across it.
+   --sglang-enable-memory-saver
+   --sglang-enable-draft-weights-cpu-backup
 )
 
 SPEC_ARGS=(

@@ -13,12 +13,12 @@ SCRIPT_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" &>/dev/null && pwd)"
 source "${SCRIPT_DIR}/models/mimo-7B-rl.sh"
 source "${SCRIPT_DIR}/common.sh"
 BASE_DIR="${BASE_DIR:-/root}"
-NUM_GPUS="${NUM_GPUS:-8}"
+NUM_GPUS_PER_NODE="${NUM_GPUS_PER_NODE:-8}"
 
 CLUSTER_ARGS=(
    --actor-num-nodes 1
-   --actor-num-gpus-per-node "${NUM_GPUS}"
-   --rollout-num-gpus "${NUM_GPUS}"
+   --actor-num-gpus-per-node "${NUM_GPUS_PER_NODE}"
+   --rollout-num-gpus "${NUM_GPUS_PER_NODE}"
    --colocate
    --rollout-backend sglang
 )
@@ -108,6 +108,10 @@ SGLANG_ARGS=(
    # capture every batch size up to 32, then a step list up to the max running requests
    --sglang-cuda-graph-bs-decode $(seq 1 32) $(seq 40 8 64) $(seq 80 16 128)
    --sglang-max-running-requests 128
+   # --colocate: engines release their GPU memory while the trainer runs. Without the memory saver
+   # SGLang's release does nothing; the CPU backup keeps the draft's weights across it.
+   --sglang-enable-memory-saver
+   --sglang-enable-draft-weights-cpu-backup
 )
 
 SPEC_ARGS=(

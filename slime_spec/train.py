@@ -46,7 +46,9 @@ def init_ray() -> None:
     if address:  # inside `ray job submit`, or a cluster the user started
         ray.init(address=address, runtime_env=env, log_to_driver=True)
     else:
-        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, runtime_env=env, log_to_driver=True)
+        # "local": always a fresh Ray of our own, never some other local cluster that happens to be running.
+        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, runtime_env=env,
+                 log_to_driver=True)
 
 
 def run(config: Config, *, manager_kwargs: dict | None = None) -> dict:
@@ -70,7 +72,7 @@ def run(config: Config, *, manager_kwargs: dict | None = None) -> dict:
     try:
         if manager is not None:
             trainer.connect_engines(ray.get(manager.engine_urls.remote()))
-        for rollout_id in range(config.rollout.num_rollout):
+        for rollout_id in range(trainer.start_rollout_id(), config.rollout.num_rollout):
             step = {"rollout_id": rollout_id}
             if manager is None:
                 samples = load_rollout(config.rollout.load_debug_rollout_data, rollout_id)

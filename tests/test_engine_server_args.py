@@ -88,6 +88,9 @@ def test_parse_server_args(mimo, parser):
     assert args.api_key == "k" and "api_key" not in args.sglang_args
     assert args.ignored_flags == ("--mem-fraction-static=0.6",)
     assert option_names(parser)["speculative_draft_model_path"] == "--speculative-draft-model-path"
+    same = parse_server_args(["--model-path", str(mimo), "--speculative-algorithm", "EAGLE",
+                              "--speculative-draft-model", str(mimo)], cuda_available=False)
+    assert same.spec.draft_model_path is None  # the target's own MTP layers, named by path
 
 
 def test_parse_refuses_result_changing_flags_all_at_once(mimo):

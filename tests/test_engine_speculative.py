@@ -92,6 +92,12 @@ def test_draft_equal_to_target_accepts_everything(ckpts):
     for o in outs.values():
         assert o.spec_accept_token_num == o.spec_draft_token_num == 3 * o.spec_verify_ct
     assert engine.avg_spec_accept_length == 4.0
+    # The draft keeps its weights through a release/resume cycle (SGLang PR #31674's failure mode).
+    engine.release_memory(["weights", "kv_cache"])
+    assert engine.drafter.draft.lm_head.weight.numel() == 0
+    engine.resume_memory(["weights", "kv_cache"])
+    again = generate(engine, make_requests(engine.tokenizer))
+    assert all(o.spec_accept_token_num == 3 * o.spec_verify_ct for o in again.values())
 
 
 def _reference_mtp_drafts(model, tokens, k):
@@ -198,7 +204,8 @@ def _exact_marginals(path, prompt, temperature):
     return joint2.sum(0), (joint2[..., None] * p3).sum((0, 1))
 
 
-@pytest.mark.parametrize("spec", [SpecConfig("STANDALONE", 2, 1, 3, "v16_draft"), SpecConfig("NGRAM", num_draft_tokens=3)])
+@pytest.mark.parametrize("spec", [SpecConfig("STANDALONE", 2, 1, 3, "v16_draft"),
+                                  SpecConfig("NGRAM", num_draft_tokens=3)])
 def test_speculative_sampling_follows_the_target_distribution(ckpts, spec):
     prompt, temperature, n = [5, 6, 7, 5, 6], 1.3, 3000
     path = str(ckpts["v16"])
@@ -211,7 +218,7 @@ def test_speculative_sampling_follows_the_target_distribution(ckpts, spec):
     outs = []
     while engine.has_work():
         outs += engine.step()
-    assert sum(o.spec_accept_token_num for o in outs) > 0.1 * n  # drafts are accepted, and rejected
+    assert sum(o.spec_accept_token_num for o in outs) > 0.05 * n  # drafts are accepted, and rejected
     assert sum(o.spec_accept_token_num for o in outs) < sum(o.spec_draft_token_num for o in outs)
     p2, p3 = _exact_marginals(path, prompt, temperature)
     t2 = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=16)
@@ -233,3 +240,18 @@ def test_unsupported_algorithms_are_rejected_with_the_backend_code(ckpts):
         EngineCore(str(ckpts["llama"]), SpecConfig("STANDALONE", 3, 1, 4))
     with pytest.raises(ValueError, match="vocab_size"):
         EngineCore(str(ckpts["llama"]), SpecConfig("STANDALONE", 3, 1, 4, str(ckpts["v16"])))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_cpu_for_every_algorithm(ckpts):
+    cpu = EngineCore(str(ckpts["llama"]), SpecConfig(), max_running_requests=4)
+    base = generate(cpu, make_requests(cpu.tokenizer))
+    for arch, specs in (("llama", SPECS["llama"]), ("mimo", SPECS["mimo"])):
+        if arch == "mimo":
+            cpu = EngineCore(str(ckpts["mimo"]), SpecConfig(), max_running_requests=4)
+            base = generate(cpu, make_requests(cpu.tokenizer))
+        for spec in [SpecConfig()] + specs:
+            engine = EngineCore(str(ckpts[arch]), _spec(ckpts, spec), device="cuda", max_running_requests=4)
+            outs = generate(engine, make_requests(engine.tokenizer, logprob=True))
+            for rid, o in base.items():
+                assert outs[rid].output_ids == o.output_ids, (arch, spec, rid)

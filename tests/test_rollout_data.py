@@ -94,3 +94,19 @@ def test_save_load_roundtrip(tmp_path):
         load_rollout(template, 4)
     with pytest.raises(ValueError, match="rollout_id"):
         save_rollout(str(tmp_path / "fixed.pt"), 0, samples)
+
+
+def test_manager_replays_saved_rollout_without_engines(tmp_path):
+    import asyncio
+
+    from slime_spec.config import EngineConfig
+    from slime_spec.rollout.manager import RolloutManager
+
+    samples = [Sample(index=i, group_index=i, prompt="p", tokens=[1, 2, 3], response_length=1,
+                      spec=SpecStats(1, 1)) for i in range(3)]
+    template = str(tmp_path / "rollout_{rollout_id}.pt")
+    save_rollout(template, 2, samples)
+    m = RolloutManager(RolloutConfig(hf_checkpoint="x", load_debug_rollout_data=template),
+                       EngineConfig(backend="embedded", model_path="x"), 1)
+    assert m.engines() == [] and asyncio.run(m.generate(2)) == samples
+    assert m.get_last_metrics()["num_samples"] == 3

@@ -74,3 +74,34 @@ def test_server_that_never_gets_healthy_is_stopped(tmp_path):
     with pytest.raises(EngineStartError, match="did not become healthy.*HTTP 404"):
         proc.start(timeout_s=1.5)
     assert not proc.alive()
+
+
+def test_server_dies_with_a_killed_parent(tmp_path):
+    """A SIGKILLed driver or Ray actor (no atexit, no finally) must not orphan its engine server."""
+    import subprocess
+
+    root = tmp_path / "www"
+    root.mkdir()
+    (root / "health").write_text("ok")
+    parent_code = f"""
+import sys, time
+from slime_spec.rollout.engine_process import ServerProcess, free_port
+port = free_port()
+p = ServerProcess([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", {str(root)!r}],
+                  url=f"http://127.0.0.1:{{port}}", log_path={str(tmp_path / "s.log")!r})
+p.start(timeout_s=30)
+print(p.pid, flush=True)
+time.sleep(300)
+"""
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True)
+    server_pid = int(parent.stdout.readline())
+    assert _pid_alive(server_pid)
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 10
+    while _pid_alive(server_pid) and time.time() < deadline:
+        time.sleep(0.05)
+    orphaned = _pid_alive(server_pid)
+    if orphaned:
+        os.kill(server_pid, 9)  # do not leave it behind when the test fails
+    assert not orphaned

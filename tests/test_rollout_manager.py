@@ -23,21 +23,28 @@ def workdir(tmp_path_factory):
     make_tiny_model(root / "llama", arch="llama", seed=0)
     (root / "prompts.jsonl").write_text("\n".join(json.dumps({"input": f"{i}+{i}=", "label": str(2 * i)})
                                                   for i in range(6)) + "\n")
-    # Test hook for the fault test: a generate function that, once armed with a PID, SIGKILLs that
-    # engine server while the rollout's first requests are in flight, then generates as usual.
+    # Test hook for the fault tests, a generate function that generates as usual unless armed:
+    # with a PID in `kill_pid`, it SIGKILLs that engine server while the rollout's first requests are
+    # in flight; with `overlong` present, sample 1's prompt exceeds the context (the engine answers 400).
     (root / "rollout_fault_hook.py").write_text(textwrap.dedent(f"""
         import os, signal
         from pathlib import Path
         from slime_spec.rollout.generate import default_generate
-        PID_FILE = Path({str(root / "kill_pid")!r})
+        PID_FILE, OVERLONG = Path({str(root / "kill_pid")!r}), Path({str(root / "overlong")!r})
         async def generate_killing_engine(client, sample, sampling_params):
             if sample.index == 3 and PID_FILE.exists():
                 pid = int(PID_FILE.read_text())
                 PID_FILE.unlink()
                 os.kill(pid, signal.SIGKILL)
+            if sample.index == 1 and OVERLONG.exists():
+                sample.tokens = sample.tokens * 1000
             return await default_generate(client, sample, sampling_params)
     """))
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(root)}})
+    # Two logical GPUs: the manager below takes the GPU placement path (a placement group of one-GPU
+    # bundles, one engine per bundle, CUDA_VISIBLE_DEVICES from the bundle); the servers still run on CPU.
+    if ray.is_initialized():  # another module's cluster: this module needs its own resources
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(root)}})
     yield root
     ray.shutdown()
 
@@ -53,8 +60,8 @@ def manager(workdir):
     engine = EngineConfig(backend="embedded", model_path=str(workdir / "llama"),
                           forwarded_argv=("--speculative-algorithm", "NGRAM"))
     m = RolloutManagerActor.options(num_cpus=0).remote(rollout, engine, 2, log_dir=str(workdir / "logs"),
-                                                       eval_prompt_data=("arith", str(workdir / "prompts.jsonl")),
-                                                       show_progress=False)
+                                                       rollout_num_gpus=2, show_progress=False,
+                                                       eval_prompt_data=("arith", str(workdir / "prompts.jsonl")))
     yield m
     ray.get(m.shutdown.remote())
 
@@ -66,6 +73,16 @@ def _pid_alive(pid):
         return False
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split()[2] != "Z"
+
+
+def _server_env(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+
+
+def test_engines_get_their_bundle_gpu(manager):
+    pids = [ray.get(e.pid.remote()) for e in ray.get(manager.engines.remote())]
+    assert sorted(_server_env(pid)[b"CUDA_VISIBLE_DEVICES"] for pid in pids) == [b"0", b"1"]
 
 
 def test_generate_metrics_and_replay(manager, workdir):
@@ -112,17 +129,32 @@ def test_killed_engine_is_restarted_and_nothing_is_lost(manager, workdir):
     assert ray.get(manager.get_last_metrics.remote())["engine_restarts"] == 0
 
 
-def test_eval_and_pause_resume(manager):
+def test_request_failing_every_time_ends_aborted(manager, workdir):
+    (workdir / "overlong").write_text("")
+    try:
+        samples = ray.get(manager.generate.remote(3))
+    finally:
+        (workdir / "overlong").unlink()
+    bad = samples[1]
+    assert bad.status == Status.ABORTED and bad.reward == 0.0 and bad.response_length == 0
+    assert "failed 4 times" in bad.error and "HTTP 400" in bad.error
+    assert all(s.status != Status.ABORTED for s in samples if s.index != 1)
+    metrics = ray.get(manager.get_last_metrics.remote())
+    assert metrics["aborted"] == 1 and metrics["engine_restarts"] == 0
+
+
+def test_eval_after_pause_and_memory_release(manager):
     ray.get(manager.pause.remote())
     ray.get(manager.resume.remote())
+    ray.get(manager.release_memory.remote())
+    ray.get(manager.resume_memory.remote())
     out = ray.get(manager.eval.remote(5))
     assert out["eval/arith/num_samples"] == 6 and out["eval/arith/spec_accept_length"] >= 1.0
     assert out["eval/arith/aborted"] == 0
 
 
 def test_engine_that_fails_at_start_reports_log_tail(workdir):
-    rollout = RolloutConfig(hf_checkpoint=str(workdir / "llama"), prompt_data=str(workdir / "prompts.jsonl"),
-                            engine_start_timeout_s=120)
+    rollout = RolloutConfig(hf_checkpoint=str(workdir / "llama"), engine_start_timeout_s=120)
     engine = EngineConfig(backend="embedded", model_path=str(workdir / "llama"),
                           forwarded_argv=("--speculative-algorithm", "NOT_AN_ALGORITHM"))
     m = RolloutManagerActor.options(num_cpus=0).remote(rollout, engine, 1, log_dir=str(workdir / "bad_logs"))

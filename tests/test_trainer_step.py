@@ -84,8 +84,10 @@ def test_grpo_raises_log_prob_of_rewarded_response_and_mtp_loss_falls(mimo):
 def test_sft_step_lowers_nll(mimo):
     trainer = Trainer(config(mimo, loss_type="sft", enable_mtp_training=True, global_batch_size=4))
     samples = rollout(seed=5)
+    for s in samples:
+        s.reward = None  # SFT needs no reward
     first = trainer.train_step(samples, 0)
-    second = trainer.train_step(samples, 1)
+    second = trainer.sft_step(samples, 1)  # the warm-up entry point: SFT whatever --loss-type
     assert second["loss"] < first["loss"] and second["mtp_loss"] < first["mtp_loss"]
     assert first["clip_fraction"] == 0.0
 

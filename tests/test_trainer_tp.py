@@ -1,4 +1,5 @@
-"""Tensor parallel size 2 on CPU (two Ray actors, gloo) computes what TP=1 computes, MTP included."""
+"""Tensor parallel size 2 on CPU (two Ray train actors, gloo) computes what TP=1 computes, MTP included,
+and the TrainGroup pushes its weights into a real embedded engine process."""
 
 from __future__ import annotations
 
@@ -7,22 +8,26 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from slime_spec.config import ClusterConfig, TrainConfig
+from slime_spec.config import (ClusterConfig, Config, EngineConfig, RolloutConfig, TrainConfig, WandbConfig,
+                               WeightSyncConfig)
 from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.rollout.engine_process import engine_server_process
 from slime_spec.rollout.sample import Sample
 from slime_spec.trainer import parallel
-from slime_spec.trainer.actor import TrainGroup
+from slime_spec.trainer.group import TrainGroup
 from slime_spec.trainer.trainer import Trainer
+
+EAGLE = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 2, "speculative_eagle_topk": 1,
+         "speculative_num_draft_tokens": 3}
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
+    if ray.is_initialized():
         ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a shared cluster
+    yield
+    ray.shutdown()
 
 
 def rollout() -> list[Sample]:
@@ -42,8 +47,14 @@ def test_tp2_equals_tp1_forward_gather_and_train_step(ray_cluster, tmp_path):
     path = make_tiny_model(tmp_path, arch="mimo", mtp_layers=1, seed=2)
     kw = dict(hf_checkpoint=str(path), mtp_num_layers=1, enable_mtp_training=True, lr=1e-3,
               global_batch_size=4, micro_batch_size=2, n_samples_per_prompt=2, use_kl_loss=True, kl_loss_coef=0.1)
-    group = TrainGroup(ClusterConfig(actor_num_nodes=1, actor_num_gpus_per_node=2),
-                       TrainConfig(**kw, tensor_model_parallel_size=2), use_gpu=False)
+    flags = tuple(x for k, v in EAGLE.items() for x in ("--" + k.replace("_", "-"), str(v)))
+    engine = EngineConfig("embedded", str(path), forwarded_argv=flags, server_args=EAGLE)
+    config = Config(cluster=ClusterConfig(actor_num_nodes=1, actor_num_gpus_per_node=2), engine=engine,
+                    rollout=RolloutConfig(hf_checkpoint=str(path)), train=TrainConfig(**kw, tensor_model_parallel_size=2),
+                    weight_sync=WeightSyncConfig(transport="distributed", check_weight_sync=True),
+                    wandb=WandbConfig(), output_dir=str(tmp_path / "out"))
+    group = TrainGroup(config, use_gpu=False)
+    server = engine_server_process(engine, log_path=tmp_path / "engine.log")
     try:
         assert [(i["tp_rank"], i["tp_size"], i["dp_size"]) for i in group.get_tp_info()] == [(0, 2, 1), (1, 2, 1)]
         parallel.init_single_process(seed=0)
@@ -67,7 +78,20 @@ def test_tp2_equals_tp1_forward_gather_and_train_step(ray_cluster, tmp_path):
         after2, after1 = group.hf_state_dict(), single.hf_state_dict()
         moved = [k for k in hf if not torch.equal(after1[k], hf[k])]
         assert any(k.startswith("model.mtp_layers.") for k in moved) and "model.norm.weight" in moved
+        # Adam's first step moves each weight by about lr * sign(grad): where a gradient is ~0, float noise
+        # between TP layouts can flip it, so compare against the step size, and require almost all to agree.
         for k in hf:
-            torch.testing.assert_close(after2[k], after1[k], atol=1e-4, rtol=0, msg=k)
+            diff = (after2[k] - after1[k]).abs()
+            assert float(diff.max()) < 0.2 * kw["lr"], k
+            assert float((diff > 1e-5).float().mean()) < 0.01, k
+
+        # The trained TP=2 weights (MTP layers included) into an engine serving the original checkpoint;
+        # check_weight_sync makes the syncer compare the engine's checksums with what was sent.
+        server.start(timeout_s=120)
+        group.connect_engines([server.url])
+        metrics = group.sync_weights(0, probe_samples=rollout())
+        assert metrics["weight_sync_params"] > 0 and metrics["weight_sync_mtp_params"] == 16  # HF tensors: q/k/v, gate/up split
+        assert metrics["spec_canary_accept_length"] >= 1.0
     finally:
         group.shutdown()
+        server.stop()

@@ -80,8 +80,15 @@ class InProcessEngine:
 
 
 def engine_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The engine model's target logits, and its MTP draft logits (SGLang's alignment: position p reads
-    token p+1 and the target's hidden state at p) for `ids` [B, T]."""
+    """The engine model's target logits, and its MTP draft logits for `ids` [B, T].
+
+    The draft runs the engine's own MTP modules in SGLang's alignment (position p reads token p+1 and
+    the target's hidden state at p), as `CausalLM.mtp_forward` does, minus one rule: SGLang zeroes the token
+    embedding at position 0 (and through attention every later position sees that), Megatron's MTP does not.
+    Leaving it out compares the synced weights, which is what this test is about.
+    """
+    from slime_spec.engine.model import DecoderLayer, causal_mask, rope_cos_sin
+
     B, T = ids.shape
     positions = torch.arange(T)[None].expand(B, T)
     slots = torch.arange(B)
@@ -90,8 +97,13 @@ def engine_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor 
         logits = model.logits(hidden)
         if not model.args.mtp_layers:
             return logits, None
-        out = model.mtp_forward(ids[:, 1:], hidden[:, :-1], positions[:, :-1], model.new_mtp_cache(B, T), slots)
-        return logits, model.logits(out)
+        mtp, pos = model.model.mtp_layers[0], positions[:, :-1]
+        embeds = model.model.embed_tokens(ids[:, 1:])
+        x = mtp.input_proj(torch.cat((mtp.hidden_layernorm(hidden[:, :-1]), mtp.token_layernorm(embeds)), -1))
+        cos, sin = rope_cos_sin(pos, model.args.head_dim, model.args.rope_theta, x.dtype)
+        cache = model.new_mtp_cache(B, T)
+        x = DecoderLayer.forward(mtp, x, cos, sin, cache.k[0], cache.v[0], slots, pos, causal_mask(pos, T - 1))
+        return logits, model.logits(mtp.final_layernorm(x))
 
 
 @pytest.fixture(scope="module")
@@ -143,10 +155,8 @@ def test_engine_logits_equal_megatron_after_sync(megatron, tmp_path, arch, trans
         with torch.no_grad():
             ref = M.forward(policy, ids, hf_config["vocab_size"])
         torch.testing.assert_close(ours, ref.logits, atol=1e-4, rtol=0)
-        if mtp:
-            # Megatron's MTP position i predicts token i+2 from hidden i and token i+1, as the engine's does;
-            # SGLang's MTP zeroes the token embedding at position 0, Megatron's does not: compare from 1.
-            torch.testing.assert_close(ours_mtp[:, 1:], ref.mtp_logits[0][:, 1:-1], atol=1e-4, rtol=0)
+        if mtp:  # Megatron's MTP position i predicts token i+2 from hidden i and token i+1, as the engine's
+            torch.testing.assert_close(ours_mtp, ref.mtp_logits[0][:, :-1], atol=1e-4, rtol=0)
     finally:
         engine.close()
 
@@ -187,3 +197,93 @@ def _config(path: Path) -> dict:
     import json
 
     return json.loads((path / "config.json").read_text())
+
+
+def _tp_worker(rank: int, tp_size: int, port: int, trained: str, engine_url: str, out: str) -> None:
+    """One of `tp_size` train processes: Megatron TP shards, gathered and synced by rank 0 (collective)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from slime_spec.trainer import model as M
+    from slime_spec.trainer import parallel
+
+    parallel.init_parallel(rank, tp_size, "127.0.0.1", port, tp_size=tp_size, seed=0)
+    hf_config, hf_state = M.read_hf_config(trained), M.read_hf_state(trained)
+    model = M.build_gpt_model(hf_config, TrainConfig(hf_checkpoint=trained, mtp_num_layers=1,
+                                                     tensor_model_parallel_size=tp_size))
+    M.load_hf_weights(model, hf_state, hf_config, tp_rank=rank, tp_size=tp_size)
+    model.eval()
+    tensors = iter_hf_tensors(model.named_parameters(), hf_config,
+                              tp_group=parallel_state.get_tensor_model_parallel_group(), tp_size=tp_size)
+    if rank == 0:
+        syncer = WeightSyncer([HttpEngineClient(engine_url)], WeightSyncConfig(check_weight_sync=True),
+                              hf_config=hf_config, hf_checkpoint=trained, spec=SpecSetup("EAGLE", None, trained),
+                              has_mtp_layers=True, transport="distributed", master_port=free_port())
+        metrics = syncer.sync(tensors, weight_version="tp")
+        syncer.close()
+    else:
+        metrics = {"gathered": sum(1 for _ in tensors)}
+    ids = torch.randint(0, hf_config["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = M.forward(model, ids, hf_config["vocab_size"])
+    if rank == 0:
+        torch.save({"ids": ids, "logits": ref.logits, "mtp_logits": ref.mtp_logits[0], "metrics": metrics}, out)
+    dist.barrier()
+    parallel.destroy_parallel()
+
+
+def test_engine_logits_equal_megatron_tp2_after_sync(tmp_path):
+    """Tensor parallel size 2 over gloo: the TP shards are all-gathered before conversion."""
+    import torch.multiprocessing as mp
+
+    served = make_tiny_model(tmp_path / "served", arch="mimo", seed=0, **TINY)
+    trained = make_tiny_model(tmp_path / "trained", arch="mimo", seed=1, **TINY)
+    engine = InProcessEngine(served, EAGLE_FLAGS)
+    try:
+        out = tmp_path / "megatron_tp2.pt"
+        mp.start_processes(_tp_worker, args=(2, free_port(), str(trained), engine.url, str(out)), nprocs=2,
+                           start_method="spawn")
+        ref = torch.load(out)
+        assert ref["metrics"]["weight_sync_mtp_params"] > 0
+        ours, ours_mtp = engine_logits(engine.model, ref["ids"])
+        torch.testing.assert_close(ours, ref["logits"], atol=1e-4, rtol=0)
+        torch.testing.assert_close(ours_mtp, ref["mtp_logits"][:, :-1], atol=1e-4, rtol=0)
+    finally:
+        engine.close()
+
+
+def test_standalone_draft_survives_syncs_and_canary_tracks_acceptance(tmp_path):
+    """An untrained external draft keeps its weights through every sync (selector "target"); the canary reads
+    accept length after each sync and after a release/resume cycle."""
+    from slime_spec.weight_sync.canary import AcceptanceCanary
+
+    served = make_tiny_model(tmp_path / "served", arch="llama", seed=0, **TINY)
+    draft = make_tiny_model(tmp_path / "draft", arch="llama", seed=0, **TINY)  # drafts exactly what the target says
+    flags = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(draft),
+             "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+    spec = SpecSetup("STANDALONE", str(draft), str(served))
+    engine = InProcessEngine(served, flags)
+    try:
+        canary = AcceptanceCanary(spec, max_new_tokens=16)
+        canary.set_probe_from_samples([[5, 6, 7, 8, 9], [20, 21, 22], [30, 31, 32, 33]])
+        draft_before = engine.client.post("/weights_checker", {"action": "checksum", "selector": "draft"})
+        aligned = canary.run([engine.client], "sync")["spec_canary_accept_length"]
+        assert aligned > 2.0 and canary.last_verdict.level == "ok"
+
+        engine.client.post("/release_memory_occupation", {})
+        engine.client.post("/resume_memory_occupation", {})
+        assert canary.run([engine.client], "resume")["spec_canary_accept_length"] == aligned
+
+        syncer = WeightSyncer([engine.client], WeightSyncConfig(check_weight_sync=True), hf_config=_config(served),
+                              hf_checkpoint=served, spec=spec, has_mtp_layers=False, transport="tensor")
+        for seed in (1, 2):
+            new = make_tiny_model(tmp_path / f"new{seed}", arch="llama", seed=seed, **TINY)
+            syncer.sync(iter_hf_state(_state(new), _config(new)), weight_version=str(seed))
+        draft_after = engine.client.post("/weights_checker", {"action": "checksum", "selector": "draft"})
+        assert draft_after["ranks"][0]["checksums"] == draft_before["ranks"][0]["checksums"]
+        # the policy moved away from the frozen draft: acceptance collapses and the canary says why
+        drifted = canary.run([engine.client], "sync")["spec_canary_accept_length"]
+        assert drifted < aligned and canary.last_verdict.level in ("warning", "error")
+        assert "STANDALONE" in canary.last_verdict.message
+    finally:
+        engine.close()

@@ -182,3 +182,12 @@ def test_unwritten_served_weight_is_detected(make_server):
     new = {n: t for n, t in make_weights(MIMO, seed=9).items() if n != "model.mtp_layers.0.final_layernorm.weight"}
     with pytest.raises(WeightSyncError, match="final_layernorm"):
         make_syncer([server], "tensor", check=False).sync(iter_hf_state(new, MIMO))
+
+
+def test_first_request_failing_on_one_engine_of_two_is_a_mix(make_server):
+    new = make_weights(MIMO, seed=11)
+    good, bad = make_server(draft="mtp"), make_server(draft="mtp", fail_on_name="model.embed_tokens.weight")
+    with pytest.raises(WeightSyncError, match="PAUSED") as err:
+        make_syncer([good, bad], "tensor", buffer=1 << 30).sync(iter_hf_state(new, MIMO))
+    assert not err.value.engines_serve_previous_weights  # the good engine loaded the first bucket
+    assert good.paused and bad.paused and bad.url in str(err.value)

@@ -14,11 +14,13 @@ from pathlib import Path
 
 import torch
 
-from slime_spec.engine import sampling
-from slime_spec.engine.model import DTYPES, hf_weight_names, load_model
+from slime_spec.engine import runners, sampling
+from slime_spec.engine.model import DTYPES, load_model
 from slime_spec.engine.speculative import SpecConfig, make_drafter, validate_spec
 
 __all__ = ["EngineCore", "Output", "Request", "SamplingParams", "SpecConfig"]
+
+NAN_FINISH = {"type": "stop", "matched": "NaN happened"}  # SGLang's FINISH_MATCHED_STR for non-finite logits
 
 
 @dataclass
@@ -37,6 +39,8 @@ class SamplingParams:
     no_stop_trim: bool = False
 
     def validate(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
         if not (self.temperature >= 0 and self.temperature != float("inf")):
             raise ValueError(f"temperature must be a non-negative finite number, got {self.temperature}.")
         if not 0 < self.top_p <= 1:
@@ -82,6 +86,9 @@ class _Row:
     verify_ct: int = 0
     accept_num: int = 0
     draft_num: int = 0
+    draft_len: int = 0                               # STANDALONE: tokens in the draft model's KV cache
+    ngram_index: dict = field(default_factory=dict)  # NGRAM: n-gram -> position after its latest occurrence
+    ngram_upto: int = 1                              # NGRAM: n-grams ending before this position are indexed
 
     @property
     def prompt_len(self) -> int:
@@ -153,7 +160,8 @@ class EngineCore:
             raise ValueError(f"request {req.rid}: a request with this rid is already running")
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"request {req.rid}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(f"request {req.rid}: token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         req.params.validate()
         if len(ids) >= self.context_length:
             raise ValueError(f"The input ({len(ids)} tokens) is longer than the model's context length "
@@ -188,6 +196,7 @@ class EngineCore:
 
     @property
     def avg_spec_accept_length(self) -> float:
+        """Accepted tokens (drafts + bonus) per (request, verify pass) since start, as SGLang's scheduler counts."""
         return self._accept_tokens / self._verify_passes if self._verify_passes else 1.0
 
     # ------------------------------------------------------------------ scheduling
@@ -239,6 +248,16 @@ class EngineCore:
         min_ps = torch.tensor([x.min_p for x in p], dtype=torch.float32, device=dev)
         return greedy, temps, top_ks, top_ps, min_ps
 
+    @staticmethod
+    def _non_finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
+        """Rows whose logits hold NaN/inf get zero logits (so sampling runs) and are finished by the caller, as
+        SGLang finishes them ("NaN happened"), instead of one broken row crashing the whole batch."""
+        bad = ~torch.isfinite(logits).flatten(1).all(-1)
+        if not bool(bad.any()):
+            return logits, set()
+        mask = bad.view(-1, *([1] * (logits.dim() - 1)))
+        return logits.masked_fill(mask, 0.0), set(bad.nonzero().flatten().tolist())
+
     def _pick(self, rows: list[_Row], logits: torch.Tensor) -> tuple[list[int], list[float] | None]:
         """Next token per row from logits [B, V] (greedy or SGLang-filtered sampling), plus logprobs if asked."""
         greedy, temps, top_ks, top_ps, min_ps = self._params(rows)
@@ -262,12 +281,14 @@ class EngineCore:
         slots = torch.tensor([r.slot for r in rows], device=dev)
         hidden = self.model(ids, positions, self.cache, slots)
         last = torch.tensor([len(r.tokens) - 1 for r in rows], device=dev)
-        logits = self.model.logits(hidden[torch.arange(len(rows), device=dev), last])
+        logits, broken = self._non_finite_rows(self.model.logits(hidden[torch.arange(len(rows), device=dev), last]))
         tokens, logprobs = self._pick(rows, logits)
         alive = []
         for i, row in enumerate(rows):
             row.kv_len = len(row.tokens)
             self._append(row, [tokens[i]], None if logprobs is None else [logprobs[i]])
+            if i in broken:
+                row.finish = dict(NAN_FINISH)
             if row.finish is None:
                 alive.append(i)
         if self.drafter is not None and alive:
@@ -278,11 +299,13 @@ class EngineCore:
         ids = torch.tensor([[r.tokens[-1]] for r in rows], device=dev)
         positions = torch.tensor([[r.kv_len] for r in rows], device=dev)
         slots = torch.tensor([r.slot for r in rows], device=dev)
-        logits = self.model.logits(self.model(ids, positions, self.cache, slots)[:, 0])
+        logits, broken = self._non_finite_rows(self.model.logits(self.model(ids, positions, self.cache, slots)[:, 0]))
         tokens, logprobs = self._pick(rows, logits)
         for i, row in enumerate(rows):
             row.kv_len += 1
             self._append(row, [tokens[i]], None if logprobs is None else [logprobs[i]])
+            if i in broken:
+                row.finish = dict(NAN_FINISH)
 
     def _spec_step(self, rows: list[_Row]) -> None:
         """Draft k tokens per row, verify all rows in one target forward, accept per row, roll back the rest."""
@@ -294,7 +317,7 @@ class EngineCore:
         positions = start[:, None] + torch.arange(k + 1, device=dev)[None]
         slots = torch.tensor([r.slot for r in rows], device=dev)
         hidden = self.model(ids, positions, self.cache, slots)
-        logits = self.model.logits(hidden)  # [B, k+1, V]
+        logits, broken = self._non_finite_rows(self.model.logits(hidden))  # [B, k+1, V]
         greedy, temps, top_ks, top_ps, min_ps = self._params(rows)
         accept, next_token = sampling.greedy_accept(logits, drafts)
         sampled = ~greedy
@@ -322,6 +345,8 @@ class EngineCore:
             self._verify_passes += 1
             row.kv_len += a + 1
             self._append(row, chosen_list[i][: a + 1], None if logprobs is None else logprobs[i][: a + 1])
+            if i in broken:
+                row.finish = dict(NAN_FINISH)
             if row.finish is None:
                 alive.append(i)
         if alive:
@@ -418,68 +443,24 @@ class EngineCore:
         return tags
 
     def _unique_params(self) -> list[torch.nn.Parameter]:
-        seen, out = set(), []
-        for runner in self._runners("all"):
-            for p in runner.values():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
+        """Every parameter the engine serves once (shared embedding/lm_head included once), drafts included."""
+        params = list(self.model.parameters())
+        draft = getattr(self.drafter, "draft", None)
+        return params + (list(draft.parameters()) if draft is not None else [])
 
     # ------------------------------------------------------------------ weights
-    def _runners(self, selector: str) -> list[dict[str, torch.nn.Parameter]]:
-        """Which runners a selector reaches, each as {HF name: parameter} (SGLang 0.5.23's weight_updater)."""
-        if selector not in ("target", "draft", "all"):
-            raise ValueError(f"invalid selector {selector!r}; expected 'target', 'draft', or 'all'")
-        runners = []
-        if selector in ("target", "all"):
-            params = dict(self.model.named_parameters(remove_duplicate=False))
-            # The MiMo target runner skips MTP layers; they belong to the draft runner.
-            runners.append({n: params[n] for n in hf_weight_names(self.model)
-                            if not n.startswith("model.mtp_layers.")})
-        if selector in ("draft", "all") and self.drafter is not None:
-            draft = self.drafter.weight_runner()
-            if draft is not None:
-                runners.append(draft)
-        return runners
-
     def named_weights(self, selector: str) -> dict[str, torch.Tensor]:
-        """Served weights by HF name. With "all" and a STANDALONE draft sharing names, the target's tensor wins."""
-        out: dict[str, torch.Tensor] = {}
-        for runner in reversed(self._runners(selector)):
-            out.update({n: p.detach() for n, p in runner.items()})
-        return out
+        """Served weights by HF name for the runners `selector` reaches (see runners.py)."""
+        return runners.named_weights(runners.select_runners(self.model, self.drafter, selector))
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]], selector: str = "all") -> None:
-        """Load HF-named tensors into every selected runner that has the name; all or nothing.
-
-        Every name, shape and dtype is checked before any copy; a name no selected runner has is an error.
-        A tied model's `lm_head.weight` is accepted and skipped, as SGLang's loaders skip it.
-        """
+        """Load HF-named tensors into every selected runner that has the name; all or nothing: every name, shape
+        and dtype is checked before the first copy, and a bad one raises ValueError with the old weights intact."""
         if "weights" in self._released:
             raise ValueError("weights are released (release_memory_occupation); resume them before loading")
-        runners = self._runners(selector)
-        tied = self.model.args.tie_word_embeddings
-        plan: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        for name, tensor in named:
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-            # A shared tensor (MiMo's embedding and lm_head, in target and draft runners) is loaded once.
-            targets = list({id(r[name]): r[name] for r in runners if name in r}.values())
-            if not targets and tied and name == "lm_head.weight" and selector != "draft":
-                targets = [self.model.model.embed_tokens.weight]
-                if tuple(tensor.shape) != tuple(targets[0].shape):
-                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != served {tuple(targets[0].shape)}")
-                continue
-            if not targets:
-                raise ValueError(f"{name}: no runner selected by selector={selector!r} has this weight "
-                                 f"(algorithm={self.spec.algorithm}); check the name or the selector")
-            if not (tensor.is_floating_point() or tensor.dtype == targets[0].dtype):
-                raise ValueError(f"{name}: dtype {tensor.dtype} cannot be loaded into a {targets[0].dtype} weight")
-            for param in targets:
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != served {tuple(param.shape)}")
-                plan.append((param, tensor))
+        plan = runners.plan_load(runners.select_runners(self.model, self.drafter, selector), named,
+                                 tied=self.model.args.tie_word_embeddings, selector=selector,
+                                 algorithm=self.spec.algorithm)
         with torch.no_grad():
             for param, tensor in plan:
                 param.copy_(tensor.to(device=param.device, dtype=param.dtype))

@@ -275,9 +275,13 @@ def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> En
     if device == "cuda" and values["base_gpu_id"]:
         device = f"cuda:{values['base_gpu_id']}"
     arch = (config.get("architectures") or [None])[0]
+    draft_path = values["speculative_draft_model_path"]
+    if (values["speculative_algorithm"] or "").upper() in ("NEXTN", "EAGLE") and draft_path \
+            and Path(draft_path).resolve() == Path(values["model_path"]).resolve():
+        draft_path = None  # MTP layers of the target checkpoint itself: the same draft as no path
     spec = resolve_spec(values["speculative_algorithm"], values["speculative_num_steps"],
                         values["speculative_eagle_topk"], values["speculative_num_draft_tokens"],
-                        values["speculative_draft_model_path"], values["speculative_ngram_max_trie_depth"], arch)
+                        draft_path, values["speculative_ngram_max_trie_depth"], arch)
     seed = values["random_seed"] if values["random_seed"] is not None else random.randint(0, 1 << 30)
     return EngineServerArgs(
         model_path=values["model_path"], host=values["host"], port=values["port"], device=device,

@@ -230,8 +230,6 @@ class NgramDrafter:
 
     def _index(self, r) -> None:
         tokens = r.tokens
-        if not hasattr(r, "ngram_index"):
-            r.ngram_index, r.ngram_upto = {}, 1
         # An n-gram ending right before position e is indexed once tokens[e] (its continuation) exists.
         for e in range(r.ngram_upto, len(tokens)):
             for w in range(1, min(self.max_window, e) + 1):

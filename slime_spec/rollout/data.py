@@ -35,7 +35,8 @@ def read_jsonl(path: str | Path) -> list[dict]:
         except json.JSONDecodeError as e:
             raise ValueError(f"--prompt-data {path}:{lineno}: not valid JSON ({e})") from e
         if not isinstance(row, dict):
-            raise ValueError(f"--prompt-data {path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
+            raise ValueError(f"--prompt-data {path}:{lineno}: each line must be a JSON object, "
+                             f"got {type(row).__name__}")
         rows.append(row)
     if not rows:
         raise ValueError(f"--prompt-data {path}: the file holds no prompts")

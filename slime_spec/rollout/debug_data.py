@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from slime_spec.rollout.sample import Sample
 
 FORMAT_VERSION = 1
@@ -28,6 +26,8 @@ def save_rollout(template: str, rollout_id: int, samples: list[Sample], metrics:
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format_version": FORMAT_VERSION, "rollout_id": rollout_id,
                "samples": [s.to_dict() for s in samples], "metrics": metrics or {}}
+    import torch  # lazily: the rollout manager should not pay torch's import unless it saves
+
     tmp = path.with_name(path.name + ".tmp")
     torch.save(payload, tmp)
     tmp.replace(path)  # never leave a half-written file under the real name
@@ -39,6 +39,8 @@ def load_rollout(template: str, rollout_id: int) -> list[Sample]:
     if not path.is_file():
         raise FileNotFoundError(f"--load-debug-rollout-data: {path} does not exist (rollout {rollout_id}); "
                                 "save it first with --save-debug-rollout-data")
+    import torch
+
     payload = torch.load(path, weights_only=False)
     if payload.get("format_version") != FORMAT_VERSION or payload.get("rollout_id") != rollout_id:
         raise ValueError(f"{path}: not a slime-spec rollout file for rollout {rollout_id} "

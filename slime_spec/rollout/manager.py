@@ -6,7 +6,9 @@ CPU engines), then for each rollout sends every sample's request straight to an 
 aiohttp: least-loaded engine first, at most `max_concurrency` in flight per engine. A request that
 fails on a dead engine restarts that engine (same argv) and is resubmitted; a request that keeps
 failing ends as an ABORTED sample carrying the error. The training loop uses `generate`,
-`eval`, `last_metrics`, `engines` / `engine_urls` (weight sync), `pause` / `resume`, `shutdown`.
+`eval`, `get_last_metrics`, `engines` / `engine_urls` (weight sync), `pause` / `resume`,
+`release_memory` / `resume_memory` (colocated), `shutdown`. With `--load-debug-rollout-data`
+no engine starts and `generate` replays the saved rollout.
 """
 
 from __future__ import annotations
@@ -78,22 +80,29 @@ class RolloutManager:
         self.generate_fn: GenerateFn = (load_function(rollout.custom_generate_function_path,
                                                       "--custom-generate-function-path")
                                         if rollout.custom_generate_function_path else default_generate)
-        self.tokenizer = self._load_tokenizer() if (rollout.prompt_data or eval_prompt_data) else None
-        self.dataset = self._dataset(rollout.prompt_data) if rollout.prompt_data else None
-        self.eval_datasets = {name: self._dataset(path) for name, path in parse_eval_prompt_data(eval_prompt_data)} \
-            if eval_prompt_data else {}
-        self.wandb = WandbLogger(wandb, {"rollout": vars(rollout)}) if wandb and wandb.use_wandb else None
         self.last_metrics: dict = {}
         self.total_restarts = 0
         self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
         self._own_pg = None
         self._router_process: ServerProcess | None = None
+        self.wandb = None
         self.engine_actors: list = []
         self.urls: list[str] = []
         # Replaying saved rollouts (--debug-train-only) needs no engine.
         if rollout.load_debug_rollout_data is None:
-            self._start_engines(rollout_num_gpus, placement_group, bundle_indices)
+            self._launch_engines(rollout_num_gpus, placement_group, bundle_indices)
+        try:  # the data loads while the engines start
+            self.tokenizer = self._load_tokenizer() if (rollout.prompt_data or eval_prompt_data) else None
+            self.dataset = self._dataset(rollout.prompt_data) if rollout.prompt_data else None
+            eval_sets = parse_eval_prompt_data(eval_prompt_data) if eval_prompt_data else []
+            self.eval_datasets = {name: self._dataset(path) for name, path in eval_sets}
+            if self.engine_actors:
+                self._wait_for_engines()
+            self.wandb = WandbLogger(wandb, {"rollout": vars(rollout)}) if wandb and wandb.use_wandb else None
+        except BaseException:
+            self._stop_engines_blocking()
+            raise
 
     # ---- set-up ----
     def _load_tokenizer(self):
@@ -107,28 +116,29 @@ class RolloutManager:
                              apply_chat_template=r.apply_chat_template, max_prompt_len=r.rollout_max_prompt_len,
                              shuffle=r.rollout_shuffle, seed=r.rollout_seed)
 
-    def _start_engines(self, rollout_num_gpus: int, pg, bundle_indices: list[int] | None) -> None:
+    def _launch_engines(self, rollout_num_gpus: int, pg, bundle_indices: list[int] | None) -> None:
         kwargs = dict(log_dir=self.log_dir, start_timeout_s=self.rollout.engine_start_timeout_s)
         try:
             if rollout_num_gpus:
-                self.engine_actors = self._gpu_engine_actors(rollout_num_gpus, pg, bundle_indices, kwargs)
+                self._launch_gpu_engines(rollout_num_gpus, pg, bundle_indices, kwargs)
             else:
-                self.engine_actors = [EngineActor.options(num_cpus=0).remote(self.engine_cfg, i, **kwargs)
-                                      for i in range(self.num_engines)]
-            # Waits for every engine's /health; an EngineStartError (with the log tail) surfaces here.
-            self.urls = ray.get([a.get_url.remote() for a in self.engine_actors])
+                for i in range(self.num_engines):
+                    self.engine_actors.append(EngineActor.options(num_cpus=0).remote(self.engine_cfg, i, **kwargs))
         except BaseException:
             self._stop_engines_blocking()
             raise
+
+    def _wait_for_engines(self) -> None:
+        # Waits for every engine's /health; an EngineStartError (with the log tail) surfaces here.
+        self.urls = ray.get([a.get_url.remote() for a in self.engine_actors])
         self.router = Router(self.num_engines, self.rollout.max_concurrency)
         self._generation = [0] * self.num_engines  # bumped on every restart of an engine
         self._recover_locks = [asyncio.Lock() for _ in range(self.num_engines)]
-        self._engine_errors: dict[int, str] = {}
         if self.rollout.use_sglang_router:
             self._start_sglang_router()
         print(f"[rollout] {self.num_engines} engine(s) ready: {' '.join(self.urls)}", flush=True)
 
-    def _gpu_engine_actors(self, rollout_num_gpus: int, pg, bundle_indices, kwargs) -> list:
+    def _launch_gpu_engines(self, rollout_num_gpus: int, pg, bundle_indices, kwargs) -> None:
         per_engine = self.engine_cfg.num_gpus_per_engine
         if rollout_num_gpus % per_engine or rollout_num_gpus // per_engine != self.num_engines:
             raise ValueError(f"--rollout-num-gpus={rollout_num_gpus} must be num_engines={self.num_engines} x "
@@ -143,16 +153,15 @@ class RolloutManager:
         strategy = lambda b: PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b)  # noqa: E731
         gpus = ray.get([_bundle_gpu.options(num_gpus=0.01, scheduling_strategy=strategy(b)).remote()
                         for b in bundle_indices])
-        actors = []
         for i in range(self.num_engines):
             chunk = gpus[i * per_engine:(i + 1) * per_engine]
             if len({node for node, _ in chunk}) != 1:
                 raise ValueError(f"engine {i} spans nodes {sorted({n for n, _ in chunk})}: one engine's GPUs must "
                                  "be on one node (check --rollout-num-gpus-per-engine)")
-            actors.append(EngineActor.options(num_cpus=0, num_gpus=0.01,
-                                              scheduling_strategy=strategy(bundle_indices[i * per_engine]))
-                          .remote(self.engine_cfg, i, gpu_ids=[g for _, g in chunk], **kwargs))
-        return actors
+            first_bundle = bundle_indices[i * per_engine]
+            self.engine_actors.append(
+                EngineActor.options(num_cpus=0, num_gpus=0.01, scheduling_strategy=strategy(first_bundle))
+                .remote(self.engine_cfg, i, gpu_ids=[g for _, g in chunk], **kwargs))
 
     def _start_sglang_router(self) -> None:
         """sglang-router in front of the engines; all requests then go through it (it does the routing)."""
@@ -214,6 +223,13 @@ class RolloutManager:
     async def resume(self) -> None:
         await asyncio.gather(*[a.continue_generation.remote() for a in self.engine_actors])
 
+    async def release_memory(self, tags: list[str] | None = None) -> None:
+        """Colocated training: free the engines' weights / KV cache (SGLang tags) before the train step."""
+        await asyncio.gather(*[a.release_memory_occupation.remote(tags) for a in self.engine_actors])
+
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        await asyncio.gather(*[a.resume_memory_occupation.remote(tags) for a in self.engine_actors])
+
     async def shutdown(self) -> None:
         """Stop every engine server (and the router); safe to call twice."""
         refs = [a.shutdown.remote() for a in self.engine_actors]
@@ -245,7 +261,8 @@ class RolloutManager:
             self.wandb = None
         gone = [r for r in stop_results if isinstance(r, BaseException)]
         if gone:  # an actor that died took its server with it (PR_SET_PDEATHSIG); say so, do not hide it
-            print(f"[rollout] shutdown: {len(gone)} engine actor(s) were already gone: {str(gone[0])[:300]}", flush=True)
+            print(f"[rollout] shutdown: {len(gone)} engine actor(s) were already gone: {str(gone[0])[:300]}",
+                  flush=True)
 
     # ---- the rollout ----
     async def _run(self, samples: list[Sample], desc: str) -> tuple[list[Sample], float]:
@@ -319,7 +336,6 @@ class RolloutManager:
             try:
                 restarted = await self.engine_actors[idx].ensure_alive.remote()
             except ray.exceptions.RayError as e:  # the restart failed (EngineStartError) or the actor is gone
-                self._engine_errors[idx] = str(e)
                 self._generation[idx] += 1
                 print(f"[rollout] engine {idx} could not be restarted; routing around it:\n{e}", flush=True)
                 await self.router.set_available(idx, False, dead=True)

@@ -1,0 +1,11 @@
+"""Trainer: the Megatron policy (+ MTP layers) and its GRPO / SFT training, one process per GPU.
+
+- cpu_compat.py: megatron-core's CUDA-only calls redirected to the CPU when there is no CUDA.
+- parallel.py: torch.distributed + Megatron TP/DP groups (gloo on CPU, nccl on CUDA).
+- model.py: GPTModel from an HF config, HF weights loaded, logits of the policy and of each MTP layer.
+- losses.py: GRPO advantages, PPO clip, KL estimators, entropy, SFT and MTP losses (pure).
+- batch.py: samples -> padded tensors and masks; optimizer steps / micro-batches per rank (pure).
+- checkpoint.py: --save / --load format.
+- trainer.py: `Trainer`, one process's model + optimizer + steps.
+- actor.py / group.py: `TrainActor` (Ray) and `TrainGroup` (all actors, weight sync into the engines).
+"""

@@ -1,20 +1,17 @@
-"""Ray side of the trainer: `TrainActor` (one train process) and `TrainGroup` (all of them).
+"""`TrainActor`: one train process as a Ray actor (the group that drives them is in group.py).
 
-actor_num_nodes x actor_num_gpus_per_node actors form one torch.distributed world (nccl with GPUs,
-gloo without), split into tensor-parallel groups of --tensor-model-parallel-size and data-parallel
-replicas. Every call goes to every actor (Megatron's collectives need them all); results are
-identical across ranks, so the group returns rank 0's.
+Besides training it holds, on global rank 0, the `WeightSyncer` that pushes the weights into the
+engines; every rank takes part in a sync because gathering TP shards is collective.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 from typing import Any, Callable
 
 import ray
 
-from slime_spec.config import ClusterConfig, TrainConfig
+from slime_spec.config import TrainConfig, WeightSyncConfig
 from slime_spec.rollout.sample import Sample
 
 
@@ -24,6 +21,8 @@ class TrainActor:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.trainer = None
+        self.syncer = None  # rank 0 only, after connect_engines
+        self.canary = None
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the process group's store."""
@@ -49,6 +48,9 @@ class TrainActor:
     def train_step(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         return self._ready().train_step(samples, rollout_id)
 
+    def sft_step(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
+        return self._ready().sft_step(samples, rollout_id)
+
     def save(self, rollout_id: int) -> str | None:
         path = self._ready().save(rollout_id)
         return str(path) if path else None
@@ -69,6 +71,53 @@ class TrainActor:
     def forward_logits(self, input_ids: list[list[int]]) -> dict:
         return self._ready().forward_logits(input_ids)
 
+    def connect_engines(self, urls: list[str], weight_sync: WeightSyncConfig, server_args: dict, model_path: str,
+                        colocate: bool, engine_tp_size: int, disk_dir: str) -> None:
+        """Rank 0: a WeightSyncer (and acceptance canary) for these engines; other ranks only gather."""
+        if self.rank != 0:
+            return
+        import torch
+
+        from slime_spec.weight_sync.canary import AcceptanceCanary
+        from slime_spec.weight_sync.engine_client import HttpEngineClient
+        from slime_spec.weight_sync.protocol import SpecSetup
+        from slime_spec.weight_sync.sync import WeightSyncer
+
+        trainer = self._ready()
+        spec = SpecSetup.from_server_args(server_args, model_path)
+        address, port = self.master_address()
+        self.syncer = WeightSyncer(
+            [HttpEngineClient(u) for u in urls], weight_sync, hf_config=trainer.hf_config,
+            hf_checkpoint=trainer.train.hf_checkpoint, spec=spec, has_mtp_layers=bool(trainer.train.mtp_num_layers),
+            transport=weight_sync.transport, colocate=colocate, master_address=address, master_port=port,
+            backend="nccl" if torch.cuda.is_available() else "gloo", engine_tp_size=engine_tp_size,
+            disk_dir=disk_dir)
+        self.canary = AcceptanceCanary(spec) if spec.uses_draft else None
+
+    def sync_weights(self, rollout_id: int, probe_tokens: list[list[int]] | None = None) -> dict:
+        """Gather (every TP rank of the first replica), convert and, on rank 0, send; returns rank 0's metrics."""
+        from megatron.core import parallel_state as ps
+
+        from slime_spec.weight_sync.gather import iter_hf_tensors
+
+        trainer = self._ready()
+        if trainer.tp.dp_rank != 0:  # every replica holds the same weights; the first one sends
+            return {}
+        tensors = iter_hf_tensors(trainer.named_megatron_params(), trainer.hf_config,
+                                  tp_group=ps.get_tensor_model_parallel_group(), tp_size=trainer.tp.tp_size)
+        if self.rank != 0:
+            for _ in tensors:  # take part in the collective gathers, in the same order as rank 0
+                pass
+            return {}
+        if self.syncer is None:
+            raise RuntimeError("sync_weights before connect_engines")
+        metrics = self.syncer.sync(tensors, weight_version=str(rollout_id))
+        if self.canary is not None:
+            self.canary.set_probe_from_samples(probe_tokens or [])
+            if self.canary.probe is not None:
+                metrics.update(self.canary.run(self.syncer.clients, "sync"))
+        return metrics
+
     def run(self, fn: Callable, *args, **kwargs) -> Any:
         """fn(trainer, *args, **kwargs) inside this process (e.g. the weight sync's gather-and-send)."""
         return fn(self._ready(), *args, **kwargs)
@@ -76,63 +125,7 @@ class TrainActor:
     def shutdown(self) -> None:
         from slime_spec.trainer.parallel import destroy_parallel
 
+        if self.syncer is not None:
+            self.syncer.close()
         destroy_parallel()
 
-
-class TrainGroup:
-    """All train actors; each method calls every actor and returns rank 0's result (`*_all`: every rank's)."""
-
-    def __init__(self, cluster: ClusterConfig, train: TrainConfig, use_gpu: bool | None = None,
-                 placement_group=None, bundle_indices: list[int] | None = None):
-        n = cluster.actor_num_nodes * cluster.actor_num_gpus_per_node
-        if n % train.tensor_model_parallel_size:
-            raise ValueError(f"--tensor-model-parallel-size {train.tensor_model_parallel_size} must divide "
-                             f"--actor-num-nodes x --actor-num-gpus-per-node = {n}")
-        if use_gpu is None:
-            use_gpu = ray.cluster_resources().get("GPU", 0) >= n
-        actor_cls = ray.remote(num_gpus=1 if use_gpu else 0, num_cpus=1)(TrainActor)
-        self.actors = []
-        for rank in range(n):
-            options: dict = {}
-            if placement_group is not None:
-                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-                index = bundle_indices[rank] if bundle_indices else rank
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group, placement_group_bundle_index=index)
-            if not use_gpu:  # gloo on CPU: keep each process to its share of the cores
-                threads = str(max(1, (os.cpu_count() or 1) // n))
-                options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": threads}}
-            self.actors.append(actor_cls.options(**options).remote(rank, n))
-        master_addr, master_port = ray.get(self.actors[0].master_address.remote())
-        self.tp_infos = ray.get([a.init.remote(train, master_addr, master_port) for a in self.actors])
-
-    def _all(self, method: str, *args, **kwargs) -> list:
-        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
-
-    def train_step(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
-        return self._all("train_step", samples, rollout_id)[0]
-
-    def save(self, rollout_id: int) -> None:
-        self._all("save", rollout_id)
-
-    def start_rollout_id(self) -> int:
-        return self._all("start_rollout_id")[0]
-
-    def get_tp_info(self) -> list[dict]:
-        return self._all("get_tp_info")
-
-    def hf_state_dict(self) -> dict:
-        return self._all("hf_state_dict")[0]
-
-    def forward_logits(self, input_ids: list[list[int]]) -> dict:
-        return self._all("forward_logits", input_ids)[0]
-
-    def run_all(self, fn: Callable, *args, **kwargs) -> list:
-        return self._all("run", fn, *args, **kwargs)
-
-    def shutdown(self) -> None:
-        self._all("shutdown")
-        for a in self.actors:
-            ray.kill(a)
-        self.actors = []

@@ -156,10 +156,18 @@ class Trainer:
         self.model.eval()
         return losses.token_log_probs(self._forward(batch, with_mtp=False).logits, batch.input_ids)
 
-    def train_step(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
-        """One rollout's worth of training: len(samples) / global_batch_size optimizer steps."""
+    def sft_step(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
+        """A supervised step on the samples' response tokens whatever --loss-type is (warm-up)."""
+        return self.train_step(samples, rollout_id, loss_type="sft")
+
+    def train_step(self, samples: list[Sample], rollout_id: int, loss_type: str | None = None) -> dict[str, float]:
+        """One rollout's worth of training: len(samples) / global_batch_size optimizer steps.
+
+        Metrics (means over samples): loss (the policy or SFT objective), pg_loss, kl, clip_fraction,
+        entropy, mtp_loss (reported even for a frozen draft), and grad_norm (mean over steps), lr.
+        """
         t = self.train
-        sft = t.loss_type == "sft"
+        sft = (loss_type or t.loss_type) == "sft"
         steps = step_slices(len(samples), t.global_batch_size, t.micro_batch_size, self.tp.dp_rank, self.tp.dp_size)
         batches = [[collate([samples[i] for i in mb], self.device) for mb in step] for step in steps]
         if not sft:

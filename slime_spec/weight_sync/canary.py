@@ -72,6 +72,7 @@ class AcceptanceCanary:
         self.raise_on_collapse = raise_on_collapse
         self.probe: list[list[int]] | None = None
         self.previous: float | None = None
+        self.last_verdict: CanaryVerdict | None = None
 
     def set_probe_from_samples(self, token_lists: Sequence[Sequence[int]]) -> None:
         """Fix the probe once, from the policy's own samples (prompt + response ids); later calls keep it."""
@@ -84,7 +85,7 @@ class AcceptanceCanary:
             raise ValueError("AcceptanceCanary.run before a probe was set: call set_probe_from_samples first")
         lengths = [self._probe_engine(c) for c in clients]
         length = sum(lengths) / len(lengths)
-        verdict = judge_canary(min(lengths), self.spec, event, self.previous)
+        verdict = self.last_verdict = judge_canary(min(lengths), self.spec, event, self.previous)
         if verdict.level == "error":
             logger.error(verdict.message)
             if self.raise_on_collapse:

@@ -9,13 +9,20 @@ One sync:
   -> with check_weight_sync: every served checksum equals the sent tensor's
   -> continue generation.
 
-Failure and engine state. Each update request is all-or-nothing on the engine, so:
-- a failure before any bucket landed (pause, begin, the first bucket) leaves every engine serving
-  the previous weights: the session is closed, generation continues, `WeightSyncError` says so;
-- a failure after some buckets landed leaves those buckets' tensors new and the rest old on the
-  engines that applied them. Serving that mix would poison the rollouts, so generation stays
-  paused and the error names the engines and buckets; the fix is to sync again (a full sync is
-  idempotent) or restart the engines from a checkpoint. Disk syncs are one request: all or nothing.
+Failure and engine state. Each update request is all-or-nothing on the engine (SGLang and the
+embedded engine validate every name and shape before copying), and no engine can roll back a
+request it completed, so:
+- a failure before any bucket landed (pause, begin, the first bucket on every engine) leaves every
+  engine serving the previous weights: the session is closed, generation continues, and
+  `WeightSyncError(engines_serve_previous_weights=True)` says so;
+- a failure after some bucket landed leaves those tensors new and the rest old. Serving that mix
+  would poison the rollouts, so the session is closed, generation stays paused, and the error says
+  so; the fix is to sync again (a full sync is idempotent) or restart the engines. Only the disk
+  transport makes a whole sync one request; an update_weight_buffer_size of at least the model's
+  bytes makes it two (all target tensors, then all MTP tensors).
+- a failed verification leaves the new weights loaded and generation paused.
+With the distributed transport, an engine that rejects a request before joining the broadcast
+leaves rank 0 waiting in the broadcast until the group's timeout (`timeout_s`).
 """
 
 from __future__ import annotations
@@ -58,8 +65,9 @@ def resolve_transport(requested: str | None, colocate: bool) -> protocol.Transpo
 
 @dataclass(frozen=True)
 class SyncReport:
-    seconds: float
-    gbps: float
+    seconds: float  # pause .. continue, verification included
+    transfer_seconds: float  # pause .. flush: gather, convert, transfer, load
+    gbps: float  # model bytes (one copy, however many engines) / transfer_seconds, 1e9 bytes per GB
     target_tensors: int
     mtp_tensors: int
     bytes: int
@@ -139,11 +147,11 @@ class WeightSyncer:
         plan, session = self.plan, self.protocol.session
         use_session = session and self.transport_name != "disk"
         recorder = verify.ChecksumRecorder(self.engine_dtype) if self.config.check_weight_sync else None
-        counts, nbytes, buckets_applied, sent = {"target": 0, "mtp": 0}, 0, 0, set()
+        counts, nbytes, buckets, buckets_applied, sent = {"target": 0, "mtp": 0}, 0, 0, 0, set()
         t0 = time.perf_counter()
-        post_all(self.clients, "/pause_generation", protocol.pause_payload("retract"))
         session_open = False
         try:
+            post_all(self.clients, "/pause_generation", protocol.pause_payload("retract"))
             self.transport.start()
             if use_session:
                 post_all(self.clients, "/begin_weight_update",
@@ -152,7 +160,8 @@ class WeightSyncer:
             for bucket in make_buckets(_only_wanted(tensors, plan), self.config.update_weight_buffer_size):
                 selector = plan.target if bucket.kind == "target" else plan.mtp
                 self.transport.send(bucket, selector, weight_version)
-                buckets_applied += self.transport_name != "disk"
+                buckets += 1
+                buckets_applied += self.transport_name != "disk"  # disk buckets only load in finish()
                 counts[bucket.kind] += len(bucket.tensors)
                 nbytes += bucket.nbytes
                 sent.update(bucket.names)
@@ -170,9 +179,9 @@ class WeightSyncer:
         served_written = self._verify(sent, recorder)
         post_all(self.clients, "/continue_generation", protocol.continue_payload())
         seconds = time.perf_counter() - t0
-        return SyncReport(seconds=seconds, gbps=nbytes / transfer_s / 1e9 if transfer_s > 0 else 0.0,
+        return SyncReport(seconds=seconds, transfer_seconds=transfer_s, gbps=nbytes / transfer_s / 1e9,
                           target_tensors=counts["target"], mtp_tensors=counts["mtp"], bytes=nbytes,
-                          buckets=buckets_applied, served_written=served_written)
+                          buckets=buckets, served_written=served_written)
 
     def _failed(self, error: Exception, buckets_applied: int, session_open: bool,
                 weight_version: str | None) -> WeightSyncError:
@@ -182,7 +191,10 @@ class WeightSyncer:
                 post_all(self.clients, "/end_weight_update", protocol.end_payload())
             except Exception as end_error:  # reported with the original error, not hidden
                 notes.append(f"closing the weight-update session also failed: {end_error}")
-        if buckets_applied == 0:
+        # an update request that some engines completed and others failed also leaves a mix
+        some_engines_loaded = (isinstance(error, EngineGroupError) and bool(error.succeeded)
+                               and error.path.startswith("/update_weights_from"))
+        if buckets_applied == 0 and not some_engines_loaded:
             try:
                 post_all(self.clients, "/continue_generation", protocol.continue_payload())
                 state = "no bucket was applied: the engines still serve the previous weights and generation continues"
@@ -191,9 +203,9 @@ class WeightSyncer:
                          f"failed: {cont_error}")
             previous = True
         else:
-            state = (f"{buckets_applied} bucket(s) were applied before the failure: the engines that applied them "
-                     "hold a mix of new and previous weights, so generation stays PAUSED; sync again (a full sync "
-                     "is idempotent) or restart the engines")
+            state = (f"{buckets_applied} bucket(s) were applied on every engine before the failure (and the failed "
+                     "request may have loaded on some): engines hold a mix of new and previous weights, so "
+                     "generation stays PAUSED; sync again (a full sync is idempotent) or restart the engines")
             previous = False
         message = (f"weight sync (version {weight_version}, transport {self.transport_name}) failed: {error}. "
                    f"{state}." + ("".join(f" Also: {n}." for n in notes)))

@@ -69,7 +69,7 @@ class DistributedTransport:
             return protocol.init_group_payload(self.master_address, self.master_port, 1 + i * self.engine_tp_size,
                                                self.world_size, self.group_name, self.backend)
 
-        posts = _in_background(lambda: post_all(self.clients, "/init_weights_update_group", payload))
+        posts = BackgroundCall(lambda: post_all(self.clients, "/init_weights_update_group", payload))
         try:
             self.group = WeightUpdateGroup(self.master_address, self.master_port, rank=0,
                                            world_size=self.world_size, group_name=self.group_name,
@@ -79,14 +79,12 @@ class DistributedTransport:
         posts.result()
 
     def send(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None) -> None:
-        if self.group is None:
-            self.connect()
         tensors = [t.tensor.to("cuda") if self.backend == "nccl" else t.tensor for t in bucket.tensors]
         payload = protocol.distributed_payload(
             bucket.names, [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors],
             group_name=self.group_name, selector=selector, weight_version=weight_version,
             flush_cache=False, session=self.session)
-        posts = _in_background(lambda: post_all(self.clients, "/update_weights_from_distributed", payload))
+        posts = BackgroundCall(lambda: post_all(self.clients, "/update_weights_from_distributed", payload))
         try:
             for t in tensors:
                 self.group.broadcast(t, src=0)
@@ -194,7 +192,7 @@ class DiskTransport:
         pass
 
 
-class _in_background:
+class BackgroundCall:
     """Run a call in a thread; `result()` re-raises its error. Used for POSTs that block on a collective."""
 
     def __init__(self, fn):

@@ -1,0 +1,178 @@
+"""Weight-sync throughput: a full sync vs a raw torch.distributed broadcast of the same bytes, same run.
+
+Full sync = gather (Megatron parameters) + convert (Megatron -> HF names/layouts, MTP included) + bucket +
+transfer (`/update_weights_from_distributed` + broadcast) + load into a real embedded engine server
+(`python -m slime_spec.engine`, a separate process) + flush, timed by `WeightSyncer` (`weight_sync_s`,
+without the verification read-back). The raw baseline broadcasts the very tensors the sync sent, one by
+one, from this process to a bare receiver process: the wire cost alone.
+
+    .venv/bin/python bench/weight_sync.py                                   # CPU, gloo
+    python bench/weight_sync.py --backend nccl --device cuda                # two GPUs: trainer 0, engine 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+import torch
+
+from slime_spec.config import TrainConfig, WeightSyncConfig
+from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.weight_sync.engine_client import HttpEngineClient
+from slime_spec.weight_sync.gather import iter_hf_tensors
+from slime_spec.weight_sync.protocol import SpecSetup
+from slime_spec.weight_sync.sync import WeightSyncer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_engine(model_path: Path, device: str, gpu: str | None, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    argv = [sys.executable, "-m", "slime_spec.engine", "--model-path", str(model_path), "--host", "127.0.0.1",
+            "--port", str(port), "--device", device, "--speculative-algorithm", "EAGLE",
+            "--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
+    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine exited with {proc.returncode}; see {log}")
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError(f"engine did not answer /health in 300 s; see {log}")
+
+
+@contextlib.contextmanager
+def visible_gpus(gpus: str | None):
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def receiver(port: int, specs: list[tuple[list[int], str]], backend: str, device: str) -> None:
+    """The raw baseline's other end: join the group and receive each tensor."""
+    from slime_spec.dist_group import WeightUpdateGroup
+
+    group = WeightUpdateGroup("127.0.0.1", port, rank=1, world_size=2, group_name="raw", backend=backend)
+    buffers = [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for shape, dtype in specs]
+    for _ in range(2):  # warm-up round, timed round
+        for b in buffers:
+            group.broadcast(b, src=0)
+        group.barrier()
+
+
+def raw_broadcast_gbps(tensors: list[torch.Tensor], backend: str, device: str, recv_gpu: str | None) -> tuple[float, int]:
+    """Seconds and bytes for broadcasting `tensors` once to one receiver process (after a warm-up round)."""
+    import torch.multiprocessing as mp
+
+    from slime_spec.dist_group import WeightUpdateGroup
+
+    port = free_port()
+    specs = [(list(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
+    recv_device = "cuda:0" if backend == "nccl" else "cpu"
+    proc = mp.get_context("spawn").Process(target=receiver, args=(port, specs, backend, recv_device))
+    with visible_gpus(recv_gpu):  # read by the spawned receiver at start
+        proc.start()
+    group = WeightUpdateGroup("127.0.0.1", port, rank=0, world_size=2, group_name="raw", backend=backend)
+    tensors = [t.to(device) for t in tensors]
+    seconds = 0.0
+    for _ in range(2):  # warm-up round, timed round
+        t0 = time.perf_counter()
+        for t in tensors:
+            group.broadcast(t, src=0)
+        group.barrier()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    proc.join()
+    return seconds, sum(t.numel() * t.element_size() for t in tensors)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--num-layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--bucket-mb", type=int, default=128, help="--update-weight-buffer-size in MiB")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    p.add_argument("--device", default="cpu", help="trainer device: cpu, or cuda with --backend nccl")
+    p.add_argument("--engine-gpu", default=None, help="CUDA_VISIBLE_DEVICES of the engine (nccl: another GPU)")
+    a = p.parse_args(argv)
+    if a.backend == "nccl" and not a.device.startswith("cuda"):
+        p.error("--backend nccl needs --device cuda (and --engine-gpu for a second GPU)")
+
+    from slime_spec.trainer import model as M
+    from slime_spec.trainer import parallel
+
+    work = Path(tempfile.mkdtemp(prefix="bench_weight_sync_"))
+    shape = dict(arch="mimo", mtp_layers=1, vocab_size=a.vocab, hidden_size=a.hidden_size, num_layers=a.num_layers,
+                 num_heads=8, num_kv_heads=4, intermediate_size=4 * a.hidden_size, max_position_embeddings=512)
+    served = make_tiny_model(work / "served", seed=0, **shape)
+    trained = make_tiny_model(work / "trained", seed=1, **shape)
+    parallel.init_single_process(seed=0)
+    hf_config = M.read_hf_config(trained)
+    model = M.build_gpt_model(hf_config, TrainConfig(hf_checkpoint=str(trained), mtp_num_layers=1))
+    M.load_hf_weights(model, M.read_hf_state(trained), hf_config, tp_rank=0, tp_size=1)
+    engine_device = "cuda" if a.backend == "nccl" else "cpu"
+    proc, url = start_engine(served, engine_device, a.engine_gpu, work / "engine.log")
+    rows = []
+    try:
+        syncer = WeightSyncer([HttpEngineClient(url)], WeightSyncConfig(update_weight_buffer_size=a.bucket_mb << 20),
+                              hf_config=hf_config, hf_checkpoint=served, spec=SpecSetup("EAGLE", None, str(served)),
+                              has_mtp_layers=True, transport="distributed", backend=a.backend,
+                              master_port=free_port())
+        for i in range(a.repeats):
+            report = syncer.sync_report(iter_hf_tensors(model.named_parameters(), hf_config), weight_version=str(i))
+            rows.append(report)
+        syncer.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    sent = [t.tensor for t in iter_hf_tensors(model.named_parameters(), hf_config)]
+    raw_s, raw_bytes = raw_broadcast_gbps(sent, a.backend, a.device, a.engine_gpu)
+    best = max(rows, key=lambda r: r.gbps)
+    raw_gbps = raw_bytes / raw_s / 1e9
+    print(f"model: mimo hidden {a.hidden_size}, {a.num_layers} layers + 1 MTP, vocab {a.vocab}; "
+          f"{best.target_tensors} target + {best.mtp_tensors} MTP tensors in {best.buckets} bucket(s) "
+          f"of <= {a.bucket_mb} MiB; backend {a.backend}")
+    print("| path | MB | seconds | GB/s |\n|---|---|---|---|")
+    for i, r in enumerate(rows):
+        print(f"| full sync #{i} (gather+convert+transfer+load+flush) | {r.bytes / 1e6:.1f} | "
+              f"{r.transfer_seconds:.3f} | {r.gbps:.3f} |")
+    print(f"| raw {a.backend} broadcast of the same tensors | {raw_bytes / 1e6:.1f} | {raw_s:.3f} | {raw_gbps:.3f} |")
+    print(f"ratio, best full sync / raw broadcast: {best.gbps / raw_gbps:.2f}; coverage check after each sync "
+          f"adds {best.seconds - best.transfer_seconds:.3f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,98 @@
+"""`TrainGroup`: every train actor of a run, driven as one.
+
+actor_num_nodes x actor_num_gpus_per_node actors form one torch.distributed world (nccl with GPUs,
+gloo without), split into tensor-parallel groups of --tensor-model-parallel-size and data-parallel
+replicas. Every call goes to every actor (Megatron's collectives need them all); results are
+identical across ranks, so the group returns rank 0's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import ray
+
+from slime_spec.config import Config
+from slime_spec.rollout.sample import Sample
+from slime_spec.trainer.actor import TrainActor
+
+
+class TrainGroup:
+    def __init__(self, config: Config, use_gpu: bool | None = None, placement_group=None,
+                 bundle_indices: list[int] | None = None):
+        self.config = config
+        cluster, train = config.cluster, config.train
+        n = cluster.actor_num_nodes * cluster.actor_num_gpus_per_node
+        if n % train.tensor_model_parallel_size:
+            raise ValueError(f"--tensor-model-parallel-size {train.tensor_model_parallel_size} must divide "
+                             f"--actor-num-nodes x --actor-num-gpus-per-node = {n}")
+        if use_gpu is None:
+            use_gpu = ray.cluster_resources().get("GPU", 0) >= n
+        actor_cls = ray.remote(num_gpus=1 if use_gpu else 0, num_cpus=1)(TrainActor)
+        self.actors = []
+        for rank in range(n):
+            options: dict = {}
+            if placement_group is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                index = bundle_indices[rank] if bundle_indices else rank
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group, placement_group_bundle_index=index)
+            if not use_gpu:  # gloo on CPU: keep each process to its share of the cores
+                threads = str(max(1, (os.cpu_count() or 1) // n))
+                options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": threads}}
+            self.actors.append(actor_cls.options(**options).remote(rank, n))
+        master_addr, master_port = ray.get(self.actors[0].master_address.remote())
+        self.tp_infos = ray.get([a.init.remote(train, master_addr, master_port) for a in self.actors])
+
+    def _all(self, method: str, *args, **kwargs) -> list:
+        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+
+    def train_step(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
+        return self._all("train_step", samples, rollout_id)[0]
+
+    def sft_step(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
+        """Supervised warm-up step (e.g. to fit fresh MTP layers before RL), whatever --loss-type is."""
+        return self._all("sft_step", samples, rollout_id)[0]
+
+    def save(self, rollout_id: int) -> None:
+        self._all("save", rollout_id)
+
+    def start_rollout_id(self) -> int:
+        """The first rollout to run: 0, or the one after the checkpoint --load resumed from."""
+        return self._all("start_rollout_id")[0]
+
+    def get_tp_info(self) -> list[dict]:
+        return self._all("get_tp_info")
+
+    def hf_state_dict(self) -> dict:
+        return self._all("hf_state_dict")[0]
+
+    def forward_logits(self, input_ids: list[list[int]]) -> dict:
+        return self._all("forward_logits", input_ids)[0]
+
+    def connect_engines(self, urls: list[str]) -> None:
+        c = self.config
+        disk_dir = str(Path(c.output_dir) / "weight_sync_disk")
+        self._all("connect_engines", list(urls), c.weight_sync, dict(c.engine.server_args), c.engine.model_path,
+                  c.cluster.colocate, c.engine.num_gpus_per_engine, disk_dir)
+
+    def sync_weights(self, rollout_id: int, probe_samples: list[Sample] | None = None) -> dict:
+        probe = [list(s.tokens) for s in probe_samples or [] if s.tokens]
+        return self._all("sync_weights", rollout_id, probe)[0]
+
+    def run_all(self, fn: Callable, *args, **kwargs) -> list:
+        """fn(trainer, *args, **kwargs) on every actor (collective code such as a custom gather)."""
+        return self._all("run", fn, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        if not self.actors:
+            return
+        try:
+            self._all("shutdown")
+        finally:
+            for a in self.actors:
+                ray.kill(a)
+            self.actors = []

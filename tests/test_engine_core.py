@@ -1,0 +1,206 @@
+"""EngineCore without speculation: finishing rules, validation, aborts, weights, memory release."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
+from slime_spec.engine.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("core_models")
+    llama = make_tiny_model(root / "llama", hidden_size=32, num_layers=2, seed=21)
+    return {"llama": llama, "other": make_tiny_model(root / "other", hidden_size=32, num_layers=2, seed=22),
+            "draft": make_tiny_model(root / "draft", hidden_size=32, num_layers=1, seed=23),
+            "qwen2": make_tiny_model(root / "qwen2", arch="qwen2", hidden_size=32, num_layers=1, seed=24),
+            "mimo": make_tiny_model(root / "mimo", arch="mimo", hidden_size=32, num_layers=1, seed=25)}
+
+
+def run(engine, *requests):
+    for r in requests:
+        engine.add_request(r)
+    outs = {}
+    while engine.has_work():
+        for o in engine.step():
+            outs[o.rid] = o
+    return outs
+
+
+def greedy(rid, ids, n=40, **kw):
+    return Request(rid, ids, SamplingParams(temperature=0.0, max_new_tokens=n, **kw))
+
+
+@pytest.fixture(scope="module")
+def engine(ckpts):
+    return EngineCore(str(ckpts["llama"]), SpecConfig(), max_running_requests=4, context_length=128)
+
+
+def test_length_stop_string_and_stop_token(engine):
+    ids = engine.tokenizer("once upon a time")["input_ids"]
+    base = run(engine, greedy("a", ids, ignore_eos=True))["a"]
+    assert base.finish_reason == {"type": "length", "length": 40}
+    assert base.completion_tokens == 40 and base.prompt_tokens == len(ids)
+    assert base.text == engine.tokenizer.decode(base.output_ids, skip_special_tokens=True)
+    stop = base.text[12:14]
+    cut = base.text.find(stop)
+    out = run(engine, greedy("b", ids, ignore_eos=True, stop=[stop]))["b"]
+    assert out.finish_reason == {"type": "stop", "matched": stop}
+    assert out.text == base.text[:cut] and out.output_ids == base.output_ids[: len(out.output_ids)]
+    assert engine.tokenizer.decode(out.output_ids).endswith(stop)
+    kept = run(engine, greedy("c", ids, ignore_eos=True, stop=[stop], no_stop_trim=True))["c"]
+    assert kept.text == base.text[: cut + len(stop)]
+    token = base.output_ids[7]
+    first = base.output_ids.index(token)
+    out = run(engine, greedy("d", ids, stop_token_ids=[token]))["d"]
+    assert out.finish_reason == {"type": "stop", "matched": token}
+    assert out.output_ids == base.output_ids[: first + 1]
+    assert out.text == engine.tokenizer.decode(base.output_ids[:first])
+    # ignore_eos disables stop tokens too, as in SGLang.
+    assert run(engine, greedy("e", ids, stop_token_ids=[token], ignore_eos=True))["e"].completion_tokens == 40
+    assert 2 in engine.eos_token_ids  # <|eos|> from config, generation_config and tokenizer
+
+
+def test_bad_requests_are_rejected_with_clear_errors(engine):
+    cases = [(greedy("x", []), "empty"), (greedy("x", [5, 999]), "outside the vocabulary"),
+             (greedy("x", [5] * 128), "longer than the model's context length"),
+             (greedy("x", [5] * 100, n=40), "exceeds the model's maximum context length"),
+             (Request("x", [5], SamplingParams(temperature=-1)), "temperature"),
+             (Request("x", [5], SamplingParams(top_p=0)), "top_p"),
+             (Request("x", [5], SamplingParams(top_k=0)), "top_k"),
+             (Request("x", [5], SamplingParams(max_new_tokens=-1)), "max_new_tokens")]
+    for req, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            engine.add_request(req)
+    assert not engine.has_work()
+    engine.add_request(greedy("dup", [5, 6]))
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_request(greedy("dup", [5, 6]))
+    engine.abort_all()
+    outs = run(engine)
+    assert outs["dup"].finish_reason["type"] == "abort"
+    zero = run(engine, greedy("z", [5, 6], n=0))["z"]
+    assert zero.output_ids == [] and zero.finish_reason == {"type": "length", "length": 0}
+
+
+def test_abort_running_and_waiting(ckpts):
+    engine = EngineCore(str(ckpts["llama"]), SpecConfig(), max_running_requests=2)
+    for i in range(3):
+        engine.add_request(greedy(f"r{i}", [5, 6, 7 + i], n=30, ignore_eos=True))
+    engine.step()
+    assert engine.abort("r0") and engine.abort("r2") and not engine.abort("nope")
+    outs = run(engine)
+    assert outs["r0"].finish_reason["type"] == "abort" and outs["r0"].completion_tokens >= 1
+    assert outs["r2"].finish_reason == {"type": "abort", "message": "Abort in waiting queue"}
+    assert outs["r1"].completion_tokens == 30
+    assert sorted(engine.free_slots) == [0, 1]
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(ckpts):
+    outs = []
+    for _ in range(2):
+        engine = EngineCore(str(ckpts["llama"]), SpecConfig(), seed=5)
+        reqs = [Request(f"s{i}", [5, 6, 7], SamplingParams(temperature=1.0, top_k=3, max_new_tokens=20,
+                                                           ignore_eos=True), return_logprob=True) for i in range(4)]
+        outs.append(run(engine, *reqs))
+    assert all(outs[0][r].output_ids == outs[1][r].output_ids for r in outs[0])
+    assert len({tuple(o.output_ids) for o in outs[0].values()}) > 1
+    engine = EngineCore(str(ckpts["llama"]), SpecConfig())
+    top1 = Request("t", [5, 6, 7], SamplingParams(temperature=1.0, top_k=1, max_new_tokens=20, ignore_eos=True))
+    plain = run(engine, greedy("g", [5, 6, 7], n=20, ignore_eos=True))["g"]
+    assert run(engine, top1)["t"].output_ids == plain.output_ids
+
+
+def test_load_weights_is_all_or_nothing(engine, ckpts):
+    ids = engine.tokenizer("weights")["input_ids"]
+    before = run(engine, greedy("w0", ids, ignore_eos=True))["w0"].output_ids
+    served = {n: t.clone() for n, t in engine.named_weights("target").items()}
+    assert set(served) == set(load_file(str(ckpts["llama"] / "model.safetensors")))
+    other = load_file(str(ckpts["other"] / "model.safetensors"))
+    bad = list(other.items())
+    bad.insert(len(bad) // 2, ("model.layers.1.mlp.up_proj.weight", torch.zeros(3, 3)))
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight: shape"):
+        engine.load_weights(bad, "all")
+    with pytest.raises(ValueError, match="model.layers.7.mlp.up_proj.weight: no runner"):
+        engine.load_weights(list(other.items()) + [("model.layers.7.mlp.up_proj.weight", torch.zeros(3))], "all")
+    with pytest.raises(ValueError, match="dtype"):
+        engine.load_weights([("model.norm.weight", torch.ones(32, dtype=torch.int64))])
+    with pytest.raises(ValueError, match="no runner"):
+        engine.load_weights([("model.norm.weight", torch.ones(32))], "draft")  # no draft model here
+    with pytest.raises(ValueError, match="invalid selector"):
+        engine.load_weights([("model.norm.weight", torch.ones(32))], "both")
+    assert all(torch.equal(t, engine.named_weights("target")[n]) for n, t in served.items())
+    engine.load_weights([(n, t.to(torch.bfloat16)) for n, t in other.items()], "target")
+    changed = run(engine, greedy("w1", ids, ignore_eos=True))["w1"].output_ids
+    assert changed != before
+    engine.load_weights(list(served.items()))
+    assert run(engine, greedy("w2", ids, ignore_eos=True))["w2"].output_ids == before
+
+
+def test_selectors_reach_the_runners_sglang_would(ckpts):
+    standalone = EngineCore(str(ckpts["llama"]), SpecConfig("STANDALONE", 2, 1, 3, str(ckpts["draft"])))
+    draft_names = set(standalone.named_weights("draft"))
+    assert draft_names == set(load_file(str(ckpts["draft"] / "model.safetensors")))
+    target0 = standalone.named_weights("target")["model.layers.0.mlp.up_proj.weight"].clone()
+    draft0 = standalone.named_weights("draft")["model.layers.0.mlp.up_proj.weight"].clone()
+    new = [("model.layers.0.mlp.up_proj.weight", torch.full_like(draft0, 0.5))]
+    standalone.load_weights(new, "draft")
+    assert torch.equal(standalone.named_weights("target")["model.layers.0.mlp.up_proj.weight"], target0)
+    assert torch.equal(standalone.named_weights("draft")["model.layers.0.mlp.up_proj.weight"], new[0][1])
+    # "all" reaches the external draft too (the hazard behind slime #1177): same-shaped names are overwritten.
+    standalone.load_weights([("model.layers.0.mlp.up_proj.weight", torch.full_like(draft0, 0.25))], "all")
+    assert float(standalone.named_weights("draft")["model.layers.0.mlp.up_proj.weight"][0, 0]) == 0.25
+    assert float(standalone.named_weights("target")["model.layers.0.mlp.up_proj.weight"][0, 0]) == 0.25
+
+    mimo = EngineCore(str(ckpts["mimo"]), SpecConfig("NEXTN", 2, 1, 3))
+    draft = mimo.named_weights("draft")
+    assert "model.embed_tokens.weight" in draft and "lm_head.weight" in draft
+    assert all(n.startswith("model.mtp_layers.0.") for n in draft if "embed" not in n and "lm_head" not in n)
+    assert not any("mtp_layers" in n for n in mimo.named_weights("target"))
+    with pytest.raises(ValueError, match="no runner"):
+        mimo.load_weights([("model.mtp_layers.0.input_proj.weight", torch.zeros(32, 64))], "target")
+    with pytest.raises(ValueError, match="no runner"):
+        mimo.load_weights([("model.layers.0.mlp.up_proj.weight", torch.zeros(128, 32))], "draft")
+    # The embedding is shared: loading it through the draft selector changes the target's too.
+    mimo.load_weights([("model.embed_tokens.weight", torch.ones_like(draft["model.embed_tokens.weight"]))], "draft")
+    assert float(mimo.named_weights("target")["model.embed_tokens.weight"].min()) == 1.0
+
+    qwen = EngineCore(str(ckpts["qwen2"]), SpecConfig())
+    assert "lm_head.weight" not in qwen.named_weights("all")  # tied, as in the checkpoint
+    emb = qwen.named_weights("target")["model.embed_tokens.weight"].clone()
+    qwen.load_weights([("lm_head.weight", torch.zeros_like(emb))])  # skipped for a tied model, as SGLang does
+    assert torch.equal(qwen.named_weights("target")["model.embed_tokens.weight"], emb)
+
+
+def test_release_and_resume_memory(ckpts):
+    engine = EngineCore(str(ckpts["llama"]), SpecConfig("NGRAM", num_draft_tokens=3))
+    ids = engine.tokenizer("memory memory memory")["input_ids"]
+    before = run(engine, greedy("m0", ids, ignore_eos=True))["m0"]
+    engine.add_request(greedy("busy", ids))
+    with pytest.raises(ValueError, match="idle"):
+        engine.release_memory(["kv_cache"])
+    run(engine)
+    with pytest.raises(ValueError, match="tags"):
+        engine.release_memory(["gpu"])
+    engine.release_memory(["kv_cache", "weights"])
+    assert engine.cache is None and engine.model.lm_head.weight.numel() == 0
+    engine.add_request(greedy("m1", ids, ignore_eos=True))
+    assert engine.step() == [] and engine.has_work()  # waits while memory is released
+    engine.resume_memory(None)
+    after = run(engine)["m1"]
+    assert after.output_ids == before.output_ids and after.spec_verify_ct == before.spec_verify_ct
+    assert engine.flush_cache()
+
+
+def test_non_finite_logits_finish_the_request_not_the_engine(ckpts):
+    for spec in (SpecConfig(), SpecConfig("NGRAM", num_draft_tokens=3)):
+        engine = EngineCore(str(ckpts["llama"]), spec)
+        norm = engine.named_weights("target")["model.norm.weight"].clone()
+        engine.add_request(greedy("ok", [5, 6, 7], n=5, ignore_eos=True))
+        engine.step()
+        engine.load_weights([("model.norm.weight", torch.full_like(norm, float("nan")))])
+        outs = run(engine, Request("nan", [5, 6], SamplingParams(temperature=0.8, max_new_tokens=5)))
+        assert outs["ok"].finish_reason == outs["nan"].finish_reason == {"type": "stop", "matched": "NaN happened"}
+        engine.load_weights([("model.norm.weight", norm)])
+        assert run(engine, greedy("after", [5, 6], n=5, ignore_eos=True))["after"].completion_tokens == 5

@@ -1,0 +1,272 @@
+"""Weight routes of the embedded server, with this test process as the trainer (rank 0 of a gloo group).
+
+One EAGLE server on a tiny MiMo checkpoint (its MTP layer is the draft). Every test that changes
+weights restores the checkpoint from disk at the end (`/update_weights_from_disk`).
+"""
+
+import base64
+import hashlib
+import pickle
+import threading
+import time
+
+import pytest
+import requests
+import torch
+from safetensors.torch import load_file
+
+from slime_spec.dist_group import WeightUpdateGroup
+from slime_spec.engine.server_process import ServerProcess, free_port
+from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.engine.weight_update import serialize_named_tensors, tensor_checksum
+
+PROMPTS = ["hello world", "the cat sat on", "abc abc abc", "Once upon a time"]
+NORM = "model.norm.weight"
+MTP_NORM = "model.mtp_layers.0.final_layernorm.weight"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("engine_weights") / "mimo", arch="mimo", hidden_size=32,
+                           num_layers=2, seed=5)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("engine_weights_log") / "server.log"
+    with ServerProcess(model, ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+                               "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
+                               "--random-seed", "0"], log_path=log) as s:
+        yield s
+
+
+def post(server, path, body):
+    return requests.post(server.url + path, json=body, timeout=120)
+
+
+def ok(server, path, body):
+    r = post(server, path, body)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    return r.json()
+
+
+def outputs(server):
+    outs = post(server, "/generate", {"text": PROMPTS, "sampling_params": {"temperature": 0, "max_new_tokens": 16,
+                                                                          "ignore_eos": True}}).json()
+    return [o["output_ids"] for o in outs], sum(o["meta_info"]["spec_num_correct_drafts"] for o in outs), outs
+
+
+def checksums(server, selector="all"):
+    out = ok(server, "/weights_checker", {"action": "checksum", "selector": selector})
+    return out["ranks"][0]["checksums"]
+
+
+@pytest.fixture(scope="module")
+def trainer(server):
+    """This process as rank 0 of the engine's weight-update group (gloo, world size 2)."""
+    port = free_port()
+    reply = {}
+    init = threading.Thread(target=lambda: reply.setdefault("r", post(server, "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "group_name": "wug", "backend": "gloo"})))
+    init.start()
+    group = WeightUpdateGroup("127.0.0.1", port, rank=0, world_size=2, group_name="wug", backend="gloo",
+                              timeout_s=60)
+    init.join(timeout=60)
+    assert reply["r"].json() == {"success": True, "message": "Succeeded to initialize custom process group."}
+    yield group
+    group.destroy()
+
+
+@pytest.fixture
+def restore(server, model):
+    yield
+    out = ok(server, "/update_weights_from_disk", {"model_path": str(model)})
+    assert out["num_paused_requests"] == 0
+
+
+def push(server, group, named, selector, **extra):
+    """The trainer's side of /update_weights_from_distributed: post the metadata, broadcast each tensor."""
+    body = {"names": [n for n, _ in named], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+            "shapes": [list(t.shape) for _, t in named], "group_name": "wug", "selector": selector, **extra}
+    reply = {}
+    thread = threading.Thread(target=lambda: reply.setdefault("r", post(server, "/update_weights_from_distributed",
+                                                                         body)))
+    thread.start()
+    for _, t in named:
+        group.broadcast(t.contiguous(), src=0)
+    thread.join(timeout=120)
+    return reply["r"]
+
+
+def test_updates_need_a_session(server):
+    r = post(server, "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": []})
+    assert r.status_code == 400 and r.json() == {
+        "success": False,
+        "message": "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"}
+    r = post(server, "/update_weights_from_tensor", {"serialized_named_tensors": ["x"]})
+    assert r.json()["message"] == ("update_weights_from_tensor must run between begin_weight_update() and "
+                                   "end_weight_update()")
+    assert post(server, "/end_weight_update", {}).json()["message"] == (
+        "no weight-update session is open; call begin_weight_update() first")
+    ok(server, "/begin_weight_update", {"selector": "all"})
+    assert post(server, "/begin_weight_update", {}).json()["message"] == (
+        "a weight-update session is already open; call end_weight_update() first")
+    r = post(server, "/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]],
+                                                          "group_name": "nope"})
+    assert r.status_code == 400 and r.json()["message"].startswith("Failed to receive weights: Group nope not in")
+    ok(server, "/end_weight_update", {})
+    r = post(server, "/begin_weight_update", {"selector": "everything"})
+    assert r.status_code == 400 and "invalid selector" in r.text
+
+
+def test_nccl_on_a_cpu_engine_is_refused(server):
+    r = post(server, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": free_port(),
+                                                    "rank_offset": 1, "world_size": 2, "group_name": "n"})
+    assert r.status_code == 400 and not r.json()["success"] and "gloo" in r.json()["message"]
+    assert post(server, "/destroy_weights_update_group", {"group_name": "n"}).json() == {
+        "success": False, "message": "The group to be destroyed does not exist."}
+
+
+def test_target_update_then_mtp_only_update(server, trainer, restore):
+    base_ids, base_accept, _ = outputs(server)
+    base_sums = checksums(server)
+    assert any(k.startswith("draft.model.mtp_layers.0.") for k in base_sums)
+
+    ok(server, "/begin_weight_update", {"selector": "target"})
+    r = push(server, trainer, [(NORM, torch.zeros(32))], "target", weight_version="v1")
+    assert r.json() == {"success": True,
+                        "message": "Succeeded to update parameter online. Weight version updated to v1."}
+    ok(server, "/end_weight_update", {})
+    ids, accept, outs = outputs(server)
+    assert ids != base_ids and all(t == 0 for row in ids for t in row)  # a zero final norm: logits 0, argmax 0
+    assert outs[0]["meta_info"]["weight_version"] == "v1"
+    sums = checksums(server)
+    assert sums[NORM] != base_sums[NORM]
+    assert {k: v for k, v in sums.items() if k.startswith("draft.")} == \
+        {k: v for k, v in base_sums.items() if k.startswith("draft.")}  # "target" never reaches the draft
+
+    # An MTP tensor is the draft's: selector "target" cannot load it, and nothing changes.
+    ok(server, "/begin_weight_update", {"selector": "target"})
+    r = push(server, trainer, [(MTP_NORM, torch.zeros(32))], "target")
+    assert r.status_code == 400 and MTP_NORM in r.json()["message"] and "old weights keep serving" in r.json()["message"]
+    r = push(server, trainer, [(MTP_NORM, torch.zeros(32))], "draft")
+    assert r.json()["success"]
+    ok(server, "/end_weight_update", {})
+    new_ids, new_accept, outs = outputs(server)
+    assert new_ids == ids  # the draft never changes greedy outputs
+    assert new_accept > accept  # ... but it now drafts token 0, which the target always picks
+    assert all(o["meta_info"]["spec_accept_length"] == 4 for o in outs)
+    sums_after = checksums(server)
+    assert sums_after[f"draft.{MTP_NORM}"] != sums[f"draft.{MTP_NORM}"]
+    assert {k: v for k, v in sums_after.items() if not k.startswith("draft.")} == \
+        {k: v for k, v in sums.items() if not k.startswith("draft.")}
+
+
+def test_failed_update_keeps_the_old_weights_serving(server, trainer, model, restore):
+    base_ids, _, _ = outputs(server)
+    ok(server, "/begin_weight_update", {})
+    named = [(NORM, torch.zeros(32)), ("model.embed_tokens.weight", torch.zeros(3, 3)),
+             ("lm_head.weight", torch.zeros(101, 32))]
+    r = push(server, trainer, named, "all")
+    assert r.status_code == 400 and "model.embed_tokens.weight" in r.json()["message"]
+    ok(server, "/end_weight_update", {})
+    assert outputs(server)[0] == base_ids
+    served = post(server, "/get_weights_by_name", {"name": NORM, "truncate_size": 100}).json()
+    assert served == load_file(str(model / "model.safetensors"))[NORM].tolist()
+
+
+def test_update_from_tensor_plain_and_flattened_bucket(server, restore):
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    base_ids, _, _ = outputs(server)
+    ok(server, "/begin_weight_update", {})
+    payload = serialize_named_tensors([(NORM, torch.zeros(32))])
+    assert ok(server, "/update_weights_from_tensor", {"serialized_named_tensors": [payload], "selector": "target"})[
+        "message"] == "Success"
+    assert all(t == 0 for row in outputs(server)[0] for t in row)
+    bucket = FlattenedTensorBucket(named_tensors=[(NORM, torch.ones(32)), (MTP_NORM, torch.ones(32))])
+    # What SGLang's producers send with load_format "flattened_bucket": one flat tensor and its metadata.
+    blob = base64.b64encode(pickle.dumps({"flattened_tensor": bucket.get_flattened_tensor(),
+                                          "metadata": bucket.get_metadata()})).decode()
+    ok(server, "/update_weights_from_tensor", {"serialized_named_tensors": [blob], "load_format": "flattened_bucket"})
+    ok(server, "/end_weight_update", {})
+    assert outputs(server)[0] != base_ids
+    assert post(server, "/get_weights_by_name", {"name": NORM}).json() == [1.0] * 32
+    ok(server, "/begin_weight_update", {})
+    r = post(server, "/update_weights_from_tensor", {"serialized_named_tensors": ["bm90IGEgcGlja2xl"]})
+    assert r.status_code == 400 and "Failed to deserialize" in r.json()["message"]
+    ok(server, "/end_weight_update", {})
+
+
+def test_disk_update_restores_and_checksums_match_the_checkpoint(server, model, restore):
+    files = load_file(str(model / "model.safetensors"))
+    sums = checksums(server, "target")
+    assert not any(k.startswith("draft.") for k in sums)
+    assert sums[NORM] == tensor_checksum(files[NORM])
+    assert sums["model.layers.0.self_attn.q_proj.weight"] == tensor_checksum(files["model.layers.0.self_attn.q_proj.weight"])
+    draft = checksums(server, "draft")
+    assert draft and all(k.startswith("draft.") for k in draft)
+    assert draft[f"draft.{MTP_NORM}"] == tensor_checksum(files[MTP_NORM])
+    full = ok(server, "/weights_checker", {"action": "checksum"})
+    rank = full["ranks"][0]
+    assert full["per_engine_checksum"] == hashlib.sha256(rank["per_gpu_checksum"].encode()).hexdigest()
+    assert [p["role"] for p in rank["parallelism_info"]] == ["target", "draft"]
+    r = post(server, "/weights_checker", {"action": "compare"})
+    assert r.status_code == 400 and not r.json()["success"]
+    assert post(server, "/get_weights_by_name", {"name": "no.such.weight"}).json() == {
+        "error": {"message": "Get parameter by name failed"}}
+    assert len(post(server, "/get_weights_by_name", {"name": "lm_head.weight", "truncate_size": 3}).json()) == 3
+    r = post(server, "/update_weights_from_disk", {"model_path": str(model / "nowhere")})
+    assert r.status_code == 400 and r.json()["num_paused_requests"] == 0
+
+
+def test_destroy_group_last(server, trainer):
+    assert ok(server, "/destroy_weights_update_group", {"group_name": "wug"})["message"] == (
+        "Succeeded to destroy custom process group.")
+
+
+def _long_request(server, max_new=300):
+    reply = {}
+    body = {"text": "long running", "sampling_params": {"temperature": 0, "max_new_tokens": max_new,
+                                                         "ignore_eos": True}}
+    thread = threading.Thread(target=lambda: reply.setdefault("r", post(server, "/generate", body).json()))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while requests.get(server.url + "/server_info", timeout=10).json()["internal_states"][0]["num_running_reqs"] != 1:
+        assert time.monotonic() < deadline, "the long request never started"
+        time.sleep(0.02)
+    return thread, reply
+
+
+def test_running_requests_finish_on_the_old_weights(server, restore):
+    reference = post(server, "/generate", {"text": "long running", "sampling_params": {
+        "temperature": 0, "max_new_tokens": 300, "ignore_eos": True}}).json()["output_ids"]
+    thread, reply = _long_request(server)
+    ok(server, "/begin_weight_update", {})  # waits for the running request, as SGLang's writer lock does
+    ok(server, "/update_weights_from_tensor", {"serialized_named_tensors": [
+        serialize_named_tensors([(NORM, torch.zeros(32))])]})
+    ok(server, "/end_weight_update", {})
+    thread.join(timeout=60)
+    assert reply["r"]["output_ids"] == reference
+    assert all(t == 0 for row in outputs(server)[0] for t in row)
+
+
+def test_abort_all_requests_and_updates_while_paused(server, restore):
+    ok(server, "/begin_weight_update", {"selector": "all"})
+    thread, reply = _long_request(server)
+    ok(server, "/update_weights_from_tensor", {"serialized_named_tensors": [serialize_named_tensors([
+        (NORM, torch.ones(32))])], "abort_all_requests": True})
+    thread.join(timeout=60)
+    assert reply["r"]["meta_info"]["finish_reason"]["type"] == "abort"
+
+    thread, reply = _long_request(server)
+    assert post(server, "/pause_generation", {"mode": "in_place"}).status_code == 200
+    r = post(server, "/update_weights_from_tensor", {"serialized_named_tensors": [serialize_named_tensors([
+        (NORM, torch.zeros(32))])]})  # applied at once while paused, but the flush is refused (SGLang)
+    assert r.status_code == 400 and r.json()["message"].startswith("Weights were updated, but the cache was not")
+    ok(server, "/end_weight_update", {})
+    assert post(server, "/continue_generation", {}).status_code == 200
+    thread.join(timeout=60)
+    assert reply["r"]["meta_info"]["completion_tokens"] == 300
+    assert reply["r"]["output_ids"][-5:] == [0] * 5  # continued on the new weights
