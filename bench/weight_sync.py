@@ -77,43 +77,49 @@ def visible_gpus(gpus: str | None):
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
-def receiver(port: int, specs: list[tuple[list[int], str]], backend: str, device: str) -> None:
-    """The raw baseline's other end: join the group and receive each tensor."""
+def receiver(port: int, specs: list[tuple[list[int], str]], backend: str, device: str, rounds: int) -> None:
+    """The raw baseline's other end: join the group and receive each tensor, `rounds` times."""
     from slime_spec.dist_group import WeightUpdateGroup
 
     group = WeightUpdateGroup("127.0.0.1", port, rank=1, world_size=2, group_name="raw", backend=backend)
     buffers = [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for shape, dtype in specs]
-    for _ in range(2):  # warm-up round, timed round
+    for _ in range(rounds):
         for b in buffers:
             group.broadcast(b, src=0)
         group.barrier()
 
 
-def raw_broadcast_gbps(tensors: list[torch.Tensor], backend: str, device: str, recv_gpu: str | None) -> tuple[float, int]:
-    """Seconds and bytes for broadcasting `tensors` once to one receiver process (after a warm-up round)."""
-    import torch.multiprocessing as mp
+class RawBroadcast:
+    """Rank 0 of a two-process group whose other end only receives: the wire cost of the same tensors."""
 
-    from slime_spec.dist_group import WeightUpdateGroup
+    def __init__(self, tensors: list[torch.Tensor], backend: str, device: str, recv_gpu: str | None, rounds: int):
+        import torch.multiprocessing as mp
 
-    port = free_port()
-    specs = [(list(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
-    recv_device = "cuda:0" if backend == "nccl" else "cpu"
-    proc = mp.get_context("spawn").Process(target=receiver, args=(port, specs, backend, recv_device))
-    with visible_gpus(recv_gpu):  # read by the spawned receiver at start
-        proc.start()
-    group = WeightUpdateGroup("127.0.0.1", port, rank=0, world_size=2, group_name="raw", backend=backend)
-    tensors = [t.to(device) for t in tensors]
-    seconds = 0.0
-    for _ in range(2):  # warm-up round, timed round
+        from slime_spec.dist_group import WeightUpdateGroup
+
+        port = free_port()
+        specs = [(list(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
+        recv_device = "cuda:0" if backend == "nccl" else "cpu"
+        self.proc = mp.get_context("spawn").Process(target=receiver,
+                                                     args=(port, specs, backend, recv_device, rounds))
+        with visible_gpus(recv_gpu):  # read by the spawned receiver at start
+            self.proc.start()
+        self.group = WeightUpdateGroup("127.0.0.1", port, rank=0, world_size=2, group_name="raw", backend=backend)
+        self.tensors = [t.to(device) for t in tensors]
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.device = device
+
+    def round(self) -> float:
         t0 = time.perf_counter()
-        for t in tensors:
-            group.broadcast(t, src=0)
-        group.barrier()
-        if device.startswith("cuda"):
+        for t in self.tensors:
+            self.group.broadcast(t, src=0)
+        self.group.barrier()
+        if self.device.startswith("cuda"):
             torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-    proc.join()
-    return seconds, sum(t.numel() * t.element_size() for t in tensors)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.proc.join(timeout=60)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,35 +148,40 @@ def main(argv: list[str] | None = None) -> int:
     hf_config = M.read_hf_config(trained)
     model = M.build_gpt_model(hf_config, TrainConfig(hf_checkpoint=str(trained), mtp_num_layers=1))
     M.load_hf_weights(model, M.read_hf_state(trained), hf_config, tp_rank=0, tp_size=1)
+    sent = [t.tensor.clone() for t in iter_hf_tensors(model.named_parameters(), hf_config)]
+    raw = RawBroadcast(sent, a.backend, a.device, a.engine_gpu, rounds=a.repeats + 1)
+    raw.round()  # warm-up
     engine_device = "cuda" if a.backend == "nccl" else "cpu"
     proc, url = start_engine(served, engine_device, a.engine_gpu, work / "engine.log")
-    rows = []
+    rows, raw_s = [], []
     try:
         syncer = WeightSyncer([HttpEngineClient(url)], WeightSyncConfig(update_weight_buffer_size=a.bucket_mb << 20),
                               hf_config=hf_config, hf_checkpoint=served, spec=SpecSetup("EAGLE", None, str(served)),
                               has_mtp_layers=True, transport="distributed", backend=a.backend,
                               master_port=free_port())
-        for i in range(a.repeats):
-            report = syncer.sync_report(iter_hf_tensors(model.named_parameters(), hf_config), weight_version=str(i))
-            rows.append(report)
+        for i in range(a.repeats):  # interleaved, so both see the same machine load
+            raw_s.append(raw.round())
+            rows.append(syncer.sync_report(iter_hf_tensors(model.named_parameters(), hf_config),
+                                           weight_version=str(i)))
         syncer.close()
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    sent = [t.tensor for t in iter_hf_tensors(model.named_parameters(), hf_config)]
-    raw_s, raw_bytes = raw_broadcast_gbps(sent, a.backend, a.device, a.engine_gpu)
-    best = max(rows, key=lambda r: r.gbps)
-    raw_gbps = raw_bytes / raw_s / 1e9
+        raw.close()
+    med = sorted(rows, key=lambda r: r.transfer_seconds)[len(rows) // 2]
+    raw_med = sorted(raw_s)[len(raw_s) // 2]
+    raw_gbps = raw.nbytes / raw_med / 1e9
     print(f"model: mimo hidden {a.hidden_size}, {a.num_layers} layers + 1 MTP, vocab {a.vocab}; "
-          f"{best.target_tensors} target + {best.mtp_tensors} MTP tensors in {best.buckets} bucket(s) "
-          f"of <= {a.bucket_mb} MiB; backend {a.backend}")
+          f"{med.target_tensors} target + {med.mtp_tensors} MTP tensors in {med.buckets} bucket(s) "
+          f"of <= {a.bucket_mb} MiB; backend {a.backend}; median of {a.repeats} interleaved rounds")
     print("| path | MB | seconds | GB/s |\n|---|---|---|---|")
-    for i, r in enumerate(rows):
-        print(f"| full sync #{i} (gather+convert+transfer+load+flush) | {r.bytes / 1e6:.1f} | "
-              f"{r.transfer_seconds:.3f} | {r.gbps:.3f} |")
-    print(f"| raw {a.backend} broadcast of the same tensors | {raw_bytes / 1e6:.1f} | {raw_s:.3f} | {raw_gbps:.3f} |")
-    print(f"ratio, best full sync / raw broadcast: {best.gbps / raw_gbps:.2f}; coverage check after each sync "
-          f"adds {best.seconds - best.transfer_seconds:.3f} s")
+    print(f"| full sync (gather+convert+transfer+load+flush) | {med.bytes / 1e6:.1f} | {med.transfer_seconds:.3f} | "
+          f"{med.gbps:.3f} |")
+    print(f"| raw {a.backend} broadcast of the same tensors | {raw.nbytes / 1e6:.1f} | {raw_med:.3f} | {raw_gbps:.3f} |")
+    print(f"ratio full sync / raw broadcast: {med.gbps / raw_gbps:.2f}; coverage check after each sync adds "
+          f"{med.seconds - med.transfer_seconds:.3f} s; all sync rounds (s): "
+          f"{', '.join(f'{r.transfer_seconds:.3f}' for r in rows)}; raw rounds (s): "
+          f"{', '.join(f'{x:.3f}' for x in raw_s)}")
     return 0
 
 

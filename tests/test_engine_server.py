@@ -271,3 +271,12 @@ def test_release_resume_memory_and_weight_version(spec):
 def test_performance_only_flags_are_logged_once(spec):
     log = spec.log_path.read_text()
     assert log.count("accepted and ignored") == 1 and "--cuda-graph-max-bs-decode=8" in log
+
+
+def test_a_client_that_disconnects_aborts_its_request(plain):
+    assert post(plain, "/pause_generation", {"mode": "in_place"}).status_code == 200
+    with pytest.raises(requests.Timeout):
+        requests.post(plain.url + "/generate", json={"text": "bye", "sampling_params": greedy(5)}, headers=AUTH,
+                      timeout=1.5)
+    poll(lambda: load(plain)["num_waiting_reqs"] == 0)  # still paused: only the disconnect can remove it
+    assert post(plain, "/continue_generation", {}).status_code == 200

@@ -110,3 +110,16 @@ def test_manager_replays_saved_rollout_without_engines(tmp_path):
                        EngineConfig(backend="embedded", model_path="x"), 1)
     assert m.engines() == [] and asyncio.run(m.generate(2)) == samples
     assert m.get_last_metrics()["num_samples"] == 3
+
+
+def test_sglang_router_asked_but_not_installed(tmp_path):
+    import importlib.util
+
+    from slime_spec.config import EngineConfig
+    from slime_spec.rollout.manager import RolloutManager
+
+    if importlib.util.find_spec("sglang_router") is not None:
+        pytest.skip("sglang-router is installed here: the missing-package error cannot happen")
+    with pytest.raises(ImportError, match="--use-sglang-router.*not installed"):
+        RolloutManager(RolloutConfig(hf_checkpoint="x", use_sglang_router=True),
+                       EngineConfig(backend="embedded", model_path="x"), 1)

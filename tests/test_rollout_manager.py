@@ -44,7 +44,8 @@ def workdir(tmp_path_factory):
     # bundles, one engine per bundle, CUDA_VISIBLE_DEVICES from the bundle); the servers still run on CPU.
     if ray.is_initialized():  # another module's cluster: this module needs its own resources
         ray.shutdown()
-    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(root)}})
+    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(root)}})
     yield root
     ray.shutdown()
 

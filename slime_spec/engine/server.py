@@ -176,6 +176,13 @@ def create_app(args: EngineServerArgs, loop: EngineLoop, weights: WeightUpdater)
                                            args.skip_tokenizer_init)
         futures = [asyncio.wrap_future(loop.generate(EngineRequest(p.rid, p.input_ids, p.params, p.return_logprob)))
                    for p in planned]
+        pending = set(futures)
+        while pending:  # like SGLang, a client that went away aborts its requests
+            _, pending = await asyncio.wait(pending, timeout=1.0)
+            if pending and await request.is_disconnected():
+                for p in planned:
+                    await on_engine(lambda core, rid=p.rid: loop.abort(rid, "client disconnected"))
+                return Response(status_code=499)
         outs = await asyncio.gather(*futures, return_exceptions=True)
         errors = [o for o in outs if isinstance(o, BaseException)]
         if errors:

@@ -40,7 +40,7 @@ from slime_spec.rollout.sampling import sampling_params
 
 DEFAULT_REQUEST_TIMEOUT_S = 1800.0
 # Failures that mean "this engine may be gone": check it, restart it if dead, resubmit.
-CONNECTION_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError)
+CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
 
 
 @ray.remote(num_cpus=0, num_gpus=0)

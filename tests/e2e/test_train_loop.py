@@ -1,0 +1,103 @@
+"""The whole loop through its real command line, two steps, in every mode.
+
+`python -m slime_spec.train` in a subprocess (its own local Ray), a tiny MiMo checkpoint, the
+embedded engine with NEXTN speculation: debug-rollout-only (saving rollout data), debug-train-only
+(replaying it), colocate; separate placement runs in the demo smoke test below.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from slime_spec.engine.tiny_model import make_tiny_model
+
+STEPS = 2
+SPEC = ["--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-num-steps", "2",
+        "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "3"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loop")
+    model = make_tiny_model(root / "model", arch="mimo", mtp_layers=1, hidden_size=32, num_layers=1,
+                            intermediate_size=64, max_position_embeddings=128, seed=3)
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "label": str(2 * a)}) + "\n" for a in range(12)))
+    return root, model, data
+
+
+def train(root, model, data, out: str, *extra: str, timeout=240) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "slime_spec.train", "--hf-checkpoint", str(model), "--rollout-backend", "embedded",
+            "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label", "--rm-type", "exact_match",
+            "--rollout-skip-special-tokens", "--num-rollout", str(STEPS), "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--global-batch-size", "4",
+            "--micro-batch-size", "2", "--lr", "1e-3", "--mtp-num-layers", "1", "--enable-mtp-training",
+            "--output-dir", str(root / out), *SPEC, *extra]
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    env.pop("RAY_ADDRESS")
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_debug_rollout_only_then_debug_train_only(setup):
+    root, model, data = setup
+    saved = str(root / "rollouts" / "rollout_{rollout_id}.pt")
+    proc = train(root, model, data, "rollout_only", "--debug-rollout-only", "--save-debug-rollout-data", saved,
+                 "--metrics-jsonl", str(root / "rollout_only.jsonl"))
+    assert "debug-rollout-only: 2 rollouts, 8 samples" in proc.stdout
+    assert all((root / "rollouts" / f"rollout_{i}.pt").exists() for i in range(STEPS))
+    # no trainer ran: no loss key in the rollout-only metrics
+    assert all("loss" not in m for m in lines(root / "rollout_only.jsonl"))
+
+    train(root, model, data, "train_only", "--debug-train-only", "--load-debug-rollout-data", saved)
+    steps = lines(root / "train_only" / "metrics.jsonl")
+    assert [m["rollout_id"] for m in steps] == [0, 1]
+    assert all(m["replayed_samples"] == 4 and "loss" in m and "weight_sync_s" not in m for m in steps)
+
+
+def test_colocate_two_steps(setup):
+    root, model, data = setup
+    train(root, model, data, "colocate", "--colocate")
+    steps = lines(root / "colocate" / "metrics.jsonl")
+    assert [m["rollout_id"] for m in steps] == [0, 1]
+    for m in steps:
+        assert m["num_samples"] == 4 and m["spec_accept_length"] >= 1.0
+        assert m["weight_sync_params"] > 0 and m["weight_sync_mtp_params"] > 0  # target AND MTP layers reached the engine
+        assert m["spec_canary_accept_length"] >= 1.0 and "loss" in m
+    summary = json.loads((root / "colocate" / "summary.json").read_text())
+    assert summary["num_steps"] == STEPS and (root / "colocate" / "plot.png").stat().st_size > 1000
+
+
+def test_doctor_error_stops_training_before_launch(setup):
+    root, model, data = setup
+    argv = [sys.executable, "-m", "slime_spec.train", "--hf-checkpoint", str(model), "--rollout-backend", "embedded",
+            "--sglang-speculative-algorithm", "EAGLE3"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "SPEC_EAGLE3_NO_DRAFT" in proc.stdout
+
+
+def test_demo_smoke_writes_sane_outputs(tmp_path):
+    """`make demo SMOKE=1`: every stage of the demo at a small size, separate placement."""
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "slime_spec.demo", "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = lines(out / "metrics.jsonl")
+    assert len(steps) == 2
+    for key in ("rollout_id", "num_samples", "response_tokens", "rollout_time_s", "tokens_per_s",
+                "spec_accept_length", "spec_verify_ct", "reward_mean", "engine_restarts", "weight_sync_s",
+                "weight_sync_gbps", "weight_sync_params", "weight_sync_mtp_params"):
+        assert all(key in m for m in steps), key
+    assert all(m["spec_accept_length"] >= 1.0 and 0.0 <= m["reward_mean"] <= 1.0 for m in steps)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mtp_trained"]["num_steps"] == 2 and summary["draft_frozen"]["num_steps"] == 2
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "accept length" in proc.stdout and "reward" in proc.stdout
