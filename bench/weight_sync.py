@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| path | MB | seconds | GB/s |\n|---|---|---|---|")
     print(f"| full sync (gather+convert+transfer+load+flush) | {med.bytes / 1e6:.1f} | {med.transfer_seconds:.3f} | "
           f"{med.gbps:.3f} |")
-    print(f"| raw {a.backend} broadcast of the same tensors | {raw.nbytes / 1e6:.1f} | {raw_med:.3f} | {raw_gbps:.3f} |")
+    print(f"| raw {a.backend} broadcast of the same tensors | {raw.nbytes / 1e6:.1f} | {raw_med:.3f} | "
+          f"{raw_gbps:.3f} |")
     print(f"ratio full sync / raw broadcast: {med.gbps / raw_gbps:.2f}; coverage check after each sync adds "
           f"{med.seconds - med.transfer_seconds:.3f} s; all sync rounds (s): "
           f"{', '.join(f'{r.transfer_seconds:.3f}' for r in rows)}; raw rounds (s): "

@@ -74,7 +74,7 @@ slime_spec_launch() {
       echo "[slime-spec] no Ray cluster at $RAY_ADDRESS: starting a head node"
       ray start --head --node-ip-address "$MASTER_ADDR" --port "${RAY_ADDRESS##*:}" \
          --num-gpus "${NUM_GPUS_PER_NODE:-8}" --disable-usage-stats \
-         --dashboard-host 0.0.0.0 --dashboard-port "${RAY_DASHBOARD##*:}"
+         --dashboard-host "$MASTER_ADDR" --dashboard-port "${RAY_DASHBOARD##*:}"
       SLIME_SPEC_STARTED_RAY_HEAD=1
    fi
 

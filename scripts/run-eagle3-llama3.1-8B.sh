@@ -3,6 +3,8 @@
 # frozen: weight sync updates the target only (selector "target"), so the draft is never overwritten.
 # One 8-GPU node, colocated. The SGLANG_ARGS are those of the EAGLE3 example: the draft is float16 and
 # supports 2048 positions, so dtype and context length must be set for the pair to agree.
+# The trainer does not support Llama-3.1's `llama3` RoPE scaling yet: until it does, run the speculative
+# rollout alone with DEBUG_ROLLOUT_ONLY=1.
 #
 #   bash scripts/run-eagle3-llama3.1-8B.sh                      # check, start Ray if needed, submit
 #   DOCTOR_ONLY=1 bash scripts/run-eagle3-llama3.1-8B.sh        # only check the configuration

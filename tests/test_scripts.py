@@ -2,10 +2,13 @@
 real models' shapes, a broken setting stops them with the doctor's message, and the launch steps start
 (and stop) only what they own.
 
-The real doctor costs ~9 s per run (SGLang's ServerArgs import), so the five doctor runs start together
-once per module. The launch-flow tests use test doubles for `python` (the doctor) and `ray`.
+A doctor process costs ~9 s of CPU (SGLang's ServerArgs import), so each script's doctor flags are
+recorded by a stand-in interpreter and checked by the real doctor in this process; one broken setting
+goes through the real doctor end to end. The launch-flow tests use test doubles for `python` and `ray`.
 """
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -78,28 +81,50 @@ def make_base_dir(base: Path) -> Path:
 
 def script_env(base: Path, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("DEBUG_ROLLOUT_ONLY", "EXTRA_ARGS", "WANDB_API_KEY")}
-    env.update(BASE_DIR=str(base), PYTHON=sys.executable, DOCTOR_ONLY="1", **extra)
+    env.update({"BASE_DIR": str(base), "PYTHON": sys.executable, "DOCTOR_ONLY": "1", **extra})
     return env
+
+
+# Test double for the doctor's interpreter: records the argv a script hands to `python -m slime_spec.doctor`.
+FAKE_DOCTOR = """#!/bin/bash
+printf '%s\\n' "$@" > "$FAKE_LOG/doctor.args"
+exit "${FAKE_DOCTOR_RC:-0}"
+"""
+
+
+def write_executable(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
 
 
 @pytest.fixture(scope="module")
 def doctor_runs(tmp_path_factory):
-    """Every script through the real doctor (JSON output), plus one broken setting (text output)."""
+    """Each script's doctor flags, checked by the real doctor in this process (SGLang's slow ServerArgs
+    import is paid once), plus one broken setting through the real doctor end to end, as a user runs it."""
     base = make_base_dir(tmp_path_factory.mktemp("base"))
-    jobs = {name: (SCRIPTS / name, script_env(base, EXTRA_ARGS="--json", **env))
-            for name, (env, _, _) in CLEAN_RUNS.items()}
     # `--sglang-dtype auto` after the script's `float16`: the float16 draft meets the bfloat16 target.
-    jobs["broken"] = (SCRIPTS / "run-eagle3-llama3.1-8B.sh", script_env(base, EXTRA_ARGS="--sglang-dtype auto"))
-    procs = {name: subprocess.Popen(["bash", str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, cwd=ROOT)
-             for name, (path, env) in jobs.items()}
-    return {name: (p.wait(timeout=300), p.stdout.read()) for name, p in procs.items()}
+    broken = subprocess.Popen(["bash", str(SCRIPTS / "run-eagle3-llama3.1-8B.sh")],
+                              env=script_env(base, EXTRA_ARGS="--sglang-dtype auto"), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    from slime_spec.doctor import main as doctor_main
 
-
-def doctor_json(output: str) -> dict:
-    lines = [line for line in output.splitlines() if line.startswith("{")]
-    assert len(lines) == 1, output
-    return json.loads(lines[0])
+    runs = {}
+    for name, (env, _, _) in CLEAN_RUNS.items():
+        log = tmp_path_factory.mktemp(name.removesuffix(".sh"))
+        fake = write_executable(log / "fake-python", FAKE_DOCTOR)
+        proc = subprocess.run(["bash", str(SCRIPTS / name)], env=script_env(base, PYTHON=str(fake),
+                              FAKE_LOG=str(log), **env), capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        assert "DOCTOR_ONLY=1: configuration is clean; not launching" in proc.stdout
+        argv = (log / "doctor.args").read_text().splitlines()
+        assert argv[:2] == ["-m", "slime_spec.doctor"]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = doctor_main([*argv[2:], "--json"])
+        runs[name] = (rc, json.loads(out.getvalue()), argv[2:])
+    runs["broken"] = (broken.wait(timeout=300), broken.stdout.read(), None)
+    return runs
 
 
 def test_every_run_script_is_covered():
@@ -108,11 +133,9 @@ def test_every_run_script_is_covered():
 
 @pytest.mark.parametrize("name", sorted(CLEAN_RUNS))
 def test_script_passes_doctor_with_no_error_or_warning(doctor_runs, name):
-    rc, out = doctor_runs[name]
-    assert rc == 0, out
-    report = doctor_json(out)
+    rc, report, flags = doctor_runs[name]
     problems = [f for f in report["findings"] if f["level"] != "info"]
-    assert problems == [], problems
+    assert rc == 0 and problems == [], problems
     _, n_engines, tp = CLEAN_RUNS[name]
     engines = report["engines"]
     assert len(engines) == n_engines and {e["backend"] for e in engines} == {"sglang"}
@@ -120,11 +143,12 @@ def test_script_passes_doctor_with_no_error_or_warning(doctor_runs, name):
     assert argv[1:3] == ["-m", "sglang.launch_server"]
     assert argv[argv.index("--tp-size") + 1] == str(tp)
     assert "--speculative-algorithm" in argv and "--cuda-graph-bs-decode" in argv
-    assert "DOCTOR_ONLY=1: configuration is clean; not launching" in out
+    assert flags.count("--rollout-backend") == 1 and flags[flags.index("--rollout-backend") + 1] == "sglang"
+    assert ("--debug-rollout-only" in flags) == ("DEBUG_ROLLOUT_ONLY" in CLEAN_RUNS[name][0])
 
 
 def test_eagle3_script_forwards_the_example_sglang_args(doctor_runs):
-    argv = doctor_json(doctor_runs["run-eagle3-llama3.1-8B.sh"][1])["engines"][0]["argv"]
+    argv = doctor_runs["run-eagle3-llama3.1-8B.sh"][1]["engines"][0]["argv"]
     text = " ".join(argv)
     for part in ("--speculative-algorithm EAGLE3", "--speculative-num-steps 5", "--speculative-eagle-topk 8",
                  "--speculative-num-draft-tokens 32", "--max-running-requests 48", "--dtype float16",
@@ -134,7 +158,7 @@ def test_eagle3_script_forwards_the_example_sglang_args(doctor_runs):
 
 
 def test_broken_setting_stops_with_the_doctors_message(doctor_runs):
-    rc, out = doctor_runs["broken"]
+    rc, out, _ = doctor_runs["broken"]
     assert rc == 2, out
     assert "[ERROR  ] SPEC_DTYPE_MISMATCH: the draft model is float16 but the target is bfloat16" in out
     assert "fix: --sglang-dtype float16" in out
@@ -148,10 +172,6 @@ def test_no_script_kills_by_name():
 
 # ---------------------------------------------------------------- launch flow, with test doubles
 
-FAKE_DOCTOR = """#!/bin/bash
-printf '%s\\n' "$@" > "$FAKE_LOG/doctor.args"
-exit "${FAKE_DOCTOR_RC:-0}"
-"""
 # A stand-in `ray`: logs each call; `job submit` records the entrypoint and can interrupt the script.
 FAKE_RAY = """#!/bin/bash
 echo "$*" >> "$FAKE_LOG/ray.calls"
@@ -172,8 +192,7 @@ def fakes(tmp_path):
     bin_dir.mkdir()
     log.mkdir()
     for name, text in (("fake-doctor-python", FAKE_DOCTOR), ("ray", FAKE_RAY)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
+        write_executable(bin_dir / name, text)
     return bin_dir, log
 
 

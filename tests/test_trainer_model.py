@@ -69,7 +69,8 @@ def mimo_mtp_reference(hf_config: dict, hf_state: dict, ids: torch.Tensor) -> to
     def rms(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
-    emb = hf_state["model.embed_tokens.weight"][ids[:, 1:]]
+    emb = hf_state["model.embed_tokens.weight"][ids[:, 1:]].clone()
+    emb[:, 0] = 0  # SGLang zeroes the MTP token embedding at position 0
     x = torch.cat([rms(h, hf_state[p + "hidden_layernorm.weight"]), rms(emb, hf_state[p + "token_layernorm.weight"])], -1)
     x = x @ hf_state[p + "input_proj.weight"].T
     # One Qwen2 decoder layer = a one-layer Qwen2 model fed with inputs_embeds (its norm = MTP final_layernorm).
@@ -87,7 +88,7 @@ def test_mimo_trunk_and_mtp_logits_equal_hf_reference(tmp_path):
     model, hf_config, hf_state = build(make_tiny_model(tmp_path, arch="mimo", seed=5), mtp_num_layers=1)
     ids = torch.randint(0, hf_config["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        out = M.forward(model, ids, hf_config["vocab_size"])
+        out = M.forward(model, ids, hf_config["vocab_size"], mtp_zero_first_token=True)
         torch.testing.assert_close(out.logits, hf_model(hf_config, hf_state)(ids).logits, atol=ATOL, rtol=0)
         assert len(out.mtp_logits) == 1
         ref = mimo_mtp_reference(hf_config, hf_state, ids)

@@ -83,9 +83,8 @@ def engine_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor 
     """The engine model's target logits, and its MTP draft logits for `ids` [B, T].
 
     The draft runs the engine's own MTP modules in SGLang's alignment (position p reads token p+1 and
-    the target's hidden state at p), as `CausalLM.mtp_forward` does, minus one rule: SGLang zeroes the token
-    embedding at position 0 (and through attention every later position sees that), Megatron's MTP does not.
-    Leaving it out compares the synced weights, which is what this test is about.
+    the target's hidden state at p), as `CausalLM.mtp_forward` does, including SGLang's rule that the token
+    embedding at position 0 is zeroed (the trainer applies the same rule for MiMo).
     """
     from slime_spec.engine.model import DecoderLayer, causal_mask, rope_cos_sin
 
@@ -98,7 +97,7 @@ def engine_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor 
         if not model.args.mtp_layers:
             return logits, None
         mtp, pos = model.model.mtp_layers[0], positions[:, :-1]
-        embeds = model.model.embed_tokens(ids[:, 1:])
+        embeds = model.model.embed_tokens(ids[:, 1:]).masked_fill((pos == 0)[..., None], 0.0)
         x = mtp.input_proj(torch.cat((mtp.hidden_layernorm(hidden[:, :-1]), mtp.token_layernorm(embeds)), -1))
         cos, sin = rope_cos_sin(pos, model.args.head_dim, model.args.rope_theta, x.dtype)
         cache = model.new_mtp_cache(B, T)
@@ -153,7 +152,7 @@ def test_engine_logits_equal_megatron_after_sync(megatron, tmp_path, arch, trans
         ids = torch.randint(0, hf_config["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
         ours, ours_mtp = engine_logits(engine.model, ids)
         with torch.no_grad():
-            ref = M.forward(policy, ids, hf_config["vocab_size"])
+            ref = M.forward(policy, ids, hf_config["vocab_size"], mtp_zero_first_token=True)
         torch.testing.assert_close(ours, ref.logits, atol=1e-4, rtol=0)
         if mtp:  # Megatron's MTP position i predicts token i+2 from hidden i and token i+1, as the engine's
             torch.testing.assert_close(ours_mtp, ref.mtp_logits[0][:, :-1], atol=1e-4, rtol=0)
@@ -175,7 +174,8 @@ def test_failed_sync_leaves_the_engine_serving_previous_weights(tmp_path):
         bad = [t if t.name != "model.norm.weight" else NamedTensor(t.name, torch.zeros(3), t.kind)
                for t in iter_hf_state(_state(new), _config(new))]
         syncer = WeightSyncer([engine.client], WeightSyncConfig(update_weight_buffer_size=1 << 30),
-                              hf_config=_config(served), hf_checkpoint=served, spec=SpecSetup("EAGLE", None, str(served)),
+                              hf_config=_config(served), hf_checkpoint=served,
+                              spec=SpecSetup("EAGLE", None, str(served)),
                               has_mtp_layers=True, transport="tensor")
         with pytest.raises(WeightSyncError, match="previous weights") as err:
             syncer.sync(iter(bad), weight_version="2")
@@ -225,7 +225,7 @@ def _tp_worker(rank: int, tp_size: int, port: int, trained: str, engine_url: str
         metrics = {"gathered": sum(1 for _ in tensors)}
     ids = torch.randint(0, hf_config["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        ref = M.forward(model, ids, hf_config["vocab_size"])
+        ref = M.forward(model, ids, hf_config["vocab_size"], mtp_zero_first_token=True)
     if rank == 0:
         torch.save({"ids": ids, "logits": ref.logits, "mtp_logits": ref.mtp_logits[0], "metrics": metrics}, out)
     dist.barrier()

@@ -100,9 +100,12 @@ class FakeSGLangServer:
         self.session: str | None = None
         self.paused = False
         self.group = None
-        kv_rows = hf_config["num_key_value_heads"] * hf_config.get("head_dim",
-                                                                   hf_config["hidden_size"] // hf_config["num_attention_heads"])
-        is_mtp = lambda n: n.startswith("model.mtp_layers.")  # noqa: E731
+        head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
+        kv_rows = hf_config["num_key_value_heads"] * head_dim
+
+        def is_mtp(name: str) -> bool:
+            return name.startswith("model.mtp_layers.")
+
         self.contract_errors: list[str] = []
         self.target = Runner(fuse_hf_state({n: t for n, t in hf_state.items() if not is_mtp(n)}), kv_rows,
                              accepts=lambda n: not is_mtp(n))

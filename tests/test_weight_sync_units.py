@@ -213,6 +213,12 @@ def test_collapse_is_an_error_with_the_likely_cause(spec, event, cause):
     assert verdict.level == "error" and cause in verdict.message
 
 
+def test_colocated_collapse_of_an_external_draft_also_names_resume():
+    message = canary.judge_canary(1.0, STANDALONE, "sync", colocated=True).message
+    assert "1177" in message and "31674" in message
+    assert "31674" not in canary.judge_canary(1.0, NATIVE, "sync", colocated=True).message  # the sync rewrote it
+
+
 def test_canary_ok_warning_and_off():
     assert canary.judge_canary(2.4, NATIVE, "sync", previous=2.5).level == "ok"
     assert canary.judge_canary(1.5, NATIVE, "sync", previous=2.5).level == "warning"

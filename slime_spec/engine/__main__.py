@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(args, loop, weights)
     logger.info("serving %s on http://%s:%d (device %s, dtype %s, speculative %s)", args.model_path, args.host,
                 args.port, args.device, args.dtype, args.spec.algorithm)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
+                timeout_graceful_shutdown=5)
     loop.stop()
     return 0
 

@@ -60,19 +60,16 @@ async def read_body(request: Request, struct_name: str | None) -> dict:
 
 
 def add_auth(app: FastAPI, api_key: str | None, admin_api_key: str | None) -> None:
-    """SGLang's Bearer-token rule (sglang.srt.utils.auth.decide_request_auth), per route auth level."""
-    from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+    """SGLang's own API-key middleware (sglang.srt.utils.auth), with SGLang's per-route auth levels.
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        level = AuthLevel.ADMIN_OPTIONAL if request.url.path in ADMIN_OPTIONAL_PATHS else AuthLevel.NORMAL
-        decision = decide_request_auth(method=request.method, path=request.url.path,
-                                       authorization_header=request.headers.get("Authorization"),
-                                       api_key=api_key, admin_api_key=admin_api_key, auth_level=level)
-        if not decision.allowed:
-            return JSONResponse({"error": "Unauthorized" if decision.error_status_code == 401 else "Forbidden"},
-                                status_code=decision.error_status_code)
-        return await call_next(request)
+    It is a pure ASGI middleware, so a handler still sees its client disconnect.
+    """
+    from sglang.srt.utils.auth import AuthLevel, add_api_key_middleware
+
+    for route in app.routes:
+        if getattr(route, "path", None) in ADMIN_OPTIONAL_PATHS:
+            route.endpoint._auth_level = AuthLevel.ADMIN_OPTIONAL
+    add_api_key_middleware(app, api_key=api_key, admin_api_key=admin_api_key)
 
 
 def create_app(args: EngineServerArgs, loop: EngineLoop, weights: WeightUpdater) -> FastAPI:
@@ -82,8 +79,6 @@ def create_app(args: EngineServerArgs, loop: EngineLoop, weights: WeightUpdater)
     from slime_spec.engine.core import Request as EngineRequest
 
     app = FastAPI(title="slime-spec embedded engine")
-    if args.api_key or args.admin_api_key:
-        add_auth(app, args.api_key, args.admin_api_key)
     startup_time = time.time()
     spec_enabled = args.spec.algorithm is not None
 
@@ -118,18 +113,20 @@ def create_app(args: EngineServerArgs, loop: EngineLoop, weights: WeightUpdater)
     @app.get("/health_generate")
     async def health_generate() -> Response:
         """Alive if the engine answers; if it is idle and not paused, it must also generate one token."""
+        from slime_spec.engine.core import SamplingParams
+
+        async def probe() -> None:
+            if await on_engine(lambda core: not core.has_work() and not loop.paused):
+                req = EngineRequest(f"HEALTH_CHECK_{time.time_ns()}", [0], SamplingParams(temperature=0.0,
+                                                                                          max_new_tokens=1))
+                await asyncio.wrap_future(loop.generate(req))
+
         if not loop.healthy:
             return Response(status_code=503)
-        idle = await on_engine(lambda core: not core.has_work() and not loop.paused)
-        if idle:
-            from slime_spec.engine.core import SamplingParams
-
-            probe = EngineRequest(f"HEALTH_CHECK_{time.time_ns()}", [0], SamplingParams(temperature=0.0,
-                                                                                        max_new_tokens=1))
-            try:
-                await asyncio.wait_for(asyncio.wrap_future(loop.generate(probe)), HEALTH_CHECK_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                return Response(status_code=503)
+        try:
+            await asyncio.wait_for(probe(), HEALTH_CHECK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return Response(status_code=503)
         return Response(status_code=200)
 
     def model_info_body() -> dict:
@@ -295,4 +292,6 @@ def create_app(args: EngineServerArgs, loop: EngineLoop, weights: WeightUpdater)
         out = await on_engine(lambda core: weights.check_weights(core, body))
         return JSONResponse(out, status_code=200 if out["success"] else 400)
 
+    if args.api_key or args.admin_api_key:
+        add_auth(app, args.api_key, args.admin_api_key)
     return app

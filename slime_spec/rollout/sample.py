@@ -25,12 +25,18 @@ class SpecStats:
     accept_token_num: int | None = None  # only where the server reports it
     draft_token_num: int | None = None
 
+    # meta_info names of the accepted / drafted counters: SGLang 0.5.23 first, then the names of the
+    # releases around PR #13754. A server sends one spelling (the embedded engine sends both, equal).
+    ACCEPTED_KEYS = ("spec_num_correct_drafts", "spec_accept_token_num")
+    DRAFTED_KEYS = ("spec_num_proposed_drafts", "spec_draft_token_num")
+
     def add_meta_info(self, meta: dict) -> None:
         self.completion_tokens += int(meta.get("completion_tokens", 0))
-        self.verify_ct += int(meta.get("spec_verify_ct", 0))
-        for key, attr in (("spec_accept_token_num", "accept_token_num"), ("spec_draft_token_num", "draft_token_num")):
-            if meta.get(key) is not None:
-                setattr(self, attr, (getattr(self, attr) or 0) + int(meta[key]))
+        self.verify_ct += int(meta.get("spec_verify_ct") or 0)
+        for keys, attr in ((self.ACCEPTED_KEYS, "accept_token_num"), (self.DRAFTED_KEYS, "draft_token_num")):
+            value = next((meta[k] for k in keys if meta.get(k) is not None), None)
+            if value is not None:
+                setattr(self, attr, (getattr(self, attr) or 0) + int(value))
 
     @property
     def accept_length(self) -> float:

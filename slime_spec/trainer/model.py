@@ -166,12 +166,15 @@ def causal_mask(seq_len: int, device) -> torch.Tensor:
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
-def forward(model, input_ids: torch.Tensor, vocab_size: int, with_mtp: bool = True) -> ModelOutput:
+def forward(model, input_ids: torch.Tensor, vocab_size: int, with_mtp: bool = True,
+            mtp_zero_first_token: bool = False) -> ModelOutput:
     """The policy's and the MTP layers' logits for right-padded `input_ids` [batch, seq].
 
     Not GPTModel.forward: with MTP it returns only losses (no logits for PPO), and it lets the MTP loss
     reach the trunk. Here the MTP block sees the decoder output, the embedding and the output layer
     *detached*: MTP training moves only the MTP layers, the draft follows the policy and never pulls it.
+    `mtp_zero_first_token`: zero the MTP token embedding at position 0, as SGLang serves MiMo's MTP layer
+    (sglang models/mimo_mtp.py), so the draft is trained on exactly the inputs it is served with.
     """
     position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
     mask = causal_mask(input_ids.shape[1], input_ids.device)
@@ -190,7 +193,10 @@ def forward(model, input_ids: torch.Tensor, vocab_size: int, with_mtp: bool = Tr
     mtp_logits: list[torch.Tensor] = []
     if with_mtp and getattr(model, "mtp_process", False):
         def detached_embedding(input_ids, position_ids):
-            return model.embedding(input_ids=input_ids, position_ids=position_ids).detach()
+            emb = model.embedding(input_ids=input_ids, position_ids=position_ids).detach()  # [s, b, h]
+            if mtp_zero_first_token:  # Megatron rolls position_ids too: sequence index 0 is hidden position 0
+                emb = torch.cat([torch.zeros_like(emb[:1]), emb[1:]])
+            return emb
 
         stacked = model.mtp(input_ids=input_ids, position_ids=position_ids, hidden_states=hidden.detach(),
                             attention_mask=mask, rotary_pos_emb=rope, rotary_pos_cos=rope_cos,

@@ -40,6 +40,8 @@ class Trainer:
             torch.device("cpu")
         self.hf_config = M.read_hf_config(train.hf_checkpoint)
         self.vocab_size = self.hf_config["vocab_size"]
+        # SGLang serves MiMo's MTP layer with the position-0 token embedding zeroed; train it the same way.
+        self.mtp_zero_first_token = convert.family_of(self.hf_config) == "mimo"
         self.model = M.build_gpt_model(self.hf_config, train)
         self.start_rollout_id = 0
         resumed = self._load_initial_weights()
@@ -128,7 +130,7 @@ class Trainer:
         """Policy and MTP logits (CPU, [b, s, vocab]) for equal-length token lists: for checks against engines."""
         self.model.eval()
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        out = M.forward(self.model, ids, self.vocab_size, with_mtp=True)
+        out = M.forward(self.model, ids, self.vocab_size, with_mtp=True, mtp_zero_first_token=self.mtp_zero_first_token)
         return {"logits": out.logits.cpu(), "mtp_logits": [x.cpu() for x in out.mtp_logits]}
 
     def get_tp_info(self) -> dict:
@@ -149,7 +151,8 @@ class Trainer:
 
     # ---------------------------------------------------------------- steps
     def _forward(self, batch: TokenBatch, with_mtp: bool):
-        return M.forward(self.model, batch.input_ids, self.vocab_size, with_mtp=with_mtp)
+        return M.forward(self.model, batch.input_ids, self.vocab_size, with_mtp=with_mtp,
+                         mtp_zero_first_token=self.mtp_zero_first_token)
 
     @torch.no_grad()
     def _log_probs(self, batch: TokenBatch) -> torch.Tensor:

@@ -37,10 +37,19 @@ def accept_length(meta_infos: Sequence[dict]) -> float:
     return completion / verify if verify else 1.0
 
 
-def likely_cause(event: Event, spec: SpecSetup) -> str:
-    if event == "resume":
-        return ("the draft's weights were lost when engine memory was released and resumed (enable "
+RESUME_CAUSE = ("the draft's weights were lost when engine memory was released and resumed (enable "
                 "draft-weights CPU backup is not always enough: SGLang PR #31674); re-sync the weights after resume")
+
+
+def likely_cause(event: Event, spec: SpecSetup, colocated: bool = False) -> str:
+    if event == "resume":
+        return RESUME_CAUSE
+    if colocated and not spec.native_mtp:  # a sync does not rewrite an external draft lost on resume
+        return f"{_sync_cause(spec)}; or {RESUME_CAUSE}"
+    return _sync_cause(spec)
+
+
+def _sync_cause(spec: SpecSetup) -> str:
     if spec.native_mtp:
         return ("the MTP draft was not updated with the policy: check that MTP tensors were sent "
                 "(weight_sync_mtp_params > 0) with selector 'all' (SGLang < 0.5.23 never updates the draft "
@@ -49,17 +58,18 @@ def likely_cause(event: Event, spec: SpecSetup) -> str:
             "updates must use selector 'target'), or the policy drifted far from a frozen draft")
 
 
-def judge_canary(length: float, spec: SpecSetup, event: Event, previous: float | None = None) -> CanaryVerdict:
+def judge_canary(length: float, spec: SpecSetup, event: Event, previous: float | None = None,
+                 colocated: bool = False) -> CanaryVerdict:
     """Pure: the verdict on one canary reading, given what happened just before it."""
     if not spec.uses_draft:
         return CanaryVerdict(length, "off", "speculative decoding is off: no draft to check")
+    cause = likely_cause(event, spec, colocated)
     if length <= COLLAPSE_ACCEPT_LENGTH:
         return CanaryVerdict(length, "error", f"spec_canary_accept_length={length:.3f} after {event}: acceptance "
-                                              f"collapsed to about 1.0. Likely cause: {likely_cause(event, spec)}")
+                                              f"collapsed to about 1.0. Likely cause: {cause}")
     if previous is not None and previous > 1.0 and (length - 1.0) < DROP_FRACTION * (previous - 1.0):
         return CanaryVerdict(length, "warning", f"spec_canary_accept_length fell from {previous:.3f} to "
-                                                f"{length:.3f} after {event}. Possible cause: "
-                                                f"{likely_cause(event, spec)}")
+                                                f"{length:.3f} after {event}. Possible cause: {cause}")
     return CanaryVerdict(length, "ok", f"spec_canary_accept_length={length:.3f} after {event}")
 
 
@@ -67,8 +77,9 @@ class AcceptanceCanary:
     """Holds the fixed probe and the last reading; `run` after each sync and each resume."""
 
     def __init__(self, spec: SpecSetup, *, num_prompts: int = 4, max_new_tokens: int = 32,
-                 raise_on_collapse: bool = False):
+                 raise_on_collapse: bool = False, colocated: bool = False):
         self.spec, self.num_prompts, self.max_new_tokens = spec, num_prompts, max_new_tokens
+        self.colocated = colocated
         self.raise_on_collapse = raise_on_collapse
         self.probe: list[list[int]] | None = None
         self.previous: float | None = None
@@ -85,7 +96,8 @@ class AcceptanceCanary:
             raise ValueError("AcceptanceCanary.run before a probe was set: call set_probe_from_samples first")
         lengths = [self._probe_engine(c) for c in clients]
         length = sum(lengths) / len(lengths)
-        verdict = self.last_verdict = judge_canary(min(lengths), self.spec, event, self.previous)
+        verdict = self.last_verdict = judge_canary(min(lengths), self.spec, event, self.previous,
+                                                      self.colocated)  # the worst engine decides
         if verdict.level == "error":
             logger.error(verdict.message)
             if self.raise_on_collapse:
