@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden-size", type=int, default=None)
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=None, help="best of N timings per row (default 3, quick 1)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="best of N timings per row (default: 3 on CUDA, 2 on CPU, 1 with --quick)")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers peer rows")
     p.add_argument("--out", default=None, help="also write the markdown table here")
     a = p.parse_args(argv)
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                            **shape)
     anti = make_anti_draft(target, tmp / "anti", shape)
     prompt_sets = {"random": random_prompts(32, 48, seed=0), "repetitive": REPETITIVE}
-    repeats = a.repeats or (1 if a.quick else 3)
+    repeats = a.repeats or (1 if a.quick else 3 if a.device == "cuda" else 2)
     eng = dict(prompt_sets=prompt_sets, batches=batches, max_new=max_new, device=a.device, dtype=dtype, repeats=repeats)
     rows = engine_rows("plain", "-", target, SpecConfig(), **eng)
     base = {(r.prompts, r.batch): r.tokens_per_s for r in rows}

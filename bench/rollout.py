@@ -3,7 +3,8 @@
 Both paths send the same /generate requests (same prompt ids, greedy sampling, same max_new_tokens)
 to the same engine server at the same concurrency, in one run, alternating paths per repeat. The
 manager path is timed from the driver (`ray.get(manager.generate.remote(i))`), so it includes the
-Ray call, sample bookkeeping, rewards and metrics.
+Ray call, sample bookkeeping, rewards and metrics; "inside the actor" is the manager's own
+`rollout_time_s` (requests, retries bookkeeping and rewards, without the Ray call and metrics).
 
     .venv/bin/python bench/rollout.py [--model-path DIR] [--num-samples 64] [--concurrency 8]
 """
@@ -86,11 +87,14 @@ def main() -> None:
                     for s in ds.batch(0, args.num_samples, 1)]
         ray.get(manager.generate.remote(0))  # warm-up: engine caches, connections, imports
         asyncio.run(direct_http(url, payloads, args.concurrency))
-        results = {"manager": [], "direct": []}
+        results = {"manager": [], "manager (inside the actor)": [], "direct": []}
         for r in range(args.repeats):
             start = time.perf_counter()
             samples = ray.get(manager.generate.remote(0))  # rollout 0 again: the same prompts as `payloads`
-            results["manager"].append((time.perf_counter() - start, sum(s.response_length for s in samples)))
+            tokens = sum(s.response_length for s in samples)
+            results["manager"].append((time.perf_counter() - start, tokens))
+            results["manager (inside the actor)"].append(
+                (ray.get(manager.get_last_metrics.remote())["rollout_time_s"], tokens))
             results["direct"].append(asyncio.run(direct_http(url, payloads, args.concurrency)))
     finally:
         ray.get(manager.shutdown.remote())

@@ -20,10 +20,10 @@ from pathlib import Path
 from slime_spec.demo_task import split_problems, write_jsonl
 
 SIZES = {  # name: model, data and loop sizes
-    "full": dict(hidden=128, layers=2, ffn=384, sft_steps=300, sft_batch=64, n_train=2000, n_eval=64,
-                 grpo_steps=12, prompts=16, samples=8, max_operand=49),
+    "full": dict(hidden=128, layers=2, ffn=384, sft_steps=300, sft_batch=64, n_train=2000, n_eval=128,
+                 grpo_steps=20, prompts=32, samples=8, updates_per_rollout=4, max_operand=49),
     "smoke": dict(hidden=64, layers=1, ffn=128, sft_steps=40, sft_batch=32, n_train=80, n_eval=16,
-                  grpo_steps=2, prompts=4, samples=4, max_operand=9),
+                  grpo_steps=2, prompts=4, samples=4, updates_per_rollout=2, max_operand=9),
 }
 SPEC_FLAGS = ["--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-num-steps", "2",
               "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "3"]
@@ -91,7 +91,7 @@ def sft_warmup(model: Path, rows: list[dict], out: Path, size: dict, seed: int) 
 
 
 def grpo_argv(model: Path, train_data: Path, run_dir: Path, size: dict, seed: int, train_mtp: bool) -> list[str]:
-    n = size["prompts"] * size["samples"]
+    n = size["prompts"] * size["samples"] // size["updates_per_rollout"]  # PPO minibatches per rollout
     argv = ["--hf-checkpoint", str(model), "--rollout-backend", "embedded", "--rollout-num-engines", "1",
             "--prompt-data", str(train_data), "--input-key", "prompt", "--label-key", "label",
             "--rm-type", "exact_match", "--rollout-skip-special-tokens", "--rollout-shuffle",
@@ -99,7 +99,7 @@ def grpo_argv(model: Path, train_data: Path, run_dir: Path, size: dict, seed: in
             "--n-samples-per-prompt", str(size["samples"]), "--rollout-max-response-len", "6",
             "--rollout-temperature", "1.0", "--global-batch-size", str(n), "--micro-batch-size", str(n),
             "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
-            "--lr", "1e-3", "--seed", str(seed), "--rollout-seed", str(seed),
+            "--lr", "2e-4", "--seed", str(seed), "--rollout-seed", str(seed),
             "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "1.0",
             "--output-dir", str(run_dir), "--metrics-jsonl", str(run_dir / "metrics.jsonl"), *SPEC_FLAGS]
     return argv + (["--enable-mtp-training"] if train_mtp else [])
@@ -153,15 +153,15 @@ def finish(out: Path, trained: dict, frozen: dict | None, elapsed_s: float) -> i
         "mtp_trained": {k: v for k, v in trained.items() if k != "rollouts"},
         "draft_frozen": None if frozen is None else {k: v for k, v in frozen.items() if k != "rollouts"},
     }
-    reward_rose = (trained["reward_last"] or 0) > (trained["reward_first"] or 0)
-    summary["reward_rose"] = reward_rose
+    r0, r1 = trained["reward_first_quarter_mean"], trained["reward_last_quarter_mean"]
+    summary["reward_rose"] = reward_rose = r1 > r0
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-    print("\n[demo] done in {:.0f}s".format(elapsed_s))
-    print(f"  reward        {trained['reward_first']:.3f} -> {trained['reward_last']:.3f}"
-          f" ({'rose' if reward_rose else 'did NOT rise'})")
-    print(f"  accept length {trained['accept_length_first']:.3f} -> {trained['accept_length_last']:.3f} (MTP trained online)")
-    if frozen:
-        print(f"  accept length {frozen['accept_length_first']:.3f} -> {frozen['accept_length_last']:.3f} (draft frozen)")
+    print("\n[demo] done in {:.0f}s (first quarter of the steps -> last quarter, means)".format(elapsed_s))
+    print(f"  reward        {r0:.3f} -> {r1:.3f} ({'rose' if reward_rose else 'did NOT rise'})")
+    for name, run in (("MTP trained online", trained), ("draft frozen", frozen)):
+        if run:
+            print(f"  accept length {run['accept_length_first_quarter_mean']:.3f} -> "
+                  f"{run['accept_length_last_quarter_mean']:.3f} ({name})")
     print(f"  outputs: {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'plot.png'}")
     return 0
 

@@ -54,9 +54,23 @@ def summarize(steps: list[dict]) -> dict:
     r0, r1 = first_last("reward_mean")
     a0, a1 = first_last("spec_accept_length")
     return {"num_steps": len(steps), "reward_first": r0, "reward_last": r1,
+            "reward_first_quarter_mean": quarter_mean(series("reward_mean"), first=True),
+            "reward_last_quarter_mean": quarter_mean(series("reward_mean"), first=False),
             "accept_length_first": a0, "accept_length_last": a1,
+            "accept_length_first_quarter_mean": quarter_mean(series("spec_accept_length"), first=True),
+            "accept_length_last_quarter_mean": quarter_mean(series("spec_accept_length"), first=False),
             "weight_sync_s_mean": _mean(series("weight_sync_s")), "tokens_per_s_mean": _mean(series("tokens_per_s")),
             "rollouts": steps}
+
+
+def quarter_mean(values, first: bool):
+    """Mean over the first (or last) quarter of the steps: a trend that one noisy step cannot fake."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    k = max(1, len(vals) // 4)
+    part = vals[:k] if first else vals[-k:]
+    return sum(part) / len(part)
 
 
 def _mean(values):

@@ -115,7 +115,7 @@ def test_updates_need_a_session(server):
     r = post(server, "/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]],
                                                           "group_name": "nope"})
     assert r.status_code == 400 and r.json()["message"].startswith("Failed to receive weights: Group nope not in")
-    ok(server, "/end_weight_update", {})
+    end_rolled_back(server)  # a failed update fails its session
     r = post(server, "/begin_weight_update", {"selector": "everything"})
     assert r.status_code == 400 and "invalid selector" in r.text
 
@@ -149,7 +149,10 @@ def test_target_update_then_mtp_only_update(server, trainer, restore):
     # An MTP tensor is the draft's: selector "target" cannot load it, and nothing changes.
     ok(server, "/begin_weight_update", {"selector": "target"})
     r = push(server, trainer, [(MTP_NORM, torch.zeros(32))], "target")
-    assert r.status_code == 400 and MTP_NORM in r.json()["message"] and "old weights keep serving" in r.json()["message"]
+    assert r.status_code == 400 and MTP_NORM in r.json()["message"]
+    assert "keep serving" in r.json()["message"]
+    end_rolled_back(server)
+    ok(server, "/begin_weight_update", {"selector": "draft"})
     r = push(server, trainer, [(MTP_NORM, torch.zeros(32))], "draft")
     assert r.json()["success"]
     ok(server, "/end_weight_update", {})
@@ -170,7 +173,7 @@ def test_failed_update_keeps_the_old_weights_serving(server, trainer, model, res
              ("lm_head.weight", torch.zeros(101, 32))]
     r = push(server, trainer, named, "all")
     assert r.status_code == 400 and "model.embed_tokens.weight" in r.json()["message"]
-    ok(server, "/end_weight_update", {})
+    end_rolled_back(server)
     assert outputs(server)[0] == base_ids
     served = post(server, "/get_weights_by_name", {"name": NORM, "truncate_size": 100}).json()
     assert served == load_file(str(model / "model.safetensors"))[NORM].tolist()
@@ -196,7 +199,40 @@ def test_update_from_tensor_plain_and_flattened_bucket(server, restore):
     ok(server, "/begin_weight_update", {})
     r = post(server, "/update_weights_from_tensor", {"serialized_named_tensors": ["bm90IGEgcGlja2xl"]})
     assert r.status_code == 400 and "Failed to deserialize" in r.json()["message"]
-    ok(server, "/end_weight_update", {})
+    end_rolled_back(server)
+
+
+def end_rolled_back(server):
+    r = post(server, "/end_weight_update", {})
+    assert r.status_code == 400 and r.json()["rolled_back"] is True and "keep serving" in r.json()["message"]
+
+
+def test_a_session_that_fails_half_way_rolls_back_every_bucket(server, trainer, model, restore):
+    """Bucket 1 lands (outputs change), bucket 2 fails: the weights from before the session serve again."""
+    base_ids, _, _ = outputs(server)
+    base_sums = checksums(server)
+    ok(server, "/begin_weight_update", {"selector": "all"})
+    assert push(server, trainer, [(NORM, torch.zeros(32)), (MTP_NORM, torch.zeros(32))], "all").status_code == 200
+    assert outputs(server)[0] != base_ids  # the first bucket is live inside the session
+    r = push(server, trainer, [("model.layers.0.mlp.up_proj.weight", torch.zeros(7, 7))], "all")
+    assert r.status_code == 400 and "rolled back" in r.json()["message"]
+    assert outputs(server)[0] == base_ids and checksums(server) == base_sums
+    # the rest of a failed session is refused (its broadcast still completes), and end says what happened
+    r = push(server, trainer, [(NORM, torch.ones(32))], "all")
+    assert r.status_code == 400 and "earlier update of this session failed" in r.json()["message"]
+    end_rolled_back(server)
+    assert checksums(server) == base_sums
+
+
+def test_abort_weight_update_rolls_back_a_healthy_session(server, trainer, restore):
+    """What the syncer does when another engine failed: this engine's completed buckets are undone too."""
+    base_sums = checksums(server)
+    ok(server, "/begin_weight_update", {"selector": "all"})
+    assert push(server, trainer, [(NORM, torch.zeros(32))], "all").status_code == 200
+    out = ok(server, "/abort_weight_update", {})
+    assert out["rolled_back"] is True and checksums(server) == base_sums
+    assert post(server, "/end_weight_update", {}).status_code == 400  # the session is closed
+    assert ok(server, "/abort_weight_update", {})["rolled_back"] is False
 
 
 def test_disk_update_restores_and_checksums_match_the_checkpoint(server, model, restore):
@@ -204,7 +240,8 @@ def test_disk_update_restores_and_checksums_match_the_checkpoint(server, model, 
     sums = checksums(server, "target")
     assert not any(k.startswith("draft.") for k in sums)
     assert sums[NORM] == tensor_checksum(files[NORM])
-    assert sums["model.layers.0.self_attn.q_proj.weight"] == tensor_checksum(files["model.layers.0.self_attn.q_proj.weight"])
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert sums[q_proj] == tensor_checksum(files[q_proj])
     draft = checksums(server, "draft")
     assert draft and all(k.startswith("draft.") for k in draft)
     assert draft[f"draft.{MTP_NORM}"] == tensor_checksum(files[MTP_NORM])

@@ -123,3 +123,16 @@ def test_sglang_router_asked_but_not_installed(tmp_path):
     with pytest.raises(ImportError, match="--use-sglang-router.*not installed"):
         RolloutManager(RolloutConfig(hf_checkpoint="x", use_sglang_router=True),
                        EngineConfig(backend="embedded", model_path="x"), 1)
+
+
+def test_fresh_copy_shares_no_mutable_state():
+    from slime_spec.rollout.manager import fresh_copy
+
+    s = Sample(index=0, group_index=0, prompt="p", tokens=[1], rollout_log_probs=[-1.0], loss_mask=[1],
+               meta_info={"a": [1]}, spec=SpecStats(1, 1), metadata={"k": [1]})
+    c = fresh_copy(s)
+    assert c == s
+    c.tokens.append(2), c.rollout_log_probs.append(0.0), c.loss_mask.append(0), c.meta_info["a"].append(2)
+    c.spec.add_meta_info({"completion_tokens": 3, "spec_verify_ct": 1}), c.metadata["k"].append(2)
+    assert s == Sample(index=0, group_index=0, prompt="p", tokens=[1], rollout_log_probs=[-1.0], loss_mask=[1],
+                       meta_info={"a": [1]}, spec=SpecStats(1, 1), metadata={"k": [1]})

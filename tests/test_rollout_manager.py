@@ -51,7 +51,8 @@ def workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def manager(workdir):
+def managers(workdir):
+    """The manager most tests share, and one whose engine fails at start (both start at once, to save time)."""
     rollout = RolloutConfig(
         hf_checkpoint=str(workdir / "llama"), prompt_data=str(workdir / "prompts.jsonl"), label_key="label",
         rm_type="math", rollout_batch_size=BATCH, n_samples_per_prompt=N_SAMPLES, rollout_max_response_len=MAX_LEN,
@@ -60,11 +61,21 @@ def manager(workdir):
         custom_generate_function_path="rollout_fault_hook.generate_killing_engine")
     engine = EngineConfig(backend="embedded", model_path=str(workdir / "llama"),
                           forwarded_argv=("--speculative-algorithm", "NGRAM"))
-    m = RolloutManagerActor.options(num_cpus=0).remote(rollout, engine, 2, log_dir=str(workdir / "logs"),
-                                                       rollout_num_gpus=2, show_progress=False,
-                                                       eval_prompt_data=("arith", str(workdir / "prompts.jsonl")))
-    yield m
-    ray.get(m.shutdown.remote())
+    good = RolloutManagerActor.options(num_cpus=0).remote(rollout, engine, 2, log_dir=str(workdir / "logs"),
+                                                          rollout_num_gpus=2, show_progress=False,
+                                                          eval_prompt_data=("arith", str(workdir / "prompts.jsonl")))
+    bad_engine = EngineConfig(backend="embedded", model_path=str(workdir / "llama"),
+                              forwarded_argv=("--speculative-algorithm", "NOT_AN_ALGORITHM"))
+    bad = RolloutManagerActor.options(num_cpus=0).remote(
+        RolloutConfig(hf_checkpoint=str(workdir / "llama"), engine_start_timeout_s=120), bad_engine, 1,
+        log_dir=str(workdir / "bad_logs"))
+    yield good, bad
+    ray.get(good.shutdown.remote())
+
+
+@pytest.fixture(scope="module")
+def manager(managers):
+    return managers[0]
 
 
 def _pid_alive(pid):
@@ -154,13 +165,9 @@ def test_eval_after_pause_and_memory_release(manager):
     assert out["eval/arith/aborted"] == 0
 
 
-def test_engine_that_fails_at_start_reports_log_tail(workdir):
-    rollout = RolloutConfig(hf_checkpoint=str(workdir / "llama"), engine_start_timeout_s=120)
-    engine = EngineConfig(backend="embedded", model_path=str(workdir / "llama"),
-                          forwarded_argv=("--speculative-algorithm", "NOT_AN_ALGORITHM"))
-    m = RolloutManagerActor.options(num_cpus=0).remote(rollout, engine, 1, log_dir=str(workdir / "bad_logs"))
+def test_engine_that_fails_at_start_reports_log_tail(managers):
     with pytest.raises(ray.exceptions.RayActorError) as e:
-        ray.get(m.engine_urls.remote())
+        ray.get(managers[1].engine_urls.remote())
     msg = str(e.value)
     assert "exited before becoming healthy" in msg and "slime-spec doctor" in msg
     assert "NOT_AN_ALGORITHM" in msg.split("last 40 lines of the server log")[1]  # the server's own words

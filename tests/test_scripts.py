@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_args import sglang_args_of
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 RUN_SCRIPTS = sorted(SCRIPTS.glob("run-*.sh"))
@@ -148,7 +150,12 @@ def test_script_passes_doctor_with_no_error_or_warning(doctor_runs, name):
 
 
 def test_eagle3_script_forwards_the_example_sglang_args(doctor_runs):
-    argv = doctor_runs["run-eagle3-llama3.1-8B.sh"][1]["engines"][0]["argv"]
+    _, report, flags = doctor_runs["run-eagle3-llama3.1-8B.sh"]
+    base = flags[flags.index("--hf-checkpoint") + 1].rsplit("/", 1)[0]
+    example = [t.replace("/root/", base + "/") for t in sglang_args_of("sglang-args-eagle3-llama3.1-8B.sh")]
+    start = flags.index(example[0])
+    assert flags[start:start + len(example)] == example  # the example's SGLANG_ARGS, verbatim and in order
+    argv = report["engines"][0]["argv"]
     text = " ".join(argv)
     for part in ("--speculative-algorithm EAGLE3", "--speculative-num-steps 5", "--speculative-eagle-topk 8",
                  "--speculative-num-draft-tokens 32", "--max-running-requests 48", "--dtype float16",

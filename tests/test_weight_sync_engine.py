@@ -164,25 +164,36 @@ def _spec_args(flags: list[str]) -> dict:
     return {"speculative_algorithm": flags[flags.index("--speculative-algorithm") + 1]} if flags else {}
 
 
-def test_failed_sync_leaves_the_engine_serving_previous_weights(tmp_path):
+@pytest.mark.parametrize("buffer_bytes,transport", [(1 << 30, "tensor"), (4096, "tensor"), (4096, "distributed")])
+def test_failed_sync_leaves_the_engine_serving_previous_weights(tmp_path, buffer_bytes, transport):
+    """One bucket, or many small ones of which the first ones land before the bad one: either way the
+    engine ends up serving exactly the weights it had before the sync (checksums), and keeps generating."""
     served = make_tiny_model(tmp_path / "served", arch="mimo", seed=0, **TINY)
     new = make_tiny_model(tmp_path / "new", arch="mimo", seed=1, **TINY)
     engine = InProcessEngine(served, EAGLE_FLAGS)
     try:
         before = engine.generate([5, 6, 7, 8, 9])
+        sums_before = engine.client.post("/weights_checker", {"action": "checksum", "selector": "all"})["ranks"]
         # every tensor new, but the final norm of a wrong shape: the engine refuses that request
-        bad = [t if t.name != "model.norm.weight" else NamedTensor(t.name, torch.zeros(3), t.kind)
-               for t in iter_hf_state(_state(new), _config(new))]
-        syncer = WeightSyncer([engine.client], WeightSyncConfig(update_weight_buffer_size=1 << 30),
+        good = list(iter_hf_state(_state(new), _config(new)))
+        bad = [t for t in good if t.name != "model.norm.weight"] + \
+            [NamedTensor("model.norm.weight", torch.zeros(3), "target")]  # last: earlier buckets land first
+        syncer = WeightSyncer([engine.client], WeightSyncConfig(update_weight_buffer_size=buffer_bytes),
                               hf_config=_config(served), hf_checkpoint=served,
                               spec=SpecSetup("EAGLE", None, str(served)),
-                              has_mtp_layers=True, transport="tensor")
+                              has_mtp_layers=True, transport=transport, master_port=free_port())
         with pytest.raises(WeightSyncError, match="previous weights") as err:
             syncer.sync(iter(bad), weight_version="2")
         assert err.value.engines_serve_previous_weights
+        if buffer_bytes < 1 << 30:
+            assert "rolled the session back" in str(err.value)
         after = engine.generate([5, 6, 7, 8, 9])
         assert after["output_ids"] == before["output_ids"]
         assert after["meta_info"]["weight_version"] == before["meta_info"]["weight_version"]
+        assert engine.client.post("/weights_checker", {"action": "checksum", "selector": "all"})["ranks"] == sums_before
+        syncer.sync(iter(good), weight_version="3")  # the same syncer recovers with a clean sync
+        assert engine.generate([5, 6, 7, 8, 9])["meta_info"]["weight_version"] == "3"
+        syncer.close()
     finally:
         engine.close()
 

@@ -30,7 +30,7 @@ HEALTH_CHECK_TIMEOUT_S = 20.0
 ADMIN_OPTIONAL_PATHS = frozenset({
     "/flush_cache", "/abort_request", "/pause_generation", "/continue_generation", "/release_memory_occupation",
     "/resume_memory_occupation", "/update_weight_version", "/begin_weight_update", "/end_weight_update",
-    "/update_weights_from_disk", "/init_weights_update_group", "/destroy_weights_update_group",
+    "/abort_weight_update", "/update_weights_from_disk", "/init_weights_update_group", "/destroy_weights_update_group",
     "/update_weights_from_distributed", "/update_weights_from_tensor", "/get_weights_by_name", "/weights_checker",
 })
 
@@ -252,6 +252,11 @@ def create_app(args: EngineServerArgs, loop: EngineLoop, weights: WeightUpdater)
     @app.post("/end_weight_update")
     async def end_weight_update(request: Request):
         return await weight_call(weights.end, await read_body(request, "EndWeightUpdateReqInput"), True)
+
+    @app.post("/abort_weight_update")
+    async def abort_weight_update(request: Request):
+        """slime-spec extension (not in SGLang): roll back and close the open weight-update session."""
+        return await weight_call(weights.abort, await read_body(request, "EndWeightUpdateReqInput"), True)
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request):

@@ -6,6 +6,15 @@ model_runner_components/weight_updater.py) except where the embedded engine beha
 a failed load leaves the old weights serving (EngineCore.load_weights is all or nothing), and the
 message says so instead of SGLang's "partially updated".
 
+Sessions roll back as a whole. Inside `begin_weight_update` ... `end_weight_update` the updater keeps a
+CPU copy of every tensor it overwrites; if any update of the session fails, every tensor the session
+wrote is restored at once, later updates of the session are refused, and `end_weight_update` answers
+`success: false, rolled_back: true`. So a sync that fails after some of its buckets landed still leaves
+the weights from before `begin_weight_update` serving. `POST /abort_weight_update {}` (a slime-spec
+extension; SGLang has no such route) rolls back and closes the open session: the syncer uses it when one
+engine of several failed, so that none keeps a partial update. The copy costs one model's size in host
+memory for the length of a session.
+
 Selector semantics: "target" reaches the target runner, "draft" the draft runner (MiMo MTP layers
 for NEXTN/EAGLE, the separate model for STANDALONE, nothing for NGRAM), "all" both; a distributed
 update is received once and loaded into every selected runner.
@@ -99,6 +108,9 @@ class WeightUpdater:
         self.has_draft = has_draft
         self.session_selector: str | None = None
         self.groups: dict[str, WeightUpdateGroup] = {}
+        self._backup: dict[str, dict[str, torch.Tensor]] = {}  # role -> name -> tensor before the session
+        self._session_error: str | None = None
+        self._version_before = weight_version
 
     # ------------------------------------------------------------------ session
     def begin(self, core, req: dict) -> dict:
@@ -107,13 +119,62 @@ class WeightUpdater:
         selector = req.get("selector", "all")
         roles_of(selector)
         self.session_selector = selector
+        self._backup, self._session_error = {}, None
+        self._version_before = self.weight_version
         return _result(True, "Success")
 
     def end(self, core, req: dict) -> dict:
         if self.session_selector is None:
             return _result(False, "no weight-update session is open; call begin_weight_update() first")
-        self.session_selector = None
+        error = self._session_error
+        self.session_selector, self._backup, self._session_error = None, {}, None
+        if error is not None:
+            return {**_result(False, f"the session was rolled back after a failed update ({error}); the weights "
+                                     "from before begin_weight_update() keep serving"), "rolled_back": True}
         return _result(True, "Success")
+
+    def abort(self, core, req: dict) -> dict:
+        """slime-spec extension: roll back and close the open session (another engine's update failed)."""
+        if self.session_selector is None:
+            return {**_result(True, "no weight-update session is open; nothing to roll back"), "rolled_back": False}
+        restored = self._rollback(core)
+        self.session_selector, self._backup, self._session_error = None, {}, None
+        return {**_result(True, f"rolled back {restored} tensor(s); the weights from before "
+                                "begin_weight_update() keep serving"), "rolled_back": True}
+
+    def _snapshot(self, core, named: list[tuple[str, torch.Tensor]], selector: str) -> None:
+        """Keep, once per session, a CPU copy of every tensor this update is about to overwrite."""
+        names = {n for n, _ in named}
+        for role in roles_of(selector):
+            served = core.named_weights(role)
+            saved = self._backup.setdefault(role, {})
+            for name in names & set(served) - set(saved):
+                saved[name] = served[name].detach().to("cpu", copy=True)
+
+    def _rollback(self, core) -> int:
+        self.weight_version = self._version_before
+        restored = 0
+        for role, saved in self._backup.items():
+            if saved:
+                core.load_weights(list(saved.items()), selector=role)
+                restored += len(saved)
+        self._backup = {}
+        return restored
+
+    def _fail_session(self, core, message: str) -> dict:
+        """A failed update inside a session: restore everything the session wrote, refuse the rest of it."""
+        if self.session_selector is None:
+            return _result(False, message)
+        restored = self._rollback(core)
+        self._session_error = message
+        return _result(False, f"{message} This session's {restored} earlier tensor write(s) were rolled back: the "
+                              "weights from before begin_weight_update() keep serving.")
+
+    def _session_refused(self) -> dict | None:
+        if self.session_selector is not None and self._session_error is not None:
+            return _result(False, "an earlier update of this session failed and was rolled back; call "
+                                  "end_weight_update() and sync again in a new session")
+        return None
 
     # ------------------------------------------------------------------ groups
     def init_group(self, core, req: dict) -> dict:
@@ -151,7 +212,9 @@ class WeightUpdater:
         try:
             named = self._receive(req)
         except (RuntimeError, ValueError, AssertionError) as e:
-            return _result(False, f"Failed to receive weights: {e}")
+            return self._fail_session(core, f"Failed to receive weights: {e}")
+        if (refused := self._session_refused()) is not None:
+            return refused  # received (the broadcast must complete on every rank), but not loaded
         return self._load(core, named, selector, req, "Succeeded to update parameter online.")
 
     def _receive(self, req: dict) -> list[tuple[str, torch.Tensor]]:
@@ -183,16 +246,18 @@ class WeightUpdater:
             return _result(False, NOT_IN_SESSION.format(op="update_weights_from_tensor"))
         selector = req.get("selector", "all")
         roles_of(selector)
+        if (refused := self._session_refused()) is not None:
+            return refused
         payloads = req["serialized_named_tensors"]
         if not isinstance(payloads, list) or not payloads:
-            return _result(False, "serialized_named_tensors must be a non-empty list (one entry per TP rank)")
+            return self._fail_session(core, "serialized_named_tensors must be a non-empty list (one entry per TP rank)")
         try:
             obj = deserialize_named_tensors(payloads[0])
             named = _unbucket(obj) if req.get("load_format") == "flattened_bucket" else list(obj)
         except (RuntimeError, ValueError, TypeError, KeyError, pickle.UnpicklingError) as e:
-            return _result(False, f"Failed to deserialize serialized_named_tensors: {e}")
+            return self._fail_session(core, f"Failed to deserialize serialized_named_tensors: {e}")
         if req.get("load_format") not in (None, "direct", "flattened_bucket"):
-            return _result(False, f"Unknown load_format={req.get('load_format')}")
+            return self._fail_session(core, f"Unknown load_format={req.get('load_format')}")
         return self._load(core, named, selector, req, "Success")
 
     def update_from_disk(self, core, req: dict) -> dict:
@@ -211,10 +276,12 @@ class WeightUpdater:
         return {**out, "num_paused_requests": 0}
 
     def _load(self, core, named: list[tuple[str, torch.Tensor]], selector: str, req: dict, ok: str) -> dict:
+        if self.session_selector is not None:
+            self._snapshot(core, named, selector)
         try:
             core.load_weights(named, selector=selector)
         except ValueError as e:
-            return _result(False, f"Failed to update parameter online: {e}. The old weights keep serving.")
+            return self._fail_session(core, f"Failed to update parameter online: {e}. This update was not applied.")
         message = ok
         if req.get("weight_version") is not None:
             self.weight_version = req["weight_version"]
@@ -225,7 +292,7 @@ class WeightUpdater:
 
     # ------------------------------------------------------------------ reads
     def get_weights_by_name(self, core, req: dict) -> list | None:
-        """The target runner's tensor as float32 nested lists, first `truncate_size` rows (SGLang's LlamaForCausalLM)."""
+        """The target runner's tensor as float32 nested lists, its first `truncate_size` rows (SGLang's Llama)."""
         weights = core.named_weights("target")
         name = req["name"]
         if name not in weights and name == "lm_head.weight":

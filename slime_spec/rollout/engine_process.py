@@ -126,13 +126,40 @@ class ServerProcess:
                 self.proc.wait()
         # Children of a server that died on its own may still be alive in its group.
         self._signal_group(signal.SIGKILL)
+        self._wait_group_gone(grace_s)
         return self.proc.returncode
 
-    def _signal_group(self, sig: int) -> None:
+    def _signal_group(self, sig: int) -> bool:
+        """Signal every process of the server's group; False when the group no longer exists."""
         try:
             os.killpg(self.proc.pid, sig)
+            return True
         except ProcessLookupError:
-            return  # the whole group is already gone
+            return False
+
+    def _wait_group_gone(self, timeout_s: float) -> None:
+        """SIGKILL is asynchronous: wait until the group's last process has exited (zombies aside)."""
+        deadline = time.monotonic() + timeout_s
+        while self._signal_group(0) and _group_has_live_process(self.proc.pid):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes of group {self.proc.pid} ({self.argv[0]} ...) survived SIGKILL "
+                                   f"for {timeout_s}s")
+            time.sleep(0.02)
+
+
+def _group_has_live_process(pgid: int) -> bool:
+    """Whether a non-zombie process of group `pgid` exists (Linux /proc; elsewhere the signal must do)."""
+    proc = Path("/proc")
+    if not proc.exists():
+        return False
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the process exited while we looked
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
 
 
 def engine_server_process(engine: EngineConfig, *, log_path: str | Path, host: str = "127.0.0.1",

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -50,6 +52,14 @@ def _bundle_gpu() -> tuple[str, int]:
     if len(ids) != 1:
         raise RuntimeError(f"expected one GPU per rollout bundle, Ray gave {ids}")
     return ray.util.get_node_ip_address(), int(ids[0])
+
+
+def fresh_copy(s: Sample) -> Sample:
+    """A copy whose mutable fields are new objects (deepcopy's per-token recursion costs ~1 ms a sample)."""
+    return dataclasses.replace(s, tokens=list(s.tokens), rollout_log_probs=list(s.rollout_log_probs),
+                               loss_mask=None if s.loss_mask is None else list(s.loss_mask),
+                               meta_info=copy.deepcopy(s.meta_info), spec=dataclasses.replace(s.spec),
+                               metadata=copy.deepcopy(s.metadata))
 
 
 def parse_eval_prompt_data(items: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -129,7 +139,9 @@ class RolloutManager:
             raise
 
     def _wait_for_engines(self) -> None:
-        # Waits for every engine's /health; an EngineStartError (with the log tail) surfaces here.
+        # Waits for every engine's /health; an EngineStartError (with the log tail) surfaces here. This
+        # blocking get is intended (the constructor has no event loop to yield to): silence Ray's warning.
+        os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"
         self.urls = ray.get([a.get_url.remote() for a in self.engine_actors])
         self.router = Router(self.num_engines, self.rollout.max_concurrency)
         self._generation = [0] * self.num_engines  # bumped on every restart of an engine
@@ -234,6 +246,9 @@ class RolloutManager:
         """Stop every engine server (and the router); safe to call twice."""
         refs = [a.shutdown.remote() for a in self.engine_actors]
         results = await asyncio.gather(*refs, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
         self._release(results)
 
     def _stop_engines_blocking(self) -> None:
@@ -302,7 +317,7 @@ class RolloutManager:
             generation = self._generation[idx]
             url = self._router_process.url if self._router_process else self.urls[idx]
             client = EngineClient(url, idx, self._session, self.rollout, self.tokenizer)
-            work = copy.deepcopy(sample)  # a retry starts from the untouched sample
+            work = fresh_copy(sample)  # a retry starts from the untouched sample
             try:
                 result = await self.generate_fn(client, work, dict(self.sampling_params))
             except CONNECTION_ERRORS as e:

@@ -40,7 +40,7 @@ class Router:
     async def release(self, idx: int) -> None:
         async with self._cond:
             self.in_flight[idx] -= 1
-            self._cond.notify_all()
+            self._cond.notify(1)  # one slot freed: wake one waiter, not all (no thundering herd)
 
     async def set_available(self, idx: int, ok: bool, dead: bool = False) -> None:
         async with self._cond:

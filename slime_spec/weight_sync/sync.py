@@ -15,7 +15,10 @@ request it completed, so:
 - a failure before any bucket landed (pause, begin, the first bucket on every engine) leaves every
   engine serving the previous weights: the session is closed, generation continues, and
   `WeightSyncError(engines_serve_previous_weights=True)` says so;
-- a failure after some bucket landed leaves those tensors new and the rest old. Serving that mix
+- a failure after some bucket landed, on an engine that can roll a session back (the embedded
+  engine: `/abort_weight_update`, a slime-spec extension), is undone on every engine: each restores
+  every tensor the session wrote, so all engines serve the previous weights and generation continues;
+- on an engine without rollback (SGLang), those tensors stay new and the rest old. Serving that mix
   would poison the rollouts, so the session is closed, generation stays paused, and the error says
   so; the fix is to sync again (a full sync is idempotent) or restart the engines. Only the disk
   transport makes a whole sync one request; an update_weight_buffer_size of at least the model's
@@ -186,7 +189,8 @@ class WeightSyncer:
     def _failed(self, error: Exception, buckets_applied: int, session_open: bool,
                 weight_version: str | None) -> WeightSyncError:
         notes = []
-        if session_open:
+        rolled_back = session_open and self._abort_session(notes)
+        if session_open and not rolled_back:
             try:
                 post_all(self.clients, "/end_weight_update", protocol.end_payload())
             except Exception as end_error:  # reported with the original error, not hidden
@@ -194,12 +198,14 @@ class WeightSyncer:
         # an update request that some engines completed and others failed also leaves a mix
         some_engines_loaded = (isinstance(error, EngineGroupError) and bool(error.succeeded)
                                and error.path.startswith("/update_weights_from"))
-        if buckets_applied == 0 and not some_engines_loaded:
+        if rolled_back or (buckets_applied == 0 and not some_engines_loaded):
+            done = ("every engine rolled the session back" if rolled_back and buckets_applied
+                    else "no bucket was applied")
             try:
                 post_all(self.clients, "/continue_generation", protocol.continue_payload())
-                state = "no bucket was applied: the engines still serve the previous weights and generation continues"
+                state = f"{done}: the engines still serve the previous weights and generation continues"
             except Exception as cont_error:
-                state = (f"no bucket was applied (engines hold the previous weights), but continuing generation "
+                state = (f"{done} (engines hold the previous weights), but continuing generation "
                          f"failed: {cont_error}")
             previous = True
         else:
@@ -210,6 +216,16 @@ class WeightSyncer:
         message = (f"weight sync (version {weight_version}, transport {self.transport_name}) failed: {error}. "
                    f"{state}." + ("".join(f" Also: {n}." for n in notes)))
         return WeightSyncError(message, engines_serve_previous_weights=previous)
+
+    def _abort_session(self, notes: list[str]) -> bool:
+        """Roll the open session back on every engine; True only if every engine confirms it did."""
+        try:
+            replies = post_all(self.clients, "/abort_weight_update", {})
+        except EngineGroupError as e:
+            if not all(getattr(err, "status", None) == 404 for err in e.failures.values()):
+                notes.append(f"rolling the session back failed: {e}")
+            return False  # 404: an engine without rollback (SGLang); the caller closes the session instead
+        return all(r.get("rolled_back") is not None for r in replies)
 
     # ---- verification ----
     def _verify(self, sent: set[str], recorder: verify.ChecksumRecorder | None) -> dict[str, int]:
