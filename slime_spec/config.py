@@ -79,6 +79,11 @@ class RolloutConfig:
     rollout_stop: tuple[str, ...] = ()
     rollout_stop_token_ids: tuple[int, ...] = ()
     rollout_skip_special_tokens: bool = False
+    eval_temperature: float | None = None  # each --eval-* flag falls back to its rollout flag
+    eval_top_p: float | None = None
+    eval_top_k: int | None = None
+    eval_max_response_len: int | None = None
+    n_samples_per_eval_prompt: int = 1
     max_concurrency: int = 64  # in-flight requests per engine (slime: --sglang-server-concurrency)
     use_sglang_router: bool = False
     save_debug_rollout_data: str | None = None

@@ -20,8 +20,8 @@ from pathlib import Path
 from slime_spec.demo_task import split_problems, write_jsonl
 
 SIZES = {  # name: model, data and loop sizes
-    "full": dict(hidden=128, layers=2, ffn=384, sft_steps=300, sft_batch=64, n_train=2000, n_eval=128,
-                 grpo_steps=20, prompts=32, samples=8, updates_per_rollout=4, max_operand=49),
+    "full": dict(hidden=128, layers=2, ffn=384, sft_steps=100, sft_batch=64, n_train=800, n_eval=100,
+                 grpo_steps=40, prompts=32, samples=8, updates_per_rollout=4, max_operand=29),
     "smoke": dict(hidden=64, layers=1, ffn=128, sft_steps=40, sft_batch=32, n_train=80, n_eval=16,
                   grpo_steps=2, prompts=4, samples=4, updates_per_rollout=2, max_operand=9),
 }
@@ -90,7 +90,8 @@ def sft_warmup(model: Path, rows: list[dict], out: Path, size: dict, seed: int) 
     return dst
 
 
-def grpo_argv(model: Path, train_data: Path, run_dir: Path, size: dict, seed: int, train_mtp: bool) -> list[str]:
+def grpo_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path, size: dict, seed: int,
+              train_mtp: bool) -> list[str]:
     n = size["prompts"] * size["samples"] // size["updates_per_rollout"]  # PPO minibatches per rollout
     argv = ["--hf-checkpoint", str(model), "--rollout-backend", "embedded", "--rollout-num-engines", "1",
             "--prompt-data", str(train_data), "--input-key", "prompt", "--label-key", "label",
@@ -99,9 +100,12 @@ def grpo_argv(model: Path, train_data: Path, run_dir: Path, size: dict, seed: in
             "--n-samples-per-prompt", str(size["samples"]), "--rollout-max-response-len", "6",
             "--rollout-temperature", "1.0", "--global-batch-size", str(n), "--micro-batch-size", str(n),
             "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
-            "--lr", "2e-4", "--seed", str(seed), "--rollout-seed", str(seed),
+            "--lr", "3e-4", "--seed", str(seed), "--rollout-seed", str(seed),
             "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "1.0",
-            "--output-dir", str(run_dir), "--metrics-jsonl", str(run_dir / "metrics.jsonl"), *SPEC_FLAGS]
+            "--output-dir", str(run_dir), "--metrics-jsonl", str(run_dir / "metrics.jsonl"), *SPEC_FLAGS,
+            # held-out greedy accuracy before training and after the last step: the clean measure of progress
+            "--eval-prompt-data", "addition", str(eval_data), "--eval-interval", str(max(1, size["grpo_steps"] // 2)),
+            "--eval-temperature", "0"]
     return argv + (["--enable-mtp-training"] if train_mtp else [])
 
 
@@ -134,11 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[demo] SFT warm-up: {size['sft_steps']} steps of {size['sft_batch']} problems", flush=True)
     sft_model = sft_warmup(model, rows, out, size, args.seed)
     print("[demo] GRPO with NEXTN speculative rollout and online MTP training", flush=True)
-    trained = grpo(grpo_argv(sft_model, train_data, out / "run_mtp_trained", size, args.seed, train_mtp=True))
+    trained = grpo(grpo_argv(sft_model, train_data, eval_data, out / "run_mtp_trained", size, args.seed,
+                                 train_mtp=True))
     frozen = None
     if not args.no_frozen_baseline:
         print("[demo] the same GRPO run with the draft frozen", flush=True)
-        frozen = grpo(grpo_argv(sft_model, train_data, out / "run_frozen_draft", size, args.seed, train_mtp=False))
+        frozen = grpo(grpo_argv(sft_model, train_data, eval_data, out / "run_frozen_draft", size, args.seed,
+                                    train_mtp=False))
     return finish(out, trained, frozen, time.perf_counter() - t0)
 
 

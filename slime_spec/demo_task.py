@@ -29,13 +29,9 @@ def write_jsonl(rows: list[dict], path: Path) -> Path:
 
 
 def split_problems(n_train: int, n_eval: int, seed: int, max_operand: int = 99) -> tuple[list[dict], list[dict]]:
-    """Disjoint train and eval problems (eval prompts never appear in training)."""
-    pool = addition_problems(4 * (n_train + n_eval), seed, max_operand)
-    seen, unique = set(), []
-    for row in pool:
-        if row["prompt"] not in seen:
-            seen.add(row["prompt"])
-            unique.append(row)
-    if len(unique) < n_train + n_eval:
-        raise ValueError(f"only {len(unique)} distinct problems with operands <= {max_operand}; ask for fewer")
-    return unique[:n_train], unique[n_train:n_train + n_eval]
+    """Disjoint train and eval problems drawn from every a+b with operands <= max_operand (eval never trains)."""
+    pool = [{"prompt": f"{a}+{b}=", "label": str(a + b)} for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    if len(pool) < n_train + n_eval:
+        raise ValueError(f"only {len(pool)} distinct problems with operands <= {max_operand}; ask for fewer")
+    random.Random(seed).shuffle(pool)
+    return pool[n_eval:n_eval + n_train], pool[:n_eval]

@@ -109,8 +109,15 @@ class LoopReport:
         self.out_dir = Path(config.output_dir)
         self.metrics_path = Path(config.rollout.metrics_jsonl or self.out_dir / "metrics.jsonl")
         self.steps: list[dict] = []
+        self.initial_eval: dict | None = None
         self.wandb = WandbLogger(config.wandb, {"train": vars(config.train), "rollout": vars(config.rollout)}) \
             if config.wandb.use_wandb else None
+
+    def set_initial_eval(self, metrics: dict) -> None:
+        self.initial_eval = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        rewards = {k: v for k, v in self.initial_eval.items() if k.endswith("/reward_mean")}
+        print("initial eval (before training): " + ", ".join(f"{k} {format_cell(v, '{:.3f}')}"
+                                                            for k, v in rewards.items()), flush=True)
 
     def add(self, step: dict) -> None:
         self.steps.append(step)
@@ -122,6 +129,8 @@ class LoopReport:
         if "weight_sync_s" in step:
             extras.append(f"sync {step['weight_sync_s']:.2f}s ({format_cell(step.get('weight_sync_gbps'), '{:.2f}')} GB/s, "
                           f"{step.get('weight_sync_params')} target + {step.get('weight_sync_mtp_params')} MTP tensors)")
+        extras += [f"{k} {format_cell(v, '{:.3f}')}" for k, v in step.items()
+                   if k.startswith("eval/") and k.endswith(("/reward_mean", "/spec_accept_length"))]
         if step.get("spec_canary_accept_length") is not None:
             extras.append(f"canary accept_len {step['spec_canary_accept_length']:.2f}")
         print(line + ("" if not extras else " | " + " | ".join(extras)), flush=True)
@@ -131,6 +140,9 @@ class LoopReport:
 
     def finish(self, title: str = "slime-spec") -> dict:
         summary = summarize(self.steps)
+        summary["eval_initial"] = self.initial_eval
+        summary["eval_final"] = next(({k: v for k, v in s.items() if k.startswith("eval/")}
+                                      for s in reversed(self.steps) if any(k.startswith("eval/") for k in s)), None)
         print("\n" + summary_table(self.steps), flush=True)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))

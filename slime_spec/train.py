@@ -67,12 +67,15 @@ def run(config: Config, *, manager_kwargs: dict | None = None) -> dict:
     report = LoopReport(config)
     # The driver writes one merged line per step (rollout + train + sync) and owns the wandb run.
     manager = None if config.debug_train_only else start_rollout_manager(
-        dataclasses.replace(config, wandb=WandbConfig()), write_metrics_jsonl=False, **(manager_kwargs or {}))
+        dataclasses.replace(config, wandb=WandbConfig()), report_metrics=False, **(manager_kwargs or {}))
     trainer = TrainGroup(config)
     try:
+        start = trainer.start_rollout_id()
         if manager is not None:
             trainer.connect_engines(ray.get(manager.engine_urls.remote()))
-        for rollout_id in range(trainer.start_rollout_id(), config.rollout.num_rollout):
+            if config.eval_interval and start == 0:  # as slime: a baseline before any training
+                report.set_initial_eval(ray.get(manager.eval.remote(0)))
+        for rollout_id in range(start, config.rollout.num_rollout):
             step = {"rollout_id": rollout_id}
             if manager is None:
                 samples = load_rollout(config.rollout.load_debug_rollout_data, rollout_id)

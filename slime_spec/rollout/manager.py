@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -75,7 +76,7 @@ class RolloutManager:
     def __init__(self, rollout: RolloutConfig, engine: EngineConfig, num_engines: int, *,
                  wandb: WandbConfig | None = None, rollout_num_gpus: int = 0, placement_group=None,
                  bundle_indices: list[int] | None = None, eval_prompt_data: tuple[str, ...] = (),
-                 log_dir: str = "outputs/engine_logs", write_metrics_jsonl: bool = True,
+                 log_dir: str = "outputs/engine_logs", report_metrics: bool = True,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, show_progress: bool = True):
         if rollout.use_sglang_router and importlib.util.find_spec("sglang_router") is None:
             raise ImportError("--use-sglang-router: the sglang-router package is not installed "
@@ -83,7 +84,7 @@ class RolloutManager:
         if num_engines < 1:
             raise ValueError(f"num_engines={num_engines}: need at least one rollout engine")
         self.rollout, self.engine_cfg, self.num_engines = rollout, engine, num_engines
-        self.log_dir, self.write_metrics_jsonl = log_dir, write_metrics_jsonl
+        self.log_dir, self.report_metrics = log_dir, report_metrics
         self.request_timeout_s, self.show_progress = request_timeout_s, show_progress
         self.sampling_params = sampling_params(rollout)
         self.reward_fn = make_reward_fn(rollout)
@@ -209,8 +210,9 @@ class RolloutManager:
         metrics["engine_restarts_total"] = self.total_restarts
         metrics.update(await self._server_spec_info())
         self.last_metrics = metrics
-        print(f"[rollout] {format_metrics_line(metrics)}", flush=True)
-        if r.metrics_jsonl and self.write_metrics_jsonl:
+        if self.report_metrics:  # else the training loop prints and writes one merged line per step
+            print(f"[rollout] {format_metrics_line(metrics)}", flush=True)
+        if r.metrics_jsonl and self.report_metrics:
             write_metrics_line(r.metrics_jsonl, metrics)
         if self.wandb:
             self.wandb.log(metrics, step=rollout_id)
@@ -219,10 +221,18 @@ class RolloutManager:
         return samples
 
     async def eval(self, rollout_id: int) -> dict:
-        """One sample per prompt of every eval dataset; metrics keyed `eval/{name}/...`."""
+        """`--n-samples-per-eval-prompt` samples per prompt of every eval dataset, with the `--eval-*` sampling
+        flags (each falls back to its rollout flag); metrics keyed `eval/{name}/...`."""
         out: dict = {"rollout_id": rollout_id}
+        r = self.rollout
+        params = sampling_params(dataclasses.replace(
+            r, rollout_temperature=r.rollout_temperature if r.eval_temperature is None else r.eval_temperature,
+            rollout_top_p=r.rollout_top_p if r.eval_top_p is None else r.eval_top_p,
+            rollout_top_k=r.rollout_top_k if r.eval_top_k is None else r.eval_top_k,
+            rollout_max_response_len=r.eval_max_response_len or r.rollout_max_response_len))
         for name, ds in self.eval_datasets.items():
-            samples, elapsed = await self._run(ds.batch(0, len(ds), 1), f"eval {name}")
+            samples, elapsed = await self._run(ds.batch(0, len(ds), r.n_samples_per_eval_prompt), f"eval {name}",
+                                               params)
             m = rollout_metrics(rollout_id, samples, elapsed)
             out.update({f"eval/{name}/{k}": v for k, v in m.items() if k != "rollout_id"})
         if self.wandb and len(out) > 1:
@@ -280,7 +290,7 @@ class RolloutManager:
                   flush=True)
 
     # ---- the rollout ----
-    async def _run(self, samples: list[Sample], desc: str) -> tuple[list[Sample], float]:
+    async def _run(self, samples: list[Sample], desc: str, params: dict | None = None) -> tuple[list[Sample], float]:
         if not self.engine_actors:
             raise RuntimeError("no rollout engines: this manager was built to replay --load-debug-rollout-data")
         async with self._lock:
@@ -291,7 +301,7 @@ class RolloutManager:
             start = time.perf_counter()
             bar = tqdm(total=len(samples), desc=desc, disable=not self.show_progress, mininterval=1.0,
                        file=sys.stderr)
-            tasks = [asyncio.create_task(self._sample_task(s, bar)) for s in samples]
+            tasks = [asyncio.create_task(self._sample_task(s, bar, params or self.sampling_params)) for s in samples]
             try:
                 done = await asyncio.gather(*tasks)
             except BaseException:
@@ -303,13 +313,13 @@ class RolloutManager:
                 bar.close()
             return sorted(done, key=lambda s: s.index), time.perf_counter() - start
 
-    async def _sample_task(self, sample: Sample, bar: tqdm) -> Sample:
-        result = await self._generate_one(sample)
+    async def _sample_task(self, sample: Sample, bar: tqdm, params: dict) -> Sample:
+        result = await self._generate_one(sample, params)
         await assign_reward(self.reward_fn, result)
         bar.update(1)
         return result
 
-    async def _generate_one(self, sample: Sample) -> Sample:
+    async def _generate_one(self, sample: Sample, params: dict) -> Sample:
         attempts = 1 + self.rollout.request_retries
         errors = []
         for attempt in range(attempts):
@@ -319,7 +329,7 @@ class RolloutManager:
             client = EngineClient(url, idx, self._session, self.rollout, self.tokenizer)
             work = fresh_copy(sample)  # a retry starts from the untouched sample
             try:
-                result = await self.generate_fn(client, work, dict(self.sampling_params))
+                result = await self.generate_fn(client, work, dict(params))
             except CONNECTION_ERRORS as e:
                 errors.append(f"engine {idx}: {type(e).__name__}: {e}")
                 await self.router.release(idx)
