@@ -153,7 +153,8 @@ def finish(out: Path, trained: dict, frozen: dict | None, elapsed_s: float) -> i
 
     shutil.copy(out / "run_mtp_trained" / "metrics.jsonl", out / "metrics.jsonl")
     extra = {"draft frozen": frozen["rollouts"]} if frozen else None
-    plot(trained["rollouts"], out / "plot.png", "demo: GRPO + NEXTN speculative rollout", extra=extra)
+    plot(trained["rollouts"], out / "plot.png", "demo: GRPO + NEXTN speculative rollout", extra=extra,
+         label="MTP trained online")
     summary = {
         "elapsed_s": elapsed_s,
         "mtp_trained": {k: v for k, v in trained.items() if k != "rollouts"},

@@ -78,14 +78,15 @@ def _mean(values):
     return sum(vals) / len(vals) if vals else None
 
 
-def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[str, list[dict]] | None = None) -> None:
+def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[str, list[dict]] | None = None,
+         label: str = "this run") -> None:
     """Reward and accept length over steps; `extra` overlays other runs (e.g. a frozen draft)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {"this run": steps, **(extra or {})}
+    runs = {label: steps, **(extra or {})}
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, key, label in ((axes[0], "reward_mean", "reward (mean)"), (axes[1], "spec_accept_length", "accept length")):
         for name, run_steps in runs.items():
