@@ -187,6 +187,8 @@ def to_config(p: ParsedArgs) -> Config:
     a = p.namespace
     if not a.hf_checkpoint:
         raise ArgsError("--hf-checkpoint is required: the HF model directory the engines and trainer load")
+    if a.optimizer != "adam":
+        raise ArgsError(f"--optimizer {a.optimizer}: the trainer implements adam (AdamW) only; use --optimizer adam")
     backend = a.rollout_backend or ("sglang" if full_sglang_available() else "embedded")
     mtp_layers = a.mtp_num_layers or 0
     engine = EngineConfig(

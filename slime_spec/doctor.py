@@ -114,6 +114,7 @@ def diagnose(parsed: ParsedArgs) -> tuple[Config | None, list[Finding]]:
         target_config=target, draft_config=draft, enable_mtp_training=config.train.enable_mtp_training,
         mtp_num_layers=config.train.mtp_num_layers, longest_prompt_tokens=longest,
         max_response_len=config.rollout.rollout_max_response_len, model_flags=model_flags,
+        debug_rollout_only=config.debug_rollout_only, colocate=config.cluster.colocate,
     ), F.MODEL_SHAPE_FLAGS)
     findings += flag_findings(parsed)
     if config.engine.backend == "embedded" and parsed.namespace.rollout_backend is None:
@@ -141,6 +142,12 @@ def render_text(config: Config | None, findings: list[Finding], engines: list[di
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        from slime_spec.args import build_parser
+
+        print("usage: slime-spec doctor <the same flags as training> [--json]\n")
+        build_parser().print_help()
+        return 0
     as_json = "--json" in argv
     argv = [a for a in argv if a != "--json"]
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

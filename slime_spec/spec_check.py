@@ -42,6 +42,8 @@ class CheckInput:
     longest_prompt_tokens: int | None = None
     max_response_len: int | None = None
     model_flags: dict = field(default_factory=dict)  # Megatron model-shape flags the user set
+    debug_rollout_only: bool = False  # no trainer: the model only has to be served
+    colocate: bool = False
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -308,13 +310,59 @@ def check_model_flags(inp: CheckInput, shape_flags: dict) -> list[Finding]:
     return out
 
 
+TRAINER_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mimo": "MiMoForCausalLM"}
+
+
+def check_trainer_support(inp: CheckInput) -> list[Finding]:
+    """The trainer builds Llama, Qwen2 and MiMo with plain RoPE and SwiGLU (slime_spec/trainer/model.py)."""
+    cfg = inp.target_config
+    if inp.debug_rollout_only or cfg is None:
+        return []
+    archs = cfg.get("architectures") or []
+    family = cfg.get("model_type") if cfg.get("model_type") in TRAINER_FAMILIES else \
+        next((f for f, a in TRAINER_FAMILIES.items() if a in archs), None)
+    fix = "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / MiMo model"
+    if family is None:
+        return [Finding("error", "TRAINER_UNSUPPORTED_MODEL",
+                        f"the trainer builds Llama, Qwen2 and MiMo models; this checkpoint is "
+                        f"{cfg.get('model_type') or archs} (its weights convert, but it cannot be trained yet)", fix)]
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        return [Finding("error", "TRAINER_UNSUPPORTED_MODEL",
+                        f"rope_scaling type {rope_type!r}: the trainer implements plain RoPE only", fix)]
+    if cfg.get("hidden_act", "silu") != "silu":
+        return [Finding("error", "TRAINER_UNSUPPORTED_MODEL",
+                        f"hidden_act={cfg['hidden_act']!r}: the trainer builds SwiGLU (silu) MLPs only", fix)]
+    return []
+
+
+def check_colocate(inp: CheckInput) -> list[Finding]:
+    """Colocated SGLang releases engine memory around training; both switches below are needed for that."""
+    if not inp.colocate or inp.debug_rollout_only:
+        return []
+    out = []
+    if not inp.sglang.get("enable_memory_saver"):
+        out.append(Finding("warning", "COLOCATE_MEMORY_SAVER",
+                           "--colocate without --sglang-enable-memory-saver: SGLang's release_memory_occupation then "
+                           "frees nothing, and the trainer and the engines compete for GPU memory",
+                           "--sglang-enable-memory-saver"))
+    if algorithm(inp) is not None and algorithm(inp) != "NGRAM" and not inp.sglang.get("enable_draft_weights_cpu_backup"):
+        out.append(Finding("warning", "COLOCATE_DRAFT_BACKUP",
+                           "--colocate with a draft model and no --sglang-enable-draft-weights-cpu-backup: the draft's "
+                           "weights may not survive a release/resume cycle and acceptance silently collapses to ~1.0 "
+                           "(slime forces this switch; watch spec_canary_accept_length after resume too)",
+                           "--sglang-enable-draft-weights-cpu-backup"))
+    return out
+
+
 def run_checks(inp: CheckInput, shape_flags: dict | None = None) -> list[Finding]:
     findings: list[Finding] = []
     for check in (check_dtype, check_context_length, check_topk_tokens, check_no_mtp, check_eagle3_draft,
-                  check_sglang_version, check_mtp_training, check_backend_support):
+                  check_sglang_version, check_mtp_training, check_backend_support, check_trainer_support):
         findings += check(inp)
     if inp.backend == "sglang":
-        findings += check_flashinfer(inp) + check_cuda_graph_bs(inp)
+        findings += check_flashinfer(inp) + check_cuda_graph_bs(inp) + check_colocate(inp)
     elif algorithm(inp) is not None:
         findings.append(Finding("info", "SGLANG_ONLY_CHECKS_SKIPPED",
                                 "backend embedded: the GPU-only checks SPEC_FLASHINFER and SPEC_CUDA_GRAPH_BS did not run",

@@ -52,3 +52,8 @@ def test_text_output(capsys, mimo7b):
     rc = main(["--hf-checkpoint", str(mimo7b), "--sglang-speculative-algorithm", "NEXTN", "--rollout-backend", "embedded"])
     out = capsys.readouterr().out
     assert rc == 0 and "engine 0 (embedded" in out and "slime_spec.engine" in out and "0 error(s)" in out
+
+
+def test_help_exits_zero(capsys):
+    assert main(["--help"]) == 0
+    assert "--sglang-<flag>" in capsys.readouterr().out

@@ -64,7 +64,8 @@ PROMPTS = ["gsm8k/gsm8k-train.jsonl", "dapo-math-17k/dapo-math-17k.jsonl", "aime
 
 # script -> (extra environment, expected engines, expected per-engine --tp-size)
 CLEAN_RUNS = {
-    "run-eagle3-llama3.1-8B.sh": ({}, 8, 1),
+    # Llama-3.1's llama3 RoPE scaling is not built by the trainer yet: rollout-only (see the test below)
+    "run-eagle3-llama3.1-8B.sh": ({"DEBUG_ROLLOUT_ONLY": "1"}, 8, 1),
     "run-mimo-7B-rl-mtp.sh": ({}, 8, 1),
     "run-glm4.5-mtp.sh": ({"DEBUG_ROLLOUT_ONLY": "1"}, 4, 8),
     "run-deepseek-v3-mtp.sh": ({"DEBUG_ROLLOUT_ONLY": "1"}, 8, 8),
@@ -305,3 +306,14 @@ def test_docs_relative_links_resolve(lang):
             assert (page.parent / target).resolve().is_file(), f"{page}: broken link {target}"
             for anchor in re.findall(rf"\]\({re.escape(target)}#([^)]+)\)", page.read_text()):
                 assert anchor in heading_anchors(page.parent / target), f"{page}: no #{anchor} in {target}"
+
+
+def test_training_a_model_the_trainer_cannot_build_is_a_doctor_error(doctor_runs):
+    """Without DEBUG_ROLLOUT_ONLY the doctor names the limitation instead of letting training crash later."""
+    from slime_spec.doctor import diagnose
+    from slime_spec.args import parse
+
+    _, _, flags = doctor_runs["run-eagle3-llama3.1-8B.sh"]
+    _, findings = diagnose(parse([f for f in flags if f != "--debug-rollout-only"]))
+    errors = [f for f in findings if f.level == "error"]
+    assert [f.code for f in errors] == ["TRAINER_UNSUPPORTED_MODEL"] and "'llama3'" in errors[0].message

@@ -112,3 +112,22 @@ def test_model_args_mismatch():
     assert "--hidden-size 4000" in f.message and "hidden_size=4096" in f.message
     assert "MODEL_ARGS_MISMATCH" not in codes(target_config=LLAMA, model_flags={"num_layers": 32, "untie_embeddings_and_output_weights": True})
     assert "MODEL_ARGS_MISMATCH" in codes(target_config=LLAMA, model_flags={"untie_embeddings_and_output_weights": False})
+
+
+def test_trainer_unsupported_model_unless_rollout_only():
+    glm = {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "num_nextn_predict_layers": 1}
+    f = codes(target_config=glm)["TRAINER_UNSUPPORTED_MODEL"]
+    assert f.level == "error" and "--debug-rollout-only" in f.fix
+    assert "TRAINER_UNSUPPORTED_MODEL" not in codes(target_config=glm, debug_rollout_only=True)
+    llama31 = {**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    assert "'llama3'" in codes(target_config=llama31)["TRAINER_UNSUPPORTED_MODEL"].message
+    assert "TRAINER_UNSUPPORTED_MODEL" not in codes(target_config=LLAMA)
+
+
+def test_colocated_sglang_needs_memory_saver_and_draft_backup():
+    found = codes(sglang=mtp(), colocate=True)
+    assert found["COLOCATE_MEMORY_SAVER"].fix == "--sglang-enable-memory-saver"
+    assert "collapses" in found["COLOCATE_DRAFT_BACKUP"].message
+    ok = mtp(enable_memory_saver=True, enable_draft_weights_cpu_backup=True)
+    assert not {"COLOCATE_MEMORY_SAVER", "COLOCATE_DRAFT_BACKUP"} & set(codes(sglang=ok, colocate=True))
+    assert "COLOCATE_MEMORY_SAVER" not in codes(sglang=mtp(), colocate=True, backend="embedded")
