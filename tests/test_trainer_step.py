@@ -117,3 +117,48 @@ def test_bad_inputs_are_clear_errors(mimo):
         trainer.train_step(rollout()[:3], 0)
     with pytest.raises(ValueError, match="kl-loss-type"):
         Trainer(config(mimo, use_kl_loss=True, kl_loss_type="k7"))
+
+
+def _generate(engine, prompts: list[list[int]], n: int, temperature: float, max_new_tokens: int) -> list:
+    from slime_spec.engine.core import Request, SamplingParams
+
+    for i, p in enumerate(prompts):
+        for j in range(n):
+            engine.add_request(Request(f"{i}-{j}", p, SamplingParams(temperature=temperature, ignore_eos=True,
+                                                                     max_new_tokens=max_new_tokens)))
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    return sorted(outs, key=lambda o: tuple(map(int, o.rid.split("-"))))
+
+
+def _accept_length(engine, prompts) -> float:
+    outs = _generate(engine, prompts, 1, 0.0, 24)
+    return sum(o.completion_tokens for o in outs) / sum(o.spec_verify_ct for o in outs)
+
+
+def test_online_mtp_training_raises_acceptance_on_the_policys_own_outputs(mimo):
+    """The loop in miniature, twice: engine rollout -> GRPO step -> sync (target + MTP) into the engine.
+    With --enable-mtp-training the draft learns the policy's own outputs and acceptance rises; a frozen
+    draft stays where it was."""
+    from slime_spec.engine.core import EngineCore, SpecConfig
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(5, 100) for _ in range(6)] for _ in range(4)]
+    accept = {}
+    for enable in (True, False):
+        engine = EngineCore(str(mimo), SpecConfig("NEXTN", num_steps=3, eagle_topk=1, num_draft_tokens=4), seed=0)
+        trainer = Trainer(config(mimo, enable_mtp_training=enable, global_batch_size=16, micro_batch_size=16,
+                                 n_samples_per_prompt=4, lr=3e-3, mtp_loss_scaling_factor=1.0))
+        start = _accept_length(engine, prompts)
+        for step in range(8):
+            outs = _generate(engine, prompts, 4, 1.0, 16)
+            samples = [Sample(index=k, group_index=k // 4, prompt="p", tokens=prompts[k // 4] + o.output_ids,
+                              response_length=len(o.output_ids), reward=float(o.output_ids[0] % 2))
+                       for k, o in enumerate(outs)]
+            trainer.train_step(samples, rollout_id=step)
+            engine.load_weights(list(trainer.hf_state_dict().items()), selector="all")
+        accept[enable] = (start, _accept_length(engine, prompts))
+    (start_t, end_t), (start_f, end_f) = accept[True], accept[False]
+    assert start_t == start_f  # same checkpoint, same prompts, greedy
+    assert end_t > start_t + 0.15 and end_t > end_f + 0.15, accept

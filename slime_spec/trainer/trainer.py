@@ -113,17 +113,11 @@ class Trainer:
         """The full HF-named weights: TP shards all-gathered (collective: every TP rank must call it)."""
         from megatron.core import parallel_state as ps
 
-        family = convert.family_of(self.hf_config)
-        out = {}
-        for name, shard in self.named_megatron_params():
-            if self.tp.tp_size > 1 and convert.tp_split_dim(name) is not None:
-                shards = [torch.empty_like(shard) for _ in range(self.tp.tp_size)]
-                dist.all_gather(shards, shard.contiguous(), group=ps.get_tensor_model_parallel_group())
-                full = convert.merge_tp_shards(name, shards)
-            else:
-                full = shard
-            out.update((k, v.cpu()) for k, v in convert.megatron_to_hf(family, name, full, self.hf_config))
-        return out
+        from slime_spec.weight_sync.gather import iter_hf_tensors
+
+        group = ps.get_tensor_model_parallel_group() if self.tp.tp_size > 1 else None
+        return {t.name: t.tensor.cpu() for t in iter_hf_tensors(self.named_megatron_params(), self.hf_config,
+                                                                 tp_group=group, tp_size=self.tp.tp_size)}
 
     @torch.no_grad()
     def forward_logits(self, input_ids: list[list[int]]) -> dict[str, torch.Tensor]:
