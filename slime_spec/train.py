@@ -58,6 +58,7 @@ def run(config: Config, *, manager_kwargs: dict | None = None) -> dict:
     from slime_spec.rollout.debug_data import load_rollout
     from slime_spec.rollout.debug_rollout import run_debug_rollout_only
     from slime_spec.rollout.manager import start_rollout_manager
+    from slime_spec.trainer.checkpoint import save_due
     from slime_spec.trainer.group import TrainGroup
 
     init_ray()
@@ -92,13 +93,12 @@ def run(config: Config, *, manager_kwargs: dict | None = None) -> dict:
                 ray.get(manager.resume_memory.remote())
             if manager is not None:
                 step.update(trainer.sync_weights(rollout_id, probe_samples=samples))
-            if config.train.save and config.train.save_interval and (rollout_id + 1) % config.train.save_interval == 0:
+            last = rollout_id + 1 == config.rollout.num_rollout
+            if config.train.save and (last or save_due(config.train.save_interval, rollout_id)):
                 trainer.save(rollout_id)
             if manager is not None and config.eval_interval and (rollout_id + 1) % config.eval_interval == 0:
                 step.update(ray.get(manager.eval.remote(rollout_id)))
             report.add(step)
-        if config.train.save:
-            trainer.save(config.rollout.num_rollout - 1)
         return report.finish()
     finally:
         trainer.shutdown()
