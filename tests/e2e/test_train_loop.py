@@ -65,8 +65,9 @@ def test_debug_rollout_only_then_debug_train_only(setup):
 
 def test_colocate_two_steps(setup):
     root, model, data = setup
-    train(root, model, data, "colocate", "--colocate")
+    train(root, model, data, "colocate", "--colocate", "--save", str(root / "ckpt"), "--save-interval", "1")
     steps = lines(root / "colocate" / "metrics.jsonl")
+    assert all((root / "ckpt" / f"iter_{i:07d}" / "tp_rank_00.pt").exists() for i in range(STEPS))
     assert [m["rollout_id"] for m in steps] == [0, 1]
     for m in steps:
         assert m["num_samples"] == 4 and m["spec_accept_length"] >= 1.0
