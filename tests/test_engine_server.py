@@ -184,7 +184,7 @@ def test_info_endpoints(plain):
         assert info["is_generation"] is True and info["weight_version"] == "default"
     for path in ("/get_server_info", "/server_info"):
         info = requests.get(plain.url + path, headers=AUTH, timeout=10).json()
-        assert info["version"] == "0.5.23" and info["tp_size"] == 1 and info["device"] == "cpu"
+        assert info["version"] == "0.5.23" and info["tp_size"] == 1 and info["device"] == expected_device()
         assert "api_key" not in info and "last_gen_throughput" in info["internal_states"][0]
 
 
@@ -302,3 +302,10 @@ def test_plan_generate_normalizes_like_sglang(tmp_path):
     assert spec_meta_info(True, 10, 0, 0, 0) == {}
     meta = spec_meta_info(True, 10, 4, 6, 12)
     assert meta["spec_accept_length"] == 2.5 and meta["spec_accept_rate"] == 0.5 and meta["spec_verify_ct"] == 4
+
+
+def expected_device() -> str:
+    """The server's --device default, as SGLang's: cuda where a GPU is visible, else cpu."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
