@@ -198,6 +198,31 @@ def test_failed_sync_leaves_the_engine_serving_previous_weights(tmp_path, buffer
         engine.close()
 
 
+def test_failure_on_one_engine_of_two_rolls_back_the_other(tmp_path):
+    """Engine B refuses a bucket that engine A already loaded: the syncer aborts the session everywhere,
+    so A too serves exactly its previous weights (no mix across engines), and generation continues."""
+    served = make_tiny_model(tmp_path / "served", arch="mimo", seed=0, **TINY)
+    wider = make_tiny_model(tmp_path / "wider", arch="mimo", seed=0, **{**TINY, "intermediate_size": 96})
+    new = make_tiny_model(tmp_path / "new", arch="mimo", seed=1, **TINY)
+    a, b = InProcessEngine(served, EAGLE_FLAGS), InProcessEngine(wider, EAGLE_FLAGS)
+    try:
+        before = a.generate([5, 6, 7, 8, 9])
+        sums_before = a.client.post("/weights_checker", {"action": "checksum", "selector": "all"})["ranks"]
+        syncer = WeightSyncer([a.client, b.client], WeightSyncConfig(update_weight_buffer_size=4096),
+                              hf_config=_config(served), hf_checkpoint=served,
+                              spec=SpecSetup("EAGLE", None, str(served)), has_mtp_layers=True, transport="tensor")
+        with pytest.raises(WeightSyncError, match="rolled the session back") as err:
+            syncer.sync(iter_hf_state(_state(new), _config(new)), weight_version="2")
+        assert err.value.engines_serve_previous_weights
+        assert a.client.post("/weights_checker", {"action": "checksum", "selector": "all"})["ranks"] == sums_before
+        after = a.generate([5, 6, 7, 8, 9])
+        assert after["output_ids"] == before["output_ids"] and after["meta_info"]["weight_version"] == "default"
+        syncer.close()
+    finally:
+        a.close()
+        b.close()
+
+
 def _state(path: Path) -> dict:
     from safetensors.torch import load_file
 
