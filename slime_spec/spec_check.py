@@ -47,11 +47,9 @@ class CheckInput:
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
-    out = []
-    for part in v.split(".")[:3]:
-        digits = "".join(ch for ch in part if ch.isdigit())
-        out.append(int(digits) if digits else 0)
-    return tuple(out)
+    from slime_spec.weight_sync.protocol import parse_version  # pure, torch-free
+
+    return parse_version(v) or (0,)
 
 
 def config_dtype(cfg: dict) -> str | None:

@@ -131,3 +131,9 @@ def test_colocated_sglang_needs_memory_saver_and_draft_backup():
     ok = mtp(enable_memory_saver=True, enable_draft_weights_cpu_backup=True)
     assert not {"COLOCATE_MEMORY_SAVER", "COLOCATE_DRAFT_BACKUP"} & set(codes(sglang=ok, colocate=True))
     assert "COLOCATE_MEMORY_SAVER" not in codes(sglang=mtp(), colocate=True, backend="embedded")
+
+
+def test_version_suffixes_do_not_bleed_into_the_patch_number():
+    draft = dict(sglang=eagle3(), target_config=LLAMA, draft_config=EAGLE3)
+    assert "SPEC_SGLANG_VERSION" in codes(**draft, sglang_version="0.5.0rc1")  # not read as 0.5.1
+    assert "SPEC_SGLANG_VERSION" not in codes(**draft, sglang_version="0.5.1rc0")
