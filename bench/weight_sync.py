@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,12 +30,9 @@ from slime_spec.weight_sync.engine_client import HttpEngineClient
 from slime_spec.weight_sync.gather import iter_hf_tensors
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer
+from slime_spec.net import free_port
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_engine(model_path: Path, device: str, gpu: str | None, log: Path) -> tuple[subprocess.Popen, str]:

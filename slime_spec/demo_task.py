@@ -11,15 +11,6 @@ import random
 from pathlib import Path
 
 
-def addition_problems(n: int, seed: int, max_operand: int = 99) -> list[dict]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        out.append({"prompt": f"{a}+{b}=", "label": str(a + b)})
-    return out
-
-
 def write_jsonl(rows: list[dict], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:

@@ -8,7 +8,6 @@ model after the sync; every weight still travels through the HTTP routes and the
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from slime_spec.weight_sync.engine_client import HttpEngineClient
 from slime_spec.weight_sync.gather import NamedTensor, iter_hf_state, iter_hf_tensors
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer, WeightSyncError
+from slime_spec.net import free_port
 
 TINY = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
             max_position_embeddings=256)
@@ -29,10 +29,6 @@ EAGLE_FLAGS = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2
                "--speculative-num-draft-tokens", "3"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class InProcessEngine:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from slime_spec.weight_sync.gather import iter_hf_state
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer, WeightSyncError
 from tests.test_weight_sync_fake_server import FakeSGLangServer, fuse_hf_state
+from slime_spec.net import free_port
 
 MIMO = make_config("mimo", vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                    intermediate_size=64, max_position_embeddings=128, dtype="float32", mtp_layers=1,
@@ -22,10 +22,6 @@ NATIVE = SpecSetup("EAGLE", None, "/ckpt")
 STANDALONE = SpecSetup("STANDALONE", "/draft", "/ckpt")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -60,9 +60,9 @@ def deserialize_named_tensors(payload: Any) -> Any:
 
 def tensor_checksum(t: torch.Tensor) -> str:
     """SGLang's CPU tensor hash (managers/mm_utils.tensor_hash): sha256 of the raw bytes, first 8, hex."""
-    t = t.detach().cpu().contiguous()
-    digest = hashlib.sha256(memoryview(t.reshape(-1).view(torch.uint8).numpy())).digest()[:8]
-    return f"{int.from_bytes(digest, 'big'):016x}"
+    from slime_spec.weight_sync.verify import tensor_checksum as checksum_of_parts
+
+    return checksum_of_parts([t])
 
 
 def overall_checksum(checksums: dict[str, str]) -> str:
@@ -299,7 +299,9 @@ class WeightUpdater:
             name = "model.embed_tokens.weight"  # tied embeddings, as SGLang answers
         if name not in weights:
             return None
-        return weights[name].float().cpu().tolist()[: int(req.get("truncate_size", 100))]
+        t = weights[name]
+        t = t[: int(req.get("truncate_size", 100))] if t.dim() else t  # slice before the (slow) list conversion
+        return t.float().cpu().tolist()
 
     def check_weights(self, core, req: dict) -> dict:
         action = req.get("action", "checksum")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import requests
 
 from slime_spec.config import EngineConfig
+from slime_spec.net import free_port
 
 LOG_TAIL_LINES = 40
 
@@ -38,10 +38,6 @@ class EngineStartError(RuntimeError):
             "Run `slime-spec doctor` with the same flags to check the speculative and engine configuration.")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def read_log_tail(path: Path, n: int = LOG_TAIL_LINES) -> str:

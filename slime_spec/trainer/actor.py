@@ -6,13 +6,13 @@ engines; every rank takes part in a sync because gathering TP shards is collecti
 
 from __future__ import annotations
 
-import socket
 from typing import Any, Callable
 
 import ray
 
 from slime_spec.config import TrainConfig, WeightSyncConfig
 from slime_spec.rollout.sample import Sample
+from slime_spec.net import free_port
 
 
 class TrainActor:
@@ -26,10 +26,7 @@ class TrainActor:
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the process group's store."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return ray.util.get_node_ip_address(), free_port("")
 
     def init(self, train: TrainConfig, master_addr: str, master_port: int) -> dict:
         from slime_spec.trainer.parallel import init_parallel

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from slime_spec.trainer import cpu_compat
+from slime_spec.net import free_port
 
 
 @dataclass(frozen=True)
@@ -49,12 +50,6 @@ def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int
     return current_tp_info()
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_single_process(seed: int = 1234) -> TPInfo:

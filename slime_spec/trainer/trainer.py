@@ -55,7 +55,7 @@ class Trainer:
             lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
         if resumed is not None and resumed.get("optimizer") is not None:
             self.optimizer.load_state_dict(resumed["optimizer"])
-        self.ref_state = self._reference_weights() if train.use_kl_loss else None
+        self.ref_state = self._reference_weights(resumed) if train.use_kl_loss else None
 
     # ---------------------------------------------------------------- weights
     def _load_initial_weights(self) -> dict | None:
@@ -82,8 +82,10 @@ class Trainer:
             for name, p in params.items():
                 p.copy_(state[name])
 
-    def _reference_weights(self) -> dict[str, torch.Tensor]:
+    def _reference_weights(self, resumed: dict | None) -> dict[str, torch.Tensor]:
         """The KL reference: --ref-load (an HF or slime-spec checkpoint) or the --hf-checkpoint weights."""
+        if resumed is None and not self.train.ref_load:  # the model holds exactly the --hf-checkpoint weights
+            return {n: p.detach().clone() for n, p in self.model.named_parameters()}
         source = self.train.ref_load or self.train.hf_checkpoint
         current = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         if (Path(source) / checkpoint.LATEST).is_file():

@@ -76,7 +76,17 @@ def _tail(name: str) -> str:
     return name
 
 
-def match_sent_name(served: str, sent: set[str], role: str) -> str | None:
+def with_fused_names(sent: set[str]) -> set[str]:
+    """The sent names plus the fused names their parts make (what a served draft name may match by tail)."""
+    return sent | {f for s in sent if (f := fused_name(s))}
+
+
+def updated_roles(served: dict, roles: set[str]) -> list[str]:
+    """The served roles a sync updates: those asked for, every draft runner when "draft" is."""
+    return [r for r in served if r in roles or (r.startswith("draft") and "draft" in roles)]
+
+
+def match_sent_name(served: str, sent: set[str], role: str, pool: set[str] | None = None) -> str | None:
     """The sent name (or fused name of sent parts) that writes `served`; None if none does.
 
     Target names match exactly (after fusing); a draft name may also match a sent MTP name by its tail,
@@ -90,8 +100,8 @@ def match_sent_name(served: str, sent: set[str], role: str) -> str | None:
     if role == "target":
         return None
     tail = _tail(served)
-    candidates = sorted(n for n in sent | {fused_name(s) for s in sent if fused_name(s)}
-                        if n == tail or n.endswith("." + tail))
+    pool = with_fused_names(sent) if pool is None else pool  # callers matching many names pass it once
+    candidates = sorted(n for n in pool if n == tail or n.endswith("." + tail))
     return candidates[0] if candidates else None
 
 
@@ -107,11 +117,10 @@ class Coverage:
 
 def check_coverage(served: dict[str, dict[str, str]], sent: set[str], roles: set[str]) -> Coverage:
     """Every served weight of the updated runners (`roles`: "target", and "draft" for a native MTP draft)."""
-    cov = Coverage()
-    for role, names in served.items():
-        if role not in roles and not (role.startswith("draft") and "draft" in roles):
-            continue
-        missing = [n for n in sorted(names) if not _is_derived(n) and match_sent_name(n, sent, role) is None]
+    cov, pool = Coverage(), with_fused_names(sent)
+    for role in updated_roles(served, roles):
+        names = served[role]
+        missing = [n for n in sorted(names) if not _is_derived(n) and match_sent_name(n, sent, role, pool) is None]
         cov.written[role] = len(names) - len(missing)
         cov.missing[role] = missing
     return cov
@@ -164,12 +173,10 @@ class ChecksumRecorder:
 def compare_checksums(served: dict[str, dict[str, str]], expected: dict[str, str], roles: set[str]) -> list[str]:
     """Names whose served checksum differs from the sent tensor's (one line each, for the error)."""
     sent = set(expected)
-    bad = []
-    for role, names in served.items():
-        if role not in roles and not (role.startswith("draft") and "draft" in roles):
-            continue
-        for name, checksum in sorted(names.items()):
-            source = match_sent_name(name, sent, role)
+    bad, pool = [], with_fused_names(sent)
+    for role in updated_roles(served, roles):
+        for name, checksum in sorted(served[role].items()):
+            source = match_sent_name(name, sent, role, pool)
             if source is not None and expected[source] != checksum:
                 bad.append(f"{role}:{name} (engine {checksum}, trainer {expected[source]} from {source})")
     return bad
