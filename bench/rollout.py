@@ -25,7 +25,7 @@ import ray
 from slime_spec.config import EngineConfig, RolloutConfig
 from slime_spec.rollout.data import PromptDataset
 from slime_spec.rollout.manager import RolloutManagerActor
-from slime_spec.rollout.sampling import sampling_params
+from slime_spec.rollout.sampling_params import sampling_params
 
 
 def write_prompts(path: Path, n: int) -> None:
@@ -71,7 +71,7 @@ def main() -> None:
     rollout = RolloutConfig(hf_checkpoint=model, prompt_data=str(work / "prompts.jsonl"), label_key="label",
                             rm_type="math", rollout_batch_size=args.num_samples, n_samples_per_prompt=1,
                             rollout_max_response_len=args.max_new_tokens, rollout_temperature=0.0,
-                            max_concurrency=args.concurrency)
+                            sglang_server_concurrency=args.concurrency)
     engine = EngineConfig(backend="embedded", model_path=model, forwarded_argv=tuple(args.engine_argv.split()))
 
     ray.init(address="local", include_dashboard=False)  # its own cluster: a fair, quiet measurement

@@ -12,11 +12,11 @@ import argparse
 import difflib
 import functools
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from slime_spec import flags as F
-from slime_spec.config import (ClusterConfig, Config, EngineConfig, RolloutConfig, TrainConfig, WandbConfig,
-                               WeightSyncConfig)
+from slime_spec.config import (Backend, ClusterConfig, Config, EngineConfig, RolloutConfig, TrainConfig, WandbConfig,
+                               WeightSyncConfig, resolve_global_batch_size, resolve_loss_type, resolve_transport)
 
 SGLANG_PREFIX = "--sglang-"
 # SGLang flags renamed between releases: old -> new. Applied only when the installed SGLang
@@ -104,7 +104,7 @@ def _yaml_to_argv(path: str) -> list[str]:
 
 
 def _split_flag_groups(argv: list[str]) -> list[list[str]]:
-    """[['--a', 'v'], ['--b'], ...]: each flag with the tokens up to the next `--flag`."""
+    """[['--lr', '1e-6'], ['--colocate'], ...]: each flag with the tokens up to the next flag."""
     groups: list[list[str]] = []
     for tok in argv:
         if tok.startswith("--"):
@@ -183,56 +183,37 @@ def full_sglang_available() -> bool:
     return torch.cuda.is_available()
 
 
+def resolve_backend(rollout_backend: str | None) -> Backend:
+    """--rollout-backend, else sglang where it can run and the embedded engine elsewhere."""
+    return rollout_backend or ("sglang" if full_sglang_available() else "embedded")
+
+
+def from_flags(cls, namespace: argparse.Namespace, **derived):
+    """`cls` with each field set from the flag of the same dest; `derived` gives the fields computed from several."""
+    values = {f.name: F.config_value(f.name, getattr(namespace, f.name))
+              for f in fields(cls) if f.name not in derived}
+    return cls(**values, **derived)
+
+
 def to_config(p: ParsedArgs) -> Config:
     a = p.namespace
     if not a.hf_checkpoint:
         raise ArgsError("--hf-checkpoint is required: the HF model directory the engines and trainer load")
     if a.optimizer != "adam":
         raise ArgsError(f"--optimizer {a.optimizer}: the trainer implements adam (AdamW) only; use --optimizer adam")
-    backend = a.rollout_backend or ("sglang" if full_sglang_available() else "embedded")
-    mtp_layers = a.mtp_num_layers or 0
     engine = EngineConfig(
-        backend=backend, model_path=a.hf_checkpoint, num_gpus_per_engine=a.rollout_num_gpus_per_engine,
-        forwarded_argv=tuple(p.sglang_tokens), server_args=dict(p.sglang_set), seed=a.seed,
+        backend=resolve_backend(a.rollout_backend), model_path=a.hf_checkpoint,
+        num_gpus_per_engine=a.rollout_num_gpus_per_engine, forwarded_argv=tuple(p.sglang_tokens),
+        server_args=dict(p.sglang_set), seed=a.seed,
     )
-    rollout = RolloutConfig(
-        hf_checkpoint=a.hf_checkpoint, prompt_data=a.prompt_data, input_key=a.input_key, label_key=a.label_key,
-        apply_chat_template=a.apply_chat_template, rollout_shuffle=a.rollout_shuffle, rollout_seed=a.rollout_seed,
-        rm_type=a.rm_type, custom_rm_path=a.custom_rm_path,
-        custom_generate_function_path=a.custom_generate_function_path, num_rollout=a.num_rollout,
-        rollout_batch_size=a.rollout_batch_size, n_samples_per_prompt=a.n_samples_per_prompt,
-        rollout_max_response_len=a.rollout_max_response_len, rollout_max_prompt_len=a.rollout_max_prompt_len,
-        rollout_temperature=a.rollout_temperature, rollout_top_p=a.rollout_top_p, rollout_top_k=a.rollout_top_k,
-        rollout_stop=tuple(a.rollout_stop or ()), rollout_stop_token_ids=tuple(a.rollout_stop_token_ids or ()),
-        rollout_skip_special_tokens=a.rollout_skip_special_tokens, eval_temperature=a.eval_temperature,
-        eval_top_p=a.eval_top_p, eval_top_k=a.eval_top_k, eval_max_response_len=a.eval_max_response_len,
-        n_samples_per_eval_prompt=a.n_samples_per_eval_prompt, max_concurrency=a.sglang_server_concurrency,
-        use_sglang_router=a.use_sglang_router, save_debug_rollout_data=a.save_debug_rollout_data,
-        load_debug_rollout_data=a.load_debug_rollout_data, metrics_jsonl=a.metrics_jsonl,
-        engine_start_timeout_s=a.engine_start_timeout,
-    )
-    train = TrainConfig(
-        hf_checkpoint=a.hf_checkpoint, load=a.load, save=a.save, ref_load=a.ref_load, save_interval=a.save_interval,
-        loss_type="sft" if a.loss_type in ("sft", "sft_loss") else "policy_loss",
-        advantage_estimator=a.advantage_estimator, n_samples_per_prompt=a.n_samples_per_prompt,
-        eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
-        kl_loss_type=a.kl_loss_type, entropy_coef=a.entropy_coef, lr=a.lr, min_lr=a.min_lr,
-        weight_decay=a.weight_decay, adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2, adam_eps=a.adam_eps,
-        clip_grad=a.clip_grad,
-        global_batch_size=a.global_batch_size or a.rollout_batch_size * a.n_samples_per_prompt,
-        micro_batch_size=a.micro_batch_size, mtp_num_layers=mtp_layers, enable_mtp_training=a.enable_mtp_training,
-        mtp_loss_scaling_factor=a.mtp_loss_scaling_factor, tensor_model_parallel_size=a.tensor_model_parallel_size,
-        seed=a.seed,
-    )
-    transport = a.weight_sync_transport or ("tensor" if a.colocate else "distributed")
-    return Config(
-        cluster=ClusterConfig(a.actor_num_nodes, a.actor_num_gpus_per_node, a.rollout_num_gpus,
-                              a.rollout_num_gpus_per_engine, a.rollout_num_engines, a.colocate),
-        engine=engine, rollout=rollout, train=train,
-        weight_sync=WeightSyncConfig(transport, a.update_weight_buffer_size, a.check_weight_sync),
-        wandb=WandbConfig(a.use_wandb, a.wandb_project, a.wandb_group, a.wandb_key, a.wandb_dir),
-        debug_rollout_only=a.debug_rollout_only, debug_train_only=a.debug_train_only,
-        eval_interval=a.eval_interval, eval_prompt_data=tuple(a.eval_prompt_data or ()), output_dir=a.output_dir,
+    train = from_flags(
+        TrainConfig, a, loss_type=resolve_loss_type(a.loss_type),
+        global_batch_size=resolve_global_batch_size(a.global_batch_size, a.rollout_batch_size, a.n_samples_per_prompt))
+    weight_sync = from_flags(WeightSyncConfig, a,
+                             weight_sync_transport=resolve_transport(a.weight_sync_transport, a.colocate))
+    return from_flags(
+        Config, a, cluster=from_flags(ClusterConfig, a), engine=engine, rollout=from_flags(RolloutConfig, a),
+        train=train, weight_sync=weight_sync, wandb=from_flags(WandbConfig, a),
     )
 
 

@@ -1,7 +1,9 @@
 """The typed configuration: built once from the flags by `args.py`, read everywhere else.
 
 Inner code takes the sub-config it needs (`RolloutConfig`, `TrainConfig`, ...), never the
-argparse namespace, so it can be built directly in tests.
+argparse namespace, so it can be built directly in tests. Each field is named after its flag's
+dest and takes its default from the flag table (`flags.py`), so a default is written once; the
+few values derived from several flags are computed by the `resolve_*` functions below.
 """
 
 from __future__ import annotations
@@ -10,17 +12,40 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
+from slime_spec.flags import default as flag_default
+
 Backend = Literal["sglang", "embedded"]
+Transport = Literal["distributed", "tensor", "disk"]
+LossType = Literal["policy_loss", "sft"]
+
+
+def resolve_global_batch_size(global_batch_size: int | None, rollout_batch_size: int, n_samples_per_prompt: int) -> int:
+    """--global-batch-size, else one optimizer step per rollout (every sample of it), as slime does."""
+    return global_batch_size or rollout_batch_size * n_samples_per_prompt
+
+
+def resolve_transport(weight_sync_transport: str | None, colocate: bool) -> Transport:
+    """--weight-sync-transport, else tensor when colocated and distributed when engines are separate."""
+    if weight_sync_transport is None:
+        return "tensor" if colocate else "distributed"
+    if weight_sync_transport not in ("distributed", "tensor", "disk"):
+        raise ValueError(f"--weight-sync-transport {weight_sync_transport!r}: choose distributed, tensor or disk")
+    return weight_sync_transport  # type: ignore[return-value]
+
+
+def resolve_loss_type(loss_type: str) -> LossType:
+    """--loss-type as the trainer reads it: slime's sft_loss is the trainer's sft."""
+    return "sft" if loss_type in ("sft", "sft_loss") else "policy_loss"
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    actor_num_nodes: int = 1
-    actor_num_gpus_per_node: int = 1
-    rollout_num_gpus: int | None = None
-    rollout_num_gpus_per_engine: int = 1
-    rollout_num_engines: int = 1  # used when there are no GPUs
-    colocate: bool = False
+    actor_num_nodes: int = flag_default("actor_num_nodes")
+    actor_num_gpus_per_node: int = flag_default("actor_num_gpus_per_node")
+    rollout_num_gpus: int | None = flag_default("rollout_num_gpus")
+    rollout_num_gpus_per_engine: int = flag_default("rollout_num_gpus_per_engine")
+    rollout_num_engines: int = flag_default("rollout_num_engines")  # used when there are no GPUs
+    colocate: bool = flag_default("colocate")
 
 
 @dataclass(frozen=True)
@@ -29,12 +54,12 @@ class EngineConfig:
 
     backend: Backend
     model_path: str
-    num_gpus_per_engine: int = 1
+    num_gpus_per_engine: int = flag_default("rollout_num_gpus_per_engine")
     # `--sglang-X ...` tokens with the prefix stripped, in the order the user wrote them.
     forwarded_argv: tuple[str, ...] = ()
     # The same flags parsed by SGLang's own parser: dest -> value (only those the user set).
     server_args: dict = field(default_factory=dict)
-    seed: int = 1234
+    seed: int = flag_default("seed")
 
     @property
     def module(self) -> str:
@@ -51,94 +76,93 @@ class EngineConfig:
             argv += ["--base-gpu-id", str(base_gpu_id)]
         return argv + list(self.forwarded_argv)
 
-    @property
-    def speculative_algorithm(self) -> str | None:
-        return self.server_args.get("speculative_algorithm")
-
 
 @dataclass(frozen=True)
 class RolloutConfig:
     hf_checkpoint: str
-    prompt_data: str | None = None
-    input_key: str = "input"
-    label_key: str | None = None
-    apply_chat_template: bool = False
-    rollout_shuffle: bool = False
-    rollout_seed: int = 42
-    rm_type: str | None = None
-    custom_rm_path: str | None = None
-    custom_generate_function_path: str | None = None
-    num_rollout: int = 1
-    rollout_batch_size: int = 8
-    n_samples_per_prompt: int = 1
-    rollout_max_response_len: int = 64
-    rollout_max_prompt_len: int | None = None
-    rollout_temperature: float = 1.0
-    rollout_top_p: float = 1.0
-    rollout_top_k: int = -1
-    rollout_stop: tuple[str, ...] = ()
-    rollout_stop_token_ids: tuple[int, ...] = ()
-    rollout_skip_special_tokens: bool = False
-    eval_temperature: float | None = None  # each --eval-* flag falls back to its rollout flag
-    eval_top_p: float | None = None
-    eval_top_k: int | None = None
-    eval_max_response_len: int | None = None
-    n_samples_per_eval_prompt: int = 1
-    max_concurrency: int = 64  # in-flight requests per engine (slime: --sglang-server-concurrency)
-    use_sglang_router: bool = False
-    save_debug_rollout_data: str | None = None
-    load_debug_rollout_data: str | None = None
-    metrics_jsonl: str | None = None
-    engine_start_timeout_s: float = 300.0
-    request_retries: int = 3
+    prompt_data: str | None = flag_default("prompt_data")
+    input_key: str = flag_default("input_key")
+    label_key: str | None = flag_default("label_key")
+    apply_chat_template: bool = flag_default("apply_chat_template")
+    rollout_shuffle: bool = flag_default("rollout_shuffle")
+    rollout_seed: int = flag_default("rollout_seed")
+    rm_type: str | None = flag_default("rm_type")
+    custom_rm_path: str | None = flag_default("custom_rm_path")
+    custom_generate_function_path: str | None = flag_default("custom_generate_function_path")
+    num_rollout: int = flag_default("num_rollout")
+    rollout_batch_size: int = flag_default("rollout_batch_size")
+    n_samples_per_prompt: int = flag_default("n_samples_per_prompt")
+    rollout_max_response_len: int = flag_default("rollout_max_response_len")
+    rollout_max_prompt_len: int | None = flag_default("rollout_max_prompt_len")
+    rollout_temperature: float = flag_default("rollout_temperature")
+    rollout_top_p: float = flag_default("rollout_top_p")
+    rollout_top_k: int = flag_default("rollout_top_k")
+    rollout_stop: tuple[str, ...] = flag_default("rollout_stop")
+    rollout_stop_token_ids: tuple[int, ...] = flag_default("rollout_stop_token_ids")
+    rollout_skip_special_tokens: bool = flag_default("rollout_skip_special_tokens")
+    # Each --eval-* flag falls back to its rollout flag.
+    eval_temperature: float | None = flag_default("eval_temperature")
+    eval_top_p: float | None = flag_default("eval_top_p")
+    eval_top_k: int | None = flag_default("eval_top_k")
+    eval_max_response_len: int | None = flag_default("eval_max_response_len")
+    n_samples_per_eval_prompt: int = flag_default("n_samples_per_eval_prompt")
+    sglang_server_concurrency: int = flag_default("sglang_server_concurrency")  # in-flight requests per engine
+    use_sglang_router: bool = flag_default("use_sglang_router")
+    save_debug_rollout_data: str | None = flag_default("save_debug_rollout_data")
+    load_debug_rollout_data: str | None = flag_default("load_debug_rollout_data")
+    metrics_jsonl: str | None = flag_default("metrics_jsonl")
+    engine_start_timeout: float = flag_default("engine_start_timeout")  # seconds
+    rollout_request_retries: int = flag_default("rollout_request_retries")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     hf_checkpoint: str
-    load: str | None = None
-    save: str | None = None
-    ref_load: str | None = None
-    save_interval: int | None = None
-    loss_type: Literal["policy_loss", "sft"] = "policy_loss"
-    advantage_estimator: str = "grpo"
-    n_samples_per_prompt: int = 1
-    eps_clip: float = 0.2
-    eps_clip_high: float | None = None
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "low_var_kl"
-    entropy_coef: float = 0.0
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    global_batch_size: int = 8
-    micro_batch_size: int = 1
-    mtp_num_layers: int = 0
-    enable_mtp_training: bool = False
-    mtp_loss_scaling_factor: float = 0.2
-    tensor_model_parallel_size: int = 1
-    seed: int = 1234
+    load: str | None = flag_default("load")
+    save: str | None = flag_default("save")
+    ref_load: str | None = flag_default("ref_load")
+    save_interval: int | None = flag_default("save_interval")
+    loss_type: LossType = resolve_loss_type(flag_default("loss_type"))
+    advantage_estimator: str = flag_default("advantage_estimator")
+    n_samples_per_prompt: int = flag_default("n_samples_per_prompt")
+    eps_clip: float = flag_default("eps_clip")
+    eps_clip_high: float | None = flag_default("eps_clip_high")
+    use_kl_loss: bool = flag_default("use_kl_loss")
+    kl_loss_coef: float = flag_default("kl_loss_coef")
+    kl_loss_type: str = flag_default("kl_loss_type")
+    entropy_coef: float = flag_default("entropy_coef")
+    lr: float = flag_default("lr")
+    weight_decay: float = flag_default("weight_decay")
+    adam_beta1: float = flag_default("adam_beta1")
+    adam_beta2: float = flag_default("adam_beta2")
+    adam_eps: float = flag_default("adam_eps")
+    clip_grad: float = flag_default("clip_grad")
+    global_batch_size: int = resolve_global_batch_size(flag_default("global_batch_size"),
+                                                       flag_default("rollout_batch_size"),
+                                                       flag_default("n_samples_per_prompt"))
+    micro_batch_size: int = flag_default("micro_batch_size")
+    mtp_num_layers: int = flag_default("mtp_num_layers")
+    enable_mtp_training: bool = flag_default("enable_mtp_training")
+    mtp_loss_scaling_factor: float = flag_default("mtp_loss_scaling_factor")
+    tensor_model_parallel_size: int = flag_default("tensor_model_parallel_size")
+    seed: int = flag_default("seed")
 
 
 @dataclass(frozen=True)
 class WeightSyncConfig:
-    transport: Literal["distributed", "tensor", "disk"] = "distributed"
-    update_weight_buffer_size: int = 512 * 1024**2
-    check_weight_sync: bool = False
+    weight_sync_transport: Transport = resolve_transport(flag_default("weight_sync_transport"),
+                                                         flag_default("colocate"))
+    update_weight_buffer_size: int = flag_default("update_weight_buffer_size")
+    check_weight_sync: bool = flag_default("check_weight_sync")
 
 
 @dataclass(frozen=True)
 class WandbConfig:
-    use_wandb: bool = False
-    wandb_project: str | None = None
-    wandb_group: str | None = None
-    wandb_key: str | None = None
-    wandb_dir: str | None = None
+    use_wandb: bool = flag_default("use_wandb")
+    wandb_project: str | None = flag_default("wandb_project")
+    wandb_group: str | None = flag_default("wandb_group")
+    wandb_key: str | None = flag_default("wandb_key")
+    wandb_dir: str | None = flag_default("wandb_dir")
 
 
 @dataclass(frozen=True)
@@ -149,11 +173,11 @@ class Config:
     train: TrainConfig
     weight_sync: WeightSyncConfig
     wandb: WandbConfig
-    debug_rollout_only: bool = False
-    debug_train_only: bool = False
-    eval_interval: int | None = None
-    eval_prompt_data: tuple[str, ...] = ()
-    output_dir: str = "outputs"
+    debug_rollout_only: bool = flag_default("debug_rollout_only")
+    debug_train_only: bool = flag_default("debug_train_only")
+    eval_interval: int | None = flag_default("eval_interval")
+    eval_prompt_data: tuple[str, ...] = flag_default("eval_prompt_data")
+    output_dir: str = flag_default("output_dir")
 
     @property
     def num_engines(self) -> int:

@@ -71,7 +71,7 @@ def longest_prompt_tokens(config: Config) -> tuple[int | None, list[Finding]]:
 
 def flag_findings(parsed: ParsedArgs) -> list[Finding]:
     out = []
-    for dest in sorted(parsed.set_flags - F.HONOURED):
+    for dest in sorted(parsed.set_flags - F.ACTED_ON):
         out.append(Finding("info", "FLAG_NOT_HONOURED",
                            f"--{dest.replace('_', '-')} is parsed for slime compatibility but slime-spec does not act on it yet",
                            ""))

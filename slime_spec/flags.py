@@ -1,8 +1,9 @@
-"""The slime-compatible flag table: names, types and defaults, as data.
+"""The slime-compatible flag table: the one place each flag's name, type and default is written.
 
 slime's own parser is Megatron's plus slime's; we keep the flags slime users write in their
-scripts. `HONOURED` lists what slime-spec actually uses; anything else parses and `doctor`
-reports it as an info finding, so an existing slime script runs unchanged.
+scripts. `ACTED_ON` lists what slime-spec actually uses; anything else parses and `doctor`
+reports it as an info finding, so an existing slime script runs unchanged. The typed configs
+(`config.py`) take their defaults from here through `default`.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--load-debug-rollout-data", {"default": None}),
     ],
     "speculative training": [
-        ("--mtp-num-layers", {**_I, "default": None}),
+        ("--mtp-num-layers", {**_I, "default": 0}),
         ("--enable-mtp-training", _ON),
         ("--mtp-loss-scaling-factor", {**_F, "default": 0.2}),
     ],
@@ -211,11 +212,39 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
                                      "help": "default: distributed when engines are separate, tensor with --colocate"}),
         ("--check-weight-sync", _ON),
         ("--engine-start-timeout", {**_F, "default": 300.0}),
+        ("--rollout-request-retries", {**_I, "default": 3,
+                                       "help": "resubmissions of a request whose engine died (after its restart)"}),
     ],
 }
 
+
+def dest(flag: str) -> str:
+    """argparse's attribute name for a flag: '--rollout-top-p' -> 'rollout_top_p'."""
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def _table_default(kwargs: dict):
+    return kwargs.get("default", False if kwargs.get("action") == "store_true" else None)
+
+
+DEFAULTS: dict[str, object] = {dest(flag): _table_default(kw) for entries in GROUPS.values() for flag, kw in entries}
+MULTI_VALUE = {dest(flag) for entries in GROUPS.values() for flag, kw in entries if "nargs" in kw}
+
+
+def config_value(name: str, value):
+    """A parsed flag value as the frozen configs hold it: multi-value flags become tuples (unset: ())."""
+    return tuple(value or ()) if name in MULTI_VALUE else value
+
+
+def default(name: str):
+    """The default of flag dest `name`, as the configs hold it; KeyError names a dest not in the table."""
+    if name not in DEFAULTS:
+        raise KeyError(f"{name!r} is not a flag dest in slime_spec/flags.py GROUPS")
+    return config_value(name, DEFAULTS[name])
+
+
 # Flags whose value slime-spec acts on. Others parse and are reported by `doctor` when set.
-HONOURED = {
+ACTED_ON = {
     "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine", "colocate",
     "hf_checkpoint", "load", "save", "ref_load", "save_interval",
     "prompt_data", "input_key", "label_key", "apply_chat_template", "rollout_shuffle", "rollout_seed", "rm_type",
@@ -232,13 +261,15 @@ HONOURED = {
     "mtp_num_layers", "enable_mtp_training", "mtp_loss_scaling_factor",
     "tensor_model_parallel_size",
     "config", "rollout_backend", "rollout_num_engines", "metrics_jsonl", "output_dir", "update_weight_buffer_size",
-    "weight_sync_transport", "check_weight_sync", "engine_start_timeout",
+    "weight_sync_transport", "check_weight_sync", "engine_start_timeout", "rollout_request_retries",
     # Model-shape flags: the trainer builds the model from config.json; these are checked against it.
     "swiglu", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
     "num_query_groups", "kv_channels", "use_rotary_position_embeddings", "rotary_base", "disable_bias_linear",
     "add_qkv_bias", "normalization", "norm_epsilon", "vocab_size", "untie_embeddings_and_output_weights",
     "max_position_embeddings",
 }
+
+
 
 # SGLang server flags the framework sets itself; a `--sglang-` form of these is refused.
 FRAMEWORK_OWNED_SGLANG = {

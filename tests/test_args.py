@@ -1,9 +1,12 @@
 import subprocess
-from pathlib import Path
+from dataclasses import fields
 
 import pytest
 
+from slime_spec import flags
 from slime_spec.args import ArgsError, parse, parse_config
+from slime_spec.config import (ClusterConfig, Config, RolloutConfig, TrainConfig, WandbConfig, WeightSyncConfig,
+                               resolve_transport)
 from tests.conftest import SHARED
 
 
@@ -118,3 +121,43 @@ def test_help_lists_framework_owned_flags():
     text = " ".join(build_parser().format_help().split())
     assert "--tp-size (set from --rollout-num-gpus-per-engine)" in text
     assert "--sglang-<flag>" in text
+
+
+SUB_CONFIGS = (ClusterConfig, RolloutConfig, TrainConfig, WeightSyncConfig, WandbConfig)
+
+
+def test_every_config_field_is_a_flag_dest():
+    """One name per setting: each field is the dest of the flag it comes from."""
+    sub_config_fields = {"cluster", "engine", "rollout", "train", "weight_sync", "wandb"}
+    for cls in (*SUB_CONFIGS, Config):
+        names = {f.name for f in fields(cls)} - sub_config_fields
+        assert names <= set(flags.DEFAULTS), f"{cls.__name__}: {sorted(names - set(flags.DEFAULTS))}"
+
+
+def test_config_defaults_are_the_flag_defaults():
+    config, _ = parse_config(["--hf-checkpoint", "/m", "--rollout-backend", "embedded"])
+    assert config.cluster == ClusterConfig()
+    assert config.rollout == RolloutConfig(hf_checkpoint="/m")
+    assert config.train == TrainConfig(hf_checkpoint="/m")
+    assert config.weight_sync == WeightSyncConfig()
+    assert config.wandb == WandbConfig()
+    assert config == Config(cluster=ClusterConfig(), engine=config.engine, rollout=RolloutConfig(hf_checkpoint="/m"),
+                            train=TrainConfig(hf_checkpoint="/m"), weight_sync=WeightSyncConfig(),
+                            wandb=WandbConfig())
+    assert config.engine.seed == flags.default("seed") == 1234
+    with pytest.raises(KeyError, match="not a flag dest"):
+        flags.default("max_concurrency")
+
+
+def test_derived_values():
+    base = ["--hf-checkpoint", "/m", "--rollout-backend", "embedded"]
+    config, _ = parse_config([*base, "--rollout-batch-size", "4", "--n-samples-per-prompt", "3", "--colocate",
+                              "--loss-type", "sft_loss", "--sglang-server-concurrency", "5"])
+    assert config.train.global_batch_size == 12
+    assert config.weight_sync.weight_sync_transport == "tensor"
+    assert config.train.loss_type == "sft"
+    assert config.rollout.sglang_server_concurrency == 5
+    config, _ = parse_config([*base, "--global-batch-size", "2", "--colocate", "--weight-sync-transport", "disk"])
+    assert config.train.global_batch_size == 2 and config.weight_sync.weight_sync_transport == "disk"
+    with pytest.raises(ValueError, match="--weight-sync-transport 'nccl': choose distributed, tensor or disk"):
+        resolve_transport("nccl", colocate=False)

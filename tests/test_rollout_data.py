@@ -7,7 +7,7 @@ from slime_spec.config import RolloutConfig
 from slime_spec.rollout.data import PromptDataset
 from slime_spec.rollout.debug_data import load_rollout, save_rollout
 from slime_spec.rollout.sample import Sample, SpecStats, Status
-from slime_spec.rollout.sampling import sampling_params
+from slime_spec.rollout.sampling_params import sampling_params
 
 
 class CharTokenizer:

@@ -8,7 +8,7 @@ from slime_spec.config import RolloutConfig
 from slime_spec.rollout.engine_actor import Engine, EngineHTTPError, parse_response
 from slime_spec.rollout.generate import default_generate
 from slime_spec.rollout.sample import Sample
-from slime_spec.rollout.sampling import sampling_params
+from slime_spec.rollout.sampling_params import sampling_params
 from slime_spec.sglang_contract import validate_payload
 
 ROUTE_STRUCTS = {

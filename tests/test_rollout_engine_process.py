@@ -7,7 +7,8 @@ import time
 import pytest
 import requests
 
-from slime_spec.rollout.engine_process import EngineStartError, ServerProcess, free_port
+from slime_spec.net import free_port
+from slime_spec.rollout.engine_process import EngineStartError, ServerProcess
 
 
 def _pid_alive(pid):
@@ -85,7 +86,8 @@ def test_server_dies_with_a_killed_parent(tmp_path):
     (root / "health").write_text("ok")
     parent_code = f"""
 import sys, time
-from slime_spec.rollout.engine_process import ServerProcess, free_port
+from slime_spec.net import free_port
+from slime_spec.rollout.engine_process import ServerProcess
 port = free_port()
 p = ServerProcess([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", {str(root)!r}],
                   url=f"http://127.0.0.1:{{port}}", log_path={str(tmp_path / "s.log")!r})

@@ -56,7 +56,7 @@ def managers(workdir):
     rollout = RolloutConfig(
         hf_checkpoint=str(workdir / "llama"), prompt_data=str(workdir / "prompts.jsonl"), label_key="label",
         rm_type="math", rollout_batch_size=BATCH, n_samples_per_prompt=N_SAMPLES, rollout_max_response_len=MAX_LEN,
-        max_concurrency=2, metrics_jsonl=str(workdir / "metrics.jsonl"),
+        sglang_server_concurrency=2, metrics_jsonl=str(workdir / "metrics.jsonl"),
         save_debug_rollout_data=str(workdir / "debug" / "rollout_{rollout_id}.pt"),
         custom_generate_function_path="rollout_fault_hook.generate_killing_engine")
     engine = EngineConfig(backend="embedded", model_path=str(workdir / "llama"),
@@ -67,7 +67,7 @@ def managers(workdir):
     bad_engine = EngineConfig(backend="embedded", model_path=str(workdir / "llama"),
                               forwarded_argv=("--speculative-algorithm", "NOT_AN_ALGORITHM"))
     bad = RolloutManagerActor.options(num_cpus=0).remote(
-        RolloutConfig(hf_checkpoint=str(workdir / "llama"), engine_start_timeout_s=120), bad_engine, 1,
+        RolloutConfig(hf_checkpoint=str(workdir / "llama"), engine_start_timeout=120), bad_engine, 1,
         log_dir=str(workdir / "bad_logs"))
     yield good, bad
     ray.get(good.shutdown.remote())

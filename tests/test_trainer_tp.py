@@ -51,7 +51,7 @@ def test_tp2_equals_tp1_forward_gather_and_train_step(ray_cluster, tmp_path):
     engine = EngineConfig("embedded", str(path), forwarded_argv=flags, server_args=EAGLE)
     config = Config(cluster=ClusterConfig(actor_num_nodes=1, actor_num_gpus_per_node=2), engine=engine,
                     rollout=RolloutConfig(hf_checkpoint=str(path)), train=TrainConfig(**kw, tensor_model_parallel_size=2),
-                    weight_sync=WeightSyncConfig(transport="distributed", check_weight_sync=True),
+                    weight_sync=WeightSyncConfig(weight_sync_transport="distributed", check_weight_sync=True),
                     wandb=WandbConfig(), output_dir=str(tmp_path / "out"))
     group = TrainGroup(config, use_gpu=False)
     server = engine_server_process(engine, log_path=tmp_path / "engine.log")

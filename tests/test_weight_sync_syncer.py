@@ -39,8 +39,9 @@ def make_server():
 
 def make_syncer(servers, transport, spec=NATIVE, check=True, buffer=4096, tmp_path=None, has_mtp=True):
     clients = [HttpEngineClient(s.url) for s in servers]
-    return WeightSyncer(clients, WeightSyncConfig(transport=transport, update_weight_buffer_size=buffer,
-                                                  check_weight_sync=check),
+    config = WeightSyncConfig(weight_sync_transport=transport, update_weight_buffer_size=buffer,
+                              check_weight_sync=check)
+    return WeightSyncer(clients, config,
                         hf_config=MIMO, hf_checkpoint=tmp_path / "ckpt" if tmp_path else "/nonexistent",
                         spec=spec, has_mtp_layers=has_mtp, transport=transport,
                         master_port=free_port() if transport == "distributed" else None,

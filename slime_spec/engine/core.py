@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
+from slime_spec.dtypes import canonical_dtype
 from slime_spec.engine import runners, sampling
-from slime_spec.engine.model import DTYPES, load_model
+from slime_spec.engine.model import load_model
 from slime_spec.engine.speculative import SpecConfig, make_drafter, validate_spec
 
 __all__ = ["EngineCore", "Output", "Request", "SamplingParams", "SpecConfig"]
@@ -122,8 +123,7 @@ class EngineCore:
         thread hand-off costs more than the tiny matmuls gain, else torch's default."""
         from transformers import AutoTokenizer
 
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+        dtype = canonical_dtype(dtype)  # refuses an unknown name before loading anything
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests={max_running_requests}: must be at least 1")
         self.device = torch.device(device)

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from slime_spec.dtypes import torch_dtype
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM")
 
 
@@ -46,7 +47,7 @@ class ModelArgs:
         arch = (config.get("architectures") or ["?"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architectures={config.get('architectures')}: the embedded engine runs "
-                             f"{SUPPORTED_ARCHITECTURES}; use --backend sglang for other models")
+                             f"{SUPPORTED_ARCHITECTURES}; use --rollout-backend sglang for other models")
         if config.get("rope_scaling") or (config.get("rope_parameters") or {}).get("rope_type", "default") != "default":
             raise ValueError("rope_scaling is not supported by the embedded engine; remove it from config.json")
         heads = config["num_attention_heads"]
@@ -241,13 +242,12 @@ def hf_weight_names(model: CausalLM) -> list[str]:
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> tuple[CausalLM, dict]:
     """Build the model from `path/config.json` and load every tensor of `path/*.safetensors` by HF name."""
     path = Path(path)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+    weight_dtype = torch_dtype(dtype)  # refuses an unknown name before any work
     config = json.loads((path / "config.json").read_text())
     args = ModelArgs.from_hf_config(config)
     with torch.device("meta"):
         model = CausalLM(args)
-    model = model.to_empty(device=device).to(DTYPES[dtype])
+    model = model.to_empty(device=device).to(weight_dtype)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     files = sorted(path.glob("*.safetensors"))

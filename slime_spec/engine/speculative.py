@@ -46,7 +46,7 @@ def validate_spec(spec: SpecConfig, has_mtp: bool) -> None:
     algo = spec.algorithm
     if algo == "EAGLE3":
         raise ValueError(f"{UNSUPPORTED} speculative_algorithm=EAGLE3 needs an EAGLE3 draft head, which the embedded "
-                         "engine does not run; use --backend sglang, or STANDALONE / NEXTN / NGRAM here")
+                         "engine does not run; use --rollout-backend sglang, or STANDALONE / NEXTN / NGRAM here")
     if algo not in ALGORITHMS:
         raise ValueError(f"speculative_algorithm={algo!r}: choose one of {[a for a in ALGORITHMS if a]} or none")
     if algo is None:
@@ -54,7 +54,8 @@ def validate_spec(spec: SpecConfig, has_mtp: bool) -> None:
     if algo in ("NEXTN", "EAGLE", "STANDALONE"):
         if spec.eagle_topk != 1:
             raise ValueError(f"{UNSUPPORTED} speculative_eagle_topk={spec.eagle_topk} (tree drafts) is not implemented "
-                             "by the embedded engine; use --speculative-eagle-topk 1 (chain) or --backend sglang")
+                             "by the embedded engine; use --speculative-eagle-topk 1 (chain) "
+                             "or --rollout-backend sglang")
         if spec.num_steps < 1:
             raise ValueError(f"speculative_num_steps={spec.num_steps}: must be at least 1")
         if spec.num_draft_tokens != spec.num_steps + 1:

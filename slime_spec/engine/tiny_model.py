@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from slime_spec.dtypes import DTYPES, canonical_dtype, torch_dtype
+
 ARCHS = ("llama", "qwen2", "mimo")
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -28,7 +30,6 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def full_vocab_size() -> int:
@@ -185,8 +186,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", mtp_layers: int = 
       1-layer draft sharing the target's embedding and lm_head, or a MiMo whose base is a given Qwen2).
     tie_word_embeddings: None = the family's usual choice (llama False, qwen2 True, mimo False).
     """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r}: choose one of {sorted(_DTYPES)}")
+    dtype = canonical_dtype(dtype)
     if arch == "mimo" and mtp_layers < 1:
         raise ValueError(f"mtp_layers={mtp_layers}: a mimo checkpoint needs at least one MTP layer")
     vocab_size = full_vocab_size() if vocab_size is None else int(vocab_size)
@@ -210,7 +210,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", mtp_layers: int = 
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}, indent=2))
-    save_file({k: t.to(_DTYPES[dtype]).contiguous() for k, t in weights.items()}, str(out / "model.safetensors"),
+    save_file({k: t.to(torch_dtype(dtype)).contiguous() for k, t in weights.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     write_tokenizer(out, vocab_size)
     return out
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--intermediate-size", type=int, default=128)
     p.add_argument("--max-position-embeddings", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--init-from", default=None, help="copy same-name, same-shape tensors from this checkpoint")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)

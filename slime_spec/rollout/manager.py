@@ -3,19 +3,19 @@
 One Ray actor (async). It starts `num_engines` `EngineActor`s (on GPUs: one per
 `rollout_num_gpus / num_gpus_per_engine` bundles of a placement group, as slime does; otherwise
 CPU engines), then for each rollout sends every sample's request straight to an engine URL over
-aiohttp: least-loaded engine first, at most `max_concurrency` in flight per engine. A request that
-fails on a dead engine restarts that engine (same argv) and is resubmitted; a request that keeps
-failing ends as an ABORTED sample carrying the error. The training loop uses `generate`,
-`eval`, `get_last_metrics`, `engines` / `engine_urls` (weight sync), `pause` / `resume`,
-`release_memory` / `resume_memory` (colocated), `shutdown`. With `--load-debug-rollout-data`
-no engine starts and `generate` replays the saved rollout.
+aiohttp: least-loaded engine first, at most `--sglang-server-concurrency` in flight per engine. A
+request that fails on a dead engine restarts that engine (same argv) and is resubmitted (up to
+`--rollout-request-retries` times); a request that keeps failing ends as an ABORTED sample
+carrying the error. The training loop uses `generate`, `eval`, `get_last_metrics`, `engines` /
+`engine_urls` (weight sync), `pause` / `resume`, `release_memory` / `resume_memory` (colocated),
+`shutdown`. With `--load-debug-rollout-data` no engine starts and `generate` replays the saved
+rollout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import dataclasses
 import importlib.util
 import os
@@ -30,16 +30,17 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm import tqdm
 
 from slime_spec.config import Config, EngineConfig, RolloutConfig, WandbConfig
+from slime_spec.net import free_port
 from slime_spec.rollout.data import PromptDataset
 from slime_spec.rollout.debug_data import load_rollout, save_rollout
 from slime_spec.rollout.engine_actor import EngineActor, EngineHTTPError
-from slime_spec.rollout.engine_process import ServerProcess, free_port
+from slime_spec.rollout.engine_process import ServerProcess
 from slime_spec.rollout.generate import EngineClient, GenerateFn, default_generate
 from slime_spec.rollout.metrics import WandbLogger, format_metrics_line, rollout_metrics, write_metrics_line
 from slime_spec.rollout.rewards import assign_reward, load_function, make_reward_fn
 from slime_spec.rollout.routing import Router
 from slime_spec.rollout.sample import Sample, Status
-from slime_spec.rollout.sampling import sampling_params
+from slime_spec.rollout.sampling_params import sampling_params
 
 DEFAULT_REQUEST_TIMEOUT_S = 1800.0
 # Failures that mean "this engine may be gone": check it, restart it if dead, resubmit.
@@ -128,7 +129,7 @@ class RolloutManager:
                              shuffle=r.rollout_shuffle, seed=r.rollout_seed)
 
     def _launch_engines(self, rollout_num_gpus: int, pg, bundle_indices: list[int] | None) -> None:
-        kwargs = dict(log_dir=self.log_dir, start_timeout_s=self.rollout.engine_start_timeout_s)
+        kwargs = dict(log_dir=self.log_dir, start_timeout_s=self.rollout.engine_start_timeout)
         try:
             if rollout_num_gpus:
                 self._launch_gpu_engines(rollout_num_gpus, pg, bundle_indices, kwargs)
@@ -144,7 +145,7 @@ class RolloutManager:
         # blocking get is intended (the constructor has no event loop to yield to): silence Ray's warning.
         os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"
         self.urls = ray.get([a.get_url.remote() for a in self.engine_actors])
-        self.router = Router(self.num_engines, self.rollout.max_concurrency)
+        self.router = Router(self.num_engines, self.rollout.sglang_server_concurrency)
         self._generation = [0] * self.num_engines  # bumped on every restart of an engine
         self._recover_locks = [asyncio.Lock() for _ in range(self.num_engines)]
         if self.rollout.use_sglang_router:
@@ -183,7 +184,7 @@ class RolloutManager:
             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
              "--worker-urls", *self.urls], url=f"http://127.0.0.1:{port}",
             log_path=Path(self.log_dir) / "sglang_router.log")
-        self._router_process.start(self.rollout.engine_start_timeout_s)
+        self._router_process.start(self.rollout.engine_start_timeout)
 
     # ---- what the training loop calls ----
     def engines(self) -> list:
@@ -320,7 +321,7 @@ class RolloutManager:
         return result
 
     async def _generate_one(self, sample: Sample, params: dict) -> Sample:
-        attempts = 1 + self.rollout.request_retries
+        attempts = 1 + self.rollout.rollout_request_retries
         errors = []
         for attempt in range(attempts):
             idx = await self.router.acquire()

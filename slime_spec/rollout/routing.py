@@ -1,4 +1,4 @@
-"""Least-loaded routing with a per-engine in-flight cap (`--max-concurrency` per engine)."""
+"""Least-loaded routing with a per-engine in-flight cap (`--sglang-server-concurrency`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def pick_engine(in_flight: list[int], available: list[bool], cap: int) -> int | 
 class Router:
     def __init__(self, num_engines: int, max_concurrency: int):
         if max_concurrency < 1:
-            raise ValueError(f"--max-concurrency={max_concurrency}: must be >= 1")
+            raise ValueError(f"--sglang-server-concurrency={max_concurrency}: must be >= 1")
         self.cap = max_concurrency
         self.in_flight = [0] * num_engines
         self.available = [True] * num_engines

@@ -6,7 +6,7 @@ engines; every rank takes part in a sync because gathering TP shards is collecti
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import ray
 
@@ -86,7 +86,7 @@ class TrainActor:
         self.syncer = WeightSyncer(
             [HttpEngineClient(u) for u in urls], weight_sync, hf_config=trainer.hf_config,
             hf_checkpoint=trainer.train.hf_checkpoint, spec=spec, has_mtp_layers=bool(trainer.train.mtp_num_layers),
-            transport=weight_sync.transport, colocate=colocate, master_address=address, master_port=port,
+            transport=weight_sync.weight_sync_transport, colocate=colocate, master_address=address, master_port=port,
             backend="nccl" if torch.cuda.is_available() else "gloo", engine_tp_size=engine_tp_size,
             disk_dir=disk_dir)
         self.canary = AcceptanceCanary(spec) if spec.uses_draft else None
@@ -114,10 +114,6 @@ class TrainActor:
             if self.canary.probe is not None:
                 metrics.update(self.canary.run(self.syncer.clients, "sync"))
         return metrics
-
-    def run(self, fn: Callable, *args, **kwargs) -> Any:
-        """fn(trainer, *args, **kwargs) inside this process (e.g. the weight sync's gather-and-send)."""
-        return fn(self._ready(), *args, **kwargs)
 
     def shutdown(self) -> None:
         from slime_spec.trainer.parallel import destroy_parallel

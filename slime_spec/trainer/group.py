@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
 
 import ray
 
@@ -82,10 +81,6 @@ class TrainGroup:
     def sync_weights(self, rollout_id: int, probe_samples: list[Sample] | None = None) -> dict:
         probe = [list(s.tokens) for s in probe_samples or [] if s.tokens]
         return self._all("sync_weights", rollout_id, probe)[0]
-
-    def run_all(self, fn: Callable, *args, **kwargs) -> list:
-        """fn(trainer, *args, **kwargs) on every actor (collective code such as a custom gather)."""
-        return self._all("run", fn, *args, **kwargs)
 
     def shutdown(self) -> None:
         if not self.actors:

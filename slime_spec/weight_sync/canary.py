@@ -77,10 +77,9 @@ class AcceptanceCanary:
     """Holds the fixed probe and the last reading; `run` after each sync and each resume."""
 
     def __init__(self, spec: SpecSetup, *, num_prompts: int = 4, max_new_tokens: int = 32,
-                 raise_on_collapse: bool = False, colocated: bool = False):
+                 colocated: bool = False):
         self.spec, self.num_prompts, self.max_new_tokens = spec, num_prompts, max_new_tokens
         self.colocated = colocated
-        self.raise_on_collapse = raise_on_collapse
         self.probe: list[list[int]] | None = None
         self.previous: float | None = None
         self.last_verdict: CanaryVerdict | None = None
@@ -100,8 +99,6 @@ class AcceptanceCanary:
                                                       self.colocated)  # the worst engine decides
         if verdict.level == "error":
             logger.error(verdict.message)
-            if self.raise_on_collapse:
-                raise RuntimeError(verdict.message)
         elif verdict.level == "warning":
             logger.warning(verdict.message)
         self.previous = length

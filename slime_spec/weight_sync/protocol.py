@@ -124,18 +124,18 @@ def plan_selectors(spec: SpecSetup, has_mtp_layers: bool, transport: Transport, 
         if not session and transport == "distributed":
             raise ValueError("this SGLang has no weight-update session, and its update_weights_from_distributed "
                              "loads the target only (sglang#27718): the MTP draft would never follow the policy. "
-                             "Use --transport tensor or disk, or upgrade SGLang to >= 0.5.23")
+                             "Use --weight-sync-transport tensor or disk, or upgrade SGLang to >= 0.5.23")
         return SelectorPlan("all", "all", "native MTP draft: MTP layers and the shared embedding/head "
                                           "must reach the draft runner")
     if transport == "disk":
-        raise ValueError(f"--transport disk with an external draft ({spec.algorithm}, draft path "
+        raise ValueError(f"--weight-sync-transport disk with an external draft ({spec.algorithm}, draft path "
                          f"{spec.draft_model_path!r}): /update_weights_from_disk has no selector and reloads "
                          "every runner from the target checkpoint, overwriting the draft (slime#1177). "
-                         "Use --transport distributed or tensor")
+                         "Use --weight-sync-transport distributed or tensor")
     if not session and transport == "tensor":
         raise ValueError("this SGLang has no `selector`, and its update_weights_from_tensor loads every runner: "
                          f"the external draft ({spec.algorithm}) would receive target tensors (slime#1177). "
-                         "Use --transport distributed, or upgrade SGLang to >= 0.5.23")
+                         "Use --weight-sync-transport distributed, or upgrade SGLang to >= 0.5.23")
     return SelectorPlan("target", None, f"external draft ({spec.algorithm}) is not trained: it keeps its own "
                                         "weights, target tensors go to the target runner only")
 

@@ -39,14 +39,14 @@ from typing import Iterable, Sequence
 import requests
 import torch
 
-from slime_spec.config import WeightSyncConfig
+from slime_spec.config import WeightSyncConfig, resolve_transport
+from slime_spec.dtypes import config_dtype, torch_dtype
 from slime_spec.weight_sync import protocol, verify
 from slime_spec.weight_sync.engine_client import EngineClient, EngineGroupError, post_all
 from slime_spec.weight_sync.gather import NamedTensor, make_buckets
 from slime_spec.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport
 
 logger = logging.getLogger(__name__)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class WeightSyncError(RuntimeError):
@@ -55,15 +55,6 @@ class WeightSyncError(RuntimeError):
     def __init__(self, message: str, engines_serve_previous_weights: bool):
         super().__init__(message)
         self.engines_serve_previous_weights = engines_serve_previous_weights
-
-
-def resolve_transport(requested: str | None, colocate: bool) -> protocol.Transport:
-    """The transport to use: as asked, else tensor when colocated and distributed when engines are separate."""
-    if requested is None:
-        return "tensor" if colocate else "distributed"
-    if requested not in ("distributed", "tensor", "disk"):
-        raise ValueError(f"--transport {requested!r}: choose distributed, tensor or disk")
-    return requested  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -135,10 +126,8 @@ class WeightSyncer:
     def _engine_dtype(self) -> torch.dtype | None:
         dtype = get_json(self.clients[0], "/get_server_info").get("dtype") or "auto"
         if dtype == "auto":
-            dtype = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32"
-        if dtype not in _DTYPES:
-            raise ValueError(f"engine dtype {dtype!r} is not one of {sorted(_DTYPES)}")
-        return _DTYPES[dtype]
+            dtype = config_dtype(self.hf_config) or "float32"
+        return torch_dtype(dtype)
 
     # ---- one sync ----
     def sync(self, tensors: Iterable[NamedTensor], weight_version: str | None = None) -> dict:

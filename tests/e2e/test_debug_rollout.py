@@ -30,7 +30,7 @@ def _config(tmp_path, model, spec_argv):
     rollout = RolloutConfig(hf_checkpoint=str(model), prompt_data=str(prompts), label_key="label",
                             rm_type="exact_match", num_rollout=NUM_ROLLOUT, rollout_batch_size=BATCH,
                             n_samples_per_prompt=N_SAMPLES, rollout_max_response_len=16, rollout_temperature=0.8,
-                            max_concurrency=2, metrics_jsonl=str(tmp_path / "metrics.jsonl"),
+                            sglang_server_concurrency=2, metrics_jsonl=str(tmp_path / "metrics.jsonl"),
                             save_debug_rollout_data=str(tmp_path / "data" / "rollout_{rollout_id}.pt"))
     return Config(cluster=ClusterConfig(rollout_num_engines=2),
                   engine=EngineConfig(backend="embedded", model_path=str(model), forwarded_argv=spec_argv),

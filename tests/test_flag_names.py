@@ -1,0 +1,71 @@
+"""Every `--flag` that slime_spec's messages, docstrings and argv lists name is a flag that exists.
+
+Exists means: in the flag table (`slime_spec/flags.py`), in the installed SGLang's own server parser
+(as `--x` for the engine command line and as `--sglang-x` on ours), an older SGLang spelling the CLI
+translates (`args.SGLANG_RENAMED`), or one of the few flags of the other tools listed below.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+from slime_spec.args import SGLANG_PREFIX, SGLANG_RENAMED, build_parser, sglang_parser
+
+PACKAGE = Path(__file__).resolve().parents[1] / "slime_spec"
+FLAG_TOKEN = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+# Flags of the other command lines slime-spec has or starts -> the module that defines or passes them.
+OTHER_TOOL_FLAGS = {
+    "--json": "doctor.py",  # slime-spec doctor
+    "--smoke": "demo.py",  # python -m slime_spec.demo
+    "--out": "demo.py",
+    "--no-frozen-baseline": "demo.py",
+    "--arch": "engine/tiny_model.py",  # slime-spec make-tiny-model
+    "--mtp-layers": "engine/tiny_model.py",
+    "--vocab": "engine/tiny_model.py",
+    "--num-heads": "engine/tiny_model.py",
+    "--num-kv-heads": "engine/tiny_model.py",
+    "--intermediate-size": "engine/tiny_model.py",
+    "--init-from": "engine/tiny_model.py",
+    "--worker-urls": "rollout/manager.py",  # sglang_router.launch_router, started for --use-sglang-router
+}
+
+
+def known_flags() -> set[str]:
+    ours = {opt for a in build_parser()._actions for opt in a.option_strings if opt.startswith("--")}
+    sglang = {opt for a in sglang_parser()._actions for opt in a.option_strings if opt.startswith("--")}
+    return ours | sglang | {SGLANG_PREFIX + o[2:] for o in sglang} | set(SGLANG_RENAMED) | set(OTHER_TOOL_FLAGS)
+
+
+def flag_tokens(path: Path):
+    """(line, token) for every `--flag` token in the string literals of one module (f-string parts included)."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            for token in FLAG_TOKEN.findall(node.value):
+                yield node.lineno, token
+
+
+def exists(token: str, known: set[str]) -> bool:
+    if token.endswith("-"):  # a family such as `--sglang-<flag>` or `--eval-*`
+        return any(k.startswith(token) for k in known)
+    return token in known
+
+
+def test_every_named_flag_exists():
+    known = known_flags()
+    missing = [f"slime_spec/{path.relative_to(PACKAGE)}:{line}: {token}"
+               for path in sorted(PACKAGE.rglob("*.py")) for line, token in flag_tokens(path)
+               if not exists(token, known)]
+    assert not missing, "flags named in slime_spec that no parser defines:\n" + "\n".join(missing)
+
+
+def test_other_tool_flags_are_still_used_where_listed():
+    for flag, module in OTHER_TOOL_FLAGS.items():
+        assert any(token == flag for _, token in flag_tokens(PACKAGE / module)), f"{flag} no longer in {module}"
+
+
+def test_scanner_catches_a_flag_that_does_not_exist(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('raise ValueError(f"--transport {x!r}: use --weight-sync-transport tensor")\n')
+    known = known_flags()
+    assert [t for _, t in flag_tokens(bad) if not exists(t, known)] == ["--transport"]
