@@ -132,6 +132,7 @@ def test_every_config_field_is_a_flag_dest():
     for cls in (*SUB_CONFIGS, Config):
         names = {f.name for f in fields(cls)} - sub_config_fields
         assert names <= set(flags.DEFAULTS), f"{cls.__name__}: {sorted(names - set(flags.DEFAULTS))}"
+    assert flags.ACTED_ON <= set(flags.DEFAULTS) and set(flags.MODEL_SHAPE_FLAGS) <= set(flags.DEFAULTS)
 
 
 def test_config_defaults_are_the_flag_defaults():
