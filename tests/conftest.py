@@ -8,7 +8,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+# SGLANG_ARGS examples as users write them, carried by the repository (tests read nothing outside it).
+EXAMPLES = Path(__file__).resolve().parent / "data" / "examples"
 
 
 def write_config(dir_: Path, **fields) -> Path:

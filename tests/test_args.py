@@ -7,12 +7,12 @@ from slime_spec import flags
 from slime_spec.args import ArgsError, parse, parse_config
 from slime_spec.config import (ClusterConfig, Config, RolloutConfig, TrainConfig, WandbConfig, WeightSyncConfig,
                                resolve_transport)
-from tests.conftest import SHARED
+from tests.conftest import EXAMPLES
 
 
 def sglang_args_of(example: str) -> list[str]:
-    """Expand a shared SGLANG_ARGS=( ... ) example exactly as bash does."""
-    script = (SHARED / "examples" / example).read_text() + '\nprintf "%s\\n" "${SGLANG_ARGS[@]}"\n'
+    """Expand an SGLANG_ARGS=( ... ) example exactly as bash does."""
+    script = (EXAMPLES / example).read_text() + '\nprintf "%s\\n" "${SGLANG_ARGS[@]}"\n'
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
     return out.splitlines()
 
