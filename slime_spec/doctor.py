@@ -81,6 +81,18 @@ def flag_findings(parsed: ParsedArgs) -> list[Finding]:
     return out
 
 
+def embedded_flag_findings(config: Config) -> list[Finding]:
+    """Backend embedded: the forwarded SGLang flags its server would refuse at start, found before launch."""
+    if config.engine.backend != "embedded":
+        return []
+    from slime_spec.engine.server_args import classify_flags, defaults_of, option_names, sglang_parser
+
+    parser = sglang_parser()
+    names = {dest: "--sglang-" + opt[2:] for dest, opt in option_names(parser).items()}
+    refused = classify_flags(config.engine.server_args, defaults_of(parser), names).refused
+    return [Rule.EMBEDDED_FLAG_REFUSED.finding(flags="; ".join(refused))] if refused else []
+
+
 def engine_argvs(config: Config) -> list[dict]:
     return [{"index": i, "backend": config.engine.backend,
              "argv": config.engine.server_argv("127.0.0.1", 30000 + i, base_gpu_id=i * config.engine.num_gpus_per_engine,
@@ -108,7 +120,7 @@ def diagnose(parsed: ParsedArgs) -> tuple[Config | None, list[Finding]]:
         max_response_len=config.rollout.rollout_max_response_len, model_flags=model_flags,
         debug_rollout_only=config.debug_rollout_only, colocate=config.cluster.colocate,
     ), F.MODEL_SHAPE_FLAGS)
-    findings += flag_findings(parsed)
+    findings += flag_findings(parsed) + embedded_flag_findings(config)
     if config.engine.backend == "embedded" and parsed.namespace.rollout_backend is None:
         findings.append(Rule.BACKEND_EMBEDDED.finding())
     return config, findings

@@ -99,7 +99,7 @@ class Rule(Enum):
         "{sg}speculative-num-draft-tokens {need} or more")
     SPEC_TREE_PAGE_SIZE = _Entry(
         "SPEC_TOPK_TOKENS", "error",
-        "top-k {topk} > 1 with {sg}page-size {page} is only supported by the {backends} attention backend(s); "
+        "{what} > 1 with {sg}page-size {page} is only supported by the {backends} attention backend(s); "
         "SGLang refuses {backend}",
         "{sg}page-size 1 or {sg}attention-backend {suggested}")
     SPEC_NGRAM_TOO_FEW = _Entry(

@@ -342,4 +342,5 @@ def check_resolved(config: SpecConfig, *, target_config: dict | None, backend: s
         raise SpecError("; ".join(map(str, bad)))
     if resolved != config:
         why = "; ".join(map(str, findings)) or f"it resolves to {resolved}"
-        raise SpecError(f"{config} is not resolved: {why}. Build it with slime_spec.spec.resolve()")
+        raise SpecError(f"speculative settings {config.server_args()} are not resolved: {why}. Build them with "
+                        "slime_spec.spec.resolve()")
