@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
+from slime_spec.spec import resolve_or_raise
 from slime_spec.engine.tiny_model import CHARACTERS, full_vocab_size, make_tiny_model
 
 REPETITIVE = ["the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat",
@@ -77,7 +78,7 @@ def sync(device_type: str) -> None:
         torch.cuda.synchronize()
 
 
-def engine_rows(name: str, regime: str, model: Path, spec: SpecConfig, prompt_sets: dict, batches: list[int],
+def engine_rows(name: str, regime: str, model: Path, spec: SpecConfig | None, prompt_sets: dict, batches: list[int],
                 max_new: int, device: str, dtype: str, repeats: int) -> list[Row]:
     core = EngineCore(str(model), spec, dtype=dtype, device=device, max_running_requests=max(batches))
     run_engine(core, batch_of(next(iter(prompt_sets.values())), 2), 8, "warmup")
@@ -174,13 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     prompt_sets = {"random": random_prompts(32, 48, seed=0), "repetitive": REPETITIVE}
     repeats = a.repeats or (1 if a.quick else 3 if a.device == "cuda" else 2)
     eng = dict(prompt_sets=prompt_sets, batches=batches, max_new=max_new, device=a.device, dtype=dtype, repeats=repeats)
-    rows = engine_rows("plain", "-", target, SpecConfig(), **eng)
+    rows = engine_rows("plain", "-", target, None, **eng)
     base = {(r.prompts, r.batch): r.tokens_per_s for r in rows}
     rows += engine_rows("STANDALONE", "draft == target", target,
-                        SpecConfig("STANDALONE", 3, 1, 4, draft_model_path=str(target)), **eng)
-    rows += engine_rows("NGRAM", "ngram", target, SpecConfig("NGRAM", num_steps=3, num_draft_tokens=4), **eng)
+                        SpecConfig("STANDALONE", 3, 1, 4, speculative_draft_model_path=str(target)), **eng)
+    rows += engine_rows("NGRAM", "ngram", target, resolve_or_raise({"speculative_algorithm": "NGRAM",
+                                                                  "speculative_num_draft_tokens": 4}), **eng)
     rows += engine_rows("STANDALONE", "anti-draft", target,
-                        SpecConfig("STANDALONE", 3, 1, 4, draft_model_path=str(anti)), **eng)
+                        SpecConfig("STANDALONE", 3, 1, 4, speculative_draft_model_path=str(anti)), **eng)
     rows += engine_rows("EAGLE (MTP)", "random draft", mimo, SpecConfig("EAGLE", 3, 1, 4), **eng)
     if not a.no_transformers:
         rows += hf_rows(target, prompt_sets, batches, max_new, a.device, dtype, repeats)

@@ -14,7 +14,8 @@ from pathlib import Path
 from slime_spec import flags as F
 from slime_spec.args import ArgsError, ParsedArgs, parse, sglang_version, to_config
 from slime_spec.config import Config
-from slime_spec.spec_check import CheckInput, Finding, run_checks
+from slime_spec.doctor_codes import Finding, Rule
+from slime_spec.spec_check import CheckInput, run_checks
 
 DISPLAY_PYTHON = "python3"
 
@@ -26,11 +27,9 @@ def read_hf_config(path: str | None, what: str) -> tuple[dict | None, list[Findi
     try:
         return json.loads(cfg_path.read_text()), []
     except FileNotFoundError:
-        return None, [Finding("error", "CONFIG_UNREADABLE", f"{what}: {cfg_path} does not exist",
-                              f"point the flag at a local HF model directory containing config.json")]
+        return None, [Rule.CONFIG_MISSING.finding(what=what, path=cfg_path)]
     except (OSError, json.JSONDecodeError) as e:
-        return None, [Finding("error", "CONFIG_UNREADABLE", f"{what}: cannot read {cfg_path} ({e})",
-                              "fix or re-download the checkpoint's config.json")]
+        return None, [Rule.CONFIG_BROKEN.finding(what=what, path=cfg_path, error=e)]
 
 
 def longest_prompt_tokens(config: Config) -> tuple[int | None, list[Finding]]:
@@ -39,10 +38,9 @@ def longest_prompt_tokens(config: Config) -> tuple[int | None, list[Finding]]:
     if not r.prompt_data:
         return None, []
     if not Path(r.prompt_data).is_file():
-        return None, [Finding("error", "PROMPT_DATA_UNREADABLE", f"--prompt-data {r.prompt_data} does not exist",
-                              "pass a local JSONL file")]
+        return None, [Rule.PROMPT_DATA_MISSING.finding(path=r.prompt_data)]
     if not (Path(r.hf_checkpoint) / "tokenizer_config.json").exists() and not (Path(r.hf_checkpoint) / "tokenizer.json").exists():
-        return None, [Finding("info", "PROMPT_LENGTH_UNCHECKED", "no tokenizer next to --hf-checkpoint; prompt lengths not checked", "")]
+        return None, [Rule.PROMPT_LENGTH_UNCHECKED.finding()]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(r.hf_checkpoint)
@@ -54,9 +52,7 @@ def longest_prompt_tokens(config: Config) -> tuple[int | None, list[Finding]]:
             try:
                 prompt = json.loads(line)[r.input_key]
             except (json.JSONDecodeError, KeyError) as e:
-                return None, [Finding("error", "PROMPT_DATA_UNREADABLE",
-                                      f"--prompt-data line {line_no}: no {r.input_key!r} field or bad JSON ({e})",
-                                      "fix the line or set --input-key to the prompt's field name")]
+                return None, [Rule.PROMPT_DATA_BAD_LINE.finding(line=line_no, key=r.input_key, error=e)]
             if r.apply_chat_template:
                 messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
                 ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
@@ -72,21 +68,29 @@ def longest_prompt_tokens(config: Config) -> tuple[int | None, list[Finding]]:
 def flag_findings(parsed: ParsedArgs) -> list[Finding]:
     out = []
     for dest in sorted(parsed.set_flags - F.ACTED_ON):
-        out.append(Finding("info", "FLAG_NOT_HONOURED",
-                           f"--{dest.replace('_', '-')} is parsed for slime compatibility but slime-spec does not act on it yet",
-                           ""))
+        out.append(Rule.FLAG_NOT_HONOURED.finding(flag=f"--{dest.replace('_', '-')}"))
     for old, new in parsed.renamed:
-        out.append(Finding("warning", "SGLANG_FLAG_RENAMED",
-                           f"{old} does not exist in SGLang {sglang_version()}; it was renamed and is forwarded as {new}",
-                           f"write {new} in SGLANG_ARGS"))
+        out.append(Rule.SGLANG_FLAG_RENAMED.finding(old=old, new=new, version=sglang_version()))
     known = [opt for _, entries in F.GROUPS.items() for opt, _ in entries]
     import difflib
 
     for flag in parsed.unknown_flags:
         close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
-        out.append(Finding("warning", "UNKNOWN_FLAG", f"{flag} is not a slime/Megatron flag slime-spec knows; ignored",
-                           f"did you mean {close[0]}?" if close else "remove it if it is a typo"))
+        out.append(Rule.UNKNOWN_FLAG.finding(flag=flag, hint=f"did you mean {close[0]}?" if close
+                                             else "remove it if it is a typo"))
     return out
+
+
+def embedded_flag_findings(config: Config) -> list[Finding]:
+    """Backend embedded: the forwarded SGLang flags its server would refuse at start, found before launch."""
+    if config.engine.backend != "embedded":
+        return []
+    from slime_spec.engine.server_args import classify_flags, defaults_of, option_names, sglang_parser
+
+    parser = sglang_parser()
+    names = {dest: "--sglang-" + opt[2:] for dest, opt in option_names(parser).items()}
+    refused = classify_flags(config.engine.server_args, defaults_of(parser), names).refused
+    return [Rule.EMBEDDED_FLAG_REFUSED.finding(flags="; ".join(refused))] if refused else []
 
 
 def engine_argvs(config: Config) -> list[dict]:
@@ -100,7 +104,7 @@ def diagnose(parsed: ParsedArgs) -> tuple[Config | None, list[Finding]]:
     try:
         config = to_config(parsed)
     except ArgsError as e:
-        return None, [Finding("error", "ARGS_ERROR", str(e), "")]
+        return None, [Rule.ARGS_ERROR.finding(error=e)]
     findings: list[Finding] = []
     target, f1 = read_hf_config(config.engine.model_path, "--hf-checkpoint")
     draft_path = config.engine.server_args.get("speculative_draft_model_path")
@@ -116,11 +120,9 @@ def diagnose(parsed: ParsedArgs) -> tuple[Config | None, list[Finding]]:
         max_response_len=config.rollout.rollout_max_response_len, model_flags=model_flags,
         debug_rollout_only=config.debug_rollout_only, colocate=config.cluster.colocate,
     ), F.MODEL_SHAPE_FLAGS)
-    findings += flag_findings(parsed)
+    findings += flag_findings(parsed) + embedded_flag_findings(config)
     if config.engine.backend == "embedded" and parsed.namespace.rollout_backend is None:
-        findings.append(Finding("info", "BACKEND_EMBEDDED",
-                                "no CUDA GPU with a full SGLang here: engines use the embedded backend",
-                                "on a GPU node the same flags start sglang.launch_server"))
+        findings.append(Rule.BACKEND_EMBEDDED.finding())
     return config, findings
 
 
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         parsed = parse(argv)
         config, findings = diagnose(parsed)
     except ArgsError as e:
-        config, findings = None, [Finding("error", "ARGS_ERROR", str(e), "")]
+        config, findings = None, [Rule.ARGS_ERROR.finding(error=e)]
     engines = engine_argvs(config) if config is not None else []
     if as_json:
         print(json.dumps({"sglang_version": sglang_version(), "findings": [f.to_dict() for f in findings],

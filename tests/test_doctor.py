@@ -57,3 +57,12 @@ def test_text_output(capsys, mimo7b):
 def test_help_exits_zero(capsys):
     assert main(["--help"]) == 0
     assert "--sglang-<flag>" in capsys.readouterr().out
+
+
+def test_embedded_backend_refusals_are_found_before_launch(capsys, mimo7b):
+    rc, out = run(capsys, "--hf-checkpoint", str(mimo7b), "--rollout-backend", "embedded",
+                  "--sglang-quantization", "fp8", "--sglang-mem-fraction-static", "0.7")
+    f = next(f for f in out["findings"] if f["code"] == "EMBEDDED_FLAG_REFUSED")
+    assert rc == 2 and "--sglang-quantization='fp8'" in f["message"] and "mem-fraction" not in f["message"]
+    rc, out = run(capsys, "--hf-checkpoint", str(mimo7b), "--rollout-backend", "sglang", "--sglang-quantization", "fp8")
+    assert "EMBEDDED_FLAG_REFUSED" not in {f["code"] for f in out["findings"]}

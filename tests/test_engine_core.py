@@ -5,6 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
+from slime_spec.spec import resolve_or_raise
 from slime_spec.engine.tiny_model import make_tiny_model
 
 
@@ -34,7 +35,7 @@ def greedy(rid, ids, n=40, **kw):
 
 @pytest.fixture(scope="module")
 def engine(ckpts):
-    return EngineCore(str(ckpts["llama"]), SpecConfig(), max_running_requests=4, context_length=128)
+    return EngineCore(str(ckpts["llama"]), None, max_running_requests=4, context_length=128)
 
 
 def test_length_stop_string_and_stop_token(engine):
@@ -85,7 +86,7 @@ def test_bad_requests_are_rejected_with_clear_errors(engine):
 
 
 def test_abort_running_and_waiting(ckpts):
-    engine = EngineCore(str(ckpts["llama"]), SpecConfig(), max_running_requests=2)
+    engine = EngineCore(str(ckpts["llama"]), None, max_running_requests=2)
     for i in range(3):
         engine.add_request(greedy(f"r{i}", [5, 6, 7 + i], n=30, ignore_eos=True))
     engine.step()
@@ -100,13 +101,13 @@ def test_abort_running_and_waiting(ckpts):
 def test_sampling_is_seeded_and_top_k_1_is_greedy(ckpts):
     outs = []
     for _ in range(2):
-        engine = EngineCore(str(ckpts["llama"]), SpecConfig(), seed=5)
+        engine = EngineCore(str(ckpts["llama"]), None, seed=5)
         reqs = [Request(f"s{i}", [5, 6, 7], SamplingParams(temperature=1.0, top_k=3, max_new_tokens=20,
                                                            ignore_eos=True), return_logprob=True) for i in range(4)]
         outs.append(run(engine, *reqs))
     assert all(outs[0][r].output_ids == outs[1][r].output_ids for r in outs[0])
     assert len({tuple(o.output_ids) for o in outs[0].values()}) > 1
-    engine = EngineCore(str(ckpts["llama"]), SpecConfig())
+    engine = EngineCore(str(ckpts["llama"]), None)
     top1 = Request("t", [5, 6, 7], SamplingParams(temperature=1.0, top_k=1, max_new_tokens=20, ignore_eos=True))
     plain = run(engine, greedy("g", [5, 6, 7], n=20, ignore_eos=True))["g"]
     assert run(engine, top1)["t"].output_ids == plain.output_ids
@@ -166,7 +167,7 @@ def test_selectors_reach_the_runners_sglang_would(ckpts):
     mimo.load_weights([("model.embed_tokens.weight", torch.ones_like(draft["model.embed_tokens.weight"]))], "draft")
     assert float(mimo.named_weights("target")["model.embed_tokens.weight"].min()) == 1.0
 
-    qwen = EngineCore(str(ckpts["qwen2"]), SpecConfig())
+    qwen = EngineCore(str(ckpts["qwen2"]), None)
     assert "lm_head.weight" not in qwen.named_weights("all")  # tied, as in the checkpoint
     emb = qwen.named_weights("target")["model.embed_tokens.weight"].clone()
     qwen.load_weights([("lm_head.weight", torch.zeros_like(emb))])  # skipped for a tied model, as SGLang does
@@ -174,7 +175,7 @@ def test_selectors_reach_the_runners_sglang_would(ckpts):
 
 
 def test_release_and_resume_memory(ckpts):
-    engine = EngineCore(str(ckpts["llama"]), SpecConfig("NGRAM", num_draft_tokens=3))
+    engine = EngineCore(str(ckpts["llama"]), resolve_or_raise({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 3}))
     ids = engine.tokenizer("memory memory memory")["input_ids"]
     before = run(engine, greedy("m0", ids, ignore_eos=True))["m0"]
     engine.add_request(greedy("busy", ids))
@@ -194,7 +195,7 @@ def test_release_and_resume_memory(ckpts):
 
 
 def test_non_finite_logits_finish_the_request_not_the_engine(ckpts):
-    for spec in (SpecConfig(), SpecConfig("NGRAM", num_draft_tokens=3)):
+    for spec in (None, resolve_or_raise({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 3})):
         engine = EngineCore(str(ckpts["llama"]), spec)
         norm = engine.named_weights("target")["model.norm.weight"].clone()
         engine.add_request(greedy("ok", [5, 6, 7], n=5, ignore_eos=True))

@@ -1,11 +1,14 @@
 """The embedded server's flag handling: SGLang's parser, the honoured/ignored/refused table, resolution."""
 
+import dataclasses
+
 import pytest
 
-from slime_spec.engine.server_args import (HONOURED, PERFORMANCE_ONLY, REFUSAL_REASONS, ServerArgsError,
+from slime_spec.engine.server_args import (IMPLEMENTED, PERFORMANCE_ONLY, REFUSAL_REASONS, ServerArgsError,
                                            classify_flags, defaults_of, option_names, parse_server_args,
-                                           resolve_device, resolve_dtype, resolve_spec, sglang_parser)
+                                           resolve_device, resolve_dtype, sglang_parser)
 from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.spec import SpecConfig
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +28,7 @@ def llama(tmp_path_factory):
 
 def test_every_table_entry_is_a_real_sglang_flag(parser):
     dests = set(defaults_of(parser))
-    for table in (HONOURED, PERFORMANCE_ONLY, set(REFUSAL_REASONS)):
+    for table in (IMPLEMENTED, PERFORMANCE_ONLY, set(REFUSAL_REASONS)):
         assert table - dests == set()
 
 
@@ -49,24 +52,6 @@ def test_tp_size_must_be_one_and_unknown_flags_are_refused():
     assert "not implemented by the embedded engine" in report.refused[1]
 
 
-def test_resolve_spec_follows_sglang():
-    assert resolve_spec(None, None, None, None, None, 18, "MiMoForCausalLM").algorithm is None
-    eagle = resolve_spec("eagle", None, None, None, None, 18, "MiMoForCausalLM")
-    assert (eagle.algorithm, eagle.num_steps, eagle.eagle_topk, eagle.num_draft_tokens) == ("EAGLE", 3, 1, 4)
-    llama = resolve_spec("EAGLE", None, None, None, None, 18, "LlamaForCausalLM")
-    assert (llama.num_steps, llama.eagle_topk, llama.num_draft_tokens) == (5, 4, 8)
-    chain = resolve_spec("NEXTN", 2, 1, 7, None, 18, "MiMoForCausalLM")
-    assert chain.num_draft_tokens == 3  # SGLang adjusts a chain to num_steps + 1
-    ngram = resolve_spec("NGRAM", None, None, None, None, 6, "LlamaForCausalLM")
-    assert (ngram.num_draft_tokens, ngram.num_steps, ngram.ngram_max_trie_depth) == (12, 11, 6)
-    with pytest.raises(ServerArgsError, match="needs --speculative-draft-model-path"):
-        resolve_spec("STANDALONE", None, None, None, None, 18, "LlamaForCausalLM")
-    with pytest.raises(ServerArgsError, match="SPEC_UNSUPPORTED_BY_BACKEND"):
-        resolve_spec("DFLASH", None, None, None, None, 18, "LlamaForCausalLM")
-    with pytest.raises(ServerArgsError, match="together"):
-        resolve_spec("EAGLE", None, 1, None, None, 18, "MiMoForCausalLM")
-
-
 def test_resolve_dtype_and_device():
     assert resolve_dtype("auto", "cpu", "bfloat16") == "float32"
     assert resolve_dtype("auto", "cuda", "float32") == "float16"
@@ -84,13 +69,15 @@ def test_parse_server_args(mimo, parser):
                               "--speculative-num-draft-tokens", "3", "--mem-fraction-static", "0.6",
                               "--random-seed", "7"], cuda_available=False)
     assert (args.host, args.port, args.device, args.dtype, args.random_seed) == ("127.0.0.1", 1234, "cpu", "float32", 7)
-    assert (args.spec.algorithm, args.spec.num_steps, args.spec.num_draft_tokens) == ("NEXTN", 2, 3)
+    spec = args.spec  # NEXTN is SGLang's alias of EAGLE
+    assert (spec.speculative_algorithm, spec.speculative_num_steps, spec.speculative_num_draft_tokens) == ("EAGLE", 2, 3)
     assert args.api_key == "k" and "api_key" not in args.sglang_args
     assert args.ignored_flags == ("--mem-fraction-static=0.6",)
     assert option_names(parser)["speculative_draft_model_path"] == "--speculative-draft-model-path"
     same = parse_server_args(["--model-path", str(mimo), "--speculative-algorithm", "EAGLE",
                               "--speculative-draft-model", str(mimo)], cuda_available=False)
-    assert same.spec.draft_model_path is None  # the target's own MTP layers, named by path
+    assert same.spec.speculative_draft_model_path is None  # the target's own MTP layers, named by path
+    assert same.sglang_args["speculative_draft_model_path"] == str(mimo)  # as the user wrote it
 
 
 def test_parse_refuses_result_changing_flags_all_at_once(mimo):
@@ -109,16 +96,20 @@ def test_engine_refuses_what_it_cannot_draft(llama, mimo):
     from slime_spec.engine.__main__ import make_core_factory
     from slime_spec.engine.server_loop import EngineLoop
 
-    # eagle_topk > 1 is a tree draft, which the embedded engine does not implement: refused at start.
-    args = parse_server_args(["--model-path", str(llama), "--speculative-algorithm", "STANDALONE",
-                              "--speculative-draft-model-path", str(llama), "--speculative-num-steps", "2",
-                              "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4"],
-                             cuda_available=False)
-    with pytest.raises(ValueError, match="SPEC_UNSUPPORTED_BY_BACKEND"):
-        EngineLoop(make_core_factory(args)).start()
-    args = parse_server_args(["--model-path", str(mimo), "--speculative-algorithm", "EAGLE3"], cuda_available=False)
-    with pytest.raises(ValueError, match="SPEC_UNSUPPORTED_BY_BACKEND"):
-        EngineLoop(make_core_factory(args)).start()
+    # eagle_topk > 1 is a tree draft, which the embedded engine does not implement: refused while parsing the
+    # flags (spec.resolve), before a model loads.
+    with pytest.raises(ServerArgsError, match="SPEC_UNSUPPORTED_BY_BACKEND"):
+        parse_server_args(["--model-path", str(llama), "--speculative-algorithm", "STANDALONE",
+                           "--speculative-draft-model-path", str(llama), "--speculative-num-steps", "2",
+                           "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4"],
+                          cuda_available=False)
+    with pytest.raises(ServerArgsError, match="SPEC_UNSUPPORTED_BY_BACKEND"):
+        parse_server_args(["--model-path", str(mimo), "--speculative-algorithm", "EAGLE3"], cuda_available=False)
+    # A SpecConfig that did not come from spec.resolve is checked again by the engine at start.
+    args = parse_server_args(["--model-path", str(mimo)], cuda_available=False)
+    for bad in (SpecConfig("EAGLE3", 3, 1, 4, str(mimo)), SpecConfig("EAGLE", 2, 2, 4)):
+        with pytest.raises(ValueError, match="SPEC_UNSUPPORTED_BY_BACKEND"):
+            EngineLoop(make_core_factory(dataclasses.replace(args, spec=bad))).start()
 
 
 def test_server_refuses_to_start_with_a_harmful_flag(mimo, capsys):

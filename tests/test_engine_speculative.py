@@ -1,9 +1,12 @@
 """Speculative decoding in the embedded engine: lossless greedy, target-distributed sampling, MTP wiring."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
+from slime_spec.spec import resolve_or_raise
 from slime_spec.engine.model import load_model
 from slime_spec.engine.tiny_model import make_tiny_model
 from slime_spec.engine.sampling import chi_square_pvalue
@@ -50,26 +53,33 @@ def make_requests(tok, temps=None, logprob=False):
     return reqs
 
 
+def ngram(draft_tokens: int) -> SpecConfig:
+    return resolve_or_raise({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": draft_tokens})
+
+
 SPECS = {
     "llama": [SpecConfig("STANDALONE", 3, 1, 4, "{llama}"), SpecConfig("STANDALONE", 2, 1, 3, "{draft}"),
-              SpecConfig("NGRAM", num_draft_tokens=5), SpecConfig("NGRAM", num_draft_tokens=2)],
+              ngram(5), ngram(2)],
     "mimo": [SpecConfig("NEXTN", 3, 1, 4), SpecConfig("EAGLE", 1, 1, 2), SpecConfig("EAGLE", 4, 1, 5)],
 }
 
 
 def _spec(ckpts, spec):
-    path = spec.draft_model_path.format(**{k: str(v) for k, v in ckpts.items()}) if spec.draft_model_path else None
-    return SpecConfig(spec.algorithm, spec.num_steps, spec.eagle_topk, spec.num_draft_tokens, path)
+    if spec is None:
+        return None
+    path = spec.speculative_draft_model_path
+    return dataclasses.replace(spec, speculative_draft_model_path=path.format(**{k: str(v) for k, v in ckpts.items()})
+                               if path else None)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mimo"])
 def test_greedy_output_is_identical_with_every_algorithm(ckpts, arch):
-    base_engine = EngineCore(str(ckpts[arch]), SpecConfig(), max_running_requests=4)
+    base_engine = EngineCore(str(ckpts[arch]), None, max_running_requests=4)
     tok = base_engine.tokenizer
     base = generate(base_engine, make_requests(tok))
     # Batching itself is invisible: each request alone gives the same tokens.
     for i in (1, 4, 11):
-        alone = generate(EngineCore(str(ckpts[arch]), SpecConfig()), [make_requests(tok)[i]])
+        alone = generate(EngineCore(str(ckpts[arch]), None), [make_requests(tok)[i]])
         assert alone[f"r{i}"].output_ids == base[f"r{i}"].output_ids
     for spec in SPECS[arch]:
         engine = EngineCore(str(ckpts[arch]), _spec(ckpts, spec), max_running_requests=4)
@@ -80,9 +90,10 @@ def test_greedy_output_is_identical_with_every_algorithm(ckpts, arch):
                 assert o.output_ids == outs[rid].output_ids, (spec, rid)
                 assert o.finish_reason == outs[rid].finish_reason
         spec_outs = [o for o in outs.values() if o.spec_verify_ct]
-        assert spec_outs and all(o.spec_draft_token_num == o.spec_verify_ct * spec.num_draft_tokens - o.spec_verify_ct
+        assert spec_outs and all(o.spec_draft_token_num
+                                 == o.spec_verify_ct * spec.speculative_num_draft_tokens - o.spec_verify_ct
                                  for o in spec_outs)
-        assert 1.0 <= engine.avg_spec_accept_length <= spec.num_draft_tokens
+        assert 1.0 <= engine.avg_spec_accept_length <= spec.speculative_num_draft_tokens
 
 
 def test_draft_equal_to_target_accepts_everything(ckpts):
@@ -204,13 +215,12 @@ def _exact_marginals(path, prompt, temperature):
     return joint2.sum(0), (joint2[..., None] * p3).sum((0, 1))
 
 
-@pytest.mark.parametrize("spec", [SpecConfig("STANDALONE", 2, 1, 3, "v16_draft"),
-                                  SpecConfig("NGRAM", num_draft_tokens=3)])
+@pytest.mark.parametrize("spec", [SpecConfig("STANDALONE", 2, 1, 3, "v16_draft"), ngram(3)])
 def test_speculative_sampling_follows_the_target_distribution(ckpts, spec):
     prompt, temperature, n = [5, 6, 7, 5, 6], 1.3, 3000
     path = str(ckpts["v16"])
-    draft = str(ckpts[spec.draft_model_path]) if spec.draft_model_path else None
-    engine = EngineCore(path, SpecConfig(spec.algorithm, spec.num_steps, 1, spec.num_draft_tokens, draft),
+    draft = str(ckpts[spec.speculative_draft_model_path]) if spec.speculative_draft_model_path else None
+    engine = EngineCore(path, dataclasses.replace(spec, speculative_draft_model_path=draft),
                         max_running_requests=64, seed=0)
     params = SamplingParams(temperature=temperature, max_new_tokens=3, ignore_eos=True)
     for i in range(n):
@@ -244,13 +254,13 @@ def test_unsupported_algorithms_are_rejected_with_the_backend_code(ckpts):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_matches_cpu_for_every_algorithm(ckpts):
-    cpu = EngineCore(str(ckpts["llama"]), SpecConfig(), max_running_requests=4)
+    cpu = EngineCore(str(ckpts["llama"]), None, max_running_requests=4)
     base = generate(cpu, make_requests(cpu.tokenizer))
     for arch, specs in (("llama", SPECS["llama"]), ("mimo", SPECS["mimo"])):
         if arch == "mimo":
-            cpu = EngineCore(str(ckpts["mimo"]), SpecConfig(), max_running_requests=4)
+            cpu = EngineCore(str(ckpts["mimo"]), None, max_running_requests=4)
             base = generate(cpu, make_requests(cpu.tokenizer))
-        for spec in [SpecConfig()] + specs:
+        for spec in [None] + specs:
             engine = EngineCore(str(ckpts[arch]), _spec(ckpts, spec), device="cuda", max_running_requests=4)
             outs = generate(engine, make_requests(engine.tokenizer, logprob=True))
             for rid, o in base.items():

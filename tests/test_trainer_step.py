@@ -147,7 +147,8 @@ def test_online_mtp_training_raises_acceptance_on_the_policys_own_outputs(mimo):
     prompts = [[rng.randrange(5, 100) for _ in range(6)] for _ in range(4)]
     accept = {}
     for enable in (True, False):
-        engine = EngineCore(str(mimo), SpecConfig("NEXTN", num_steps=3, eagle_topk=1, num_draft_tokens=4), seed=0)
+        engine = EngineCore(str(mimo), SpecConfig("NEXTN", speculative_num_steps=3, speculative_eagle_topk=1,
+                                                speculative_num_draft_tokens=4), seed=0)
         trainer = Trainer(config(mimo, enable_mtp_training=enable, global_batch_size=16, micro_batch_size=16,
                                  n_samples_per_prompt=4, lr=3e-3, mtp_loss_scaling_factor=1.0))
         start = _accept_length(engine, prompts)

@@ -48,8 +48,8 @@ class InProcessEngine:
                                   *flags])
         self.loop = EngineLoop(make_core_factory(args))
         self.loop.start()
-        has_draft = args.spec.algorithm in ("NEXTN", "EAGLE", "STANDALONE")
-        app = create_app(args, self.loop, WeightUpdater(args.weight_version, args.model_path, args.device, has_draft))
+        app = create_app(args, self.loop, WeightUpdater(args.weight_version, args.model_path, args.device,
+                                                        args.has_draft_model))
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

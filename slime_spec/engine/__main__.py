@@ -14,14 +14,10 @@ def make_core_factory(args: EngineServerArgs):
     def make_core():
         import torch
 
-        from slime_spec.engine.core import EngineCore, SpecConfig
+        from slime_spec.engine.core import EngineCore
 
         torch.manual_seed(args.random_seed)
-        s = args.spec
-        spec = SpecConfig(algorithm=s.algorithm, num_steps=s.num_steps, eagle_topk=s.eagle_topk,
-                          num_draft_tokens=s.num_draft_tokens, draft_model_path=s.draft_model_path,
-                          ngram_max_trie_depth=s.ngram_max_trie_depth)
-        return EngineCore(args.model_path, spec, dtype=args.dtype, device=args.device,
+        return EngineCore(args.model_path, args.spec, dtype=args.dtype, device=args.device,
                           max_running_requests=args.max_running_requests, context_length=args.context_length,
                           seed=args.random_seed)
     return make_core
@@ -34,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
+    for note in args.spec_warnings:
+        logger.warning("speculative settings: %s", note)
     if args.ignored_flags:
         logger.info("accepted and ignored (performance-only for the embedded engine): %s",
                     ", ".join(args.ignored_flags))
@@ -50,11 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # the engine refused its configuration (e.g. SPEC_UNSUPPORTED_BY_BACKEND)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    has_draft = args.spec.algorithm in ("NEXTN", "EAGLE", "STANDALONE")
-    weights = WeightUpdater(args.weight_version, args.model_path, args.device, has_draft)
+    weights = WeightUpdater(args.weight_version, args.model_path, args.device, args.has_draft_model)
     app = create_app(args, loop, weights)
     logger.info("serving %s on http://%s:%d (device %s, dtype %s, speculative %s)", args.model_path, args.host,
-                args.port, args.device, args.dtype, args.spec.algorithm)
+                args.port, args.device, args.dtype, args.spec)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
                 timeout_graceful_shutdown=5)
     loop.stop()

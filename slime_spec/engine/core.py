@@ -17,7 +17,8 @@ import torch
 from slime_spec.dtypes import canonical_dtype
 from slime_spec.engine import runners, sampling
 from slime_spec.engine.model import load_model
-from slime_spec.engine.speculative import SpecConfig, make_drafter, validate_spec
+from slime_spec.engine.speculative import make_drafter
+from slime_spec.spec import SpecConfig, check_resolved
 
 __all__ = ["EngineCore", "Output", "Request", "SamplingParams", "SpecConfig"]
 
@@ -87,7 +88,7 @@ class _Row:
     verify_ct: int = 0
     accept_num: int = 0
     draft_num: int = 0
-    draft_len: int = 0                               # STANDALONE: tokens in the draft model's KV cache
+    draft_cached_len: int = 0                        # STANDALONE: tokens in the draft model's KV cache
     ngram_index: dict = field(default_factory=dict)  # NGRAM: n-gram -> position after its latest occurrence
     ngram_upto: int = 1                              # NGRAM: n-grams ending before this position are indexed
 
@@ -116,10 +117,11 @@ def _eos_ids(model_path: Path, config: dict, tokenizer) -> set[int]:
 
 
 class EngineCore:
-    def __init__(self, model_path: str, spec: SpecConfig, *, dtype: str = "float32", device: str = "cpu",
+    def __init__(self, model_path: str, spec: SpecConfig | None, *, dtype: str = "float32", device: str = "cpu",
                  max_running_requests: int = 32, context_length: int | None = None, seed: int = 0,
                  cpu_threads: int | None = None):
-        """cpu_threads: intra-op threads while stepping on CPU; None = 1 for small models (hidden <= 1024), where
+        """spec: resolved speculative settings (slime_spec.spec.resolve), None without speculation.
+        cpu_threads: intra-op threads while stepping on CPU; None = 1 for small models (hidden <= 1024), where
         thread hand-off costs more than the tiny matmuls gain, else torch's default."""
         from transformers import AutoTokenizer
 
@@ -128,14 +130,15 @@ class EngineCore:
             raise ValueError(f"max_running_requests={max_running_requests}: must be at least 1")
         self.device = torch.device(device)
         self.model, self.model_config = load_model(model_path, dtype=dtype, device=device)
-        validate_spec(spec, has_mtp=self.model.args.mtp_layers > 0)
+        if spec is not None:
+            check_resolved(spec, target_config=self.model_config, backend="embedded")
         self.spec = spec
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.vocab_size = self.model.args.vocab_size
         self.context_length = int(context_length or self.model.args.max_position_embeddings)
         self.eos_token_ids = _eos_ids(Path(model_path), self.model_config, self.tokenizer)
         self.max_running_requests = max_running_requests
-        k = spec.draft_len() if spec.algorithm else 0
+        k = spec.draft_tokens_per_verify if spec is not None else 0
         self.max_seq = self.context_length + k + 1  # a verify pass writes k positions past the last token
         self.cache = self.model.new_cache(max_running_requests, self.max_seq)
         self.drafter = make_drafter(spec, self.model, max_running_requests, self.max_seq, dtype, device)
@@ -460,7 +463,7 @@ class EngineCore:
             raise ValueError("weights are released (release_memory_occupation); resume them before loading")
         plan = runners.plan_load(runners.select_runners(self.model, self.drafter, selector), named,
                                  tied=self.model.args.tie_word_embeddings, selector=selector,
-                                 algorithm=self.spec.algorithm)
+                                 algorithm=self.spec.speculative_algorithm if self.spec else None)
         with torch.no_grad():
             for param, tensor in plan:
                 param.copy_(tensor.to(device=param.device, dtype=param.dtype))

@@ -80,7 +80,7 @@ def create_app(args: EngineServerArgs, loop: EngineLoop, weights: WeightUpdater)
 
     app = FastAPI(title="slime-spec embedded engine")
     startup_time = time.time()
-    spec_enabled = args.spec.algorithm is not None
+    spec_enabled = args.spec is not None
 
     async def on_engine(fn: Callable[[Any], Any], needs_idle: bool = False) -> Any:
         return await asyncio.wrap_future(loop.call(fn, needs_idle))
@@ -152,10 +152,7 @@ def create_app(args: EngineServerArgs, loop: EngineLoop, weights: WeightUpdater)
         if spec_enabled:
             state["avg_spec_accept_length"] = loop.stats["avg_spec_accept_length"]
         resolved = {**args.sglang_args, "device": args.device, "dtype": args.dtype, "random_seed": args.random_seed,
-                    "speculative_algorithm": args.spec.algorithm,
-                    "speculative_num_steps": args.spec.num_steps if spec_enabled else None,
-                    "speculative_eagle_topk": args.spec.eagle_topk if spec_enabled else None,
-                    "speculative_num_draft_tokens": args.spec.num_draft_tokens if spec_enabled else None}
+                    **(args.spec.server_args() if spec_enabled else {})}
         return {**resolved, "weight_version": weights.weight_version, "startup_time": startup_time,
                 "internal_states": [state], "version": sglang_version, "frontend": "python",
                 "backend": "slime_spec.engine"}

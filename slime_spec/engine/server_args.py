@@ -4,13 +4,14 @@ The flags are parsed with the installed SGLang's parser (`ServerArgs.add_cli_arg
 aliases and defaults are SGLang's. Every flag whose value differs from SGLang's default is then
 looked up in one data table:
 
-- HONOURED: the embedded engine implements it;
+- IMPLEMENTED: the embedded engine implements it;
 - PERFORMANCE_ONLY: it tunes speed, memory or logging in SGLang and cannot change a generated
   token here; accepted and logged once at start;
 - anything else: it would change results (quantization, LoRA, a token map, accept thresholds,
   parallelism, ...) or is simply not implemented, so the server refuses to start and names it.
 
 `classify_flags` and the `resolve_*` helpers are pure; `parse_server_args` is the one entry point.
+The speculative flags are resolved by `slime_spec.spec.resolve`, the same function doctor runs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HONOURED = frozenset({
+from slime_spec import spec
+from slime_spec.dtypes import canonical_dtype, config_dtype
+from slime_spec.doctor_codes import SERVER_PREFIX, Rule, errors
+
+IMPLEMENTED = frozenset({
     "model_path", "tokenizer_path", "host", "port", "dtype", "device", "base_gpu_id", "context_length",
     "max_running_requests", "random_seed", "api_key", "admin_api_key", "served_model_name",
     "weight_version", "skip_tokenizer_init", "log_level", "trust_remote_code",
@@ -86,9 +91,6 @@ REFUSAL_REASONS = {
                            "over-long requests instead",
 }
 
-SUPPORTED_ALGORITHMS = ("NEXTN", "EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
-
-
 class ServerArgsError(ValueError):
     """A flag the embedded engine cannot honour; the message names every offending flag."""
 
@@ -97,16 +99,6 @@ class ServerArgsError(ValueError):
 class FlagReport:
     ignored: tuple[str, ...]  # "--flag=value" accepted and ignored
     refused: tuple[str, ...]  # "--flag=value: reason"
-
-
-@dataclass(frozen=True)
-class SpecSettings:
-    algorithm: str | None = None
-    num_steps: int = 3
-    eagle_topk: int = 1
-    num_draft_tokens: int = 4
-    draft_model_path: str | None = None
-    ngram_max_trie_depth: int = 18
 
 
 @dataclass(frozen=True)
@@ -125,9 +117,15 @@ class EngineServerArgs:
     weight_version: str = "default"
     skip_tokenizer_init: bool = False
     log_level: str = "info"
-    spec: SpecSettings = field(default_factory=SpecSettings)
+    spec: spec.SpecConfig | None = None  # None: no speculative decoding
+    spec_warnings: tuple[str, ...] = ()  # what spec.resolve changed or noted (no errors: those refuse)
     ignored_flags: tuple[str, ...] = ()
     sglang_args: dict = field(default_factory=dict)  # every SGLang flag's value, for /server_info
+
+    @property
+    def has_draft_model(self) -> bool:
+        """A draft runner with weights (MTP layers or a STANDALONE model) serves weight updates too."""
+        return self.spec is not None and self.spec.speculative_algorithm.uses_draft_model
 
 
 def sglang_parser() -> argparse.ArgumentParser:
@@ -165,7 +163,7 @@ def classify_flags(values: dict[str, Any], defaults: dict[str, Any], names: dict
         shown = f"{names.get(dest, '--' + dest.replace('_', '-'))}={value!r}"
         if dest == "tp_size" and value != 1:
             refused.append(f"{shown}: {REFUSAL_REASONS['tp_size']}")
-        elif dest in HONOURED:
+        elif dest in IMPLEMENTED:
             continue
         elif is_performance_only(dest):
             ignored.append(shown)
@@ -185,61 +183,27 @@ def resolve_device(device: str | None, cuda_available: bool) -> str:
     return device
 
 
-_DTYPE_NAMES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
-                "float32": "float32"}
-
-
-def resolve_dtype(dtype: str, device: str, config_dtype: str | None) -> str:
+def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str | None) -> str:
     """SGLang's 'auto' rule (checkpoint dtype; float32 checkpoints served in float16) on CUDA.
 
     On CPU 'auto' means float32: half precision on CPU is slow and would make the CPU reference
     engine less exact than the models it checks.
     """
     if dtype != "auto":
-        return _DTYPE_NAMES[dtype]
+        return canonical_dtype(dtype)
     if not device.startswith("cuda"):
         return "float32"
-    config_dtype = _DTYPE_NAMES.get(config_dtype or "float32", "float32")
-    return "float16" if config_dtype == "float32" else config_dtype
+    served = canonical_dtype(checkpoint_dtype or "float32")
+    return "float16" if served == "float32" else served
 
 
-def resolve_spec(algorithm: str | None, num_steps: int | None, eagle_topk: int | None,
-                 num_draft_tokens: int | None, draft_model_path: str | None, ngram_max_trie_depth: int,
-                 model_arch: str | None) -> SpecSettings:
-    """SGLang's resolution of the speculative flags (arg_groups/speculative_hook.py), for a chain draft."""
-    if algorithm is None:
-        return SpecSettings()
-    name = algorithm.upper()
-    if name not in SUPPORTED_ALGORITHMS:
-        raise ServerArgsError(f"SPEC_UNSUPPORTED_BY_BACKEND: --speculative-algorithm={algorithm!r} is not "
-                              f"implemented by the embedded engine; use one of {SUPPORTED_ALGORITHMS}")
-    if name == "NGRAM":
-        # SGLang drafts a BFS tree of n-gram matches; the embedded engine drafts one chain of
-        # num_draft_tokens - 1 tokens after the verified one (SGLang's default: 12 draft tokens).
-        draft = 12 if num_draft_tokens is None else num_draft_tokens
-        if draft < 2:
-            raise ServerArgsError(f"--speculative-num-draft-tokens={draft}: NGRAM needs at least 2")
-        return SpecSettings(name, num_steps=draft - 1, eagle_topk=1, num_draft_tokens=draft,
-                            ngram_max_trie_depth=ngram_max_trie_depth)
-    if name == "STANDALONE" and not draft_model_path:
-        raise ServerArgsError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path")
-    if num_steps is None:
-        if eagle_topk is not None or num_draft_tokens is not None:
-            raise ServerArgsError("set --speculative-num-steps together with --speculative-eagle-topk and "
-                                  "--speculative-num-draft-tokens (SGLang chooses all three, or none)")
-        if name == "STANDALONE" or model_arch != "LlamaForCausalLM":
-            num_steps, eagle_topk, num_draft_tokens = 3, 1, 4
-        else:
-            num_steps, eagle_topk, num_draft_tokens = 5, 4, 8
-    eagle_topk = 1 if eagle_topk is None else eagle_topk
-    if eagle_topk == 1:
-        num_draft_tokens = num_steps + 1  # SGLang adjusts it the same way for a chain
-    elif num_draft_tokens is None:
-        raise ServerArgsError("--speculative-num-draft-tokens is required with --speculative-eagle-topk > 1")
-    if num_steps < 1:
-        raise ServerArgsError(f"--speculative-num-steps={num_steps}: must be at least 1")
-    return SpecSettings(name, num_steps=num_steps, eagle_topk=eagle_topk, num_draft_tokens=num_draft_tokens,
-                        draft_model_path=draft_model_path, ngram_max_trie_depth=ngram_max_trie_depth)
+def _names_own_mtp_layers(algorithm: str | None, draft_path: str | None, model_path: str) -> bool:
+    """EAGLE (or NEXTN) with the target checkpoint given as its draft path."""
+    try:
+        eagle = algorithm is not None and spec.Algorithm.parse(algorithm) is spec.Algorithm.EAGLE
+    except ValueError:
+        return False  # an unknown name: spec.resolve reports it
+    return eagle and bool(draft_path) and Path(draft_path).resolve() == Path(model_path).resolve()
 
 
 def read_model_config(model_path: str) -> dict:
@@ -261,9 +225,8 @@ def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> En
             f"--tokenizer-path={values['tokenizer_path']!r}: the embedded engine loads the tokenizer from "
             f"--model-path; drop the flag or point it at the same directory",))
     if report.refused:
-        raise ServerArgsError("the embedded engine cannot honour these SGLang flags:\n  "
-                              + "\n  ".join(report.refused)
-                              + "\nRemove them, or run this configuration on backend sglang.")
+        raise ServerArgsError(str(Rule.EMBEDDED_FLAG_REFUSED.finding(sg=SERVER_PREFIX,
+                                                                      flags="\n  " + "\n  ".join(report.refused))))
     if not values["model_path"]:
         raise ServerArgsError("--model-path is required")
     config = read_model_config(values["model_path"])
@@ -274,23 +237,23 @@ def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> En
     device = resolve_device(values["device"], cuda_available)
     if device == "cuda" and values["base_gpu_id"]:
         device = f"cuda:{values['base_gpu_id']}"
-    arch = (config.get("architectures") or [None])[0]
-    draft_path = values["speculative_draft_model_path"]
-    if (values["speculative_algorithm"] or "").upper() in ("NEXTN", "EAGLE") and draft_path \
-            and Path(draft_path).resolve() == Path(values["model_path"]).resolve():
-        draft_path = None  # MTP layers of the target checkpoint itself: the same draft as no path
-    spec = resolve_spec(values["speculative_algorithm"], values["speculative_num_steps"],
-                        values["speculative_eagle_topk"], values["speculative_num_draft_tokens"],
-                        draft_path, values["speculative_ngram_max_trie_depth"], arch)
+    spec_args = values
+    if _names_own_mtp_layers(values["speculative_algorithm"], values["speculative_draft_model_path"],
+                             values["model_path"]):
+        spec_args = {**values, "speculative_draft_model_path": None}  # the target's own MTP layers
+    spec_config, findings = spec.resolve(spec_args, target_config=config, backend="embedded", sg=SERVER_PREFIX)
+    if errors(findings):
+        raise ServerArgsError("; ".join(map(str, errors(findings))))
     seed = values["random_seed"] if values["random_seed"] is not None else random.randint(0, 1 << 30)
     return EngineServerArgs(
         model_path=values["model_path"], host=values["host"], port=values["port"], device=device,
-        dtype=resolve_dtype(values["dtype"], device, config.get("torch_dtype") or config.get("dtype")),
+        dtype=resolve_dtype(values["dtype"], device, config_dtype(config)),
         context_length=values["context_length"],
         max_running_requests=values["max_running_requests"] or 32, random_seed=seed,
         api_key=values["api_key"], admin_api_key=values["admin_api_key"],
         served_model_name=values["served_model_name"] or values["model_path"],
         weight_version=values["weight_version"], skip_tokenizer_init=values["skip_tokenizer_init"],
-        log_level=values["log_level"], spec=spec, ignored_flags=report.ignored,
+        log_level=values["log_level"], spec=spec_config, spec_warnings=tuple(map(str, findings)),
+        ignored_flags=report.ignored,
         sglang_args={k: v for k, v in values.items() if k not in ("api_key", "admin_api_key")},
     )

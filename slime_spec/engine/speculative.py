@@ -4,10 +4,11 @@ Every drafter here drafts greedily (SGLang's eagle_topk 1 chain picks the draft'
 so the draft distribution q is one-hot and verification (see sampling.speculative_accept) is lossless.
 
 Row state the engine keeps (see core._Row): `tokens` (prompt + output), `kv_len` (tokens whose keys/values are
-in the target cache: all but the last, pending one), `slot` (cache row).
+in the target cache: all but the last, pending one), `slot` (cache row). The settings come from
+`slime_spec.spec.SpecConfig`, resolved and checked for this engine before `make_drafter` runs.
 
 Drafter protocol:
-  k                                   draft tokens per verify
+  k                                   draft tokens per verify (SpecConfig.draft_tokens_per_verify)
   on_prefill(rows, hidden)            after the target prefilled rows and appended their first token
   propose(rows) -> LongTensor [B, k]  draft tokens following each row's pending token
   on_verify(rows, hidden, accepted)   after the verify pass appended accepted[i] + 1 tokens to rows[i]
@@ -17,67 +18,10 @@ Drafter protocol:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names, load_model
-
-UNSUPPORTED = "SPEC_UNSUPPORTED_BY_BACKEND:"
-ALGORITHMS = (None, "NEXTN", "EAGLE", "STANDALONE", "NGRAM")
-
-
-@dataclass
-class SpecConfig:
-    algorithm: str | None = None        # None, "NEXTN", "EAGLE", "STANDALONE", "NGRAM"
-    num_steps: int = 3
-    eagle_topk: int = 1
-    num_draft_tokens: int = 4
-    draft_model_path: str | None = None
-    ngram_max_trie_depth: int = 18      # longest suffix matched against the request's own tokens
-    ngram_min_match_window_size: int = 1  # shortest suffix worth drafting from
-
-    def draft_len(self) -> int:
-        """k: draft tokens per verify (SGLang: num_steps for EAGLE-style chains, num_draft_tokens - 1 for NGRAM)."""
-        return self.num_draft_tokens - 1 if self.algorithm == "NGRAM" else self.num_steps
-
-
-def validate_spec(spec: SpecConfig, has_mtp: bool) -> None:
-    algo = spec.algorithm
-    if algo == "EAGLE3":
-        raise ValueError(f"{UNSUPPORTED} speculative_algorithm=EAGLE3 needs an EAGLE3 draft head, which the embedded "
-                         "engine does not run; use --rollout-backend sglang, or STANDALONE / NEXTN / NGRAM here")
-    if algo not in ALGORITHMS:
-        raise ValueError(f"speculative_algorithm={algo!r}: choose one of {[a for a in ALGORITHMS if a]} or none")
-    if algo is None:
-        return
-    if algo in ("NEXTN", "EAGLE", "STANDALONE"):
-        if spec.eagle_topk != 1:
-            raise ValueError(f"{UNSUPPORTED} speculative_eagle_topk={spec.eagle_topk} (tree drafts) is not implemented "
-                             "by the embedded engine; use --speculative-eagle-topk 1 (chain) "
-                             "or --rollout-backend sglang")
-        if spec.num_steps < 1:
-            raise ValueError(f"speculative_num_steps={spec.num_steps}: must be at least 1")
-        if spec.num_draft_tokens != spec.num_steps + 1:
-            raise ValueError(f"speculative_num_draft_tokens={spec.num_draft_tokens}: with eagle_topk 1 it must be "
-                             f"speculative_num_steps + 1 = {spec.num_steps + 1} (as SGLang enforces)")
-    if algo in ("NEXTN", "EAGLE") and not has_mtp:
-        raise ValueError(f"speculative_algorithm={algo}: the embedded engine drafts with the checkpoint's own MTP "
-                         "layers (MiMo model.mtp_layers.*) and this checkpoint has none; use STANDALONE with "
-                         "--speculative-draft-model-path, or NGRAM")
-    if algo in ("NEXTN", "EAGLE") and spec.draft_model_path is not None:
-        raise ValueError(f"{UNSUPPORTED} speculative_algorithm={algo} with a separate draft model path "
-                         f"({spec.draft_model_path}) is not supported: MTP drafts come from the target checkpoint; "
-                         "use STANDALONE for a separate draft model")
-    if algo == "STANDALONE" and not spec.draft_model_path:
-        raise ValueError("speculative_algorithm=STANDALONE needs --speculative-draft-model-path")
-    if algo == "NGRAM":
-        if spec.num_draft_tokens < 2:
-            raise ValueError(f"speculative_num_draft_tokens={spec.num_draft_tokens}: NGRAM needs at least 2 "
-                             "(the last verified token plus at least one draft)")
-        if not 1 <= spec.ngram_min_match_window_size <= spec.ngram_max_trie_depth:
-            raise ValueError("speculative_ngram_min_match_window_size must be in [1, speculative_ngram_max_trie_depth]")
-
+from slime_spec.spec import Algorithm, SpecConfig
 
 def _pad(seqs: list[list[int]], device) -> torch.Tensor:
     width = max(len(s) for s in seqs)
@@ -160,7 +104,7 @@ class MTPDrafter:
 class StandaloneDrafter:
     """STANDALONE: a separate small causal LM with its own KV cache, drafting greedily k tokens per verify.
 
-    `r.draft_len` counts the tokens of row r whose keys/values the draft cache holds; after a verify only the
+    `r.draft_cached_len` counts the tokens of row r whose keys/values the draft cache holds; after a verify only the
     accepted prefix of what the draft consumed stays, and the next propose first catches up on the rest.
     """
 
@@ -187,10 +131,10 @@ class StandaloneDrafter:
     def on_prefill(self, rows, hidden: torch.Tensor) -> None:
         self._feed(rows, [r.tokens[:-1] for r in rows], [0] * len(rows))
         for r in rows:
-            r.draft_len = len(r.tokens) - 1
+            r.draft_cached_len = len(r.tokens) - 1
 
     def propose(self, rows) -> torch.Tensor:
-        logits = self._feed(rows, [r.tokens[r.draft_len:] for r in rows], [r.draft_len for r in rows])
+        logits = self._feed(rows, [r.tokens[r.draft_cached_len:] for r in rows], [r.draft_cached_len for r in rows])
         token = logits.argmax(-1)
         drafts = [token]
         device = token.device
@@ -205,7 +149,7 @@ class StandaloneDrafter:
     def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
         for r, a in zip(rows, accepted):
             # The draft consumed the old pending token and d_1..d_{k-1}; valid are the pending token and d_1..d_a.
-            r.draft_len = r.kv_len - a + min(a, self.k - 1)
+            r.draft_cached_len = r.kv_len - a + min(a, self.k - 1)
 
     def weight_runner(self) -> dict[str, torch.nn.Parameter]:
         params = dict(self.draft.named_parameters(remove_duplicate=False))
@@ -261,18 +205,24 @@ class NgramDrafter:
         return None
 
 
-def make_drafter(spec: SpecConfig, target: CausalLM, slots: int, max_seq: int, dtype: str, device: str):
-    """The drafter for `spec` (None without speculation); `validate_spec` must have passed."""
-    k = spec.draft_len()
-    if spec.algorithm in ("NEXTN", "EAGLE"):
+def make_drafter(spec: SpecConfig | None, target: CausalLM, slots: int, max_seq: int, dtype: str, device: str):
+    """The drafter for `spec` (None without speculation); `spec.check_resolved` must have passed."""
+    if spec is None:
+        return None
+    k = spec.draft_tokens_per_verify
+    algorithm = spec.speculative_algorithm
+    if algorithm is Algorithm.EAGLE:
         return MTPDrafter(target, k, slots, max_seq)
-    if spec.algorithm == "STANDALONE":
-        draft, config = load_model(spec.draft_model_path, dtype=dtype, device=device)
+    if algorithm is Algorithm.STANDALONE:
+        path = spec.speculative_draft_model_path
+        draft, config = load_model(path, dtype=dtype, device=device)
         if draft.args.vocab_size != target.args.vocab_size:
-            raise ValueError(f"--speculative-draft-model-path {spec.draft_model_path}: vocab_size "
-                             f"{draft.args.vocab_size} != the target's {target.args.vocab_size}; STANDALONE "
-                             "needs a draft with the target's tokenizer")
+            raise ValueError(f"--speculative-draft-model-path {path}: vocab_size {draft.args.vocab_size} != the "
+                             f"target's {target.args.vocab_size}; STANDALONE needs a draft with the target's "
+                             "tokenizer")
         return StandaloneDrafter(draft, k, slots, max_seq)
-    if spec.algorithm == "NGRAM":
-        return NgramDrafter(k, spec.ngram_max_trie_depth, spec.ngram_min_match_window_size, device)
-    return None
+    if algorithm is Algorithm.NGRAM:
+        # SGLang 0.5.23's trie matches suffixes of every length up to max_trie_depth (no minimum-window flag).
+        return NgramDrafter(k, spec.speculative_ngram_max_trie_depth, 1, device)
+    raise ValueError(f"speculative_algorithm={algorithm}: no drafter in the embedded engine "
+                     "(spec.check_resolved refuses it first)")

@@ -1,0 +1,270 @@
+"""Every doctor finding, in one table: code, level, message template and fix template.
+
+A check never writes a code or a message of its own; it picks a `Rule` and fills its fields:
+`Rule.SPEC_NO_MTP.finding(algorithm="EAGLE", keys=...)`. One code may have several rules (the same
+problem found in different ways, e.g. SPEC_TOPK_TOKENS), each with its own level and wording.
+docs/{en,zh}/speculative.md list every code of this table (tests/test_spec.py checks it).
+
+Templates are `str.format` strings. `{sg}` is the prefix of SGLang's flags where the reader types them:
+`--sglang-` on slime-spec's command line (doctor, training), `--` on the embedded server's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+LEVELS = ("error", "warning", "info")
+SLIME_PREFIX = "--sglang-"   # how `slime-spec` / doctor spell SGLang's flags
+SERVER_PREFIX = "--"         # how a server (SGLang's or the embedded one) spells them
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str  # "error" | "warning" | "info"
+    code: str
+    message: str
+    fix: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}" + (f" (fix: {self.fix})" if self.fix else "")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    code: str
+    level: str
+    message: str
+    fix: str = ""
+
+
+class Rule(Enum):
+    """One way a configuration goes wrong. `value` is its `_Entry`; `finding(**fields)` renders it."""
+
+    # ---- speculative settings, found by slime_spec.spec.resolve (both backends)
+    SPEC_UNKNOWN_ALGORITHM = _Entry(
+        "SPEC_UNKNOWN_ALGORITHM", "error",
+        "{sg}speculative-algorithm {name!r} is not an algorithm of SGLang 0.5.23 (it knows {known}; NEXTN is an "
+        "alias of EAGLE)",
+        "{sg}speculative-algorithm with one of {choices}")
+    SPEC_UNSUPPORTED_ALGORITHM = _Entry(
+        "SPEC_UNSUPPORTED_BY_BACKEND", "error",
+        "the embedded engine does not implement speculative_algorithm={algorithm}{why}",
+        "on a GPU node use --rollout-backend sglang; on CPU use {sg}speculative-algorithm with one of {choices}")
+    SPEC_UNSUPPORTED_TREE = _Entry(
+        "SPEC_UNSUPPORTED_BY_BACKEND", "error",
+        "{sg}speculative-eagle-topk {topk} asks for a tree draft; the embedded engine drafts chains only",
+        "{sg}speculative-eagle-topk 1, or backend sglang (--rollout-backend sglang) on a GPU node")
+    SPEC_UNSUPPORTED_DRAFT_PATH = _Entry(
+        "SPEC_UNSUPPORTED_BY_BACKEND", "error",
+        "{algorithm} with {sg}speculative-draft-model-path {path}: the embedded engine drafts {algorithm} only "
+        "with the target checkpoint's own MTP layers",
+        "{sg}speculative-algorithm STANDALONE for a separate draft model, or drop {sg}speculative-draft-model-path")
+    SPEC_TOPK_WITHOUT_STEPS = _Entry(
+        "SPEC_TOPK_TOKENS", "error",
+        "{sg}speculative-eagle-topk / {sg}speculative-num-draft-tokens are set without "
+        "{sg}speculative-num-steps; SGLang then asserts at start (it chooses all three together, or none)",
+        "set {sg}speculative-num-steps too (e.g. 3 with top-k 1 and 4 draft tokens), or none of the three")
+    SPEC_STEPS_WITHOUT_TOPK = _Entry(
+        "SPEC_TOPK_TOKENS", "error",
+        "{sg}speculative-num-steps is set without {sg}speculative-eagle-topk; SGLang 0.5.23 then fails at start "
+        "comparing the unset top-k (TypeError)",
+        "{sg}speculative-eagle-topk 1 (a chain) or the top-k of the tree you want")
+    SPEC_BELOW_ONE = _Entry(
+        "SPEC_TOPK_TOKENS", "error",
+        "{sg}speculative-num-steps, -eagle-topk and -num-draft-tokens must be >= 1 (got {steps} / {topk} / "
+        "{tokens})",
+        "e.g. {sg}speculative-num-steps 3 {sg}speculative-eagle-topk 1 {sg}speculative-num-draft-tokens 4")
+    SPEC_CHAIN_OVERRIDE = _Entry(
+        "SPEC_TOPK_TOKENS", "warning",
+        "with {sg}speculative-eagle-topk 1 a chain of {steps} steps verifies speculative_num_steps + 1 = "
+        "{need} tokens; SGLang silently overrides {sg}speculative-num-draft-tokens {tokens} to {need}",
+        "{sg}speculative-num-draft-tokens {need}")
+    SPEC_TREE_NEEDS_TOKENS = _Entry(
+        "SPEC_TOPK_TOKENS", "error",
+        "{sg}speculative-eagle-topk {topk} (a tree) without {sg}speculative-num-draft-tokens: SGLang does not "
+        "choose it for a tree you shaped",
+        "{sg}speculative-num-draft-tokens {need} or more")
+    SPEC_TREE_CAPACITY = _Entry(
+        "SPEC_TOPK_TOKENS", "error",
+        "a tree of {steps} steps with top-k {topk} has at most {capacity} nodes (root included); "
+        "{sg}speculative-num-draft-tokens {tokens} cannot be filled",
+        "{sg}speculative-num-draft-tokens {capacity} or fewer")
+    SPEC_TREE_TOO_FEW = _Entry(
+        "SPEC_TOPK_TOKENS", "warning",
+        "{tokens} draft tokens cannot hold one path of {steps} steps: most drafted steps are wasted",
+        "{sg}speculative-num-draft-tokens {need} or more")
+    SPEC_TREE_PAGE_SIZE = _Entry(
+        "SPEC_TOPK_TOKENS", "error",
+        "{what} > 1 with {sg}page-size {page} is only supported by the {backends} attention backend(s); "
+        "SGLang refuses {backend}",
+        "{sg}page-size 1 or {sg}attention-backend {suggested}")
+    SPEC_NGRAM_TOO_FEW = _Entry(
+        "SPEC_TOPK_TOKENS", "error",
+        "NGRAM with {sg}speculative-num-draft-tokens {tokens}: the last verified token plus at least one draft "
+        "are needed",
+        "{sg}speculative-num-draft-tokens 2 or more (SGLang's default is 12)")
+    SPEC_NO_MTP = _Entry(
+        "SPEC_NO_MTP", "error",
+        "{algorithm} without {sg}speculative-draft-model-path drafts with the target's native MTP layers, but the "
+        "target's config.json has no MTP layers (no {keys})",
+        "{sg}speculative-draft-model-path <an EAGLE draft>, or {sg}speculative-algorithm STANDALONE (with a "
+        "draft) or NGRAM")
+    SPEC_EAGLE3_NO_DRAFT = _Entry(
+        "SPEC_EAGLE3_NO_DRAFT", "error",
+        "EAGLE3 needs an external draft model ({sg}speculative-draft-model-path is unset)",
+        "{sg}speculative-draft-model-path <EAGLE3 draft dir>")
+    SPEC_STANDALONE_NO_DRAFT = _Entry(
+        "SPEC_STANDALONE_NO_DRAFT", "error",
+        "STANDALONE needs {sg}speculative-draft-model-path (a small model with the target's tokenizer)",
+        "{sg}speculative-draft-model-path <small draft model dir>")
+    SPEC_ADAPTIVE_DISABLED = _Entry(
+        "SPEC_ADAPTIVE", "warning",
+        "{sg}speculative-adaptive is turned off by SGLang: {reason}; static speculative parameters are used",
+        "drop {sg}speculative-adaptive, or use EAGLE / EAGLE3 with {sg}speculative-eagle-topk 1")
+    SPEC_ADAPTIVE_STEPS = _Entry(
+        "SPEC_ADAPTIVE", "error",
+        "{sg}speculative-num-steps {steps} is not among the adaptive candidate steps {candidates}; SGLang "
+        "refuses to start",
+        "{sg}speculative-num-steps with one of {candidates}, or leave it unset (SGLang then starts at {middle})")
+    SPEC_ADAPTIVE_CONFIG = _Entry(
+        "SPEC_ADAPTIVE", "error",
+        "{sg}speculative-adaptive-config {path}: {problem}",
+        "a JSON file of batch-size tiers, e.g. {{\"1\": {{\"candidate_steps\": [1, 3, 5]}}}}, or drop the flag "
+        "for SGLang's default tiers")
+
+    # ---- speculative settings vs the checkpoints and the GPU stack (slime_spec.spec_check)
+    SPEC_DTYPE_MISMATCH = _Entry(
+        "SPEC_DTYPE_MISMATCH", "error",
+        "the draft model is {draft} but the target is {target}, and --sglang-dtype is unset: SGLang then fails "
+        "with 'Capture cuda graph failed'",
+        "--sglang-dtype {draft}")
+    SPEC_CONTEXT_DRAFT_SHORTER = _Entry(
+        "SPEC_CONTEXT_LENGTH", "error",
+        "the draft supports {draft} positions, the target {target}, and --sglang-context-length is {ctx}: SGLang "
+        "requires draft and target context lengths to agree, and a mismatch can cause an illegal memory access "
+        "(SGLang PR #9388)",
+        "--sglang-context-length {draft}")
+    SPEC_CONTEXT_PROMPT_TOO_LONG = _Entry(
+        "SPEC_CONTEXT_LENGTH", "error",
+        "the longest prompt ({prompt} tokens) plus --rollout-max-response-len ({response}) needs {need} positions "
+        "but the context length is {ctx}",
+        "lower --rollout-max-response-len to {fit}, set --rollout-max-prompt-len to filter long prompts, or use a "
+        "model with a longer context")
+    SPEC_FLASHINFER = _Entry(
+        "SPEC_FLASHINFER", "warning",
+        "{why}: {algorithm} with flashinfer is exposed to CUDA-graph padding failures in the draft stage "
+        "(SGLang #9888, #9521)",
+        "--sglang-attention-backend fa3 (Hopper) or --sglang-attention-backend triton")
+    SPEC_CUDA_GRAPH_BS = _Entry(
+        "SPEC_CUDA_GRAPH_BS", "warning",
+        "{problems}. CUDA-graph padding in the draft stage is a known failure with speculative decoding; "
+        "--sglang-disable-cuda-graph-padding does not help with speculation",
+        "--sglang-cuda-graph-bs-decode $(seq 1 32) $(seq 40 8 64) $(seq 80 16 160) (covering up to "
+        "--sglang-max-running-requests)")
+    SPEC_SGLANG_VERSION = _Entry(
+        "SPEC_SGLANG_VERSION", "error",
+        "an external draft model with SGLang {version}: releases before 0.5.1 hit an illegal memory access when "
+        "draft and target context lengths differ (PR #9388)",
+        "upgrade SGLang to 0.5.1 or newer")
+    SPEC_MTP_TRAINING_NO_LAYERS = _Entry(
+        "SPEC_MTP_TRAINING", "error",
+        "--enable-mtp-training without --mtp-num-layers >= 1",
+        "--mtp-num-layers 1 (the number of MTP layers in the checkpoint)")
+    SPEC_MTP_TRAINING_NO_MTP = _Entry(
+        "SPEC_MTP_TRAINING", "error",
+        "--enable-mtp-training on a model whose config.json has no MTP layers",
+        "use a model with native MTP layers (MiMo, DeepSeek-V3, GLM-4.5) or drop --enable-mtp-training")
+    SPEC_MTP_TRAINING_TOO_MANY = _Entry(
+        "SPEC_MTP_TRAINING", "error",
+        "--mtp-num-layers {layers} but the checkpoint has {native} MTP layer(s)",
+        "--mtp-num-layers {native}")
+    SGLANG_ONLY_CHECKS_SKIPPED = _Entry(
+        "SGLANG_ONLY_CHECKS_SKIPPED", "info",
+        "backend embedded: the GPU-only checks SPEC_FLASHINFER and SPEC_CUDA_GRAPH_BS did not run",
+        "pass --rollout-backend sglang to check the configuration as on a GPU node")
+
+    # ---- model, trainer and colocation (slime_spec.spec_check)
+    MODEL_ARGS_MISMATCH = _Entry(
+        "MODEL_ARGS_MISMATCH", "error", "{detail}",
+        "make MODEL_ARGS match the checkpoint (scripts/models/*.sh) or point --hf-checkpoint at the right model")
+    TRAINER_UNSUPPORTED_FAMILY = _Entry(
+        "TRAINER_UNSUPPORTED_MODEL", "error",
+        "the trainer builds Llama, Qwen2 and MiMo models; this checkpoint is {family} (its weights convert, but "
+        "it cannot be trained yet)",
+        "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / MiMo model")
+    TRAINER_UNSUPPORTED_ROPE = _Entry(
+        "TRAINER_UNSUPPORTED_MODEL", "error",
+        "rope_scaling type {rope_type!r}: the trainer implements plain RoPE only",
+        "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / MiMo model")
+    TRAINER_UNSUPPORTED_ACT = _Entry(
+        "TRAINER_UNSUPPORTED_MODEL", "error",
+        "hidden_act={act!r}: the trainer builds SwiGLU (silu) MLPs only",
+        "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / MiMo model")
+    COLOCATE_MEMORY_SAVER = _Entry(
+        "COLOCATE_MEMORY_SAVER", "warning",
+        "--colocate without --sglang-enable-memory-saver: SGLang's release_memory_occupation then frees "
+        "nothing, and the trainer and the engines compete for GPU memory",
+        "--sglang-enable-memory-saver")
+    COLOCATE_DRAFT_BACKUP = _Entry(
+        "COLOCATE_DRAFT_BACKUP", "warning",
+        "--colocate with a draft model and no --sglang-enable-draft-weights-cpu-backup: the draft's weights may "
+        "not survive a release/resume cycle and acceptance silently collapses to ~1.0 (slime forces this "
+        "switch; watch spec_canary_accept_length after resume too)",
+        "--sglang-enable-draft-weights-cpu-backup")
+
+    # ---- files and flags (slime_spec.doctor)
+    CONFIG_MISSING = _Entry(
+        "CONFIG_UNREADABLE", "error", "{what}: {path} does not exist",
+        "point the flag at a local HF model directory containing config.json")
+    CONFIG_BROKEN = _Entry(
+        "CONFIG_UNREADABLE", "error", "{what}: cannot read {path} ({error})",
+        "fix or re-download the checkpoint's config.json")
+    PROMPT_DATA_MISSING = _Entry(
+        "PROMPT_DATA_UNREADABLE", "error", "--prompt-data {path} does not exist", "pass a local JSONL file")
+    PROMPT_DATA_BAD_LINE = _Entry(
+        "PROMPT_DATA_UNREADABLE", "error",
+        "--prompt-data line {line}: no {key!r} field or bad JSON ({error})",
+        "fix the line or set --input-key to the prompt's field name")
+    PROMPT_LENGTH_UNCHECKED = _Entry(
+        "PROMPT_LENGTH_UNCHECKED", "info", "no tokenizer next to --hf-checkpoint; prompt lengths not checked")
+    ARGS_ERROR = _Entry("ARGS_ERROR", "error", "{error}")
+    FLAG_NOT_HONOURED = _Entry(
+        "FLAG_NOT_HONOURED", "info",
+        "{flag} is parsed for slime compatibility but slime-spec does not act on it yet")
+    SGLANG_FLAG_RENAMED = _Entry(
+        "SGLANG_FLAG_RENAMED", "warning",
+        "{old} does not exist in SGLang {version}; it was renamed and is forwarded as {new}",
+        "write {new} in SGLANG_ARGS")
+    UNKNOWN_FLAG = _Entry(
+        "UNKNOWN_FLAG", "warning", "{flag} is not a slime/Megatron flag slime-spec knows; ignored", "{hint}")
+    BACKEND_EMBEDDED = _Entry(
+        "BACKEND_EMBEDDED", "info", "no CUDA GPU with a full SGLang here: engines use the embedded backend",
+        "on a GPU node the same flags start sglang.launch_server")
+    EMBEDDED_FLAG_REFUSED = _Entry(
+        "EMBEDDED_FLAG_REFUSED", "error",
+        "the embedded engine cannot honour these SGLang flags: {flags}",
+        "remove them, or run this configuration on backend sglang (--rollout-backend sglang) on a GPU node")
+
+    @property
+    def code(self) -> str:
+        return self.value.code
+
+    @property
+    def level(self) -> str:
+        return self.value.level
+
+    def finding(self, *, sg: str = SLIME_PREFIX, **fields) -> Finding:
+        """Render this rule; `sg` is the SGLang flag prefix the reader types (see the module docstring)."""
+        e = self.value
+        return Finding(e.level, e.code, e.message.format(sg=sg, **fields), e.fix.format(sg=sg, **fields))
+
+
+CODES: frozenset[str] = frozenset(r.code for r in Rule)
+
+
+def errors(findings: list[Finding]) -> list[Finding]:
+    return [f for f in findings if f.level == "error"]
