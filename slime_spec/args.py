@@ -230,7 +230,8 @@ def to_config(p: ParsedArgs) -> Config:
                               a.rollout_num_gpus_per_engine, a.rollout_num_engines, a.colocate),
         engine=engine, rollout=rollout, train=train,
         weight_sync=WeightSyncConfig(transport, a.update_weight_buffer_size, a.check_weight_sync),
-        wandb=WandbConfig(a.use_wandb, a.wandb_project, a.wandb_group, a.wandb_key, a.wandb_dir),
+        wandb=WandbConfig(a.use_wandb, a.wandb_project, a.wandb_group, a.wandb_key, a.wandb_dir, a.wandb_host,
+                          a.wandb_team, a.wandb_mode, a.wandb_run_id),
         debug_rollout_only=a.debug_rollout_only, debug_train_only=a.debug_train_only,
         eval_interval=a.eval_interval, eval_prompt_data=tuple(a.eval_prompt_data or ()), output_dir=a.output_dir,
     )

@@ -139,6 +139,10 @@ class WandbConfig:
     wandb_group: str | None = None
     wandb_key: str | None = None
     wandb_dir: str | None = None
+    wandb_host: str | None = None
+    wandb_team: str | None = None
+    wandb_mode: str | None = None
+    wandb_run_id: str | None = None
 
 
 @dataclass(frozen=True)
