@@ -139,6 +139,55 @@ def doctor_runs(tmp_path_factory):
     return runs
 
 
+# SMALL_MACHINE=1 on a tiny MiMo: every script that needs no external draft model (EAGLE3 needs DRAFT_CHECKPOINT).
+SMALL_RUNS = ("run-mimo-7B-rl-mtp.sh", "run-glm4.5-mtp.sh", "run-deepseek-v3-mtp.sh")
+
+
+@pytest.fixture(scope="module")
+def small_machine_runs(tmp_path_factory):
+    """Each script's flags under SMALL_MACHINE=1 with a tiny model, checked by the real doctor in this process."""
+    from slime_spec.doctor import main as doctor_main
+    from slime_spec.engine.tiny_model import make_tiny_model
+
+    base = tmp_path_factory.mktemp("small")
+    model = make_tiny_model(base / "tiny-mimo", arch="mimo", mtp_layers=1, hidden_size=32, num_layers=1,
+                            intermediate_size=64, max_position_embeddings=128)
+    (base / "prompts.jsonl").write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    runs = {}
+    for name in SMALL_RUNS:
+        log = tmp_path_factory.mktemp(name.removesuffix(".sh"))
+        fake = write_executable(log / "fake-python", FAKE_DOCTOR)
+        env = script_env(base, PYTHON=str(fake), FAKE_LOG=str(log), SMALL_MACHINE="1", HF_CHECKPOINT=str(model),
+                         PROMPT_DATA=str(base / "prompts.jsonl"), EVAL_PROMPT_DATA=str(base / "prompts.jsonl"))
+        proc = subprocess.run(["bash", str(SCRIPTS / name)], env=env, capture_output=True, text=True, timeout=60,
+                              cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        argv = (log / "doctor.args").read_text().splitlines()[2:]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = doctor_main([*argv, "--json"])
+        runs[name] = (rc, json.loads(out.getvalue()), argv)
+    return runs
+
+
+def last(flags: list[str], flag: str) -> str:
+    return flags[len(flags) - 1 - flags[::-1].index(flag) + 1]
+
+
+@pytest.mark.parametrize("name", SMALL_RUNS)
+def test_small_machine_runs_every_script_on_a_tiny_model(small_machine_runs, name):
+    rc, report, flags = small_machine_runs[name]
+    problems = [f for f in report["findings"] if f["level"] != "info"]
+    assert rc == 0 and problems == [], problems
+    assert {e["backend"] for e in report["engines"]} == {"embedded"} and len(report["engines"]) == 1
+    assert last(flags, "--tensor-model-parallel-size") == "1" and last(flags, "--rollout-num-gpus") == "0"
+    assert last(flags, "--num-rollout") == "2" and last(flags, "--hf-checkpoint").endswith("tiny-mimo")
+    for gpu_only in ("--sglang-attention-backend", "--sglang-cuda-graph-bs-decode", "--sglang-enable-memory-saver",
+                     "--sequence-parallel", "--num-layers", "--hidden-size"):
+        assert gpu_only not in flags, gpu_only
+    assert "--sglang-speculative-algorithm" in flags  # speculative rollout stays on
+
+
 def test_every_run_script_is_covered():
     assert sorted(p.name for p in RUN_SCRIPTS) == sorted(CLEAN_RUNS)
 
