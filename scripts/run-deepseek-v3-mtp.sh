@@ -12,11 +12,13 @@
 #
 #   DOCTOR_ONLY=1 bash scripts/run-deepseek-v3-mtp.sh        # only check the configuration
 #   DEBUG_ROLLOUT_ONLY=1 bash scripts/run-deepseek-v3-mtp.sh # engines only, no trainer
-# EXTRA_ARGS="--num-rollout 2 ..." appends flags (last one wins). See scripts/common.sh for the rest.
+# EXTRA_ARGS="--num-rollout 2 ..." appends flags (last one wins). SMALL_MACHINE=1 HF_CHECKPOINT=... PROMPT_DATA=...
+# runs it on one machine without GPUs; scripts/common.sh lists every environment override.
 set -eo pipefail
 
 SCRIPT_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" &>/dev/null && pwd)"
 source "${SCRIPT_DIR}/models/deepseek-v3.sh"
+if [ -n "${HF_CHECKPOINT:-}" ]; then MODEL_ARGS=(); fi  # its shape comes from its config.json
 source "${SCRIPT_DIR}/common.sh"
 BASE_DIR="${BASE_DIR:-/root}"
 NUM_NODES="${NUM_NODES:-8}"
@@ -136,9 +138,8 @@ SPEC_ARGS=(
 
 DEBUG_ARGS=()
 if [ "${DEBUG_ROLLOUT_ONLY:-0}" = 1 ]; then DEBUG_ARGS=(--debug-rollout-only); fi
-read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
 
 slime_spec_launch \
    "${CLUSTER_ARGS[@]}" "${MODEL_ARGS[@]}" "${CKPT_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${EVAL_ARGS[@]}" \
    "${PERF_ARGS[@]}" "${GRPO_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" "${WANDB_ARGS[@]}" "${SGLANG_ARGS[@]}" \
-   "${SPEC_ARGS[@]}" "${DEBUG_ARGS[@]}" "${EXTRA[@]}"
+   "${SPEC_ARGS[@]}" "${DEBUG_ARGS[@]}"

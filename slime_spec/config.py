@@ -163,6 +163,10 @@ class WandbConfig:
     wandb_group: str | None = flag_default("wandb_group")
     wandb_key: str | None = flag_default("wandb_key")
     wandb_dir: str | None = flag_default("wandb_dir")
+    wandb_host: str | None = flag_default("wandb_host")
+    wandb_team: str | None = flag_default("wandb_team")
+    wandb_mode: str | None = flag_default("wandb_mode")
+    wandb_run_id: str | None = flag_default("wandb_run_id")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 from slime_spec import flags as F
 from slime_spec.args import ArgsError, ParsedArgs, parse, sglang_version, to_config
 from slime_spec.config import Config
+from slime_spec.logging_setup import quiet_known_noise
 from slime_spec.doctor_codes import Finding, Rule
 from slime_spec.spec_check import CheckInput, run_checks
 
@@ -143,6 +144,7 @@ def render_text(config: Config | None, findings: list[Finding], engines: list[di
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_known_noise()
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         from slime_spec.args import build_parser

@@ -78,31 +78,106 @@ def _mean(values):
     return sum(vals) / len(vals) if vals else None
 
 
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average (the first points average what there is so far)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _series(steps: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pairs = [(s["rollout_id"], s[key]) for s in steps if s.get(key) is not None]
+    return [x for x, _ in pairs], [y for _, y in pairs]
+
+
+def eval_names(steps: list[dict]) -> list[str]:
+    """Held-out sets in the steps (`eval/<name>/reward_mean`), in order of appearance."""
+    names: list[str] = []
+    for s in steps:
+        for k in s:
+            if k.startswith("eval/") and k.endswith("/reward_mean") and k.count("/") == 2 and k[5:-12] not in names:
+                names.append(k[5:-12])
+    return names
+
+
+def axis_limits(values: list[float], floor: float, ceiling: float | None = None) -> tuple[float, float]:
+    """An honest y range: from a meaningful baseline (`floor`), never a zoom onto the noise."""
+    top = max(values, default=floor + 1.0)
+    if ceiling is not None and top <= ceiling:
+        return floor, ceiling
+    return floor, top + 0.1 * max(top - floor, 1e-9)
+
+
+PANELS = (  # (key, y label, baseline, range kept when the data fits in it)
+    ("reward_mean", "reward (mean per rollout)", 0.0, 1.0),
+    ("spec_accept_length", "accept length (tokens per verify pass)", 1.0, None),
+)
+
+
 def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[str, list[dict]] | None = None,
          label: str = "this run") -> None:
-    """Reward and accept length over steps; `extra` overlays other runs (e.g. a frozen draft)."""
+    """Reward and accept length over steps, each raw (faint) and smoothed; held-out eval and canary series
+    when present; `extra` overlays other runs (e.g. a frozen draft).
+
+    Axes start at their baselines (reward 0, accept length 1.0 = no token accepted) so a small change
+    looks small; reward in [0, 1] keeps the [0, 1] range.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = {label: steps, **(extra or {})}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for ax, key, label in ((axes[0], "reward_mean", "reward (mean)"), (axes[1], "spec_accept_length", "accept length")):
-        for name, run_steps in runs.items():
-            xs = [s["rollout_id"] for s in run_steps if s.get(key) is not None]
-            ys = [s[key] for s in run_steps if s.get(key) is not None]
-            ax.plot(xs, ys, marker="o", label=name)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    window = max(1, len(steps) // 8)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for ax, (key, ylabel, floor, ceiling) in zip(axes, PANELS):
+        shown: list[float] = []
+        for i, (name, run_steps) in enumerate(runs.items()):
+            xs, ys = _series(run_steps, key)
+            if not ys:
+                continue
+            color = colors[i % len(colors)]
+            ax.plot(xs, ys, color=color, alpha=0.25, linewidth=1, marker="o" if len(xs) < 30 else None,
+                    markersize=3)
+            ax.plot(xs, smooth(ys, window), color=color, linewidth=2,
+                    label=f"{name} (rollouts{f', mean of {window}' if window > 1 else ''})")
+            shown += ys
+            for j, ev in enumerate(eval_names(run_steps)):
+                exs, eys = _series(run_steps, f"eval/{ev}/{key}")
+                if eys:
+                    ax.plot(exs, eys, color=color, linestyle="--", marker="s", markersize=4,
+                            label=f"{name}: held-out eval '{ev}'")
+                    shown += eys
+            if key == "spec_accept_length":
+                cxs, cys = _series(run_steps, "spec_canary_accept_length")
+                if cys:
+                    ax.plot(cxs, cys, color=color, linestyle=":", marker="^", markersize=4,
+                            label=f"{name}: canary after weight sync")
+                    shown += cys
+        ax.set_ylim(*axis_limits(shown, floor, ceiling))
         ax.set_xlabel("rollout step")
-        ax.set_ylabel(label)
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        if len(runs) > 1:
-            ax.legend()
+        if shown:
+            ax.legend(fontsize=8, loc="best")
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def run_title(config: Config) -> str:
+    """'<model> on <task>': the checkpoint's and the prompt file's names."""
+    model = Path(config.rollout.hf_checkpoint).name or "model"
+    task = Path(config.rollout.prompt_data).stem if config.rollout.prompt_data else "replayed rollouts"
+    spec = config.engine.speculative_algorithm
+    return f"{model} on {task}: GRPO" + (f", {spec} speculative rollout" if spec else "")
 
 
 class LoopReport:
@@ -111,8 +186,11 @@ class LoopReport:
         self.metrics_path = Path(config.rollout.metrics_jsonl or self.out_dir / "metrics.jsonl")
         self.steps: list[dict] = []
         self.initial_eval: dict | None = None
-        self.wandb = WandbLogger(config.wandb, {"train": vars(config.train), "rollout": vars(config.rollout)}) \
-            if config.wandb.use_wandb else None
+        self.title = run_title(config)
+        steps_per_rollout = max(1, config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
+                                // (config.train.global_batch_size or 1))
+        self.wandb = WandbLogger(config.wandb, {"train": vars(config.train), "rollout": vars(config.rollout)},
+                                 steps_per_rollout) if config.wandb.use_wandb else None
 
     def set_initial_eval(self, metrics: dict) -> None:
         self.initial_eval = {k: v for k, v in metrics.items() if k.startswith("eval/")}
@@ -139,7 +217,7 @@ class LoopReport:
         if self.wandb:
             self.wandb.log(step, step=step["rollout_id"])
 
-    def finish(self, title: str = "slime-spec") -> dict:
+    def finish(self, title: str | None = None) -> dict:
         summary = summarize(self.steps)
         summary["eval_initial"] = self.initial_eval
         summary["eval_final"] = next(({k: v for k, v in s.items() if k.startswith("eval/")}
@@ -148,7 +226,7 @@ class LoopReport:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         if self.steps:
-            plot(self.steps, self.out_dir / "plot.png", title)
+            plot(self.steps, self.out_dir / "plot.png", title or self.title)
         if self.wandb:
             self.wandb.finish()
         return summary

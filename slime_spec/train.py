@@ -19,6 +19,7 @@ from pathlib import Path
 from slime_spec.args import ArgsError, parse
 from slime_spec.config import Config, WandbConfig
 from slime_spec.doctor import diagnose, render_text
+from slime_spec.logging_setup import quiet_known_noise
 from slime_spec.loop_report import LoopReport
 
 
@@ -38,17 +39,10 @@ def preflight(argv: list[str]) -> Config:
 def init_ray() -> None:
     import ray
 
-    if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS")
-    env = {"env_vars": {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-                        "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}}
-    if address:  # inside `ray job submit`, or a cluster the user started
-        ray.init(address=address, runtime_env=env, log_to_driver=True)
-    else:
-        # "local": always a fresh Ray of our own, never some other local cluster that happens to be running.
-        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, runtime_env=env,
-                 log_to_driver=True)
+    from slime_spec.ray_env import ray_init_kwargs
+
+    if not ray.is_initialized():  # inside a job: only what the job's runtime env lacks (see ray_env.py)
+        ray.init(**ray_init_kwargs(os.environ, os.cpu_count()))
 
 
 def run(config: Config, *, manager_kwargs: dict | None = None) -> dict:
@@ -110,6 +104,7 @@ def run(config: Config, *, manager_kwargs: dict | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_known_noise()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         config = preflight(argv)

@@ -113,7 +113,7 @@ def test_generate_metrics_and_replay(manager, workdir):
     assert set(REQUIRED_KEYS) <= set(metrics)
     assert metrics["response_tokens"] == sum(s.response_length for s in samples) == metrics["spec_completion_tokens"]
     assert metrics["spec_verify_ct"] == sum(s.spec.verify_ct for s in samples)
-    assert metrics["spec_accept_length"] >= 1.0 and metrics["spec_accept_length_sample_mean"] >= 1.0
+    assert metrics["spec_accept_length"] >= 1.0 and metrics["spec_accept_length_token_weighted"] >= 1.0
     assert metrics["engine_0/num_samples"] + metrics["engine_1/num_samples"] == len(samples)
     assert metrics["engine_restarts"] == 0
     line = json.loads((workdir / "metrics.jsonl").read_text().splitlines()[0])

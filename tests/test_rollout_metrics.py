@@ -4,8 +4,8 @@ import json
 import pytest
 
 from slime_spec.rollout.generate import apply_generate_output
-from slime_spec.rollout.metrics import (REQUIRED_KEYS, format_metrics_line, rollout_metrics, spec_summary,
-                                        write_metrics_line)
+from slime_spec.rollout.metrics import (REQUIRED_KEYS, format_metrics_line, rollout_metrics, slime_log_keys,
+                                        spec_summary, wandb_logged_in, wandb_mode, write_metrics_line)
 from slime_spec.rollout.routing import NoEngineAvailable, Router, pick_engine
 from slime_spec.rollout.sample import Sample, SpecStats, Status
 
@@ -20,8 +20,8 @@ def test_accept_length_weighted_vs_sample_mean():
     # one long sample accepting well, one short sample accepting badly
     samples = [_s(0, 100, 25), _s(1, 4, 4, engine=1)]
     m = spec_summary(samples)
-    assert m["spec_accept_length"] == pytest.approx(104 / 29)
-    assert m["spec_accept_length_sample_mean"] == pytest.approx((4.0 + 1.0) / 2)
+    assert m["spec_accept_length_token_weighted"] == pytest.approx(104 / 29)
+    assert m["spec_accept_length"] == pytest.approx((4.0 + 1.0) / 2)  # slime's meaning: the per-sample mean
     assert m["spec_accept_rate"] is None
 
 
@@ -32,7 +32,7 @@ def test_acceptance_rate_only_from_reporting_samples():
 
 def test_no_speculation_is_one():
     m = spec_summary([_s(0, 10, 0)])
-    assert m["spec_accept_length"] == 1.0 and m["spec_accept_length_sample_mean"] == 1.0
+    assert m["spec_accept_length_token_weighted"] == 1.0 and m["spec_accept_length"] == 1.0
 
 
 def test_rollout_metrics_keys_and_per_engine():
@@ -44,9 +44,10 @@ def test_rollout_metrics_keys_and_per_engine():
     assert m["tokens_per_s"] == 7.0 and m["truncated_ratio"] == pytest.approx(1 / 3) and m["aborted"] == 1
     assert m["reward_mean"] == 0.5 and m["engine_restarts"] == 1 and m["prompt_tokens"] == 9
     assert m["engine_0/spec_accept_length"] == 4.0 and m["engine_1/spec_accept_length"] == 2.0
-    assert m["spec_accept_length"] == pytest.approx(14 / 5)
+    assert m["spec_accept_length_token_weighted"] == pytest.approx(14 / 5)
+    assert m["spec_accept_length"] == pytest.approx((4.0 + 2.0) / 2)
     line = format_metrics_line(m)
-    assert "rollout 7" in line and "accept_len 2.800" in line and "0:4.000 1:2.000" in line and "ABORTED 1" in line
+    assert "rollout 7" in line and "accept_len 3.000 (token-weighted 2.800)" in line and "0:4.000 1:2.000" in line and "ABORTED 1" in line
 
 
 def test_write_metrics_line_appends(tmp_path):
@@ -106,3 +107,37 @@ def test_router_waits_for_capacity_and_fails_when_all_dead():
         with pytest.raises(NoEngineAvailable, match="slime-spec doctor"):
             await r.acquire()
     asyncio.run(main())
+
+
+def test_slime_log_keys_namespaces_and_steps():
+    step = {"rollout_id": 3, "reward_mean": 0.5, "response_len_mean": 7.0, "spec_accept_length": 2.5,
+            "spec_accept_length_token_weighted": 2.2, "truncated_ratio": 0.25, "engine_0/spec_accept_length": 2.5,
+            "rollout_time_s": 1.5, "tokens_per_s": 100.0, "loss": 0.1, "grad_norm": 0.9, "mtp_loss": 3.0,
+            "weight_sync_s": 0.2, "spec_canary_accept_length": 2.4, "eval/aime/reward_mean": 0.3,
+            "eval/aime/truncated_ratio": 0.1, "eval/aime/spec_accept_length": 2.6, "spec_accept_rate": None}
+    keys = slime_log_keys(step, train_steps_per_rollout=2)
+    assert keys == {
+        "rollout/step": 3, "train/step": 7, "eval/step": 3,
+        "rollout/raw_reward": 0.5, "rollout/response_len/mean": 7.0, "rollout/spec_accept_length": 2.5,
+        "rollout/spec_accept_length_token_weighted": 2.2, "rollout/truncated_ratio": 0.25,
+        "rollout/engine_0/spec_accept_length": 2.5, "rollout/spec_canary_accept_length": 2.4,
+        "perf/rollout_time": 1.5, "perf/rollout_tokens_per_sec": 100.0, "perf/update_weights_time": 0.2,
+        "train/loss": 0.1, "train/grad_norm": 0.9, "train/mtp_loss": 3.0,
+        "eval/aime": 0.3, "eval/aime-truncated_ratio": 0.1, "eval/aime/spec_accept_length": 2.6}
+    rollout_only = slime_log_keys({"rollout_id": 0, "reward_mean": 1.0})
+    assert "train/step" not in rollout_only and "eval/step" not in rollout_only
+
+
+def test_wandb_mode_respects_flag_env_key_and_login(tmp_path):
+    assert wandb_mode("disabled", {"WANDB_MODE": "online"}, True, True) == ("disabled", "--wandb-mode")
+    assert wandb_mode(None, {"WANDB_MODE": "offline"}, True, True) == ("offline", "WANDB_MODE")
+    assert wandb_mode(None, {}, True, False)[0] == "online"
+    assert wandb_mode(None, {}, False, True) == ("online", "the key stored by `wandb login`")
+    mode, why = wandb_mode(None, {}, False, False)
+    assert mode == "offline" and "wandb login" in why and "--wandb-mode online" in why
+    netrc = tmp_path / ".netrc"
+    env = {"NETRC": str(netrc)}
+    assert not wandb_logged_in(env, None)
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password abc123\n")
+    netrc.chmod(0o600)
+    assert wandb_logged_in(env, None) and not wandb_logged_in(env, "https://wandb.example.com")

@@ -82,14 +82,23 @@ def make_base_dir(base: Path) -> Path:
     return base
 
 
+# The environment overrides of scripts/common.sh: a test run sets none it does not mean to.
+OVERRIDES = ("DEBUG_ROLLOUT_ONLY", "EXTRA_ARGS", "WANDB_API_KEY", "SMALL_MACHINE", "HF_CHECKPOINT", "DRAFT_CHECKPOINT",
+             "PROMPT_DATA", "EVAL_PROMPT_DATA", "CKPT_DIR", "OUTPUT_DIR", "ROLLOUT_BACKEND", "NUM_GPUS_PER_NODE", "TP",
+             "NUM_ROLLOUT", "DOCTOR_ONLY", "PYTHON")
+
+
 def script_env(base: Path, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("DEBUG_ROLLOUT_ONLY", "EXTRA_ARGS", "WANDB_API_KEY")}
-    env.update({"BASE_DIR": str(base), "PYTHON": sys.executable, "DOCTOR_ONLY": "1", **extra})
+    env = {k: v for k, v in os.environ.items() if k not in OVERRIDES}
+    env.update({"BASE_DIR": str(base), "PYTHON": sys.executable, "DOCTOR_ONLY": "1", "REAL_PY": sys.executable,
+                "OUTPUT_DIR": str(base / "outputs"), **extra})
     return env
 
 
-# Test double for the doctor's interpreter: records the argv a script hands to `python -m slime_spec.doctor`.
+# Test double for the doctor's interpreter: records the argv a script hands to `python -m slime_spec.doctor`;
+# the script's own import check (`python -c ...`) goes to the real interpreter.
 FAKE_DOCTOR = """#!/bin/bash
+if [ "$1" = -c ]; then exec "$REAL_PY" "$@"; fi
 printf '%s\\n' "$@" > "$FAKE_LOG/doctor.args"
 exit "${FAKE_DOCTOR_RC:-0}"
 """
@@ -128,6 +137,55 @@ def doctor_runs(tmp_path_factory):
         runs[name] = (rc, json.loads(out.getvalue()), argv[2:])
     runs["broken"] = (broken.wait(timeout=300), broken.stdout.read(), None)
     return runs
+
+
+# SMALL_MACHINE=1 on a tiny MiMo: every script that needs no external draft model (EAGLE3 needs DRAFT_CHECKPOINT).
+SMALL_RUNS = ("run-mimo-7B-rl-mtp.sh", "run-glm4.5-mtp.sh", "run-deepseek-v3-mtp.sh")
+
+
+@pytest.fixture(scope="module")
+def small_machine_runs(tmp_path_factory):
+    """Each script's flags under SMALL_MACHINE=1 with a tiny model, checked by the real doctor in this process."""
+    from slime_spec.doctor import main as doctor_main
+    from slime_spec.engine.tiny_model import make_tiny_model
+
+    base = tmp_path_factory.mktemp("small")
+    model = make_tiny_model(base / "tiny-mimo", arch="mimo", mtp_layers=1, hidden_size=32, num_layers=1,
+                            intermediate_size=64, max_position_embeddings=128)
+    (base / "prompts.jsonl").write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    runs = {}
+    for name in SMALL_RUNS:
+        log = tmp_path_factory.mktemp(name.removesuffix(".sh"))
+        fake = write_executable(log / "fake-python", FAKE_DOCTOR)
+        env = script_env(base, PYTHON=str(fake), FAKE_LOG=str(log), SMALL_MACHINE="1", HF_CHECKPOINT=str(model),
+                         PROMPT_DATA=str(base / "prompts.jsonl"), EVAL_PROMPT_DATA=str(base / "prompts.jsonl"))
+        proc = subprocess.run(["bash", str(SCRIPTS / name)], env=env, capture_output=True, text=True, timeout=60,
+                              cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        argv = (log / "doctor.args").read_text().splitlines()[2:]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = doctor_main([*argv, "--json"])
+        runs[name] = (rc, json.loads(out.getvalue()), argv)
+    return runs
+
+
+def last(flags: list[str], flag: str) -> str:
+    return flags[len(flags) - 1 - flags[::-1].index(flag) + 1]
+
+
+@pytest.mark.parametrize("name", SMALL_RUNS)
+def test_small_machine_runs_every_script_on_a_tiny_model(small_machine_runs, name):
+    rc, report, flags = small_machine_runs[name]
+    problems = [f for f in report["findings"] if f["level"] != "info"]
+    assert rc == 0 and problems == [], problems
+    assert {e["backend"] for e in report["engines"]} == {"embedded"} and len(report["engines"]) == 1
+    assert last(flags, "--tensor-model-parallel-size") == "1" and last(flags, "--rollout-num-gpus") == "0"
+    assert last(flags, "--num-rollout") == "2" and last(flags, "--hf-checkpoint").endswith("tiny-mimo")
+    for gpu_only in ("--sglang-attention-backend", "--sglang-cuda-graph-bs-decode", "--sglang-enable-memory-saver",
+                     "--sequence-parallel", "--num-layers", "--hidden-size"):
+        assert gpu_only not in flags, gpu_only
+    assert "--sglang-speculative-algorithm" in flags  # speculative rollout stays on
 
 
 def test_every_run_script_is_covered():
@@ -180,10 +238,23 @@ def test_no_script_kills_by_name():
 
 # ---------------------------------------------------------------- launch flow, with test doubles
 
-# A stand-in `ray`: logs each call; `job submit` records the entrypoint and can interrupt the script.
+# A stand-in `ray`: logs each call; `start --head --block` listens on the GCS and dashboard ports until it is
+# killed (as the real head does); `job submit` records the entrypoint and can interrupt the script.
 FAKE_RAY = """#!/bin/bash
 echo "$*" >> "$FAKE_LOG/ray.calls"
 case "$1 $2" in
+  "start --head")
+    while [ -n "$1" ]; do
+      case "$1" in --port) gcs=$2 ;; --dashboard-port) dash=$2 ;; esac; shift
+    done
+    exec "$REAL_PY" -c "
+import socket, sys, time
+socks = []
+for port in sys.argv[1:]:
+    s = socket.socket(); s.bind(('127.0.0.1', int(port))); s.listen(); socks.append(s)
+open(sys.argv[0] if False else '$FAKE_LOG/head.pid', 'w').write(str(__import__('os').getpid()))
+time.sleep(600)
+" "$gcs" "$dash" ;;
   "job submit")
     while [ "$1" != "--" ]; do shift; done; shift
     printf '%s\\n' "$@" > "$FAKE_LOG/entrypoint.args"
@@ -204,11 +275,21 @@ def fakes(tmp_path):
     return bin_dir, log
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch(fakes, tmp_path, ray_address: str, **env):
+    """Run the MiMo script with the stand-ins; the `ray` beside PYTHON is the one the script uses."""
     bin_dir, log = fakes
-    full = {k: v for k, v in os.environ.items() if k not in ("DEBUG_ROLLOUT_ONLY", "EXTRA_ARGS", "DOCTOR_ONLY")}
-    full.update(PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "fake-doctor-python"),
-                FAKE_LOG=str(log), BASE_DIR=str(tmp_path), RAY_ADDRESS=ray_address, **env)
+    full = script_env(tmp_path, PYTHON=str(bin_dir / "fake-doctor-python"), FAKE_LOG=str(log),
+                      RAY_ADDRESS=ray_address, RAY_DASHBOARD=f"http://127.0.0.1:{free_port()}",
+                      RAY_TEMP_DIR=str(tmp_path / "ray"), RAY_AUTH_MODE="disabled")
+    full.pop("DOCTOR_ONLY")
+    full.update(env)
+    full = {k: v for k, v in full.items() if v is not None}
     proc = subprocess.run(["bash", str(SCRIPTS / "run-mimo-7B-rl-mtp.sh")], env=full, capture_output=True,
                           text=True, timeout=60)
     calls = (log / "ray.calls").read_text().splitlines() if (log / "ray.calls").exists() else []
@@ -216,9 +297,7 @@ def launch(fakes, tmp_path, ray_address: str, **env):
 
 
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def runtime_env_of(submit_call: str) -> dict:
@@ -228,16 +307,40 @@ def runtime_env_of(submit_call: str) -> dict:
     return json.loads(" ".join(tokens[i:tokens.index("--", i)]))
 
 
+def head_gone(log: Path) -> bool:
+    pid = int((log / "head.pid").read_text())
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
 def test_starts_a_head_only_without_a_cluster_and_stops_only_that(fakes, tmp_path):
     proc, calls, log = launch(fakes, tmp_path, f"127.0.0.1:{closed_port()}", DEBUG_ROLLOUT_ONLY="1")
     assert proc.returncode == 0, proc.stderr
-    assert [c.split()[0:2] for c in calls] == [["start", "--head"], ["job", "submit"], ["stop"]]
+    assert [c.split()[0:3] for c in calls] == [["start", "--head", "--block"], ["job", "submit", "--address"]]
+    assert not any(c.split()[0] == "stop" for c in calls)  # never `ray stop`: it stops other clusters too
+    assert head_gone(log)  # ... the head's own process group was stopped instead
     doctor_args = (log / "doctor.args").read_text().splitlines()
     entry = (log / "entrypoint.args").read_text().splitlines()
-    assert doctor_args[:2] == ["-m", "slime_spec.doctor"] and entry[:3] == ["python3", "-m", "slime_spec.train"]
+    assert doctor_args[:2] == ["-m", "slime_spec.doctor"] and entry[1:3] == ["-m", "slime_spec.train"]
+    assert entry[0] == str(fakes[0] / "fake-doctor-python")  # the job runs PYTHON, not whatever python3 is
     assert doctor_args[2:] == entry[3:]  # the job gets exactly the flags the doctor checked
     assert "--debug-rollout-only" in entry and "--rollout-backend" in entry
-    assert runtime_env_of(calls[1])["env_vars"]["NCCL_NVLS_ENABLE"] == "0"
+    env_vars = runtime_env_of(calls[1])["env_vars"]
+    assert env_vars["NCCL_NVLS_ENABLE"] == "0" and env_vars["PYTHONPATH"].split(":")[0] == str(ROOT)
+    start = calls[0].split()
+    assert start[start.index("--temp-dir") + 1] == str(tmp_path / "ray")
+
+
+def test_token_auth_gets_a_token_for_a_head_it_starts(fakes, tmp_path):
+    proc, calls, _ = launch(fakes, tmp_path, f"127.0.0.1:{closed_port()}", RAY_AUTH_MODE=None,
+                            RAY_AUTH_TOKEN=None, RAY_AUTH_TOKEN_PATH=None)
+    assert proc.returncode == 0, proc.stderr
+    assert [c.split()[0:2] for c in calls] == [["get-auth-token", "--generate"], ["start", "--head"],
+                                              ["job", "submit"]]
+    assert "RAY_AUTH_MODE=token" in proc.stdout
 
 
 def test_reuses_a_reachable_cluster_and_leaves_it_running(fakes, tmp_path):
@@ -258,18 +361,35 @@ def test_doctor_error_starts_nothing(fakes, tmp_path):
 
 
 def test_interrupted_job_is_stopped_by_its_id_then_the_head(fakes, tmp_path):
-    proc, calls, _ = launch(fakes, tmp_path, f"127.0.0.1:{closed_port()}", FAKE_INTERRUPT="1")
+    proc, calls, log = launch(fakes, tmp_path, f"127.0.0.1:{closed_port()}", FAKE_INTERRUPT="1")
     assert proc.returncode == 143
     submit_id = calls[1].split()[calls[1].split().index("--submission-id") + 1]
     assert submit_id.startswith("run-mimo-7B-rl-mtp-")
-    assert [c.split()[0:2] for c in calls[2:]] == [["job", "stop"], ["stop"]]
+    assert [c.split()[0:2] for c in calls[2:]] == [["job", "stop"]]
     assert calls[2].split()[-1] == submit_id
+    assert head_gone(log) and "stopping the Ray head this script started" in proc.stderr
 
 
 def test_failed_job_returns_its_exit_code_and_cleans_up(fakes, tmp_path):
-    proc, calls, _ = launch(fakes, tmp_path, f"127.0.0.1:{closed_port()}", FAKE_JOB_RC="3")
+    proc, calls, log = launch(fakes, tmp_path, f"127.0.0.1:{closed_port()}", FAKE_JOB_RC="3")
     assert proc.returncode == 3
-    assert [c.split()[0:2] for c in calls] == [["start", "--head"], ["job", "submit"], ["stop"]]
+    assert [c.split()[0:2] for c in calls] == [["start", "--head"], ["job", "submit"]]
+    assert head_gone(log)
+
+
+def test_an_interpreter_without_slime_spec_is_named_not_a_traceback(tmp_path):
+    missing = write_executable(tmp_path / "bare-python", "#!/bin/bash\necho torch ray\n")  # answers the check
+    for python, expected in ((str(missing), "cannot import: torch ray"), ("no-such-python", "no such interpreter")):
+        proc = subprocess.run(["bash", str(SCRIPTS / "run-mimo-7B-rl-mtp.sh")],
+                              env=script_env(tmp_path, PYTHON=python), capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and expected in proc.stderr and "PYTHON=" in proc.stderr
+        assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_no_script_runs_ray_stop():
+    for path in SCRIPTS.rglob("*.sh"):
+        code = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
+        assert not re.search(r"\bray\b[^\n]*\bstop\b(?! --address)", code.replace("job stop", "")), path
 
 
 # ---------------------------------------------------------------- docs that mirror the code

@@ -5,9 +5,10 @@
 which other parts call with their own keys for the same rollout line).
 
 Accept length is reported two ways because they disagree on skewed batches:
-- `spec_accept_length`: token-weighted, sum(completion_tokens) / sum(verify passes);
-- `spec_accept_length_sample_mean`: the mean of per-sample ratios (what slime logs), which lets
-  short samples weigh as much as long ones.
+- `spec_accept_length`: the mean of per-sample ratios, slime's meaning under slime's name (short
+  samples weigh as much as long ones);
+- `spec_accept_length_token_weighted`: sum(completion_tokens) / sum(verify passes), what the engines
+  saw per verify pass.
 A sample that made several requests contributes its summed raw counters (see `SpecStats`).
 Without any verify pass (no speculation) the accept length is 1.0, as in SGLang's tests.
 """
@@ -15,9 +16,12 @@ Without any verify pass (no speculation) the accept length is 1.0, as in SGLang'
 from __future__ import annotations
 
 import json
+import netrc
 import os
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
+from urllib.parse import urlparse
 
 from slime_spec.config import WandbConfig
 from slime_spec.rollout.sample import Sample, Status
@@ -36,8 +40,8 @@ def spec_summary(samples: list[Sample]) -> dict:
     return {
         "spec_completion_tokens": completion,
         "spec_verify_ct": verify,
-        "spec_accept_length": completion / verify if verify else 1.0,
-        "spec_accept_length_sample_mean": sum(ratios) / len(ratios) if ratios else 1.0,
+        "spec_accept_length": sum(ratios) / len(ratios) if ratios else 1.0,
+        "spec_accept_length_token_weighted": completion / verify if verify else 1.0,
         "spec_accept_rate": (sum(s.spec.accept_token_num for s in reporting) / drafted) if drafted else None,
         "spec_draft_tokens": drafted if reporting else None,
     }
@@ -70,7 +74,7 @@ def rollout_metrics(rollout_id: int, samples: list[Sample], rollout_time_s: floa
     for e in sorted(by_engine):
         spec = spec_summary(by_engine[e])
         m[f"engine_{e}/num_samples"] = len(by_engine[e])
-        for key in ("spec_accept_length", "spec_accept_length_sample_mean", "spec_verify_ct", "spec_accept_rate"):
+        for key in ("spec_accept_length", "spec_accept_length_token_weighted", "spec_verify_ct", "spec_accept_rate"):
             m[f"engine_{e}/{key}"] = spec[key]
     return m
 
@@ -83,7 +87,7 @@ def format_metrics_line(m: dict) -> str:
     """One readable console line per rollout, with a per-engine accept-length tail."""
     parts = [f"rollout {m['rollout_id']}: {m['num_samples']} samples", f"{m['response_tokens']} tokens",
              f"{m['rollout_time_s']:.2f}s", f"{m['tokens_per_s']:.1f} tok/s",
-             f"accept_len {_fmt(m['spec_accept_length'])} (sample mean {_fmt(m['spec_accept_length_sample_mean'])})",
+             f"accept_len {_fmt(m['spec_accept_length'])} (token-weighted {_fmt(m['spec_accept_length_token_weighted'])})",
              f"accept_rate {_fmt(m['spec_accept_rate'])}", f"verify {m['spec_verify_ct']}",
              f"truncated {m['truncated_ratio']:.0%}", f"reward {_fmt(m['reward_mean'])}",
              f"restarts {m['engine_restarts']}"]
@@ -104,22 +108,115 @@ def write_metrics_line(path: str | os.PathLike, metrics: dict) -> None:
         f.write(json.dumps(metrics, default=float) + "\n")
 
 
-class WandbLogger:
-    """wandb run for rollout metrics; offline unless a key is given (`--wandb-key` or WANDB_API_KEY)."""
+# Our flat step keys -> slime's wandb names (slime/observability: rollout_metrics.py, train_metric_utils.py).
+SLIME_KEY_NAMES = {
+    "reward_mean": "rollout/raw_reward",
+    "response_len_mean": "rollout/response_len/mean",
+    "rollout_time_s": "perf/rollout_time",
+    "tokens_per_s": "perf/rollout_tokens_per_sec",
+    "samples_per_s": "perf/rollout_samples_per_sec",
+    "train_time_s": "perf/train_time",
+    "weight_sync_s": "perf/update_weights_time",
+    "weight_sync_gbps": "perf/update_weights_gbps",
+    "weight_sync_params": "perf/update_weights_target_tensors",
+    "weight_sync_mtp_params": "perf/update_weights_mtp_tensors",
+}
+TRAIN_KEYS = {"loss", "pg_loss", "kl", "clip_fraction", "entropy", "mtp_loss", "grad_norm", "lr",
+              "train_rollout_logprob_abs_diff", "replayed_samples"}
+# slime's step keys: each namespace is plotted against its own step (wandb.define_metric).
+STEP_METRICS = (("rollout/step", ("rollout/*", "perf/*")), ("train/step", ("train/*",)), ("eval/step", ("eval/*",)))
 
-    def __init__(self, cfg: WandbConfig, run_config: dict | None = None):
+
+def _eval_name(key: str) -> str:
+    """`eval/<name>/reward_mean` -> `eval/<name>` (slime's eval reward), `.../truncated_ratio` ->
+    `eval/<name>-truncated_ratio`; other eval keys keep their name."""
+    head, _, metric = key.rpartition("/")
+    if metric == "reward_mean":
+        return head
+    if metric == "truncated_ratio":
+        return f"{head}-truncated_ratio"
+    return key
+
+
+def slime_log_keys(step: dict, train_steps_per_rollout: int = 1) -> dict:
+    """One merged step dict (rollout + train + weight sync + eval) under slime's names and step keys.
+
+    Rollout statistics go to `rollout/`, timings and throughput to `perf/`, trainer output to `train/`,
+    held-out evaluation to `eval/<name>`; None values are left out. `train/step` counts optimizer steps
+    as slime does (`train_steps_per_rollout` per rollout).
+    """
+    rollout_id = step["rollout_id"]
+    out: dict = {"rollout/step": rollout_id}
+    for key, value in step.items():
+        if value is None or key == "rollout_id":
+            continue
+        if key in SLIME_KEY_NAMES:
+            out[SLIME_KEY_NAMES[key]] = value
+        elif key in TRAIN_KEYS:
+            out[f"train/{key}"] = value
+        elif key.startswith("eval/"):
+            out[_eval_name(key)] = value
+        else:
+            out[f"rollout/{key}"] = value
+    if any(k.startswith("train/") for k in out):
+        out["train/step"] = (rollout_id + 1) * train_steps_per_rollout - 1
+    if any(k.startswith("eval/") for k in out):
+        out["eval/step"] = rollout_id
+    return out
+
+
+def wandb_logged_in(environ: Mapping[str, str], host: str | None) -> bool:
+    """Whether `wandb login` stored a key for the host (in ~/.netrc, or the file NETRC names)."""
+    hostname = urlparse(host or environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    path = environ.get("NETRC") or os.path.join(environ.get("HOME", os.path.expanduser("~")), ".netrc")
+    try:
+        auth = netrc.netrc(path).authenticators(hostname)
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+    return bool(auth and auth[2])
+
+
+def wandb_mode(flag_mode: str | None, environ: Mapping[str, str], has_key: bool, logged_in: bool) -> tuple[str, str]:
+    """(mode, why): --wandb-mode, else WANDB_MODE, else online with any credentials, else offline."""
+    if flag_mode:
+        return flag_mode, "--wandb-mode"
+    if environ.get("WANDB_MODE"):
+        return environ["WANDB_MODE"], "WANDB_MODE"
+    if has_key:
+        return "online", "an API key (--wandb-key or WANDB_API_KEY)"
+    if logged_in:
+        return "online", "the key stored by `wandb login`"
+    return "offline", ("no API key and no `wandb login`: the run is written locally only "
+                       "(run `wandb login`, or pass --wandb-key or --wandb-mode online)")
+
+
+class WandbLogger:
+    """One wandb run under slime's metric names (`slime_log_keys`); the mode is chosen by `wandb_mode` and
+    printed with its reason, so an offline run is never a surprise."""
+
+    def __init__(self, cfg: WandbConfig, run_config: dict | None = None, train_steps_per_rollout: int = 1,
+                 environ: Mapping[str, str] = os.environ):
         import wandb
 
-        self._wandb = wandb
-        key = cfg.wandb_key or os.environ.get("WANDB_API_KEY")
-        if cfg.wandb_key:
-            wandb.login(key=cfg.wandb_key, relogin=True)
-        self.run = wandb.init(project=cfg.wandb_project or "slime-spec", group=cfg.wandb_group,
-                              dir=cfg.wandb_dir, mode="online" if key else "offline",
-                              config=run_config or {}, reinit="create_new")
+        key = cfg.wandb_key or environ.get("WANDB_API_KEY")
+        mode, why = wandb_mode(cfg.wandb_mode, environ, bool(key), wandb_logged_in(environ, cfg.wandb_host))
+        print(f"[wandb] mode {mode}: {why}", flush=True)
+        if cfg.wandb_key and mode == "online":
+            wandb.login(key=cfg.wandb_key, host=cfg.wandb_host, relogin=True)
+        self.train_steps_per_rollout = train_steps_per_rollout
+        self.run = wandb.init(entity=cfg.wandb_team, project=cfg.wandb_project or "slime-spec", group=cfg.wandb_group,
+                              dir=cfg.wandb_dir, mode=mode, id=cfg.wandb_run_id,
+                              resume="allow" if cfg.wandb_run_id else None, config=run_config or {},
+                              reinit="create_new")
+        for step_key, patterns in STEP_METRICS:
+            self.run.define_metric(step_key)
+            for pattern in patterns:
+                self.run.define_metric(pattern, step_metric=step_key)
 
-    def log(self, metrics: dict, step: int) -> None:
-        self.run.log({f"rollout/{k}": v for k, v in metrics.items() if v is not None}, step=step)
+    def log(self, metrics: dict, step: int | None = None) -> None:
+        """`step` is the rollout id when `metrics` has none."""
+        keyed = slime_log_keys({"rollout_id": step, **metrics}, self.train_steps_per_rollout)
+        self.run.log(keyed)
 
     def finish(self) -> None:
         self.run.finish()

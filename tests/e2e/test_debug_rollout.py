@@ -57,7 +57,7 @@ def _check(tmp_path, summary, spec_expected_to_draft: bool):
         assert sum(s.spec.verify_ct for s in samples) == m["spec_verify_ct"]
     assert summary["num_rollouts"] == NUM_ROLLOUT and summary["num_samples"] == NUM_ROLLOUT * BATCH * N_SAMPLES
     assert summary["response_tokens"] == sum(m["response_tokens"] for m in lines)
-    assert summary["spec_accept_length"] >= 1.0
+    assert summary["spec_accept_length_token_weighted"] >= 1.0
 
 
 def test_debug_rollout_only_ngram_two_engines(ray_cluster, tmp_path):

@@ -1,0 +1,64 @@
+"""The run's summary and plot: smoothed series, honest axes, eval and canary series, a title that says
+what ran."""
+
+import math
+
+import pytest
+
+from slime_spec.loop_report import axis_limits, eval_names, plot, smooth
+
+
+def steps(n: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        s = {"rollout_id": i, "reward_mean": 0.4 + 0.05 * math.sin(i) + 0.003 * i,
+             "spec_accept_length": 1.8 + 0.01 * i + 0.1 * math.cos(i), "spec_canary_accept_length": 1.9 + 0.01 * i}
+        if i % 5 == 4:
+            s.update({"eval/aime/reward_mean": 0.35 + 0.004 * i, "eval/aime/spec_accept_length": 1.85 + 0.01 * i})
+        out.append(s)
+    return out
+
+
+def test_smooth_is_a_trailing_mean():
+    assert smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert smooth([2.0, 4.0], 1) == [2.0, 4.0]
+
+
+def test_axes_start_at_their_baselines():
+    assert axis_limits([0.41, 0.46], 0.0, 1.0) == (0.0, 1.0)  # a 0.05 change stays small
+    lo, hi = axis_limits([1.5, 2.0, 3.0], 1.0)
+    assert lo == 1.0 and hi == pytest.approx(3.2)
+    assert axis_limits([], 1.0) == (1.0, 2.1)
+
+
+def test_eval_names_in_order():
+    assert eval_names(steps(10)) == ["aime"]
+    assert eval_names([{"rollout_id": 0, "eval/a/reward_mean": 1, "eval/b/reward_mean": 0}]) == ["a", "b"]
+
+
+def test_plot_writes_a_png_with_eval_and_canary(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    seen = {}
+    real_savefig = plt.Figure.savefig
+
+    def capture(fig, path, **kw):
+        seen["axes"] = [(ax.get_ylim(), [line.get_label() for line in ax.get_lines()], fig._suptitle.get_text())
+                        for ax in fig.axes]
+        return real_savefig(fig, path, **kw)
+
+    plt.Figure.savefig = capture
+    try:
+        plot(steps(40), tmp_path / "plot.png", "MiMo-7B-RL on dapo-math-17k: GRPO",
+             extra={"draft frozen": steps(40)[:20]})
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert (tmp_path / "plot.png").stat().st_size > 5000
+    (reward_ylim, reward_lines, title), (accept_ylim, accept_lines, _) = seen["axes"]
+    assert title == "MiMo-7B-RL on dapo-math-17k: GRPO"
+    assert reward_ylim == (0.0, 1.0) and accept_ylim[0] == 1.0
+    assert "this run (rollouts, mean of 5)" in reward_lines and "this run: held-out eval 'aime'" in reward_lines
+    assert "this run: canary after weight sync" in accept_lines and "draft frozen: held-out eval 'aime'" in accept_lines
