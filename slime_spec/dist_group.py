@@ -13,6 +13,7 @@ keys the other never writes. We do exactly that here, without initializing the d
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import torch
@@ -25,18 +26,64 @@ def tcp_url(host: str, port: int) -> str:
     return f"tcp://[{host}]:{int(port)}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{int(port)}"
 
 
+# Group names this process has handed to torch's registry (torch registers a name once per process).
+_REGISTERED: set[str] = set()
+_REGISTERED_LOCK = threading.Lock()
+
+
 def join_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
                backend: str, timeout: timedelta) -> dist.ProcessGroup:
     """Join a named group through torch's rendezvous, as any rank (0 hosts the store)."""
     store, rank, world_size = next(c10d.rendezvous(tcp_url(master_address, master_port), rank, world_size,
                                                    timeout=timeout))
     store.set_timeout(timeout)
-    pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend),
-                                           c10d.PrefixStore(group_name, store), group_name=group_name,
-                                           timeout=timeout)
+    store = c10d.PrefixStore(group_name, store)
+    with _REGISTERED_LOCK:
+        first_in_process = group_name not in _REGISTERED
+        _REGISTERED.add(group_name)
+    if not first_in_process:
+        return same_process_member(store, rank, world_size, group_name, backend, timeout)
+    try:
+        pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
+                                               group_name=group_name, timeout=timeout)
+    except BaseException:
+        release_name(group_name)
+        raise
     # the group's ranks are its own global ranks: lets torch.distributed collectives take src=0
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def release_name(group_name: str) -> None:
+    with _REGISTERED_LOCK:
+        _REGISTERED.discard(group_name)
+
+
+def same_process_member(store, rank: int, world_size: int, group_name: str, backend: str, timeout: timedelta):
+    """Another rank of a group whose name this process already registered (in-process engine doubles in
+    tests): it builds the same backends as `_new_process_group_helper`, on the same keys
+    (`<group_name>/<device>/`; one backend when torch maps every device to the same one), outside the registry."""
+    prefix = c10d.PrefixStore(f"{group_name}/", store)
+    device_map = c10d.BackendConfig(c10d.Backend(backend)).get_device_backend_map()
+    devices = list(device_map)[:1] if len(set(device_map.values())) == 1 else list(device_map)  # as torch does
+    members = []
+    for device in devices:
+        device_store = c10d.PrefixStore(f"{device}/", prefix)
+        if backend == "gloo":
+            member = dist.ProcessGroupGloo(device_store, rank, world_size, timeout)
+        else:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            member = dist.ProcessGroupNCCL(device_store, rank, world_size, opts)
+        member._set_sequence_number_for_group()
+        members.append(member)
+    return members[0]
+
+
+def broadcast(pg, tensor: torch.Tensor, src: int) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    pg.broadcast([tensor], opts).wait()
 
 
 class WeightUpdateGroup:
@@ -52,13 +99,14 @@ class WeightUpdateGroup:
                               timedelta(seconds=timeout_s))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        dist.broadcast(tensor, src=src, group=self._pg)
+        broadcast(self._pg, tensor, src)
 
     def barrier(self) -> None:
         t = torch.zeros(1, device="cuda" if self.backend == "nccl" else "cpu")
-        dist.all_reduce(t, group=self._pg)
+        self._pg.allreduce([t]).wait()
 
     def destroy(self) -> None:
-        if self._pg is not None:
+        if self._pg is not None and self._pg in c10d._world.pg_names:
             dist.destroy_process_group(self._pg)
+            release_name(self.group_name)
         self._pg = None
