@@ -65,13 +65,24 @@ class EngineConfig:
     def module(self) -> str:
         return "sglang.launch_server" if self.backend == "sglang" else "slime_spec.engine"
 
-    def server_argv(self, host: str, port: int, base_gpu_id: int = 0, python: str | None = None) -> list[str]:
-        """The exact command line of one engine's server process."""
-        argv = [python or sys.executable, "-m", self.module,
-                "--model-path", self.model_path,
-                "--host", host, "--port", str(port),
-                "--tp-size", str(self.num_gpus_per_engine),
-                "--random-seed", str(self.seed)]
+    def server_argv(self, host: str, port: int, base_gpu_id: int = 0, python: str | None = None,
+                    engine_index: int = 0) -> list[str]:
+        """The exact command line of one engine's server process.
+
+        As slime launches SGLang: `--trust-remote-code` always (MiMo's config class ships with the checkpoint),
+        tp = GPUs per engine / `--sglang-pp-size`, and each engine its own seed (seed + engine index).
+        """
+        pp_size = int(self.server_args.get("pp_size") or 1)
+        if pp_size < 1 or self.num_gpus_per_engine % pp_size:
+            raise ValueError(f"--rollout-num-gpus-per-engine {self.num_gpus_per_engine} is not divisible by "
+                             f"--sglang-pp-size {pp_size}: each engine runs tp x pp GPUs; set "
+                             f"--rollout-num-gpus-per-engine to a multiple of {pp_size}")
+        argv = [python or sys.executable, "-m", self.module, "--model-path", self.model_path]
+        if self.backend == "sglang":
+            argv += ["--trust-remote-code"]
+        argv += ["--host", host, "--port", str(port),
+                 "--tp-size", str(self.num_gpus_per_engine // pp_size),
+                 "--random-seed", str(self.seed + engine_index)]
         if self.backend == "sglang":
             argv += ["--base-gpu-id", str(base_gpu_id)]
         return argv + list(self.forwarded_argv)

@@ -23,7 +23,7 @@ def test_eagle3_example_round_trips_to_exact_argv(llama8b, eagle3_draft):
     config, _ = parse_config(["--hf-checkpoint", str(llama8b), "--rollout-backend", "sglang", *tokens])
     argv = config.engine.server_argv("127.0.0.1", 31000, base_gpu_id=2, python="python3")
     assert argv == [
-        "python3", "-m", "sglang.launch_server", "--model-path", str(llama8b), "--host", "127.0.0.1",
+        "python3", "-m", "sglang.launch_server", "--model-path", str(llama8b), "--trust-remote-code", "--host", "127.0.0.1",
         "--port", "31000", "--tp-size", "1", "--random-seed", "1234", "--base-gpu-id", "2",
         "--mem-fraction-static", "0.8",
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(eagle3_draft),

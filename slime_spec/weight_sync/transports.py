@@ -9,7 +9,8 @@ verification are the syncer's job (sync.py).
   every engine gets `/update_weights_from_distributed` (names, dtypes, shapes) while rank 0 broadcasts
   each tensor in that order. nccl on GPU, gloo on CPU.
 - tensor (colocated): `/update_weights_from_tensor` with the named tensors serialized the way SGLang's
-  MultiprocessingSerializer does (pickle, base64 over HTTP), one copy per engine TP rank.
+  MultiprocessingSerializer reads them (pickle, base64 over HTTP), one entry per engine TP rank, each
+  serialized on its own; CUDA tensors as IPC handles naming the device by UUID.
 - disk: the whole model written as an HF checkpoint (safetensors shards + index + the original
   config/tokenizer files), then `/update_weights_from_disk`. One request per sync, so all-or-nothing.
 """
@@ -101,21 +102,59 @@ class DistributedTransport:
 
 
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
-    """SGLang's MultiprocessingSerializer(output_str=True) format: a pickle of [(name, tensor)], base64.
+    """One TP rank's entry of `serialized_named_tensors`: what SGLang's MultiprocessingSerializer.deserialize
+    (its SafeUnpickler) reads back, a pickle of [(name, tensor)] in base64.
 
-    CUDA tensors go through ForkingPickler (CUDA IPC handles, zero copy, as SGLang does); CPU tensors are
-    pickled with their bytes inline, which any process can read (ForkingPickler's CPU path needs a
-    shared-memory handshake between related processes).
+    CPU tensors are pickled with their bytes inline, which any process can read (torch's shared-memory
+    CPU path needs a file-descriptor handshake between related processes). CUDA tensors travel as CUDA
+    IPC handles, zero copy, naming the device by UUID as SGLang's `monkey_patch_torch_reductions` does
+    on both sides, so the engine opens the handle on its own GPU whatever its device numbering. The
+    caller must keep the tensors alive until the engine has replied (the engine copies from them).
     """
     buf = io.BytesIO()
     if any(t.is_cuda for _, t in named):
-        import torch.multiprocessing  # noqa: F401  (registers the CUDA IPC reductions)
-        from multiprocessing.reduction import ForkingPickler
-
-        ForkingPickler(buf).dump(named)
+        cuda_ipc_pickler(buf).dump([(n, t.detach()) for n, t in named])
     else:
         pickle.dump([(n, compact(t)) for n, t in named], buf)
     return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def serialize_for_tp_ranks(named: list[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
+    """`serialized_named_tensors` for one engine: entry r is TP rank r's, and each rank reads only its own.
+
+    Every entry is serialized on its own: a CUDA IPC handle is reference-counted per deserialization,
+    so ranks must not share one (SGLang's tp_worker.deserialize_own_rank says the same).
+    """
+    if tp_size < 1:
+        raise ValueError(f"engine tp size must be >= 1, got {tp_size}: pass the engines' --tp-size")
+    return [serialize_named_tensors(named) for _ in range(tp_size)]
+
+
+def _reduce_cuda_tensor_by_uuid(tensor: torch.Tensor):
+    """torch's CUDA IPC reduction with the device index replaced by the device UUID (argument 6 of
+    `rebuild_cuda_tensor`), the form SGLang's patched `rebuild_cuda_tensor` maps back to a local device."""
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if tensor.is_cuda:
+        device = args[CUDA_DEVICE_ARG]
+        args = (*args[:CUDA_DEVICE_ARG], str(torch.cuda.get_device_properties(device).uuid),
+                *args[CUDA_DEVICE_ARG + 1:])
+    return rebuild, args
+
+
+CUDA_DEVICE_ARG = 6  # position of the device index in rebuild_cuda_tensor's arguments (torch 2.x)
+
+
+def cuda_ipc_pickler(buf: io.BytesIO):
+    """A ForkingPickler whose tensor reduction names devices by UUID; torch's global reductions stay as they are."""
+    import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
+    from multiprocessing.reduction import ForkingPickler
+
+    pickler = ForkingPickler(buf)
+    pickler.dispatch_table = {**pickler.dispatch_table, torch.Tensor: _reduce_cuda_tensor_by_uuid,
+                              torch.nn.Parameter: _reduce_cuda_tensor_by_uuid}
+    return pickler
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
@@ -139,10 +178,16 @@ class TensorTransport:
         pass
 
     def send(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None) -> None:
-        encoded = serialize_named_tensors([(t.name, t.tensor) for t in bucket.tensors])
-        payload = protocol.tensor_payload([encoded] * self.engine_tp_size, selector=selector,
-                                          weight_version=weight_version, flush_cache=False, session=self.session)
-        post_all(self.clients, "/update_weights_from_tensor", payload)
+        named = [(t.name, t.tensor) for t in bucket.tensors]
+        if any(t.is_cuda for _, t in named):  # each engine gets its own handles, as each rank does
+            post_all(self.clients, "/update_weights_from_tensor", lambda _: self._payload(named, selector, weight_version))
+        else:  # inline bytes: one serialization serves every engine
+            post_all(self.clients, "/update_weights_from_tensor", self._payload(named, selector, weight_version))
+        # `named` (and the CUDA memory the handles point at) lives until every engine has replied
+
+    def _payload(self, named, selector: protocol.Selector, weight_version: str | None) -> dict:
+        return protocol.tensor_payload(serialize_for_tp_ranks(named, self.engine_tp_size), selector=selector,
+                                       weight_version=weight_version, flush_cache=False, session=self.session)
 
     def close(self) -> None:
         pass
