@@ -40,13 +40,14 @@ class EngineConfig:
     def module(self) -> str:
         return "sglang.launch_server" if self.backend == "sglang" else "slime_spec.engine"
 
-    def server_argv(self, host: str, port: int, base_gpu_id: int = 0, python: str | None = None) -> list[str]:
-        """The exact command line of one engine's server process."""
+    def server_argv(self, host: str, port: int, base_gpu_id: int = 0, python: str | None = None,
+                    seed_offset: int = 0) -> list[str]:
+        """The exact command line of one engine's server process (engine i: seed_offset=i, as slime)."""
         argv = [python or sys.executable, "-m", self.module,
                 "--model-path", self.model_path,
                 "--host", host, "--port", str(port),
                 "--tp-size", str(self.num_gpus_per_engine),
-                "--random-seed", str(self.seed)]
+                "--random-seed", str(self.seed + seed_offset)]
         if self.backend == "sglang":
             argv += ["--base-gpu-id", str(base_gpu_id)]
         return argv + list(self.forwarded_argv)

@@ -298,24 +298,24 @@ def servers():
 
 
 def test_protocol_detected_from_new_and_old_server(servers):
-    from slime_spec.weight_sync.engine_client import HttpEngineClient
+    from slime_spec.engines.client import EngineClient
     from slime_spec.weight_sync.sync import detect_engine_protocol
 
     state, config = _tiny_state()
-    new = detect_engine_protocol(HttpEngineClient(servers(state, config).url))
-    old = detect_engine_protocol(HttpEngineClient(servers(state, config, session_routes=False).url))
+    new = detect_engine_protocol(EngineClient(servers(state, config).url))
+    old = detect_engine_protocol(EngineClient(servers(state, config, session_routes=False).url))
     assert (new.session, new.version) == (True, "0.5.23")
     assert (old.session, old.version) == (False, "0.4.10.post2")
 
 
 def test_fake_rejects_update_outside_session_and_bad_fields(servers):
-    from slime_spec.weight_sync.engine_client import EngineRequestError, HttpEngineClient
+    from slime_spec.engines.client import EngineClient, EngineError
 
     state, config = _tiny_state()
-    client = HttpEngineClient(servers(state, config).url)
-    with pytest.raises(EngineRequestError, match="begin_weight_update"):
+    client = EngineClient(servers(state, config).url)
+    with pytest.raises(EngineError, match="begin_weight_update"):
         client.post("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]})
-    with pytest.raises(EngineRequestError, match="no field"):
+    with pytest.raises(EngineError, match="no field"):
         client.post("/begin_weight_update", {"selectr": "all"})
     server = servers(state, config)
     assert server.handle("POST", "/begin_weight_update", {"selectr": "all"})[0] == 422
