@@ -16,7 +16,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 from slime_spec.args import ArgsError, parse

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slime_spec.sglang_contract import validate_payload
+from slime_spec.sglang_contract import struct, validate_payload
 from slime_spec.weight_sync import protocol, verify
 
 _STRUCTS = {**protocol.ROUTE_STRUCTS, "/generate": None, "/flush_cache": None}
@@ -116,6 +116,9 @@ class FakeSGLangServer:
             self.draft = Runner(fuse_hf_state(own), kv_rows, accepts=lambda n: is_mtp(n) or n in shared)
         elif draft == "external":
             self.draft = Runner(fuse_hf_state(draft_state), kv_rows)
+        # Read SGLang's io_struct once before handler threads do: concurrent ast.parse calls can fail on
+        # CPython 3.11 ("AST constructor recursion depth mismatch").
+        struct("GenerateReqInput")
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},

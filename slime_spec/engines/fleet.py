@@ -24,6 +24,10 @@ from slime_spec.config import EngineConfig
 from slime_spec.engines.actor import EngineActor
 
 
+# What an engine serves right after start when it does not report a weight_version: the checkpoint.
+CHECKPOINT = "checkpoint"
+
+
 class NoEngineAvailable(RuntimeError):
     pass
 
@@ -114,7 +118,7 @@ class EngineFleet:
         # Blocking gets are intended here (the manager's constructor has no event loop to yield to).
         os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"
         self.urls = ray.get([a.get_url.remote() for a in self.actors])
-        self.served = ray.get([a.weight_version.remote() for a in self.actors])
+        self.served = [v or CHECKPOINT for v in ray.get([a.weight_version.remote() for a in self.actors])]
         self.current_version = self.served[0]
         for i, v in enumerate(self.served):
             if v != self.current_version:
@@ -170,7 +174,8 @@ class EngineFleet:
             await self.router.set_available(idx, False)
             try:
                 restarted = await self.actors[idx].ensure_alive.remote()
-                version = await self.actors[idx].weight_version.remote() if restarted else self.served[idx]
+                version = (await self.actors[idx].weight_version.remote() or CHECKPOINT) if restarted \
+                    else self.served[idx]
             except ray.exceptions.RayError as e:  # the restart failed (EngineStartError) or the actor is gone
                 self.generation[idx] += 1
                 print(f"[fleet] engine {idx} could not be restarted; routing around it:\n{e}", flush=True)
@@ -200,10 +205,12 @@ class EngineFleet:
             if self.lock(i).locked():  # being restarted: its recovery compares with the new version
                 continue
             try:
-                self.served[i] = await self.actors[i].weight_version.remote()
+                reported = await self.actors[i].weight_version.remote()
             except ray.exceptions.RayError as e:
                 print(f"[fleet] engine {i}: reading its weight version failed: {e}", flush=True)
-                self.served[i] = None
+                reported = CHECKPOINT
+            # a server too old to report weight_version: the sync that just succeeded is all we know
+            self.served[i] = version if reported is None else reported
             ok = self.served[i] == version
             (self.needs_sync.discard if ok else self.needs_sync.add)(i)
             await self.router.set_available(i, ok)
