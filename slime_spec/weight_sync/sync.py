@@ -39,9 +39,9 @@ from typing import Iterable, Sequence
 import torch
 
 from slime_spec.config import WeightSyncConfig
-from slime_spec.weight_sync import protocol, verify
 from slime_spec.engines.client import EngineClient, EngineGroupError, post_all
 from slime_spec.net import free_port
+from slime_spec.weight_sync import protocol, verify
 from slime_spec.weight_sync.gather import NamedTensor, make_buckets
 from slime_spec.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport
 

@@ -27,8 +27,8 @@ from typing import Sequence
 
 import torch
 
-from slime_spec.weight_sync import protocol
 from slime_spec.engines.client import EngineClient, post_all
+from slime_spec.weight_sync import protocol
 from slime_spec.weight_sync.gather import Bucket
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
