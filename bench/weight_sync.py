@@ -26,7 +26,7 @@ import torch
 
 from slime_spec.config import TrainConfig, WeightSyncConfig
 from slime_spec.engine.tiny_model import make_tiny_model
-from slime_spec.weight_sync.engine_client import HttpEngineClient
+from slime_spec.engines.client import EngineClient
 from slime_spec.weight_sync.gather import iter_hf_tensors
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     proc, url = start_engine(served, engine_device, a.engine_gpu, work / "engine.log")
     rows, raw_s = [], []
     try:
-        syncer = WeightSyncer([HttpEngineClient(url)], WeightSyncConfig(update_weight_buffer_size=a.bucket_mb << 20),
+        syncer = WeightSyncer([EngineClient(url)], WeightSyncConfig(update_weight_buffer_size=a.bucket_mb << 20),
                               hf_config=hf_config, hf_checkpoint=served, spec=SpecSetup("EAGLE", None, str(served)),
                               has_mtp_layers=True, transport="distributed", backend=a.backend,
                               master_port=free_port())

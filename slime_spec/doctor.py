@@ -97,7 +97,7 @@ def embedded_flag_findings(config: Config) -> list[Finding]:
 def engine_argvs(config: Config) -> list[dict]:
     return [{"index": i, "backend": config.engine.backend,
              "argv": config.engine.server_argv("127.0.0.1", 30000 + i, base_gpu_id=i * config.engine.num_gpus_per_engine,
-                                                python=DISPLAY_PYTHON)}
+                                                python=DISPLAY_PYTHON, engine_index=i)}
             for i in range(config.num_engines)]
 
 

@@ -215,7 +215,10 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--weight-sync-transport", {"default": None, "choices": ["distributed", "tensor", "disk"],
                                      "help": "default: distributed when engines are separate, tensor with --colocate"}),
         ("--check-weight-sync", _ON),
-        ("--engine-start-timeout", {**_F, "default": 300.0}),
+        ("--engine-start-timeout", {**_F, "default": 1800.0,
+                                    "help": "upper bound in seconds on an engine server's start-up; the wait goes on "
+                                            "only while the process is alive and not yet healthy. Large engines "
+                                            "(DeepSeek/GLM at TP8, CUDA graph capture) take well over 300 s"}),
         ("--rollout-request-retries", {**_I, "default": 3,
                                        "help": "resubmissions of a request whose engine died (after its restart)"}),
     ],

@@ -5,6 +5,8 @@ error), starts a local Ray when no cluster is given, and moves samples and metri
 the RolloutManager (engines) and the TrainGroup (Megatron actors). It knows no HTTP payload.
 Modes: separate placement (default), `--colocate` (engine memory released while training),
 `--debug-rollout-only` (no trainer) and `--debug-train-only` (no engines; replays saved data).
+An engine restarted during a run is fenced by the fleet until the driver has the trainer re-sync it
+(`generate_fenced`, `sync_all`); shutdown stops the manager even when the trainer's shutdown fails.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
+from typing import Callable
 
 from slime_spec.args import ArgsError, parse
 from slime_spec.config import Config, WandbConfig
@@ -45,62 +47,141 @@ def init_ray() -> None:
         ray.init(**ray_init_kwargs(os.environ, os.cpu_count()))
 
 
+RESYNC_POLL_S = 1.0
+
+
+def run_all(steps: list[tuple[str, Callable[[], object]]]) -> list[str]:
+    """Run every shutdown step even when an earlier one raises; returns (and prints) what failed."""
+    failures = []
+    for name, step in steps:
+        try:
+            step()
+        except Exception as e:  # reported, and raised by the caller once every step ran
+            failures.append(f"{name}: {type(e).__name__}: {e}")
+            print(f"[train] {name} failed: {e}", file=sys.stderr, flush=True)
+    return failures
+
+
+def resync_fenced(manager, resync: Callable[[str, list[str]], dict]) -> dict:
+    """Engines the fleet fenced after a restart get the current weights (group rejoined, full sync, canary)
+    before they serve again; `resync(version, restarted_urls)` is the trainer's sync."""
+    import ray
+
+    needing = ray.get(manager.engines_needing_sync.remote())
+    if not needing:
+        return {}
+    urls, version = ray.get([manager.engine_urls.remote(), manager.weight_version.remote()])
+    print(f"[train] engine(s) {needing} restarted: re-syncing weights {version!r} before they serve", flush=True)
+    metrics = resync(version, [urls[i] for i in needing])
+    still = ray.get(manager.confirm_weights.remote(version))
+    if still:
+        raise RuntimeError(f"engine(s) {still} do not report weight version {version!r} after a re-sync; "
+                           "see the engine logs")
+    return {f"resync/{k}": v for k, v in metrics.items()}
+
+
+def generate_fenced(manager, rollout_id: int, resync: Callable[[str, list[str]], dict]) -> tuple[list, dict]:
+    """One rollout; meanwhile, every engine restarted during it is re-synced (it is fenced until then)."""
+    import ray
+
+    ref = manager.generate.remote(rollout_id)
+    metrics: dict = {}
+    while True:
+        done, _ = ray.wait([ref], timeout=RESYNC_POLL_S)
+        metrics.update(resync_fenced(manager, resync))
+        if done:
+            return ray.get(ref), metrics
+
+
+def sync_all(trainer, manager, version: str, probe_samples=None) -> dict:
+    """The trainer's weights into every engine as `version`; engines restarted since the last sync rejoin."""
+    import ray
+
+    needing = ray.get(manager.engines_needing_sync.remote())
+    urls = ray.get(manager.engine_urls.remote())
+    metrics = trainer.sync_weights(version, probe_samples=probe_samples, restarted_urls=[urls[i] for i in needing])
+    still = ray.get(manager.confirm_weights.remote(version))
+    if still:
+        raise RuntimeError(f"engine(s) {still} do not report weight version {version!r} after the sync; "
+                           "see the engine logs")
+    return metrics
+
+
 def run(config: Config, *, manager_kwargs: dict | None = None) -> dict:
     """The whole loop; returns the summary that is also printed and written to output_dir."""
     import ray
 
-    from slime_spec.rollout.debug_data import load_rollout
     from slime_spec.rollout.debug_rollout import run_debug_rollout_only
     from slime_spec.rollout.manager import start_rollout_manager
-    from slime_spec.trainer.checkpoint import save_due
     from slime_spec.trainer.group import TrainGroup
 
     init_ray()
     if config.debug_rollout_only:
         return run_debug_rollout_only(config, **(manager_kwargs or {}))
 
-    report = LoopReport(config)
     # The driver writes one merged line per step (rollout + train + sync) and owns the wandb run.
     manager = None if config.debug_train_only else start_rollout_manager(
         dataclasses.replace(config, wandb=WandbConfig()), report_metrics=False, **(manager_kwargs or {}))
-    trainer = TrainGroup(config)
+    steps = []
+    if manager is not None:
+        steps.append(("rollout manager shutdown", lambda: ray.get(manager.shutdown.remote())))
+        steps.append(("rollout manager kill", lambda: ray.kill(manager)))
     try:
-        start = trainer.start_rollout_id()
+        trainer = TrainGroup(config)
+        steps.insert(0, ("trainer shutdown", trainer.shutdown))
+        summary = _loop(config, trainer, manager)
+    except BaseException:
+        run_all(steps)  # the loop's error is the one raised; shutdown failures are printed
+        raise
+    failures = run_all(steps)
+    if failures:
+        raise RuntimeError("the run finished but shutting down failed: " + "; ".join(failures))
+    return summary
+
+
+def _loop(config: Config, trainer, manager) -> dict:
+    import ray
+
+    from slime_spec.rollout.debug_data import load_rollout
+    from slime_spec.trainer.checkpoint import save_due
+
+    report = LoopReport(config)
+    start = trainer.start_rollout_id()
+
+    def resync(version: str, restarted_urls: list[str]) -> dict:
+        return trainer.sync_weights(version, restarted_urls=restarted_urls)
+
+    if manager is not None:
+        trainer.connect_engines(ray.get(manager.engine_urls.remote()))
+        if start > 0:  # resumed from --load: the engines serve --hf-checkpoint, not the loaded policy
+            sync_all(trainer, manager, str(start - 1))
+        if config.eval_interval and start == 0:  # as slime: a baseline before any training
+            report.set_initial_eval(ray.get(manager.eval.remote(0)))
+    for rollout_id in range(start, config.rollout.num_rollout):
+        step = {"rollout_id": rollout_id}
+        if manager is None:
+            samples = load_rollout(config.rollout.load_debug_rollout_data, rollout_id)
+            step.update(replayed_samples=len(samples))
+        else:
+            samples, resync_metrics = generate_fenced(manager, rollout_id, resync)
+            step.update(ray.get(manager.get_last_metrics.remote()))
+            step.update(resync_metrics)
+        if config.cluster.colocate and manager is not None:
+            ray.get(manager.release_memory.remote())
+        t0 = time.perf_counter()
+        step.update(trainer.train_step(samples, rollout_id))
+        step["train_time_s"] = time.perf_counter() - t0
+        if config.cluster.colocate and manager is not None:
+            ray.get(manager.resume_memory.remote())
         if manager is not None:
-            trainer.connect_engines(ray.get(manager.engine_urls.remote()))
-            if config.eval_interval and start == 0:  # as slime: a baseline before any training
-                report.set_initial_eval(ray.get(manager.eval.remote(0)))
-        for rollout_id in range(start, config.rollout.num_rollout):
-            step = {"rollout_id": rollout_id}
-            if manager is None:
-                samples = load_rollout(config.rollout.load_debug_rollout_data, rollout_id)
-                step.update(replayed_samples=len(samples))
-            else:
-                samples = ray.get(manager.generate.remote(rollout_id))
-                step.update(ray.get(manager.get_last_metrics.remote()))
-            if config.cluster.colocate and manager is not None:
-                ray.get(manager.release_memory.remote())
-            t0 = time.perf_counter()
-            step.update(trainer.train_step(samples, rollout_id))
-            step["train_time_s"] = time.perf_counter() - t0
-            if config.cluster.colocate and manager is not None:
-                ray.get(manager.resume_memory.remote())
-            if manager is not None:
-                step.update(trainer.sync_weights(rollout_id, probe_samples=samples))
-            last = rollout_id + 1 == config.rollout.num_rollout
-            if config.train.save and (last or save_due(config.train.save_interval, rollout_id)):
-                trainer.save(rollout_id)
-            if manager is not None and config.eval_interval and (rollout_id + 1) % config.eval_interval == 0:
-                step.update(ray.get(manager.eval.remote(rollout_id)))
-            report.add(step)
-        return report.finish()
-    finally:
-        trainer.shutdown()
-        if manager is not None:
-            try:
-                ray.get(manager.shutdown.remote())
-            finally:
-                ray.kill(manager)
+            step.update(sync_all(trainer, manager, str(rollout_id), probe_samples=samples))
+        last = rollout_id + 1 == config.rollout.num_rollout
+        if config.train.save and (last or save_due(config.train.save_interval, rollout_id)):
+            trainer.save(rollout_id)
+        if manager is not None and config.eval_interval and (rollout_id + 1) % config.eval_interval == 0:
+            step.update(ray.get(manager.eval.remote(rollout_id)))
+        report.add(step)
+    return report.finish()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ import time
 import pytest
 import requests
 
-from slime_spec.engine.server_process import ServerProcess
+from slime_spec.engines.process import embedded_server_process
 from slime_spec.engine.tiny_model import make_tiny_model
 
 KEY = "test-key"
@@ -22,14 +22,14 @@ PROMPTS = ["hello world", "the cat sat on", "abc abc abc", "0123", "zz", "Once u
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine_server")
     model = make_tiny_model(root / "mimo", arch="mimo", hidden_size=32, num_layers=2, seed=3)
-    plain = ServerProcess(model, ["--api-key", KEY, "--random-seed", "0", "--max-running-requests", "8"],
-                          log_path=root / "plain.log", wait=False)
-    spec = ServerProcess(model, ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+    plain = embedded_server_process(model, ["--api-key", KEY, "--random-seed", "0", "--max-running-requests", "8"],
+                                    log_path=root / "plain.log").launch()
+    spec = embedded_server_process(model, ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
                                  "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
                                  "--random-seed", "0", "--cuda-graph-max-bs-decode", "8"],
-                         log_path=root / "spec.log", wait=False)
+                                   log_path=root / "spec.log").launch()
     try:
-        yield plain.wait(), spec.wait()
+        yield plain.wait_ready(300), spec.wait_ready(300)
     finally:
         plain.stop()
         spec.stop()

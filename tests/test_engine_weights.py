@@ -16,10 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 from slime_spec.dist_group import WeightUpdateGroup
-from slime_spec.engine.server_process import ServerProcess
+from slime_spec.engines.process import embedded_server_process
+from slime_spec.net import free_port
 from slime_spec.engine.tiny_model import make_tiny_model
 from slime_spec.engine.weight_update import serialize_named_tensors, tensor_checksum
-from slime_spec.net import free_port
 
 PROMPTS = ["hello world", "the cat sat on", "abc abc abc", "Once upon a time"]
 NORM = "model.norm.weight"
@@ -35,9 +35,9 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
     log = tmp_path_factory.mktemp("engine_weights_log") / "server.log"
-    with ServerProcess(model, ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
-                               "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
-                               "--random-seed", "0"], log_path=log) as s:
+    with embedded_server_process(model, ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+                                         "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
+                                         "--random-seed", "0"], log_path=log).start(300) as s:
         yield s
 
 

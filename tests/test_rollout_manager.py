@@ -121,6 +121,20 @@ def test_generate_metrics_and_replay(manager, workdir):
     assert load_rollout(str(workdir / "debug" / "rollout_{rollout_id}.pt"), 0) == samples
 
 
+def test_group_samples_differ_across_engines_at_temperature_one(manager):
+    """Engine i runs with --random-seed seed + i: the n samples of one GRPO group, spread over two engines,
+    must not be the same draws (with one seed for all, two fresh engines answer one prompt identically)."""
+    engines = ray.get(manager.engines.remote())
+    seeds = [ray.get(e.server_info.remote())["random_seed"] for e in engines]
+    assert seeds == [1234, 1235]
+    samples = ray.get(manager.generate.remote(4))
+    for g in range(BATCH):
+        group = [s for s in samples if s.group_index == g]
+        assert len(group) == N_SAMPLES and all(s.weight_version == "default" for s in group)
+        if len({s.engine_index for s in group}) > 1:
+            assert len({tuple(s.tokens) for s in group}) == N_SAMPLES, f"group {g} drew identical samples"
+
+
 def test_killed_engine_is_restarted_and_nothing_is_lost(manager, workdir):
     engines = ray.get(manager.engines.remote())
     old_pid = ray.get(engines[0].pid.remote())

@@ -1,4 +1,3 @@
-import asyncio
 import json
 
 import pytest
@@ -6,7 +5,6 @@ import pytest
 from slime_spec.rollout.generate import apply_generate_output
 from slime_spec.rollout.metrics import (REQUIRED_KEYS, format_metrics_line, rollout_metrics, slime_log_keys,
                                         spec_summary, wandb_logged_in, wandb_mode, write_metrics_line)
-from slime_spec.rollout.routing import NoEngineAvailable, Router, pick_engine
 from slime_spec.rollout.sample import Sample, SpecStats, Status
 
 
@@ -84,29 +82,6 @@ def test_apply_generate_output_abort():
     out["meta_info"]["finish_reason"] = {"type": "abort", "message": "paused"}
     apply_generate_output(s, out)
     assert s.status == Status.ABORTED and s.error == "paused"
-
-
-def test_pick_engine():
-    assert pick_engine([3, 1, 1], [True, True, True], 4) == 1
-    assert pick_engine([3, 1, 0], [True, True, False], 4) == 1
-    assert pick_engine([4, 4], [True, True], 4) is None
-
-
-def test_router_waits_for_capacity_and_fails_when_all_dead():
-    async def main():
-        r = Router(2, max_concurrency=1)
-        a, b = await r.acquire(), await r.acquire()
-        assert {a, b} == {0, 1}
-        waiter = asyncio.create_task(r.acquire())
-        await asyncio.sleep(0.01)
-        assert not waiter.done()
-        await r.release(b)
-        assert await waiter == b
-        await r.set_available(0, False, dead=True)
-        await r.set_available(1, False, dead=True)
-        with pytest.raises(NoEngineAvailable, match="slime-spec doctor"):
-            await r.acquire()
-    asyncio.run(main())
 
 
 def test_slime_log_keys_namespaces_and_steps():

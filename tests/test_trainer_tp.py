@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from slime_spec.config import (ClusterConfig, Config, EngineConfig, RolloutConfig, TrainConfig, WandbConfig,
                                WeightSyncConfig)
 from slime_spec.engine.tiny_model import make_tiny_model
-from slime_spec.rollout.engine_process import engine_server_process
+from slime_spec.engines.process import engine_server_process
 from slime_spec.rollout.sample import Sample
 from slime_spec.trainer import parallel
 from slime_spec.trainer.group import TrainGroup
@@ -89,7 +89,7 @@ def test_tp2_equals_tp1_forward_gather_and_train_step(ray_cluster, tmp_path):
         # check_weight_sync makes the syncer compare the engine's checksums with what was sent.
         server.start(timeout_s=120)
         group.connect_engines([server.url])
-        metrics = group.sync_weights(0, probe_samples=rollout())
+        metrics = group.sync_weights("0", probe_samples=rollout())
         assert metrics["weight_sync_params"] > 0 and metrics["weight_sync_mtp_params"] == 16  # HF tensors: q/k/v, gate/up split
         assert metrics["spec_canary_accept_length"] >= 1.0
     finally:

@@ -17,7 +17,7 @@ import torch
 
 from slime_spec.config import TrainConfig, WeightSyncConfig
 from slime_spec.engine.tiny_model import make_tiny_model
-from slime_spec.weight_sync.engine_client import HttpEngineClient
+from slime_spec.engines.client import EngineClient
 from slime_spec.weight_sync.gather import NamedTensor, iter_hf_state, iter_hf_tensors
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer, WeightSyncError
@@ -59,7 +59,7 @@ class InProcessEngine:
                 raise RuntimeError("the in-process engine server did not start")
             time.sleep(0.02)
         self.url = f"http://127.0.0.1:{port}"
-        self.client = HttpEngineClient(self.url)
+        self.client = EngineClient(self.url)
 
     @property
     def model(self):
@@ -248,7 +248,7 @@ def _tp_worker(rank: int, tp_size: int, port: int, trained: str, engine_url: str
     tensors = iter_hf_tensors(model.named_parameters(), hf_config,
                               tp_group=parallel_state.get_tensor_model_parallel_group(), tp_size=tp_size)
     if rank == 0:
-        syncer = WeightSyncer([HttpEngineClient(engine_url)], WeightSyncConfig(check_weight_sync=True),
+        syncer = WeightSyncer([EngineClient(engine_url)], WeightSyncConfig(check_weight_sync=True),
                               hf_config=hf_config, hf_checkpoint=trained, spec=SpecSetup("EAGLE", None, trained),
                               has_mtp_layers=True, transport="distributed", master_port=free_port())
         metrics = syncer.sync(tensors, weight_version="tp")

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slime_spec.sglang_contract import validate_payload
+from slime_spec.sglang_contract import struct, validate_payload
 from slime_spec.weight_sync import protocol, verify
 
 _STRUCTS = {**protocol.ROUTE_STRUCTS, "/generate": None, "/flush_cache": None}
@@ -116,6 +116,9 @@ class FakeSGLangServer:
             self.draft = Runner(fuse_hf_state(own), kv_rows, accepts=lambda n: is_mtp(n) or n in shared)
         elif draft == "external":
             self.draft = Runner(fuse_hf_state(draft_state), kv_rows)
+        # Read SGLang's io_struct once before handler threads do: concurrent ast.parse calls can fail on
+        # CPython 3.11 ("AST constructor recursion depth mismatch").
+        struct("GenerateReqInput")
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
@@ -298,24 +301,24 @@ def servers():
 
 
 def test_protocol_detected_from_new_and_old_server(servers):
-    from slime_spec.weight_sync.engine_client import HttpEngineClient
+    from slime_spec.engines.client import EngineClient
     from slime_spec.weight_sync.sync import detect_engine_protocol
 
     state, config = _tiny_state()
-    new = detect_engine_protocol(HttpEngineClient(servers(state, config).url))
-    old = detect_engine_protocol(HttpEngineClient(servers(state, config, session_routes=False).url))
+    new = detect_engine_protocol(EngineClient(servers(state, config).url))
+    old = detect_engine_protocol(EngineClient(servers(state, config, session_routes=False).url))
     assert (new.session, new.version) == (True, "0.5.23")
     assert (old.session, old.version) == (False, "0.4.10.post2")
 
 
 def test_fake_rejects_update_outside_session_and_bad_fields(servers):
-    from slime_spec.weight_sync.engine_client import EngineRequestError, HttpEngineClient
+    from slime_spec.engines.client import EngineClient, EngineError
 
     state, config = _tiny_state()
-    client = HttpEngineClient(servers(state, config).url)
-    with pytest.raises(EngineRequestError, match="begin_weight_update"):
+    client = EngineClient(servers(state, config).url)
+    with pytest.raises(EngineError, match="begin_weight_update"):
         client.post("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]})
-    with pytest.raises(EngineRequestError, match="no field"):
+    with pytest.raises(EngineError, match="no field"):
         client.post("/begin_weight_update", {"selectr": "all"})
     server = servers(state, config)
     assert server.handle("POST", "/begin_weight_update", {"selectr": "all"})[0] == 422

@@ -8,7 +8,7 @@ import torch
 
 from slime_spec.config import WeightSyncConfig
 from slime_spec.engine.tiny_model import make_config, make_weights
-from slime_spec.weight_sync.engine_client import HttpEngineClient
+from slime_spec.engines.client import EngineClient
 from slime_spec.weight_sync.gather import iter_hf_state
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer, WeightSyncError
@@ -38,7 +38,7 @@ def make_server():
 
 
 def make_syncer(servers, transport, spec=NATIVE, check=True, buffer=4096, tmp_path=None, has_mtp=True):
-    clients = [HttpEngineClient(s.url) for s in servers]
+    clients = [EngineClient(s.url) for s in servers]
     config = WeightSyncConfig(weight_sync_transport=transport, update_weight_buffer_size=buffer,
                               check_weight_sync=check)
     return WeightSyncer(clients, config,

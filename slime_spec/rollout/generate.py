@@ -2,15 +2,16 @@
 
 A custom generate function (`--custom-generate-function-path pkg.module.fn`) has the signature
 
-    async def fn(client: EngineClient, sample: Sample, sampling_params: dict) -> Sample
+    async def fn(client: RolloutEngineClient, sample: Sample, sampling_params: dict) -> Sample
 
 (slime passes `args` first; here the first argument is the engine client, which also carries the
 `RolloutConfig` as `client.config` and the tokenizer as `client.tokenizer`). It may make several
-requests (`await client.generate(payload)` or `client.post(path, payload)`); for each answer it
-must call `apply_generate_output(sample, output)` or at least `sample.spec.add_meta_info(output["meta_info"])`
-so the speculative counters of all its requests are summed. `sample.tokens` holds the prompt ids on
-entry. Connection failures propagate: the manager retries the sample (from a fresh copy) on the
-least-loaded engine, restarting a dead engine first.
+requests (`await client.generate(payload)` or `await client.post(path, payload)`); for each answer it
+must call `apply_generate_output(sample, output)`, or at least `sample.spec.add_meta_info(output["meta_info"])`
+and set `sample.weight_version`, so the speculative counters of all its requests are summed and the
+sample says which weights made it. `sample.tokens` holds the prompt ids on entry. Failures raise
+`EngineError`: the manager retries the sample (from a fresh copy) on the least-loaded engine,
+restarting an unreachable engine first.
 """
 
 from __future__ import annotations
@@ -18,31 +19,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-import aiohttp
-
 from slime_spec.config import RolloutConfig
-from slime_spec.rollout.engine_actor import parse_response
+from slime_spec.engines.client import AsyncEngineClient
 from slime_spec.rollout.sample import Sample, Status
 
-GenerateFn = Callable[["EngineClient", Sample, dict], Awaitable[Sample]]
+GenerateFn = Callable[["RolloutEngineClient", Sample, dict], Awaitable[Sample]]
 
 
 @dataclass
-class EngineClient:
-    """One engine as seen from inside a rollout: its URL over a shared aiohttp session."""
+class RolloutEngineClient(AsyncEngineClient):
+    """The engines' async client, plus what a generate function needs to know about the rollout."""
 
-    url: str
-    engine_index: int
-    session: aiohttp.ClientSession
-    config: RolloutConfig
+    engine_index: int = 0
+    config: RolloutConfig | None = None
     tokenizer: Any = None
-
-    async def post(self, path: str, payload: dict) -> dict:
-        async with self.session.post(f"{self.url}{path}", json=payload) as r:
-            return parse_response(f"{self.url}{path}", r.status, await r.text())
-
-    async def generate(self, payload: dict) -> dict:
-        return await self.post("/generate", payload)
 
 
 def apply_generate_output(sample: Sample, output: dict) -> None:
@@ -61,6 +51,8 @@ def apply_generate_output(sample: Sample, output: dict) -> None:
     sample.response += output.get("text", "")
     sample.response_length += len(token_ids)
     sample.meta_info = meta
+    if meta.get("weight_version") is not None:
+        sample.weight_version = str(meta["weight_version"])
     sample.spec.add_meta_info(meta)
     finish = (meta.get("finish_reason") or {}).get("type")
     if finish == "length":
@@ -72,7 +64,7 @@ def apply_generate_output(sample: Sample, output: dict) -> None:
         sample.status = Status.COMPLETED
 
 
-async def default_generate(client: EngineClient, sample: Sample, sampling_params: dict) -> Sample:
+async def default_generate(client: RolloutEngineClient, sample: Sample, sampling_params: dict) -> Sample:
     """One /generate request on the prompt token ids, logprobs of the response returned."""
     params = dict(sampling_params)
     params["max_new_tokens"] -= sample.response_length

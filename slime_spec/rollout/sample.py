@@ -61,6 +61,7 @@ class Sample:
     meta_info: dict = field(default_factory=dict)  # the engine's last meta_info
     spec: SpecStats = field(default_factory=SpecStats)
     engine_index: int | None = None
+    weight_version: str | None = None  # the policy weights that generated it (the engine's meta_info)
     metadata: dict = field(default_factory=dict)
 
     @property

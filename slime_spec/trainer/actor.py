@@ -75,24 +75,29 @@ class TrainActor:
             return
         import torch
 
+        from slime_spec.engines.client import EngineAuth, EngineClient
         from slime_spec.weight_sync.canary import AcceptanceCanary
-        from slime_spec.weight_sync.engine_client import HttpEngineClient
         from slime_spec.weight_sync.protocol import SpecSetup
         from slime_spec.weight_sync.sync import WeightSyncer
 
         trainer = self._ready()
         spec = SpecSetup.from_server_args(server_args, model_path)
         address, port = self.master_address()
+        auth = EngineAuth.from_server_args(server_args)
         self.syncer = WeightSyncer(
-            [HttpEngineClient(u) for u in urls], weight_sync, hf_config=trainer.hf_config,
+            [EngineClient(u, auth) for u in urls], weight_sync, hf_config=trainer.hf_config,
             hf_checkpoint=trainer.train.hf_checkpoint, spec=spec, has_mtp_layers=bool(trainer.train.mtp_num_layers),
             transport=weight_sync.weight_sync_transport, colocate=colocate, master_address=address, master_port=port,
             backend="nccl" if torch.cuda.is_available() else "gloo", engine_tp_size=engine_tp_size,
             disk_dir=disk_dir)
-        self.canary = AcceptanceCanary(spec) if spec.uses_draft else None
+        self.canary = AcceptanceCanary(spec, colocated=colocate) if spec.uses_draft else None
 
-    def sync_weights(self, rollout_id: int, probe_tokens: list[list[int]] | None = None) -> dict:
-        """Gather (every TP rank of the first replica), convert and, on rank 0, send; returns rank 0's metrics."""
+    def sync_weights(self, weight_version: str, probe_tokens: list[list[int]] | None = None,
+                     restarted_urls: list[str] | None = None) -> dict:
+        """Gather (every TP rank of the first replica), convert and, on rank 0, send; returns rank 0's metrics.
+
+        `restarted_urls`: engines restarted since the last sync; they rejoin the weight-update group first.
+        """
         from megatron.core import parallel_state as ps
 
         from slime_spec.weight_sync.gather import iter_hf_tensors
@@ -108,7 +113,9 @@ class TrainActor:
             return {}
         if self.syncer is None:
             raise RuntimeError("sync_weights before connect_engines")
-        metrics = self.syncer.sync(tensors, weight_version=str(rollout_id))
+        if restarted_urls:
+            self.syncer.rejoin(restarted_urls)
+        metrics = self.syncer.sync(tensors, weight_version=weight_version)
         if self.canary is not None:
             self.canary.set_probe_from_samples(probe_tokens or [])
             if self.canary.probe is not None:
@@ -116,9 +123,12 @@ class TrainActor:
         return metrics
 
     def shutdown(self) -> None:
+        """Leave the weight-update group and the process groups; the latter even if the former fails."""
         from slime_spec.trainer.parallel import destroy_parallel
 
-        if self.syncer is not None:
-            self.syncer.close()
-        destroy_parallel()
+        try:
+            if self.syncer is not None:
+                self.syncer.close()
+        finally:
+            destroy_parallel()
 

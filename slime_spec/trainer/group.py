@@ -78,9 +78,12 @@ class TrainGroup:
         self._all("connect_engines", list(urls), c.weight_sync, dict(c.engine.server_args), c.engine.model_path,
                   c.cluster.colocate, c.engine.num_gpus_per_engine, disk_dir)
 
-    def sync_weights(self, rollout_id: int, probe_samples: list[Sample] | None = None) -> dict:
+    def sync_weights(self, weight_version: str, probe_samples: list[Sample] | None = None,
+                     restarted_urls: list[str] | None = None) -> dict:
+        """The current weights into every engine as `weight_version`; engines at `restarted_urls` (restarted
+        since the last sync) rejoin the weight-update group first. Returns the sync (and canary) metrics."""
         probe = [list(s.tokens) for s in probe_samples or [] if s.tokens]
-        return self._all("sync_weights", rollout_id, probe)[0]
+        return self._all("sync_weights", weight_version, probe, list(restarted_urls or []))[0]
 
     def shutdown(self) -> None:
         if not self.actors:

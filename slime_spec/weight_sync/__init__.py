@@ -4,9 +4,9 @@
 - gather.py: TP all-gather, conversion, buckets (target and MTP kept apart).
 - protocol.py: which SGLang weight protocol the engine speaks, which `selector` each tensor kind gets,
   and every request body (pure).
-- engine_client.py: the engine interface (`url` + `post`) and concurrent POSTs.
 - transports.py: distributed (process group + broadcast), tensor (colocated), disk.
 - verify.py: coverage of the served weights and checksum comparison (pure).
 - sync.py: `WeightSyncer`, one sync = pause, session, buckets, flush, verify, continue.
-- canary.py: the acceptance canary after each sync and each memory resume.
+- canary.py: the acceptance canary after each sync.
+Engines are reached only through `slime_spec.engines.client` (one client, auth, one error type).
 """

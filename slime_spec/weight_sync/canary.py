@@ -1,10 +1,14 @@
-"""Acceptance canary: does the draft still agree with the target after a sync or a memory resume?
+"""Acceptance canary: does the draft still agree with the target after a weight sync?
 
-A fixed probe (greedy, a few prompts taken once from the policy's own recent samples, so every
-canary reads the same inputs) goes through `/generate`; accept length is summed raw counters,
-sum(completion_tokens) / sum(spec_verify_ct), as SGLang's own tests compute it. With speculation on,
-an accept length of about 1.0 means the draft proposes nothing the target accepts: the draft is
-stale or broken, and the likely cause depends on what just happened (`judge_canary`, pure).
+The training loop runs it after every sync, including the full sync a restarted engine gets before
+it serves again. In --colocate runs that sync follows the memory resume, so a draft lost on resume
+shows here too (with `colocated=True`, `judge_canary` names that cause as well); `event="resume"` is
+for a caller that probes right after a resume with no sync in between. A fixed probe (greedy, a few
+prompts taken once from the policy's own recent samples, so every canary reads the same inputs) goes
+through `/generate`; accept length is summed raw counters, sum(completion_tokens) / sum(spec_verify_ct),
+as SGLang's own tests compute it. With speculation on, an accept length of about 1.0 means the draft
+proposes nothing the target accepts: the draft is stale or broken, and the likely cause depends on
+what just happened (`judge_canary`, pure).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from slime_spec.weight_sync.engine_client import EngineClient, check_success
+from slime_spec.engines.client import EngineClient
 from slime_spec.weight_sync.protocol import SpecSetup
 
 logger = logging.getLogger(__name__)
@@ -74,7 +78,7 @@ def judge_canary(length: float, spec: SpecSetup, event: Event, previous: float |
 
 
 class AcceptanceCanary:
-    """Holds the fixed probe and the last reading; `run` after each sync and each resume."""
+    """Holds the fixed probe and the last reading; `run` after each sync."""
 
     def __init__(self, spec: SpecSetup, *, num_prompts: int = 4, max_new_tokens: int = 32,
                  colocated: bool = False):
@@ -109,6 +113,5 @@ class AcceptanceCanary:
         for ids in self.probe:
             reply = client.post("/generate", {"input_ids": ids, "sampling_params": {
                 "temperature": 0.0, "max_new_tokens": self.max_new_tokens, "ignore_eos": True}})
-            check_success(client, "/generate", reply)
             metas.append(reply["meta_info"])
         return accept_length(metas)

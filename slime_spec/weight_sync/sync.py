@@ -36,13 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-import requests
 import torch
 
 from slime_spec.config import WeightSyncConfig, resolve_transport
 from slime_spec.dtypes import config_dtype, torch_dtype
+from slime_spec.engines.client import EngineClient, EngineGroupError, post_all
+from slime_spec.net import free_port
 from slime_spec.weight_sync import protocol, verify
-from slime_spec.weight_sync.engine_client import EngineClient, EngineGroupError, post_all
 from slime_spec.weight_sync.gather import NamedTensor, make_buckets
 from slime_spec.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport
 
@@ -124,7 +124,7 @@ class WeightSyncer:
             self._external_draft_checksums = self._draft_checksums()
 
     def _engine_dtype(self) -> torch.dtype | None:
-        dtype = get_json(self.clients[0], "/get_server_info").get("dtype") or "auto"
+        dtype = self.clients[0].server_info().get("dtype") or "auto"
         if dtype == "auto":
             dtype = config_dtype(self.hf_config) or "float32"
         return torch_dtype(dtype)
@@ -297,6 +297,26 @@ class WeightSyncer:
         reply = post_all(self.clients[:1], "/weights_checker", protocol.checksum_payload("draft", True))[0]
         return _draft_only(verify.served_by_role(reply))
 
+    # ---- a restarted engine ----
+    def rejoin(self, restarted_urls: Sequence[str]) -> None:
+        """Engines at `restarted_urls` were restarted: they serve the checkpoint and, with the distributed
+        transport, left the weight-update group. Drop the cached group (the survivors leave it too) so
+        the next sync, a full one like every sync, forms a new group of every engine on a fresh port.
+        Without this the next broadcast waits for ranks that are gone until the group's timeout."""
+        if self.transport_name != "distributed" or self.transport is None:
+            return
+        try:
+            self.transport.close()
+        except EngineGroupError as e:  # a restarted engine has no group to leave; any other failure is real
+            unexpected = {url: err for url, err in e.failures.items() if url not in set(restarted_urls)}
+            if unexpected:
+                raise
+        a = self._transport_args
+        a["master_port"] = free_port("")
+        self.transport = DistributedTransport(self.clients, a["master_address"], a["master_port"],
+                                              backend=a["backend"], engine_tp_size=a["engine_tp_size"],
+                                              session=self.protocol.session, timeout_s=a["timeout_s"])
+
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
@@ -311,18 +331,10 @@ def _draft_only(served: dict[str, dict[str, str]]) -> dict[str, str]:
     return {f"{role}.{name}": c for role, names in served.items() if role != "target" for name, c in names.items()}
 
 
-def get_json(client: EngineClient, path: str) -> dict:
-    r = requests.get(client.url + path, timeout=60)
-    if r.status_code != 200:
-        raise RuntimeError(f"GET {client.url}{path} answered HTTP {r.status_code}: {r.text[:500]}")
-    return r.json()
-
-
 def detect_engine_protocol(client: EngineClient) -> protocol.Protocol:
-    """Ask the engine: `version` from /get_server_info, and whether /begin_weight_update exists (404 or not).
+    """Ask the engine: `version` from /server_info, and whether /begin_weight_update exists (404 or not).
 
     The probe is a GET: a POST-only route answers 405 without running, a missing one 404.
     """
-    version = get_json(client, "/get_server_info").get("version")
-    status = requests.get(client.url + "/begin_weight_update", timeout=60).status_code
-    return protocol.detect_protocol(version, status)
+    version = client.server_info().get("version")
+    return protocol.detect_protocol(version, client.status("GET", "/begin_weight_update"))

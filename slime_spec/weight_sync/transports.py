@@ -28,8 +28,8 @@ from typing import Sequence
 
 import torch
 
+from slime_spec.engines.client import EngineClient, post_all
 from slime_spec.weight_sync import protocol
-from slime_spec.weight_sync.engine_client import EngineClient, post_all
 from slime_spec.weight_sync.gather import Bucket
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -94,11 +94,15 @@ class DistributedTransport:
         posts.result()
 
     def close(self) -> None:
+        """Leave the group on every engine; this side's group is dropped even if an engine fails to (a
+        restarted engine has no group any more), and the engine error is raised after."""
         if self.group is None:
             return
-        post_all(self.clients, "/destroy_weights_update_group", protocol.destroy_group_payload(self.group_name))
-        self.group.destroy()
-        self.group = None
+        try:
+            post_all(self.clients, "/destroy_weights_update_group", protocol.destroy_group_payload(self.group_name))
+        finally:
+            self.group.destroy()
+            self.group = None
 
 
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:

@@ -17,7 +17,7 @@ from slime_spec.config import RolloutConfig
 from slime_spec.rollout.engine_actor import Engine
 from slime_spec.rollout.generate import default_generate
 from slime_spec.rollout.sample import Sample
-from slime_spec.rollout.sampling import sampling_params
+from slime_spec.rollout.sampling_params import sampling_params
 from slime_spec.weight_sync import protocol
 from slime_spec.weight_sync.canary import AcceptanceCanary
 from slime_spec.weight_sync.transports import serialize_named_tensors

@@ -1,4 +1,4 @@
-"""Server process lifecycle against trivial child processes (python's http.server), no Ray."""
+"""engines/process.py: server process lifecycle against trivial child processes (python's http.server), no Ray."""
 
 import os
 import sys
@@ -7,8 +7,8 @@ import time
 import pytest
 import requests
 
+from slime_spec.engines.process import EngineStartError, ServerProcess
 from slime_spec.net import free_port
-from slime_spec.rollout.engine_process import EngineStartError, ServerProcess
 
 
 def _pid_alive(pid):
@@ -29,7 +29,7 @@ def _http_server(tmp_path, with_health=True, extra_child=False):
     serve = f"{sys.executable} -m http.server {port} --bind 127.0.0.1 --directory {root}"
     # `extra_child`: the server forks a grandchild, as SGLang's launcher does; both must stop together.
     cmd = f"sleep 300 & echo child=$! ; exec {serve}" if extra_child else f"exec {serve}"
-    return ServerProcess(["bash", "-c", cmd], url=f"http://127.0.0.1:{port}", log_path=tmp_path / "server.log")
+    return ServerProcess(["bash", "-c", cmd], host="127.0.0.1", port=port, log_path=tmp_path / "server.log")
 
 
 def test_start_health_and_stop_kills_group(tmp_path):
@@ -60,7 +60,7 @@ def test_restart_uses_same_argv_and_url(tmp_path):
 
 def test_server_that_dies_at_start_reports_exit_code_and_log_tail(tmp_path):
     script = "import sys\nfor i in range(100): print(f'line {i}')\nprint('ValueError: bad --speculative-num-steps')\nsys.exit(3)"
-    proc = ServerProcess([sys.executable, "-c", script], url=f"http://127.0.0.1:{free_port()}",
+    proc = ServerProcess([sys.executable, "-c", script], host="127.0.0.1", port=free_port(),
                          log_path=tmp_path / "bad.log")
     with pytest.raises(EngineStartError) as e:
         proc.start(timeout_s=30)
@@ -72,7 +72,7 @@ def test_server_that_dies_at_start_reports_exit_code_and_log_tail(tmp_path):
 
 def test_server_that_never_gets_healthy_is_stopped(tmp_path):
     proc = _http_server(tmp_path, with_health=False)  # /health answers 404
-    with pytest.raises(EngineStartError, match="did not become healthy.*HTTP 404"):
+    with pytest.raises(EngineStartError, match="did not become healthy.*--engine-start-timeout.*HTTP 404"):
         proc.start(timeout_s=1.5)
     assert not proc.alive()
 
@@ -86,11 +86,11 @@ def test_server_dies_with_a_killed_parent(tmp_path):
     (root / "health").write_text("ok")
     parent_code = f"""
 import sys, time
+from slime_spec.engines.process import ServerProcess
 from slime_spec.net import free_port
-from slime_spec.rollout.engine_process import ServerProcess
 port = free_port()
 p = ServerProcess([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", {str(root)!r}],
-                  url=f"http://127.0.0.1:{{port}}", log_path={str(tmp_path / "s.log")!r})
+                  host="127.0.0.1", port=port, log_path={str(tmp_path / "s.log")!r})
 p.start(timeout_s=30)
 print(p.pid, flush=True)
 time.sleep(300)
@@ -107,3 +107,21 @@ time.sleep(300)
     if orphaned:
         os.kill(server_pid, 9)  # do not leave it behind when the test fails
     assert not orphaned
+
+
+def test_start_waits_while_the_server_is_alive_and_not_yet_serving(tmp_path):
+    """No fixed start-up deadline: a slow server (big checkpoint, CUDA graphs) is waited for while it lives."""
+    root = tmp_path / "www"
+    root.mkdir()
+    (root / "health").write_text("ok")
+    port = free_port()
+    proc = ServerProcess(["bash", "-c", f"sleep 3; exec {sys.executable} -m http.server {port} --bind 127.0.0.1 "
+                                        f"--directory {root}"], host="127.0.0.1", port=port,
+                         log_path=tmp_path / "slow.log")
+    t0 = time.monotonic()
+    proc.start(timeout_s=None)
+    try:
+        assert time.monotonic() - t0 >= 3 and requests.get(f"{proc.url}/health").text == "ok"
+    finally:
+        proc.stop()
+

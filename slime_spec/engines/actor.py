@@ -1,0 +1,120 @@
+"""`Engine`: one engine server process and its control routes; `EngineActor` is the same class as a Ray actor.
+
+The rollout's /generate traffic goes straight to `url` (engines/client.py `AsyncEngineClient`); this class
+owns the process (start, health, restart, stop) and the control routes, each a thin POST over SGLang's
+native HTTP API, so it works unchanged against `sglang.launch_server` and the embedded engine. Payloads are
+SGLang's io_struct fields (`slime_spec.sglang_contract`); failures raise `EngineError`.
+Engine i starts with `--random-seed seed + i`, so the samples of one GRPO group differ across engines.
+From Ray, call `get_url()` (`url` is a property).
+"""
+
+from __future__ import annotations
+
+import atexit
+from pathlib import Path
+
+import ray
+
+from slime_spec.config import EngineConfig
+from slime_spec.engines.client import EngineAuth, EngineClient
+from slime_spec.engines.process import ServerProcess, engine_server_process
+
+DEFAULT_START_TIMEOUT_S = 1800.0
+
+
+class Engine:
+    def __init__(self, engine: EngineConfig, index: int, *, log_dir: str, host: str | None = None,
+                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S, gpu_ids: list[int] | None = None):
+        self.index, self.start_timeout_s = index, start_timeout_s
+        self.restarts = 0
+        self.process: ServerProcess = engine_server_process(
+            engine, log_path=Path(log_dir) / f"engine_{index}.log", host=host or node_host(), gpu_ids=gpu_ids,
+            engine_index=index)
+        self.client = EngineClient(self.process.url, EngineAuth.from_server_args(engine.server_args))
+        atexit.register(self.shutdown)
+        self.process.start(start_timeout_s)
+
+    # ---- lifecycle ----
+    @property
+    def url(self) -> str:
+        return self.process.url
+
+    def get_url(self) -> str:
+        return self.url
+
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def log_path(self) -> str:
+        return str(self.process.log_path)
+
+    def alive(self) -> bool:
+        return self.process.alive()
+
+    def restart(self) -> str:
+        """Stop and start the server with the same argv (same port); returns the url."""
+        self.process.stop()
+        self.process.start(self.start_timeout_s)
+        self.restarts += 1
+        return self.url
+
+    def ensure_alive(self) -> bool:
+        """Restart the server if its process died or stopped answering /health; True if it restarted."""
+        if self.process.alive() and self.client.healthy():
+            return False
+        if self.process.alive():
+            print(f"[engine {self.index}] {self.url}/health does not answer 200; restarting", flush=True)
+        self.restart()
+        return True
+
+    def shutdown(self) -> int | None:
+        """Stop the server and every process in its group; safe to call twice."""
+        return self.process.stop()
+
+    # ---- control routes ----
+    def post(self, path: str, payload: dict | None = None) -> dict:
+        return self.client.post(path, payload)
+
+    def server_info(self) -> dict:
+        return self.client.server_info()
+
+    def weight_version(self) -> str | None:
+        """The version of the weights this engine serves, as it reports it."""
+        return self.server_info().get("weight_version")
+
+    def generate(self, payload: dict) -> dict:
+        return self.post("/generate", payload)
+
+    def flush_cache(self) -> dict:
+        return self.post("/flush_cache")
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        return self.post("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> dict:
+        return self.post("/continue_generation")
+
+    def abort_request(self, rid: str | None = None) -> dict:
+        return self.post("/abort_request", {"rid": rid} if rid else {"abort_all": True})
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self.post("/release_memory_occupation", {"tags": tags})
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        return self.post("/resume_memory_occupation", {"tags": tags})
+
+    def begin_weight_update(self, selector: str = "all") -> dict:
+        return self.post("/begin_weight_update", {"selector": selector})
+
+    def end_weight_update(self) -> dict:
+        return self.post("/end_weight_update")
+
+
+EngineActor = ray.remote(Engine)
+
+
+def node_host() -> str:
+    """127.0.0.1 on a one-node Ray cluster; the node's address when engines may be reached from other nodes."""
+    if ray.is_initialized() and sum(bool(n.get("Alive")) for n in ray.nodes()) > 1:
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"

@@ -1,0 +1,216 @@
+"""The one HTTP client for an engine server (SGLang or the embedded engine): sync and async.
+
+Every request carries the API key SGLang expects for its route (`Authorization: Bearer KEY`, from
+`--sglang-api-key` / `--sglang-admin-api-key`), every failure is one `EngineError` (url, path, status,
+body; status None when the engine could not be reached or went silent), and a JSON answer with
+`"success": false` raises too, so a failed weight update never passes silently.
+
+Timeouts bound silence, not duration: a read timeout (requests' read timeout, aiohttp's `sock_read`)
+fires only when the engine sends nothing for that long, so a long generation is never cut at a fixed
+total. SGLang answers a non-streaming /generate only when it is done, so for /generate the read
+timeout is the longest one request may compute: keep it above the longest expected generation.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import aiohttp
+import requests
+
+CONNECT_TIMEOUT_S = 30.0
+READ_TIMEOUT_S = 600.0  # control routes: a weight-update request can block on a collective this long
+# Routes SGLang 0.5.23 marks @auth_level(AuthLevel.ADMIN_OPTIONAL) (entrypoints/http_server.py), plus the
+# embedded engine's /abort_weight_update: they take the admin key when one is configured.
+ADMIN_ROUTES = frozenset({
+    "/flush_cache", "/abort_request", "/pause_generation", "/continue_generation", "/release_memory_occupation",
+    "/resume_memory_occupation", "/update_weight_version", "/begin_weight_update", "/end_weight_update",
+    "/abort_weight_update", "/update_weights_from_disk", "/update_weights_from_tensor",
+    "/update_weights_from_distributed", "/update_weights_from_ipc", "/init_weights_update_group",
+    "/destroy_weights_update_group", "/get_weights_by_name", "/weights_checker", "/set_internal_state",
+    "/start_profile", "/stop_profile", "/freeze_gc", "/slow_down", "/configure_logging",
+    "/load_lora_adapter", "/unload_lora_adapter",
+})
+OPEN_PREFIXES = ("/health", "/ready", "/metrics")  # SGLang never asks a key for probes
+
+
+class EngineError(RuntimeError):
+    """An engine request failed: HTTP status and body as answered, or status None when unreachable."""
+
+    def __init__(self, url: str, path: str, status: int | None, body: str):
+        self.url, self.path, self.status, self.body = url, path, status, body
+        what = f"answered HTTP {status}" if status is not None else "could not be reached"
+        hint = ""
+        if status in (401, 403):
+            hint = (" (the engine wants an API key: pass the server's key as --sglang-api-key, and "
+                    "--sglang-admin-api-key for admin routes when the server has one)")
+        super().__init__(f"{url}{path} {what}: {body[:2000]}{hint}")
+
+    @property
+    def unreachable(self) -> bool:
+        """No HTTP answer: connection refused or reset, or silence past the read timeout."""
+        return self.status is None
+
+
+@dataclass(frozen=True)
+class EngineAuth:
+    api_key: str | None = None
+    admin_api_key: str | None = None
+
+    @classmethod
+    def from_server_args(cls, server_args: dict) -> "EngineAuth":
+        """From the forwarded SGLang flags (`--sglang-api-key`, `--sglang-admin-api-key`)."""
+        return cls(server_args.get("api_key"), server_args.get("admin_api_key"))
+
+    def headers(self, path: str) -> dict[str, str]:
+        """The Authorization header SGLang checks on `path` (none for health probes)."""
+        path = path.split("?", 1)[0]
+        if path.startswith(OPEN_PREFIXES):
+            return {}
+        key = (self.admin_api_key or self.api_key) if path in ADMIN_ROUTES else self.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def parse_response(url: str, path: str, status: int, body: str) -> dict:
+    """A JSON object as is, a JSON list as {"result": list}, text as {"text": body}, nothing as {}."""
+    if not 200 <= status < 300:
+        raise EngineError(url, path, status, body)
+    if not body.strip():
+        return {}
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        return {"text": body}
+    if isinstance(data, dict) and data.get("success") is False:
+        raise EngineError(url, path, status, body)
+    return data if isinstance(data, dict) else {"result": data}
+
+
+class EngineClient:
+    """Blocking client (control routes, weight sync, canary); one keep-alive session."""
+
+    def __init__(self, url: str, auth: EngineAuth = EngineAuth(), *, read_timeout_s: float | None = READ_TIMEOUT_S):
+        self.url, self.auth, self.read_timeout_s = url.rstrip("/"), auth, read_timeout_s
+        self._session = requests.Session()
+        self._server_info_path = "/server_info"
+
+    def post(self, path: str, payload: dict | None = None, read_timeout_s: float | None = None) -> dict:
+        return self.request("POST", path, {} if payload is None else payload, read_timeout_s)
+
+    def get(self, path: str, read_timeout_s: float | None = None) -> dict:
+        return self.request("GET", path, None, read_timeout_s)
+
+    def request(self, method: str, path: str, payload: dict | None = None,
+                read_timeout_s: float | None = None) -> dict:
+        timeout = (CONNECT_TIMEOUT_S, read_timeout_s or self.read_timeout_s)
+        try:
+            r = self._session.request(method, self.url + path, json=payload, headers=self.auth.headers(path),
+                                      timeout=timeout)
+        except requests.RequestException as e:
+            raise EngineError(self.url, path, None, f"{type(e).__name__}: {e}") from e
+        return parse_response(self.url, path, r.status_code, r.text)
+
+    def status(self, method: str, path: str) -> int:
+        """The HTTP status alone (a route probe: 404 missing, 405 present but POST-only)."""
+        try:
+            return self._session.request(method, self.url + path, headers=self.auth.headers(path),
+                                         timeout=(CONNECT_TIMEOUT_S, self.read_timeout_s)).status_code
+        except requests.RequestException as e:
+            raise EngineError(self.url, path, None, f"{type(e).__name__}: {e}") from e
+
+    def server_info(self) -> dict:
+        """GET /server_info; /get_server_info (deprecated in 0.5.23) only for servers without it (404)."""
+        try:
+            return self.get(self._server_info_path)
+        except EngineError as e:
+            if e.status != 404 or self._server_info_path == "/get_server_info":
+                raise
+            self._server_info_path = "/get_server_info"
+            return self.get(self._server_info_path)
+
+    def healthy(self, timeout_s: float = 30.0) -> bool:
+        try:
+            return self._session.get(f"{self.url}/health", timeout=(CONNECT_TIMEOUT_S, timeout_s)).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def close(self) -> None:
+        self._session.close()
+
+
+def async_session(read_timeout_s: float | None) -> aiohttp.ClientSession:
+    """A session for many concurrent requests: no total timeout, only connect and idle-read bounds."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=read_timeout_s))
+
+
+@dataclass
+class AsyncEngineClient:
+    """Non-blocking client over a shared aiohttp session (the rollout's /generate hot path)."""
+
+    url: str
+    session: aiohttp.ClientSession
+    auth: EngineAuth = EngineAuth()
+
+    async def post(self, path: str, payload: dict | None = None) -> dict:
+        return await self.request("POST", path, {} if payload is None else payload)
+
+    async def get(self, path: str) -> dict:
+        return await self.request("GET", path, None)
+
+    async def generate(self, payload: dict) -> dict:
+        return await self.post("/generate", payload)
+
+    async def request(self, method: str, path: str, payload: dict | None) -> dict:
+        try:
+            async with self.session.request(method, f"{self.url}{path}", json=payload,
+                                            headers=self.auth.headers(path)) as r:
+                return parse_response(self.url, path, r.status, await r.text())
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
+            raise EngineError(self.url, path, None, f"{type(e).__name__}: {e}") from e
+
+    async def server_info(self) -> dict:
+        try:
+            return await self.get("/server_info")
+        except EngineError as e:
+            if e.status != 404:
+                raise
+            return await self.get("/get_server_info")
+
+
+class EngineGroupError(RuntimeError):
+    """Some engines failed a request that others completed: says which, so the caller can report state."""
+
+    def __init__(self, path: str, failures: dict[str, BaseException], succeeded: list[str]):
+        self.path, self.failures, self.succeeded = path, failures, succeeded
+        lines = "; ".join(f"{url}: {e}" for url, e in failures.items())
+        ok = f" (succeeded on {', '.join(succeeded)})" if succeeded else ""
+        super().__init__(f"{path} failed on {len(failures)} engine(s){ok}: {lines}")
+
+
+def post_all(clients: Sequence[EngineClient], path: str, payload: dict | Callable[[int], dict]) -> list[dict]:
+    """POST to every engine at once (engines block until a group forms or a broadcast completes).
+
+    Waits for every engine, then raises EngineGroupError naming each engine that failed.
+    """
+    def call(i: int, c: EngineClient) -> dict:
+        return c.post(path, payload(i) if callable(payload) else payload)
+
+    if len(clients) == 1:
+        try:
+            return [call(0, clients[0])]
+        except Exception as e:
+            raise EngineGroupError(path, {clients[0].url: e}, []) from e
+    with ThreadPoolExecutor(max_workers=len(clients)) as pool:
+        futures = [pool.submit(call, i, c) for i, c in enumerate(clients)]
+        errors = {c.url: f.exception() for c, f in zip(clients, futures)}
+    failures = {url: e for url, e in errors.items() if e is not None}
+    if failures:
+        raise EngineGroupError(path, failures, [url for url, e in errors.items() if e is None]) \
+            from next(iter(failures.values()))
+    return [f.result() for f in futures]
+

@@ -1,0 +1,248 @@
+"""`EngineFleet`: the one owner of a manager's engines: placement, routing, restart, and the weight fence.
+
+Routing: least-loaded with a per-engine in-flight cap (`--sglang-server-concurrency`).
+
+Restart and the weight fence. A restarted server loads `--hf-checkpoint`, not the policy the trainer
+has reached, and it has left the distributed weight-update group. So an engine that restarts while
+the run is past its first sync is *fenced*: never routed to until the trainer has re-formed the group
+and pushed the current weights into it (`engines_needing_sync` -> the driver has the trainer resync ->
+`confirm_weights(version)`, which reads each engine's reported `weight_version` and lifts the fence only
+where it equals the current one). Each Sample records the version it was generated with, so a sample
+of any other version is visible and excluded (`stale_samples`), never trained on silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from slime_spec.config import EngineConfig
+from slime_spec.engines.actor import EngineActor
+
+
+# What an engine serves right after start when it does not report a weight_version: the checkpoint.
+CHECKPOINT = "checkpoint"
+
+
+class NoEngineAvailable(RuntimeError):
+    pass
+
+
+def pick_engine(in_flight: list[int], available: list[bool], cap: int) -> int | None:
+    """The available engine with the fewest in-flight requests below `cap` (lowest index on ties), or None."""
+    candidates = [i for i, (n, ok) in enumerate(zip(in_flight, available)) if ok and n < cap]
+    return min(candidates, key=lambda i: in_flight[i]) if candidates else None
+
+
+class Router:
+    """Least-loaded routing; an unavailable engine (restarting, fenced) is waited for, a dead one skipped."""
+
+    def __init__(self, num_engines: int, max_concurrency: int):
+        if max_concurrency < 1:
+            raise ValueError(f"--sglang-server-concurrency={max_concurrency}: must be >= 1")
+        self.cap = max_concurrency
+        self.in_flight = [0] * num_engines
+        self.available = [True] * num_engines
+        self.dead = [False] * num_engines  # could not be restarted: never used again
+        self._cond = asyncio.Condition()
+
+    async def acquire(self) -> int:
+        async with self._cond:
+            while True:
+                if all(self.dead):
+                    raise NoEngineAvailable("every rollout engine is down and could not be restarted; "
+                                            "see the engine logs and run `slime-spec doctor`")
+                idx = pick_engine(self.in_flight, self.available, self.cap)
+                if idx is not None:
+                    self.in_flight[idx] += 1
+                    return idx
+                await self._cond.wait()
+
+    async def release(self, idx: int) -> None:
+        async with self._cond:
+            self.in_flight[idx] -= 1
+            self._cond.notify(1)  # one slot freed: wake one waiter, not all (no thundering herd)
+
+    async def set_available(self, idx: int, ok: bool, dead: bool = False) -> None:
+        async with self._cond:
+            self.available[idx] = ok and not dead
+            self.dead[idx] = dead
+            self._cond.notify_all()
+
+
+@ray.remote(num_cpus=0, num_gpus=0)
+def _bundle_gpu() -> tuple[str, int]:
+    """(node address, GPU id) of the placement-group bundle this task lands on."""
+    ids = ray.get_gpu_ids()
+    if len(ids) != 1:
+        raise RuntimeError(f"expected one GPU per rollout bundle, Ray gave {ids}")
+    return ray.util.get_node_ip_address(), int(ids[0])
+
+
+class EngineFleet:
+    """Engine actors of one RolloutManager; built in its constructor, then driven from its event loop."""
+
+    def __init__(self, engine: EngineConfig, num_engines: int, *, max_concurrency: int, log_dir: str,
+                 start_timeout_s: float, rollout_num_gpus: int = 0, placement_group=None,
+                 bundle_indices: list[int] | None = None):
+        if num_engines < 1:
+            raise ValueError(f"num_engines={num_engines}: need at least one rollout engine")
+        self.engine_cfg, self.num_engines = engine, num_engines
+        self._kwargs = dict(log_dir=log_dir, start_timeout_s=start_timeout_s)
+        self.actors: list = []
+        self._own_pg = None
+        try:
+            if rollout_num_gpus:
+                self._launch_gpu_engines(rollout_num_gpus, placement_group, bundle_indices)
+            else:
+                self.actors = [EngineActor.options(num_cpus=0).remote(engine, i, **self._kwargs)
+                               for i in range(num_engines)]
+        except BaseException:
+            self.stop_blocking()
+            raise
+        self.router = Router(num_engines, max_concurrency)
+        self.urls: list[str] = []
+        self.generation = [0] * num_engines  # bumped on every restart of an engine
+        self.total_restarts = 0
+        self.current_version: str | None = None  # the weights the trainer holds (what every engine must serve)
+        self.served: list[str | None] = [None] * num_engines  # what each engine reports it serves
+        self.needs_sync: set[int] = set()
+        self._locks: list[asyncio.Lock] | None = None
+
+    def wait_ready(self) -> None:
+        """Block until every engine serves (an EngineStartError with its log tail surfaces here)."""
+        # Blocking gets are intended here (the manager's constructor has no event loop to yield to).
+        os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"
+        self.urls = ray.get([a.get_url.remote() for a in self.actors])
+        self.served = [v or CHECKPOINT for v in ray.get([a.weight_version.remote() for a in self.actors])]
+        self.current_version = self.served[0]
+        for i, v in enumerate(self.served):
+            if v != self.current_version:
+                raise RuntimeError(f"engines started on different weight versions {self.served}: start every "
+                                   "engine with the same --sglang-weight-version")
+        print(f"[fleet] {self.num_engines} engine(s) ready on weights {self.current_version!r}: "
+              f"{' '.join(self.urls)}", flush=True)
+
+    def _launch_gpu_engines(self, rollout_num_gpus: int, pg, bundle_indices) -> None:
+        per_engine = self.engine_cfg.num_gpus_per_engine
+        if rollout_num_gpus % per_engine or rollout_num_gpus // per_engine != self.num_engines:
+            raise ValueError(f"--rollout-num-gpus={rollout_num_gpus} must be num_engines={self.num_engines} x "
+                             f"--rollout-num-gpus-per-engine={per_engine}")
+        if pg is None:
+            pg = self._own_pg = placement_group([{"GPU": 1, "CPU": 1}] * rollout_num_gpus, strategy="PACK")
+            ray.get(pg.ready())
+            bundle_indices = list(range(rollout_num_gpus))
+        if bundle_indices is None or len(bundle_indices) != rollout_num_gpus:
+            raise ValueError(f"the rollout placement group needs {rollout_num_gpus} one-GPU bundles, "
+                             f"got bundle_indices={bundle_indices}")
+        strategy = lambda b: PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b)  # noqa: E731
+        gpus = ray.get([_bundle_gpu.options(num_gpus=0.01, scheduling_strategy=strategy(b)).remote()
+                        for b in bundle_indices])
+        for i in range(self.num_engines):
+            chunk = gpus[i * per_engine:(i + 1) * per_engine]
+            if len({node for node, _ in chunk}) != 1:
+                raise ValueError(f"engine {i} spans nodes {sorted({n for n, _ in chunk})}: one engine's GPUs must "
+                                 "be on one node (check --rollout-num-gpus-per-engine)")
+            self.actors.append(
+                EngineActor.options(num_cpus=0, num_gpus=0.01,
+                                    scheduling_strategy=strategy(bundle_indices[i * per_engine]))
+                .remote(self.engine_cfg, i, gpu_ids=[g for _, g in chunk], **self._kwargs))
+
+    # ---- routing ----
+    def lock(self, idx: int) -> asyncio.Lock:
+        if self._locks is None:  # created on the event loop that uses them
+            self._locks = [asyncio.Lock() for _ in range(self.num_engines)]
+        return self._locks[idx]
+
+    def version_of(self, idx: int) -> str | None:
+        return self.served[idx]
+
+    def live(self) -> list[int]:
+        return [i for i in range(self.num_engines) if not self.router.dead[i]]
+
+    # ---- restart and the fence ----
+    async def recover(self, idx: int, generation: int) -> None:
+        """Restart engine `idx` if it died (only the first failure of an engine generation does this);
+        a restarted engine that does not serve the current weights stays fenced until `confirm_weights`."""
+        async with self.lock(idx):
+            if self.generation[idx] != generation or self.router.dead[idx]:
+                return
+            await self.router.set_available(idx, False)
+            try:
+                restarted = await self.actors[idx].ensure_alive.remote()
+                version = (await self.actors[idx].weight_version.remote() or CHECKPOINT) if restarted \
+                    else self.served[idx]
+            except ray.exceptions.RayError as e:  # the restart failed (EngineStartError) or the actor is gone
+                self.generation[idx] += 1
+                print(f"[fleet] engine {idx} could not be restarted; routing around it:\n{e}", flush=True)
+                await self.router.set_available(idx, False, dead=True)
+                return
+            if restarted:
+                self.generation[idx] += 1
+                self.total_restarts += 1
+                self.urls[idx] = await self.actors[idx].get_url.remote()
+                self.served[idx] = version
+                print(f"[fleet] engine {idx} had died and was restarted ({self.urls[idx]})", flush=True)
+            if self.served[idx] != self.current_version:
+                self.needs_sync.add(idx)
+                print(f"[fleet] engine {idx} serves weights {self.served[idx]!r}, the policy is at "
+                      f"{self.current_version!r}: fenced until the trainer re-syncs it", flush=True)
+                return
+            await self.router.set_available(idx, True)
+
+    def engines_needing_sync(self) -> list[int]:
+        return sorted(self.needs_sync)
+
+    async def confirm_weights(self, version: str) -> list[int]:
+        """After a sync of `version` into every engine: record what each engine reports it serves and lift
+        the fence where that is `version`; returns the engines that still need a sync."""
+        self.current_version = version
+        for i in self.live():
+            if self.lock(i).locked():  # being restarted: its recovery compares with the new version
+                continue
+            try:
+                reported = await self.actors[i].weight_version.remote()
+            except ray.exceptions.RayError as e:
+                print(f"[fleet] engine {i}: reading its weight version failed: {e}", flush=True)
+                reported = CHECKPOINT
+            # a server too old to report weight_version: the sync that just succeeded is all we know
+            self.served[i] = version if reported is None else reported
+            ok = self.served[i] == version
+            (self.needs_sync.discard if ok else self.needs_sync.add)(i)
+            await self.router.set_available(i, ok)
+        return self.engines_needing_sync()
+
+    # ---- every engine at once ----
+    async def call_all(self, method: str, *args) -> list:
+        return await asyncio.gather(*[getattr(a, method).remote(*args) for a in self.actors])
+
+    async def shutdown(self) -> None:
+        """Stop every engine server; safe to call twice."""
+        results = await asyncio.gather(*[a.shutdown.remote() for a in self.actors], return_exceptions=True)
+        self._release(results)
+
+    def stop_blocking(self) -> None:
+        """`shutdown` for a constructor's failure path (no event loop running yet)."""
+        results = []
+        for ref in [a.shutdown.remote() for a in self.actors]:
+            try:
+                results.append(ray.get(ref, timeout=60))
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                results.append(e)
+        self._release(results)
+
+    def _release(self, stop_results: list) -> None:
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+        if self._own_pg is not None:
+            remove_placement_group(self._own_pg)
+            self._own_pg = None
+        gone = [r for r in stop_results if isinstance(r, BaseException)]
+        if gone:  # an actor that died took its server with it (PR_SET_PDEATHSIG); say so, do not hide it
+            print(f"[fleet] shutdown: {len(gone)} engine actor(s) were already gone: {str(gone[0])[:300]}",
+                  flush=True)

@@ -1,0 +1,45 @@
+"""engines/actor.py: the engine actor's control routes send SGLang's own payloads."""
+
+from slime_spec.config import EngineConfig
+from slime_spec.engines.actor import Engine
+from slime_spec.sglang_contract import validate_payload
+
+ROUTE_STRUCTS = {
+    "/pause_generation": "PauseGenerationReqInput", "/continue_generation": "ContinueGenerationReqInput",
+    "/abort_request": "AbortReq", "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+    "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput", "/end_weight_update": "EndWeightUpdateReqInput",
+    "/generate": "GenerateReqInput",
+}
+
+
+def _recording_engine():
+    engine = Engine.__new__(Engine)  # no server: record what each helper would POST
+    calls = []
+    engine.post = lambda path, payload=None: calls.append((path, payload)) or {}
+    return engine, calls
+
+
+def test_control_payloads_match_sglang_io_structs():
+    engine, calls = _recording_engine()
+    engine.pause_generation()
+    engine.continue_generation()
+    engine.abort_request()
+    engine.abort_request("rid-1")
+    engine.release_memory_occupation(["kv_cache"])
+    engine.resume_memory_occupation()
+    engine.begin_weight_update("draft")
+    engine.end_weight_update()
+    assert [p for p, _ in calls] == ["/pause_generation", "/continue_generation", "/abort_request", "/abort_request",
+                                     "/release_memory_occupation", "/resume_memory_occupation",
+                                     "/begin_weight_update", "/end_weight_update"]
+    for path, payload in calls:
+        validate_payload(ROUTE_STRUCTS[path], payload or {})
+    assert calls[2][1] == {"abort_all": True} and calls[6][1] == {"selector": "draft"}
+
+
+def test_each_engine_gets_its_own_seed():
+    """GRPO groups spread over engines must not draw the same random numbers: engine i gets seed + i."""
+    cfg = EngineConfig(backend="embedded", model_path="/m", seed=1234)
+    seeds = [cfg.server_argv("127.0.0.1", 1, engine_index=i) for i in range(3)]
+    assert [a[a.index("--random-seed") + 1] for a in seeds] == ["1234", "1235", "1236"]
