@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from slime_spec.dtypes import canonical_dtype
-from slime_spec.engine import runners, sampling
+from slime_spec.engine import sampling, weight_updater
+from slime_spec.engine.drafters import make_drafter
 from slime_spec.engine.model import load_model
-from slime_spec.engine.speculative import make_drafter
 from slime_spec.spec import SpecConfig, check_resolved
 
 __all__ = ["EngineCore", "Output", "Request", "SamplingParams", "SpecConfig"]
@@ -453,17 +453,17 @@ class EngineCore:
 
     # ------------------------------------------------------------------ weights
     def named_weights(self, selector: str) -> dict[str, torch.Tensor]:
-        """Served weights by HF name for the runners `selector` reaches (see runners.py)."""
-        return runners.named_weights(runners.select_runners(self.model, self.drafter, selector))
+        """Served weights by HF name for the runners `selector` reaches (see weight_updater.select_runners)."""
+        return weight_updater.named_weights(weight_updater.select_runners(self.model, self.drafter, selector))
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]], selector: str = "all") -> None:
         """Load HF-named tensors into every selected runner that has the name; all or nothing: every name, shape
         and dtype is checked before the first copy, and a bad one raises ValueError with the old weights intact."""
         if "weights" in self._released:
             raise ValueError("weights are released (release_memory_occupation); resume them before loading")
-        plan = runners.plan_load(runners.select_runners(self.model, self.drafter, selector), named,
-                                 tied=self.model.args.tie_word_embeddings, selector=selector,
-                                 algorithm=self.spec.speculative_algorithm if self.spec else None)
+        runners = weight_updater.select_runners(self.model, self.drafter, selector)
+        plan = weight_updater.plan_load(runners, named, tied=self.model.args.tie_word_embeddings, selector=selector,
+                                        algorithm=self.spec.speculative_algorithm if self.spec else None)
         with torch.no_grad():
             for param, tensor in plan:
                 param.copy_(tensor.to(device=param.device, dtype=param.dtype))

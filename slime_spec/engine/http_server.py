@@ -2,7 +2,7 @@
 
 Paths, request fields, response fields and status codes follow SGLang 0.5.23's
 `entrypoints/http_server.py`. Every handler validates its body against SGLang's io_struct class
-(`slime_spec.sglang_contract`), posts work to the engine thread (`server_loop.EngineLoop`) and
+(`slime_spec.sglang_contract`), posts work to the engine thread (`scheduler.EngineLoop`) and
 awaits the result; a bad request gets a 400 with a message and never reaches the engine.
 """
 
@@ -18,9 +18,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from slime_spec.engine.server_args import EngineServerArgs
-from slime_spec.engine.server_generate import build_response, plan_generate
-from slime_spec.engine.server_loop import EngineLoop
-from slime_spec.engine.weight_update import WeightUpdater
+from slime_spec.engine.io_struct import build_response, plan_generate
+from slime_spec.engine.scheduler import EngineLoop
+from slime_spec.engine.weight_updater import WeightUpdater
 from slime_spec.sglang_contract import validate_payload
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The engine thread: the only thread that touches EngineCore.
+"""The engine thread (SGLang's scheduler event loop): the only thread that touches EngineCore.
 
 HTTP handlers never call the engine; they post work here and await a concurrent Future:
 - `generate(requests)`: admitted into the engine at the next iteration unless generation is paused
