@@ -6,7 +6,7 @@ from safetensors.torch import load_file
 
 from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
 from slime_spec.spec import resolve_or_raise
-from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

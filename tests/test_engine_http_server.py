@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from slime_spec.engine.server_process import ServerProcess
-from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.tiny_model import make_tiny_model
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -3,7 +3,7 @@
 from transformers import AutoTokenizer
 
 from slime_spec.engine.io_struct import plan_generate, spec_meta_info
-from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.tiny_model import make_tiny_model
 
 
 def test_plan_generate_normalizes_like_sglang(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 from slime_spec.engine.server_args import (IMPLEMENTED, PERFORMANCE_ONLY, REFUSAL_REASONS, ServerArgsError,
                                            classify_flags, defaults_of, option_names, parse_server_args,
                                            resolve_device, resolve_dtype, sglang_parser)
-from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.tiny_model import make_tiny_model
 from slime_spec.spec import SpecConfig
 
 

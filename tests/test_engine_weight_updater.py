@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from slime_spec.dist_group import WeightUpdateGroup
 from slime_spec.engine.server_process import ServerProcess
-from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.tiny_model import make_tiny_model
 from slime_spec.engine.weight_updater import serialize_named_tensors, tensor_checksum
 from slime_spec.net import free_port
 
