@@ -35,8 +35,10 @@ behind slime #1177).
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import io
+import logging
 import pickle
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,8 @@ import torch
 
 from slime_spec.dist_group import WeightUpdateGroup
 from slime_spec.engine.model import CausalLM, hf_weight_names
+
+logger = logging.getLogger(__name__)
 
 NOT_IN_SESSION = "{op} must run between begin_weight_update() and end_weight_update()"
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
@@ -161,6 +165,23 @@ def _unbucket(obj: Any) -> list[tuple[str, torch.Tensor]]:
     return FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=meta).reconstruct_tensors()
 
 
+def _fails_the_session(op: str):
+    """Any error inside an update (a malformed payload included) fails it like a refused load: inside a session
+    the session rolls back and end_weight_update answers success: false; the error is logged, never lost."""
+    def wrap(method):
+        @functools.wraps(method)
+        def guarded(self, core, req: dict) -> dict:
+            try:
+                return method(self, core, req)
+            except Exception as e:
+                logger.exception("%s failed", op)
+                out = self._fail_session(core, f"{op} failed: {e!r}. This update was not applied; check the "
+                                               "request's fields against SGLang's io_struct.")
+                return {**out, "num_paused_requests": 0} if op == "update_weights_from_disk" else out
+        return guarded
+    return wrap
+
+
 class WeightUpdater:
     """Session, update groups and weight version of one engine. Every method runs on the engine thread."""
 
@@ -267,6 +288,7 @@ class WeightUpdater:
         return _result(True, "Succeeded to destroy custom process group.")
 
     # ------------------------------------------------------------------ updates
+    @_fails_the_session("update_weights_from_distributed")
     def update_from_distributed(self, core, req: dict) -> dict:
         if self.session_selector is None:
             return _result(False, NOT_IN_SESSION.format(op="update_weights_from_distributed"))
@@ -304,6 +326,7 @@ class WeightUpdater:
             group.broadcast(buf, src=0)
         return buffers
 
+    @_fails_the_session("update_weights_from_tensor")
     def update_from_tensor(self, core, req: dict) -> dict:
         if self.session_selector is None:
             return _result(False, NOT_IN_SESSION.format(op="update_weights_from_tensor"))
@@ -323,6 +346,7 @@ class WeightUpdater:
             return self._fail_session(core, f"Unknown load_format={req.get('load_format')}")
         return self._load(core, named, selector, req, "Success")
 
+    @_fails_the_session("update_weights_from_disk")
     def update_from_disk(self, core, req: dict) -> dict:
         """SGLang reloads every runner from the checkpoint (no selector on this route)."""
         path = Path(req["model_path"])
@@ -332,7 +356,15 @@ class WeightUpdater:
             return {**out, "num_paused_requests": 0}
         from safetensors.torch import load_file
 
-        named = [(n, t) for f in files for n, t in load_file(str(f)).items()]
+        named = []
+        for f in files:
+            try:
+                named += load_file(str(f)).items()
+            except Exception as e:  # safetensors raises its own SafetensorError for a corrupt file
+                out = self._fail_session(core, f"Failed to get weights iterator: model_path {path}: {f.name} is not "
+                                               f"a readable safetensors file ({e}); point model_path at a complete "
+                                               "checkpoint.")
+                return {**out, "num_paused_requests": 0}
         out = self._load(core, named, "all", req, "Succeeded to update model weights.")
         if out["success"]:
             self.model_path = str(path)
