@@ -269,7 +269,7 @@ def default(name: str):
     return config_value(name, DEFAULTS[name])
 
 
-# Flags whose value slime-spec acts on. Others parse and are reported by `doctor` when set.
+# Flags whose value slime-spec acts on. Every other flag of the table is classified in NOT_ACTED_ON.
 ACTED_ON = {
     "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine", "colocate",
     "hf_checkpoint", "load", "save", "ref_load", "save_interval",
