@@ -2,13 +2,14 @@
 
 Exists means: in the flag table (`slime_spec/flags.py`), in the installed SGLang's own server parser
 (as `--x` for the engine command line and as `--sglang-x` on ours), an older SGLang spelling the CLI
-translates (`args.SGLANG_RENAMED`), or one of the few flags of the other tools listed below.
+translates (`args.SGLANG_RENAMED`), `slime-spec push-weights`' own flags, or one of the few flags of the other tools listed below.
 """
 
 import ast
 import re
 from pathlib import Path
 
+from slime_spec import push_weights
 from slime_spec.args import SGLANG_PREFIX, SGLANG_RENAMED, build_parser, sglang_parser
 
 PACKAGE = Path(__file__).resolve().parents[1] / "slime_spec"
@@ -16,6 +17,7 @@ FLAG_TOKEN = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 # Flags of the other command lines slime-spec has or starts -> the module that defines or passes them.
 OTHER_TOOL_FLAGS = {
+    "--runtime-env-json": "ray_env.py",  # ray job submit (the job's runtime env)
     "--json": "doctor.py",  # slime-spec doctor
     "--smoke": "demo.py",  # python -m slime_spec.demo
     "--out": "demo.py",
@@ -32,7 +34,8 @@ OTHER_TOOL_FLAGS = {
 
 
 def known_flags() -> set[str]:
-    ours = {opt for a in build_parser()._actions for opt in a.option_strings if opt.startswith("--")}
+    ours = {opt for parser in (build_parser(), push_weights.build_parser())
+            for a in parser._actions for opt in a.option_strings if opt.startswith("--")}
     sglang = {opt for a in sglang_parser()._actions for opt in a.option_strings if opt.startswith("--")}
     return ours | sglang | {SGLANG_PREFIX + o[2:] for o in sglang} | set(SGLANG_RENAMED) | set(OTHER_TOOL_FLAGS)
 
@@ -66,6 +69,6 @@ def test_other_tool_flags_are_still_used_where_listed():
 
 def test_scanner_catches_a_flag_that_does_not_exist(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text('raise ValueError(f"--transport {x!r}: use --weight-sync-transport tensor")\n')
+    bad.write_text('raise ValueError(f"--max-concurrency {x!r}: use --sglang-server-concurrency")\n')
     known = known_flags()
-    assert [t for _, t in flag_tokens(bad) if not exists(t, known)] == ["--transport"]
+    assert [t for _, t in flag_tokens(bad) if not exists(t, known)] == ["--max-concurrency"]
