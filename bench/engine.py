@@ -28,7 +28,7 @@ import torch
 
 from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
 from slime_spec.spec import resolve_or_raise
-from slime_spec.engine.tiny_model import CHARACTERS, full_vocab_size, make_tiny_model
+from slime_spec.tiny_model import CHARACTERS, full_vocab_size, make_tiny_model
 
 REPETITIVE = ["the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat",
               "1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2 3",

@@ -64,7 +64,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench_rollout_"))
     model = args.model_path
     if model is None:
-        from slime_spec.engine.tiny_model import make_tiny_model
+        from slime_spec.tiny_model import make_tiny_model
 
         model = str(make_tiny_model(work / "llama", arch="llama"))
     write_prompts(work / "prompts.jsonl", args.num_samples)

@@ -25,7 +25,7 @@ import requests
 import torch
 
 from slime_spec.config import TrainConfig, WeightSyncConfig
-from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.tiny_model import make_tiny_model
 from slime_spec.engines.client import EngineClient
 from slime_spec.weight_sync.gather import iter_hf_tensors
 from slime_spec.weight_sync.protocol import SpecSetup

@@ -30,7 +30,7 @@ SPEC_FLAGS = ["--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-n
 
 
 def make_model_and_data(out: Path, size: dict, seed: int) -> tuple[Path, Path, Path, list[dict]]:
-    from slime_spec.engine.tiny_model import make_tiny_model
+    from slime_spec.tiny_model import make_tiny_model
 
     model = make_tiny_model(out / "model_init", arch="mimo", mtp_layers=1, hidden_size=size["hidden"],
                             num_layers=size["layers"], num_heads=4, num_kv_heads=2,

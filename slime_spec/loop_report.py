@@ -176,7 +176,7 @@ def run_title(config: Config) -> str:
     """'<model> on <task>': the checkpoint's and the prompt file's names."""
     model = Path(config.rollout.hf_checkpoint).name or "model"
     task = Path(config.rollout.prompt_data).stem if config.rollout.prompt_data else "replayed rollouts"
-    spec = config.engine.speculative_algorithm
+    spec = config.engine.server_args.get("speculative_algorithm")
     return f"{model} on {task}: GRPO" + (f", {spec} speculative rollout" if spec else "")
 
 

@@ -6,7 +6,7 @@ from safetensors.torch import load_file
 
 from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
 from slime_spec.spec import resolve_or_raise
-from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +205,34 @@ def test_non_finite_logits_finish_the_request_not_the_engine(ckpts):
         assert outs["ok"].finish_reason == outs["nan"].finish_reason == {"type": "stop", "matched": "NaN happened"}
         engine.load_weights([("model.norm.weight", norm)])
         assert run(engine, greedy("after", [5, 6], n=5, ignore_eos=True))["after"].completion_tokens == 5
+
+
+class CountingRid(str):
+    """A rid that counts how often any rid is compared with it for equality."""
+
+    comparisons = 0
+
+    def __eq__(self, other):
+        CountingRid.comparisons += 1
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+
+def test_admission_and_abort_are_linear_in_the_number_of_requests(engine):
+    """A rid scan per request compared ~n^2/2 times (20k requests took minutes); a rid index compares ~0."""
+    n = 3000
+    CountingRid.comparisons = 0
+    for i in range(n):
+        engine.add_request(Request(CountingRid(f"bulk{i}"), [1, 2], SamplingParams(max_new_tokens=1)))
+    assert CountingRid.comparisons <= n
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_request(Request(CountingRid("bulk7"), [3], SamplingParams(max_new_tokens=1)))
+    CountingRid.comparisons = 0
+    engine.abort_all()
+    assert CountingRid.comparisons <= n
+    outs = engine.step()
+    while engine.has_work():
+        outs += engine.step()
+    assert len(outs) == n and all(o.finish_reason["type"] == "abort" for o in outs)
+    assert engine.flush_cache()

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from slime_spec.engine.model import load_model
-from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 from slime_spec.engine.server_args import (IMPLEMENTED, PERFORMANCE_ONLY, REFUSAL_REASONS, ServerArgsError,
                                            classify_flags, defaults_of, option_names, parse_server_args,
                                            resolve_device, resolve_dtype, sglang_parser)
-from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.tiny_model import make_tiny_model
 from slime_spec.spec import SpecConfig
 
 
@@ -94,7 +94,7 @@ def test_parse_refuses_result_changing_flags_all_at_once(mimo):
 
 def test_engine_refuses_what_it_cannot_draft(llama, mimo):
     from slime_spec.engine.__main__ import make_core_factory
-    from slime_spec.engine.server_loop import EngineLoop
+    from slime_spec.engine.scheduler import EngineLoop
 
     # eagle_topk > 1 is a tree draft, which the embedded engine does not implement: refused while parsing the
     # flags (spec.resolve), before a model loads.

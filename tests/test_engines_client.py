@@ -36,7 +36,7 @@ def test_auth_headers_follow_sglang_route_levels():
 
 @pytest.fixture(scope="module")
 def keyed_engine(tmp_path_factory):
-    from slime_spec.engine.tiny_model import make_tiny_model
+    from slime_spec.tiny_model import make_tiny_model
     from slime_spec.engines.process import embedded_server_process
 
     root = tmp_path_factory.mktemp("keyed_engine")

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from slime_spec.config import EngineConfig, RolloutConfig, WeightSyncConfig
-from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.tiny_model import make_tiny_model
 from slime_spec.engines.client import EngineClient, EngineGroupError
 from slime_spec.engines.fleet import NoEngineAvailable, Router, pick_engine
 from slime_spec.net import free_port

@@ -20,13 +20,13 @@ OTHER_TOOL_FLAGS = {
     "--smoke": "demo.py",  # python -m slime_spec.demo
     "--out": "demo.py",
     "--no-frozen-baseline": "demo.py",
-    "--arch": "engine/tiny_model.py",  # slime-spec make-tiny-model
-    "--mtp-layers": "engine/tiny_model.py",
-    "--vocab": "engine/tiny_model.py",
-    "--num-heads": "engine/tiny_model.py",
-    "--num-kv-heads": "engine/tiny_model.py",
-    "--intermediate-size": "engine/tiny_model.py",
-    "--init-from": "engine/tiny_model.py",
+    "--arch": "tiny_model.py",  # slime-spec make-tiny-model
+    "--mtp-layers": "tiny_model.py",
+    "--vocab": "tiny_model.py",
+    "--num-heads": "tiny_model.py",
+    "--num-kv-heads": "tiny_model.py",
+    "--intermediate-size": "tiny_model.py",
+    "--init-from": "tiny_model.py",
     "--worker-urls": "rollout/manager.py",  # sglang_router.launch_router, started for --use-sglang-router
 }
 

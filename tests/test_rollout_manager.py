@@ -8,7 +8,7 @@ import pytest
 import ray
 
 from slime_spec.config import EngineConfig, RolloutConfig
-from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.tiny_model import make_tiny_model
 from slime_spec.rollout.debug_data import load_rollout
 from slime_spec.rollout.manager import RolloutManagerActor
 from slime_spec.rollout.metrics import REQUIRED_KEYS

@@ -147,7 +147,7 @@ SMALL_RUNS = ("run-mimo-7B-rl-mtp.sh", "run-glm4.5-mtp.sh", "run-deepseek-v3-mtp
 def small_machine_runs(tmp_path_factory):
     """Each script's flags under SMALL_MACHINE=1 with a tiny model, checked by the real doctor in this process."""
     from slime_spec.doctor import main as doctor_main
-    from slime_spec.engine.tiny_model import make_tiny_model
+    from slime_spec.tiny_model import make_tiny_model
 
     base = tmp_path_factory.mktemp("small")
     model = make_tiny_model(base / "tiny-mimo", arch="mimo", mtp_layers=1, hidden_size=32, num_layers=1,

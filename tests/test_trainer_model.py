@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from slime_spec.config import TrainConfig
-from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.tiny_model import make_tiny_model
 from slime_spec.trainer import cpu_compat, parallel
 from slime_spec.trainer import model as M
 

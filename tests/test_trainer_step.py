@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slime_spec.config import TrainConfig
-from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.tiny_model import make_tiny_model
 from slime_spec.rollout.sample import Sample
 from slime_spec.trainer import parallel
 from slime_spec.trainer.trainer import Trainer

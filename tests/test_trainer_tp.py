@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from slime_spec.config import (ClusterConfig, Config, EngineConfig, RolloutConfig, TrainConfig, WandbConfig,
                                WeightSyncConfig)
-from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.tiny_model import make_tiny_model
 from slime_spec.engines.process import engine_server_process
 from slime_spec.rollout.sample import Sample
 from slime_spec.trainer import parallel

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from slime_spec.config import TrainConfig, WeightSyncConfig
-from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.tiny_model import make_tiny_model
 from slime_spec.engines.client import EngineClient
 from slime_spec.weight_sync.gather import NamedTensor, iter_hf_state, iter_hf_tensors
 from slime_spec.weight_sync.protocol import SpecSetup
@@ -38,10 +38,10 @@ class InProcessEngine:
         import uvicorn
 
         from slime_spec.engine.__main__ import make_core_factory
-        from slime_spec.engine.server import create_app
+        from slime_spec.engine.http_server import create_app
         from slime_spec.engine.server_args import parse_server_args
-        from slime_spec.engine.server_loop import EngineLoop
-        from slime_spec.engine.weight_update import WeightUpdater
+        from slime_spec.engine.scheduler import EngineLoop
+        from slime_spec.engine.weight_updater import WeightUpdater
 
         port = free_port()
         args = parse_server_args(["--model-path", str(model_path), "--host", "127.0.0.1", "--port", str(port),

@@ -279,7 +279,7 @@ class FakeSGLangServer:
 # ---------------------------------------------------------------- tests of the protocol against the double
 
 def _tiny_state(seed: int = 0, mtp: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
-    from slime_spec.engine.tiny_model import make_config, make_weights
+    from slime_spec.tiny_model import make_config, make_weights
 
     config = make_config("mimo" if mtp else "llama", vocab_size=48, hidden_size=32, num_layers=1, num_heads=4,
                          num_kv_heads=2, intermediate_size=64, max_position_embeddings=128, dtype="float32",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slime_spec.config import WeightSyncConfig
-from slime_spec.engine.tiny_model import make_config, make_weights
+from slime_spec.tiny_model import make_config, make_weights
 from slime_spec.engines.client import EngineClient
 from slime_spec.weight_sync.gather import iter_hf_state
 from slime_spec.weight_sync.protocol import SpecSetup
@@ -57,7 +57,7 @@ def assert_serves(server: FakeSGLangServer, state: dict[str, torch.Tensor], runn
 
 @pytest.fixture
 def ckpt(tmp_path):
-    from slime_spec.engine.tiny_model import make_tiny_model
+    from slime_spec.tiny_model import make_tiny_model
 
     make_tiny_model(tmp_path / "ckpt", arch="mimo", vocab_size=48, hidden_size=32, num_layers=2,
                     intermediate_size=64, max_position_embeddings=128)

@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from slime_spec.engine.server import create_app
-    from slime_spec.engine.server_loop import EngineLoop
-    from slime_spec.engine.weight_update import WeightUpdater
+    from slime_spec.engine.http_server import create_app
+    from slime_spec.engine.scheduler import EngineLoop
+    from slime_spec.engine.weight_updater import WeightUpdater
 
     loop = EngineLoop(make_core_factory(args))
     try:

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from slime_spec.dtypes import canonical_dtype
-from slime_spec.engine import runners, sampling
+from slime_spec.engine import sampling, weight_updater
+from slime_spec.engine.drafters import make_drafter
 from slime_spec.engine.model import load_model
-from slime_spec.engine.speculative import make_drafter
 from slime_spec.spec import SpecConfig, check_resolved
 
 __all__ = ["EngineCore", "Output", "Request", "SamplingParams", "SpecConfig"]
@@ -145,6 +145,8 @@ class EngineCore:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting: deque[_Row] = deque()
         self.running: list[_Row] = []
+        self._rows: dict[str, _Row] = {}      # rid -> row, for every request not yet returned by step()
+        self._aborted_waiting = 0             # rows in `waiting` marked aborted, removed at the next step
         self.free_slots = list(range(max_running_requests))
         self._finished_early: list[_Row] = []
         self._accept_tokens = 0  # sum over verify passes of (accepted + 1), as SGLang's avg_spec_accept_length
@@ -159,7 +161,7 @@ class EngineCore:
         ids = req.input_ids
         if not ids:
             raise ValueError(f"request {req.rid}: input_ids is empty; send a non-empty prompt")
-        if any(r.req.rid == req.rid for r in (*self.waiting, *self.running)):
+        if req.rid in self._rows:
             raise ValueError(f"request {req.rid}: a request with this rid is already running")
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
@@ -175,27 +177,33 @@ class EngineCore:
                              f"{len(ids) + req.params.max_new_tokens} tokens: {len(ids)} tokens from the input "
                              f"messages and {req.params.max_new_tokens} tokens for the completion. Please reduce "
                              "the number of tokens in the input messages or the completion to fit within the limit.")
-        self.waiting.append(_Row(req=req, tokens=list(ids)))
+        row = _Row(req=req, tokens=list(ids))
+        self.waiting.append(row)
+        self._rows[req.rid] = row
 
     def abort(self, rid: str) -> bool:
-        for row in self.waiting:
-            if row.req.rid == rid:
-                self.waiting.remove(row)
-                row.finish = {"type": "abort", "message": "Abort in waiting queue"}
-                self._finished_early.append(row)
-                return True
-        for row in self.running:
-            if row.req.rid == rid and row.finish is None:
-                row.finish = {"type": "abort", "message": "Abort request"}
-                return True
-        return False
+        """O(1): a waiting row is marked and leaves the queue at the next step (so aborting many stays linear)."""
+        row = self._rows.get(rid)
+        if row is None or row.finish is not None:
+            return False
+        if row.slot < 0:
+            row.finish = {"type": "abort", "message": "Abort in waiting queue"}
+            self._aborted_waiting += 1
+        else:
+            row.finish = {"type": "abort", "message": "Abort request"}
+        return True
 
     def abort_all(self) -> None:
-        for rid in [r.req.rid for r in (*self.waiting, *self.running)]:
+        for rid in list(self._rows):
             self.abort(rid)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._finished_early)
+
+    @property
+    def released_tags(self) -> list[str]:
+        """Memory released by release_memory_occupation and not resumed; empty when the engine can step."""
+        return sorted(self._released)
 
     @property
     def avg_spec_accept_length(self) -> float:
@@ -214,6 +222,7 @@ class EngineCore:
             torch.set_num_threads(saved)
 
     def _step(self) -> list[Output]:
+        self._drop_aborted_waiting()
         if self._released:
             return self._collect()
         new_rows = []
@@ -232,6 +241,12 @@ class EngineCore:
             self._spec_step(active) if self.drafter is not None else self._decode(active)
         return self._collect()
 
+    def _drop_aborted_waiting(self) -> None:
+        if self._aborted_waiting:
+            self._finished_early += [r for r in self.waiting if r.finish is not None]
+            self.waiting = deque(r for r in self.waiting if r.finish is None)
+            self._aborted_waiting = 0
+
     def _collect(self) -> list[Output]:
         done = [r for r in self.running if r.finish is not None]
         self.running = [r for r in self.running if r.finish is None]
@@ -239,6 +254,8 @@ class EngineCore:
             self.free_slots.append(r.slot)
         done += self._finished_early
         self._finished_early = []
+        for r in done:
+            self._rows.pop(r.req.rid, None)
         return [self._output(r) for r in done]
 
     def _params(self, rows: list[_Row]):
@@ -407,12 +424,12 @@ class EngineCore:
     # ------------------------------------------------------------------ cache and memory
     def flush_cache(self) -> bool:
         """No prefix cache is kept, so there is nothing to drop; like SGLang, refuse while requests run."""
-        return not (self.waiting or self.running)
+        return not self._rows
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         """Free the KV caches ("kv_cache") and/or weights ("weights": kept in a CPU backup) while idle."""
         tags = self._check_tags(tags)
-        if self.waiting or self.running:
+        if self._rows:
             raise ValueError("release_memory_occupation needs an idle engine: abort or finish requests first")
         if "kv_cache" in tags and "kv_cache" not in self._released:
             self.cache = None
@@ -453,17 +470,17 @@ class EngineCore:
 
     # ------------------------------------------------------------------ weights
     def named_weights(self, selector: str) -> dict[str, torch.Tensor]:
-        """Served weights by HF name for the runners `selector` reaches (see runners.py)."""
-        return runners.named_weights(runners.select_runners(self.model, self.drafter, selector))
+        """Served weights by HF name for the runners `selector` reaches (see weight_updater.select_runners)."""
+        return weight_updater.named_weights(weight_updater.select_runners(self.model, self.drafter, selector))
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]], selector: str = "all") -> None:
         """Load HF-named tensors into every selected runner that has the name; all or nothing: every name, shape
         and dtype is checked before the first copy, and a bad one raises ValueError with the old weights intact."""
         if "weights" in self._released:
             raise ValueError("weights are released (release_memory_occupation); resume them before loading")
-        plan = runners.plan_load(runners.select_runners(self.model, self.drafter, selector), named,
-                                 tied=self.model.args.tie_word_embeddings, selector=selector,
-                                 algorithm=self.spec.speculative_algorithm if self.spec else None)
+        runners = weight_updater.select_runners(self.model, self.drafter, selector)
+        plan = weight_updater.plan_load(runners, named, tied=self.model.args.tie_word_embeddings, selector=selector,
+                                        algorithm=self.spec.speculative_algorithm if self.spec else None)
         with torch.no_grad():
             for param, tensor in plan:
                 param.copy_(tensor.to(device=param.device, dtype=param.dtype))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +102,18 @@ class FlagReport:
     refused: tuple[str, ...]  # "--flag=value: reason"
 
 
+def _health_check_timeout() -> float:
+    raw = os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ServerArgsError(f"SGLANG_HEALTH_CHECK_TIMEOUT={raw!r}: expected a positive number of seconds "
+                              "(SGLang's default is 20); unset it or fix the value")
+    return value
+
+
 @dataclass(frozen=True)
 class EngineServerArgs:
     model_path: str
@@ -117,6 +130,7 @@ class EngineServerArgs:
     weight_version: str = "default"
     skip_tokenizer_init: bool = False
     log_level: str = "info"
+    health_check_timeout_s: float = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT (env), read once here
     spec: spec.SpecConfig | None = None  # None: no speculative decoding
     spec_warnings: tuple[str, ...] = ()  # what spec.resolve changed or noted (no errors: those refuse)
     ignored_flags: tuple[str, ...] = ()
@@ -253,7 +267,8 @@ def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> En
         api_key=values["api_key"], admin_api_key=values["admin_api_key"],
         served_model_name=values["served_model_name"] or values["model_path"],
         weight_version=values["weight_version"], skip_tokenizer_init=values["skip_tokenizer_init"],
-        log_level=values["log_level"], spec=spec_config, spec_warnings=tuple(map(str, findings)),
+        log_level=values["log_level"], health_check_timeout_s=_health_check_timeout(), spec=spec_config,
+        spec_warnings=tuple(map(str, findings)),
         ignored_flags=report.ignored,
         sglang_args={k: v for k, v in values.items() if k not in ("api_key", "admin_api_key")},
     )

@@ -132,10 +132,20 @@ class EngineClient:
             return self.get(self._server_info_path)
 
     def healthy(self, timeout_s: float = 30.0) -> bool:
-        try:
-            return self._session.get(f"{self.url}/health", timeout=(CONNECT_TIMEOUT_S, timeout_s)).status_code == 200
-        except requests.RequestException:
-            return False
+        """Liveness as SGLang's /ping reports it: 200 while generation is paused for a weight sync.
+
+        /health (= /health_generate in 0.5.23) answers 503 while paused or released, so it must never decide
+        a restart; servers without /ping (404: older SGLang) fall back to /health.
+        """
+        for path in ("/ping", "/health"):
+            try:
+                status = self._session.get(self.url + path, headers=self.auth.headers(path),
+                                           timeout=(CONNECT_TIMEOUT_S, timeout_s)).status_code
+            except requests.RequestException:
+                return False
+            if status != 404:
+                return status == 200
+        return False
 
     def close(self) -> None:
         self._session.close()

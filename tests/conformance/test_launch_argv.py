@@ -110,7 +110,7 @@ def test_resolved_values_are_the_ones_we_meant(launches):
         assert out["random_seed"] == engine.seed + i, case
         assert out["base_gpu_id"] == i * engine.num_gpus_per_engine, case
         assert out["trust_remote_code"] is True, case
-        assert out["speculative_algorithm"] == engine.speculative_algorithm, case
+        assert out["speculative_algorithm"] == engine.server_args.get("speculative_algorithm"), case
         assert out["model_path"] == engine.model_path and out["port"] == 30000 + i, case
 
 

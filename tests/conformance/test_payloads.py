@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from slime_spec.config import RolloutConfig
-from slime_spec.rollout.engine_actor import Engine
+from slime_spec.engines.actor import Engine
 from slime_spec.rollout.generate import default_generate
 from slime_spec.rollout.sample import Sample
 from slime_spec.rollout.sampling_params import sampling_params

@@ -22,7 +22,7 @@ import torch
 from slime_spec.dist_group import join_group
 from slime_spec.net import free_port
 from slime_spec.weight_sync import protocol
-from slime_spec.weight_sync.engine_client import post_all
+from slime_spec.engines.client import post_all
 from slime_spec.weight_sync.gather import Bucket, NamedTensor
 from slime_spec.weight_sync.transports import TensorTransport, serialize_for_tp_ranks
 from tests.conformance.sglang_io import build, io_struct

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from slime_spec.engines.process import embedded_server_process
-from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.tiny_model import make_tiny_model
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -283,25 +283,176 @@ def test_a_client_that_disconnects_aborts_its_request(plain):
     assert post(plain, "/continue_generation", {}).status_code == 200
 
 
-def test_plan_generate_normalizes_like_sglang(tmp_path):
-    from transformers import AutoTokenizer
+BAD_INPUTS = [  # (path, json body, status, what the message must name); every one is a 4xx, never a 500
+    ("/generate", {"text": "a", "sampling_params": {"temperature": "hot"}}, 400, "sampling_params.temperature"),
+    ("/generate", {"text": "a", "sampling_params": {"n": 0}}, 400, "sampling_params.n=0"),
+    ("/generate", {"text": "a", "sampling_params": {"n": 20000}}, 400, "sampling_params.n=20000"),
+    ("/generate", {"text": ["a"] * 600}, 400, "64 x --max-running-requests"),
+    ("/generate", {"text": "ab" * 2_000_000}, 400, "text has 4000000 characters"),
+    ("/generate", {"input_ids": [[1], 2]}, 400, "input_ids"),
+    ("/update_weight_version", {"new_version": {"a": 1}}, 400, "new_version"),
+    ("/update_weights_from_disk", {"model_path": 5}, 400, "model_path"),
+    ("/release_memory_occupation", {"tags": "weights"}, 400, "tags"),
+    ("/abort_request", {"rid": 5}, 400, "rid"),
+    ("/init_weights_update_group", {"master_address": "h", "master_port": "x", "rank_offset": 1, "world_size": 2},
+     400, "master_port"),
+    ("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": "x"}, 400, "truncate_size"),
+]
 
-    from slime_spec.engine.server_generate import plan_generate, spec_meta_info
 
-    tok = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path / "m", arch="llama", hidden_size=32, num_layers=1))
-    planned, single = plan_generate({"text": ["ab", "cd"], "rid": "r", "sampling_params": {"temperature": 0.7, "n": 2,
-                                     "top_k": -1, "stop": "x"}}, tok, vocab_size=101, context_len=1024)
-    assert not single and [p.rid for p in planned] == ["r_0", "r_1", "r_0_1", "r_1_1"]
-    p = planned[0].params
-    assert (p.temperature, p.top_k, p.stop, p.max_new_tokens) == (0.7, -1, ["x"], 128)
-    planned, single = plan_generate({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": None,
-                                     "temperature": 0}}, tok, vocab_size=101, context_len=64)
-    assert single and planned[0].params.max_new_tokens == 62  # SGLang: until the context is full
-    assert planned[0].params.temperature == 0.0  # SGLang's greedy (temperature 0 -> top_k 1)
-    assert spec_meta_info(False, 10, 4, 6, 12) == {}
-    assert spec_meta_info(True, 10, 0, 0, 0) == {}
-    meta = spec_meta_info(True, 10, 4, 6, 12)
-    assert meta["spec_accept_length"] == 2.5 and meta["spec_accept_rate"] == 0.5 and meta["spec_verify_ct"] == 4
+def error_message(r) -> str:
+    error = r.json()["error"]
+    return error["message"] if isinstance(error, dict) else error
+
+
+def test_bad_inputs_are_refused_naming_the_field(plain):
+    for path, body, status, needle in BAD_INPUTS:
+        r = post(plain, path, body)
+        assert r.status_code == status and needle in error_message(r), (path, body, r.status_code, r.text)
+    raw = b'{"text": "a", "sampling_params": {"stop": ' + b"[" * 5000 + b"]" * 5000 + b"}}"
+    r = requests.post(plain.url + "/generate", data=raw, headers=AUTH, timeout=30)
+    assert r.status_code == 400 and "nests" in error_message(r)
+    r = requests.post(plain.url + "/flush_cache?timeout=abc", headers=AUTH, timeout=10)
+    assert r.status_code == 400 and "timeout" in error_message(r)
+    r = requests.post(plain.url + "/generate", json={"text": "a"}, timeout=10,
+                      headers={"Authorization": "Bearer k\u00e9y".encode()})
+    assert r.status_code == 401 and "ASCII" in r.json()["error"]
+    assert generate(plain, {"text": "still alive", "sampling_params": greedy(3)})["meta_info"]["completion_tokens"] == 3
+
+
+def test_generate_while_memory_is_released_is_refused_not_held(plain):
+    assert post(plain, "/release_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
+    try:
+        r = post(plain, "/generate", {"text": "a", "sampling_params": greedy(2)})
+        assert r.status_code == 503 and "/resume_memory_occupation" in error_message(r)
+        for path in ("/health", "/health_generate", "/ready"):
+            r = requests.get(plain.url + path, timeout=10)
+            assert r.status_code == 503 and "memory is released" in error_message(r), path
+        assert requests.get(plain.url + "/ping", headers=AUTH, timeout=10).status_code == 200  # alive
+    finally:
+        assert post(plain, "/resume_memory_occupation", {}).status_code == 200
+    assert requests.get(plain.url + "/health", timeout=30).status_code == 200
+    assert generate(plain, {"text": "back", "sampling_params": greedy(2)})["meta_info"]["completion_tokens"] == 2
+
+
+def test_health_says_why_while_paused(plain):
+    assert post(plain, "/pause_generation", {"mode": "in_place"}).status_code == 200
+    try:
+        r = requests.get(plain.url + "/health", timeout=10)
+        assert r.status_code == 503 and "/continue_generation" in error_message(r)
+        assert requests.get(plain.url + "/ready", timeout=10).status_code == 503
+        assert requests.get(plain.url + "/ping", headers=AUTH, timeout=10).status_code == 200
+    finally:
+        assert post(plain, "/continue_generation", {}).status_code == 200
+
+
+class FakeClock:
+    """The engine loop's time source, moved by hand: a stuck operation without waiting for it."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def inproc(tmp_path_factory):
+    """The app in this process (FastAPI TestClient), so a test can hold the tokenizer or the engine thread."""
+    from fastapi.testclient import TestClient
+
+    from slime_spec.engine.__main__ import make_core_factory
+    from slime_spec.engine.http_server import create_app
+    from slime_spec.engine.scheduler import EngineLoop
+    from slime_spec.engine.server_args import parse_server_args
+    from slime_spec.engine.weight_updater import WeightUpdater
+
+    model = make_tiny_model(tmp_path_factory.mktemp("inproc") / "llama", arch="llama", hidden_size=32,
+                            num_layers=1, seed=1)
+    args = parse_server_args(["--model-path", str(model), "--max-running-requests", "4", "--random-seed", "0"])
+    clock = FakeClock()
+    loop = EngineLoop(make_core_factory(args), clock=clock)
+    loop.start()
+    app = create_app(args, loop, WeightUpdater(args.weight_version, args.model_path, args.device,
+                                               args.has_draft_model))
+    try:
+        with TestClient(app, raise_server_exceptions=False) as client:
+            client.loop, client.clock = loop, clock
+            yield client
+    finally:
+        loop.stop()
+
+
+def test_health_answers_while_a_prompt_is_tokenized(inproc):
+    tokenizer = inproc.loop.core.tokenizer
+    entered, release = threading.Event(), threading.Event()
+
+    class HeldTokenizer:  # test double: the real tokenizer, held inside encode("HOLD") until released
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def encode(self, text, *args, **kwargs):
+            if text == "HOLD":
+                entered.set()
+                release.wait(60)
+            return tokenizer.encode(text, *args, **kwargs)
+
+    inproc.loop.core.tokenizer = HeldTokenizer()
+    try:
+        thread, res = _in_thread(lambda: inproc.post("/generate", json={"text": "HOLD", "sampling_params": greedy(2)}))
+        assert entered.wait(60)
+        assert inproc.get("/health").status_code == 200  # generated its own token meanwhile
+        assert inproc.get("/ping").status_code == 200
+        assert thread.is_alive()  # the /generate is still inside encode
+        release.set()
+        thread.join(timeout=60)
+        assert res["value"].status_code == 200 and res["value"].json()["meta_info"]["completion_tokens"] == 2
+    finally:
+        release.set()
+        inproc.loop.core.tokenizer = tokenizer
+
+
+def test_health_names_a_stuck_weight_sync(inproc):
+    entered, release = threading.Event(), threading.Event()
+
+    def hung_sync(core):  # what a /update_weights_from_distributed whose trainer never broadcasts does
+        entered.set()
+        release.wait(60)
+
+    done = inproc.loop.call(hung_sync, needs_idle=True, label="/update_weights_from_distributed")
+    try:
+        assert entered.wait(60)
+        assert inproc.get("/ping").status_code == 200  # inside it, but not yet for longer than the timeout
+        inproc.clock.now += 21.0  # past SGLANG_HEALTH_CHECK_TIMEOUT (20 s)
+        for path in ("/health", "/health_generate", "/ping", "/ready"):
+            r = inproc.get(path)
+            assert r.status_code == 503 and "inside /update_weights_from_distributed" in error_message(r), path
+    finally:
+        release.set()
+    done.result(timeout=60)
+    assert inproc.get("/health").status_code == 200
+
+
+def test_the_engine_thread_blocks_while_released(inproc):
+    assert inproc.post("/release_memory_occupation", json={}).status_code == 200
+    try:
+        r = inproc.post("/generate", json={"text": "a", "sampling_params": greedy(2)})
+        assert r.status_code == 503
+        before = inproc.loop.iterations
+        time.sleep(0.3)  # an idle loop makes no pass at all (it used to spin while a request waited)
+        assert inproc.loop.iterations == before
+    finally:
+        assert inproc.post("/resume_memory_occupation", json={}).status_code == 200
+
+
+def test_an_oversized_body_is_413_before_it_is_parsed(inproc):
+    from slime_spec.engine.http_server import MAX_REQUEST_BODY_BYTES
+
+    raw = b'{"text": "' + b"x" * (MAX_REQUEST_BODY_BYTES + 1) + b'"}'
+    r = inproc.post("/generate", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "32 MiB" in error_message(r)
+    r = inproc.post("/update_weight_version", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 413
 
 
 def expected_device() -> str:

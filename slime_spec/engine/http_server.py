@@ -2,8 +2,22 @@
 
 Paths, request fields, response fields and status codes follow SGLang 0.5.23's
 `entrypoints/http_server.py`. Every handler validates its body against SGLang's io_struct class
-(`slime_spec.sglang_contract`), posts work to the engine thread (`server_loop.EngineLoop`) and
-awaits the result; a bad request gets a 400 with a message and never reaches the engine.
+(`slime_spec.sglang_contract`), posts work to the engine thread (`scheduler.EngineLoop`) and
+awaits the result; a bad request gets a 400 (413 when too large) whose message names the field and the
+fix, and never reaches the engine; no input makes a 500.
+
+Health, as SGLang 0.5.23 splits it (its default SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=1):
+- `/health` and `/health_generate`: can this server generate now? 503 at once, with the reason, while the
+  engine is dead, broken, stuck inside one operation over SGLANG_HEALTH_CHECK_TIMEOUT (a hung weight sync),
+  paused, or with its memory released; else 200 once one token is generated (or, while busy, once the
+  engine answers between steps), 503 after the timeout. SGLang holds a probe at its pause gate until the
+  timeout; this server answers at once.
+- `/ping` (SGLang's SageMaker route): liveness only; a paused or released server still answers 200.
+- `/ready`: 200 when alive and neither paused nor released.
+A /generate while memory is released gets 503 naming /resume_memory_occupation (SGLang has no guard).
+
+The body of any request is limited to MAX_REQUEST_BODY_BYTES (32 MiB, 413) and MAX_JSON_DEPTH levels; a
+/generate is planned (tokenized) on a worker thread, so /health never waits on one request's tokenizing.
 """
 
 from __future__ import annotations
@@ -12,20 +26,24 @@ import asyncio
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
+from slime_spec.engine.io_struct import (SEQUENCES_PER_RUNNING_REQUEST, build_response, check_field_types,
+                                         explain_contract_error, longest_token_chars, plan_generate)
+from slime_spec.engine.scheduler import EngineLoop, Unavailable
 from slime_spec.engine.server_args import EngineServerArgs
-from slime_spec.engine.server_generate import build_response, plan_generate
-from slime_spec.engine.server_loop import EngineLoop
-from slime_spec.engine.weight_update import WeightUpdater
+from slime_spec.engine.weight_updater import WeightUpdater
 from slime_spec.sglang_contract import validate_payload
 
 logger = logging.getLogger(__name__)
 
-HEALTH_CHECK_TIMEOUT_S = 20.0
+MAX_REQUEST_BODY_BYTES = 32 << 20
+MAX_JSON_DEPTH = 32  # SGLang's request bodies nest at most 3 levels (a batch of token-id lists)
 # Routes SGLang marks @auth_level(AuthLevel.ADMIN_OPTIONAL); every other route is NORMAL.
 ADMIN_OPTIONAL_PATHS = frozenset({
     "/flush_cache", "/abort_request", "/pause_generation", "/continue_generation", "/release_memory_occupation",
@@ -36,27 +54,82 @@ ADMIN_OPTIONAL_PATHS = frozenset({
 
 
 class BadRequest(Exception):
-    """Answered as SGLang's _create_error_response: 400 {"error": {"message": ...}}."""
+    """Answered as SGLang's _create_error_response: {"error": {"message": ...}}, 400 unless told otherwise."""
+
+    def __init__(self, message: str, status_code: int = 400):
+        super().__init__(message)
+        self.status_code = status_code
 
 
 def error_response(message: str, status_code: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status_code)
 
 
+def json_depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value, without recursion."""
+    depth, stack = 0, [(value, 1)]
+    while stack:
+        item, d = stack.pop()
+        if isinstance(item, (dict, list)):
+            depth = max(depth, d)
+            stack.extend((v, d + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return depth
+
+
+async def read_raw_body(request: Request) -> bytes:
+    """The body, refused with 413 past MAX_REQUEST_BODY_BYTES before it is all read."""
+    too_large = BadRequest(f"the request body is over the server's limit of {MAX_REQUEST_BODY_BYTES >> 20} MiB "
+                           "(MAX_REQUEST_BODY_BYTES); send a smaller request, e.g. split the batch", 413)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_REQUEST_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_REQUEST_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def read_body(request: Request, struct_name: str | None) -> dict:
-    raw = await request.body()
+    raw = await read_raw_body(request)
     try:
         body = json.loads(raw) if raw.strip() else {}
+    except RecursionError as e:
+        raise BadRequest(f"the request body nests too deeply to parse (limit {MAX_JSON_DEPTH} levels); "
+                         "flatten it") from e
     except ValueError as e:
         raise BadRequest(f"the request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    depth = json_depth(body)
+    if depth > MAX_JSON_DEPTH:
+        raise BadRequest(f"the request body nests {depth} levels deep, over the limit of {MAX_JSON_DEPTH} "
+                         "(MAX_JSON_DEPTH); flatten it")
     if struct_name is not None:
         try:
             validate_payload(struct_name, body)
+            check_field_types(struct_name, body)
         except ValueError as e:
             raise BadRequest(str(e)) from e
     return body
+
+
+class AsciiBearer:
+    """Pure ASGI: a non-ASCII Authorization header gets 401 with a message instead of a crash in the key check."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            for name, value in scope.get("headers", []):
+                if name.lower() == b"authorization" and not value.isascii():
+                    await JSONResponse({"error": "Unauthorized: the Authorization header is not ASCII; send "
+                                                 "'Bearer <the --api-key value>'"}, 401)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
 
 
 def add_auth(app: FastAPI, api_key: str | None, admin_api_key: str | None) -> None:
@@ -70,6 +143,7 @@ def add_auth(app: FastAPI, api_key: str | None, admin_api_key: str | None) -> No
         if getattr(route, "path", None) in ADMIN_OPTIONAL_PATHS:
             route.endpoint._auth_level = AuthLevel.ADMIN_OPTIONAL
     add_api_key_middleware(app, api_key=api_key, admin_api_key=admin_api_key)
+    app.add_middleware(AsciiBearer)  # added last, so it runs first
 
 
 def create_app(args: EngineServerArgs, loop: EngineLoop, weights: WeightUpdater) -> FastAPI:
@@ -81,53 +155,82 @@ def create_app(args: EngineServerArgs, loop: EngineLoop, weights: WeightUpdater)
     app = FastAPI(title="slime-spec embedded engine")
     startup_time = time.time()
     spec_enabled = args.spec is not None
+    health_timeout = args.health_check_timeout_s
+    planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")  # one tokenizer user at a time
+    max_token_chars = 0 if args.skip_tokenizer_init else longest_token_chars(loop.core.tokenizer)
+    max_sequences = SEQUENCES_PER_RUNNING_REQUEST * args.max_running_requests
 
-    async def on_engine(fn: Callable[[Any], Any], needs_idle: bool = False) -> Any:
-        return await asyncio.wrap_future(loop.call(fn, needs_idle))
+    async def on_engine(fn: Callable[[Any], Any], needs_idle: bool = False, label: str = "a call") -> Any:
+        return await asyncio.wrap_future(loop.call(fn, needs_idle, label))
 
-    async def weight_call(fn: Callable[[Any, dict], dict], body: dict, needs_idle: bool) -> JSONResponse:
+    async def weight_call(fn: Callable[[Any, dict], dict], body: dict, needs_idle: bool, route: str) -> JSONResponse:
         if body.get("abort_all_requests"):
             await on_engine(lambda core: loop.abort(None))
-        out = await on_engine(lambda core: fn(core, body), needs_idle=needs_idle)
+        out = await on_engine(lambda core: fn(core, body), needs_idle=needs_idle, label=route)
         return JSONResponse(out, status_code=200 if out["success"] else 400)
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, e: BadRequest):
-        return error_response(str(e))
+        return error_response(str(e), e.status_code)
 
     @app.exception_handler(ValueError)
     async def value_error(_: Request, e: ValueError):
         return error_response(str(e))
 
+    @app.exception_handler(Unavailable)
+    async def unavailable(_: Request, e: Unavailable):
+        return error_response(str(e), 503)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_query(_: Request, e: RequestValidationError):
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return error_response(f"{where}={first.get('input')!r}: {first.get('msg')}; fix {where}")
+
     @app.exception_handler(TypeError)
     @app.exception_handler(KeyError)
     async def malformed_field(request: Request, e: Exception):
         logger.warning("malformed request to %s", request.url.path, exc_info=e)
-        return error_response(f"malformed request field: {e!r}")
+        return error_response(f"a field of the request to {request.url.path} has the wrong type or is missing "
+                              f"({e!r}); check the body against SGLang's request struct for this route")
 
     # ------------------------------------------------------------------ health and info
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if loop.healthy else 503)
+    def unhealthy(reason: str) -> Response:
+        return error_response(reason, 503)
 
+    @app.get("/health")
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        """Alive if the engine answers; if it is idle and not paused, it must also generate one token."""
+        """Can this server generate now (see the module docstring)? One token if idle, else the engine answers."""
         from slime_spec.engine.core import SamplingParams
 
+        reason = loop.health_problem(health_timeout) or loop.generation_blocked()
+        if reason is not None:
+            return unhealthy(reason)
+
         async def probe() -> None:
-            if await on_engine(lambda core: not core.has_work() and not loop.paused):
+            if await on_engine(lambda core: not core.has_work() and not loop.paused, label="a health check"):
                 req = EngineRequest(f"HEALTH_CHECK_{time.time_ns()}", [0], SamplingParams(temperature=0.0,
                                                                                           max_new_tokens=1))
                 await asyncio.wrap_future(loop.generate(req))
 
-        if not loop.healthy:
-            return Response(status_code=503)
         try:
-            await asyncio.wait_for(probe(), HEALTH_CHECK_TIMEOUT_S)
+            await asyncio.wait_for(probe(), health_timeout)
         except asyncio.TimeoutError:
-            return Response(status_code=503)
+            return unhealthy(f"the engine did not answer within SGLANG_HEALTH_CHECK_TIMEOUT={health_timeout:g} s")
+        except Unavailable as e:
+            return unhealthy(str(e))
         return Response(status_code=200)
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        reason = loop.health_problem(health_timeout)
+        return Response(status_code=200) if reason is None else unhealthy(reason)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        reason = loop.health_problem(health_timeout) or loop.generation_blocked()
+        return Response(status_code=200) if reason is None else unhealthy(reason)
 
     def model_info_body() -> dict:
         cfg = loop.core.model_config
@@ -162,24 +265,29 @@ def create_app(args: EngineServerArgs, loop: EngineLoop, weights: WeightUpdater)
     async def generate(request: Request):
         body = await read_body(request, None)
         contract_error = generate_contract_error(body)
-        if contract_error is not None:
-            return JSONResponse({"error": contract_error}, status_code=400)
+        if contract_error is not None:  # SGLang's shape: {"error": "<message>"}
+            return JSONResponse({"error": explain_contract_error(body, contract_error, generate_contract_error)},
+                                status_code=400)
         start = time.perf_counter()
         core = loop.core
-        planned, is_single = plan_generate(body, core.tokenizer, core.vocab_size, core.context_length,
-                                           args.skip_tokenizer_init)
+        planned, is_single = await asyncio.get_running_loop().run_in_executor(
+            planner, lambda: plan_generate(body, core.tokenizer, core.vocab_size, core.context_length,
+                                           args.skip_tokenizer_init, max_sequences=max_sequences,
+                                           max_token_chars=max_token_chars))
         futures = [asyncio.wrap_future(loop.generate(EngineRequest(p.rid, p.input_ids, p.params, p.return_logprob)))
                    for p in planned]
         pending = set(futures)
         while pending:  # like SGLang, a client that went away aborts its requests
             _, pending = await asyncio.wait(pending, timeout=1.0)
             if pending and await request.is_disconnected():
-                for p in planned:
-                    await on_engine(lambda core, rid=p.rid: loop.abort(rid, "client disconnected"))
+                rids = [p.rid for p in planned]
+                await on_engine(lambda core: loop.abort_many(rids, "client disconnected"))
                 return Response(status_code=499)
         outs = await asyncio.gather(*futures, return_exceptions=True)
         errors = [o for o in outs if isinstance(o, BaseException)]
         if errors:
+            if isinstance(errors[0], Unavailable):
+                return error_response(str(errors[0]), 503)
             if not isinstance(errors[0], ValueError):
                 raise errors[0]
             return error_response(str(errors[0]))
@@ -242,50 +350,32 @@ def create_app(args: EngineServerArgs, loop: EngineLoop, weights: WeightUpdater)
         return {"success": True, "message": f"Weight version updated to {body['new_version']}",
                 "new_version": body["new_version"]}
 
-    @app.post("/begin_weight_update")
-    async def begin_weight_update(request: Request):
-        return await weight_call(weights.begin, await read_body(request, "BeginWeightUpdateReqInput"), True)
+    routes = [  # path, WeightUpdater method, SGLang io_struct class, waits for the engine to drain
+        ("/begin_weight_update", weights.begin, "BeginWeightUpdateReqInput", True),
+        ("/end_weight_update", weights.end, "EndWeightUpdateReqInput", True),
+        # slime-spec extension (not in SGLang): roll back and close the open weight-update session
+        ("/abort_weight_update", weights.abort, "EndWeightUpdateReqInput", True),
+        ("/init_weights_update_group", weights.init_group, "InitWeightsUpdateGroupReqInput", False),
+        ("/destroy_weights_update_group", weights.destroy_group, "DestroyWeightsUpdateGroupReqInput", False),
+        ("/update_weights_from_distributed", weights.update_from_distributed, "UpdateWeightsFromDistributedReqInput",
+         True),
+        ("/update_weights_from_tensor", weights.update_from_tensor, "UpdateWeightsFromTensorReqInput", True),
+        ("/update_weights_from_disk", weights.update_from_disk, "UpdateWeightFromDiskReqInput", True),
+    ]
+    def weight_route(path: str, method: Callable[[Any, dict], dict], struct: str, needs_idle: bool):
+        async def route(request: Request):
+            return await weight_call(method, await read_body(request, struct), needs_idle, path)
+        return route
 
-    @app.post("/end_weight_update")
-    async def end_weight_update(request: Request):
-        return await weight_call(weights.end, await read_body(request, "EndWeightUpdateReqInput"), True)
-
-    @app.post("/abort_weight_update")
-    async def abort_weight_update(request: Request):
-        """slime-spec extension (not in SGLang): roll back and close the open weight-update session."""
-        return await weight_call(weights.abort, await read_body(request, "EndWeightUpdateReqInput"), True)
-
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: Request):
-        return await weight_call(weights.init_group, await read_body(request, "InitWeightsUpdateGroupReqInput"),
-                                 False)
-
-    @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(request: Request):
-        return await weight_call(weights.destroy_group,
-                                 await read_body(request, "DestroyWeightsUpdateGroupReqInput"), False)
-
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: Request):
-        return await weight_call(weights.update_from_distributed,
-                                 await read_body(request, "UpdateWeightsFromDistributedReqInput"), True)
-
-    @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(request: Request):
-        return await weight_call(weights.update_from_tensor,
-                                 await read_body(request, "UpdateWeightsFromTensorReqInput"), True)
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request):
-        return await weight_call(weights.update_from_disk, await read_body(request, "UpdateWeightFromDiskReqInput"),
-                                 True)
+    for path, method, struct, needs_idle in routes:
+        app.post(path, name=path.strip("/"))(weight_route(path, method, struct, needs_idle))
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request):
         body = await read_body(request, "GetWeightsByNameReqInput")
         out = await on_engine(lambda core: weights.get_weights_by_name(core, body))
         if out is None:
-            return error_response("Get parameter by name failed")
+            return error_response("Get parameter by name failed")  # SGLang's exact message (clients match it)
         return out
 
     @app.api_route("/weights_checker", methods=["GET", "POST"])

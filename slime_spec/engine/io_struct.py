@@ -5,15 +5,31 @@ normalizes it (single or batch, `sampling_params` dict or list, `rid` str or lis
 samples). Sampling params go through SGLang's own `SamplingParams` (normalize + verify), so a bad
 value fails with SGLang's message; a field the embedded engine does not implement fails by name
 instead of being silently ignored. Responses carry SGLang 0.5.23's `meta_info` keys.
+
+Limits (SGLang has none; they keep one request from monopolizing the server):
+- `sampling_params.n` <= MAX_PARALLEL_SAMPLE_NUM (1024);
+- sequences per /generate (prompts x n) <= SEQUENCES_PER_RUNNING_REQUEST (64) x --max-running-requests;
+- a text prompt is refused before tokenizing when even at the tokenizer's longest token (in characters, x2
+  for Unicode normalization) it would not fit the context (`min_prompt_tokens`).
+Every refusal names the field, the limit and the fix. `contract_error_field` names the field SGLang's
+/generate contract rejected (its message does not), and `check_field_types` checks a control route's body
+against the annotations of SGLang's io_struct class.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import math
 import uuid
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from slime_spec.sglang_contract import validate_payload
+from slime_spec.sglang_contract import io_struct_path, validate_payload
+
+MAX_PARALLEL_SAMPLE_NUM = 1024
+SEQUENCES_PER_RUNNING_REQUEST = 64
 
 # Fields that only route, label or log a request in SGLang: no effect on its tokens.
 _ROUTING_FIELDS = {"stream", "log_metrics", "priority", "routing_key", "custom_labels", "extra_key",
@@ -87,8 +103,11 @@ def to_core_sampling(raw: dict, tokenizer: Any, vocab_size: int, room: int):
         sp = SGLangSamplingParams(**{k: v for k, v in raw.items() if k != "n"})
     except TypeError as e:
         raise ValueError(f"sampling_params: {e}") from e
-    sp.normalize(tokenizer)
-    sp.verify(vocab_size)
+    try:
+        sp.normalize(tokenizer)
+        sp.verify(vocab_size)
+    except ValueError as e:  # SGLang's message names the parameter; say where it sits
+        raise ValueError(f"sampling_params: {e}") from e
     for name, off in _UNSUPPORTED_SAMPLING.items():
         value = getattr(sp, name)
         if value is not None and value != off:
@@ -124,9 +143,23 @@ def check_context(input_ids: list[int], max_new_tokens: int | None, context_len:
             f"messages or the completion to fit within the limit.")
 
 
+def longest_token_chars(tokenizer: Any) -> int:
+    """The longest vocabulary string: no token decodes to more characters (byte-level and SentencePiece)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=0)
+
+
+def min_prompt_tokens(text: str, longest_token: int) -> int:
+    """A lower bound on the tokens of `text`, without tokenizing (x2: normalization may merge characters)."""
+    return math.ceil(len(text) / (2 * longest_token))
+
+
 def plan_generate(body: dict, tokenizer: Any, vocab_size: int, context_len: int,
-                  skip_tokenizer_init: bool = False) -> tuple[list[PlannedRequest], bool]:
-    """Split a /generate body into engine requests; returns (requests, is_single). Raises ValueError."""
+                  skip_tokenizer_init: bool = False, *, max_sequences: int | None = None,
+                  max_token_chars: int = 0) -> tuple[list[PlannedRequest], bool]:
+    """Split a /generate body into engine requests; returns (requests, is_single). Raises ValueError.
+
+    max_sequences: the cap on prompts x n (None: only n is capped); max_token_chars: `longest_token_chars` of
+    the tokenizer (0: no length check before tokenizing). Every limit is checked before tokenizing."""
     check_generate_fields(body)
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
@@ -136,7 +169,17 @@ def plan_generate(body: dict, tokenizer: Any, vocab_size: int, context_len: int,
         if skip_tokenizer_init:
             raise ValueError("text is unavailable when skip_tokenizer_init=True: send input_ids")
         is_single = isinstance(text, str)
-        prompts = [tokenizer.encode(t) for t in ([text] if is_single else text)]
+        texts = [text] if is_single else text
+        if max_sequences is not None and len(texts) > max_sequences:
+            raise ValueError(f"text: a batch of {len(texts)} prompts is over the limit of {max_sequences} sequences "
+                             f"per /generate ({SEQUENCES_PER_RUNNING_REQUEST} x --max-running-requests); split it")
+        for i, t in enumerate(texts):
+            if max_token_chars and min_prompt_tokens(t, max_token_chars) >= context_len:
+                where = "text" if is_single else f"text[{i}]"
+                raise ValueError(f"{where} has {len(t)} characters: at least "
+                                 f"{min_prompt_tokens(t, max_token_chars)} tokens, longer than the model's "
+                                 f"context length ({context_len} tokens); shorten the prompt")
+        prompts = texts  # tokenized below, after every limit is checked
     else:
         if not isinstance(input_ids, list) or len(input_ids) == 0:
             raise ValueError("input_ids cannot be empty.")
@@ -144,14 +187,26 @@ def plan_generate(body: dict, tokenizer: Any, vocab_size: int, context_len: int,
         prompts = [input_ids] if is_single else input_ids
     num = len(prompts)
     if num == 0:
-        raise ValueError("the batch is empty")
+        raise ValueError(f"{'text' if text is not None else 'input_ids'}: the batch is empty; send at least one "
+                         "prompt")
     sampling = _per_item(body.get("sampling_params"), num, "sampling_params", {})
     ns = {(s or {}).get("n", 1) if isinstance(s, dict) else 1 for s in sampling}
     if len(ns) != 1:
         raise ValueError("The parallel_sample_num should be the same for all samples in sample params.")
-    n = ns.pop() or 1
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"sampling_params.n must be a positive integer, got {n!r}")
+    n = ns.pop()
+    n = 1 if n is None else n
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"sampling_params.n={n!r}: the number of parallel samples must be a positive integer; "
+                         "send n >= 1 or leave it unset (1)")
+    if n > MAX_PARALLEL_SAMPLE_NUM:
+        raise ValueError(f"sampling_params.n={n} exceeds the embedded engine's limit of {MAX_PARALLEL_SAMPLE_NUM} "
+                         "parallel samples per request; send several requests with a smaller n")
+    if max_sequences is not None and num * n > max_sequences:
+        raise ValueError(f"this /generate asks for {num} prompt(s) x sampling_params.n={n} = {num * n} sequences, "
+                         f"over the limit of {max_sequences} ({SEQUENCES_PER_RUNNING_REQUEST} x "
+                         "--max-running-requests); split the batch (text / input_ids) over several requests")
+    if text is not None:
+        prompts = [tokenizer.encode(t) for t in prompts]
     return_logprob = _per_item(body.get("return_logprob"), num, "return_logprob", False)
     rids = body.get("rid")
     if rids is None:
@@ -165,7 +220,8 @@ def plan_generate(body: dict, tokenizer: Any, vocab_size: int, context_len: int,
         prompts, sampling, return_logprob = prompts * n, sampling * n, return_logprob * n
         rids = [f"{rid}_{k}" if k else rid for k in range(n) for rid in rids]
     if len(set(rids)) != len(rids):
-        raise ValueError(f"duplicate rid in one request: {sorted(r for r in rids if rids.count(r) > 1)[0]!r}")
+        duplicate = next(r for r, c in Counter(rids).items() if c > 1)
+        raise ValueError(f"rid: {duplicate!r} appears twice in one request; give each prompt its own rid")
     planned = []
     for rid, ids, raw, lp in zip(rids, prompts, sampling, return_logprob):
         raw = raw or {}
@@ -216,3 +272,125 @@ def spec_meta_info(spec_enabled: bool, completion_tokens: int, verify_ct: int, a
     return {"spec_accept_rate": accepted / proposed, "spec_accept_length": completion_tokens / verify_ct,
             "spec_num_correct_drafts": accepted, "spec_num_proposed_drafts": proposed,
             "spec_verify_ct": verify_ct, "spec_accept_token_num": accepted, "spec_draft_token_num": proposed}
+
+
+# ------------------------------------------------------------------ naming the field of a rejected body
+_SERDE_TYPES = {"f64": "a number", "f32": "a number", "i64": "an integer", "i32": "an integer", "u64": "an integer",
+                "u32": "an integer", "bool": "true or false", "a string": "a string", "a sequence": "a list",
+                "StringOrList": "a string or a list of strings", "BoolOrList": "true/false or a list of them",
+                "TokenIdsOrList": "a list of token ids, or a list of such lists",
+                "SamplingParamsOrList": "an object, or a list of objects (one per prompt)",
+                "struct SamplingParams": "an object"}
+
+
+def contract_error_field(body: dict, contract_error: Callable[[dict], str | None]) -> str | None:
+    """The field (`sampling_params[1].temperature` style) that makes SGLang's /generate contract refuse `body`."""
+    base = {"text": "x"}
+    for key, value in body.items():
+        if contract_error({key: value} if key in ("text", "input_ids") else {**base, key: value}) is None:
+            continue
+        if key == "sampling_params":
+            for i, item in enumerate(value if isinstance(value, list) else [value]):
+                for sub, sub_value in (item.items() if isinstance(item, dict) else []):
+                    if contract_error({**base, "sampling_params": {sub: sub_value}}) is not None:
+                        return f"sampling_params{f'[{i}]' if isinstance(value, list) else ''}.{sub}"
+        return key
+    return None
+
+
+def explain_contract_error(body: dict, message: str, contract_error: Callable[[dict], str | None]) -> str:
+    """SGLang's contract message, prefixed with the field it is about and ended with the fix."""
+    field = contract_error_field(body, contract_error) or "the /generate body"
+    expected = message.rsplit("expected ", 1)[-1].removeprefix("a value or an array of values for ").strip()
+    fix = _SERDE_TYPES.get(expected)
+    if fix is None:
+        return f"{field}: {message}; fix it to match SGLang's GenerateReqInput"
+    scalar_in_list = fix in ("a number", "an integer", "a string", "true or false") and "expected" in message \
+        and isinstance(_value_at(body, field), list)
+    return f"{field}: {message}; send {'each element of ' if scalar_in_list else ''}{field} as {fix}"
+
+
+def _value_at(body: dict, field: str) -> Any:
+    """The value at a `contract_error_field` path (`a.b`, `a[1].b`), None where the path does not lead."""
+    value: Any = body
+    for part in field.replace("[", ".[").split("."):
+        if part.startswith("["):
+            index = int(part[1:-1])
+            value = value[index] if isinstance(value, list) and index < len(value) else None
+        else:
+            value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+# ------------------------------------------------------------------ control-route bodies
+@functools.cache
+def _annotations() -> dict[str, dict[str, ast.expr]]:
+    """Field annotations of SGLang's io_struct classes (bases first), read from its source (see sglang_contract)."""
+    tree = ast.parse(io_struct_path().read_text())
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+
+    def fields(name: str, seen: frozenset = frozenset()) -> dict[str, ast.expr]:
+        node = classes.get(name)
+        if node is None or name in seen:
+            return {}
+        out: dict[str, ast.expr] = {}
+        for base in node.bases:
+            if isinstance(base, ast.Name):
+                out.update(fields(base.id, seen | {name}))
+        out.update({st.target.id: st.annotation for st in node.body
+                    if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)})
+        return out
+    return {name: fields(name) for name in classes}
+
+
+_JSON_TYPES = {"str": (str,), "bytes": (str,), "int": (int,), "float": (int, float), "bool": (bool,),
+               "dict": (dict,), "Dict": (dict,), "list": (list,), "List": (list,)}
+
+
+def _matches(value: Any, ann: ast.expr) -> bool:
+    """Whether a JSON value fits an annotation; an annotation this does not know accepts anything."""
+    if isinstance(ann, ast.Constant) and ann.value is None:
+        return value is None
+    if isinstance(ann, ast.Name):
+        types = _JSON_TYPES.get(ann.id)
+        if types is None:
+            return True
+        return isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if isinstance(ann, ast.Subscript) and isinstance(ann.value, ast.Name):
+        outer, args = ann.value.id, ann.slice.elts if isinstance(ann.slice, ast.Tuple) else [ann.slice]
+        if outer == "Optional":
+            return value is None or _matches(value, args[0])
+        if outer == "Union":
+            return any(_matches(value, a) for a in args)
+        if outer == "Annotated":
+            return _matches(value, args[0])
+        if outer == "Literal":
+            return value in [a.value for a in args if isinstance(a, ast.Constant)]
+        if outer in ("List", "list"):
+            return isinstance(value, list) and all(_matches(v, args[0]) for v in value)
+        if outer in ("Dict", "dict"):
+            return isinstance(value, dict)
+    return True
+
+
+def check_field_types(struct_name: str, body: dict) -> None:
+    """Raise ValueError naming the first field whose JSON value does not fit SGLang's annotation of it."""
+    fields = _annotations().get(struct_name, {})
+    for name, value in body.items():
+        ann = fields.get(name)
+        if ann is not None and not _matches(value, ann):
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            choices = _literal_choices(ann)
+            if choices is not None:
+                raise ValueError(f"invalid {name} {shown}; send one of {', '.join(map(repr, choices))} "
+                                 f"(SGLang's {struct_name}.{name})")
+            raise ValueError(f"{name}={shown}: SGLang's {struct_name}.{name} is `{ast.unparse(ann)}`; send {name} "
+                             "as that type")
+
+
+def _literal_choices(ann: ast.expr) -> list | None:
+    if isinstance(ann, ast.Subscript) and isinstance(ann.value, ast.Name) and ann.value.id == "Literal":
+        args = ann.slice.elts if isinstance(ann.slice, ast.Tuple) else [ann.slice]
+        return [a.value for a in args if isinstance(a, ast.Constant)]
+    return None
+

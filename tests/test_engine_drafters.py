@@ -8,7 +8,7 @@ import torch
 from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
 from slime_spec.spec import resolve_or_raise
 from slime_spec.engine.model import load_model
-from slime_spec.engine.tiny_model import make_tiny_model
+from slime_spec.tiny_model import make_tiny_model
 from slime_spec.engine.sampling import chi_square_pvalue
 
 PROMPTS = ["hello world", "the cat sat on the mat. the cat sat on the", "a", "1 2 3 4 5 6 7 8 1 2 3",

@@ -24,13 +24,21 @@ update is received once and loaded into every selected runner.
 SGLang's producers pickle with ForkingPickler (shared-memory handles, same host); a plain
 `pickle.dumps([(name, cpu_tensor), ...])` also deserializes there and carries the bytes inline, which
 is what `serialize_named_tensors` below writes: the same payload shape, safe across processes on CPU.
+
+Runners (which served tensors a `selector` reaches, by HF name): SGLang fans an update out to the selected
+model runners; each loads the names its model has. The MiMo target runner skips `model.mtp_layers.*`; the
+MTP draft runner loads those plus the embedding and lm_head it shares with the target; a STANDALONE draft
+loads every name it has (so "all" overwrites a same-shaped external draft with target tensors, the hazard
+behind slime #1177).
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import io
+import logging
 import pickle
 from pathlib import Path
 from typing import Any
@@ -38,12 +46,71 @@ from typing import Any
 import torch
 
 from slime_spec.dist_group import WeightUpdateGroup
+from slime_spec.engine.model import CausalLM, hf_weight_names
+
+logger = logging.getLogger(__name__)
 
 NOT_IN_SESSION = "{op} must run between begin_weight_update() and end_weight_update()"
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
                  "queued. Retract or finish them, then call /flush_cache.")
 
 
+# ------------------------------------------------------------------ runners
+Runner = dict[str, torch.nn.Parameter]
+
+
+def select_runners(target: CausalLM, drafter, selector: str) -> list[Runner]:
+    if selector not in ("target", "draft", "all"):
+        raise ValueError(f"invalid selector {selector!r}; expected 'target', 'draft', or 'all'")
+    runners = []
+    if selector in ("target", "all"):
+        params = dict(target.named_parameters(remove_duplicate=False))
+        runners.append({n: params[n] for n in hf_weight_names(target) if not n.startswith("model.mtp_layers.")})
+    if selector in ("draft", "all") and drafter is not None:
+        draft = drafter.weight_runner()
+        if draft is not None:
+            runners.append(draft)
+    return runners
+
+
+def named_weights(runners: list[Runner]) -> dict[str, torch.Tensor]:
+    """Served tensors by HF name; where a STANDALONE draft shares a name with the target, the target's wins."""
+    out: dict[str, torch.Tensor] = {}
+    for runner in reversed(runners):
+        out.update({n: p.detach() for n, p in runner.items()})
+    return out
+
+
+def plan_load(runners: list[Runner], named: list[tuple[str, torch.Tensor]], *, tied: bool, selector: str,
+              algorithm: str | None) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """Check every name, shape and dtype and return the (parameter, tensor) copies to make; raise on any error.
+
+    A name no selected runner has is an error. A tied model's `lm_head.weight` is accepted and skipped, as
+    SGLang's loaders skip it. A tensor shared by several runners (MiMo's embedding) is copied once.
+    """
+    plan: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    for name, tensor in named:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        targets = list({id(r[name]): r[name] for r in runners if name in r}.values())
+        if not targets and tied and name == "lm_head.weight" and selector != "draft":
+            embed = runners[0]["model.embed_tokens.weight"]
+            if tuple(tensor.shape) != tuple(embed.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != served {tuple(embed.shape)}")
+            continue
+        if not targets:
+            raise ValueError(f"{name}: no runner selected by selector={selector!r} has this weight "
+                             f"(speculative algorithm {algorithm}); check the name or the selector")
+        if not (tensor.is_floating_point() or tensor.dtype == targets[0].dtype):
+            raise ValueError(f"{name}: dtype {tensor.dtype} cannot be loaded into a {targets[0].dtype} weight")
+        for param in targets:
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != served {tuple(param.shape)}")
+            plan.append((param, tensor))
+    return plan
+
+
+# ------------------------------------------------------------------ payloads
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     """A CPU-safe `serialized_named_tensors` entry: base64 of a pickle SGLang's deserializer accepts."""
     buf = io.BytesIO()
@@ -96,6 +163,23 @@ def _unbucket(obj: Any) -> list[tuple[str, torch.Tensor]]:
     meta = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
                                     end_idx=m.end_idx, numel=m.numel) for m in obj["metadata"]]
     return FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=meta).reconstruct_tensors()
+
+
+def _fails_the_session(op: str):
+    """Any error inside an update (a malformed payload included) fails it like a refused load: inside a session
+    the session rolls back and end_weight_update answers success: false; the error is logged, never lost."""
+    def wrap(method):
+        @functools.wraps(method)
+        def guarded(self, core, req: dict) -> dict:
+            try:
+                return method(self, core, req)
+            except Exception as e:
+                logger.exception("%s failed", op)
+                out = self._fail_session(core, f"{op} failed: {e!r}. This update was not applied; check the "
+                                               "request's fields against SGLang's io_struct.")
+                return {**out, "num_paused_requests": 0} if op == "update_weights_from_disk" else out
+        return guarded
+    return wrap
 
 
 class WeightUpdater:
@@ -204,6 +288,7 @@ class WeightUpdater:
         return _result(True, "Succeeded to destroy custom process group.")
 
     # ------------------------------------------------------------------ updates
+    @_fails_the_session("update_weights_from_distributed")
     def update_from_distributed(self, core, req: dict) -> dict:
         if self.session_selector is None:
             return _result(False, NOT_IN_SESSION.format(op="update_weights_from_distributed"))
@@ -241,6 +326,7 @@ class WeightUpdater:
             group.broadcast(buf, src=0)
         return buffers
 
+    @_fails_the_session("update_weights_from_tensor")
     def update_from_tensor(self, core, req: dict) -> dict:
         if self.session_selector is None:
             return _result(False, NOT_IN_SESSION.format(op="update_weights_from_tensor"))
@@ -260,6 +346,7 @@ class WeightUpdater:
             return self._fail_session(core, f"Unknown load_format={req.get('load_format')}")
         return self._load(core, named, selector, req, "Success")
 
+    @_fails_the_session("update_weights_from_disk")
     def update_from_disk(self, core, req: dict) -> dict:
         """SGLang reloads every runner from the checkpoint (no selector on this route)."""
         path = Path(req["model_path"])
@@ -269,7 +356,15 @@ class WeightUpdater:
             return {**out, "num_paused_requests": 0}
         from safetensors.torch import load_file
 
-        named = [(n, t) for f in files for n, t in load_file(str(f)).items()]
+        named = []
+        for f in files:
+            try:
+                named += load_file(str(f)).items()
+            except Exception as e:  # safetensors raises its own SafetensorError for a corrupt file
+                out = self._fail_session(core, f"Failed to get weights iterator: model_path {path}: {f.name} is not "
+                                               f"a readable safetensors file ({e}); point model_path at a complete "
+                                               "checkpoint.")
+                return {**out, "num_paused_requests": 0}
         out = self._load(core, named, "all", req, "Succeeded to update model weights.")
         if out["success"]:
             self.model_path = str(path)

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from slime_spec.dist_group import WeightUpdateGroup
 from slime_spec.engines.process import embedded_server_process
 from slime_spec.net import free_port
-from slime_spec.engine.tiny_model import make_tiny_model
-from slime_spec.engine.weight_update import serialize_named_tensors, tensor_checksum
+from slime_spec.tiny_model import make_tiny_model
+from slime_spec.engine.weight_updater import serialize_named_tensors, tensor_checksum
 
 PROMPTS = ["hello world", "the cat sat on", "abc abc abc", "Once upon a time"]
 NORM = "model.norm.weight"
@@ -308,3 +308,25 @@ def test_abort_all_requests_and_updates_while_paused(server, restore):
     thread.join(timeout=60)
     assert reply["r"]["meta_info"]["completion_tokens"] == 300
     assert reply["r"]["output_ids"][-5:] == [0] * 5  # continued on the new weights
+
+
+def test_an_error_inside_a_session_fails_it_and_rolls_back(server, restore):
+    """A payload that deserializes but is not (name, tensor) pairs raised TypeError past the session before."""
+    base_sums = checksums(server)
+    ok(server, "/begin_weight_update", {})
+    ok(server, "/update_weights_from_tensor", {"serialized_named_tensors": [
+        serialize_named_tensors([(NORM, torch.zeros(32))])], "selector": "target"})
+    assert checksums(server) != base_sums
+    not_pairs = base64.b64encode(pickle.dumps([1, 2])).decode()
+    r = post(server, "/update_weights_from_tensor", {"serialized_named_tensors": [not_pairs]})
+    assert r.status_code == 400 and "TypeError" in r.json()["message"] and "rolled back" in r.json()["message"]
+    end_rolled_back(server)
+    assert checksums(server) == base_sums
+
+
+def test_a_corrupt_checkpoint_is_a_400_naming_the_file(server, tmp_path):
+    base_sums = checksums(server)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file" * 4)
+    r = post(server, "/update_weights_from_disk", {"model_path": str(tmp_path)})
+    assert r.status_code == 400 and "model.safetensors is not a readable safetensors file" in r.json()["message"]
+    assert r.json()["num_paused_requests"] == 0 and checksums(server) == base_sums

@@ -1,4 +1,4 @@
-"""The engine thread: the only thread that touches EngineCore.
+"""The engine thread (SGLang's scheduler event loop): the only thread that touches EngineCore.
 
 HTTP handlers never call the engine; they post work here and await a concurrent Future:
 - `generate(requests)`: admitted into the engine at the next iteration unless generation is paused
@@ -7,6 +7,12 @@ HTTP handlers never call the engine; they post work here and await a concurrent 
 - `call(fn, needs_idle=True)`: SGLang runs weight updates under a writer lock that waits for every
   in-flight request to finish (or at once if generation is paused); same here: requests already
   running finish on the old weights, requests arriving meanwhile wait, then `fn` runs.
+
+Health: the loop records which operation (a step, or a call such as a weight update) it is inside and
+since when (`busy`), so `/health` can answer at once, without queueing behind the engine, that the engine
+is stuck (a weight sync whose trainer never sends). While memory is released
+(/release_memory_occupation) a /generate is refused with `Unavailable` (503) at admission instead of
+waiting for a resume nobody may send; the loop blocks on its inbox whenever it cannot progress, never spins.
 
 Pause modes (SGLang's PauseGenerationReqInput): "abort" aborts everything in flight and pauses;
 "in_place" stops stepping with requests kept (a flush is refused while they hold KV); "retract" stops
@@ -28,6 +34,10 @@ from typing import Any, Callable
 logger = logging.getLogger(__name__)
 
 
+class Unavailable(Exception):
+    """The engine cannot serve this now (memory released); answered 503 with the message."""
+
+
 @dataclass
 class _Generate:
     request: Any  # slime_spec.engine.core.Request
@@ -39,6 +49,7 @@ class _Call:
     fn: Callable[[Any], Any]
     future: Future
     needs_idle: bool = False
+    label: str = "a call"
 
 
 @dataclass
@@ -53,8 +64,12 @@ class _Retracted:
 
 
 class EngineLoop:
-    def __init__(self, make_core: Callable[[], Any]):
+    def __init__(self, make_core: Callable[[], Any], clock: Callable[[], float] = time.monotonic):
+        """clock: the time source of `busy` (tests pass a fake one to simulate a stuck operation)."""
         self._make_core = make_core
+        self._clock = clock
+        self.busy: tuple[str, float] | None = None  # (operation, since) while the engine thread is inside one
+        self.iterations = 0  # loop passes: constant while idle (the loop blocks on its inbox; tests read it)
         self._inbox: queue.Queue = queue.Queue()
         self._pending: deque[_Generate] = deque()     # received, not yet admitted
         self._idle_calls: deque[_Call] = deque()      # waiting for the engine to drain
@@ -84,6 +99,28 @@ class EngineLoop:
     def healthy(self) -> bool:
         return self._thread.is_alive() and self._broken is None
 
+    def health_problem(self, timeout_s: float) -> str | None:
+        """Why the engine cannot serve at all (dead, broken, or inside one operation for over `timeout_s`)."""
+        if not self._thread.is_alive():
+            return "the engine thread exited; restart the server (its log says why)"
+        if self._broken is not None:
+            return f"the engine is broken after a failed step ({self._broken}); restart the server"
+        busy = self.busy
+        if busy is not None and self._clock() - busy[1] > timeout_s:
+            return (f"the engine thread has been inside {busy[0]} for {self._clock() - busy[1]:.0f} s (over "
+                    f"SGLANG_HEALTH_CHECK_TIMEOUT={timeout_s:g} s): a weight sync whose sender never sends holds it; "
+                    "check the trainer side, or restart the server")
+        return None
+
+    def generation_blocked(self) -> str | None:
+        """Why a /generate sent now would not run until someone acts (paused, or memory released), else None."""
+        if self.core is not None and self.core.released_tags:
+            return (f"memory is released (/release_memory_occupation, tags {self.core.released_tags}); call "
+                    "/resume_memory_occupation before generating")
+        if self.paused:
+            return "generation is paused (/pause_generation); call /continue_generation"
+        return None
+
     def load(self) -> dict:
         """SGLang's LoadSnapshot counts: requests inside the engine, and received but not admitted."""
         return {"num_running_reqs": len(self._futures), "num_waiting_reqs": len(self._pending)}
@@ -99,22 +136,33 @@ class EngineLoop:
         self._inbox.put(_Generate(request, fut))
         return fut
 
-    def call(self, fn: Callable[[Any], Any], needs_idle: bool = False) -> Future:
+    def call(self, fn: Callable[[Any], Any], needs_idle: bool = False, label: str = "a call") -> Future:
+        """label names the operation in /health's message while it runs (e.g. the route)."""
         fut: Future = Future()
-        self._inbox.put(_Call(fn, fut, needs_idle))
+        self._inbox.put(_Call(fn, fut, needs_idle, label))
         return fut
 
     # ------------------------------------------------------------------ engine-thread operations
     def abort(self, rid: str | None, message: str = "Abort request") -> None:
         """Abort one request (or all with rid None), wherever it is: pending, retracted, or in the engine."""
-        for item in list(self._pending):
-            if rid is None or item.request.rid == rid:
-                self._pending.remove(item)
-                self._finish_unadmitted(item, message)
-        if rid is None:
+        self.abort_many(None if rid is None else [rid], message)
+
+    def abort_many(self, rids: list[str] | None, message: str = "Abort request") -> None:
+        """Abort these requests (all with None) in one pass over the pending queue: linear in its length."""
+        wanted = None if rids is None else set(rids)
+        if any(wanted is None or item.request.rid in wanted for item in self._pending):
+            keep: deque[_Generate] = deque()
+            for item in self._pending:
+                if wanted is None or item.request.rid in wanted:
+                    self._finish_unadmitted(item, message)
+                else:
+                    keep.append(item)
+            self._pending = keep
+        if wanted is None:
             self.core.abort_all()
         else:
-            self.core.abort(rid)
+            for rid in wanted:
+                self.core.abort(rid)
 
     def pause(self, mode: str) -> None:
         if mode == "abort":
@@ -139,6 +187,7 @@ class EngineLoop:
             return
         self._ready.set()
         while not self._stop:
+            self.iterations += 1
             self._drain(block=not self._can_progress())
             if self._stop:
                 break
@@ -151,6 +200,7 @@ class EngineLoop:
                 self._step()
 
     def _can_progress(self) -> bool:
+        """False means: block on the inbox (nothing to do until a message arrives), never spin."""
         if self.paused:
             return bool(self._idle_calls)
         return self.core.has_work() or bool(self._idle_calls) or bool(self._pending)
@@ -158,7 +208,7 @@ class EngineLoop:
     def _drain(self, block: bool) -> None:
         while True:
             try:
-                item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+                item = self._inbox.get() if block else self._inbox.get_nowait()  # stop() wakes it
             except queue.Empty:
                 return
             block = False
@@ -174,15 +224,22 @@ class EngineLoop:
     def _run_call(self, call: _Call) -> None:
         if not call.future.set_running_or_notify_cancel():
             return
+        self.busy = (call.label, self._clock())
         try:
             call.future.set_result(call.fn(self.core))
         except Exception as e:  # handed to the HTTP handler, which answers 400 with the message
             call.future.set_exception(e)
+        finally:
+            self.busy = None
 
     def _admit(self) -> None:
+        """O(1) per request: the rid check is a dict lookup here and in EngineCore.add_request."""
         while self._pending:
             item = self._pending.popleft()
             rid = item.request.rid
+            if self.core.released_tags:
+                item.future.set_exception(Unavailable(self.generation_blocked()))
+                continue
             if rid in self._futures:
                 item.future.set_exception(ValueError(f"request {rid}: a request with this rid is already running"))
                 continue
@@ -196,12 +253,15 @@ class EngineLoop:
 
     def _step(self) -> None:
         t0 = time.perf_counter()
+        self.busy = ("a generation step", self._clock())
         try:
             outputs = self.core.step()
         except Exception as e:  # an engine bug: fail the requests in flight, keep serving
             logger.exception("engine step failed; aborting the requests in flight")
             self._fail_in_flight(e)
             return
+        finally:
+            self.busy = None
         self._deliver(outputs)
         self._window_tokens += sum(o.completion_tokens for o in outputs)
         now = time.perf_counter()

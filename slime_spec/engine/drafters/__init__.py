@@ -1,0 +1,39 @@
+"""Drafters for speculative decoding, one module each; `make_drafter` picks one from resolved settings.
+
+The protocol every drafter follows is documented in `base.py`.
+"""
+
+from __future__ import annotations
+
+from slime_spec.engine.drafters.base import Drafter
+from slime_spec.engine.drafters.mtp import MTPDrafter
+from slime_spec.engine.drafters.ngram import NgramDrafter
+from slime_spec.engine.drafters.standalone import StandaloneDrafter
+from slime_spec.engine.model import CausalLM, load_model
+from slime_spec.spec import Algorithm, SpecConfig
+
+__all__ = ["Drafter", "MTPDrafter", "NgramDrafter", "StandaloneDrafter", "make_drafter"]
+
+
+def make_drafter(spec: SpecConfig | None, target: CausalLM, slots: int, max_seq: int, dtype: str,
+                 device: str) -> Drafter | None:
+    """The drafter for `spec` (None without speculation); `spec.check_resolved` must have passed."""
+    if spec is None:
+        return None
+    k = spec.draft_tokens_per_verify
+    algorithm = spec.speculative_algorithm
+    if algorithm is Algorithm.EAGLE:
+        return MTPDrafter(target, k, slots, max_seq)
+    if algorithm is Algorithm.STANDALONE:
+        path = spec.speculative_draft_model_path
+        draft, config = load_model(path, dtype=dtype, device=device)
+        if draft.args.vocab_size != target.args.vocab_size:
+            raise ValueError(f"--speculative-draft-model-path {path}: vocab_size {draft.args.vocab_size} != the "
+                             f"target's {target.args.vocab_size}; STANDALONE needs a draft with the target's "
+                             "tokenizer")
+        return StandaloneDrafter(draft, k, slots, max_seq)
+    if algorithm is Algorithm.NGRAM:
+        # SGLang 0.5.23's trie matches suffixes of every length up to max_trie_depth (no minimum-window flag).
+        return NgramDrafter(k, spec.speculative_ngram_max_trie_depth, 1, device)
+    raise ValueError(f"speculative_algorithm={algorithm}: no drafter in the embedded engine "
+                     "(spec.check_resolved refuses it first)")

@@ -1,0 +1,63 @@
+"""STANDALONE drafting: a separate small causal LM (SGLang's --speculative-draft-model-path)."""
+
+from __future__ import annotations
+
+import torch
+
+from slime_spec.engine.drafters.base import pad, slots_of
+from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names
+
+
+class StandaloneDrafter:
+    """STANDALONE: a separate small causal LM with its own KV cache, drafting greedily k tokens per verify.
+
+    `r.draft_cached_len` counts the tokens of row r whose keys/values the draft cache holds; after a verify only the
+    accepted prefix of what the draft consumed stays, and the next propose first catches up on the rest.
+    """
+
+    def __init__(self, draft: CausalLM, k: int, slots: int, max_seq: int):
+        self.draft, self.k, self.slots, self.max_seq = draft, k, slots, max_seq
+        self.cache: KVCache | None = None
+        self.new_cache()
+
+    def new_cache(self) -> None:
+        self.cache = self.draft.new_cache(self.slots, self.max_seq)
+
+    def drop_cache(self) -> None:
+        self.cache = None
+
+    def _feed(self, rows, seqs: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Run the draft over seqs[i] at positions starts[i]...; return the logits at each row's last token."""
+        device = self.draft.lm_head.weight.device
+        tokens = pad(seqs, device)
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(tokens.shape[1], device=device)
+        hidden = self.draft(tokens, positions, self.cache, slots_of(rows, device))
+        last = torch.tensor([len(s) - 1 for s in seqs], device=device)
+        return self.draft.logits(hidden[torch.arange(len(rows), device=device), last])
+
+    def on_prefill(self, rows, hidden: torch.Tensor) -> None:
+        self._feed(rows, [r.tokens[:-1] for r in rows], [0] * len(rows))
+        for r in rows:
+            r.draft_cached_len = len(r.tokens) - 1
+
+    def propose(self, rows) -> torch.Tensor:
+        logits = self._feed(rows, [r.tokens[r.draft_cached_len:] for r in rows], [r.draft_cached_len for r in rows])
+        token = logits.argmax(-1)
+        drafts = [token]
+        device = token.device
+        slots = slots_of(rows, device)
+        pos = torch.tensor([len(r.tokens) for r in rows], device=device)
+        for j in range(self.k - 1):
+            hidden = self.draft(token[:, None], (pos + j)[:, None], self.cache, slots)
+            token = self.draft.logits(hidden[:, 0]).argmax(-1)
+            drafts.append(token)
+        return torch.stack(drafts, dim=1)
+
+    def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
+        for r, a in zip(rows, accepted):
+            # The draft consumed the old pending token and d_1..d_{k-1}; valid are the pending token and d_1..d_a.
+            r.draft_cached_len = r.kv_len - a + min(a, self.k - 1)
+
+    def weight_runner(self) -> dict[str, torch.nn.Parameter]:
+        params = dict(self.draft.named_parameters(remove_duplicate=False))
+        return {n: params[n] for n in hf_weight_names(self.draft)}
