@@ -119,7 +119,7 @@ def run(tmp_path_factory):
     ray.init(address="local", num_cpus=2, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(root)}})
     rollout = RolloutConfig(hf_checkpoint=str(model), prompt_data=str(root / "prompts.jsonl"), rollout_batch_size=4,
-                            n_samples_per_prompt=2, rollout_max_response_len=6, max_concurrency=2,
+                            n_samples_per_prompt=2, rollout_max_response_len=6, sglang_server_concurrency=2,
                             custom_generate_function_path="fleet_kill_hook.generate_killing_engine")
     manager = RolloutManagerActor.options(num_cpus=0).remote(
         rollout, EngineConfig(backend="embedded", model_path=str(model)), 2, log_dir=str(root / "logs"),
