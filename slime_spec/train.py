@@ -3,7 +3,8 @@
 The driver is thin: it parses the flags once, runs the speculative checks (stopping on an
 error), starts a local Ray when no cluster is given, and moves samples and metrics between
 the RolloutManager (engines) and the TrainGroup (Megatron actors). It knows no HTTP payload.
-Modes: separate placement (default), `--colocate` (engine memory released while training),
+Modes: separate placement (default), `--colocate` (engine memory released while training; trainer and
+engines share one placement group's GPUs, see placement.py),
 `--debug-rollout-only` (no trainer) and `--debug-train-only` (no engines; replays saved data).
 An engine restarted during a run is fenced by the fleet until the driver has the trainer re-sync it
 (`generate_fenced`, `sync_all`); shutdown stops the manager even when the trainer's shutdown fails.
