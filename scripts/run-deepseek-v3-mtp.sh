@@ -1,7 +1,12 @@
 #!/bin/bash
 # GRPO on DeepSeek-V3 with its native MTP layer as the speculative draft (EAGLE 3/1/4) and the MTP
-# layer trained online. 8 nodes x 8 GPUs, colocated; one SGLang engine per node (TP 8): the FP8
-# checkpoint (about 690 GB) needs GPUs of 96 GB or more (H20, H200).
+# layer trained online. 8 nodes x 8 GPUs, colocated; one SGLang engine per node (TP 8).
+# Memory per engine GPU: the FP8 checkpoint is ~690 GB (671B + 14B MTP parameters at 1 byte, plus
+# scales), ~86 GB per GPU at TP 8, and --sglang-mem-fraction-static 0.7 gives SGLang 0.7 x the GPU for
+# weights and KV cache. H200 (141 GB): 0.7 x 141 = ~99 GB, ~13 GB left for KV cache: fits. H20 (96 GB):
+# 0.7 x 96 = ~67 GB < 86 GB: does NOT fit (0.95 would leave ~5 GB of KV cache). On H20 one engine must
+# span 2 nodes (TP 16 or TP 8 x PP 2, ~43 GB per GPU), which needs multi-node engines (see below: not
+# available yet).
 #
 # Multi-node: start Ray on every worker node first (`ray start --address ${MASTER_ADDR}:6379 --num-gpus 8`,
 # through your cluster's launcher); this script starts only a head, and only when none answers at

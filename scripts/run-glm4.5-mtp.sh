@@ -1,7 +1,12 @@
 #!/bin/bash
 # GRPO on GLM-4.5-355B-A32B with its native MTP layer as the speculative draft (EAGLE 3/1/4) and the
-# MTP layer trained online. 4 nodes x 8 GPUs, colocated; one SGLang engine per node (TP 8): the bf16
-# weights (about 710 GB) need GPUs of 96 GB or more (H20, H200); on 80 GB GPUs use the FP8 checkpoint.
+# MTP layer trained online. 4 nodes x 8 GPUs, colocated; one SGLang engine per node (TP 8).
+# Memory per engine GPU: the bf16 weights are 355e9 x 2 B = ~710 GB, ~89 GB per GPU at TP 8, and
+# --sglang-mem-fraction-static 0.7 gives SGLang 0.7 x the GPU for weights and KV cache. H200 (141 GB):
+# 0.7 x 141 = ~99 GB, ~10 GB left for KV cache: fits. H20 (96 GB): 0.7 x 96 = ~67 GB < 89 GB: does NOT
+# fit (not even at 0.95: ~91 GB leaves no KV cache). On H20 or 80 GB GPUs either use the FP8 checkpoint
+# (~355 GB, ~44 GB per GPU at TP 8) or spread one engine over 2 nodes (TP 16, ~44 GB per GPU), which
+# needs multi-node engines (see below: not available yet).
 #
 # Multi-node: start Ray on every worker node first (`ray start --address ${MASTER_ADDR}:6379 --num-gpus 8`,
 # through your cluster's launcher); this script starts only a head, and only when none answers at

@@ -121,6 +121,18 @@ def _closest(name: str, options) -> str:
     return f"; did you mean {match[0]}?" if match else ""
 
 
+def closest_flag(flag: str) -> str:
+    """'; did you mean ...?' with the slime-spec flag nearest to an unknown one, or ''."""
+    return _closest(flag, [opt for entries in F.GROUPS.values() for opt, _ in entries])
+
+
+def refuse_unknown_flags(p: ParsedArgs) -> None:
+    """Unknown flags stop the run, as Megatron's parser would, unless --allow-unknown-flags."""
+    if p.unknown_flags and not p.namespace.allow_unknown_flags:
+        raise ArgsError("unknown flag(s): " + ", ".join(f + closest_flag(f) for f in p.unknown_flags)
+                        + ". Fix the spelling, or pass --allow-unknown-flags if these are your own flags")
+
+
 def parse(argv: list[str]) -> ParsedArgs:
     """Parse the command line (and `--config` YAML). Raises ArgsError with a fix on bad input."""
     argv = list(argv)
@@ -195,7 +207,10 @@ def from_flags(cls, namespace: argparse.Namespace, **derived):
     return cls(**values, **derived)
 
 
-def to_config(p: ParsedArgs) -> Config:
+def to_config(p: ParsedArgs, refuse_unknown: bool = True) -> Config:
+    """The typed config; `refuse_unknown=False` for doctor, which reports unknown flags itself."""
+    if refuse_unknown:
+        refuse_unknown_flags(p)
     a = p.namespace
     if not a.hf_checkpoint:
         raise ArgsError("--hf-checkpoint is required: the HF model directory the engines and trainer load")

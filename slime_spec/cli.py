@@ -10,6 +10,8 @@ from pathlib import Path
 SUBCOMMANDS = {
     "doctor": ("slime_spec.doctor", "check a configuration (the same flags as training) before launch"),
     "train": ("slime_spec.train", "run the RL loop (same as python -m slime_spec.train)"),
+    "push-weights": ("slime_spec.push_weights", "push a checkpoint into running engines through the trainer's "
+                                                 "weight sync, --check reads values back"),
     "make-tiny-model": ("slime_spec.tiny_model", "write a small random HF checkpoint"),
     "bench": (None, "run a benchmark under bench/: slime-spec bench engine|rollout|weight_sync [flags]"),
 }

@@ -11,11 +11,13 @@ import os
 import sys
 from pathlib import Path
 
+from slime_spec import flag_checks
 from slime_spec import flags as F
-from slime_spec.args import ArgsError, ParsedArgs, parse, sglang_version, to_config
+from slime_spec.args import ArgsError, ParsedArgs, closest_flag, parse, sglang_version, to_config
+from slime_spec.cluster_check import gpu_findings
 from slime_spec.config import Config
-from slime_spec.logging_setup import quiet_known_noise
 from slime_spec.doctor_codes import Finding, Rule
+from slime_spec.logging_setup import quiet_known_noise
 from slime_spec.spec_check import CheckInput, run_checks
 
 DISPLAY_PYTHON = "python3"
@@ -67,19 +69,43 @@ def longest_prompt_tokens(config: Config) -> tuple[int | None, list[Finding]]:
 
 
 def flag_findings(parsed: ParsedArgs) -> list[Finding]:
+    """Unknown flags, and each parsed flag slime-spec does not act on: accepted (info) or refused (error)."""
+    ns = parsed.namespace
     out = []
     for dest in sorted(parsed.set_flags - F.ACTED_ON):
-        out.append(Rule.FLAG_NOT_HONOURED.finding(flag=f"--{dest.replace('_', '-')}"))
+        ignored, value, flag = F.NOT_ACTED_ON[dest], getattr(ns, dest), "--" + dest.replace("_", "-")
+        if ignored.accepted is None:
+            out.append(Rule.FLAG_NOT_HONOURED.finding(flag=flag, why=ignored.why))
+        elif not ignored.refuses(value):
+            out.append(Rule.FLAG_NOT_HONOURED.finding(flag=f"{flag} {value}", why="this value asks for what "
+                                                      "slime-spec does anyway"))
+        elif ignored.trainer_only and ns.debug_rollout_only:
+            out.append(Rule.FLAG_NOT_HONOURED.finding(flag=flag, why="no trainer runs with --debug-rollout-only"))
+        else:
+            shown = "" if value is True else f" {value}"
+            out.append(Rule.FLAG_NOT_SUPPORTED.finding(flag=flag, value=shown, why=ignored.why, fix=ignored.fix))
     for old, new in parsed.renamed:
         out.append(Rule.SGLANG_FLAG_RENAMED.finding(old=old, new=new, version=sglang_version()))
-    known = [opt for _, entries in F.GROUPS.items() for opt, _ in entries]
-    import difflib
-
-    for flag in parsed.unknown_flags:
-        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
-        out.append(Rule.UNKNOWN_FLAG.finding(flag=flag, hint=f"did you mean {close[0]}?" if close
-                                             else "remove it if it is a typo"))
+    unknown = Rule.UNKNOWN_FLAG_ALLOWED if ns.allow_unknown_flags else Rule.UNKNOWN_FLAG
+    out += [unknown.finding(flag=flag, hint=closest_flag(flag)) for flag in parsed.unknown_flags]
     return out
+
+
+def range_findings(parsed: ParsedArgs, config: Config) -> list[Finding]:
+    """Ranges and relations of the flags (slime_spec.flag_checks), on the values as parsed."""
+    values = {**vars(parsed.namespace), **{f"sglang_{k}": v for k, v in config.engine.server_args.items()},
+              "backend": config.engine.backend}
+    return flag_checks.check(flag_checks.derived_values(values))
+
+
+def rm_type_findings(config: Config) -> list[Finding]:
+    """--rm-type names a built-in reward function (unless --custom-rm-path replaces it)."""
+    from slime_spec.rollout.rewards import RM_TYPES
+
+    r = config.rollout
+    if r.rm_type is None or r.custom_rm_path or r.rm_type in RM_TYPES:
+        return []
+    return [Rule.RM_TYPE_UNKNOWN.finding(name=r.rm_type, known=", ".join(RM_TYPES))]
 
 
 def embedded_flag_findings(config: Config) -> list[Finding]:
@@ -101,9 +127,11 @@ def engine_argvs(config: Config) -> list[dict]:
             for i in range(config.num_engines)]
 
 
-def diagnose(parsed: ParsedArgs) -> tuple[Config | None, list[Finding]]:
+def diagnose(parsed: ParsedArgs, launching: bool = False) -> tuple[Config | None, list[Finding]]:
+    """Every finding for a configuration. `launching`: the run starts from here (training's preflight), so
+    GPUs are checked against this machine or a local Ray head; otherwise only against a RAY_ADDRESS cluster."""
     try:
-        config = to_config(parsed)
+        config = to_config(parsed, refuse_unknown=False)
     except ArgsError as e:
         return None, [Rule.ARGS_ERROR.finding(error=e)]
     findings: list[Finding] = []
@@ -121,7 +149,9 @@ def diagnose(parsed: ParsedArgs) -> tuple[Config | None, list[Finding]]:
         max_response_len=config.rollout.rollout_max_response_len, model_flags=model_flags,
         debug_rollout_only=config.debug_rollout_only, colocate=config.cluster.colocate,
     ), F.MODEL_SHAPE_FLAGS)
-    findings += flag_findings(parsed) + embedded_flag_findings(config)
+    findings += flag_findings(parsed) + embedded_flag_findings(config) + rm_type_findings(config)
+    ranges = range_findings(parsed, config)
+    findings += ranges + (gpu_findings(config, launching) if not ranges else [])
     if config.engine.backend == "embedded" and parsed.namespace.rollout_backend is None:
         findings.append(Rule.BACKEND_EMBEDDED.finding())
     return config, findings

@@ -233,14 +233,35 @@ class Rule(Enum):
         "PROMPT_LENGTH_UNCHECKED", "info", "no tokenizer next to --hf-checkpoint; prompt lengths not checked")
     ARGS_ERROR = _Entry("ARGS_ERROR", "error", "{error}")
     FLAG_NOT_HONOURED = _Entry(
-        "FLAG_NOT_HONOURED", "info",
-        "{flag} is parsed for slime compatibility but slime-spec does not act on it yet")
+        "FLAG_NOT_HONOURED", "info", "{flag} is accepted and has no effect here: {why}")
+    FLAG_NOT_SUPPORTED = _Entry(
+        "FLAG_NOT_SUPPORTED", "error", "{flag}{value}: not supported here ({why}); the run would not be the one "
+        "you asked for", "{fix}")
     SGLANG_FLAG_RENAMED = _Entry(
         "SGLANG_FLAG_RENAMED", "warning",
         "{old} does not exist in SGLang {version}; it was renamed and is forwarded as {new}",
         "write {new} in SGLANG_ARGS")
     UNKNOWN_FLAG = _Entry(
-        "UNKNOWN_FLAG", "warning", "{flag} is not a slime/Megatron flag slime-spec knows; ignored", "{hint}")
+        "UNKNOWN_FLAG", "error", "{flag} is not a flag slime-spec knows{hint}",
+        "fix the spelling, or pass --allow-unknown-flags if it is your own flag")
+    UNKNOWN_FLAG_ALLOWED = _Entry(
+        "UNKNOWN_FLAG", "warning", "{flag} is not a flag slime-spec knows{hint}; ignored (--allow-unknown-flags)",
+        "remove it if it is a typo")
+    FLAG_OUT_OF_RANGE = _Entry(
+        "FLAG_OUT_OF_RANGE", "error", "{flag} {value}: {must}", "{fix}")
+    FLAG_CONFLICT = _Entry(
+        "FLAG_CONFLICT", "error", "{problem}", "{fix}")
+    RM_TYPE_UNKNOWN = _Entry(
+        "RM_TYPE_UNKNOWN", "error", "--rm-type {name!r} is not a reward function slime-spec has (it has {known})",
+        "--rm-type with one of {known}, or --custom-rm-path <module.fn> for your own")
+    GPUS_UNAVAILABLE = _Entry(
+        "GPUS_UNAVAILABLE", "error", "{requested} GPU(s) requested ({detail}) but {where} has {available}",
+        "lower --actor-num-gpus-per-node / --rollout-num-gpus, use --colocate, or run where the GPUs are "
+        "(RAY_ADDRESS of a cluster that has them)")
+    GPUS_NOT_CHECKED = _Entry(
+        "GPUS_NOT_CHECKED", "info", "{requested} GPU(s) requested ({detail}); this machine has {available} and "
+        "{ray}, so GPU counts were not checked against the cluster the run will use",
+        "set RAY_ADDRESS to that cluster to check against it")
     BACKEND_EMBEDDED = _Entry(
         "BACKEND_EMBEDDED", "info", "no CUDA GPU with a full SGLang here: engines use the embedded backend",
         "on a GPU node the same flags start sglang.launch_server")

@@ -1,12 +1,16 @@
 """The slime-compatible flag table: the one place each flag's name, type and default is written.
 
 slime's own parser is Megatron's plus slime's; we keep the flags slime users write in their
-scripts. `ACTED_ON` lists what slime-spec actually uses; anything else parses and `doctor`
-reports it as an info finding, so an existing slime script runs unchanged. The typed configs
-(`config.py`) take their defaults from here through `default`.
+scripts. `ACTED_ON` lists what slime-spec actually uses; `NOT_ACTED_ON` says, for every other
+flag, whether ignoring it is harmless here (doctor: an info finding saying why) or would silently
+change what the user gets (doctor: FLAG_NOT_SUPPORTED, with the fix). A flag outside the table
+stops the run unless `--allow-unknown-flags`. The typed configs (`config.py`) take their defaults
+from here through `default`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 # (flag, argparse kwargs). `type` defaults to str; `action="store_true"` for switches.
 _I, _F = {"type": int}, {"type": float}
@@ -221,6 +225,21 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
                                             "(DeepSeek/GLM at TP8, CUDA graph capture) take well over 300 s"}),
         ("--rollout-request-retries", {**_I, "default": 3,
                                        "help": "resubmissions of a request whose engine died (after its restart)"}),
+        ("--allow-unknown-flags", {**_ON, "help": "accept flags slime-spec does not know (your own, mixed in) "
+                                                  "instead of stopping; doctor still lists them"}),
+    ],
+    # slime's function-path extension points: parsed so they are refused by name (NOT_ACTED_ON says what to use).
+    "slime extension points (refused; see NOT_ACTED_ON)": [
+        (flag, {"default": None}) for flag in (
+            "--rollout-function-path", "--eval-function-path", "--data-source-path", "--rollout-sample-hook-path",
+            "--custom-rollout-log-function-path", "--custom-eval-rollout-log-function-path", "--buffer-filter-path",
+            "--rollout-data-postprocess-path", "--custom-loss-function-path", "--custom-advantage-function-path",
+            "--custom-tis-function-path", "--custom-pg-loss-reducer-function-path", "--rm-url",
+            "--custom-reward-post-process-path", "--custom-convert-samples-to-train-data-path",
+            "--rollout-sample-filter-path", "--rollout-all-samples-process-path", "--custom-model-provider-path",
+            "--custom-megatron-init-path", "--custom-megatron-before-log-prob-hook-path",
+            "--custom-megatron-before-train-step-hook-path", "--custom-update-weight-post-write-path",
+            "--custom-config-path", "--megatron-config-path")
     ],
 }
 
@@ -250,7 +269,7 @@ def default(name: str):
     return config_value(name, DEFAULTS[name])
 
 
-# Flags whose value slime-spec acts on. Others parse and are reported by `doctor` when set.
+# Flags whose value slime-spec acts on. Every other flag of the table is classified in NOT_ACTED_ON.
 ACTED_ON = {
     "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine", "colocate",
     "hf_checkpoint", "load", "save", "ref_load", "save_interval",
@@ -270,6 +289,7 @@ ACTED_ON = {
     "tensor_model_parallel_size",
     "config", "rollout_backend", "rollout_num_engines", "metrics_jsonl", "output_dir", "update_weight_buffer_size",
     "weight_sync_transport", "check_weight_sync", "engine_start_timeout", "rollout_request_retries",
+    "allow_unknown_flags",
     # Model-shape flags: the trainer builds the model from config.json; these are checked against it.
     "swiglu", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
     "num_query_groups", "kv_channels", "use_rotary_position_embeddings", "rotary_base", "disable_bias_linear",
@@ -277,6 +297,174 @@ ACTED_ON = {
     "max_position_embeddings",
 }
 
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """A parsed flag slime-spec does not act on, and what ignoring it means.
+
+    A value in `accepted` (every value when `accepted` is None) changes nothing here: doctor reports it
+    as info with `why`. Any other value would silently change what the user gets: doctor refuses it
+    (FLAG_NOT_SUPPORTED) with `why` and `fix`. `trainer_only` flags mean nothing with --debug-rollout-only.
+    """
+
+    why: str
+    fix: str = ""
+    accepted: tuple | None = None
+    trainer_only: bool = False
+
+    def refuses(self, value) -> bool:
+        return self.accepted is not None and value not in self.accepted
+
+
+def _refused(why: str, fix: str, accepted: tuple = (None, False), trainer_only: bool = False) -> Ignored:
+    return Ignored(why, fix, accepted, trainer_only)
+
+
+def _trainer(why: str, fix: str, accepted: tuple = (None, False)) -> Ignored:
+    return Ignored(why, fix, accepted, trainer_only=True)
+
+
+_FROM_CONFIG_JSON = Ignored("the trainer builds the model from --hf-checkpoint's config.json (Llama, Qwen2, MiMo)")
+_MEGATRON_PERF = Ignored("a Megatron memory/speed knob: it does not change the update, and the trainer here "
+                           "does not implement it")
+_EXTENSION_FIX = "drop it; slime-spec has no such hook"
+
+NOT_ACTED_ON: dict[str, Ignored] = {
+    # cluster and checkpoints
+    "rollout_num_gpus_per_node": Ignored("engines are placed by Ray placement groups over the whole cluster"),
+    "offload": Ignored("with --colocate the engines release their GPU memory while the trainer runs; "
+                         "without it there is nothing to offload"),
+    "no_load_optim": _trainer("the trainer restores the optimizer state --load holds", "drop --no-load-optim, or "
+                              "start from a checkpoint without optimizer state (--hf-checkpoint alone)"),
+    "no_load_rng": Ignored("checkpoints here hold no RNG state; seeds come from --seed and --rollout-seed"),
+    "finetune": _trainer("--load resumes the iteration count and optimizer state here",
+                         "drop --finetune and start from --hf-checkpoint without --load"),
+    # rollout
+    "metadata_key": _refused("prompt metadata is not read", "drop --metadata-key (reward functions get "
+                             "the prompt and --label-key)", accepted=(None, "metadata")),
+    "num_epoch": _refused("the run length is --num-rollout", "--num-rollout <rollouts> instead of --num-epoch"),
+    "num_steps_per_rollout": _trainer("optimizer steps per rollout follow from --global-batch-size",
+                                      "--global-batch-size <rollout samples / steps> instead"),
+    "over_sampling_batch_size": _refused("dynamic sampling (over-sampling, then filtering) is not implemented",
+                                         "drop it; each rollout samples --rollout-batch-size prompts"),
+    "dynamic_sampling_filter_path": _refused("dynamic sampling filters are not implemented: every group would "
+                                             "train, filtered or not", "drop it, or score unwanted groups in "
+                                             "--custom-rm-path"),
+    "partial_rollout": _refused("partial rollout (resuming cut-off samples in the next rollout) is not "
+                                "implemented", "drop --partial-rollout; every sample finishes in its rollout"),
+    "balance_data": _trainer("samples are split over data-parallel ranks in order, not balanced by tokens",
+                             "drop --balance-data"),
+    "sglang_router_ip": _refused("an external router is not used", "drop it; --use-sglang-router starts one"),
+    "sglang_router_port": _refused("an external router is not used", "drop it; --use-sglang-router starts one"),
+    # GRPO / PPO
+    "eps_clip_c": _trainer("dual-clip PPO is not implemented", "drop --eps-clip-c"),
+    "kl_coef": _trainer("a KL penalty in the reward is not implemented", "--use-kl-loss --kl-loss-coef <c> "
+                        "(KL in the loss) instead", accepted=(None, 0.0)),
+    "normalize_advantages": _trainer("advantages are GRPO group-normalized, not normalized again over the batch",
+                                     "drop --normalize-advantages"),
+    "use_tis": _trainer("truncated importance sampling is not implemented", "drop --use-tis"),
+    # optimizer
+    "min_lr": Ignored("the learning rate is constant here (the only --lr-decay-style), so there is no minimum"),
+    "lr_decay_style": _trainer("the learning rate is constant", "--lr-decay-style constant",
+                               accepted=(None, "constant")),
+    "lr_warmup_iters": _trainer("the learning rate has no warm-up", "--lr-warmup-iters 0", accepted=(None, 0)),
+    "optimizer_cpu_offload": _MEGATRON_PERF,
+    "overlap_cpu_optimizer_d2h_h2d": _MEGATRON_PERF,
+    "use_precision_aware_optimizer": _MEGATRON_PERF,
+    # model flags the trainer does not need (the shape flags are checked against config.json: MODEL_SHAPE_FLAGS)
+    **{d: _FROM_CONFIG_JSON for d in (
+        "position_embedding_type", "rotary_percent", "rotary_scaling_factor", "qk_layernorm",
+        "make_vocab_size_divisible_by", "seq_length", "multi_latent_attention", "q_lora_rank", "kv_lora_rank",
+        "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "num_experts", "moe_ffn_hidden_size",
+        "moe_shared_expert_intermediate_size", "moe_router_topk", "moe_layer_freq", "moe_router_score_function",
+        "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_load_balancing_type",
+        "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+        "moe_router_group_topk", "moe_router_dtype", "moe_aux_loss_coeff", "moe_grouped_gemm",
+        "moe_permute_fusion", "moe_token_dispatcher_type", "moe_enable_deepep")},
+    "bf16": _trainer("the trainer keeps float32 parameters and computes in float32", "drop --bf16 "
+                     "(training runs in float32 here)"),
+    "fp16": _trainer("the trainer keeps float32 parameters and computes in float32", "drop --fp16 "
+                     "(training runs in float32 here)"),
+    # Megatron parallelism and performance
+    "sequence_parallel": _MEGATRON_PERF,
+    "pipeline_model_parallel_size": _trainer("the trainer runs tensor x data parallel only: with pipeline "
+                                             "stages ignored every rank holds all layers and the data-parallel "
+                                             "size is not the one you planned",
+                                             "--pipeline-model-parallel-size 1 (use "
+                                             "--tensor-model-parallel-size)", accepted=(None, 1)),
+    "context_parallel_size": _trainer("the trainer runs tensor x data parallel only: context parallel is "
+                                      "ignored, so each rank holds whole sequences and the data-parallel size "
+                                      "is not the one you planned", "--context-parallel-size 1",
+                                      accepted=(None, 1)),
+    "expert_model_parallel_size": Ignored("the trainer builds dense models only (a MoE checkpoint is refused "
+                                            "by TRAINER_UNSUPPORTED_MODEL)"),
+    "expert_tensor_parallel_size": Ignored("the trainer builds dense models only (a MoE checkpoint is refused "
+                                             "by TRAINER_UNSUPPORTED_MODEL)"),
+    "decoder_last_pipeline_num_layers": Ignored("a pipeline layout; pipeline stages are refused separately"),
+    "decoder_first_pipeline_num_layers": Ignored("a pipeline layout; pipeline stages are refused separately"),
+    "recompute_granularity": _MEGATRON_PERF,
+    "recompute_method": _MEGATRON_PERF,
+    "recompute_num_layers": _MEGATRON_PERF,
+    # The loss is summed per sample and divided by --global-batch-size, so how samples are packed into
+    # micro batches changes memory, not the update.
+    "use_dynamic_batch_size": Ignored("micro batches are --micro-batch-size samples; the loss is divided by "
+                                        "--global-batch-size, so packing by tokens would change memory, not the "
+                                        "update"),
+    "max_tokens_per_gpu": Ignored("micro batches are --micro-batch-size samples (lower it if memory is short); "
+                                    "the update does not depend on the packing"),
+    "attention_dropout": _trainer("the trainer runs without dropout", "--attention-dropout 0.0",
+                                  accepted=(None, 0.0)),
+    "hidden_dropout": _trainer("the trainer runs without dropout", "--hidden-dropout 0.0", accepted=(None, 0.0)),
+    "accumulate_allreduce_grads_in_fp32": Ignored("gradients are float32 here already"),
+    "attention_softmax_in_fp32": Ignored("attention is computed in float32 here already"),
+    "attention_backend": _MEGATRON_PERF,
+    "use_distributed_optimizer": _MEGATRON_PERF,
+    "overlap_grad_reduce": _MEGATRON_PERF,
+    "overlap_param_gather": _MEGATRON_PERF,
+    # slime's extension points
+    "rollout_function_path": _refused(
+        "slime's rollout function is replaced by slime-spec's own rollout", "--custom-generate-function-path "
+        "<module.fn> to customize generation per sample",
+        accepted=(None, "slime.rollout.sglang_rollout.generate_rollout")),
+    "eval_function_path": _refused("evaluation uses the rollout's generation", "--custom-generate-function-path "
+                                   "(used for eval too) and --eval-prompt-data"),
+    "data_source_path": _refused("prompts come from --prompt-data (JSONL) only", "--prompt-data <file.jsonl> "
+                                 "with --input-key / --label-key",
+                                 accepted=(None, "slime.rollout.data_source.RolloutDataSourceWithBuffer")),
+    "rollout_sample_hook_path": _refused("per-sample hooks are not implemented", "--custom-generate-function-path "
+                                         "(generation) or --custom-rm-path (reward)"),
+    "custom_rollout_log_function_path": _refused("rollout logging is fixed", "--metrics-jsonl <file> and "
+                                                 "--use-wandb"),
+    "custom_eval_rollout_log_function_path": _refused("eval logging is fixed", "--metrics-jsonl <file> and "
+                                                      "--use-wandb"),
+    "buffer_filter_path": _refused("there is no rollout buffer", _EXTENSION_FIX),
+    "rollout_data_postprocess_path": _refused("rollout data post-processing is not implemented", _EXTENSION_FIX),
+    "custom_loss_function_path": _refused("the trainer's losses are built in", "--loss-type policy_loss or "
+                                          "sft_loss with --advantage-estimator"),
+    "custom_advantage_function_path": _refused("advantages are built in", "--advantage-estimator grpo"),
+    "custom_tis_function_path": _refused("truncated importance sampling is not implemented", _EXTENSION_FIX),
+    "custom_pg_loss_reducer_function_path": _refused("the policy loss is reduced over --global-batch-size",
+                                                     _EXTENSION_FIX),
+    "rm_url": _refused("a remote reward model service is not called", "--custom-rm-path <module.fn> that calls "
+                       "your service"),
+    "custom_reward_post_process_path": _refused("rewards become GRPO group-normalized advantages",
+                                                "--custom-rm-path <module.fn> to shape the reward itself"),
+    "custom_convert_samples_to_train_data_path": _refused("samples become training data in the trainer",
+                                                          _EXTENSION_FIX),
+    "rollout_sample_filter_path": _refused("samples are not filtered from the loss", "--custom-rm-path to "
+                                           "score unwanted samples"),
+    "rollout_all_samples_process_path": _refused("samples are not post-processed", _EXTENSION_FIX),
+    "custom_model_provider_path": _refused("the trainer builds the model from config.json", _EXTENSION_FIX),
+    "custom_megatron_init_path": _refused("Megatron initialisation is fixed", _EXTENSION_FIX),
+    "custom_megatron_before_log_prob_hook_path": _refused("the trainer has no hooks", _EXTENSION_FIX),
+    "custom_megatron_before_train_step_hook_path": _refused("the trainer has no hooks", _EXTENSION_FIX),
+    "custom_update_weight_post_write_path": _refused("weight sync has no hooks", "--weight-sync-transport "
+                                                     "distributed, tensor or disk"),
+    "custom_config_path": _refused("custom functions take no YAML arguments", "--config <file.yaml> for flags"),
+    "megatron_config_path": _refused("Megatron roles are not configured from YAML", "--config <file.yaml> "
+                                     "with flag names as keys"),
+}
 
 
 # SGLang server flags the framework sets itself; a `--sglang-` form of these is refused.

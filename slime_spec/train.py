@@ -29,7 +29,7 @@ from slime_spec.loop_report import LoopReport
 def preflight(argv: list[str]) -> Config:
     """Parse and check; an error finding stops the run before anything starts."""
     parsed = parse(argv)
-    config, findings = diagnose(parsed)
+    config, findings = diagnose(parsed, launching=True)
     errors = [f for f in findings if f.level == "error"]
     shown = [f for f in findings if f.level != "info"]
     if shown or errors:

@@ -100,7 +100,9 @@ def test_existing_slime_flags_parse_and_unknown_ones_are_collected(mimo7b):
         "--eval-prompt-data", "aime", "/root/aime.jsonl", "--kl-loss-type", "low_var_kl", "--balance-data",
         "--attention-backend", "flash", "--accumulate-allreduce-grads-in-fp32", "--some-future-megatron-flag", "7",
     ]
-    config, parsed = parse_config(["--hf-checkpoint", str(mimo7b), *slime_script_flags])
+    with pytest.raises(ArgsError, match="unknown flag.*--some-future-megatron-flag.*--allow-unknown-flags"):
+        parse_config(["--hf-checkpoint", str(mimo7b), *slime_script_flags])
+    config, parsed = parse_config(["--hf-checkpoint", str(mimo7b), *slime_script_flags, "--allow-unknown-flags"])
     assert config.train.tensor_model_parallel_size == 2
     assert config.eval_prompt_data == ("aime", "/root/aime.jsonl")
     assert parsed.unknown_flags == ["--some-future-megatron-flag"]
@@ -162,3 +164,41 @@ def test_derived_values():
     assert config.train.global_batch_size == 2 and config.weight_sync.weight_sync_transport == "disk"
     with pytest.raises(ValueError, match="--weight-sync-transport 'nccl': choose distributed, tensor or disk"):
         resolve_transport("nccl", colocate=False)
+
+
+def test_unknown_flag_stops_with_the_closest_match(mimo7b):
+    with pytest.raises(ArgsError, match=r"--rollout-batch-sise; did you mean --rollout-batch-size\?"):
+        parse_config(["--hf-checkpoint", str(mimo7b), "--rollout-batch-sise", "4"])
+    config, parsed = parse_config(["--hf-checkpoint", str(mimo7b), "--rollout-batch-sise", "4",
+                                   "--allow-unknown-flags"])
+    assert parsed.unknown_flags == ["--rollout-batch-sise"] and config.rollout.rollout_batch_size == 8
+
+
+def test_every_flag_is_acted_on_or_classified():
+    """Each flag either works (ACTED_ON) or says what ignoring it means (NOT_ACTED_ON): exactly one."""
+    assert set(flags.NOT_ACTED_ON) | flags.ACTED_ON == set(flags.DEFAULTS)
+    assert not set(flags.NOT_ACTED_ON) & flags.ACTED_ON
+    assert all(i.why and (i.accepted is None or i.fix) for i in flags.NOT_ACTED_ON.values())
+
+
+def test_slime_extension_points_parse_and_are_refused_by_name():
+    p = parse(["--rollout-function-path", "my.fn", "--custom-loss-function-path", "my.loss", "--rm-url", "http://x"])
+    assert p.unknown_flags == [] and {"rollout_function_path", "custom_loss_function_path", "rm_url"} <= p.set_flags
+    for dest in ("rollout_function_path", "custom_loss_function_path", "rm_url"):
+        assert flags.NOT_ACTED_ON[dest].refuses(getattr(p.namespace, dest))
+    # slime's own default rollout function is what slime-spec's rollout does: accepted
+    assert not flags.NOT_ACTED_ON["rollout_function_path"].refuses("slime.rollout.sglang_rollout.generate_rollout")
+
+
+@pytest.mark.parametrize("size_name", ["smoke", "full"])
+def test_demo_argv_parses_and_passes_doctor(tmp_path, mimo7b, size_name):
+    from slime_spec.demo import SIZES, grpo_argv
+    from slime_spec.doctor import diagnose
+
+    data = tmp_path / "t.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    argv = grpo_argv(mimo7b, data, data, tmp_path / "run", SIZES[size_name], 0, True)
+    parsed = parse(argv)
+    assert parsed.unknown_flags == []
+    _, findings = diagnose(parsed, launching=False)
+    assert [f for f in findings if f.level == "error"] == []

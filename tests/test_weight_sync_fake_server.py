@@ -162,7 +162,7 @@ class FakeSGLangServer:
             return 404, {"detail": "Not Found"}
         if method == "GET":
             if path in ("/get_server_info", "/server_info"):
-                return 200, {"version": self.version, "dtype": "auto", "internal_states": [{}]}
+                return 200, {"version": self.version, "dtype": "auto", "device": "cpu", "internal_states": [{}]}
             if path in protocol.ROUTE_STRUCTS:
                 return 405, {"detail": "Method Not Allowed"}
             return 404, {"detail": "Not Found"}

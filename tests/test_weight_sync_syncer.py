@@ -188,3 +188,49 @@ def test_first_request_failing_on_one_engine_of_two_is_a_mix(make_server):
         make_syncer([good, bad], "tensor", buffer=1 << 30).sync(iter_hf_state(new, MIMO))
     assert not err.value.engines_serve_previous_weights  # the good engine loaded the first bucket
     assert good.paused and bad.paused and bad.url in str(err.value)
+
+
+def test_eagle3_draft_sharing_the_target_embedding_passes_the_frozen_draft_check(make_server):
+    """SGLang gives an EAGLE3 draft the target's embedding: it follows every sync, its own layers must not."""
+    draft_state = {n: t for n, t in make_weights(MIMO, seed=7).items() if not n.startswith("model.mtp_layers.")}
+    server = make_server(draft="external", draft_state=draft_state)
+    server.draft.weights["model.embed_tokens.weight"] = server.target.weights["model.embed_tokens.weight"]
+    syncer = make_syncer([server], "tensor", spec=SpecSetup("EAGLE3", "/eagle3", "/ckpt"), check=False)
+    new = make_weights(MIMO, seed=3)
+    syncer.sync(iter_hf_state(new, MIMO))
+    assert torch.equal(server.draft.weights["model.embed_tokens.weight"], new["model.embed_tokens.weight"])
+    server.draft.weights["model.norm.weight"].add_(1.0)  # one of the draft's own tensors changes: still caught
+    with pytest.raises(WeightSyncError, match="draft.model.norm.weight"):
+        syncer.sync(iter_hf_state(make_weights(MIMO, seed=4), MIMO))
+
+
+def test_gpu_engine_values_are_compared_by_name(make_server, monkeypatch):
+    """On device cuda the CPU checksum is not SGLang's: the check reads values back by name instead."""
+    server = make_server(draft="mtp")
+    syncer = make_syncer([server], "tensor")
+    syncer.prepare()
+    syncer.engine_device = "cuda"  # as SGLang on GPU reports it; the fake serves the same routes
+    syncer.sync(iter_hf_state(make_weights(MIMO, seed=5), MIMO))
+    assert [c.methods for c in syncer.last_value_checks] == [["get_weights_by_name"]]
+    real_apply = type(server.target).apply
+
+    def corrupting_apply(runner, writes):
+        real_apply(runner, writes)
+        if runner is server.target:
+            runner.weights["model.layers.1.mlp.down_proj.weight"].add_(0.5)
+
+    monkeypatch.setattr(type(server.target), "apply", corrupting_apply)
+    with pytest.raises(WeightSyncError, match=r"get_weights_by_name.*down_proj.*max \|engine - sent\|"):
+        syncer.sync(iter_hf_state(make_weights(MIMO, seed=6), MIMO))
+
+
+def test_gpu_engine_without_get_weights_by_name_says_values_cannot_be_compared(make_server, monkeypatch):
+    server = make_server(draft="mtp")
+    real_handle = server.handle
+    monkeypatch.setattr(server, "handle", lambda m, p, b: (400, {"success": False, "message": "not for MiMo"})
+                        if p == "/get_weights_by_name" else real_handle(m, p, b))
+    syncer = make_syncer([server], "tensor")
+    syncer.prepare()
+    syncer.engine_device = "cuda"
+    with pytest.raises(WeightSyncError, match="values cannot be compared.*Triton"):
+        syncer.sync(iter_hf_state(make_weights(MIMO, seed=5), MIMO))

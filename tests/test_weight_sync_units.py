@@ -38,6 +38,35 @@ def test_target_and_mtp_tensors_never_share_a_bucket():
     assert sum(len(b.tensors) for b in buckets) == len(tensors)
 
 
+def _mla_layer(i: int, kind="target") -> list[NamedTensor]:
+    """One DeepSeek-V3 attention block, in the order the converter yields it (q_a_proj first, kv_a later)."""
+    p = f"model.layers.{i}.self_attn."
+    names = ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
+             "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]
+    return [NamedTensor(p + n, torch.zeros(10, dtype=torch.uint8), kind) for n in names]
+
+
+def test_deepseek_fused_a_proj_pair_shares_a_bucket_at_any_size():
+    tensors = _mla_layer(0) + _mla_layer(1) + _mla_layer(61, "mtp")
+    for buffer in (10, 20, 30, 45, 1000):
+        buckets = list(make_buckets(tensors, buffer_bytes=buffer))
+        assert sorted(n for b in buckets for n in b.names) == sorted(t.name for t in tensors)
+        for layer in (0, 1, 61):
+            q, kv = (f"model.layers.{layer}.self_attn.{h}.weight" for h in ("q_a_proj", "kv_a_proj_with_mqa"))
+            [holding] = [b for b in buckets if q in b.names]
+            assert kv in holding.names, f"buffer {buffer}: layer {layer}'s q_a/kv_a halves were split"
+        assert all(b.nbytes <= max(buffer, 20) for b in buckets)  # a pair may exceed the buffer, nothing else
+
+
+def test_a_half_without_partner_is_sent_when_its_layer_ends():
+    layer0 = [t for t in _mla_layer(0) if "q_a_proj" not in t.name]  # q_lora_rank None: no q_a_proj
+    buckets = list(make_buckets(layer0 + _mla_layer(1), buffer_bytes=10))
+    names = [n for b in buckets for n in b.names]
+    assert names.index("model.layers.0.self_attn.kv_a_proj_with_mqa.weight") < names.index(
+        "model.layers.1.self_attn.q_a_proj.weight")
+    assert len(names) == len(layer0) + 7
+
+
 def test_bucket_size_must_be_positive():
     with pytest.raises(ValueError, match="update_weight_buffer_size"):
         list(make_buckets([_t("a", 1)], 0))

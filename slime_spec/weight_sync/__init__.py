@@ -6,6 +6,7 @@
   and every request body (pure).
 - transports.py: distributed (process group + broadcast), tensor (colocated), disk.
 - verify.py: coverage of the served weights and checksum comparison (pure).
+- readback.py: served values against the sent tensors (/get_weights_by_name slices; CPU checksums).
 - sync.py: `WeightSyncer`, one sync = pause, session, buckets, flush, verify, continue.
 - canary.py: the acceptance canary after each sync.
 Engines are reached only through `slime_spec.engines.client` (one client, auth, one error type).

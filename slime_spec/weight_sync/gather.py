@@ -7,7 +7,7 @@ Three steps, each a plain function:
 2. convert: Megatron name and layout -> HF names (`convert.megatron_to_hf`), MTP layers marked.
 3. bucket: group the HF tensors into buckets of at most `buffer_bytes` (one tensor larger than the
    buffer gets a bucket of its own), target and MTP tensors never mixed, so each kind can go to the
-   runners that serve it.
+   runners that serve it, and the halves of a pair the engine fuses on load kept together.
 
 Every TP rank must iterate the same parameters in the same order (the all-gather is collective);
 only the sending rank uses the result.
@@ -50,22 +50,68 @@ class Bucket:
         return [t.name for t in self.tensors]
 
 
+# Halves an engine fuses only when both arrive in one update request: SGLang's DeepSeek-V2/V3 loader
+# (deepseek_weight_loader.py) caches `q_a_proj` and `kv_a_proj_with_mqa` of a layer and writes the fused
+# `fused_qkv_a_proj_with_mqa` once it holds both; a half whose partner is in another request is never loaded.
+FUSED_PAIRS = (("q_a_proj", "kv_a_proj_with_mqa"),)
+
+
+def fused_partner(name: str) -> str | None:
+    """The other half of a fused pair (`...q_a_proj.weight` <-> `...kv_a_proj_with_mqa.weight`), or None."""
+    for a, b in FUSED_PAIRS:
+        if f".{a}." in name:
+            return name.replace(f".{a}.", f".{b}.")
+        if f".{b}." in name:
+            return name.replace(f".{b}.", f".{a}.")
+    return None
+
+
+def _layer_of(name: str) -> str:
+    m = re.match(r"^(model\.(?:layers|mtp_layers)\.\d+)\.", name)
+    return m.group(1) if m else ""
+
+
+def _units(tensors: Iterable[NamedTensor]) -> Iterator[list[NamedTensor]]:
+    """Tensors in order, a fused pair's halves joined into one unit (the first half waits for the second).
+
+    A half waits only while its layer lasts: the pairs are per layer, so a half whose partner does not
+    come (a model without `q_lora_rank` has no `q_a_proj`) goes on alone when the next layer starts.
+    """
+    waiting: dict[str, NamedTensor] = {}  # partner name -> the half that waits for it
+    for t in tensors:
+        for name in [n for n, w in waiting.items() if _layer_of(w.name) != _layer_of(t.name)]:
+            yield [waiting.pop(name)]
+        if t.name in waiting:
+            yield [waiting.pop(t.name), t]
+            continue
+        partner = fused_partner(t.name)
+        if partner is None:
+            yield [t]
+        else:
+            waiting[partner] = t
+    for t in waiting.values():
+        yield [t]
+
+
 def make_buckets(tensors: Iterable[NamedTensor], buffer_bytes: int) -> Iterator[Bucket]:
     """Group tensors, in order, into buckets of at most `buffer_bytes`; target and MTP kept apart.
 
-    Streams: a bucket is yielded as soon as it is full, so only one bucket per kind is held at a time.
+    The two halves of a fused pair (`FUSED_PAIRS`) always share a bucket, even if that makes it larger
+    than the buffer. Streams: a bucket is yielded as soon as it is full, so only one bucket per kind is
+    held at a time.
     """
     if buffer_bytes <= 0:
         raise ValueError(f"update_weight_buffer_size={buffer_bytes}: must be a positive number of bytes")
     open_buckets: dict[str, Bucket] = {}
-    for t in tensors:
-        bucket = open_buckets.get(t.kind)
-        if bucket is not None and bucket.tensors and bucket.nbytes + t.nbytes > buffer_bytes:
+    for unit in _units(tensors):
+        kind, unit_bytes = unit[0].kind, sum(t.nbytes for t in unit)
+        bucket = open_buckets.get(kind)
+        if bucket is not None and bucket.tensors and bucket.nbytes + unit_bytes > buffer_bytes:
             yield bucket
             bucket = None
         if bucket is None:
-            bucket = open_buckets[t.kind] = Bucket(t.kind)
-        bucket.tensors.append(t)
+            bucket = open_buckets[kind] = Bucket(kind)
+        bucket.tensors.extend(unit)
     for kind in ("target", "mtp"):
         if kind in open_buckets and open_buckets[kind].tensors:
             yield open_buckets[kind]

@@ -6,7 +6,8 @@ One sync:
   -> one update request per bucket (target and MTP tensors each with their own selector)
   -> [end_weight_update] -> flush the cache
   -> coverage: every weight the updated runners serve (target, and the MTP draft) was written
-  -> with check_weight_sync: every served checksum equals the sent tensor's
+  -> with check_weight_sync: served VALUES equal the sent tensors' (readback.py: /get_weights_by_name
+     slices where the model serves them; /weights_checker checksums only on engines with device cpu)
   -> continue generation.
 
 Failure and engine state. Each update request is all-or-nothing on the engine (SGLang and the
@@ -42,7 +43,7 @@ from slime_spec.config import WeightSyncConfig, resolve_transport
 from slime_spec.dtypes import config_dtype, torch_dtype
 from slime_spec.engines.client import EngineClient, EngineGroupError, post_all
 from slime_spec.net import free_port
-from slime_spec.weight_sync import protocol, verify
+from slime_spec.weight_sync import protocol, readback, verify
 from slime_spec.weight_sync.gather import NamedTensor, make_buckets
 from slime_spec.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport
 
@@ -74,12 +75,27 @@ class SyncReport:
                 "weight_sync_params": self.target_tensors, "weight_sync_mtp_params": self.mtp_tensors}
 
 
+@dataclass
+class Recorded:
+    """What check_weight_sync keeps of the sent tensors while they stream past (never the whole model)."""
+
+    sample: readback.ValueSample  # leading rows of a sample of target tensors
+    checksums: verify.ChecksumRecorder | None  # every tensor's CPU checksum, for engines on device cpu
+
+    def add(self, bucket) -> None:
+        for t in bucket.tensors:
+            if bucket.kind == "target":
+                self.sample.add(t.name, t.tensor)
+            if self.checksums is not None:
+                self.checksums.add(t.name, t.tensor)
+
+
 class WeightSyncer:
     def __init__(self, clients: Sequence[EngineClient], config: WeightSyncConfig, *, hf_config: dict,
                  hf_checkpoint: str | Path, spec: protocol.SpecSetup, has_mtp_layers: bool,
                  transport: str | None = None, colocate: bool = False, master_address: str = "127.0.0.1",
                  master_port: int | None = None, backend: str = "gloo", engine_tp_size: int = 1,
-                 disk_dir: str | Path | None = None, timeout_s: float = 300.0):
+                 disk_dir: str | Path | None = None, timeout_s: float = 300.0, check_sample: int = 64):
         if not clients:
             raise ValueError("WeightSyncer needs at least one engine")
         self.clients, self.config, self.hf_config = list(clients), config, hf_config
@@ -95,6 +111,9 @@ class WeightSyncer:
         self.plan: protocol.SelectorPlan | None = None
         self.transport = None
         self.engine_dtype: torch.dtype | None = None
+        self.engine_device: str | None = None
+        self.check_sample = check_sample
+        self.last_value_checks: list[readback.ValueCheck] = []  # of the latest sync with check_weight_sync
         self._external_draft_checksums: dict[str, str] | None = None
 
     # ---- set-up, once, from what the engines say about themselves ----
@@ -109,6 +128,7 @@ class WeightSyncer:
         self.plan = protocol.plan_selectors(self.spec, self.has_mtp_layers, self.transport_name,
                                             self.protocol.session)
         self.engine_dtype = self._engine_dtype()
+        self.engine_device = self.clients[0].server_info().get("device")
         a = self._transport_args
         if self.transport_name == "distributed":
             self.transport = DistributedTransport(self.clients, a["master_address"], a["master_port"],
@@ -122,6 +142,12 @@ class WeightSyncer:
                                            session=self.protocol.session)
         if self.spec.uses_draft and not self.spec.native_mtp and self.protocol.session:
             self._external_draft_checksums = self._draft_checksums()
+
+    def _recorder(self) -> "Recorded":
+        """What the value check needs of the sent tensors: a sample of leading rows, and (CPU engines only,
+        the one place SGLang's checksum is reproducible here) the checksum of every tensor."""
+        checksums = verify.ChecksumRecorder(self.engine_dtype) if self.engine_device == "cpu" else None
+        return Recorded(readback.ValueSample(self.engine_dtype, self.check_sample), checksums)
 
     def _engine_dtype(self) -> torch.dtype | None:
         dtype = self.clients[0].server_info().get("dtype") or "auto"
@@ -138,7 +164,7 @@ class WeightSyncer:
         self.prepare()
         plan, session = self.plan, self.protocol.session
         use_session = session and self.transport_name != "disk"
-        recorder = verify.ChecksumRecorder(self.engine_dtype) if self.config.check_weight_sync else None
+        recorded = self._recorder() if self.config.check_weight_sync else None
         counts, nbytes, buckets, buckets_applied, sent = {"target": 0, "mtp": 0}, 0, 0, 0, set()
         t0 = time.perf_counter()
         session_open = False
@@ -157,9 +183,8 @@ class WeightSyncer:
                 counts[bucket.kind] += len(bucket.tensors)
                 nbytes += bucket.nbytes
                 sent.update(bucket.names)
-                if recorder is not None:
-                    for t in bucket.tensors:
-                        recorder.add(t.name, t.tensor)
+                if recorded is not None:
+                    recorded.add(bucket)
             self.transport.finish(weight_version)
             if use_session:
                 session_open = False
@@ -168,7 +193,7 @@ class WeightSyncer:
         except Exception as e:
             raise self._failed(e, buckets_applied, session_open, weight_version) from e
         transfer_s = time.perf_counter() - t0
-        served_written = self._verify(sent, recorder)
+        served_written = self._verify(sent, recorded)
         post_all(self.clients, "/continue_generation", protocol.continue_payload())
         seconds = time.perf_counter() - t0
         return SyncReport(seconds=seconds, transfer_seconds=transfer_s, gbps=nbytes / transfer_s / 1e9,
@@ -217,10 +242,11 @@ class WeightSyncer:
         return all(r.get("rolled_back") is not None for r in replies)
 
     # ---- verification ----
-    def _verify(self, sent: set[str], recorder: verify.ChecksumRecorder | None) -> dict[str, int]:
+    def _verify(self, sent: set[str], recorded: "Recorded | None") -> dict[str, int]:
         """Check every engine; raise WeightSyncError listing each problem (generation stays paused)."""
         roles = {"target", "draft"} if self.plan.mtp is not None else {"target"}
         problems, written = [], {}
+        self.last_value_checks = []
         for client in self.clients:
             try:
                 reply = post_all([client], "/weights_checker",
@@ -228,16 +254,23 @@ class WeightSyncer:
             except EngineGroupError as e:
                 if not all(getattr(err, "status", None) == 404 for err in e.failures.values()):
                     raise
-                written = self._verify_by_name(client, sent, recorder, problems)
-                continue
-            written = self._verify_checksums(client, reply, sent, recorder, roles, problems)
+                reply = None
+            if reply is None:
+                written = self._verify_by_name(client, sent, problems)
+            else:
+                written = self._verify_coverage(client, reply, sent, roles, problems)
+            if recorded is not None:
+                check = self._check_values(client, reply, recorded, sent, roles)
+                self.last_value_checks.append(check)
+                problems += [f"{client.url}: check_weight_sync ({'+'.join(check.methods) or 'no method'}): {p}"
+                             for p in check.problems[:8]]
         if problems:
             raise WeightSyncError("weight sync verification failed: " + "; ".join(problems)
                                   + ". Generation stays paused.", engines_serve_previous_weights=False)
         return written
 
-    def _verify_checksums(self, client: EngineClient, reply: dict, sent: set[str],
-                          recorder: verify.ChecksumRecorder | None, roles: set[str], problems: list[str]) -> dict:
+    def _verify_coverage(self, client: EngineClient, reply: dict, sent: set[str], roles: set[str],
+                         problems: list[str]) -> dict:
         served = verify.served_by_role(reply)
         coverage = verify.check_coverage(served, sent, roles)
         for role, missing in coverage.missing.items():
@@ -250,42 +283,40 @@ class WeightSyncer:
             if changed:
                 problems.append(f"{client.url}: the external draft ({self.spec.algorithm}) must keep its own "
                                 f"weights, but {len(changed)} of its tensors changed: {changed[:8]} (slime#1177)")
-        if recorder is not None:
-            if verify.engine_tp_size(reply) > 1:
-                problems.append(f"{client.url}: check_weight_sync compares whole-tensor checksums, but this "
-                                "engine runs TP > 1 and hashes shards: check with engine TP 1")
-            mismatched = verify.compare_checksums(served, recorder.checksums, roles)
-            if mismatched:
-                problems.append(f"{client.url}: check_weight_sync: {len(mismatched)} served weight(s) differ "
-                                f"from the trainer's: {mismatched[:8]}")
         return coverage.written
 
-    def _verify_by_name(self, client: EngineClient, sent: set[str], recorder: verify.ChecksumRecorder | None,
-                        problems: list[str]) -> dict:
-        """For an SGLang without /weights_checker: read each sent target weight back by name.
+    def _check_values(self, client: EngineClient, reply: dict | None, recorded: "Recorded", sent: set[str],
+                      roles: set[str]) -> readback.ValueCheck:
+        """Served values against the sent tensors (readback.py says which method applies when)."""
+        checksum_problems = None
+        if reply is not None and recorded.checksums is not None:
+            checksum_problems = []
+            if verify.engine_tp_size(reply) > 1:
+                checksum_problems.append("whole-tensor checksums need engine TP 1 (a TP > 1 engine hashes shards)")
+            checksum_problems += verify.compare_checksums(verify.served_by_role(reply),
+                                                          recorded.checksums.checksums, roles)
+        target_sent = sorted(n for n in sent if not self._is_mtp_name(n))
+        probe = "model.embed_tokens.weight" if "model.embed_tokens.weight" in sent else target_sent[0]
+        return readback.check_values(client, recorded.sample, device=self.engine_device, probe=probe,
+                                     checksum_problems=checksum_problems, checksum_count=len(sent))
 
-        This proves every sent target tensor is served (and, with the check, equal); it cannot list what the
-        engine serves beyond that, nor read the draft runner (SGLang's get_weights_by_name reads the target).
+    def _verify_by_name(self, client: EngineClient, sent: set[str], problems: list[str]) -> dict:
+        """For an SGLang without /weights_checker: ask for each sent target weight by name.
+
+        This proves every sent target tensor is served; it cannot list what the engine serves beyond
+        that, nor read the draft runner (SGLang's get_weights_by_name reads the target).
         """
         logger.warning("%s has no /weights_checker: verifying the target by /get_weights_by_name; the draft "
                        "runner cannot be verified on this SGLang", client.url)
         names = sorted(n for n in sent if not self._is_mtp_name(n))
-        unserved, mismatched = [], []
+        unserved = []
         for name in names:
-            rows = 1 << 62 if recorder is not None else 1
-            reply = client.post("/get_weights_by_name", protocol.get_weights_payload(name, rows))
+            reply = client.post("/get_weights_by_name", protocol.get_weights_payload(name, 1))
             values = reply.get("result") if isinstance(reply, dict) else reply
             if not values:
                 unserved.append(name)
-            elif recorder is not None:
-                got = verify.tensor_checksum([torch.tensor(values, dtype=torch.float32)])
-                if got != recorder.float32_checksums[name]:
-                    mismatched.append(name)
         if unserved:
             problems.append(f"{client.url}: {len(unserved)} sent target weight(s) are not served: {unserved[:8]}")
-        if mismatched:
-            problems.append(f"{client.url}: check_weight_sync: {len(mismatched)} served weight(s) differ from "
-                            f"the trainer's: {mismatched[:8]}")
         return {"target": len(names) - len(unserved)}
 
     def _is_mtp_name(self, name: str) -> bool:
@@ -294,8 +325,9 @@ class WeightSyncer:
         return hf_mtp_matcher(self.hf_config)(name)
 
     def _draft_checksums(self) -> dict[str, str]:
-        reply = post_all(self.clients[:1], "/weights_checker", protocol.checksum_payload("draft", True))[0]
-        return _draft_only(verify.served_by_role(reply))
+        """The external draft's own tensors, before any sync (those it shares with the target are left out)."""
+        reply = post_all(self.clients[:1], "/weights_checker", protocol.checksum_payload("all", True))[0]
+        return verify.frozen_draft_checksums(verify.served_by_role(reply))
 
     # ---- a restarted engine ----
     def rejoin(self, restarted_urls: Sequence[str]) -> None:

@@ -7,10 +7,13 @@ internal names: SGLang fuses q/k/v into `qkv_proj` and gate/up into `gate_up_pro
 models rename the MTP block (`model.layers.{N}.enorm` -> `model.enorm`, ...). A served name is
 covered when some sent tensor maps onto it.
 
-Values (`check_weight_sync`) compare the served checksums with ones computed here from the very
-tensors that were sent, in the engine's dtype: SGLang's CPU `tensor_hash` is the first 8 bytes of a
-sha256 of the raw bytes, so a fused parameter hashes as the concatenation of its parts in stacked
-order. (On GPU SGLang hashes with a Triton kernel; there, use `/get_weights_by_name` values instead.)
+Checksums computed here from the very tensors that were sent, in the engine's dtype, match an engine
+that hashes on CPU: SGLang's CPU `tensor_hash` is the first 8 bytes of a sha256 of the raw bytes, so a
+fused parameter hashes as the concatenation of its parts in stacked order. On GPU SGLang hashes with a
+Triton kernel; readback.py decides which value check applies to which engine.
+
+An external draft must keep its own weights, except those SGLang shares with the target: an EAGLE3
+draft uses the target's embedding (and, per model, its lm_head), so those follow every target update.
 """
 
 from __future__ import annotations
@@ -128,6 +131,18 @@ def check_coverage(served: dict[str, dict[str, str]], sent: set[str], roles: set
 
 def _is_derived(name: str) -> bool:
     return any(d in name for d in _DERIVED)
+
+
+# Tensors SGLang may share from the target into an external draft (set_embed / set_embed_and_head).
+SHAREABLE = ("embed_tokens.weight", "lm_head.weight")
+
+
+def frozen_draft_checksums(served: dict[str, dict[str, str]]) -> dict[str, str]:
+    """The draft runners' checksums (`role.name`) of the tensors that must not change in a sync: all but
+    those shared with the target (a shareable name whose checksum equals the target's of the same name)."""
+    target = served.get("target", {})
+    return {f"{role}.{name}": c for role, names in served.items() if role != "target"
+            for name, c in names.items() if not (name.endswith(SHAREABLE) and target.get(name) == c)}
 
 
 def tensor_checksum(tensors: list[torch.Tensor]) -> str:

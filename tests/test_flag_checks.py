@@ -1,0 +1,124 @@
+"""Bad configurations doctor must stop before anything starts, each with its code; good ones stay clean."""
+
+import pytest
+
+from slime_spec import flag_checks
+from slime_spec.args import parse
+from slime_spec.cluster_check import compare_gpus
+from slime_spec.doctor import diagnose
+
+BASE = ["--rollout-backend", "embedded"]
+
+# (extra flags, the code doctor must give). The first eleven were missed before flag_checks; the SGLang
+# quantization one was already caught by EMBEDDED_FLAG_REFUSED and NGRAM's by SPEC_TOPK_TOKENS (kept here
+# so they stay caught).
+BAD = [
+    (["--rollout-temperature", "-1"], "FLAG_OUT_OF_RANGE"),
+    (["--rollout-top-p", "5"], "FLAG_OUT_OF_RANGE"),
+    (["--n-samples-per-prompt", "0"], "FLAG_OUT_OF_RANGE"),
+    (["--rollout-batch-size", "-5"], "FLAG_OUT_OF_RANGE"),
+    (["--rollout-max-response-len", "0"], "FLAG_OUT_OF_RANGE"),
+    (["--rollout-num-engines", "0"], "FLAG_OUT_OF_RANGE"),
+    (["--sglang-mem-fraction-static", "7"], "FLAG_OUT_OF_RANGE"),
+    (["--rollout-batch-size", "3", "--global-batch-size", "3", "--micro-batch-size", "2"], "FLAG_CONFLICT"),
+    (["--rollout-num-gpus-per-engine", "2"], "FLAG_CONFLICT"),
+    (["--tensor-model-parallel-size", "2"], "FLAG_CONFLICT"),
+    (["--actor-num-gpus-per-node", "2", "--global-batch-size", "6", "--micro-batch-size", "2"], "FLAG_CONFLICT"),
+    (["--rm-type", "dapo"], "RM_TYPE_UNKNOWN"),
+    (["--rollout-batch-sise", "4"], "UNKNOWN_FLAG"),
+    (["--rollout-function-path", "my.rollout.fn"], "FLAG_NOT_SUPPORTED"),
+    (["--partial-rollout"], "FLAG_NOT_SUPPORTED"),
+    (["--sglang-quantization", "fp8"], "EMBEDDED_FLAG_REFUSED"),
+    (["--sglang-speculative-algorithm", "NGRAM", "--sglang-speculative-num-draft-tokens", "1"], "SPEC_TOPK_TOKENS"),
+]
+
+GOOD = [
+    [],
+    ["--rollout-temperature", "0", "--rollout-top-p", "1", "--rollout-top-k", "-1"],
+    ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--micro-batch-size", "4"],
+    ["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--global-batch-size", "6",
+     "--micro-batch-size", "3"],
+    # the client sends these keys (slime_spec/engines/client.py EngineAuth): accepted, no finding
+    ["--sglang-api-key", "k1", "--sglang-admin-api-key", "k2"],
+    ["--rm-type", "math", "--recompute-granularity", "full", "--pipeline-model-parallel-size", "1",
+     "--lr-decay-style", "constant", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216"],
+    ["--rollout-batch-sise", "4", "--allow-unknown-flags"],
+    # rollout only: trainer flags are not refused, since no trainer runs
+    ["--debug-rollout-only", "--pipeline-model-parallel-size", "4", "--bf16", "--tensor-model-parallel-size", "8"],
+]
+
+
+def errors_of(mimo7b, extra):
+    _, findings = diagnose(parse(["--hf-checkpoint", str(mimo7b), *BASE, *extra]), launching=False)
+    return [f for f in findings if f.level == "error"], findings
+
+
+@pytest.mark.parametrize("extra,code", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_config_is_stopped_with_its_code(mimo7b, extra, code):
+    errors, _ = errors_of(mimo7b, extra)
+    assert code in {f.code for f in errors}, errors
+    assert all(f.fix for f in errors if f.code == code)
+
+
+@pytest.mark.parametrize("extra", GOOD, ids=[" ".join(a) or "defaults" for a in GOOD])
+def test_good_config_stays_clean(mimo7b, extra):
+    errors, findings = errors_of(mimo7b, extra)
+    assert errors == []
+    assert all(f.level != "warning" or f.code == "UNKNOWN_FLAG" for f in findings), findings
+
+
+def test_range_finding_names_flag_value_and_fix():
+    values = flag_checks.derived_values({**dict.fromkeys(b.name for b in flag_checks.BOUNDS),
+                                         "rollout_top_p": 5.0, "actor_num_nodes": 1, "actor_num_gpus_per_node": 1,
+                                         "tensor_model_parallel_size": 1, "micro_batch_size": 1,
+                                         "global_batch_size": None, "rollout_batch_size": 1,
+                                         "n_samples_per_prompt": 1, "backend": "embedded",
+                                         "rollout_num_gpus_per_engine": 1, "rollout_num_gpus": None})
+    [f] = flag_checks.check(values)
+    assert (f.code, f.message, f.fix) == ("FLAG_OUT_OF_RANGE", "--rollout-top-p 5.0: must be in (0, 1]",
+                                          "--rollout-top-p 1.0 (no nucleus cut)")
+
+
+def test_tp_relation_message(mimo7b):
+    errors, _ = errors_of(mimo7b, ["--tensor-model-parallel-size", "2"])
+    [f] = errors
+    assert "1 actor GPU(s)" in f.message and "--tensor-model-parallel-size 2" in f.message
+
+
+def test_refused_flags_name_what_to_use(mimo7b):
+    errors, _ = errors_of(mimo7b, ["--rollout-function-path", "my.fn", "--rm-url", "http://rm:8000",
+                                   "--custom-loss-function-path", "my.loss"])
+    by_flag = {f.message.split(" ", 1)[0]: f for f in errors}
+    assert "--custom-generate-function-path" in by_flag["--rollout-function-path"].fix
+    assert "--custom-rm-path" in by_flag["--rm-url"].fix
+    assert "--loss-type" in by_flag["--custom-loss-function-path"].fix
+
+
+def test_unknown_flag_error_names_closest(mimo7b):
+    errors, _ = errors_of(mimo7b, ["--rollout-batch-sise", "4"])
+    assert "did you mean --rollout-batch-size?" in errors[0].message
+
+
+def test_gpu_comparison():
+    assert compare_gpus(0, "", None, 0, launching=True) == []
+    assert compare_gpus(4, "actor 2 + rollout 2", 8.0, 0, launching=True) == []
+    [f] = compare_gpus(9, "actor 1 + rollout 8", 8.0, 0, launching=False)
+    assert f.code == "GPUS_UNAVAILABLE" and "the Ray cluster has 8" in f.message
+    [f] = compare_gpus(2, "actor 1 + rollout 1", None, 0, launching=True)
+    assert f.code == "GPUS_UNAVAILABLE" and f.level == "error" and "has none" in f.message
+    [f] = compare_gpus(2, "actor 1 + rollout 1", None, 0, launching=False)
+    assert f.code == "GPUS_NOT_CHECKED" and f.level == "info"
+    assert compare_gpus(2, "", None, 2, launching=True) == []
+
+
+def test_sglang_backend_without_gpus_stops_a_launch(mimo7b, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    import ray._private.services
+
+    monkeypatch.setattr(ray._private.services, "find_gcs_addresses", lambda: [])
+    monkeypatch.setattr("slime_spec.cluster_check.local_gpus", lambda: 0)
+    parsed = parse(["--hf-checkpoint", str(mimo7b), "--rollout-backend", "sglang"])
+    _, findings = diagnose(parsed, launching=True)
+    assert "GPUS_UNAVAILABLE" in {f.code for f in findings if f.level == "error"}
+    _, findings = diagnose(parsed, launching=False)
+    assert "GPUS_NOT_CHECKED" in {f.code for f in findings}
