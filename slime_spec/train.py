@@ -3,7 +3,8 @@
 The driver is thin: it parses the flags once, runs the speculative checks (stopping on an
 error), starts a local Ray when no cluster is given, and moves samples and metrics between
 the RolloutManager (engines) and the TrainGroup (Megatron actors). It knows no HTTP payload.
-Modes: separate placement (default), `--colocate` (engine memory released while training),
+Modes: separate placement (default), `--colocate` (engine memory released while training; trainer and
+engines share one placement group's GPUs, see placement.py),
 `--debug-rollout-only` (no trainer) and `--debug-train-only` (no engines; replays saved data).
 An engine restarted during a run is fenced by the fleet until the driver has the trainer re-sync it
 (`generate_fenced`, `sync_all`); shutdown stops the manager even when the trainer's shutdown fails.
@@ -109,25 +110,37 @@ def sync_all(trainer, manager, version: str, probe_samples=None) -> dict:
 
 def run(config: Config, *, manager_kwargs: dict | None = None) -> dict:
     """The whole loop; returns the summary that is also printed and written to output_dir."""
+    from slime_spec.placement import place_run, remove_placement
+
+    init_ray()
+    placement = place_run(config)  # one placement group for trainer and engines (None without GPUs)
+    try:
+        return _run_placed(config, placement, manager_kwargs or {})
+    finally:
+        remove_placement(placement)
+
+
+def _run_placed(config: Config, placement, manager_kwargs: dict) -> dict:
     import ray
 
     from slime_spec.rollout.debug_rollout import run_debug_rollout_only
     from slime_spec.rollout.manager import start_rollout_manager
     from slime_spec.trainer.group import TrainGroup
 
-    init_ray()
+    engines_placement = placement if placement is not None and placement.assignment.engine_bundles else None
     if config.debug_rollout_only:
-        return run_debug_rollout_only(config, **(manager_kwargs or {}))
+        return run_debug_rollout_only(config, placement=engines_placement, **manager_kwargs)
 
     # The driver writes one merged line per step (rollout + train + sync) and owns the wandb run.
     manager = None if config.debug_train_only else start_rollout_manager(
-        dataclasses.replace(config, wandb=WandbConfig()), report_metrics=False, **(manager_kwargs or {}))
+        dataclasses.replace(config, wandb=WandbConfig()), placement=engines_placement, report_metrics=False,
+        **manager_kwargs)
     steps = []
     if manager is not None:
         steps.append(("rollout manager shutdown", lambda: ray.get(manager.shutdown.remote())))
         steps.append(("rollout manager kill", lambda: ray.kill(manager)))
     try:
-        trainer = TrainGroup(config)
+        trainer = TrainGroup(config, placement=placement)
         steps.insert(0, ("trainer shutdown", trainer.shutdown))
         summary = _loop(config, trainer, manager)
     except BaseException:

@@ -17,11 +17,10 @@ import asyncio
 import os
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime_spec.config import EngineConfig
 from slime_spec.engines.actor import EngineActor
+from slime_spec.placement import ENGINE_GPU_FRACTION, Placement, create_placement, in_bundle, remove_placement
 
 
 # What an engine serves right after start when it does not report a weight_version: the checkpoint.
@@ -74,30 +73,20 @@ class Router:
             self._cond.notify_all()
 
 
-@ray.remote(num_cpus=0, num_gpus=0)
-def _bundle_gpu() -> tuple[str, int]:
-    """(node address, GPU id) of the placement-group bundle this task lands on."""
-    ids = ray.get_gpu_ids()
-    if len(ids) != 1:
-        raise RuntimeError(f"expected one GPU per rollout bundle, Ray gave {ids}")
-    return ray.util.get_node_ip_address(), int(ids[0])
-
-
 class EngineFleet:
     """Engine actors of one RolloutManager; built in its constructor, then driven from its event loop."""
 
     def __init__(self, engine: EngineConfig, num_engines: int, *, max_concurrency: int, log_dir: str,
-                 start_timeout_s: float, rollout_num_gpus: int = 0, placement_group=None,
-                 bundle_indices: list[int] | None = None):
+                 start_timeout_s: float, rollout_num_gpus: int = 0, placement: Placement | None = None):
         if num_engines < 1:
             raise ValueError(f"num_engines={num_engines}: need at least one rollout engine")
         self.engine_cfg, self.num_engines = engine, num_engines
         self._kwargs = dict(log_dir=log_dir, start_timeout_s=start_timeout_s)
         self.actors: list = []
-        self._own_pg = None
+        self._own_placement = None
         try:
-            if rollout_num_gpus:
-                self._launch_gpu_engines(rollout_num_gpus, placement_group, bundle_indices)
+            if placement is not None or rollout_num_gpus:
+                self._launch_gpu_engines(rollout_num_gpus, placement)
             else:
                 self.actors = [EngineActor.options(num_cpus=0).remote(engine, i, **self._kwargs)
                                for i in range(num_engines)]
@@ -127,30 +116,27 @@ class EngineFleet:
         print(f"[fleet] {self.num_engines} engine(s) ready on weights {self.current_version!r}: "
               f"{' '.join(self.urls)}", flush=True)
 
-    def _launch_gpu_engines(self, rollout_num_gpus: int, pg, bundle_indices) -> None:
+    def _launch_gpu_engines(self, rollout_num_gpus: int, placement: Placement | None) -> None:
+        """Engine i on its bundles of the run's placement (the driver's, or one of its own when started alone):
+        its actor takes a fraction of its first bundle's GPU, its server sees all of its bundles' GPUs."""
         per_engine = self.engine_cfg.num_gpus_per_engine
-        if rollout_num_gpus % per_engine or rollout_num_gpus // per_engine != self.num_engines:
-            raise ValueError(f"--rollout-num-gpus={rollout_num_gpus} must be num_engines={self.num_engines} x "
-                             f"--rollout-num-gpus-per-engine={per_engine}")
-        if pg is None:
-            pg = self._own_pg = placement_group([{"GPU": 1, "CPU": 1}] * rollout_num_gpus, strategy="PACK")
-            ray.get(pg.ready())
-            bundle_indices = list(range(rollout_num_gpus))
-        if bundle_indices is None or len(bundle_indices) != rollout_num_gpus:
-            raise ValueError(f"the rollout placement group needs {rollout_num_gpus} one-GPU bundles, "
-                             f"got bundle_indices={bundle_indices}")
-        strategy = lambda b: PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b)  # noqa: E731
-        gpus = ray.get([_bundle_gpu.options(num_gpus=0.01, scheduling_strategy=strategy(b)).remote()
-                        for b in bundle_indices])
-        for i in range(self.num_engines):
-            chunk = gpus[i * per_engine:(i + 1) * per_engine]
-            if len({node for node, _ in chunk}) != 1:
-                raise ValueError(f"engine {i} spans nodes {sorted({n for n, _ in chunk})}: one engine's GPUs must "
-                                 "be on one node (check --rollout-num-gpus-per-engine)")
+        if placement is None:
+            if rollout_num_gpus % per_engine or rollout_num_gpus // per_engine != self.num_engines:
+                raise ValueError(f"--rollout-num-gpus={rollout_num_gpus} must be num_engines={self.num_engines} x "
+                                 f"--rollout-num-gpus-per-engine={per_engine}")
+            placement = self._own_placement = create_placement(actor_gpus=0, rollout_gpus=rollout_num_gpus,
+                                                        gpus_per_engine=per_engine, colocate=False)
+        a = placement.assignment
+        if len(a.engine_bundles) != self.num_engines:
+            raise ValueError(f"the placement holds {len(a.engine_bundles)} engine(s) of {per_engine} GPU(s) "
+                             f"(--rollout-num-gpus / --rollout-num-gpus-per-engine) but {self.num_engines} engine(s) "
+                             "are to start: with --rollout-backend embedded set --rollout-num-engines to "
+                             "--rollout-num-gpus / --rollout-num-gpus-per-engine")
+        for i, (bundles, gpus) in enumerate(zip(a.engine_bundles, a.engine_gpus)):
             self.actors.append(
-                EngineActor.options(num_cpus=0, num_gpus=0.01,
-                                    scheduling_strategy=strategy(bundle_indices[i * per_engine]))
-                .remote(self.engine_cfg, i, gpu_ids=[g for _, g in chunk], **self._kwargs))
+                EngineActor.options(num_cpus=0, num_gpus=ENGINE_GPU_FRACTION,
+                                    scheduling_strategy=in_bundle(placement, bundles[0]))
+                .remote(self.engine_cfg, i, gpu_ids=list(gpus), **self._kwargs))
 
     # ---- routing ----
     def lock(self, idx: int) -> asyncio.Lock:
@@ -239,9 +225,8 @@ class EngineFleet:
         for a in self.actors:
             ray.kill(a)
         self.actors = []
-        if self._own_pg is not None:
-            remove_placement_group(self._own_pg)
-            self._own_pg = None
+        remove_placement(self._own_placement)  # only a placement this fleet created; the driver removes its own
+        self._own_placement = None
         gone = [r for r in stop_results if isinstance(r, BaseException)]
         if gone:  # an actor that died took its server with it (PR_SET_PDEATHSIG); say so, do not hide it
             print(f"[fleet] shutdown: {len(gone)} engine actor(s) were already gone: {str(gone[0])[:300]}",

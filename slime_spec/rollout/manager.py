@@ -30,6 +30,7 @@ from slime_spec.engines.client import EngineAuth, EngineError, async_session
 from slime_spec.engines.fleet import EngineFleet
 from slime_spec.engines.process import ServerProcess
 from slime_spec.net import free_port
+from slime_spec.placement import Placement
 from slime_spec.rollout.data import PromptDataset
 from slime_spec.rollout.debug_data import load_rollout, save_rollout
 from slime_spec.rollout.generate import GenerateFn, RolloutEngineClient, default_generate
@@ -73,8 +74,8 @@ def parse_eval_prompt_data(items: tuple[str, ...]) -> list[tuple[str, str]]:
 
 class RolloutManager:
     def __init__(self, rollout: RolloutConfig, engine: EngineConfig, num_engines: int, *,
-                 wandb: WandbConfig | None = None, rollout_num_gpus: int = 0, placement_group=None,
-                 bundle_indices: list[int] | None = None, eval_prompt_data: tuple[str, ...] = (),
+                 wandb: WandbConfig | None = None, rollout_num_gpus: int = 0, placement: Placement | None = None,
+                 eval_prompt_data: tuple[str, ...] = (),
                  log_dir: str = "outputs/engine_logs", report_metrics: bool = True,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, show_progress: bool = True):
         if rollout.use_sglang_router and importlib.util.find_spec("sglang_router") is None:
@@ -101,8 +102,7 @@ class RolloutManager:
         if rollout.load_debug_rollout_data is None:
             self.fleet = EngineFleet(engine, num_engines, max_concurrency=rollout.sglang_server_concurrency, log_dir=log_dir,
                                      start_timeout_s=rollout.engine_start_timeout,
-                                     rollout_num_gpus=rollout_num_gpus, placement_group=placement_group,
-                                     bundle_indices=bundle_indices)
+                                     rollout_num_gpus=rollout_num_gpus, placement=placement)
         try:  # the data loads while the engines start
             self.tokenizer = self._load_tokenizer() if (rollout.prompt_data or eval_prompt_data) else None
             self.dataset = self._dataset(rollout.prompt_data) if rollout.prompt_data else None
@@ -136,9 +136,8 @@ class RolloutManager:
         """sglang-router in front of the engines; all requests then go through it (it does the routing)."""
         port = free_port()
         self._router_process = ServerProcess(
-            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-             "--worker-urls", *self.fleet.urls], host="127.0.0.1", port=port,
-            log_path=Path(self.log_dir) / "sglang_router.log")
+            sglang_router_argv(sys.executable, port, self.fleet.urls, self.rollout.engine_start_timeout),
+            host="127.0.0.1", port=port, log_path=Path(self.log_dir) / "sglang_router.log")
         self._router_process.start(self.rollout.engine_start_timeout)
 
     # ---- what the training loop calls ----
@@ -318,14 +317,41 @@ class RolloutManager:
         return out
 
 
+# The router's health check: SGLang answers /health (and /health_generate) by generating one token, which
+# cannot answer while a weight sync has the engine paused or a colocated train step has its memory released.
+# The fleet, not the router, decides an engine is dead (restart + weight fence), so the router may only mark
+# an engine unhealthy after failing for longer than any such pause: ROUTER_HEALTH_FAILURES checks
+# ROUTER_HEALTH_INTERVAL_S apart, and at least --engine-start-timeout (the longest an engine may take to come back).
+ROUTER_HEALTH_ENDPOINT = "/health"
+ROUTER_HEALTH_INTERVAL_S = 60
+ROUTER_HEALTH_TIMEOUT_S = 30
+ROUTER_HEALTH_OUTLAST_S = 24 * 3600  # a colocated train step of a large model may hold the engines for hours
+
+
+def sglang_router_argv(python: str, port: int, worker_urls: list[str], engine_start_timeout_s: float) -> list[str]:
+    """`python -m sglang_router.launch_router` on 127.0.0.1:`port` over `worker_urls`, with a health check
+    that outlasts a sync or a colocated train step (see ROUTER_HEALTH_*), and recovers after one good answer."""
+    outlast_s = max(ROUTER_HEALTH_OUTLAST_S, engine_start_timeout_s)
+    failures = -(-int(outlast_s) // ROUTER_HEALTH_INTERVAL_S) + 1
+    return [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *worker_urls,
+            "--health-check-endpoint", ROUTER_HEALTH_ENDPOINT,
+            "--health-check-interval-secs", str(ROUTER_HEALTH_INTERVAL_S),
+            "--health-check-timeout-secs", str(ROUTER_HEALTH_TIMEOUT_S),
+            "--health-failure-threshold", str(failures),
+            "--health-success-threshold", "1"]
+
+
 RolloutManagerActor = ray.remote(RolloutManager)
 
 
-def start_rollout_manager(config: Config, **kwargs):
-    """The RolloutManager actor for a full config (GPU engines for backend sglang with --rollout-num-gpus)."""
+def start_rollout_manager(config: Config, placement: Placement | None = None, **kwargs):
+    """The RolloutManager actor for a full config. Engines run on `placement` (the driver's placement group)
+    when given; else GPU engines for backend sglang with --rollout-num-gpus get a placement group of their own."""
     c = config.cluster
-    gpus = c.rollout_num_gpus if (config.engine.backend == "sglang" and c.rollout_num_gpus) else 0
+    gpus = c.rollout_num_gpus if (placement is None and config.engine.backend == "sglang" and c.rollout_num_gpus) \
+        else 0
     kwargs.setdefault("log_dir", str(Path(config.output_dir) / "engine_logs"))
     return RolloutManagerActor.options(num_cpus=0).remote(
         config.rollout, config.engine, config.num_engines, wandb=config.wandb, rollout_num_gpus=gpus,
-        eval_prompt_data=config.eval_prompt_data, **kwargs)
+        placement=placement, eval_prompt_data=config.eval_prompt_data, **kwargs)

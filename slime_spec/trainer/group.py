@@ -14,31 +14,36 @@ from pathlib import Path
 import ray
 
 from slime_spec.config import Config
+from slime_spec.placement import TRAIN_GPU_FRACTION, Placement, in_bundle
 from slime_spec.rollout.sample import Sample
 from slime_spec.trainer.actor import TrainActor
 
 
 class TrainGroup:
-    def __init__(self, config: Config, use_gpu: bool | None = None, placement_group=None,
-                 bundle_indices: list[int] | None = None):
+    def __init__(self, config: Config, use_gpu: bool | None = None, placement: Placement | None = None):
+        """`placement`: rank r runs in the run's r-th sorted bundle with `TRAIN_GPU_FRACTION` of its GPU (the
+        rest of that GPU is a colocated engine's); without one, a whole GPU each when the cluster has them."""
         self.config = config
         cluster, train = config.cluster, config.train
         n = cluster.actor_num_nodes * cluster.actor_num_gpus_per_node
         if n % train.tensor_model_parallel_size:
             raise ValueError(f"--tensor-model-parallel-size {train.tensor_model_parallel_size} must divide "
                              f"--actor-num-nodes x --actor-num-gpus-per-node = {n}")
-        if use_gpu is None:
-            use_gpu = ray.cluster_resources().get("GPU", 0) >= n
-        actor_cls = ray.remote(num_gpus=1 if use_gpu else 0, num_cpus=1)(TrainActor)
+        if placement is not None and len(placement.assignment.actor_bundles) != n:
+            raise ValueError(f"the placement holds {len(placement.assignment.actor_bundles)} train bundle(s) for "
+                             f"--actor-num-nodes x --actor-num-gpus-per-node = {n} ranks")
+        if placement is not None:
+            use_gpu, num_gpus = True, TRAIN_GPU_FRACTION
+        else:
+            if use_gpu is None:
+                use_gpu = ray.cluster_resources().get("GPU", 0) >= n
+            num_gpus = 1 if use_gpu else 0
+        actor_cls = ray.remote(num_gpus=num_gpus, num_cpus=1)(TrainActor)
         self.actors = []
         for rank in range(n):
             options: dict = {}
-            if placement_group is not None:
-                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-                index = bundle_indices[rank] if bundle_indices else rank
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group, placement_group_bundle_index=index)
+            if placement is not None:
+                options["scheduling_strategy"] = in_bundle(placement, placement.assignment.actor_bundles[rank])
             if not use_gpu:  # gloo on CPU: keep each process to its share of the cores
                 threads = str(max(1, (os.cpu_count() or 1) // n))
                 options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": threads}}

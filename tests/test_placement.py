@@ -1,0 +1,83 @@
+"""placement.py's pure bundle sorting and assignment; the sglang-router argv the rollout manager launches."""
+
+import pytest
+
+from slime_spec.placement import assign, layout, node_key, sorted_bundles
+from slime_spec.rollout.manager import ROUTER_HEALTH_INTERVAL_S, sglang_router_argv
+
+
+def test_layout_colocate_shares_bundles_separate_adds_them():
+    assert layout(8, 8, colocate=True) == (8, 0)
+    assert layout(4, 8, colocate=True) == (8, 0)
+    assert layout(4, 8, colocate=False) == (12, 4)
+    assert layout(0, 2, colocate=False) == (2, 0)
+
+
+def test_node_key_orders_ips_numerically_then_names():
+    assert node_key("10.0.0.9") < node_key("10.0.0.10") < node_key("node-a")
+
+
+def test_bundles_sorted_by_node_then_gpu():
+    locations = [("10.0.0.2", 1), ("10.0.0.10", 0), ("10.0.0.2", 0), ("10.0.0.10", 1)]
+    assert sorted_bundles(locations) == [2, 0, 1, 3]
+
+
+def test_colocated_rank_and_engine_share_each_gpu():
+    locations = [("10.0.0.1", 1), ("10.0.0.1", 0)]  # Ray returned them out of order
+    a = assign(locations, actor_gpus=2, rollout_gpus=2, gpus_per_engine=1, colocate=True)
+    assert a.actor_bundles == (1, 0)
+    assert a.engine_bundles == ((1,), (0,)) and a.engine_gpus == ((0,), (1,))
+
+
+def test_separate_placement_actor_first_then_engines():
+    locations = [("10.0.0.1", g) for g in (3, 2, 1, 0)]
+    a = assign(locations, actor_gpus=2, rollout_gpus=2, gpus_per_engine=1, colocate=False)
+    assert [locations[b][1] for b in a.actor_bundles] == [0, 1]
+    assert a.engine_gpus == ((2,), (3,))
+
+
+def test_two_nodes_tp4_engine_stays_on_one_node():
+    # Ray interleaves the bundles of two 4-GPU nodes; each TP-4 engine must get one node's four GPUs.
+    locations = [("10.0.0.2", 3), ("10.0.0.1", 0), ("10.0.0.2", 0), ("10.0.0.1", 3),
+                 ("10.0.0.2", 1), ("10.0.0.1", 1), ("10.0.0.2", 2), ("10.0.0.1", 2)]
+    a = assign(locations, actor_gpus=8, rollout_gpus=8, gpus_per_engine=4, colocate=True)
+    assert a.engine_nodes == ("10.0.0.1", "10.0.0.2")
+    assert a.engine_gpus == ((0, 1, 2, 3), (0, 1, 2, 3))
+    for bundles, node in zip(a.engine_bundles, a.engine_nodes):
+        assert {locations[b][0] for b in bundles} == {node}
+    assert [locations[b] for b in a.actor_bundles] == sorted(locations, key=lambda x: (node_key(x[0]), x[1]))
+
+
+def test_engine_that_would_span_nodes_is_an_error_naming_the_flags():
+    # 2 actor GPUs on node 1 leave 2 + 4 rollout GPUs: a TP-4 engine cannot be cut from node 1's two.
+    locations = [("10.0.0.1", g) for g in range(4)] + [("10.0.0.2", g) for g in range(2)]
+    with pytest.raises(ValueError, match="span nodes.*--rollout-num-gpus-per-engine"):
+        assign(locations, actor_gpus=2, rollout_gpus=4, gpus_per_engine=4, colocate=False)
+
+
+def test_rollout_gpus_not_a_multiple_of_engine_size():
+    with pytest.raises(ValueError, match="--rollout-num-gpus=3 is not a multiple"):
+        assign([("n", 0), ("n", 1), ("n", 2)], actor_gpus=0, rollout_gpus=3, gpus_per_engine=2, colocate=False)
+
+
+def test_sglang_router_argv_health_check_outlasts_a_sync():
+    argv = sglang_router_argv("python", 4000, ["http://a:1", "http://b:2"], engine_start_timeout_s=1800)
+    assert argv[:8] == ["python", "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", "4000",
+                        "--worker-urls"]
+    flags = dict(zip(argv[10::2], argv[11::2]))
+    assert argv[8:10] == ["http://a:1", "http://b:2"]
+    assert flags["--health-check-endpoint"] == "/health"
+    interval, failures = int(flags["--health-check-interval-secs"]), int(flags["--health-failure-threshold"])
+    assert interval == ROUTER_HEALTH_INTERVAL_S
+    assert (failures - 1) * interval >= 24 * 3600  # marked dead only after a day of failed checks
+    assert flags["--health-success-threshold"] == "1"
+    longer = sglang_router_argv("python", 4000, ["http://a:1"], engine_start_timeout_s=48 * 3600)
+    assert (int(dict(zip(longer[9::2], longer[10::2]))["--health-failure-threshold"]) - 1) * interval >= 48 * 3600
+
+
+def test_sglang_router_parses_the_argv():
+    """Checked against the real router's own parser where sglang-router is installed."""
+    launch_router = pytest.importorskip("sglang_router.launch_router")
+    args = launch_router.parse_router_args(sglang_router_argv("python", 4000, ["http://a:1"], 1800)[3:])
+    assert args.worker_urls == ["http://a:1"] and args.health_check_endpoint == "/health"
+    assert args.health_failure_threshold > 1000 and args.health_check_interval_secs == ROUTER_HEALTH_INTERVAL_S
