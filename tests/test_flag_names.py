@@ -30,6 +30,11 @@ OTHER_TOOL_FLAGS = {
     "--intermediate-size": "tiny_model.py",
     "--init-from": "tiny_model.py",
     "--worker-urls": "rollout/manager.py",  # sglang_router.launch_router, started for --use-sglang-router
+    "--health-check-endpoint": "rollout/manager.py",
+    "--health-check-interval-secs": "rollout/manager.py",
+    "--health-check-timeout-secs": "rollout/manager.py",
+    "--health-failure-threshold": "rollout/manager.py",
+    "--health-success-threshold": "rollout/manager.py",
 }
 
 
