@@ -44,12 +44,19 @@ class ParsedArgs:
 
 
 @functools.cache
-def sglang_parser() -> argparse.ArgumentParser:
+def sglang_parser(prog: str = "sglang.launch_server", description: str | None = None,
+                  standalone: bool = False) -> argparse.ArgumentParser:
+    """SGLang's own server parser (`ServerArgs.add_cli_args`), built once per use.
+
+    Embedded in our CLI (default): no --help of its own and errors raised, not exited. `standalone=True`
+    is the embedded engine's own command line: --help, and argparse's usual exit on a bad flag.
+    """
     try:
         from sglang.srt.server_args import ServerArgs
     except ImportError as e:  # pragma: no cover - the venv always has it
         raise ArgsError(f"cannot import SGLang's ServerArgs ({e}); run `make venv` or install sglang") from e
-    parser = argparse.ArgumentParser(prog="sglang.launch_server", add_help=False, exit_on_error=False)
+    parser = argparse.ArgumentParser(prog=prog, description=description, add_help=standalone,
+                                     exit_on_error=standalone)
     ServerArgs.add_cli_args(parser)
     return parser
 

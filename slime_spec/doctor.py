@@ -13,7 +13,7 @@ from pathlib import Path
 
 from slime_spec import flag_checks
 from slime_spec import flags as F
-from slime_spec.args import ArgsError, ParsedArgs, closest_flag, parse, sglang_version, to_config
+from slime_spec.args import ArgsError, ParsedArgs, closest_flag, parse, sglang_parser, sglang_version, to_config
 from slime_spec.cluster_check import gpu_findings
 from slime_spec.config import Config
 from slime_spec.doctor_codes import Finding, Rule
@@ -112,7 +112,7 @@ def embedded_flag_findings(config: Config) -> list[Finding]:
     """Backend embedded: the forwarded SGLang flags its server would refuse at start, found before launch."""
     if config.engine.backend != "embedded":
         return []
-    from slime_spec.engine.server_args import classify_flags, defaults_of, option_names, sglang_parser
+    from slime_spec.engine.server_args import classify_flags, defaults_of, option_names
 
     parser = sglang_parser()
     names = {dest: "--sglang-" + opt[2:] for dest, opt in option_names(parser).items()}

@@ -11,7 +11,8 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -19,6 +20,7 @@ from pathlib import Path
 class StructSpec:
     name: str
     fields: dict[str, bool]  # field name -> has a default
+    annotations: dict[str, ast.expr] = field(default_factory=dict, compare=False)  # field name -> its type
 
     @property
     def required(self) -> set[str]:
@@ -32,33 +34,42 @@ def io_struct_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "srt" / "managers" / "io_struct.py"
 
 
+_PARSE_LOCK = threading.Lock()  # CPython 3.11's ast.parse can fail when two threads parse at once
+
+
 @functools.cache
-def _all_structs() -> dict[str, StructSpec]:
-    tree = ast.parse(io_struct_path().read_text())
+def all_structs() -> dict[str, StructSpec]:
+    with _PARSE_LOCK:
+        tree = ast.parse(io_struct_path().read_text())
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
 
-    def own_fields(node: ast.ClassDef) -> dict[str, bool]:
-        out: dict[str, bool] = {}
+    def own_fields(node: ast.ClassDef) -> dict[str, tuple[bool, ast.expr]]:
+        out: dict[str, tuple[bool, ast.expr]] = {}
         for stmt in node.body:
             if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
                 name = stmt.target.id
                 if name.startswith("_") or _is_classvar(stmt.annotation):
                     continue
-                out[name] = stmt.value is not None
+                out[name] = (stmt.value is not None, stmt.annotation)
         return out
 
-    def fields_of(name: str, seen: frozenset = frozenset()) -> dict[str, bool]:
+    def fields_of(name: str, seen: frozenset = frozenset()) -> dict[str, tuple[bool, ast.expr]]:
         node = classes.get(name)
         if node is None or name in seen:
             return {}
-        merged: dict[str, bool] = {}
+        merged: dict[str, tuple[bool, ast.expr]] = {}
         for base in node.bases:
             if isinstance(base, ast.Name):
                 merged.update(fields_of(base.id, seen | {name}))
         merged.update(own_fields(node))
         return merged
 
-    return {name: StructSpec(name, fields_of(name)) for name in classes}
+    structs = {}
+    for name in classes:
+        fields = fields_of(name)
+        structs[name] = StructSpec(name, {f: d for f, (d, _) in fields.items()},
+                                   {f: a for f, (_, a) in fields.items()})
+    return structs
 
 
 def _is_classvar(annotation: ast.expr) -> bool:
@@ -67,7 +78,7 @@ def _is_classvar(annotation: ast.expr) -> bool:
 
 
 def struct(name: str) -> StructSpec:
-    structs = _all_structs()
+    structs = all_structs()
     if name not in structs:
         raise KeyError(f"io_struct has no class {name!r} in {io_struct_path()}")
     return structs[name]

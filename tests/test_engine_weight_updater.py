@@ -19,7 +19,8 @@ from slime_spec.dist_group import WeightUpdateGroup
 from slime_spec.engines.process import embedded_server_process
 from slime_spec.net import free_port
 from slime_spec.tiny_model import make_tiny_model
-from slime_spec.engine.weight_updater import serialize_named_tensors, tensor_checksum
+from slime_spec.engine.weight_updater import tensor_checksum
+from slime_spec.weight_sync.transports import serialize_named_tensors
 
 PROMPTS = ["hello world", "the cat sat on", "abc abc abc", "Once upon a time"]
 NORM = "model.norm.weight"

@@ -19,14 +19,13 @@ against the annotations of SGLang's io_struct class.
 from __future__ import annotations
 
 import ast
-import functools
 import math
 import uuid
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from slime_spec.sglang_contract import io_struct_path, validate_payload
+from slime_spec.sglang_contract import all_structs, validate_payload
 
 MAX_PARALLEL_SAMPLE_NUM = 1024
 SEQUENCES_PER_RUNNING_REQUEST = 64
@@ -323,26 +322,6 @@ def _value_at(body: dict, field: str) -> Any:
 
 
 # ------------------------------------------------------------------ control-route bodies
-@functools.cache
-def _annotations() -> dict[str, dict[str, ast.expr]]:
-    """Field annotations of SGLang's io_struct classes (bases first), read from its source (see sglang_contract)."""
-    tree = ast.parse(io_struct_path().read_text())
-    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
-
-    def fields(name: str, seen: frozenset = frozenset()) -> dict[str, ast.expr]:
-        node = classes.get(name)
-        if node is None or name in seen:
-            return {}
-        out: dict[str, ast.expr] = {}
-        for base in node.bases:
-            if isinstance(base, ast.Name):
-                out.update(fields(base.id, seen | {name}))
-        out.update({st.target.id: st.annotation for st in node.body
-                    if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)})
-        return out
-    return {name: fields(name) for name in classes}
-
-
 _JSON_TYPES = {"str": (str,), "bytes": (str,), "int": (int,), "float": (int, float), "bool": (bool,),
                "dict": (dict,), "Dict": (dict,), "list": (list,), "List": (list,)}
 
@@ -375,7 +354,8 @@ def _matches(value: Any, ann: ast.expr) -> bool:
 
 def check_field_types(struct_name: str, body: dict) -> None:
     """Raise ValueError naming the first field whose JSON value does not fit SGLang's annotation of it."""
-    fields = _annotations().get(struct_name, {})
+    spec = all_structs().get(struct_name)
+    fields = spec.annotations if spec is not None else {}
     for name, value in body.items():
         ann = fields.get(name)
         if ann is not None and not _matches(value, ann):

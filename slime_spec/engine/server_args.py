@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from slime_spec import spec
+from slime_spec.args import sglang_parser
 from slime_spec.dtypes import canonical_dtype, config_dtype
 from slime_spec.doctor_codes import SERVER_PREFIX, Rule, errors
 
@@ -142,13 +143,10 @@ class EngineServerArgs:
         return self.spec is not None and self.spec.speculative_algorithm.uses_draft_model
 
 
-def sglang_parser() -> argparse.ArgumentParser:
-    from sglang.srt.server_args import ServerArgs
-
-    parser = argparse.ArgumentParser(prog="python -m slime_spec.engine",
-                                     description="slime-spec's embedded SGLang-compatible server")
-    ServerArgs.add_cli_args(parser)
-    return parser
+def engine_parser() -> argparse.ArgumentParser:
+    """The embedded engine's command line: SGLang's own server parser, with --help."""
+    return sglang_parser("python -m slime_spec.engine", "slime-spec's embedded SGLang-compatible server",
+                         standalone=True)
 
 
 def option_names(parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -230,7 +228,7 @@ def read_model_config(model_path: str) -> dict:
 
 def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> EngineServerArgs:
     """Parse SGLang server flags into the embedded engine's typed arguments, or raise ServerArgsError."""
-    parser = sglang_parser()
+    parser = engine_parser()
     values = vars(parser.parse_args(argv))
     names = option_names(parser)
     report = classify_flags(values, defaults_of(parser), names)

@@ -23,7 +23,8 @@ update is received once and loaded into every selected runner.
 0), each a pickle that SGLang's own `MultiprocessingSerializer.deserialize` reads (its SafeUnpickler).
 SGLang's producers pickle with ForkingPickler (shared-memory handles, same host); a plain
 `pickle.dumps([(name, cpu_tensor), ...])` also deserializes there and carries the bytes inline, which
-is what `serialize_named_tensors` below writes: the same payload shape, safe across processes on CPU.
+is what the tensor transport writes (weight_sync/transports.serialize_named_tensors): the same payload
+shape, safe across processes on CPU.
 
 Runners (which served tensors a `selector` reaches, by HF name): SGLang fans an update out to the selected
 model runners; each loads the names its model has. The MiMo target runner skips `model.mtp_layers.*`; the
@@ -34,10 +35,8 @@ behind slime #1177).
 
 from __future__ import annotations
 
-import base64
 import functools
 import hashlib
-import io
 import logging
 import pickle
 from pathlib import Path
@@ -111,13 +110,6 @@ def plan_load(runners: list[Runner], named: list[tuple[str, torch.Tensor]], *, t
 
 
 # ------------------------------------------------------------------ payloads
-def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
-    """A CPU-safe `serialized_named_tensors` entry: base64 of a pickle SGLang's deserializer accepts."""
-    buf = io.BytesIO()
-    pickle.dump([(n, t.detach().cpu().contiguous()) for n, t in named], buf)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
 def deserialize_named_tensors(payload: Any) -> Any:
     """One rank's entry (base64 str or bytes) -> what the producer pickled, through SGLang's SafeUnpickler."""
     from sglang.srt.utils.common import MultiprocessingSerializer, normalize_serialized_named_tensor_payload
