@@ -13,14 +13,23 @@ from slime_spec.config import Config
 from slime_spec.doctor_codes import Finding, Rule
 
 
+def layout(actor_gpus: int, rollout_gpus: int, colocate: bool) -> tuple[int, int]:
+    """(GPU bundles a run reserves, index in the sorted bundles where the rollout's start): colocated, the
+    trainer and the engines share max(actor, rollout) GPUs; separate, they take their sum, actor first."""
+    if colocate:
+        return max(actor_gpus, rollout_gpus), 0
+    return actor_gpus + rollout_gpus, actor_gpus
+
+
 def requested_gpus(config: Config) -> tuple[int, str]:
     """GPUs the run places (engines, plus the trainer unless --debug-rollout-only), and how they add up."""
     c = config.cluster
     rollout = config.num_engines * c.rollout_num_gpus_per_engine
     actor = 0 if config.debug_rollout_only else c.actor_num_nodes * c.actor_num_gpus_per_node
+    total, _ = layout(actor, rollout, c.colocate)
     if c.colocate:
-        return max(actor, rollout), f"actor {actor} and rollout {rollout} on the same GPUs (--colocate)"
-    return actor + rollout, f"actor {actor} + rollout {rollout}"
+        return total, f"actor {actor} and rollout {rollout} on the same GPUs (--colocate)"
+    return total, f"actor {actor} + rollout {rollout}"
 
 
 def compare_gpus(requested: int, detail: str, cluster_gpus: float | None, local_gpus: int, launching: bool,

@@ -19,6 +19,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from slime_spec.cluster_check import layout
+
 PLACEMENT_TIMEOUT_S = 300.0
 PROGRESS_EVERY_S = 30.0
 TRAIN_GPU_FRACTION = 0.4
@@ -42,13 +44,6 @@ class Placement:
 
     group: object  # ray.util.placement_group.PlacementGroup
     assignment: Assignment
-
-
-def layout(actor_gpus: int, rollout_gpus: int, colocate: bool) -> tuple[int, int]:
-    """(bundles to reserve, index in the sorted bundles where the rollout's start)."""
-    if colocate:
-        return max(actor_gpus, rollout_gpus), 0
-    return actor_gpus + rollout_gpus, actor_gpus
 
 
 def node_key(node: str) -> tuple:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from slime_spec.placement import assign, layout, node_key, sorted_bundles
+from slime_spec.cluster_check import layout
+from slime_spec.placement import assign, node_key, sorted_bundles
 from slime_spec.rollout.manager import ROUTER_HEALTH_INTERVAL_S, sglang_router_argv
 
 
