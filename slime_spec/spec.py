@@ -55,6 +55,11 @@ class Algorithm(StrEnum):
         """A draft runner with weights exists (everything but NGRAM's token matching)."""
         return self is not Algorithm.NGRAM
 
+    @property
+    def can_draft_with_target_mtp(self) -> bool:
+        """Without a draft path, the draft is the target checkpoint's own MTP layers (EAGLE/NEXTN, FROZEN_KV_MTP)."""
+        return self in (Algorithm.EAGLE, Algorithm.FROZEN_KV_MTP)
+
 
 ALIASES = {"NEXTN": "EAGLE"}  # sglang/srt/speculative/spec_registry.py _RESERVED_ALIASES
 # What the embedded engine implements: EAGLE with the target's own (MiMo) MTP layers, STANDALONE, NGRAM.

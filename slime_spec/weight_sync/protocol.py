@@ -18,13 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from slime_spec.spec import Algorithm
+
 Selector = Literal["target", "draft", "all"]
 Transport = Literal["distributed", "tensor", "disk"]
 
 SESSION_MIN_VERSION = (0, 5, 23)
 # Speculative algorithms whose draft is the model's own MTP layers when no other draft path is given.
-NATIVE_MTP_ALGORITHMS = {"EAGLE", "NEXTN", "FROZEN_KV_MTP"}
-NO_DRAFT_ALGORITHMS = {None, "", "NONE", "NGRAM"}
 
 
 @dataclass(frozen=True)
@@ -82,18 +82,23 @@ class SpecSetup:
                    draft_model_path=server_args.get("speculative_draft_model_path"), model_path=model_path)
 
     @property
-    def algorithm_name(self) -> str | None:
-        return None if self.algorithm in (None, "") else str(self.algorithm).upper()
+    def resolved_algorithm(self) -> Algorithm | None:
+        """spec.Algorithm (NEXTN is EAGLE); None without speculation."""
+        if self.algorithm in (None, "") or str(self.algorithm).upper() == "NONE":
+            return None
+        return Algorithm.parse(self.algorithm)
 
     @property
     def uses_draft(self) -> bool:
-        return self.algorithm_name not in NO_DRAFT_ALGORITHMS
+        algorithm = self.resolved_algorithm
+        return algorithm is not None and algorithm.uses_draft_model
 
     @property
     def native_mtp(self) -> bool:
         """The draft is the target checkpoint's own MTP layers (EAGLE/NEXTN with no separate draft path)."""
         own_path = self.draft_model_path in (None, "", self.model_path)
-        return self.algorithm_name in NATIVE_MTP_ALGORITHMS and own_path
+        algorithm = self.resolved_algorithm
+        return algorithm is not None and algorithm.can_draft_with_target_mtp and own_path
 
 
 @dataclass(frozen=True)
