@@ -63,22 +63,41 @@ def run_all(steps: list[tuple[str, Callable[[], object]]]) -> list[str]:
     return failures
 
 
+def restarted_engine_urls(manager) -> list[str]:
+    """URLs of the engines the fleet fenced after a restart (they must rejoin and get a full sync)."""
+    import ray
+
+    needing = ray.get(manager.engines_needing_sync.remote())
+    if not needing:
+        return []
+    urls = ray.get(manager.engine_urls.remote())
+    return [urls[i] for i in needing]
+
+
+def sync_and_confirm(manager, version: str, restarted_urls: list[str],
+                     sync: Callable[[str, list[str]], dict]) -> dict:
+    """`sync(version, restarted_urls)`, then every engine must report `version` (which lifts its fence)."""
+    import ray
+
+    metrics = sync(version, restarted_urls)
+    still = ray.get(manager.confirm_weights.remote(version))
+    if still:
+        raise RuntimeError(f"engine(s) {still} do not report weight version {version!r} after the sync; "
+                           "see the engine logs")
+    return metrics
+
+
 def resync_fenced(manager, resync: Callable[[str, list[str]], dict]) -> dict:
     """Engines the fleet fenced after a restart get the current weights (group rejoined, full sync, canary)
     before they serve again; `resync(version, restarted_urls)` is the trainer's sync."""
     import ray
 
-    needing = ray.get(manager.engines_needing_sync.remote())
-    if not needing:
+    restarted = restarted_engine_urls(manager)
+    if not restarted:
         return {}
-    urls, version = ray.get([manager.engine_urls.remote(), manager.weight_version.remote()])
-    print(f"[train] engine(s) {needing} restarted: re-syncing weights {version!r} before they serve", flush=True)
-    metrics = resync(version, [urls[i] for i in needing])
-    still = ray.get(manager.confirm_weights.remote(version))
-    if still:
-        raise RuntimeError(f"engine(s) {still} do not report weight version {version!r} after a re-sync; "
-                           "see the engine logs")
-    return {f"resync/{k}": v for k, v in metrics.items()}
+    version = ray.get(manager.weight_version.remote())
+    print(f"[train] engine(s) {restarted} restarted: re-syncing weights {version!r} before they serve", flush=True)
+    return {f"resync/{k}": v for k, v in sync_and_confirm(manager, version, restarted, resync).items()}
 
 
 def generate_fenced(manager, rollout_id: int, resync: Callable[[str, list[str]], dict]) -> tuple[list, dict]:
@@ -96,16 +115,8 @@ def generate_fenced(manager, rollout_id: int, resync: Callable[[str, list[str]],
 
 def sync_all(trainer, manager, version: str, probe_samples=None) -> dict:
     """The trainer's weights into every engine as `version`; engines restarted since the last sync rejoin."""
-    import ray
-
-    needing = ray.get(manager.engines_needing_sync.remote())
-    urls = ray.get(manager.engine_urls.remote())
-    metrics = trainer.sync_weights(version, probe_samples=probe_samples, restarted_urls=[urls[i] for i in needing])
-    still = ray.get(manager.confirm_weights.remote(version))
-    if still:
-        raise RuntimeError(f"engine(s) {still} do not report weight version {version!r} after the sync; "
-                           "see the engine logs")
-    return metrics
+    return sync_and_confirm(manager, version, restarted_engine_urls(manager), lambda v, urls: trainer.sync_weights(
+        v, probe_samples=probe_samples, restarted_urls=urls))
 
 
 def run(config: Config, *, manager_kwargs: dict | None = None) -> dict:
