@@ -200,11 +200,15 @@ class CausalLM(nn.Module):
         return KVCache(1, slots, max_seq, self.args.num_kv_heads, self.args.head_dim, p.dtype, p.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor) -> torch.Tensor:
-        """input_ids/positions [B, T] -> final-normed hidden states [B, T, H] (logits: `self.logits(hidden)`)."""
+                slots: torch.Tensor, num_keys: int | None = None) -> torch.Tensor:
+        """input_ids/positions [B, T] -> final-normed hidden states [B, T, H] (logits: `self.logits(hidden)`).
+
+        num_keys: keys attention reads per row (at least the longest row's last position + 1); None reads
+        the positions back from the device, which a captured CUDA graph cannot do.
+        """
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
-        mask = causal_mask(positions, int(positions.max()) + 1)
+        mask = causal_mask(positions, num_keys or int(positions.max()) + 1)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], slots, positions, mask)
         return self.model.norm(x)
@@ -213,7 +217,7 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
-                    cache: KVCache, slots: torch.Tensor, layer: int = 0) -> torch.Tensor:
+                    cache: KVCache, slots: torch.Tensor, layer: int = 0, num_keys: int | None = None) -> torch.Tensor:
         """One MiMo MTP layer, as SGLang's MiMoMultiTokenPredictorLayer runs it.
 
         At position p it reads the token x_{p+1} and the hidden state of position p (the target's final-normed
@@ -226,7 +230,7 @@ class CausalLM(nn.Module):
         embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)
         x = mtp.input_proj(torch.cat((mtp.hidden_layernorm(prev_hidden), mtp.token_layernorm(embeds)), dim=-1))
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
-        mask = causal_mask(positions, int(positions.max()) + 1)
+        mask = causal_mask(positions, num_keys or int(positions.max()) + 1)
         x = DecoderLayer.forward(mtp, x, cos, sin, cache.k[0], cache.v[0], slots, positions, mask)
         return mtp.final_layernorm(x)
 

@@ -1,0 +1,153 @@
+"""CUDA graphs for the embedded engine's decode, verify and draft forwards.
+
+On a GPU a decode step of a small model is bound by kernel launches, not by the GPU: hundreds of small
+kernels per token, each launched from Python. Capturing the forward once per shape and replaying it
+removes that cost (gpt-fast's and SGLang's cure). A graph replays fixed shapes, so:
+
+- the batch is padded up to the next captured batch size, SGLang's decode list
+  (`--cuda-graph-bs-decode`, `--cuda-graph-max-bs-decode`; `decode_batch_sizes` reproduces SGLang's
+  `generate_decode_cuda_graph_batch_sizes`); padded rows write into a scratch KV slot no request owns;
+- attention reads a fixed number of keys, the next bucket above the longest row (`key_buckets`), so one
+  graph serves every sequence length in its bucket;
+- tokens per row are fixed per graph: 1 for decode and draft steps, k+1 for verify and draft extend.
+
+Weights and the KV cache are read from their tensors' storage: weight updates copy into parameters in
+place, so a sync needs no re-capture; releasing memory (which frees that storage) drops the graphs, and
+they are captured again on the next forward.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from typing import Callable
+
+import torch
+
+
+def decode_batch_sizes(max_bs: int, speculative: bool, disable_padding: bool = False) -> list[int]:
+    """SGLang 0.5.23's default decode capture list for `max_bs` (finer steps for speculative decoding)."""
+    if disable_padding:
+        sizes = list(range(1, max_bs + 1))
+    elif not speculative:
+        sizes = [1, 2, 4, 8, 12] + list(range(16, 257, 8)) + list(range(272, 512, 16)) + list(range(512, max_bs + 1, 32))
+    else:
+        sizes = (list(range(1, 9)) + list(range(10, 33, 2)) + list(range(40, 65, 4)) + list(range(72, 257, 8))
+                 + list(range(272, max_bs + 1, 16)))
+    sizes = [s for s in sizes if s <= max_bs]
+    if max_bs not in sizes:
+        sizes.append(max_bs)
+    return sizes
+
+
+def key_buckets(max_keys: int, smallest: int = 256) -> list[int]:
+    """Key counts a graph is captured for: powers of two from `smallest`, and `max_keys` itself."""
+    out, n = [], smallest
+    while n < max_keys:
+        out.append(n)
+        n *= 2
+    return out + [max_keys]
+
+
+def _bucket(sizes: list[int], n: int) -> int | None:
+    i = bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+ForwardFn = Callable[..., torch.Tensor]  # (input_ids, positions, slots, num_keys, **extra) -> [B, T, H]
+
+
+class GraphedForward:
+    """One forward captured over (batch size, tokens per row, key count) shapes, replayed with padding.
+
+    `fn(input_ids [B, T], positions [B, T], slots [B], num_keys, **extra)` must run only tensor ops on its
+    inputs and return a [B, T, ...] tensor; `extra` names further per-token inputs (the MTP layer's hidden
+    states) as {name: (trailing shape, dtype)}. With `capture=False` (CPU) the same padding runs eagerly,
+    so the shape logic is tested where no GPU is.
+    """
+
+    def __init__(self, fn: ForwardFn, *, batch_sizes: list[int], token_counts: list[int], key_counts: list[int],
+                 scratch_slot: int, device: torch.device, extra: dict[str, tuple[tuple[int, ...], torch.dtype]]
+                 | None = None, capture: bool | None = None, pool=None):
+        self.fn = fn
+        self.batch_sizes, self.token_counts = sorted(set(batch_sizes)), sorted(set(token_counts))
+        self.key_counts = sorted(set(key_counts))
+        self.scratch_slot, self.device = scratch_slot, torch.device(device)
+        self.capture_graphs = self.device.type == "cuda" if capture is None else capture
+        bs, t = self.batch_sizes[-1], self.token_counts[-1]
+        self.input_ids = torch.zeros(bs, t, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(bs, t, dtype=torch.long, device=self.device)
+        self.slots = torch.full((bs,), scratch_slot, dtype=torch.long, device=self.device)
+        self.extra = {name: torch.zeros(bs, t, *shape, dtype=dtype, device=self.device)
+                      for name, (shape, dtype) in (extra or {}).items()}
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = pool
+        self.capture_seconds = 0.0
+
+    def shape_for(self, batch: int, tokens: int, num_keys: int) -> tuple[int, int, int] | None:
+        """The captured (batch, tokens, keys) a call pads up to, or None when it does not fit any graph."""
+        if tokens not in self.token_counts:
+            return None
+        bs, keys = _bucket(self.batch_sizes, batch), _bucket(self.key_counts, num_keys)
+        return None if bs is None or keys is None else (bs, tokens, keys)
+
+    def _static_call(self, bs: int, t: int, keys: int) -> torch.Tensor:
+        extra = {name: buf[:bs, :t] for name, buf in self.extra.items()}
+        return self.fn(self.input_ids[:bs, :t], self.positions[:bs, :t], self.slots[:bs], keys, **extra)
+
+    def capture(self) -> float:
+        """Capture every shape, largest batch first so smaller graphs reuse its memory; returns seconds."""
+        if not self.capture_graphs or self.graphs:
+            return 0.0
+        t0 = time.perf_counter()
+        self.slots.fill_(self.scratch_slot)
+        self.positions.zero_()
+        self.input_ids.zero_()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.no_grad():
+            for bs in reversed(self.batch_sizes):
+                for t in self.token_counts:
+                    for keys in self.key_counts:
+                        for _ in range(2):  # warm-up: cuBLAS handles and workspaces before capture
+                            self._static_call(bs, t, keys)
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                            out = self._static_call(bs, t, keys)
+                        self.graphs[(bs, t, keys)] = (graph, out)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+        return self.capture_seconds
+
+    def drop(self) -> None:
+        """Forget the graphs (their memory and the storage they captured); the next call captures again."""
+        self.graphs.clear()
+        self.pool = None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, num_keys: int,
+                 **extra: torch.Tensor) -> torch.Tensor:
+        """Run at the padded shape; `num_keys` (a host int: longest row's last position + 1) picks the bucket."""
+        n, t = input_ids.shape
+        shape = self.shape_for(n, t, num_keys)
+        if shape is None:
+            raise ValueError(f"no captured graph for batch {n}, {t} tokens per row, {num_keys} keys "
+                             f"(batch sizes {self.batch_sizes}, tokens {self.token_counts}, keys {self.key_counts})")
+        bs, t, keys = shape
+        self.input_ids[:n, :t].copy_(input_ids)
+        self.positions[:n, :t].copy_(positions)
+        self.slots[:n].copy_(slots)
+        self.slots[n:bs].fill_(self.scratch_slot)
+        self.positions[n:bs, :t].copy_(torch.arange(t, device=self.device).expand(bs - n, t))
+        for name, value in extra.items():
+            self.extra[name][:n, :t].copy_(value)
+        if not self.capture_graphs:
+            with torch.no_grad():
+                return self._static_call(bs, t, keys)[:n].clone()
+        if not self.graphs:
+            self.capture()
+        graph, out = self.graphs[shape]
+        graph.replay()
+        return out[:n].clone()
