@@ -369,3 +369,24 @@ def test_sglang_without_rollback_reports_what_each_engine_holds(make_server):
     assert 0 < by_url[bad.url].agree < by_url[bad.url].total
     assert good.session is None and bad.session is None and good.paused and bad.paused
     assert "/abort_weight_update" in good.paths() and "/end_weight_update" in good.paths()
+
+
+def test_check_interval_skips_the_coverage_check_and_a_later_failure_says_unverified(make_server):
+    server = make_server(draft="mtp")
+    syncer = make_syncer([server], "tensor", check=False)
+    syncer.config = WeightSyncConfig(weight_sync_transport="tensor", update_weight_buffer_size=4096,
+                                     weight_sync_check_interval=2)
+    checks = lambda: server.paths().count("/weights_checker")  # noqa: E731
+    first = syncer.sync(iter_hf_state(make_weights(MIMO, seed=1), MIMO), weight_version="1")
+    assert first["weight_sync_checked"] == 0 and checks() == 1  # the baseline read only, no coverage check
+    second = syncer.sync(iter_hf_state(make_weights(MIMO, seed=2), MIMO), weight_version="2")
+    assert second["weight_sync_checked"] == 1 and checks() == 2
+    for key in ("weight_sync_s", "weight_sync_gbps", "rollout_paused_s", "weight_sync_gather_convert_s",
+                "weight_sync_control_s", "weight_sync_send_s", "weight_sync_flush_s", "weight_sync_check_s"):
+        assert second[key] >= 0, key
+    assert second["rollout_paused_s"] == second["weight_sync_s"]
+    syncer.sync(iter_hf_state(make_weights(MIMO, seed=3), MIMO), weight_version="3")  # unchecked
+    server.fail_on_name = "model.layers.1.mlp.up_proj.weight"
+    with pytest.raises(WeightSyncError, match="UNVERIFIED.*weight-sync-check-interval") as err:
+        syncer.sync(iter_hf_state(make_weights(MIMO, seed=4), MIMO), weight_version="4")
+    assert err.value.engines[0].serves == "unverified" and server.paused

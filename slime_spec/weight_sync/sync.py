@@ -29,6 +29,7 @@ leaves rank 0 waiting in the broadcast until the group's timeout (`timeout_s`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -66,20 +67,40 @@ class WeightSyncError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class SyncSplit:
+    """Where a sync's time went (seconds): the part the trainer does and the part the engines do are apart."""
+
+    gather_convert_s: float = 0.0  # trainer: TP gather, Megatron -> HF conversion, bucketing (the tensor stream)
+    control_s: float = 0.0  # HTTP control requests: pause, begin, end, (group set-up), not the update requests
+    send_s: float = 0.0  # update requests: HTTP + wire + engine-side load, as the trainer waits for them
+    flush_s: float = 0.0  # /flush_cache
+    check_s: float = 0.0  # coverage (and value) check after the sync; 0 when skipped
+
+    def metrics(self) -> dict:
+        return {"weight_sync_gather_convert_s": self.gather_convert_s, "weight_sync_control_s": self.control_s,
+                "weight_sync_send_s": self.send_s, "weight_sync_flush_s": self.flush_s,
+                "weight_sync_check_s": self.check_s}
+
+
+@dataclass(frozen=True)
 class SyncReport:
-    seconds: float  # pause .. continue, verification included
+    seconds: float  # pause .. continue, verification included: how long generation was paused
     transfer_seconds: float  # pause .. flush: gather, convert, transfer, load
     gbps: float  # model bytes (one copy, however many engines) / transfer_seconds, 1e9 bytes per GB
     target_tensors: int
     mtp_tensors: int
     bytes: int
     buckets: int
-    served_written: dict[str, int]
+    served_written: dict[str, int]  # empty when the check was skipped (--weight-sync-check-interval)
+    split: SyncSplit = SyncSplit()
+    checked: bool = True
 
     def metrics(self) -> dict:
         """The keys the training loop merges into each rollout's metrics line."""
-        return {"weight_sync_s": self.seconds, "weight_sync_gbps": self.gbps,
-                "weight_sync_params": self.target_tensors, "weight_sync_mtp_params": self.mtp_tensors}
+        return {"weight_sync_s": self.seconds, "weight_sync_gbps": self.gbps, "rollout_paused_s": self.seconds,
+                "weight_sync_params": self.target_tensors, "weight_sync_mtp_params": self.mtp_tensors,
+                "weight_sync_bytes": self.bytes, "weight_sync_buckets": self.buckets,
+                "weight_sync_checked": int(self.checked), **self.split.metrics()}
 
 
 @dataclass
@@ -126,6 +147,7 @@ class WeightSyncer:
         # verified sync; None where unknown (no /weights_checker, or a sync whose check was skipped or failed)
         self._checkpoint: dict[str, served_state.ServedState | None] | None = None  # read by the first sync
         self._verified: dict[str, served_state.ServedState | None] = {}
+        self._syncs = 0  # completed syncs, for --weight-sync-check-interval
 
     # ---- set-up, once, from what the engines say about themselves ----
     def prepare(self) -> None:
@@ -177,20 +199,27 @@ class WeightSyncer:
         use_session = session and self.transport_name != "disk"
         recorded = self._recorder() if self.config.check_weight_sync else None
         counts, nbytes, buckets, buckets_applied, sent = {"target": 0, "mtp": 0}, 0, 0, 0, set()
+        clock = _Clock()
         t0 = time.perf_counter()
         session_open = False
         try:
-            post_all(self.clients, "/pause_generation", protocol.pause_payload("retract"))
+            with clock("control"):
+                post_all(self.clients, "/pause_generation", protocol.pause_payload("retract"))
             if self._checkpoint is None:
-                self._read_baseline()
-            self.transport.start()
-            if use_session:
-                post_all(self.clients, "/begin_weight_update",
-                         protocol.begin_payload(protocol.session_selector(plan)))
-                session_open = True
-            for bucket in make_buckets(_only_wanted(tensors, plan), self.config.update_weight_buffer_size):
+                with clock("check"):
+                    self._read_baseline()
+            with clock("control"):
+                self.transport.start()
+                if use_session:
+                    post_all(self.clients, "/begin_weight_update",
+                             protocol.begin_payload(protocol.session_selector(plan)))
+                    session_open = True
+            stream = clock.timed_iter("gather_convert", make_buckets(_only_wanted(tensors, plan),
+                                                                     self.config.update_weight_buffer_size))
+            for bucket in stream:
                 selector = plan.target if bucket.kind == "target" else plan.mtp
-                self.transport.send(bucket, selector, weight_version)
+                with clock("send"):
+                    self.transport.send(bucket, selector, weight_version)
                 buckets += 1
                 buckets_applied += self.transport_name != "disk"  # disk buckets only load in finish()
                 counts[bucket.kind] += len(bucket.tensors)
@@ -198,20 +227,34 @@ class WeightSyncer:
                 sent.update(bucket.names)
                 if recorded is not None:
                     recorded.add(bucket)
-            self.transport.finish(weight_version)
-            if use_session:
-                session_open = False
-                post_all(self.clients, "/end_weight_update", protocol.end_payload())
-            post_all(self.clients, "/flush_cache", {})
+            with clock("send"):
+                self.transport.finish(weight_version)
+            with clock("control"):
+                if use_session:
+                    session_open = False
+                    post_all(self.clients, "/end_weight_update", protocol.end_payload())
+            with clock("flush"):
+                post_all(self.clients, "/flush_cache", {})
         except Exception as e:
             raise self._failed(e, buckets_applied, session_open, weight_version) from e
         transfer_s = time.perf_counter() - t0
-        served_written = self._verify(sent, recorded)
-        post_all(self.clients, "/continue_generation", protocol.continue_payload())
+        self._syncs += 1
+        checked = recorded is not None or self._syncs % max(1, self.config.weight_sync_check_interval) == 0
+        with clock("check"):
+            served_written = self._verify(sent, recorded) if checked else self._skip_check()
+        with clock("control"):
+            post_all(self.clients, "/continue_generation", protocol.continue_payload())
         seconds = time.perf_counter() - t0
+        split = SyncSplit(**{f"{k}_s": v for k, v in clock.totals.items()})
         return SyncReport(seconds=seconds, transfer_seconds=transfer_s, gbps=nbytes / transfer_s / 1e9,
                           target_tensors=counts["target"], mtp_tensors=counts["mtp"], bytes=nbytes,
-                          buckets=buckets, served_written=served_written)
+                          buckets=buckets, served_written=served_written, split=split, checked=checked)
+
+    def _skip_check(self) -> dict[str, int]:
+        """No coverage check this sync: what the engines serve now is not verified, so a failure of the next
+        sync cannot claim they serve the previous weights (served_state.judge says "unverified")."""
+        self._verified = {c.url: None for c in self.clients}
+        return {}
 
     def _failed(self, error: Exception, buckets_applied: int, session_open: bool,
                 weight_version: str | None) -> WeightSyncError:
@@ -406,6 +449,32 @@ class WeightSyncer:
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+class _Clock:
+    """Accumulates wall time per phase of one sync (SyncSplit's fields without `_s`)."""
+
+    def __init__(self):
+        self.totals = {"gather_convert": 0.0, "control": 0.0, "send": 0.0, "flush": 0.0, "check": 0.0}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[phase] += time.perf_counter() - t0
+
+    def timed_iter(self, phase: str, items: Iterable):
+        """`items`, with the time spent producing each one counted to `phase`."""
+        it = iter(items)
+        while True:
+            with self(phase):
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+            yield item
 
 
 def _only_wanted(tensors: Iterable[NamedTensor], plan: protocol.SelectorPlan) -> Iterable[NamedTensor]:
