@@ -6,8 +6,14 @@ transfer (`/update_weights_from_distributed` + broadcast) + load into a real emb
 without the verification read-back). The raw baseline broadcasts the very tensors the sync sent, one by
 one, from this process to a bare receiver process: the wire cost alone.
 
+The sync's split (SyncSplit) is printed beside it: trainer-side gather+convert, HTTP control, send
+(update requests: HTTP + wire + engine-side load, as the trainer waits on them), flush, and the coverage
+check (run every --weight-sync-check-interval syncs).
+
     .venv/bin/python bench/weight_sync.py                                   # CPU, gloo
-    python bench/weight_sync.py --backend nccl --device cuda                # two GPUs: trainer 0, engine 1
+    python bench/weight_sync.py --backend nccl --device cuda --engine-gpu 1 # two GPUs: trainer 0, engine 1
+    python bench/weight_sync.py --preset mimo-7b --num-layers 4 --dtype bfloat16 \
+        --backend nccl --device cuda --engine-gpu 1 --bucket-mb 512 1024    # MiMo-7B-RL shapes, cut by layers
 """
 
 from __future__ import annotations
@@ -120,10 +126,15 @@ class RawBroadcast:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--num-layers", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--bucket-mb", type=int, default=128, help="--update-weight-buffer-size in MiB")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="small",
+                   help="model shape; mimo-7b is MiMo-7B-RL's (hidden 4096, vocab 151680, 36 layers + 1 MTP)")
+    p.add_argument("--hidden-size", type=int, default=None, help="overrides the preset")
+    p.add_argument("--num-layers", type=int, default=None, help="overrides the preset (cut a large model by layers)")
+    p.add_argument("--vocab", type=int, default=None, help="overrides the preset")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--bucket-mb", type=int, nargs="+", default=[128],
+                   help="--update-weight-buffer-size in MiB; several values: one row each, to size it by measurement")
+    p.add_argument("--check-interval", type=int, default=1, help="--weight-sync-check-interval of the syncer")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     p.add_argument("--device", default="cpu", help="trainer device: cpu, or cuda with --backend nccl")
@@ -136,8 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     from slime_spec.trainer import parallel
 
     work = Path(tempfile.mkdtemp(prefix="bench_weight_sync_"))
-    shape = dict(arch="mimo", mtp_layers=1, vocab_size=a.vocab, hidden_size=a.hidden_size, num_layers=a.num_layers,
-                 num_heads=8, num_kv_heads=4, intermediate_size=4 * a.hidden_size, max_position_embeddings=512)
+    preset = PRESETS[a.preset]
+    hidden = a.hidden_size or preset["hidden_size"]
+    shape = dict(preset, arch="mimo", mtp_layers=1, dtype=a.dtype, hidden_size=hidden,
+                 vocab_size=a.vocab or preset["vocab_size"], num_layers=a.num_layers or preset["num_layers"],
+                 intermediate_size=preset["intermediate_size"] or 4 * hidden)
     served = make_tiny_model(work / "served", seed=0, **shape)
     trained = make_tiny_model(work / "trained", seed=1, **shape)
     parallel.init_single_process(seed=0)
@@ -145,41 +159,51 @@ def main(argv: list[str] | None = None) -> int:
     model = M.build_gpt_model(hf_config, TrainConfig(hf_checkpoint=str(trained), mtp_num_layers=1))
     M.load_hf_weights(model, M.read_hf_state(trained), hf_config, tp_rank=0, tp_size=1)
     sent = [t.tensor.clone() for t in iter_hf_tensors(model.named_parameters(), hf_config)]
-    raw = RawBroadcast(sent, a.backend, a.device, a.engine_gpu, rounds=a.repeats + 1)
+    raw = RawBroadcast(sent, a.backend, a.device, a.engine_gpu, rounds=a.repeats * len(a.bucket_mb) + 1)
     raw.round()  # warm-up
     engine_device = "cuda" if a.backend == "nccl" else "cpu"
     proc, url = start_engine(served, engine_device, a.engine_gpu, work / "engine.log")
-    rows, raw_s = [], []
+    rows, raw_s = {mb: [] for mb in a.bucket_mb}, []
     try:
-        syncer = WeightSyncer([EngineClient(url)], WeightSyncConfig(update_weight_buffer_size=a.bucket_mb << 20),
-                              hf_config=hf_config, hf_checkpoint=served, spec=SpecSetup("EAGLE", None, str(served)),
-                              has_mtp_layers=True, transport="distributed", backend=a.backend,
-                              master_port=free_port())
-        for i in range(a.repeats):  # interleaved, so both see the same machine load
-            raw_s.append(raw.round())
-            rows.append(syncer.sync_report(iter_hf_tensors(model.named_parameters(), hf_config),
-                                           weight_version=str(i)))
-        syncer.close()
+        for mb in a.bucket_mb:
+            config = WeightSyncConfig(update_weight_buffer_size=mb << 20, weight_sync_check_interval=a.check_interval)
+            syncer = WeightSyncer([EngineClient(url)], config, hf_config=hf_config, hf_checkpoint=served,
+                                  spec=SpecSetup("EAGLE", None, str(served)), has_mtp_layers=True,
+                                  transport="distributed", backend=a.backend, master_port=free_port())
+            for i in range(a.repeats):  # interleaved, so both see the same machine load
+                raw_s.append(raw.round())
+                rows[mb].append(syncer.sync_report(iter_hf_tensors(model.named_parameters(), hf_config),
+                                                   weight_version=f"{mb}-{i}"))
+            syncer.close()
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         raw.close()
-    med = sorted(rows, key=lambda r: r.transfer_seconds)[len(rows) // 2]
     raw_med = sorted(raw_s)[len(raw_s) // 2]
     raw_gbps = raw.nbytes / raw_med / 1e9
-    print(f"model: mimo hidden {a.hidden_size}, {a.num_layers} layers + 1 MTP, vocab {a.vocab}; "
-          f"{med.target_tensors} target + {med.mtp_tensors} MTP tensors in {med.buckets} bucket(s) "
-          f"of <= {a.bucket_mb} MiB; backend {a.backend}; median of {a.repeats} interleaved rounds")
-    print("| path | MB | seconds | GB/s |\n|---|---|---|---|")
-    print(f"| full sync (gather+convert+transfer+load+flush) | {med.bytes / 1e6:.1f} | {med.transfer_seconds:.3f} | "
-          f"{med.gbps:.3f} |")
-    print(f"| raw {a.backend} broadcast of the same tensors | {raw.nbytes / 1e6:.1f} | {raw_med:.3f} | "
-          f"{raw_gbps:.3f} |")
-    print(f"ratio full sync / raw broadcast: {med.gbps / raw_gbps:.2f}; coverage check after each sync adds "
-          f"{med.seconds - med.transfer_seconds:.3f} s; all sync rounds (s): "
-          f"{', '.join(f'{r.transfer_seconds:.3f}' for r in rows)}; raw rounds (s): "
-          f"{', '.join(f'{x:.3f}' for x in raw_s)}")
+    print(f"model: mimo hidden {hidden}, {shape['num_layers']} layers + 1 MTP, vocab {shape['vocab_size']}, "
+          f"{a.dtype}; backend {a.backend}, trainer {a.device}; median of {a.repeats} rounds, each next to a raw one")
+    print("| path | bucket MiB | buckets | MB | seconds | GB/s | / raw | gather+convert | control | send "
+          "(HTTP+wire+load) | flush | check |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for mb, reports in rows.items():
+        med = sorted(reports, key=lambda r: r.transfer_seconds)[len(reports) // 2]
+        sp = med.split
+        print(f"| full sync | {mb} | {med.buckets} | {med.bytes / 1e6:.1f} | {med.transfer_seconds:.3f} | "
+              f"{med.gbps:.3f} | {med.gbps / raw_gbps:.2f} | {sp.gather_convert_s:.3f} | {sp.control_s:.3f} | "
+              f"{sp.send_s:.3f} | {sp.flush_s:.3f} | {sp.check_s:.3f} |")
+    print(f"| raw {a.backend} broadcast, same tensors | - | - | {raw.nbytes / 1e6:.1f} | {raw_med:.3f} | "
+          f"{raw_gbps:.3f} | 1.00 | | | | | |")
+    print("raw rounds (s): " + ", ".join(f"{x:.3f}" for x in raw_s))
     return 0
+
+
+PRESETS = {
+    "small": dict(hidden_size=512, num_layers=8, vocab_size=8192, num_heads=8, num_kv_heads=4,
+                  intermediate_size=None, max_position_embeddings=512),
+    "mimo-7b": dict(hidden_size=4096, num_layers=36, vocab_size=151680, num_heads=32, num_kv_heads=8,
+                    intermediate_size=11008, max_position_embeddings=32768),
+}
 
 
 if __name__ == "__main__":

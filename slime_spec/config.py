@@ -165,6 +165,7 @@ class WeightSyncConfig:
                                                          flag_default("colocate"))
     update_weight_buffer_size: int = flag_default("update_weight_buffer_size")
     check_weight_sync: bool = flag_default("check_weight_sync")
+    weight_sync_check_interval: int = flag_default("weight_sync_check_interval")
 
 
 @dataclass(frozen=True)

@@ -219,6 +219,10 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--weight-sync-transport", {"default": None, "choices": ["distributed", "tensor", "disk"],
                                      "help": "default: distributed when engines are separate, tensor with --colocate"}),
         ("--check-weight-sync", _ON),
+        ("--weight-sync-check-interval", {**_I, "default": 1,
+                                          "help": "run the coverage check (the engine hashes every served weight) "
+                                                  "after every N-th sync; 1: every sync. A failed sync can verify "
+                                                  "which engines serve the previous weights only after a checked one"}),
         ("--engine-start-timeout", {**_F, "default": 1800.0,
                                     "help": "upper bound in seconds on an engine server's start-up; the wait goes on "
                                             "only while the process is alive and not yet healthy. Large engines "
@@ -288,7 +292,8 @@ ACTED_ON = {
     "mtp_num_layers", "enable_mtp_training", "mtp_loss_scaling_factor",
     "tensor_model_parallel_size",
     "config", "rollout_backend", "rollout_num_engines", "metrics_jsonl", "output_dir", "update_weight_buffer_size",
-    "weight_sync_transport", "check_weight_sync", "engine_start_timeout", "rollout_request_retries",
+    "weight_sync_transport", "check_weight_sync", "weight_sync_check_interval", "engine_start_timeout",
+    "rollout_request_retries",
     "allow_unknown_flags",
     # Model-shape flags: the trainer builds the model from config.json; these are checked against it.
     "swiglu", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",

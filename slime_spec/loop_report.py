@@ -207,7 +207,8 @@ class LoopReport:
         extras = [f"{k} {format_cell(step.get(k), '{:.4f}')}" for k in ("loss", "mtp_loss", "grad_norm") if k in step]
         if "weight_sync_s" in step:
             extras.append(f"sync {step['weight_sync_s']:.2f}s ({format_cell(step.get('weight_sync_gbps'), '{:.2f}')} GB/s, "
-                          f"{step.get('weight_sync_params')} target + {step.get('weight_sync_mtp_params')} MTP tensors)")
+                          f"{step.get('weight_sync_params')} target + {step.get('weight_sync_mtp_params')} MTP tensors; "
+                          + sync_split(step) + ")")
         extras += [f"{k} {format_cell(v, '{:.3f}')}" for k, v in step.items()
                    if k.startswith("eval/") and k.endswith(("/reward_mean", "/spec_accept_length"))]
         if step.get("spec_canary_accept_length") is not None:
@@ -230,3 +231,11 @@ class LoopReport:
         if self.wandb:
             self.wandb.finish()
         return summary
+
+
+def sync_split(step: dict) -> str:
+    """Where the sync's time went, and how long rollouts were paused (the keys WeightSyncer reports)."""
+    parts = [("gather+convert", "weight_sync_gather_convert_s"), ("control", "weight_sync_control_s"),
+             ("send", "weight_sync_send_s"), ("flush", "weight_sync_flush_s"), ("check", "weight_sync_check_s"),
+             ("paused", "rollout_paused_s")]
+    return ", ".join(f"{label} {step[key]:.2f}s" for label, key in parts if step.get(key) is not None)

@@ -99,6 +99,7 @@ class FakeSGLangServer:
         self.calls: list[tuple[str, dict]] = []  # POSTs: (path, body without tensor data)
         self.session: str | None = None
         self.paused = False
+        self.weight_version = "default"  # as SGLang's /model_info reports it; set by an applied update
         self.group = None
         head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
         kv_rows = hf_config["num_key_value_heads"] * head_dim
@@ -163,6 +164,8 @@ class FakeSGLangServer:
         if method == "GET":
             if path in ("/get_server_info", "/server_info"):
                 return 200, {"version": self.version, "dtype": "auto", "device": "cpu", "internal_states": [{}]}
+            if path == "/model_info":
+                return 200, {"model_path": "/ckpt", "weight_version": self.weight_version}
             if path in protocol.ROUTE_STRUCTS:
                 return 405, {"detail": "Method Not Allowed"}
             return 404, {"detail": "Not Found"}
@@ -178,9 +181,12 @@ class FakeSGLangServer:
                 self.contract_errors.append(f"{path}: {e}")
                 return 422, {"detail": str(e)}
         try:
-            return 200, self._route(path, body)
+            reply = self._route(path, body)
         except Exception as e:  # an SGLang route answers 400 {success: false, message}
             return 400, {"success": False, "message": f"{type(e).__name__}: {e}"}
+        if path.startswith("/update_weights_from") and body.get("weight_version") is not None:
+            self.weight_version = body["weight_version"]
+        return 200, reply
 
     def _route(self, path: str, body: dict) -> dict:
         ok = {"success": True, "message": "Success"}

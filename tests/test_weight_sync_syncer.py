@@ -234,3 +234,159 @@ def test_gpu_engine_without_get_weights_by_name_says_values_cannot_be_compared(m
     syncer.engine_device = "cuda"
     with pytest.raises(WeightSyncError, match="values cannot be compared.*Triton"):
         syncer.sync(iter_hf_state(make_weights(MIMO, seed=5), MIMO))
+
+
+# ---- a failed sync claims only what it verified (issue 11, item 2) ----
+
+def _injecting(tensors, at: int, inject):
+    """The tensors, with `inject()` run when the sync asks for tensor `at` (the buckets before it have landed)."""
+    for i, t in enumerate(tensors):
+        if i == at:
+            inject()
+        yield t
+
+
+def _embedded(tmp_path):
+    from tests.test_weight_sync_engine import EAGLE_FLAGS, TINY, InProcessEngine
+    from slime_spec.tiny_model import make_tiny_model
+
+    served = make_tiny_model(tmp_path / "served", arch="mimo", seed=0, **TINY)
+    new = make_tiny_model(tmp_path / "new", arch="mimo", seed=1, **TINY)
+    return served, new, InProcessEngine(served, EAGLE_FLAGS)
+
+
+def _embedded_syncer(clients, served):
+    from tests.test_weight_sync_engine import _config
+
+    return WeightSyncer(clients, WeightSyncConfig(update_weight_buffer_size=4096), hf_config=_config(served),
+                        hf_checkpoint=served, spec=SpecSetup("EAGLE", None, str(served)), has_mtp_layers=True,
+                        transport="tensor")
+
+
+def _new_state(path):
+    from tests.test_weight_sync_engine import _config, _state
+
+    return list(iter_hf_state(_state(path), _config(path)))
+
+
+def _checksums(engine):
+    return engine.client.post("/weights_checker", {"action": "checksum", "selector": "all"})["ranks"]
+
+
+def test_engine_restarted_mid_sync_is_reported_serving_the_checkpoint_not_rolled_back(tmp_path):
+    """The engine comes back mid-sync with its checkpoint and no session: its rollback reply says
+    `rolled_back: false`, and the syncer must read back that it serves the checkpoint, not the previous weights."""
+    served, new, engine = _embedded(tmp_path)
+    try:
+        syncer = _embedded_syncer([engine.client], served)
+        syncer.sync(iter(_new_state(new)), weight_version="1")
+
+        def restart():  # what a restarted engine serves: the checkpoint, version "default", no session
+            engine.client.post("/end_weight_update", {})
+            engine.client.post("/update_weights_from_disk", {"model_path": str(served), "weight_version": "default"})
+
+        with pytest.raises(WeightSyncError, match="CHECKPOINT") as err:
+            syncer.sync(_injecting(_new_state(served), 10, restart), weight_version="2")
+        verdict, = err.value.engines
+        assert (verdict.serves, verdict.weight_version) == ("checkpoint", "default")
+        assert verdict.agree < verdict.total
+        assert not err.value.engines_serve_previous_weights and engine.loop.paused
+        assert "0 of 1 engine(s) rolled the session back" in str(err.value) and "PAUSED" in str(err.value)
+        metrics = err.value.metrics()
+        assert metrics["weight_sync_engine0_serves"] == "checkpoint" and metrics["weight_sync_resumed_on_previous"] == 0
+    finally:
+        engine.close()
+
+
+def test_stray_end_weight_update_mid_sync_is_reported_as_a_mix(tmp_path):
+    """Someone closes the session half way: the buckets that landed stay (no rollback is possible), so the
+    engine serves a mix under the new version label; the syncer says so with the checksum counts."""
+    served, new, engine = _embedded(tmp_path)
+    try:
+        syncer = _embedded_syncer([engine.client], served)
+        state = _new_state(new)
+        with pytest.raises(WeightSyncError, match="MIX") as err:
+            syncer.sync(_injecting(state, len(state) // 3, lambda: engine.client.post("/end_weight_update", {})),
+                        weight_version="2")
+        verdict, = err.value.engines
+        assert verdict.serves == "mix" and verdict.weight_version == "2"
+        assert 0 < verdict.agree < verdict.total  # some tensors still equal the checkpoint, some are new
+        assert f"{verdict.agree}/{verdict.total} checksums" in str(err.value)
+        assert not err.value.engines_serve_previous_weights
+        assert engine.loop.paused  # generation stays paused: a mix must not serve rollouts
+        syncer.sync(iter(state), weight_version="3")  # a full sync repairs it
+        assert engine.generate([5, 6, 7])["meta_info"]["weight_version"] == "3"
+    finally:
+        engine.close()
+
+
+def test_engine_killed_mid_sync_survivor_is_verified_and_continues(tmp_path):
+    """Two engines; the second dies (connections refused) after the first buckets landed. The survivor rolls
+    its session back and is verified on the previous weights by checksum, so generation continues on it (the
+    dead engine serves nothing, and a restarted one is re-synced before it serves); the message names the dead one."""
+    from tests.test_weight_sync_engine import _config, _state
+
+    served, new, engine = _embedded(tmp_path)
+    victim = FakeSGLangServer(_state(served), _config(served), draft="mtp")
+    try:
+        before, sums_before = engine.generate([5, 6, 7, 8, 9]), _checksums(engine)
+        syncer = _embedded_syncer([engine.client, EngineClient(victim.url)], served)
+        real_handle, updates = victim.handle, []
+
+        def dying_handle(method, path, body):
+            if path == "/update_weights_from_tensor":
+                updates.append(path)
+                if len(updates) == 3:  # SIGKILL: the listening socket goes, the request gets no answer
+                    victim.close()
+                    raise ConnectionAbortedError("killed")
+            return real_handle(method, path, body)
+
+        victim.handle = dying_handle
+        with pytest.raises(WeightSyncError) as err:
+            syncer.sync(iter(_new_state(new)), weight_version="2")
+        alive, dead = err.value.engines
+        assert (alive.serves, alive.weight_version, alive.agree) == ("previous", "default", alive.total)
+        assert dead.serves == "unreachable" and f"{victim.url}: UNREACHABLE" in str(err.value)
+        assert err.value.engines_serve_previous_weights
+        assert "generation continues on every engine that answers" in str(err.value)
+        assert _checksums(engine) == sums_before
+        assert not engine.loop.paused
+        assert engine.generate([5, 6, 7, 8, 9])["output_ids"] == before["output_ids"]  # the previous weights
+    finally:
+        engine.close()
+
+
+def test_sglang_without_rollback_reports_what_each_engine_holds(make_server):
+    """SGLang has no /abort_weight_update (404): the session is closed with /end_weight_update and each engine is
+    read back; the engine that loaded a bucket is a mix, the one that refused the first still serves the previous."""
+    new = make_weights(MIMO, seed=11)
+    good, bad = make_server(draft="mtp"), make_server(draft="mtp", fail_on_name="model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(WeightSyncError, match="PAUSED") as err:
+        make_syncer([good, bad], "tensor", buffer=2048).sync(iter_hf_state(new, MIMO), weight_version="4")
+    by_url = {v.url: v for v in err.value.engines}
+    assert by_url[good.url].serves == "mix" and by_url[good.url].weight_version == "4"
+    assert by_url[bad.url].serves == "mix"  # it loaded the buckets before the one it refused
+    assert 0 < by_url[bad.url].agree < by_url[bad.url].total
+    assert good.session is None and bad.session is None and good.paused and bad.paused
+    assert "/abort_weight_update" in good.paths() and "/end_weight_update" in good.paths()
+
+
+def test_check_interval_skips_the_coverage_check_and_a_later_failure_says_unverified(make_server):
+    server = make_server(draft="mtp")
+    syncer = make_syncer([server], "tensor", check=False)
+    syncer.config = WeightSyncConfig(weight_sync_transport="tensor", update_weight_buffer_size=4096,
+                                     weight_sync_check_interval=2)
+    checks = lambda: server.paths().count("/weights_checker")  # noqa: E731
+    first = syncer.sync(iter_hf_state(make_weights(MIMO, seed=1), MIMO), weight_version="1")
+    assert first["weight_sync_checked"] == 0 and checks() == 1  # the baseline read only, no coverage check
+    second = syncer.sync(iter_hf_state(make_weights(MIMO, seed=2), MIMO), weight_version="2")
+    assert second["weight_sync_checked"] == 1 and checks() == 2
+    for key in ("weight_sync_s", "weight_sync_gbps", "rollout_paused_s", "weight_sync_gather_convert_s",
+                "weight_sync_control_s", "weight_sync_send_s", "weight_sync_flush_s", "weight_sync_check_s"):
+        assert second[key] >= 0, key
+    assert second["rollout_paused_s"] == second["weight_sync_s"]
+    syncer.sync(iter_hf_state(make_weights(MIMO, seed=3), MIMO), weight_version="3")  # unchecked
+    server.fail_on_name = "model.layers.1.mlp.up_proj.weight"
+    with pytest.raises(WeightSyncError, match="UNVERIFIED.*weight-sync-check-interval") as err:
+        syncer.sync(iter_hf_state(make_weights(MIMO, seed=4), MIMO), weight_version="4")
+    assert err.value.engines[0].serves == "unverified" and server.paused

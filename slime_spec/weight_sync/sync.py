@@ -10,20 +10,18 @@ One sync:
      slices where the model serves them; /weights_checker checksums only on engines with device cpu)
   -> continue generation.
 
-Failure and engine state. Each update request is all-or-nothing on the engine (SGLang and the
-embedded engine validate every name and shape before copying), and no engine can roll back a
-request it completed, so:
-- a failure before any bucket landed (pause, begin, the first bucket on every engine) leaves every
-  engine serving the previous weights: the session is closed, generation continues, and
-  `WeightSyncError(engines_serve_previous_weights=True)` says so;
-- a failure after some bucket landed, on an engine that can roll a session back (the embedded
-  engine: `/abort_weight_update`, a slime-spec extension), is undone on every engine: each restores
-  every tensor the session wrote, so all engines serve the previous weights and generation continues;
-- on an engine without rollback (SGLang), those tensors stay new and the rest old. Serving that mix
-  would poison the rollouts, so the session is closed, generation stays paused, and the error says
-  so; the fix is to sync again (a full sync is idempotent) or restart the engines. Only the disk
-  transport makes a whole sync one request; an update_weight_buffer_size of at least the model's
-  bytes makes it two (all target tensors, then all MTP tensors).
+Failure and engine state. A reply is not proof of what an engine serves (an engine restarted mid-sync
+has no session and serves its checkpoint; a stray /end_weight_update keeps the buckets that landed), so
+after a failure the syncer closes the session on every engine (`/abort_weight_update`, a slime-spec
+extension that restores every tensor the session wrote, where the engine has it; `/end_weight_update`
+on SGLang, which cannot roll back), then reads every engine back (served_state.py: its own
+`/weights_checker` checksums and weight_version) and compares with the last state it verified:
+- generation continues only when every engine that answers was verified to serve the previous weights
+  (`WeightSyncError.engines_serve_previous_weights`); an unreachable engine serves nothing and is named
+  (the fleet restarts it and re-syncs it before it serves);
+- otherwise generation stays paused, and the error names, per engine, what it serves (previous weights,
+  the checkpoint, a mix, unreachable, unverified) with its weight_version and the checksum agreement
+  count; the fix is to sync again (a full sync is idempotent) or restart the engines.
 - a failed verification leaves the new weights loaded and generation paused.
 With the distributed transport, an engine that rejects a request before joining the broadcast
 leaves rank 0 waiting in the broadcast until the group's timeout (`timeout_s`).
@@ -31,6 +29,7 @@ leaves rank 0 waiting in the broadcast until the group's timeout (`timeout_s`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -41,9 +40,9 @@ import torch
 
 from slime_spec.config import WeightSyncConfig, resolve_transport
 from slime_spec.dtypes import config_dtype, torch_dtype
-from slime_spec.engines.client import EngineClient, EngineGroupError, post_all
+from slime_spec.engines.client import EngineClient, EngineError, EngineGroupError, post_all
 from slime_spec.net import free_port
-from slime_spec.weight_sync import protocol, readback, verify
+from slime_spec.weight_sync import protocol, readback, served_state, verify
 from slime_spec.weight_sync.gather import NamedTensor, make_buckets
 from slime_spec.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport
 
@@ -51,28 +50,57 @@ logger = logging.getLogger(__name__)
 
 
 class WeightSyncError(RuntimeError):
-    """A sync failed; `engines_serve_previous_weights` says whether generation was resumed on old weights."""
+    """A sync failed; `engines_serve_previous_weights` says whether generation was resumed on old weights
+    (every engine that answers was verified to serve them); `engines` says what each engine was verified to serve."""
 
-    def __init__(self, message: str, engines_serve_previous_weights: bool):
+    def __init__(self, message: str, engines_serve_previous_weights: bool,
+                 engines: Sequence[served_state.EngineVerdict] = ()):
         super().__init__(message)
         self.engines_serve_previous_weights = engines_serve_previous_weights
+        self.engines = list(engines)
+
+    def metrics(self) -> dict:
+        out = {"weight_sync_failed": 1, "weight_sync_resumed_on_previous": int(self.engines_serve_previous_weights)}
+        for i, verdict in enumerate(self.engines):
+            out.update(verdict.metrics(i))
+        return out
+
+
+@dataclass(frozen=True)
+class SyncSplit:
+    """Where a sync's time went (seconds): the part the trainer does and the part the engines do are apart."""
+
+    gather_convert_s: float = 0.0  # trainer: TP gather, Megatron -> HF conversion, bucketing (the tensor stream)
+    control_s: float = 0.0  # HTTP control requests: pause, begin, end, (group set-up), not the update requests
+    send_s: float = 0.0  # update requests: HTTP + wire + engine-side load, as the trainer waits for them
+    flush_s: float = 0.0  # /flush_cache
+    check_s: float = 0.0  # coverage (and value) check after the sync; 0 when skipped
+
+    def metrics(self) -> dict:
+        return {"weight_sync_gather_convert_s": self.gather_convert_s, "weight_sync_control_s": self.control_s,
+                "weight_sync_send_s": self.send_s, "weight_sync_flush_s": self.flush_s,
+                "weight_sync_check_s": self.check_s}
 
 
 @dataclass(frozen=True)
 class SyncReport:
-    seconds: float  # pause .. continue, verification included
+    seconds: float  # pause .. continue, verification included: how long generation was paused
     transfer_seconds: float  # pause .. flush: gather, convert, transfer, load
     gbps: float  # model bytes (one copy, however many engines) / transfer_seconds, 1e9 bytes per GB
     target_tensors: int
     mtp_tensors: int
     bytes: int
     buckets: int
-    served_written: dict[str, int]
+    served_written: dict[str, int]  # empty when the check was skipped (--weight-sync-check-interval)
+    split: SyncSplit = SyncSplit()
+    checked: bool = True
 
     def metrics(self) -> dict:
         """The keys the training loop merges into each rollout's metrics line."""
-        return {"weight_sync_s": self.seconds, "weight_sync_gbps": self.gbps,
-                "weight_sync_params": self.target_tensors, "weight_sync_mtp_params": self.mtp_tensors}
+        return {"weight_sync_s": self.seconds, "weight_sync_gbps": self.gbps, "rollout_paused_s": self.seconds,
+                "weight_sync_params": self.target_tensors, "weight_sync_mtp_params": self.mtp_tensors,
+                "weight_sync_bytes": self.bytes, "weight_sync_buckets": self.buckets,
+                "weight_sync_checked": int(self.checked), **self.split.metrics()}
 
 
 @dataclass
@@ -115,6 +143,11 @@ class WeightSyncer:
         self.check_sample = check_sample
         self.last_value_checks: list[readback.ValueCheck] = []  # of the latest sync with check_weight_sync
         self._external_draft_checksums: dict[str, str] | None = None
+        # per engine URL: what it served when prepared (the checkpoint, for a fresh engine) and after the last
+        # verified sync; None where unknown (no /weights_checker, or a sync whose check was skipped or failed)
+        self._checkpoint: dict[str, served_state.ServedState | None] | None = None  # read by the first sync
+        self._verified: dict[str, served_state.ServedState | None] = {}
+        self._syncs = 0  # completed syncs, for --weight-sync-check-interval
 
     # ---- set-up, once, from what the engines say about themselves ----
     def prepare(self) -> None:
@@ -166,18 +199,27 @@ class WeightSyncer:
         use_session = session and self.transport_name != "disk"
         recorded = self._recorder() if self.config.check_weight_sync else None
         counts, nbytes, buckets, buckets_applied, sent = {"target": 0, "mtp": 0}, 0, 0, 0, set()
+        clock = _Clock()
         t0 = time.perf_counter()
         session_open = False
         try:
-            post_all(self.clients, "/pause_generation", protocol.pause_payload("retract"))
-            self.transport.start()
-            if use_session:
-                post_all(self.clients, "/begin_weight_update",
-                         protocol.begin_payload(protocol.session_selector(plan)))
-                session_open = True
-            for bucket in make_buckets(_only_wanted(tensors, plan), self.config.update_weight_buffer_size):
+            with clock("control"):
+                post_all(self.clients, "/pause_generation", protocol.pause_payload("retract"))
+            if self._checkpoint is None:
+                with clock("check"):
+                    self._read_baseline()
+            with clock("control"):
+                self.transport.start()
+                if use_session:
+                    post_all(self.clients, "/begin_weight_update",
+                             protocol.begin_payload(protocol.session_selector(plan)))
+                    session_open = True
+            stream = clock.timed_iter("gather_convert", make_buckets(_only_wanted(tensors, plan),
+                                                                     self.config.update_weight_buffer_size))
+            for bucket in stream:
                 selector = plan.target if bucket.kind == "target" else plan.mtp
-                self.transport.send(bucket, selector, weight_version)
+                with clock("send"):
+                    self.transport.send(bucket, selector, weight_version)
                 buckets += 1
                 buckets_applied += self.transport_name != "disk"  # disk buckets only load in finish()
                 counts[bucket.kind] += len(bucket.tensors)
@@ -185,67 +227,117 @@ class WeightSyncer:
                 sent.update(bucket.names)
                 if recorded is not None:
                     recorded.add(bucket)
-            self.transport.finish(weight_version)
-            if use_session:
-                session_open = False
-                post_all(self.clients, "/end_weight_update", protocol.end_payload())
-            post_all(self.clients, "/flush_cache", {})
+            with clock("send"):
+                self.transport.finish(weight_version)
+            with clock("control"):
+                if use_session:
+                    session_open = False
+                    post_all(self.clients, "/end_weight_update", protocol.end_payload())
+            with clock("flush"):
+                post_all(self.clients, "/flush_cache", {})
         except Exception as e:
             raise self._failed(e, buckets_applied, session_open, weight_version) from e
         transfer_s = time.perf_counter() - t0
-        served_written = self._verify(sent, recorded)
-        post_all(self.clients, "/continue_generation", protocol.continue_payload())
+        self._syncs += 1
+        checked = recorded is not None or self._syncs % max(1, self.config.weight_sync_check_interval) == 0
+        with clock("check"):
+            served_written = self._verify(sent, recorded) if checked else self._skip_check()
+        with clock("control"):
+            post_all(self.clients, "/continue_generation", protocol.continue_payload())
         seconds = time.perf_counter() - t0
+        split = SyncSplit(**{f"{k}_s": v for k, v in clock.totals.items()})
         return SyncReport(seconds=seconds, transfer_seconds=transfer_s, gbps=nbytes / transfer_s / 1e9,
                           target_tensors=counts["target"], mtp_tensors=counts["mtp"], bytes=nbytes,
-                          buckets=buckets, served_written=served_written)
+                          buckets=buckets, served_written=served_written, split=split, checked=checked)
+
+    def _skip_check(self) -> dict[str, int]:
+        """No coverage check this sync: what the engines serve now is not verified, so a failure of the next
+        sync cannot claim they serve the previous weights (served_state.judge says "unverified")."""
+        self._verified = {c.url: None for c in self.clients}
+        return {}
 
     def _failed(self, error: Exception, buckets_applied: int, session_open: bool,
                 weight_version: str | None) -> WeightSyncError:
-        notes = []
-        rolled_back = session_open and self._abort_session(notes)
-        if session_open and not rolled_back:
+        """Close the session (rolled back where the engine can), then read back what every engine serves and
+        continue generation only if each engine that answers was verified to serve the previous weights."""
+        notes: list[str] = []
+        if session_open:
+            rolled_back = self._close_session(notes)
+            notes.insert(0, f"{len(rolled_back)} of {len(self.clients)} engine(s) rolled the session back "
+                            f"(/abort_weight_update){': ' + ', '.join(rolled_back) if rolled_back else ''}")
+        verdicts = self._judge_engines()
+        serving = [v for v in verdicts if v.serves != "unreachable"]
+        previous = bool(serving) and all(v.serves == "previous" for v in serving)
+        if previous:
             try:
-                post_all(self.clients, "/end_weight_update", protocol.end_payload())
-            except Exception as end_error:  # reported with the original error, not hidden
-                notes.append(f"closing the weight-update session also failed: {end_error}")
-        # an update request that some engines completed and others failed also leaves a mix
-        some_engines_loaded = (isinstance(error, EngineGroupError) and bool(error.succeeded)
-                               and error.path.startswith("/update_weights_from"))
-        if rolled_back or (buckets_applied == 0 and not some_engines_loaded):
-            done = ("every engine rolled the session back" if rolled_back and buckets_applied
-                    else "no bucket was applied")
-            try:
-                post_all(self.clients, "/continue_generation", protocol.continue_payload())
-                state = f"{done}: the engines still serve the previous weights and generation continues"
+                post_all([c for c in self.clients if c.url in {v.url for v in serving}], "/continue_generation",
+                         protocol.continue_payload())
+                state = "generation continues on every engine that answers, all verified on the previous weights"
             except Exception as cont_error:
-                state = (f"{done} (engines hold the previous weights), but continuing generation "
+                state = ("every engine that answers serves the previous weights, but continuing generation "
                          f"failed: {cont_error}")
-            previous = True
+            if len(serving) < len(verdicts):
+                state += ("; an unreachable engine serves nothing, and a restarted one must get the current weights "
+                          "before it serves (the fleet's re-sync)")
         else:
-            state = (f"{buckets_applied} bucket(s) were applied on every engine before the failure (and the failed "
-                     "request may have loaded on some): engines hold a mix of new and previous weights, so "
-                     "generation stays PAUSED; sync again (a full sync is idempotent) or restart the engines")
-            previous = False
-        message = (f"weight sync (version {weight_version}, transport {self.transport_name}) failed: {error}. "
-                   f"{state}." + ("".join(f" Also: {n}." for n in notes)))
-        return WeightSyncError(message, engines_serve_previous_weights=previous)
+            state = ("generation stays PAUSED on every engine: not every engine was verified to serve the previous "
+                     "weights; sync again (a full sync is idempotent) or restart the engines")
+        message = (f"weight sync (version {weight_version}, transport {self.transport_name}) failed after "
+                   f"{buckets_applied} applied bucket(s): {error}. Per engine: "
+                   + "; ".join(v.describe() for v in verdicts) + f". {state}."
+                   + (f" Session: {'; '.join(notes)}." if notes else ""))
+        return WeightSyncError(message, engines_serve_previous_weights=previous, engines=verdicts)
 
-    def _abort_session(self, notes: list[str]) -> bool:
-        """Roll the open session back on every engine; True only if every engine confirms it did."""
-        try:
-            replies = post_all(self.clients, "/abort_weight_update", {})
-        except EngineGroupError as e:
-            if not all(getattr(err, "status", None) == 404 for err in e.failures.values()):
-                notes.append(f"rolling the session back failed: {e}")
-            return False  # 404: an engine without rollback (SGLang); the caller closes the session instead
-        return all(r.get("rolled_back") is not None for r in replies)
+    def _read_baseline(self) -> None:
+        """What every engine serves before this syncer's first update (the checkpoint, for a fresh engine)."""
+        self._checkpoint = {c.url: served_state.read_served(c, self.protocol.session) for c in self.clients}
+        self._verified = dict(self._checkpoint)
+
+    def _close_session(self, notes: list[str]) -> list[str]:
+        """Per engine: roll the open session back (`/abort_weight_update`); where the engine has no rollback
+        (404: SGLang) or had no session left to roll back, close it with `/end_weight_update`. What the
+        engines serve afterwards is read back by `_judge_engines`, never assumed from these replies.
+        Returns the URLs of the engines that say they rolled back."""
+        rolled_back = []
+        for client in self.clients:
+            try:
+                reply = client.post("/abort_weight_update", {})
+                if reply.get("rolled_back") is True:
+                    rolled_back.append(client.url)
+                else:
+                    notes.append(f"{client.url} had no open session to roll back ({reply.get('message')!r})")
+                continue
+            except EngineError as e:
+                if e.unreachable:
+                    continue  # reported by _judge_engines
+                if e.status != 404:
+                    notes.append(f"rolling the session back on {client.url} failed: {e}")
+            try:
+                client.post("/end_weight_update", protocol.end_payload())
+            except EngineError as e:
+                if not e.unreachable:
+                    notes.append(f"closing the weight-update session on {client.url} failed: {e}")
+        return rolled_back
+
+    def _judge_engines(self) -> list[served_state.EngineVerdict]:
+        verdicts = []
+        for client in self.clients:
+            try:
+                now = served_state.read_served(client, self.protocol.session)
+            except EngineError as e:
+                if not e.unreachable:
+                    raise
+                verdicts.append(served_state.unreachable(client.url, e))
+                continue
+            verdicts.append(served_state.judge(client.url, now, self._verified.get(client.url),
+                                               (self._checkpoint or {}).get(client.url)))
+        return verdicts
 
     # ---- verification ----
     def _verify(self, sent: set[str], recorded: "Recorded | None") -> dict[str, int]:
         """Check every engine; raise WeightSyncError listing each problem (generation stays paused)."""
         roles = {"target", "draft"} if self.plan.mtp is not None else {"target"}
-        problems, written = [], {}
+        problems, written, states = [], {}, {}
         self.last_value_checks = []
         for client in self.clients:
             try:
@@ -257,16 +349,21 @@ class WeightSyncer:
                 reply = None
             if reply is None:
                 written = self._verify_by_name(client, sent, problems)
+                states[client.url] = None
             else:
                 written = self._verify_coverage(client, reply, sent, roles, problems)
+                states[client.url] = served_state.ServedState(served_state.weight_version_of(client),
+                                                              served_state.checksums_of(reply))
             if recorded is not None:
                 check = self._check_values(client, reply, recorded, sent, roles)
                 self.last_value_checks.append(check)
                 problems += [f"{client.url}: check_weight_sync ({'+'.join(check.methods) or 'no method'}): {p}"
                              for p in check.problems[:8]]
         if problems:
+            self._verified = {c.url: None for c in self.clients}  # what they serve now was not verified
             raise WeightSyncError("weight sync verification failed: " + "; ".join(problems)
                                   + ". Generation stays paused.", engines_serve_previous_weights=False)
+        self._verified = states
         return written
 
     def _verify_coverage(self, client: EngineClient, reply: dict, sent: set[str], roles: set[str],
@@ -352,6 +449,32 @@ class WeightSyncer:
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+class _Clock:
+    """Accumulates wall time per phase of one sync (SyncSplit's fields without `_s`)."""
+
+    def __init__(self):
+        self.totals = {"gather_convert": 0.0, "control": 0.0, "send": 0.0, "flush": 0.0, "check": 0.0}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[phase] += time.perf_counter() - t0
+
+    def timed_iter(self, phase: str, items: Iterable):
+        """`items`, with the time spent producing each one counted to `phase`."""
+        it = iter(items)
+        while True:
+            with self(phase):
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+            yield item
 
 
 def _only_wanted(tensors: Iterable[NamedTensor], plan: protocol.SelectorPlan) -> Iterable[NamedTensor]:
