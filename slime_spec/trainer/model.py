@@ -129,6 +129,8 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
         rotary_base=_rope_theta(hf_config),
         mtp_block_spec=mtp_spec,
     )
+    if train.bf16:  # as Megatron's Float16Module: every parameter, norms included (torch's RMSNorm is built float32)
+        model.bfloat16()
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
