@@ -152,6 +152,10 @@ class TrainConfig:
                                                        flag_default("rollout_batch_size"),
                                                        flag_default("n_samples_per_prompt"))
     micro_batch_size: int = flag_default("micro_batch_size")
+    # Packed micro-batches of at most this many tokens (replaces micro_batch_size); None: padded, by samples.
+    max_tokens_per_gpu: int | None = flag_default("max_tokens_per_gpu")
+    use_dynamic_batch_size: bool = flag_default("use_dynamic_batch_size")  # slime's switch; needs the above
+    bf16: bool = flag_default("bf16")  # bfloat16 model, float32 master weights in the optimizer
     mtp_num_layers: int = flag_default("mtp_num_layers")
     enable_mtp_training: bool = flag_default("enable_mtp_training")
     mtp_loss_scaling_factor: float = flag_default("mtp_loss_scaling_factor")

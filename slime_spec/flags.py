@@ -290,7 +290,7 @@ ACTED_ON = {
     "wandb_run_id",
     "debug_rollout_only", "debug_train_only", "save_debug_rollout_data", "load_debug_rollout_data",
     "mtp_num_layers", "enable_mtp_training", "mtp_loss_scaling_factor",
-    "tensor_model_parallel_size",
+    "tensor_model_parallel_size", "max_tokens_per_gpu", "use_dynamic_batch_size", "bf16",
     "config", "rollout_backend", "rollout_num_engines", "metrics_jsonl", "output_dir", "update_weight_buffer_size",
     "weight_sync_transport", "check_weight_sync", "weight_sync_check_interval", "engine_start_timeout",
     "rollout_request_retries",
@@ -358,8 +358,9 @@ NOT_ACTED_ON: dict[str, Ignored] = {
                                              "--custom-rm-path"),
     "partial_rollout": _refused("partial rollout (resuming cut-off samples in the next rollout) is not "
                                 "implemented", "drop --partial-rollout; every sample finishes in its rollout"),
-    "balance_data": _trainer("samples are split over data-parallel ranks in order, not balanced by tokens",
-                             "drop --balance-data"),
+    "balance_data": _trainer("without --max-tokens-per-gpu samples are split over data-parallel ranks in "
+                             "order, not balanced by tokens", "drop --balance-data and set --max-tokens-per-gpu "
+                             "(packed micro-batches, balanced by tokens over data-parallel ranks)"),
     "sglang_router_ip": _refused("an external router is not used", "drop it; --use-sglang-router starts one"),
     "sglang_router_port": _refused("an external router is not used", "drop it; --use-sglang-router starts one"),
     # GRPO / PPO
@@ -387,10 +388,8 @@ NOT_ACTED_ON: dict[str, Ignored] = {
         "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
         "moe_router_group_topk", "moe_router_dtype", "moe_aux_loss_coeff", "moe_grouped_gemm",
         "moe_permute_fusion", "moe_token_dispatcher_type", "moe_enable_deepep")},
-    "bf16": _trainer("the trainer keeps float32 parameters and computes in float32", "drop --bf16 "
-                     "(training runs in float32 here)"),
-    "fp16": _trainer("the trainer keeps float32 parameters and computes in float32", "drop --fp16 "
-                     "(training runs in float32 here)"),
+    "fp16": _trainer("float16 training (with its loss scaling) is not implemented", "--bf16 (bfloat16 with "
+                     "float32 master weights) or neither (float32)"),
     # Megatron parallelism and performance
     "sequence_parallel": _MEGATRON_PERF,
     "pipeline_model_parallel_size": _trainer("the trainer runs tensor x data parallel only: with pipeline "
@@ -411,13 +410,6 @@ NOT_ACTED_ON: dict[str, Ignored] = {
     "recompute_granularity": _MEGATRON_PERF,
     "recompute_method": _MEGATRON_PERF,
     "recompute_num_layers": _MEGATRON_PERF,
-    # The loss is summed per sample and divided by --global-batch-size, so how samples are packed into
-    # micro batches changes memory, not the update.
-    "use_dynamic_batch_size": Ignored("micro batches are --micro-batch-size samples; the loss is divided by "
-                                        "--global-batch-size, so packing by tokens would change memory, not the "
-                                        "update"),
-    "max_tokens_per_gpu": Ignored("micro batches are --micro-batch-size samples (lower it if memory is short); "
-                                    "the update does not depend on the packing"),
     "attention_dropout": _trainer("the trainer runs without dropout", "--attention-dropout 0.0",
                                   accepted=(None, 0.0)),
     "hidden_dropout": _trainer("the trainer runs without dropout", "--hidden-dropout 0.0", accepted=(None, 0.0)),

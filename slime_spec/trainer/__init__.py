@@ -4,7 +4,10 @@
 - parallel.py: torch.distributed + Megatron TP/DP groups (gloo on CPU, nccl on CUDA).
 - model.py: GPTModel from an HF config, HF weights loaded, logits of the policy and of each MTP layer.
 - losses.py: GRPO advantages, PPO clip, KL estimators, entropy, SFT and MTP losses (pure).
-- batch.py: samples -> padded tensors and masks; optimizer steps / micro-batches per rank (pure).
+- batch.py: samples -> padded tensors and masks; optimizer steps / micro-batches per rank, by samples or
+  packed by tokens and balanced by tokens over data-parallel ranks (pure).
+- packing.py: what the model reads per micro-batch: padded rows or one packed row (block-diagonal mask).
+- precision.py: float32 master weights for a --bf16 model.
 - checkpoint.py: --save / --load format.
 - trainer.py: `Trainer`, one process's model + optimizer + steps.
 - actor.py / group.py: `TrainActor` (Ray) and `TrainGroup` (all actors, weight sync into the engines).

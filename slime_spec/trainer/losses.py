@@ -100,6 +100,24 @@ def mtp_token_losses(mtp_logits: list[torch.Tensor], input_ids: torch.Tensor,
     return out
 
 
+def mtp_target_losses(mtp_logits: list[torch.Tensor], input_ids: torch.Tensor) -> list[torch.Tensor]:
+    """Per MTP layer k: [b, s] cross-entropy aligned to *target* positions (entry j: layer k predicting
+    token j from position j-k-2; 0 for j < k+2), so packed rows can be mapped back to samples like log-probs."""
+    return [F.pad(ce, (k + 2, 0)) for k, (ce, _) in
+            enumerate(mtp_token_losses(mtp_logits, input_ids, torch.ones_like(input_ids, dtype=torch.float32)))]
+
+
+def mtp_loss_from_targets(target_losses: list[torch.Tensor], loss_mask: torch.Tensor) -> torch.Tensor:
+    """[b] MTP loss from `mtp_target_losses` in sample layout: targets a layer reaches from inside the
+    sample (j >= k+2) that are trained tokens, averaged per sample, then over layers."""
+    per_layer = []
+    for k, ce in enumerate(target_losses):
+        mask = loss_mask.clone()
+        mask[:, :k + 2] = 0
+        per_layer.append(sample_mean(ce, mask))
+    return torch.stack(per_layer).mean(0)
+
+
 @dataclass
 class LossTerms:
     """Per-sample terms of one micro-batch ([b] each); `total` is what is minimised per sample."""
@@ -137,5 +155,4 @@ def sft_loss_terms(log_probs, loss_mask, entropy: torch.Tensor) -> LossTerms:
 def mtp_loss_per_sample(mtp_logits: list[torch.Tensor], input_ids: torch.Tensor,
                         loss_mask: torch.Tensor) -> torch.Tensor:
     """[b] MTP cross-entropy averaged over each sample's trained targets, then over MTP layers."""
-    per_layer = [sample_mean(ce, mask) for ce, mask in mtp_token_losses(mtp_logits, input_ids, loss_mask)]
-    return torch.stack(per_layer).mean(0)
+    return mtp_loss_from_targets(mtp_target_losses(mtp_logits, input_ids), loss_mask)

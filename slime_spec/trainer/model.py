@@ -2,7 +2,8 @@
 returns the policy's logits and every MTP layer's logits.
 
 Local (non-TransformerEngine) layer spec: RMSNorm, SwiGLU, RoPE, GQA, no linear bias except Qwen2's
-q/k/v bias. Parameters are float32 (training on CPU, and exact comparisons with HF).
+q/k/v bias. Parameters are float32 (training on CPU, and exact comparisons with HF), or bfloat16 with
+--bf16 (the optimizer then keeps float32 master copies: precision.py).
 Needs `parallel.init_parallel` first (Megatron's TP groups and RNG trackers).
 """
 
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from slime_spec.config import TrainConfig
+from slime_spec.trainer.packing import causal_mask
 from slime_spec.weight_sync import convert
 
 BUILDABLE_FAMILIES = ("llama", "qwen2", "mimo")
@@ -99,7 +101,8 @@ def transformer_config(hf_config: dict, train: TrainConfig):
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         use_cpu_initialization=not torch.cuda.is_available(),
-        params_dtype=torch.float32,
+        params_dtype=torch.bfloat16 if train.bf16 else torch.float32,
+        bf16=train.bf16,
         tensor_model_parallel_size=train.tensor_model_parallel_size,
         mtp_num_layers=train.mtp_num_layers or None,
         mtp_loss_scaling_factor=train.mtp_loss_scaling_factor,
@@ -126,6 +129,8 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
         rotary_base=_rope_theta(hf_config),
         mtp_block_spec=mtp_spec,
     )
+    if train.bf16:  # as Megatron's Float16Module: every parameter, norms included (torch's RMSNorm is built float32)
+        model.bfloat16()
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
@@ -161,27 +166,31 @@ class ModelOutput:
     mtp_logits: list[torch.Tensor]  # MTP layer k: position i predicts token i + k + 2
 
 
-def causal_mask(seq_len: int, device) -> torch.Tensor:
-    """Megatron's boolean attention mask (True = masked). Right padding needs nothing more."""
-    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+def rope_for_positions(model, position_ids: torch.Tensor) -> torch.Tensor:
+    """Megatron's RoPE table [s, b, 1, d] looked up at each token's own position (packed rows restart at 0)."""
+    table = model.rotary_pos_emb(int(position_ids.max()) + 1)  # [max_pos, 1, 1, d]
+    return table[:, 0, 0][position_ids.t()][:, :, None]
 
 
 def forward(model, input_ids: torch.Tensor, vocab_size: int, with_mtp: bool = True,
-            mtp_zero_first_token: bool = False) -> ModelOutput:
-    """The policy's and the MTP layers' logits for right-padded `input_ids` [batch, seq].
+            mtp_zero_first_token: bool = False, position_ids: torch.Tensor | None = None,
+            attention_mask: torch.Tensor | None = None) -> ModelOutput:
+    """The policy's and the MTP layers' logits for `input_ids` [rows, seq].
 
+    Right-padded rows by default; packed rows pass their per-sample `position_ids` and block-diagonal
+    `attention_mask` (packing.ModelRows).
     Not GPTModel.forward: with MTP it returns only losses (no logits for PPO), and it lets the MTP loss
     reach the trunk. Here the MTP block sees the decoder output, the embedding and the output layer
     *detached*: MTP training moves only the MTP layers, the draft follows the policy and never pulls it.
-    `mtp_zero_first_token`: zero the MTP token embedding at position 0, as SGLang serves MiMo's MTP layer
-    (sglang models/mimo_mtp.py), so the draft is trained on exactly the inputs it is served with.
+    `mtp_zero_first_token`: zero the MTP token embedding at each sample's position 0, as SGLang serves
+    MiMo's MTP layer (sglang models/mimo_mtp.py), so the draft is trained on exactly the inputs it is served with.
     """
-    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
-    mask = causal_mask(input_ids.shape[1], input_ids.device)
-    decoder_input, rope, rope_cos, rope_sin, seq_offset = model._preprocess(
-        input_ids=input_ids, position_ids=position_ids)[:5]
-    hidden = model.decoder(hidden_states=decoder_input, attention_mask=mask, rotary_pos_emb=rope,
-                           rotary_pos_cos=rope_cos, rotary_pos_sin=rope_sin, sequence_len_offset=seq_offset)
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
+    mask = causal_mask(input_ids.shape[1], input_ids.device) if attention_mask is None else attention_mask
+    rope = rope_for_positions(model, position_ids)
+    decoder_input = model.embedding(input_ids=input_ids, position_ids=position_ids)
+    hidden = model.decoder(hidden_states=decoder_input, attention_mask=mask, rotary_pos_emb=rope)
     output_weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights \
         else model.output_layer.weight
 
@@ -192,15 +201,14 @@ def forward(model, input_ids: torch.Tensor, vocab_size: int, with_mtp: bool = Tr
     logits = logits_of(hidden, output_weight)
     mtp_logits: list[torch.Tensor] = []
     if with_mtp and getattr(model, "mtp_process", False):
+        sample_start = (position_ids == 0).t()[:, :, None]  # [s, b, 1]; Megatron rolls position_ids, not this
+
         def detached_embedding(input_ids, position_ids):
             emb = model.embedding(input_ids=input_ids, position_ids=position_ids).detach()  # [s, b, h]
-            if mtp_zero_first_token:  # Megatron rolls position_ids too: sequence index 0 is hidden position 0
-                emb = torch.cat([torch.zeros_like(emb[:1]), emb[1:]])
-            return emb
+            return emb.masked_fill(sample_start, 0.0) if mtp_zero_first_token else emb
 
         stacked = model.mtp(input_ids=input_ids, position_ids=position_ids, hidden_states=hidden.detach(),
-                            attention_mask=mask, rotary_pos_emb=rope, rotary_pos_cos=rope_cos,
-                            rotary_pos_sin=rope_sin, sequence_len_offset=seq_offset, embedding=detached_embedding)
+                            attention_mask=mask, rotary_pos_emb=rope, embedding=detached_embedding)
         per_layer = torch.chunk(stacked, 1 + model.config.mtp_num_layers, dim=0)[1:]
         mtp_logits = [logits_of(h, output_weight.detach()) for h in per_layer]
     return ModelOutput(logits, mtp_logits)

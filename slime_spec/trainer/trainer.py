@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -18,7 +19,9 @@ from slime_spec.config import TrainConfig
 from slime_spec.rollout.sample import Sample
 from slime_spec.trainer import checkpoint, losses
 from slime_spec.trainer import model as M
-from slime_spec.trainer.batch import TokenBatch, collate, step_slices
+from slime_spec.trainer.batch import TokenBatch, collate, packed_step_slices, step_slices
+from slime_spec.trainer.packing import ModelRows, model_rows
+from slime_spec.trainer.precision import MasterParams
 from slime_spec.trainer.parallel import TPInfo, current_tp_info
 from slime_spec.weight_sync import convert
 
@@ -34,7 +37,13 @@ class Trainer:
             raise ValueError(f"--advantage-estimator {train.advantage_estimator!r}: only grpo is implemented")
         if train.use_kl_loss:
             losses.approx_kl(torch.zeros(1), torch.zeros(1), train.kl_loss_type)  # validates the type early
+        if train.use_dynamic_batch_size and not train.max_tokens_per_gpu:
+            raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N (the token budget of a "
+                             "packed micro-batch)")
+        if train.max_tokens_per_gpu is not None and train.max_tokens_per_gpu < 1:
+            raise ValueError(f"--max-tokens-per-gpu {train.max_tokens_per_gpu}: give a positive token count")
         self.train = train
+        self.packed = bool(train.max_tokens_per_gpu)
         self.tp: TPInfo = current_tp_info()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
@@ -48,13 +57,16 @@ class Trainer:
         for name, p in self.model.named_parameters():
             if convert.is_mtp_param(name):
                 p.requires_grad_(train.enable_mtp_training)  # a frozen draft gets no gradient and no decay
-        trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.master = MasterParams(trainable)  # float32 copies of a --bf16 model; the model's own params otherwise
         self.optimizer = torch.optim.AdamW(
-            [{"params": [p for _, p in trainable if p.dim() > 1], "weight_decay": train.weight_decay},
-             {"params": [p for _, p in trainable if p.dim() <= 1], "weight_decay": 0.0}],  # norms, biases
+            [{"params": [p for p in self.master.params if p.dim() > 1], "weight_decay": train.weight_decay},
+             {"params": [p for p in self.master.params if p.dim() <= 1], "weight_decay": 0.0}],  # norms, biases
             lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
         if resumed is not None and resumed.get("optimizer") is not None:
-            self.optimizer.load_state_dict(resumed["optimizer"])
+            state = dict(resumed["optimizer"])
+            self.master.load_state_dict(state.pop("master_params", None))
+            self.optimizer.load_state_dict(state)
         self.ref_state = self._reference_weights(resumed) if train.use_kl_loss else None
 
     # ---------------------------------------------------------------- weights
@@ -127,7 +139,7 @@ class Trainer:
         self.model.eval()
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         out = M.forward(self.model, ids, self.vocab_size, with_mtp=True, mtp_zero_first_token=self.mtp_zero_first_token)
-        return {"logits": out.logits.cpu(), "mtp_logits": [x.cpu() for x in out.mtp_logits]}
+        return {"logits": out.logits.float().cpu(), "mtp_logits": [x.float().cpu() for x in out.mtp_logits]}
 
     def get_tp_info(self) -> dict:
         return dict(self.tp.__dict__)
@@ -137,23 +149,35 @@ class Trainer:
             raise ValueError("save() needs --save DIR")
         path = None
         if self.tp.dp_rank == 0:
+            optimizer_state = self.optimizer.state_dict()
+            if self.master.mixed:
+                optimizer_state["master_params"] = self.master.state_dict()
             path = checkpoint.save_shard(self.train.save, rollout_id, self.tp.tp_rank, self.tp.tp_size,
-                                         self.hf_config, dict(self.named_megatron_params()),
-                                         self.optimizer.state_dict())
+                                         self.hf_config, dict(self.named_megatron_params()), optimizer_state)
         dist.barrier()
         if self.tp.rank == 0:
             checkpoint.mark_latest(self.train.save, rollout_id)
         return path
 
     # ---------------------------------------------------------------- steps
-    def _forward(self, batch: TokenBatch, with_mtp: bool):
-        return M.forward(self.model, batch.input_ids, self.vocab_size, with_mtp=with_mtp,
-                         mtp_zero_first_token=self.mtp_zero_first_token)
+    def _forward(self, rows: ModelRows, with_mtp: bool):
+        return M.forward(self.model, rows.input_ids, self.vocab_size, with_mtp=with_mtp,
+                         mtp_zero_first_token=self.mtp_zero_first_token, position_ids=rows.position_ids,
+                         attention_mask=rows.attention_mask)
 
     @torch.no_grad()
     def _log_probs(self, batch: TokenBatch) -> torch.Tensor:
         self.model.eval()
-        return losses.token_log_probs(self._forward(batch, with_mtp=False).logits, batch.input_ids)
+        rows = model_rows(batch, self.packed)
+        return rows.to_samples(losses.token_log_probs(self._forward(rows, with_mtp=False).logits, rows.input_ids))
+
+    def plan(self, samples: list[Sample]) -> list[list[list[int]]]:
+        """This rank's sample indices per optimizer step, per micro-batch."""
+        t = self.train
+        if self.packed:
+            return packed_step_slices([len(s.tokens) for s in samples], t.global_batch_size, t.max_tokens_per_gpu,
+                                      self.tp.dp_rank, self.tp.dp_size)
+        return step_slices(len(samples), t.global_batch_size, t.micro_batch_size, self.tp.dp_rank, self.tp.dp_size)
 
     def sft_step(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         """A supervised step on the samples' response tokens whatever --loss-type is (warm-up)."""
@@ -165,48 +189,76 @@ class Trainer:
         Metrics (means over samples): loss (the policy or SFT objective), pg_loss, kl, clip_fraction,
         entropy, mtp_loss (reported even for a frozen draft), and grad_norm (mean over steps), lr.
         """
+        prepared = self._prepare(samples, loss_type)
+        grad_norms = []
+        for s_idx in range(len(prepared.steps)):
+            self.optimizer.zero_grad(set_to_none=True)
+            self._backward_step(prepared, s_idx)
+            grad_norms.append(self._reduce_and_clip_grads())
+            self.optimizer.step()
+            self.master.copy_to_model()
+        return self._metrics(prepared.sums, grad_norms)
+
+    def gradients(self, samples: list[Sample], loss_type: str | None = None) -> dict[str, torch.Tensor]:
+        """The data-parallel-averaged, unclipped float32 gradient of one optimizer step (exactly
+        --global-batch-size samples), without updating: for checks such as packed == padded."""
+        if len(samples) != self.train.global_batch_size:
+            raise ValueError(f"gradients() takes one optimizer step: {self.train.global_batch_size} samples "
+                             f"(--global-batch-size), got {len(samples)}")
+        prepared = self._prepare(samples, loss_type)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._backward_step(prepared, 0)
+        self._reduce_grads()
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        grads = {names[id(p)]: m.grad.detach().clone() for p, m in zip(self.master.model_params, self.master.params)
+                 if m.grad is not None}
+        self.optimizer.zero_grad(set_to_none=True)
+        return grads
+
+    def _prepare(self, samples: list[Sample], loss_type: str | None) -> "_Prepared":
+        """Micro-batches, advantages, and the old-policy (and reference) log-probs before any update."""
         t = self.train
         sft = (loss_type or t.loss_type) == "sft"
-        steps = step_slices(len(samples), t.global_batch_size, t.micro_batch_size, self.tp.dp_rank, self.tp.dp_size)
+        steps = self.plan(samples)
         batches = [[collate([samples[i] for i in mb], self.device) for mb in step] for step in steps]
+        advantages = old = ref = None
         if not sft:
             advantages = losses.grpo_advantages([self._reward(s) for s in samples],
                                                 [s.group_index for s in samples], t.n_samples_per_prompt)
-        # The old policy (and the reference) log-probs, all before the first update of this rollout.
-        old = [[self._log_probs(b) for b in step] for step in batches] if not sft else None
-        ref = None
-        if not sft and self.ref_state is not None:
-            with self._reference_model():
-                ref = [[self._log_probs(b) for b in step] for step in batches]
-
+            old = [[self._log_probs(b) for b in step] for step in batches]
+            if self.ref_state is not None:
+                with self._reference_model():
+                    ref = [[self._log_probs(b) for b in step] for step in batches]
         sums = torch.zeros(len(METRICS) + 3, dtype=torch.float64)  # METRICS, n_samples, |lp diff|, n_tokens
-        grad_norms = []
-        for s_idx, step in enumerate(batches):
-            self.model.train()
-            self.optimizer.zero_grad(set_to_none=True)
-            for m_idx, batch in enumerate(step):
-                out = self._forward(batch, with_mtp=bool(t.mtp_num_layers))
-                log_probs = losses.token_log_probs(out.logits, batch.input_ids)
-                entropy = losses.token_entropy(out.logits)
-                if sft:
-                    terms = losses.sft_loss_terms(log_probs, batch.loss_mask, entropy)
-                else:
-                    adv = advantages[steps[s_idx][m_idx]].to(self.device)[:, None].expand_as(log_probs)
-                    terms = losses.policy_loss_terms(
-                        log_probs, old[s_idx][m_idx], adv, batch.loss_mask, eps_clip=t.eps_clip,
-                        eps_clip_high=t.eps_clip_high, entropy=entropy, entropy_coef=t.entropy_coef,
-                        ref_log_probs=None if ref is None else ref[s_idx][m_idx],
-                        kl_loss_coef=t.kl_loss_coef, kl_loss_type=t.kl_loss_type)
-                objective = terms.total.sum()
-                if out.mtp_logits:
-                    terms.mtp_loss = losses.mtp_loss_per_sample(out.mtp_logits, batch.input_ids, batch.loss_mask)
-                    if t.enable_mtp_training:
-                        objective = objective + t.mtp_loss_scaling_factor * terms.mtp_loss.sum()
-                (objective / t.global_batch_size).backward()
-                self._accumulate(sums, terms, batch, None if sft else old[s_idx][m_idx])
-            grad_norms.append(self._reduce_and_clip_grads())
-            self.optimizer.step()
-        return self._metrics(sums, grad_norms)
+        return _Prepared(sft, steps, batches, advantages, old, ref, sums)
+
+    def _backward_step(self, p: "_Prepared", s_idx: int) -> None:
+        """Forward and backward every micro-batch of optimizer step `s_idx`; gradients accumulate in float32."""
+        t = self.train
+        self.model.train()
+        for m_idx, batch in enumerate(p.batches[s_idx]):
+            rows = model_rows(batch, self.packed)
+            out = self._forward(rows, with_mtp=bool(t.mtp_num_layers))
+            log_probs = rows.to_samples(losses.token_log_probs(out.logits, rows.input_ids))
+            entropy = rows.to_samples(losses.token_entropy(out.logits))
+            if p.sft:
+                terms = losses.sft_loss_terms(log_probs, batch.loss_mask, entropy)
+            else:
+                adv = p.advantages[p.steps[s_idx][m_idx]].to(self.device)[:, None].expand_as(log_probs)
+                terms = losses.policy_loss_terms(
+                    log_probs, p.old[s_idx][m_idx], adv, batch.loss_mask, eps_clip=t.eps_clip,
+                    eps_clip_high=t.eps_clip_high, entropy=entropy, entropy_coef=t.entropy_coef,
+                    ref_log_probs=None if p.ref is None else p.ref[s_idx][m_idx],
+                    kl_loss_coef=t.kl_loss_coef, kl_loss_type=t.kl_loss_type)
+            objective = terms.total.sum()
+            if out.mtp_logits:
+                targets = [rows.to_samples(ce) for ce in losses.mtp_target_losses(out.mtp_logits, rows.input_ids)]
+                terms.mtp_loss = losses.mtp_loss_from_targets(targets, batch.loss_mask)
+                if t.enable_mtp_training:
+                    objective = objective + t.mtp_loss_scaling_factor * terms.mtp_loss.sum()
+            (objective / t.global_batch_size).backward()
+            self.master.accumulate_grads()
+            self._accumulate(p.sums, terms, batch, None if p.sft else p.old[s_idx][m_idx])
 
     @staticmethod
     def _reward(sample: Sample) -> float:
@@ -241,14 +293,21 @@ class Trainer:
             metrics["train_rollout_logprob_abs_diff"] = float(sums[-2] / sums[-1])
         return metrics
 
-    def _reduce_and_clip_grads(self) -> float:
-        """Average gradients over data-parallel ranks, then clip by the global norm (TP shards counted once)."""
+    def _reduce_grads(self) -> list[torch.Tensor]:
+        """Sum the (float32 master) gradients over data-parallel ranks; returns the parameters that have one."""
         from megatron.core import parallel_state as ps
 
-        params = [p for p in self.model.parameters() if p.requires_grad and p.grad is not None]
+        params = [p for p in self.master.params if p.grad is not None]
         if self.tp.dp_size > 1:
             for p in params:
                 dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+        return params
+
+    def _reduce_and_clip_grads(self) -> float:
+        """Sum gradients over data-parallel ranks, then clip by the global norm (TP shards counted once)."""
+        from megatron.core import parallel_state as ps
+
+        params = self._reduce_grads()
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in params:
@@ -265,3 +324,16 @@ class Trainer:
             for p in params:
                 p.grad.mul_(scale)
         return norm
+
+
+@dataclass
+class _Prepared:
+    """One train_step's inputs, computed before the first update."""
+
+    sft: bool
+    steps: list[list[list[int]]]  # sample indices per optimizer step, per micro-batch
+    batches: list[list[TokenBatch]]
+    advantages: torch.Tensor | None
+    old: list[list[torch.Tensor]] | None
+    ref: list[list[torch.Tensor]] | None
+    sums: torch.Tensor
