@@ -1,6 +1,7 @@
-"""`make demo`: the whole loop on a CPU machine, on the embedded engine, in about ten minutes.
+"""`make demo`: the whole loop on a CPU machine, on the embedded engine, in about five minutes.
 
-1. A tiny MiMo-style model (one MTP layer) with a character-level tokenizer, and an addition task.
+1. A tiny MiMo-style model (6 layers and one MTP layer, so the target costs several times its draft) with a
+   character-level tokenizer, and 3-digit addition worked column by column (~100-token responses, demo_task.py).
 2. A short SFT warm-up (policy and MTP layer), exported as an HF checkpoint.
 3. GRPO with speculative rollout (NEXTN: the MTP layer drafts) and online MTP training.
 4. The same GRPO run with the draft frozen (MTP layer neither trained nor changed), for comparison.
@@ -20,10 +21,12 @@ from pathlib import Path
 from slime_spec.demo_task import split_problems, write_jsonl
 
 SIZES = {  # name: model, data and loop sizes
-    "full": dict(hidden=128, layers=2, ffn=384, sft_steps=100, sft_batch=64, n_train=800, n_eval=100,
-                 grpo_steps=40, prompts=32, samples=8, updates_per_rollout=4, max_operand=29),
-    "smoke": dict(hidden=64, layers=1, ffn=128, sft_steps=40, sft_batch=32, n_train=80, n_eval=16,
-                  grpo_steps=2, prompts=4, samples=4, updates_per_rollout=2, max_operand=9),
+    "full": dict(hidden=128, layers=6, ffn=384, sft_steps=150, sft_batch=32, n_train=2000, n_eval=32,
+                 grpo_steps=20, prompts=8, samples=8, updates_per_rollout=2, digits=3, max_response_len=128,
+                 speedup_interval=4),
+    "smoke": dict(hidden=64, layers=2, ffn=128, sft_steps=20, sft_batch=16, n_train=80, n_eval=8,
+                  grpo_steps=2, prompts=4, samples=4, updates_per_rollout=2, digits=2, max_response_len=96,
+                  speedup_interval=2),
 }
 SPEC_FLAGS = ["--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-num-steps", "2",
               "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "3"]
@@ -34,8 +37,8 @@ def make_model_and_data(out: Path, size: dict, seed: int) -> tuple[Path, Path, P
 
     model = make_tiny_model(out / "model_init", arch="mimo", mtp_layers=1, hidden_size=size["hidden"],
                             num_layers=size["layers"], num_heads=4, num_kv_heads=2,
-                            intermediate_size=size["ffn"], max_position_embeddings=128, seed=seed)
-    train, evals = split_problems(size["n_train"], size["n_eval"], seed, size["max_operand"])
+                            intermediate_size=size["ffn"], max_position_embeddings=256, seed=seed)
+    train, evals = split_problems(size["n_train"], size["n_eval"], seed, size["digits"])
     return model, write_jsonl(train, out / "data" / "train.jsonl"), write_jsonl(evals, out / "data" / "eval.jsonl"), train
 
 
@@ -95,9 +98,9 @@ def grpo_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path, siz
     n = size["prompts"] * size["samples"] // size["updates_per_rollout"]  # PPO minibatches per rollout
     argv = ["--hf-checkpoint", str(model), "--rollout-backend", "embedded", "--rollout-num-engines", "1",
             "--prompt-data", str(train_data), "--input-key", "prompt", "--label-key", "label",
-            "--rm-type", "exact_match", "--rollout-skip-special-tokens", "--rollout-shuffle",
+            "--rm-type", "scratchpad", "--rollout-skip-special-tokens", "--rollout-shuffle",
             "--num-rollout", str(size["grpo_steps"]), "--rollout-batch-size", str(size["prompts"]),
-            "--n-samples-per-prompt", str(size["samples"]), "--rollout-max-response-len", "6",
+            "--n-samples-per-prompt", str(size["samples"]), "--rollout-max-response-len", str(size["max_response_len"]),
             "--rollout-temperature", "1.0", "--global-batch-size", str(n), "--micro-batch-size", str(n),
             "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
             "--lr", "3e-4", "--seed", str(seed), "--rollout-seed", str(seed),
@@ -105,7 +108,9 @@ def grpo_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path, siz
             "--output-dir", str(run_dir), "--metrics-jsonl", str(run_dir / "metrics.jsonl"), *SPEC_FLAGS,
             # held-out greedy accuracy before training and after the last step: the clean measure of progress
             "--eval-prompt-data", "addition", str(eval_data), "--eval-interval", str(max(1, size["grpo_steps"] // 2)),
-            "--eval-temperature", "0"]
+            "--eval-temperature", "0",
+            # every few steps the same prompts are also timed without speculation: the honest speed-up
+            "--spec-speedup-interval", str(size["speedup_interval"])]
     return argv + (["--enable-mtp-training"] if train_mtp else [])
 
 
