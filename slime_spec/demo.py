@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[demo] SFT warm-up: {size['sft_steps']} steps of {size['sft_batch']} problems", flush=True)
     sft_model = sft_warmup(model, rows, out, size, args.seed)
     print("[demo] GRPO with NEXTN speculative rollout and online MTP training", flush=True)
+    title = demo_title(size)
     trained = grpo(grpo_argv(sft_model, train_data, eval_data, out / "run_mtp_trained", size, args.seed,
                                  train_mtp=True))
     frozen = None
@@ -150,30 +151,45 @@ def main(argv: list[str] | None = None) -> int:
         print("[demo] the same GRPO run with the draft frozen", flush=True)
         frozen = grpo(grpo_argv(sft_model, train_data, eval_data, out / "run_frozen_draft", size, args.seed,
                                     train_mtp=False))
-    return finish(out, trained, frozen, time.perf_counter() - t0)
+    return finish(out, trained, frozen, time.perf_counter() - t0, title, smoke=args.smoke)
 
 
-def finish(out: Path, trained: dict, frozen: dict | None, elapsed_s: float) -> int:
+def demo_title(size: dict) -> str:
+    return (f"tiny MiMo ({size['layers']} layers + 1 MTP layer, hidden {size['hidden']}) on {size['digits']}-digit "
+            "addition with a scratchpad: GRPO, NEXTN speculative rollout")
+
+
+def reward_verdict(r0: float, r1: float, smoke: bool) -> str:
+    """What the reward trend means; a smoke run is too short to learn, so its trend is no verdict."""
+    if smoke:
+        return "smoke run: too few steps to learn, the trend means nothing"
+    return "rose" if r1 > r0 else "did NOT rise"
+
+
+def finish(out: Path, trained: dict, frozen: dict | None, elapsed_s: float, title: str, smoke: bool = False) -> int:
     from slime_spec.loop_report import plot
 
     shutil.copy(out / "run_mtp_trained" / "metrics.jsonl", out / "metrics.jsonl")
     extra = {"draft frozen": frozen["rollouts"]} if frozen else None
-    plot(trained["rollouts"], out / "plot.png", "demo: GRPO + NEXTN speculative rollout", extra=extra,
-         label="MTP trained online")
-    summary = {
-        "elapsed_s": elapsed_s,
-        "mtp_trained": {k: v for k, v in trained.items() if k != "rollouts"},
-        "draft_frozen": None if frozen is None else {k: v for k, v in frozen.items() if k != "rollouts"},
-    }
+    plot(trained["rollouts"], out / "plot.png", title, extra=extra, label="MTP trained online")
+    runs = {"mtp_trained": trained, "draft_frozen": frozen}
+    summary = {"elapsed_s": elapsed_s, "title": title, "smoke": smoke,
+               **{name: None if run is None else {k: v for k, v in run.items() if k != "rollouts"}
+                  for name, run in runs.items()}}
     r0, r1 = trained["reward_first_quarter_mean"], trained["reward_last_quarter_mean"]
-    summary["reward_rose"] = reward_rose = r1 > r0
+    summary["reward_rose"] = None if smoke else r1 > r0
+    summary["spec_speedup"] = {name: run["spec_speedup"] for name, run in runs.items() if run}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-    print("\n[demo] done in {:.0f}s (first quarter of the steps -> last quarter, means)".format(elapsed_s))
-    print(f"  reward        {r0:.3f} -> {r1:.3f} ({'rose' if reward_rose else 'did NOT rise'})")
+    print(f"\n[demo] {title}\n[demo] done in {elapsed_s:.0f}s (first quarter of the steps -> last quarter, means)")
+    print(f"  reward        {r0:.3f} -> {r1:.3f} ({reward_verdict(r0, r1, smoke)})")
     for name, run in (("MTP trained online", trained), ("draft frozen", frozen)):
         if run:
             print(f"  accept length {run['accept_length_first_quarter_mean']:.3f} -> "
                   f"{run['accept_length_last_quarter_mean']:.3f} ({name})")
+    for name, run in (("MTP trained online", trained), ("draft frozen", frozen)):
+        if run and run.get("spec_speedup") is not None:
+            print(f"  spec_speedup  {run['spec_speedup']:.2f}x over the run (first {run['spec_speedup_first']:.2f}x, "
+                  f"last {run['spec_speedup_last']:.2f}x; plain time / speculative time, same prompts) ({name})")
     print(f"  outputs: {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'plot.png'}")
     return 0
 
