@@ -128,9 +128,9 @@ def axis_limits(values: list[float], floor: float, ceiling: float | None = None)
 
 PANELS = (  # (key, y label, baseline, range kept when the data fits in it)
     ("reward_mean", "reward (mean per rollout, range 0-1)", 0.0, 1.0),
-    ("spec_accept_length", "accept length (tokens per verify pass, from 1 = none accepted)", 1.0, None),
+    ("spec_accept_length", "accept length (tokens per verify; 1 = none accepted)", 1.0, None),
 )
-SPEEDUP_PANEL = ("spec_speedup", "spec_speedup (plain time / speculative time)", 0.0, None)
+SPEEDUP_PANEL = ("spec_speedup", "spec_speedup (plain time / spec. time)", 0.0, None)
 
 
 def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[str, list[dict]] | None = None,
@@ -189,7 +189,7 @@ def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[s
         if shown:
             ax.legend(fontsize=8, loc="best")
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.94))  # room for the title
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
