@@ -1,6 +1,7 @@
-"""`make demo`: the whole loop on a CPU machine, on the embedded engine, in about ten minutes.
+"""`make demo`: the whole loop on a CPU machine, on the embedded engine, in about five minutes.
 
-1. A tiny MiMo-style model (one MTP layer) with a character-level tokenizer, and an addition task.
+1. A tiny MiMo-style model (6 layers and one MTP layer, so the target costs several times its draft) with a
+   character-level tokenizer, and 3-digit addition worked column by column (~100-token responses, demo_task.py).
 2. A short SFT warm-up (policy and MTP layer), exported as an HF checkpoint.
 3. GRPO with speculative rollout (NEXTN: the MTP layer drafts) and online MTP training.
 4. The same GRPO run with the draft frozen (MTP layer neither trained nor changed), for comparison.
@@ -20,10 +21,12 @@ from pathlib import Path
 from slime_spec.demo_task import split_problems, write_jsonl
 
 SIZES = {  # name: model, data and loop sizes
-    "full": dict(hidden=128, layers=2, ffn=384, sft_steps=100, sft_batch=64, n_train=800, n_eval=100,
-                 grpo_steps=40, prompts=32, samples=8, updates_per_rollout=4, max_operand=29),
-    "smoke": dict(hidden=64, layers=1, ffn=128, sft_steps=40, sft_batch=32, n_train=80, n_eval=16,
-                  grpo_steps=2, prompts=4, samples=4, updates_per_rollout=2, max_operand=9),
+    "full": dict(hidden=128, layers=6, ffn=384, sft_steps=150, sft_batch=32, n_train=2000, n_eval=32,
+                 grpo_steps=20, prompts=8, samples=8, updates_per_rollout=2, digits=3, max_response_len=128,
+                 speedup_interval=4),
+    "smoke": dict(hidden=64, layers=2, ffn=128, sft_steps=20, sft_batch=16, n_train=80, n_eval=8,
+                  grpo_steps=2, prompts=4, samples=4, updates_per_rollout=2, digits=2, max_response_len=96,
+                  speedup_interval=2),
 }
 SPEC_FLAGS = ["--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-num-steps", "2",
               "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "3"]
@@ -34,8 +37,8 @@ def make_model_and_data(out: Path, size: dict, seed: int) -> tuple[Path, Path, P
 
     model = make_tiny_model(out / "model_init", arch="mimo", mtp_layers=1, hidden_size=size["hidden"],
                             num_layers=size["layers"], num_heads=4, num_kv_heads=2,
-                            intermediate_size=size["ffn"], max_position_embeddings=128, seed=seed)
-    train, evals = split_problems(size["n_train"], size["n_eval"], seed, size["max_operand"])
+                            intermediate_size=size["ffn"], max_position_embeddings=256, seed=seed)
+    train, evals = split_problems(size["n_train"], size["n_eval"], seed, size["digits"])
     return model, write_jsonl(train, out / "data" / "train.jsonl"), write_jsonl(evals, out / "data" / "eval.jsonl"), train
 
 
@@ -95,9 +98,9 @@ def grpo_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path, siz
     n = size["prompts"] * size["samples"] // size["updates_per_rollout"]  # PPO minibatches per rollout
     argv = ["--hf-checkpoint", str(model), "--rollout-backend", "embedded", "--rollout-num-engines", "1",
             "--prompt-data", str(train_data), "--input-key", "prompt", "--label-key", "label",
-            "--rm-type", "exact_match", "--rollout-skip-special-tokens", "--rollout-shuffle",
+            "--rm-type", "scratchpad", "--rollout-skip-special-tokens", "--rollout-shuffle",
             "--num-rollout", str(size["grpo_steps"]), "--rollout-batch-size", str(size["prompts"]),
-            "--n-samples-per-prompt", str(size["samples"]), "--rollout-max-response-len", "6",
+            "--n-samples-per-prompt", str(size["samples"]), "--rollout-max-response-len", str(size["max_response_len"]),
             "--rollout-temperature", "1.0", "--global-batch-size", str(n), "--micro-batch-size", str(n),
             "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
             "--lr", "3e-4", "--seed", str(seed), "--rollout-seed", str(seed),
@@ -105,7 +108,9 @@ def grpo_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path, siz
             "--output-dir", str(run_dir), "--metrics-jsonl", str(run_dir / "metrics.jsonl"), *SPEC_FLAGS,
             # held-out greedy accuracy before training and after the last step: the clean measure of progress
             "--eval-prompt-data", "addition", str(eval_data), "--eval-interval", str(max(1, size["grpo_steps"] // 2)),
-            "--eval-temperature", "0"]
+            "--eval-temperature", "0",
+            # every few steps the same prompts are also timed without speculation: the honest speed-up
+            "--spec-speedup-interval", str(size["speedup_interval"])]
     return argv + (["--enable-mtp-training"] if train_mtp else [])
 
 
@@ -138,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[demo] SFT warm-up: {size['sft_steps']} steps of {size['sft_batch']} problems", flush=True)
     sft_model = sft_warmup(model, rows, out, size, args.seed)
     print("[demo] GRPO with NEXTN speculative rollout and online MTP training", flush=True)
+    title = demo_title(size)
     trained = grpo(grpo_argv(sft_model, train_data, eval_data, out / "run_mtp_trained", size, args.seed,
                                  train_mtp=True))
     frozen = None
@@ -145,30 +151,45 @@ def main(argv: list[str] | None = None) -> int:
         print("[demo] the same GRPO run with the draft frozen", flush=True)
         frozen = grpo(grpo_argv(sft_model, train_data, eval_data, out / "run_frozen_draft", size, args.seed,
                                     train_mtp=False))
-    return finish(out, trained, frozen, time.perf_counter() - t0)
+    return finish(out, trained, frozen, time.perf_counter() - t0, title, smoke=args.smoke)
 
 
-def finish(out: Path, trained: dict, frozen: dict | None, elapsed_s: float) -> int:
+def demo_title(size: dict) -> str:
+    return (f"tiny MiMo ({size['layers']} layers + 1 MTP layer, hidden {size['hidden']}) on {size['digits']}-digit "
+            "addition with a scratchpad: GRPO, NEXTN speculative rollout")
+
+
+def reward_verdict(r0: float, r1: float, smoke: bool) -> str:
+    """What the reward trend means; a smoke run is too short to learn, so its trend is no verdict."""
+    if smoke:
+        return "smoke run: too few steps to learn, the trend means nothing"
+    return "rose" if r1 > r0 else "did NOT rise"
+
+
+def finish(out: Path, trained: dict, frozen: dict | None, elapsed_s: float, title: str, smoke: bool = False) -> int:
     from slime_spec.loop_report import plot
 
     shutil.copy(out / "run_mtp_trained" / "metrics.jsonl", out / "metrics.jsonl")
     extra = {"draft frozen": frozen["rollouts"]} if frozen else None
-    plot(trained["rollouts"], out / "plot.png", "demo: GRPO + NEXTN speculative rollout", extra=extra,
-         label="MTP trained online")
-    summary = {
-        "elapsed_s": elapsed_s,
-        "mtp_trained": {k: v for k, v in trained.items() if k != "rollouts"},
-        "draft_frozen": None if frozen is None else {k: v for k, v in frozen.items() if k != "rollouts"},
-    }
+    plot(trained["rollouts"], out / "plot.png", title, extra=extra, label="MTP trained online")
+    runs = {"mtp_trained": trained, "draft_frozen": frozen}
+    summary = {"elapsed_s": elapsed_s, "title": title, "smoke": smoke,
+               **{name: None if run is None else {k: v for k, v in run.items() if k != "rollouts"}
+                  for name, run in runs.items()}}
     r0, r1 = trained["reward_first_quarter_mean"], trained["reward_last_quarter_mean"]
-    summary["reward_rose"] = reward_rose = r1 > r0
+    summary["reward_rose"] = None if smoke else r1 > r0
+    summary["spec_speedup"] = {name: run["spec_speedup"] for name, run in runs.items() if run}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-    print("\n[demo] done in {:.0f}s (first quarter of the steps -> last quarter, means)".format(elapsed_s))
-    print(f"  reward        {r0:.3f} -> {r1:.3f} ({'rose' if reward_rose else 'did NOT rise'})")
+    print(f"\n[demo] {title}\n[demo] done in {elapsed_s:.0f}s (first quarter of the steps -> last quarter, means)")
+    print(f"  reward        {r0:.3f} -> {r1:.3f} ({reward_verdict(r0, r1, smoke)})")
     for name, run in (("MTP trained online", trained), ("draft frozen", frozen)):
         if run:
             print(f"  accept length {run['accept_length_first_quarter_mean']:.3f} -> "
                   f"{run['accept_length_last_quarter_mean']:.3f} ({name})")
+    for name, run in (("MTP trained online", trained), ("draft frozen", frozen)):
+        if run and run.get("spec_speedup") is not None:
+            print(f"  spec_speedup  {run['spec_speedup']:.2f}x over the run (first {run['spec_speedup_first']:.2f}x, "
+                  f"last {run['spec_speedup_last']:.2f}x; plain time / speculative time, same prompts) ({name})")
     print(f"  outputs: {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'plot.png'}")
     return 0
 

@@ -229,6 +229,11 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
                                             "(DeepSeek/GLM at TP8, CUDA graph capture) take well over 300 s"}),
         ("--rollout-request-retries", {**_I, "default": 3,
                                        "help": "resubmissions of a request whose engine died (after its restart)"}),
+        ("--spec-speedup-interval", {**_I, "default": None,
+                                     "help": "every N rollouts, time the same prompts with and without speculation "
+                                             "(one speculative engine against a plain engine beside it, same weights) "
+                                             "and report spec_speedup = plain time / speculative time; embedded "
+                                             "backend only"}),
         ("--allow-unknown-flags", {**_ON, "help": "accept flags slime-spec does not know (your own, mixed in) "
                                                   "instead of stopping; doctor still lists them"}),
     ],
@@ -294,7 +299,7 @@ ACTED_ON = {
     "config", "rollout_backend", "rollout_num_engines", "metrics_jsonl", "output_dir", "update_weight_buffer_size",
     "weight_sync_transport", "check_weight_sync", "weight_sync_check_interval", "engine_start_timeout",
     "rollout_request_retries",
-    "allow_unknown_flags",
+    "allow_unknown_flags", "spec_speedup_interval",
     # Model-shape flags: the trainer builds the model from config.json; these are checked against it.
     "swiglu", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
     "num_query_groups", "kv_channels", "use_rotary_position_embeddings", "rotary_base", "disable_bias_linear",

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from slime_spec.config import Config
-from slime_spec.rollout.metrics import WandbLogger, format_metrics_line, write_metrics_line
+from slime_spec.rollout.metrics import WandbLogger, format_metrics_line, format_speedup, write_metrics_line
 
 TABLE_COLUMNS = [  # (key, header, format)
     ("rollout_id", "step", "{}"),
@@ -22,6 +22,7 @@ TABLE_COLUMNS = [  # (key, header, format)
     ("mtp_loss", "mtp_loss", "{:.4f}"),
     ("weight_sync_s", "sync_s", "{:.2f}"),
     ("spec_canary_accept_length", "canary", "{:.2f}"),
+    ("spec_speedup", "speedup", "{:.2f}x"),
 ]
 
 
@@ -60,7 +61,20 @@ def summarize(steps: list[dict]) -> dict:
             "accept_length_first_quarter_mean": quarter_mean(series("spec_accept_length"), first=True),
             "accept_length_last_quarter_mean": quarter_mean(series("spec_accept_length"), first=False),
             "weight_sync_s_mean": _mean(series("weight_sync_s")), "tokens_per_s_mean": _mean(series("tokens_per_s")),
-            "rollouts": steps}
+            **speedup_summary(steps), "rollouts": steps}
+
+
+def speedup_summary(steps: list[dict]) -> dict:
+    """`--spec-speedup-interval`'s measurements over the run: plain seconds / speculative seconds, summed over
+    every measurement (the run's whole-run ratio), and the first and last measurement."""
+    measured = [s for s in steps if s.get("spec_speedup") is not None]
+    if not measured:
+        return {"spec_speedup": None, "spec_speedup_first": None, "spec_speedup_last": None,
+                "spec_speedup_measurements": 0}
+    plain = sum(s["spec_speedup_plain_s"] for s in measured)
+    spec = sum(s["spec_speedup_spec_s"] for s in measured)
+    return {"spec_speedup": plain / spec, "spec_speedup_first": measured[0]["spec_speedup"],
+            "spec_speedup_last": measured[-1]["spec_speedup"], "spec_speedup_measurements": len(measured)}
 
 
 def quarter_mean(values, first: bool):
@@ -113,18 +127,20 @@ def axis_limits(values: list[float], floor: float, ceiling: float | None = None)
 
 
 PANELS = (  # (key, y label, baseline, range kept when the data fits in it)
-    ("reward_mean", "reward (mean per rollout)", 0.0, 1.0),
-    ("spec_accept_length", "accept length (tokens per verify pass)", 1.0, None),
+    ("reward_mean", "reward (mean per rollout, range 0-1)", 0.0, 1.0),
+    ("spec_accept_length", "accept length (tokens per verify; 1 = none accepted)", 1.0, None),
 )
+SPEEDUP_PANEL = ("spec_speedup", "spec_speedup (plain time / spec. time)", 0.0, None)
 
 
 def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[str, list[dict]] | None = None,
          label: str = "this run") -> None:
     """Reward and accept length over steps, each raw (faint) and smoothed; held-out eval and canary series
-    when present; `extra` overlays other runs (e.g. a frozen draft).
+    when present; the measured speed-up (`--spec-speedup-interval`) in a third panel when any run has it;
+    `extra` overlays other runs (e.g. a frozen draft).
 
-    Axes start at their baselines (reward 0, accept length 1.0 = no token accepted) so a small change
-    looks small; reward in [0, 1] keeps the [0, 1] range.
+    Axes start at their baselines (reward 0, accept length 1.0 = no token accepted, speed-up 0 with a line at
+    1.0 = as fast as plain decoding) so a small change looks small; reward in [0, 1] keeps the [0, 1] range.
     """
     import matplotlib
 
@@ -134,14 +150,21 @@ def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[s
     runs = {label: steps, **(extra or {})}
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     window = max(1, len(steps) // 8)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    for ax, (key, ylabel, floor, ceiling) in zip(axes, PANELS):
+    panels = PANELS + ((SPEEDUP_PANEL,) if any(_series(r, "spec_speedup")[1] for r in runs.values()) else ())
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.4))
+    for ax, (key, ylabel, floor, ceiling) in zip(axes, panels):
+        if key == "spec_speedup":
+            ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="plain decoding (1.0x)")
         shown: list[float] = []
         for i, (name, run_steps) in enumerate(runs.items()):
             xs, ys = _series(run_steps, key)
             if not ys:
                 continue
             color = colors[i % len(colors)]
+            if key == "spec_speedup":  # one point per measurement: no smoothing over so few
+                ax.plot(xs, ys, color=color, marker="o", linewidth=2, label=f"{name} (measured every few steps)")
+                shown += ys
+                continue
             ax.plot(xs, ys, color=color, alpha=0.25, linewidth=1, marker="o" if len(xs) < 30 else None,
                     markersize=3)
             ax.plot(xs, smooth(ys, window), color=color, linewidth=2,
@@ -159,14 +182,14 @@ def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[s
                     ax.plot(cxs, cys, color=color, linestyle=":", marker="^", markersize=4,
                             label=f"{name}: canary after weight sync")
                     shown += cys
-        ax.set_ylim(*axis_limits(shown, floor, ceiling))
+        ax.set_ylim(*axis_limits(shown + ([1.0] if key == "spec_speedup" else []), floor, ceiling))
         ax.set_xlabel("rollout step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         if shown:
             ax.legend(fontsize=8, loc="best")
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.94))  # room for the title
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -213,6 +236,8 @@ class LoopReport:
                    if k.startswith("eval/") and k.endswith(("/reward_mean", "/spec_accept_length"))]
         if step.get("spec_canary_accept_length") is not None:
             extras.append(f"canary accept_len {step['spec_canary_accept_length']:.2f}")
+        if format_speedup(step):
+            extras.append(format_speedup(step))
         print(line + ("" if not extras else " | " + " | ".join(extras)), flush=True)
         write_metrics_line(self.metrics_path, step)
         if self.wandb:
@@ -224,6 +249,10 @@ class LoopReport:
         summary["eval_final"] = next(({k: v for k, v in s.items() if k.startswith("eval/")}
                                       for s in reversed(self.steps) if any(k.startswith("eval/") for k in s)), None)
         print("\n" + summary_table(self.steps), flush=True)
+        if summary["spec_speedup"] is not None:
+            print(f"spec_speedup over the run: {summary['spec_speedup']:.2f}x (plain / speculative time, "
+                  f"{summary['spec_speedup_measurements']} measurements; first {summary['spec_speedup_first']:.2f}x, "
+                  f"last {summary['spec_speedup_last']:.2f}x)", flush=True)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         if self.steps:

@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Callable
 
+from slime_spec import spec_speedup
 from slime_spec.args import ArgsError, parse
 from slime_spec.config import Config, WandbConfig
 from slime_spec.doctor import diagnose, render_text
@@ -36,6 +37,11 @@ def preflight(argv: list[str]) -> Config:
         print(render_text(config, shown, []), flush=True)
     if errors or config is None:
         raise SystemExit(2)
+    try:
+        spec_speedup.check_config(config)
+    except ValueError as e:
+        print(f"slime-spec: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from e
     return config
 
 
@@ -164,13 +170,26 @@ def _run_placed(config: Config, placement, manager_kwargs: dict) -> dict:
 
 
 def _loop(config: Config, trainer, manager) -> dict:
+    """The steps, with the plain engine of `--spec-speedup-interval` (if set) beside the fleet."""
+    import ray
+
+    report = LoopReport(config)
+    start = trainer.start_rollout_id()
+    probe = None
+    try:
+        if manager is not None and config.spec_speedup_interval:
+            probe = spec_speedup.SpeedupProbe(config, ray.get(manager.engine_urls.remote())[0])
+        return _steps(config, trainer, manager, report, start, probe)
+    finally:
+        if probe is not None:
+            probe.shutdown()
+
+
+def _steps(config: Config, trainer, manager, report: LoopReport, start: int, probe) -> dict:
     import ray
 
     from slime_spec.rollout.debug_data import load_rollout
     from slime_spec.trainer.checkpoint import save_due
-
-    report = LoopReport(config)
-    start = trainer.start_rollout_id()
 
     def resync(version: str, restarted_urls: list[str]) -> dict:
         return trainer.sync_weights(version, restarted_urls=restarted_urls)
@@ -199,6 +218,8 @@ def _loop(config: Config, trainer, manager) -> dict:
             ray.get(manager.resume_memory.remote())
         if manager is not None:
             step.update(sync_all(trainer, manager, str(rollout_id), probe_samples=samples))
+        if probe is not None and spec_speedup.due(config.spec_speedup_interval, rollout_id, config.rollout.num_rollout):
+            step.update(probe.measure(samples, trainer.hf_state_dict(), str(rollout_id)))
         last = rollout_id + 1 == config.rollout.num_rollout
         if config.train.save and (last or save_due(config.train.save_interval, rollout_id)):
             trainer.save(rollout_id)

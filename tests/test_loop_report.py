@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from slime_spec.loop_report import axis_limits, eval_names, plot, smooth
+from slime_spec.loop_report import axis_limits, eval_names, plot, smooth, speedup_summary, summarize
 
 
 def steps(n: int) -> list[dict]:
@@ -57,8 +57,54 @@ def test_plot_writes_a_png_with_eval_and_canary(tmp_path):
     finally:
         plt.Figure.savefig = real_savefig
     assert (tmp_path / "plot.png").stat().st_size > 5000
+    assert len(seen["axes"]) == 2  # no speed-up panel without a measurement
     (reward_ylim, reward_lines, title), (accept_ylim, accept_lines, _) = seen["axes"]
     assert title == "MiMo-7B-RL on dapo-math-17k: GRPO"
     assert reward_ylim == (0.0, 1.0) and accept_ylim[0] == 1.0
     assert "this run (rollouts, mean of 5)" in reward_lines and "this run: held-out eval 'aime'" in reward_lines
     assert "this run: canary after weight sync" in accept_lines and "draft frozen: held-out eval 'aime'" in accept_lines
+
+
+def with_speedup(n: int, plain_s: float) -> list[dict]:
+    out = steps(n)
+    for s in out[3::4]:
+        s.update(spec_speedup=plain_s / 2.0, spec_speedup_plain_s=plain_s, spec_speedup_spec_s=2.0)
+    return out
+
+
+def test_summary_states_the_whole_run_speedup():
+    run = with_speedup(12, 3.0)
+    run[-1].update(spec_speedup=2.0, spec_speedup_plain_s=4.0, spec_speedup_spec_s=2.0)
+    s = summarize(run)
+    assert s["spec_speedup"] == pytest.approx((3.0 + 3.0 + 4.0) / 6.0)  # summed times, not a mean of ratios
+    assert (s["spec_speedup_first"], s["spec_speedup_last"], s["spec_speedup_measurements"]) == (1.5, 2.0, 3)
+    assert speedup_summary(steps(4))["spec_speedup"] is None
+
+
+def test_plot_has_a_speedup_panel_from_zero_with_the_plain_line(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    seen = {}
+    real_savefig = plt.Figure.savefig
+
+    def capture(fig, path, **kw):
+        seen["axes"] = [(ax.get_ylim(), {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()})
+                        for ax in fig.axes]
+        return real_savefig(fig, path, **kw)
+
+    plt.Figure.savefig = capture
+    try:
+        plot(with_speedup(20, 3.0), tmp_path / "plot.png", "tiny MiMo on addition", label="MTP trained online",
+             extra={"draft frozen": with_speedup(20, 1.6)})
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert (tmp_path / "plot.png").exists()
+    assert len(seen["axes"]) == 3
+    ylim, lines = seen["axes"][2]
+    assert ylim[0] == 0.0 and ylim[1] > 1.5
+    assert lines["plain decoding (1.0x)"] == [1.0, 1.0]
+    assert lines["MTP trained online (measured every few steps)"] == [1.5] * 5
+    assert lines["draft frozen (measured every few steps)"] == [0.8] * 5

@@ -3,7 +3,8 @@ import json
 import pytest
 
 from slime_spec.rollout.generate import apply_generate_output
-from slime_spec.rollout.metrics import (REQUIRED_KEYS, format_metrics_line, rollout_metrics, slime_log_keys,
+from slime_spec.rollout.metrics import (REQUIRED_KEYS, format_metrics_line, format_speedup, rollout_metrics,
+                                        slime_log_keys,
                                         spec_summary, wandb_logged_in, wandb_mode, write_metrics_line)
 from slime_spec.rollout.sample import Sample, SpecStats, Status
 
@@ -116,3 +117,13 @@ def test_wandb_mode_respects_flag_env_key_and_login(tmp_path):
     netrc.write_text("machine api.wandb.ai\n  login user\n  password abc123\n")
     netrc.chmod(0o600)
     assert wandb_logged_in(env, None) and not wandb_logged_in(env, "https://wandb.example.com")
+
+
+def test_speedup_is_a_perf_key_and_a_console_clause():
+    step = {"rollout_id": 4, "spec_speedup": 1.5, "spec_speedup_plain_s": 3.0, "spec_speedup_spec_s": 2.0,
+            "spec_speedup_accept_length": 2.25}
+    keys = slime_log_keys(step)
+    assert keys["perf/spec_speedup"] == 1.5 and keys["perf/spec_speedup_plain_s"] == 3.0
+    assert format_speedup(step) == ("spec_speedup 1.50x (plain 3.00s / speculative 2.00s on the same prompts, "
+                                    "accept_len 2.25)")
+    assert format_speedup({"rollout_id": 1}) is None

@@ -84,3 +84,25 @@ def test_custom_rm(tmp_path, monkeypatch):
     with pytest.raises(AttributeError, match="--custom-rm-path"):
         make_reward_fn(RolloutConfig(hf_checkpoint="x", custom_rm_path="my_rm.missing"))
     sys.modules.pop("my_rm", None)
+
+
+def test_scratchpad_reward_checks_the_last_line_and_gives_partial_credit_for_steps():
+    from slime_spec.demo_task import worked_addition
+    from slime_spec.rollout.rewards import SCRATCHPAD_STEP_CREDIT, scratchpad_reward
+
+    label = worked_addition(347, 589)
+    assert scratchpad_reward(label, label) == 1.0
+    assert scratchpad_reward("garbage\nanswer: 936", label) == 1.0  # the answer is what is checked
+    wrong_answer = label.replace("answer: 936", "answer: 935")
+    assert scratchpad_reward(wrong_answer, label) == pytest.approx(SCRATCHPAD_STEP_CREDIT)
+    one_step = label.splitlines()[0] + "\nanswer: 1"
+    assert scratchpad_reward(one_step, label) == pytest.approx(SCRATCHPAD_STEP_CREDIT / 3)
+    assert scratchpad_reward("", label) == 0.0
+    with pytest.raises(ValueError, match="--label-key"):
+        scratchpad_reward("x", None)
+
+
+def test_scratchpad_is_a_registered_rm_type():
+    from slime_spec.rollout.rewards import RM_TYPES
+
+    assert "scratchpad" in RM_TYPES

@@ -100,6 +100,14 @@ def format_metrics_line(m: dict) -> str:
     return " | ".join(parts)
 
 
+def format_speedup(m: dict) -> str | None:
+    """The `--spec-speedup-interval` measurement of a step, or None when the step has none."""
+    if m.get("spec_speedup") is None:
+        return None
+    return (f"spec_speedup {m['spec_speedup']:.2f}x (plain {m['spec_speedup_plain_s']:.2f}s / speculative "
+            f"{m['spec_speedup_spec_s']:.2f}s on the same prompts, accept_len {m['spec_speedup_accept_length']:.2f})")
+
+
 def write_metrics_line(path: str | os.PathLike, metrics: dict) -> None:
     """Append one JSON object (one rollout, or any other part's keys for it) to a JSONL file."""
     path = Path(path)
@@ -156,6 +164,8 @@ def slime_log_keys(step: dict, train_steps_per_rollout: int = 1) -> dict:
             out[f"train/{key}"] = value
         elif key.startswith("eval/"):
             out[_eval_name(key)] = value
+        elif key.startswith("spec_speedup"):  # a timing, as slime's perf/ keys
+            out[f"perf/{key}"] = value
         else:
             out[f"rollout/{key}"] = value
     if any(k.startswith("train/") for k in out):

@@ -1,4 +1,4 @@
-"""Rewards: `--rm-type exact_match | math | deepscaler` or a user function (`--custom-rm-path`).
+"""Rewards: `--rm-type exact_match | math | deepscaler | scratchpad` or a user function (`--custom-rm-path`).
 
 A custom reward function is loaded by dotted path `package.module.function` and called once per
 sample, after generation, with the finished `Sample` (prompt, response, label, tokens, status,
@@ -20,9 +20,6 @@ from typing import Awaitable, Callable
 
 from slime_spec.config import RolloutConfig
 from slime_spec.rollout.sample import Sample, Status
-
-RM_TYPES = ("exact_match", "math", "deepscaler")
-
 
 def load_function(path: str, flag: str) -> Callable:
     """`pkg.module.fn` -> the function, with an error naming the flag."""
@@ -117,6 +114,34 @@ def exact_match_reward(response: str, label: str | None) -> float:
     return float(response.strip() == label.strip())
 
 
+SCRATCHPAD_STEP_CREDIT = 0.2
+
+
+def scratchpad_reward(response: str, label: str | None) -> float:
+    """A worked solution against the reference one (`label`: step lines, the answer on the last line).
+
+    1.0 when the response's last line equals the label's (the final answer); otherwise partial credit,
+    up to SCRATCHPAD_STEP_CREDIT, for the share of the label's step lines the response reproduces at the
+    same line: a signal for GRPO while few answers are right, never worth as much as a right answer.
+    """
+    if label is None:
+        raise ValueError("--rm-type scratchpad needs the reference solution as label: set --label-key")
+    want = label.strip().splitlines()
+    got = response.strip().splitlines()
+    if got and got[-1].strip() == want[-1].strip():
+        return 1.0
+    steps = want[:-1]
+    if not steps:
+        return 0.0
+    right = sum(i < len(got) and got[i].strip() == step.strip() for i, step in enumerate(steps))
+    return SCRATCHPAD_STEP_CREDIT * right / len(steps)
+
+
+RULES = {"exact_match": exact_match_reward, "math": math_reward, "deepscaler": math_reward,
+         "scratchpad": scratchpad_reward}
+RM_TYPES = tuple(RULES)
+
+
 # ---- dispatch ----
 
 RewardFn = Callable[[Sample], Awaitable[float]]
@@ -138,7 +163,7 @@ def make_reward_fn(cfg: RolloutConfig) -> RewardFn | None:
         return None
     if cfg.rm_type not in RM_TYPES:
         raise ValueError(f"--rm-type={cfg.rm_type!r}: choose one of {RM_TYPES} or pass --custom-rm-path")
-    rule = exact_match_reward if cfg.rm_type == "exact_match" else math_reward
+    rule = RULES[cfg.rm_type]
 
     async def builtin(sample: Sample) -> float:
         return rule(sample.response, sample.label)

@@ -102,3 +102,12 @@ def test_demo_smoke_writes_sane_outputs(tmp_path):
     assert summary["mtp_trained"]["num_steps"] == 2 and summary["draft_frozen"]["num_steps"] == 2
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "accept length" in proc.stdout and "reward" in proc.stdout
+    # --spec-speedup-interval 2: the last step is timed with and without speculation, in both runs
+    measured = [m for m in steps if m.get("spec_speedup") is not None]
+    assert [m["rollout_id"] for m in measured] == [1]
+    assert measured[0]["spec_speedup_plain_s"] > 0 and measured[0]["spec_speedup_spec_s"] > 0
+    assert measured[0]["spec_speedup_plain_tokens"] > 0 and measured[0]["spec_speedup_accept_length"] >= 1.0
+    for run in ("mtp_trained", "draft_frozen"):
+        assert summary["spec_speedup"][run] > 0 and summary[run]["spec_speedup_measurements"] == 1
+    assert "spec_speedup" in proc.stdout and "did NOT rise" not in proc.stdout
+    assert "smoke run: too few steps to learn" in proc.stdout

@@ -1,0 +1,55 @@
+"""The speed-up measurement's pure parts: the plain engine's flags, when it runs, what it reports, what it refuses."""
+
+import pytest
+
+from slime_spec.args import parse_config
+from slime_spec.spec_speedup import (TimedHalf, check_config, due, plain_engine_config, speedup_metrics,
+                                     without_speculative_flags)
+
+SPEC = ["--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-num-steps", "2",
+        "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "3"]
+
+
+def config(*extra):
+    return parse_config(["--hf-checkpoint", "/m", "--rollout-backend", "embedded", *extra])[0]
+
+
+def test_plain_engine_drops_every_speculative_flag_and_keeps_the_rest():
+    argv = ("--speculative-algorithm", "NEXTN", "--mem-fraction-static", "0.5", "--speculative-num-steps", "2",
+            "--speculative-adaptive", "--max-running-requests", "8")
+    assert without_speculative_flags(argv) == ("--mem-fraction-static", "0.5", "--max-running-requests", "8")
+    engine = plain_engine_config(config(*SPEC, "--sglang-max-running-requests", "8").engine)
+    assert not any(t.startswith("--speculative") for t in engine.forwarded_argv)
+    assert "--max-running-requests" in engine.forwarded_argv
+    assert not any(k.startswith("speculative_") for k in engine.server_args)
+
+
+def test_measures_every_nth_rollout_and_the_last():
+    assert [r for r in range(10) if due(4, r, 10)] == [3, 7, 9]
+    assert not any(due(None, r, 10) for r in range(10))
+
+
+def test_speedup_is_plain_time_over_speculative_time():
+    m = speedup_metrics(TimedHalf(2.0, 400, 160), TimedHalf(3.0, 420, 0), spec_first=True)
+    assert m["spec_speedup"] == pytest.approx(1.5)
+    assert m["spec_speedup_tokens_per_s"] == pytest.approx((400 / 2.0) / (420 / 3.0))
+    assert m["spec_speedup_accept_length"] == pytest.approx(2.5)
+    assert (m["spec_speedup_spec_tokens"], m["spec_speedup_plain_tokens"]) == (400, 420)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--spec-speedup-interval", "0", *SPEC], "must be >= 1"),
+    (["--spec-speedup-interval", "2"], "no --sglang-speculative-algorithm"),
+    (["--spec-speedup-interval", "2", "--debug-rollout-only", *SPEC], "--debug-rollout-only"),
+])
+def test_refuses_what_it_cannot_measure(extra, match):
+    with pytest.raises(ValueError, match=match):
+        check_config(config(*extra))
+
+
+def test_refuses_sglang_backend():
+    c = parse_config(["--hf-checkpoint", "/m", "--rollout-backend", "sglang", "--spec-speedup-interval", "2",
+                      *SPEC])[0]
+    with pytest.raises(ValueError, match="--rollout-backend embedded"):
+        check_config(c)
+    check_config(config("--spec-speedup-interval", "2", *SPEC))  # the demo's setting passes
