@@ -22,7 +22,7 @@ import torch
 
 from slime_spec.engine.drafters.ngram import NgramDrafter
 
-SEPARATOR = -1  # between documents of one corpus; never a vocabulary id, so no match crosses it
+SEPARATOR = -(2**31)  # between documents of one corpus (SGLang 0.5.23's SEPARATOR_TOKEN); no match crosses it
 MAX_GROUPS = 1024  # groups whose sibling automata are kept (least recently drafted dropped first)
 
 
