@@ -13,9 +13,6 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-DEFAULT_EPOCHS = 1
-DEFAULT_MAX_TOKENS = 8192  # per prompt; see docs/en/benchmarks.md (history drafting) for the measurement
-
 
 def prompt_key(prompt_ids: list[int]) -> str:
     """A stable key for a prompt: the same token ids give the same key in every epoch and process."""
@@ -46,7 +43,7 @@ class HistoryStore:
     keeps only its last `max_tokens` tokens (its text is dropped: the tokens no longer match it).
     """
 
-    def __init__(self, epochs: int = DEFAULT_EPOCHS, max_tokens: int = DEFAULT_MAX_TOKENS):
+    def __init__(self, epochs: int, max_tokens: int):
         if epochs < 0:
             raise ValueError(f"--rollout-history-epochs {epochs}: must be >= 0 (0 keeps only the current group)")
         if max_tokens < 1:
