@@ -124,6 +124,9 @@ class RolloutConfig:
     metrics_jsonl: str | None = flag_default("metrics_jsonl")
     engine_start_timeout: float = flag_default("engine_start_timeout")  # seconds
     rollout_request_retries: int = flag_default("rollout_request_retries")
+    rollout_history_drafting: bool = flag_default("rollout_history_drafting")
+    rollout_history_epochs: int = flag_default("rollout_history_epochs")
+    rollout_history_max_tokens: int = flag_default("rollout_history_max_tokens")
 
 
 @dataclass(frozen=True)

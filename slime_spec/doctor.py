@@ -148,6 +148,9 @@ def diagnose(parsed: ParsedArgs, launching: bool = False) -> tuple[Config | None
         mtp_num_layers=config.train.mtp_num_layers, longest_prompt_tokens=longest,
         max_response_len=config.rollout.rollout_max_response_len, model_flags=model_flags,
         debug_rollout_only=config.debug_rollout_only, colocate=config.cluster.colocate,
+        history_drafting=config.rollout.rollout_history_drafting, history_epochs=config.rollout.rollout_history_epochs,
+        history_max_tokens=config.rollout.rollout_history_max_tokens,
+        prompts_per_rollout=config.rollout.rollout_batch_size,
     ), F.MODEL_SHAPE_FLAGS)
     findings += flag_findings(parsed) + embedded_flag_findings(config) + rm_type_findings(config)
     ranges = range_findings(parsed, config)

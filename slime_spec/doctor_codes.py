@@ -182,6 +182,32 @@ class Rule(Enum):
         "SPEC_MTP_TRAINING", "error",
         "--mtp-num-layers {layers} but the checkpoint has {native} MTP layer(s)",
         "--mtp-num-layers {native}")
+    SPEC_HISTORY_NEEDS_NGRAM = _Entry(
+        "SPEC_HISTORY", "error",
+        "--rollout-history-drafting drafts through NGRAM's external corpora, but {sg}speculative-algorithm is "
+        "{algorithm}",
+        "{sg}speculative-algorithm NGRAM, or drop --rollout-history-drafting")
+    SPEC_HISTORY_NO_SAM_BUDGET = _Entry(
+        "SPEC_HISTORY", "error",
+        "--rollout-history-drafting on SGLang with {sg}speculative-ngram-external-sam-budget {budget}: SGLang "
+        "drafts no node from external corpora, so the history is never used",
+        "{sg}speculative-ngram-external-sam-budget between 1 and {sg}speculative-num-draft-tokens - 1 ({most})")
+    SPEC_HISTORY_SAM_BUDGET_HIGH = _Entry(
+        "SPEC_HISTORY", "warning",
+        "{sg}speculative-ngram-external-sam-budget {budget} is above {sg}speculative-num-draft-tokens - 1 "
+        "({most}): SGLang caps it there, leaving no draft node to its shared n-gram trie",
+        "{sg}speculative-ngram-external-sam-budget {most} or less")
+    SPEC_HISTORY_CORPUS_BUDGET = _Entry(
+        "SPEC_HISTORY", "warning",
+        "--rollout-history-max-tokens {per_prompt} x --rollout-batch-size {prompts} prompts is over "
+        "{sg}speculative-ngram-external-corpus-max-tokens {budget}: the one SGLang corpus keeps only the newest "
+        "responses that fit",
+        "raise {sg}speculative-ngram-external-corpus-max-tokens, or lower --rollout-history-max-tokens")
+    SPEC_HISTORY_BOUNDS = _Entry(
+        "SPEC_HISTORY", "error",
+        "--rollout-history-epochs {epochs} / --rollout-history-max-tokens {max_tokens}: epochs must be >= 0 and "
+        "max tokens >= 1",
+        "--rollout-history-epochs 1 --rollout-history-max-tokens 8192 (the defaults)")
     SGLANG_ONLY_CHECKS_SKIPPED = _Entry(
         "SGLANG_ONLY_CHECKS_SKIPPED", "info",
         "backend embedded: the GPU-only checks SPEC_FLASHINFER and SPEC_CUDA_GRAPH_BS did not run",

@@ -70,6 +70,10 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--sglang-router-ip", {"default": None}),
         ("--sglang-router-port", {**_I, "default": None}),
         ("--use-sglang-router", _ON),
+        ("--rollout-history-drafting", {**_ON, "help": "draft from the group's siblings and the prompt's earlier "
+                                        "rollouts (NGRAM; see docs/en/speculative.md)"}),
+        ("--rollout-history-epochs", {**_I, "default": 1, "help": "earlier rollouts of a prompt kept for drafting"}),
+        ("--rollout-history-max-tokens", {**_I, "default": 8192, "help": "history tokens kept per prompt"}),
     ],
     "eval": [
         ("--eval-interval", {**_I, "default": None}),
@@ -287,6 +291,7 @@ ACTED_ON = {
     "rollout_max_response_len", "rollout_max_prompt_len", "rollout_temperature", "rollout_top_p", "rollout_top_k",
     "rollout_stop", "rollout_stop_token_ids", "rollout_skip_special_tokens", "global_batch_size", "micro_batch_size",
     "sglang_server_concurrency", "use_sglang_router",
+    "rollout_history_drafting", "rollout_history_epochs", "rollout_history_max_tokens",
     "eval_interval", "eval_prompt_data", "eval_temperature", "eval_top_p", "eval_top_k", "eval_max_response_len",
     "n_samples_per_eval_prompt",
     "advantage_estimator", "loss_type", "eps_clip", "eps_clip_high", "use_kl_loss", "kl_loss_coef", "kl_loss_type",

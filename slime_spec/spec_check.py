@@ -34,6 +34,10 @@ class CheckInput:
     model_flags: dict = field(default_factory=dict)  # Megatron model-shape flags the user set
     debug_rollout_only: bool = False  # no trainer: the model only has to be served
     colocate: bool = False
+    history_drafting: bool = False  # --rollout-history-drafting and its bounds
+    history_epochs: int = 1
+    history_max_tokens: int = 8192
+    prompts_per_rollout: int = 1    # --rollout-batch-size
 
     @cached_property
     def resolved(self) -> tuple[SpecConfig | None, list[Finding]]:
@@ -226,10 +230,37 @@ def check_colocate(inp: CheckInput) -> list[Finding]:
     return out
 
 
+SGLANG_CORPUS_MAX_TOKENS = 10_000_000  # SGLang 0.5.23's --speculative-ngram-external-corpus-max-tokens default
+
+
+def check_history(inp: CheckInput) -> list[Finding]:
+    """--rollout-history-drafting: NGRAM on both backends; on SGLang, corpora it actually drafts from."""
+    if not inp.history_drafting:
+        return []
+    out = []
+    if inp.history_epochs < 0 or inp.history_max_tokens < 1:
+        out.append(Rule.SPEC_HISTORY_BOUNDS.finding(epochs=inp.history_epochs, max_tokens=inp.history_max_tokens))
+    if inp.algorithm is not Algorithm.NGRAM:
+        return out + [Rule.SPEC_HISTORY_NEEDS_NGRAM.finding(algorithm=inp.sglang.get("speculative_algorithm"))]
+    if inp.backend != "sglang":
+        return out
+    tokens = inp.sglang.get("speculative_num_draft_tokens") or spec.NGRAM_DEFAULT_DRAFT_TOKENS
+    budget = inp.sglang.get("speculative_ngram_external_sam_budget") or 0
+    if budget < 1:
+        out.append(Rule.SPEC_HISTORY_NO_SAM_BUDGET.finding(budget=budget, most=tokens - 1))
+    elif budget > tokens - 1:
+        out.append(Rule.SPEC_HISTORY_SAM_BUDGET_HIGH.finding(budget=budget, most=tokens - 1))
+    corpus = inp.sglang.get("speculative_ngram_external_corpus_max_tokens") or SGLANG_CORPUS_MAX_TOKENS
+    if inp.history_max_tokens * inp.prompts_per_rollout > corpus:
+        out.append(Rule.SPEC_HISTORY_CORPUS_BUDGET.finding(per_prompt=inp.history_max_tokens,
+                                                           prompts=inp.prompts_per_rollout, budget=corpus))
+    return out
+
+
 def run_checks(inp: CheckInput, shape_flags: dict | None = None) -> list[Finding]:
     findings: list[Finding] = []
     for check in (check_speculative, check_dtype, check_context_length, check_sglang_version, check_mtp_training,
-                  check_trainer_support):
+                  check_trainer_support, check_history):
         findings += check(inp)
     if inp.backend == "sglang":
         findings += check_flashinfer(inp) + check_cuda_graph_bs(inp) + check_colocate(inp)

@@ -460,3 +460,41 @@ def expected_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_external_corpus_routes_and_history_extension(plain, tmp_path_factory):
+    """SGLang 0.5.23's corpus routes on an NGRAM server; the `slime_history` extension drafts from one corpus."""
+    assert post(plain, "/list_external_corpora").status_code == 405  # SGLang's route is GET only
+    off = requests.get(plain.url + "/list_external_corpora", headers=AUTH, timeout=10)
+    assert off.status_code == 400 and off.json()["message"] == "Ngram speculative decoding is not enabled."
+    root = tmp_path_factory.mktemp("ngram_server")
+    model = make_tiny_model(root / "llama", hidden_size=32, num_layers=2, seed=5)
+    server = embedded_server_process(model, ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens",
+                                             "5", "--random-seed", "0"], log_path=root / "ngram.log").launch()
+    try:
+        server.wait_ready(300)
+        bare = post(server, "/add_external_corpus", {"corpus_id": "x", "token_chunks": [[1, 2, 3]]}, headers={})
+        assert bare.status_code == 400 and bare.json()["message"] == "Either file_path or documents must be provided."
+        assert post(server, "/add_external_corpus", {"corpus_id": "x", "bogus": 1}, headers={}).status_code == 400
+        prompt = [5, 9, 13, 2]
+        first = generate(server, {"input_ids": prompt, "sampling_params": greedy(30)}, headers={})
+        text = first["text"]
+        added = post(server, "/add_external_corpus", {"corpus_id": "h", "documents": ["", text, "other doc"]},
+                     headers={}).json()
+        assert added["success"] and added["corpus_id"] == "h" and added["loaded_token_count"] > 0
+        assert added["message"] == f"Loaded corpus 'h' with {added['loaded_token_count']} tokens."
+        dup = post(server, "/add_external_corpus", {"corpus_id": "h", "documents": ["a"]}, headers={})
+        assert dup.status_code == 400 and "already exists" in dup.json()["message"]
+        listed = requests.get(server.url + "/list_external_corpora", timeout=10).json()
+        assert listed == {"success": True, "corpus_token_counts": {"h": added["loaded_token_count"]}, "message": ""}
+        again = generate(server, {"input_ids": prompt, "sampling_params": greedy(30),
+                                  "slime_history": {"group": "g", "corpus_id": "h"}}, headers={})
+        assert again["output_ids"] == first["output_ids"]  # lossless
+        assert again["meta_info"]["spec_verify_ct"] < first["meta_info"]["spec_verify_ct"]
+        bad = post(server, "/generate", {"input_ids": prompt, "slime_history": {"group": 3}}, headers={})
+        assert bad.status_code == 400 and "slime_history.group" in bad.text
+        gone = post(server, "/remove_external_corpus", {"corpus_id": "h"}, headers={}).json()
+        assert gone == {"success": True, "message": "Removed corpus 'h'."}
+        assert post(server, "/remove_external_corpus", {}, headers={}).json()["message"] == "corpus_id is required."
+    finally:
+        server.stop()

@@ -137,3 +137,22 @@ def test_version_suffixes_do_not_bleed_into_the_patch_number():
     draft = dict(sglang=eagle3(), target_config=LLAMA, draft_config=EAGLE3)
     assert "SPEC_SGLANG_VERSION" in codes(**draft, sglang_version="0.5.0rc1")  # not read as 0.5.1
     assert "SPEC_SGLANG_VERSION" not in codes(**draft, sglang_version="0.5.1rc0")
+
+
+def test_history_drafting_needs_ngram_and_consistent_budgets():
+    ngram = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 8, **GOOD_GPU}
+    on = dict(history_drafting=True)
+    assert "SPEC_HISTORY" not in codes(sglang=mtp())  # off: nothing to check
+    assert "NGRAM" in codes(sglang=mtp(), **on)["SPEC_HISTORY"].fix
+    assert "NGRAM" in codes(sglang={}, backend="embedded", **on)["SPEC_HISTORY"].fix
+    assert "SPEC_HISTORY" not in codes(sglang={"speculative_algorithm": "NGRAM"}, backend="embedded", **on)
+    f = codes(sglang=ngram, **on)["SPEC_HISTORY"]
+    assert f.level == "error" and "external-sam-budget 0" in f.message and "(7)" in f.fix
+    assert "SPEC_HISTORY" not in codes(sglang={**ngram, "speculative_ngram_external_sam_budget": 4}, **on)
+    high = codes(sglang={**ngram, "speculative_ngram_external_sam_budget": 9}, **on)["SPEC_HISTORY"]
+    assert high.level == "warning" and "caps it" in high.message
+    tight = {**ngram, "speculative_ngram_external_sam_budget": 4, "speculative_ngram_external_corpus_max_tokens": 1000}
+    over = codes(sglang=tight, history_max_tokens=200, prompts_per_rollout=8, **on)["SPEC_HISTORY"]
+    assert over.level == "warning" and "newest" in over.message
+    bad = codes(sglang={"speculative_algorithm": "NGRAM"}, backend="embedded", history_epochs=-1, **on)
+    assert "--rollout-history-epochs -1" in bad["SPEC_HISTORY"].message

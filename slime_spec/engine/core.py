@@ -61,6 +61,7 @@ class Request:
     input_ids: list[int]
     params: SamplingParams
     return_logprob: bool = False
+    history: object = None  # drafters.history.HistoryRef: the slime-spec extension `slime_history`
 
 
 @dataclass

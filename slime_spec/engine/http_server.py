@@ -33,8 +33,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from slime_spec.engine.io_struct import (SEQUENCES_PER_RUNNING_REQUEST, build_response, check_field_types,
-                                         explain_contract_error, longest_token_chars, plan_generate)
+from slime_spec.engine.io_struct import (EXTERNAL_CORPUS_MAX_TOKENS, NGRAM_OFF_MESSAGE,
+                                         SEQUENCES_PER_RUNNING_REQUEST, build_response, check_field_types,
+                                         explain_contract_error, longest_token_chars, plan_external_corpus,
+                                         plan_generate, pop_history_extension)
 from slime_spec.engine.scheduler import EngineLoop, Unavailable
 from slime_spec.engine.server_args import EngineServerArgs
 from slime_spec.engine.weight_updater import WeightUpdater
@@ -50,6 +52,7 @@ ADMIN_OPTIONAL_PATHS = frozenset({
     "/resume_memory_occupation", "/update_weight_version", "/begin_weight_update", "/end_weight_update",
     "/abort_weight_update", "/update_weights_from_disk", "/init_weights_update_group", "/destroy_weights_update_group",
     "/update_weights_from_distributed", "/update_weights_from_tensor", "/get_weights_by_name", "/weights_checker",
+    "/add_external_corpus", "/remove_external_corpus", "/list_external_corpora",
 })
 
 
@@ -151,6 +154,7 @@ def create_app(args: EngineServerArgs, loop: EngineLoop, weights: WeightUpdater)
     from sglang.version import __version__ as sglang_version
 
     from slime_spec.engine.core import Request as EngineRequest
+    from slime_spec.engine.drafters.history import SEPARATOR, HistoryRef
 
     app = FastAPI(title="slime-spec embedded engine")
     startup_time = time.time()
@@ -264,6 +268,11 @@ def create_app(args: EngineServerArgs, loop: EngineLoop, weights: WeightUpdater)
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
         body = await read_body(request, None)
+        try:
+            ext = pop_history_extension(body)
+        except ValueError as e:
+            return error_response(str(e))
+        history = None if ext is None else HistoryRef(ext.get("group"), ext.get("corpus_id"))
         contract_error = generate_contract_error(body)
         if contract_error is not None:  # SGLang's shape: {"error": "<message>"}
             return JSONResponse({"error": explain_contract_error(body, contract_error, generate_contract_error)},
@@ -274,7 +283,8 @@ def create_app(args: EngineServerArgs, loop: EngineLoop, weights: WeightUpdater)
             planner, lambda: plan_generate(body, core.tokenizer, core.vocab_size, core.context_length,
                                            args.skip_tokenizer_init, max_sequences=max_sequences,
                                            max_token_chars=max_token_chars))
-        futures = [asyncio.wrap_future(loop.generate(EngineRequest(p.rid, p.input_ids, p.params, p.return_logprob)))
+        futures = [asyncio.wrap_future(loop.generate(EngineRequest(p.rid, p.input_ids, p.params, p.return_logprob,
+                                                                   history=history)))
                    for p in planned]
         pending = set(futures)
         while pending:  # like SGLang, a client that went away aborts its requests
@@ -383,6 +393,66 @@ def create_app(args: EngineServerArgs, loop: EngineLoop, weights: WeightUpdater)
         body = await read_body(request, "CheckWeightsReqInput")
         out = await on_engine(lambda core: weights.check_weights(core, body))
         return JSONResponse(out, status_code=200 if out["success"] else 400)
+
+    # ------------------------------------------------------------------ NGRAM external corpora (SGLang 0.5.23)
+    def corpus_reply(body: dict, ok: bool) -> JSONResponse:
+        return JSONResponse(body, status_code=200 if ok else 400)
+
+    def corpora_of(core):
+        has = getattr(core.drafter, "add_corpus", None) is not None
+        return core.drafter if has else None
+
+    @app.post("/add_external_corpus")
+    async def add_external_corpus(request: Request):
+        body = await read_body(request, None)
+        try:
+            validate_payload("AddExternalCorpusReqInput", body)
+            check_field_types("AddExternalCorpusReqInput", body)
+        except ValueError as e:
+            return corpus_reply({"success": False, "message": str(e)}, False)
+        fail = {"success": False, "corpus_id": "", "loaded_token_count": 0}
+        if corpora_of(loop.core) is None:
+            return corpus_reply({**fail, "message": NGRAM_OFF_MESSAGE}, False)
+        try:
+            cid, chunks, truncated = await asyncio.get_running_loop().run_in_executor(
+                planner, lambda: plan_external_corpus(body, loop.core.tokenizer, EXTERNAL_CORPUS_MAX_TOKENS,
+                                                      SEPARATOR))
+
+            def load(core) -> int:
+                drafter = corpora_of(core)
+                budget = EXTERNAL_CORPUS_MAX_TOKENS - drafter.corpus_tokens()
+                size = sum(len(c) for c in chunks)
+                if size > budget:
+                    raise ValueError(f"External ngram corpus exceeds the remaining token budget ({budget}) after "
+                                     f"loading 0 tokens.")
+                return drafter.add_corpus(cid, chunks)
+
+            loaded = await on_engine(load, label="/add_external_corpus")
+        except ValueError as e:
+            return corpus_reply({**fail, "message": str(e)}, False)
+        message = f"Loaded corpus '{cid}' with {loaded} tokens."
+        if truncated:
+            message += f" (truncated: exceeded {EXTERNAL_CORPUS_MAX_TOKENS} token limit)"
+        return corpus_reply({"success": True, "corpus_id": cid, "message": message, "loaded_token_count": loaded},
+                            True)
+
+    @app.post("/remove_external_corpus")
+    async def remove_external_corpus(request: Request):
+        body = await read_body(request, None)
+        cid = body.get("corpus_id")
+        if not cid:
+            return corpus_reply({"success": False, "message": "corpus_id is required."}, False)
+        if corpora_of(loop.core) is None:
+            return corpus_reply({"success": False, "message": NGRAM_OFF_MESSAGE}, False)
+        await on_engine(lambda core: corpora_of(core).remove_corpus(cid), label="/remove_external_corpus")
+        return corpus_reply({"success": True, "message": f"Removed corpus '{cid}'."}, True)
+
+    @app.get("/list_external_corpora")
+    async def list_external_corpora():
+        if corpora_of(loop.core) is None:
+            return corpus_reply({"success": False, "corpus_token_counts": {}, "message": NGRAM_OFF_MESSAGE}, False)
+        counts = await on_engine(lambda core: corpora_of(core).list_corpora(), label="/list_external_corpora")
+        return corpus_reply({"success": True, "corpus_token_counts": counts, "message": ""}, True)
 
     if args.api_key or args.admin_api_key:
         add_auth(app, args.api_key, args.admin_api_key)

@@ -374,3 +374,87 @@ def _literal_choices(ann: ast.expr) -> list | None:
         return [a.value for a in args if isinstance(a, ast.Constant)]
     return None
 
+
+
+# ---------------------------------------------------------------- history drafting (slime-spec extension)
+HISTORY_FIELD = "slime_history"  # slime-spec extension of /generate: {"group": str, "corpus_id": str}
+
+
+def pop_history_extension(body: dict) -> dict | None:
+    """Remove and check the `slime_history` extension before SGLang's contract sees the body.
+
+    SGLang's GenerateReqInput rejects unknown fields, so clients send it only to the embedded engine."""
+    if not isinstance(body, dict) or HISTORY_FIELD not in body:
+        return None
+    ext = body.pop(HISTORY_FIELD)
+    if ext is None:
+        return None
+    if not isinstance(ext, dict) or set(ext) - {"group", "corpus_id"}:
+        raise ValueError(f"{HISTORY_FIELD} must be an object with optional string fields 'group' and "
+                         f"'corpus_id', got {ext!r}")
+    for name in ("group", "corpus_id"):
+        if ext.get(name) is not None and not isinstance(ext[name], str):
+            raise ValueError(f"{HISTORY_FIELD}.{name}={ext[name]!r} must be a string (or left out)")
+    if isinstance(body.get("text"), list) or (isinstance(body.get("input_ids"), list) and body["input_ids"]
+                                               and isinstance(body["input_ids"][0], list)):
+        raise ValueError(f"{HISTORY_FIELD} applies to one prompt: send it with a single text / input_ids (use "
+                         "sampling_params.n for a group)")
+    return ext
+
+
+# SGLang 0.5.23's answers on the corpus routes (tokenizer_control_mixin.py, external_corpus_manager.py).
+NGRAM_OFF_MESSAGE = "Ngram speculative decoding is not enabled."
+EXTERNAL_CORPUS_MAX_TOKENS = 10_000_000  # SGLang's --speculative-ngram-external-corpus-max-tokens default
+
+
+def plan_external_corpus(body: dict, tokenizer: Any, max_tokens: int, separator: int) -> tuple[str, list, bool]:
+    """An /add_external_corpus body as SGLang's tokenizer manager turns it into token chunks.
+
+    Returns (corpus_id, token_chunks, truncated). Like 0.5.23's HTTP route, it needs `file_path` (JSONL of
+    strings) or `documents`; bare `token_chunks` are refused with SGLang's message."""
+    cid = body.get("corpus_id") or uuid.uuid4().hex
+    if body.get("file_path") is not None:
+        return cid, _file_chunks(body["file_path"], tokenizer, max_tokens, separator), False
+    if body.get("documents") is None:
+        raise ValueError("Either file_path or documents must be provided.")
+    chunks, total, truncated = [], 0, False
+    for doc in body["documents"]:
+        ids = list(tokenizer.encode(doc, add_special_tokens=False)) if doc else []
+        if not ids:
+            continue
+        if chunks:
+            ids = [separator] + ids
+        if total + len(ids) > max_tokens:
+            truncated = True
+            break
+        chunks.append(ids)
+        total += len(ids)
+    return cid, chunks, truncated
+
+
+def _file_chunks(path: str, tokenizer: Any, max_tokens: int, separator: int) -> list[list[int]]:
+    import json
+    from pathlib import Path
+
+    if not Path(path).is_file():
+        raise ValueError(f"External ngram corpus path does not exist: {path}")
+    chunks, total = [], 0
+    for line_no, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"Invalid JSON in external ngram corpus at line {line_no}: {e.msg}") from e
+        if not isinstance(record, str):
+            raise ValueError(f"Invalid external ngram corpus record at line {line_no}: expected a JSON string.")
+        ids = list(tokenizer.encode(record, add_special_tokens=False))
+        if not ids:
+            continue
+        ids = ([separator] if chunks else []) + ids
+        if total + len(ids) > max_tokens:
+            raise ValueError(f"External ngram corpus exceeds the configured token limit ({max_tokens}) at line "
+                             f"{line_no} after loading {total} tokens.")
+        total += len(ids)
+        chunks.append(ids)
+    return chunks

@@ -183,6 +183,16 @@ class AsyncEngineClient:
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
             raise EngineError(self.url, path, None, f"{type(e).__name__}: {e}") from e
 
+    async def add_external_corpus(self, corpus_id: str, documents: list[str]) -> dict:
+        """NGRAM drafting corpus (SGLang 0.5.23): a 400 (e.g. the id exists, over budget) raises EngineError."""
+        return await self.post("/add_external_corpus", add_corpus_payload(corpus_id, documents))
+
+    async def remove_external_corpus(self, corpus_id: str) -> dict:
+        return await self.post("/remove_external_corpus", remove_corpus_payload(corpus_id))
+
+    async def list_external_corpora(self) -> dict[str, int]:
+        return (await self.get("/list_external_corpora"))["corpus_token_counts"]
+
     async def server_info(self) -> dict:
         try:
             return await self.get("/server_info")
@@ -190,6 +200,15 @@ class AsyncEngineClient:
             if e.status != 404:
                 raise
             return await self.get("/get_server_info")
+
+
+def add_corpus_payload(corpus_id: str, documents: list[str]) -> dict:
+    """SGLang's AddExternalCorpusReqInput: `documents`, since its HTTP route refuses bare `token_chunks`."""
+    return {"corpus_id": corpus_id, "documents": list(documents)}
+
+
+def remove_corpus_payload(corpus_id: str) -> dict:
+    return {"corpus_id": corpus_id}
 
 
 class EngineGroupError(RuntimeError):

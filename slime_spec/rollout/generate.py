@@ -71,6 +71,7 @@ async def default_generate(client: RolloutEngineClient, sample: Sample, sampling
     if params["max_new_tokens"] <= 0:
         sample.status = Status.TRUNCATED
         return sample
-    payload = {"input_ids": list(sample.tokens), "sampling_params": params, "return_logprob": True}
+    payload = {"input_ids": list(sample.tokens), "sampling_params": params, "return_logprob": True,
+               **sample.metadata.get("request_extension", {})}  # history_sync.REQUEST_EXTENSION (embedded only)
     apply_generate_output(sample, await client.generate(payload))
     return sample

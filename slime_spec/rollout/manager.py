@@ -34,6 +34,7 @@ from slime_spec.placement import Placement
 from slime_spec.rollout.data import PromptDataset
 from slime_spec.rollout.debug_data import load_rollout, save_rollout
 from slime_spec.rollout.generate import GenerateFn, RolloutEngineClient, default_generate
+from slime_spec.rollout.history_sync import make_history_sync
 from slime_spec.rollout.metrics import WandbLogger, format_metrics_line, rollout_metrics, write_metrics_line
 from slime_spec.rollout.rewards import assign_reward, load_function, make_reward_fn
 from slime_spec.rollout.sample import Sample, Status
@@ -93,6 +94,7 @@ class RolloutManager:
                                                       "--custom-generate-function-path")
                                         if rollout.custom_generate_function_path else default_generate)
         self.last_metrics: dict = {}
+        self.history = make_history_sync(rollout, engine)  # --rollout-history-drafting
         self._session = None
         self._lock = asyncio.Lock()
         self._router_process: ServerProcess | None = None
@@ -171,7 +173,13 @@ class RolloutManager:
             raise ValueError("the rollout needs --prompt-data (a JSONL file of prompts)")
         samples = self.dataset.batch(rollout_id, r.rollout_batch_size, r.n_samples_per_prompt)
         restarts_before = self.fleet.total_restarts
+        if self.history is not None:
+            self._session = self._session or async_session(self.request_timeout_s)
+            clients = [RolloutEngineClient(u, self._session, self.auth) for u in self.fleet.urls]
+            await self.history.before_rollout(clients, samples, rollout_id, self.tokenizer)
         samples, elapsed = await self._run(samples, f"rollout {rollout_id}")
+        if self.history is not None:
+            self.history.after_rollout(samples, rollout_id)
         stale = exclude_stale(samples, self.fleet.current_version)
         metrics = rollout_metrics(rollout_id, samples, elapsed, self.fleet.total_restarts - restarts_before)
         metrics["engine_restarts_total"] = self.fleet.total_restarts

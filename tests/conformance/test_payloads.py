@@ -165,3 +165,38 @@ def test_canary_generate_body_passes_sglangs_request_checks():
 def test_a_generate_body_sglang_would_refuse_is_refused():
     with pytest.raises(ValueError):
         build_generate({"input_ids": [1, 2], "sampling_params": {"temperature": -1.0, "max_new_tokens": 4}}, VOCAB)
+
+
+def test_history_corpus_bodies_build_sglangs_structs():
+    """The corpus calls of history drafting (engines/client.py) are SGLang 0.5.23's own structs, and carry
+    `documents`: its HTTP route refuses an AddExternalCorpusReqInput with only `token_chunks`."""
+    from slime_spec.engines.client import add_corpus_payload, remove_corpus_payload
+
+    add = build("AddExternalCorpusReqInput", add_corpus_payload("slime-history/all/3", ["a b", "c"]))
+    assert add.corpus_id == "slime-history/all/3" and add.documents == ["a b", "c"] and add.token_chunks is None
+    assert build("RemoveExternalCorpusReqInput", remove_corpus_payload("x")).corpus_id == "x"
+    build("ListExternalCorporaReqInput", {})
+
+
+def test_history_extension_is_never_sent_to_real_sglang():
+    """`slime_history` is a slime-spec extension: SGLang's GenerateReqInput rejects it, so only the embedded
+    engine's /generate may carry it (history_sync tags samples for backend embedded only)."""
+    import asyncio
+
+    from slime_spec.rollout.history import HistoryStore
+    from slime_spec.rollout.history_sync import HistorySync
+
+    with pytest.raises(Exception):
+        build_generate({"input_ids": [1, 2], "slime_history": {"group": "g"}}, VOCAB)
+    s = Sample(index=0, group_index=0, prompt="p", tokens=[1, 2])
+    asyncio.run(HistorySync(HistoryStore(1, 10), "sglang", 100).before_rollout([], [s], 0))
+    payloads = []
+
+    class Recorder:
+        async def generate(self, payload):
+            payloads.append(payload)
+            return {"output_ids": [3], "text": "x", "meta_info": {"finish_reason": {"type": "length"}}}
+
+    asyncio.run(default_generate(Recorder(), s, {"max_new_tokens": 4}))
+    assert "slime_history" not in payloads[0]
+    build_generate(payloads[0], VOCAB)

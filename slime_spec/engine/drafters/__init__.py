@@ -6,13 +6,14 @@ The protocol every drafter follows is documented in `base.py`.
 from __future__ import annotations
 
 from slime_spec.engine.drafters.base import Drafter
+from slime_spec.engine.drafters.history import HistoryDrafter
 from slime_spec.engine.drafters.mtp import MTPDrafter
 from slime_spec.engine.drafters.ngram import NgramDrafter
 from slime_spec.engine.drafters.standalone import StandaloneDrafter
 from slime_spec.engine.model import CausalLM, load_model
 from slime_spec.spec import Algorithm, SpecConfig
 
-__all__ = ["Drafter", "MTPDrafter", "NgramDrafter", "StandaloneDrafter", "make_drafter"]
+__all__ = ["Drafter", "HistoryDrafter", "MTPDrafter", "NgramDrafter", "StandaloneDrafter", "make_drafter"]
 
 
 def make_drafter(spec: SpecConfig | None, target: CausalLM, slots: int, max_seq: int, dtype: str,
@@ -34,6 +35,7 @@ def make_drafter(spec: SpecConfig | None, target: CausalLM, slots: int, max_seq:
         return StandaloneDrafter(draft, k, slots, max_seq)
     if algorithm is Algorithm.NGRAM:
         # SGLang 0.5.23's trie matches suffixes of every length up to max_trie_depth (no minimum-window flag).
-        return NgramDrafter(k, spec.speculative_ngram_max_trie_depth, 1, device)
+        depth = spec.speculative_ngram_max_trie_depth
+        return HistoryDrafter(NgramDrafter(k, depth, 1, device), depth)
     raise ValueError(f"speculative_algorithm={algorithm}: no drafter in the embedded engine "
                      "(spec.check_resolved refuses it first)")

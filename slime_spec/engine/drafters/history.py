@@ -1,0 +1,235 @@
+"""History drafting: copy from the request's group siblings, its prompt's earlier rollouts, and external corpora.
+
+Every source is a suffix automaton (SAM), so finding the longest suffix of a row's context that occurs in a
+source costs O(context) per source, whatever the source's size (no linear scan). The draft is the chain that
+followed that occurrence. Drafts are a deterministic function of tokens (a one-hot q), so verification stays
+lossless (see sampling.speculative_accept).
+
+Sources per running row, best match wins (longest matched suffix, then the longest continuation):
+  - siblings: every row of the row's group (the slime-spec request extension `slime_history.group`), running
+    or finished, the row itself included (its own output, like NGRAM);
+  - history: the external corpus named by `slime_history.corpus_id` (the rollout manager mirrors the prompt's
+    earlier responses into it); without the extension, every external corpus, as SGLang 0.5.23 drafts from all;
+  - the engine-wide n-gram cache (`NgramDrafter`, shared across requests as SGLang's trie is).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from slime_spec.engine.drafters.ngram import NgramDrafter
+
+SEPARATOR = -(2**31)  # between documents of one corpus (SGLang 0.5.23's SEPARATOR_TOKEN); no match crosses it
+MAX_GROUPS = 64  # groups whose sibling automata are kept (least recently drafted dropped first; bounds memory)
+
+
+@dataclass(frozen=True)
+class HistoryRef:
+    """The slime-spec `/generate` extension `slime_history`: which group and corpus a request drafts from."""
+
+    group: str | None = None
+    corpus_id: str | None = None
+
+
+class SuffixAutomaton:
+    """An online suffix automaton over one growing token sequence (documents split by SEPARATOR).
+
+    State s stands for a set of substrings sharing their end positions; `first[s]` is the earliest end position,
+    so `text[first[s] + 1:]` is what followed the earliest occurrence.
+    """
+
+    def __init__(self, tokens: list[int] | None = None):
+        self.next: list[dict[int, int]] = [{}]
+        self.link, self.length, self.first = [-1], [0], [-1]
+        self.last = 0
+        self.text: list[int] = []
+        if tokens:
+            self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.text)
+
+    def extend(self, tokens) -> None:
+        for t in tokens:
+            self._add(int(t))
+
+    def _new_state(self, length: int, first: int, link: int = -1, nxt: dict | None = None) -> int:
+        self.next.append({} if nxt is None else dict(nxt))
+        self.link.append(link)
+        self.length.append(length)
+        self.first.append(first)
+        return len(self.length) - 1
+
+    def _add(self, c: int) -> None:
+        pos = len(self.text)
+        self.text.append(c)
+        cur = self._new_state(self.length[self.last] + 1, pos)
+        p = self.last
+        while p != -1 and c not in self.next[p]:
+            self.next[p][c] = cur
+            p = self.link[p]
+        if p == -1:
+            self.link[cur] = 0
+        else:
+            q = self.next[p][c]
+            if self.length[p] + 1 == self.length[q]:
+                self.link[cur] = q
+            else:
+                clone = self._new_state(self.length[p] + 1, self.first[q], self.link[q], self.next[q])
+                while p != -1 and self.next[p].get(c) == q:
+                    self.next[p][c] = clone
+                    p = self.link[p]
+                self.link[q] = self.link[cur] = clone
+        self.last = cur
+
+    def match(self, context: list[int], max_depth: int) -> tuple[int, int]:
+        """(length, end) of the longest suffix of context[-max_depth:] occurring here with a token after it."""
+        state, length = 0, 0
+        for t in context[-max_depth:]:
+            while state and t not in self.next[state]:
+                state = self.link[state]
+                length = self.length[state]
+            if t in self.next[state]:
+                state, length = self.next[state][t], length + 1
+            else:
+                state, length = 0, 0
+        while state > 0:
+            end = self.first[state]
+            if end + 1 < len(self.text) and self.text[end + 1] != SEPARATOR:
+                return length, end
+            state = self.link[state]
+            length = self.length[state]
+        return 0, -1
+
+    def continuation(self, end: int, k: int) -> list[int]:
+        out = []
+        for t in self.text[end + 1:end + 1 + k]:
+            if t == SEPARATOR:
+                break
+            out.append(t)
+        return out
+
+
+def corpus_automaton(chunks: list[list[int]]) -> SuffixAutomaton:
+    """One automaton over token chunks: chunks concatenate (as SGLang's SAM loads them); SEPARATOR splits docs."""
+    sam = SuffixAutomaton()
+    for chunk in chunks:
+        sam.extend(chunk)
+    return sam
+
+
+def best_draft(context: list[int], sources, k: int, max_depth: int) -> tuple[int, list[int]]:
+    """The continuation after the longest suffix match over `sources`, extended by re-matching up to k tokens."""
+    draft: list[int] = []
+    first_len = 0
+    while len(draft) < k:
+        best: tuple[int, int, list[int]] = (0, 0, [])
+        for sam in sources:
+            length, end = sam.match(context + draft, max_depth)
+            if length == 0:
+                continue
+            cont = sam.continuation(end, k - len(draft))
+            if (length, len(cont)) > best[:2]:
+                best = (length, len(cont), cont)
+        if not best[2]:
+            break
+        if not draft:
+            first_len = best[0]
+        draft += best[2]
+    return first_len, draft
+
+
+class HistoryDrafter:
+    """NGRAM on the embedded engine: the shared n-gram cache plus SAM sources (module docstring)."""
+
+    def __init__(self, ngram: NgramDrafter, max_depth: int):
+        self.ngram, self.k, self.max_depth, self.device = ngram, ngram.k, max_depth, ngram.device
+        self.corpora: dict[str, SuffixAutomaton] = {}
+        self.groups: OrderedDict[str, dict[str, SuffixAutomaton]] = OrderedDict()  # group -> rid -> output SAM
+
+    def new_cache(self) -> None:
+        return None
+
+    def drop_cache(self) -> None:
+        """The shared n-gram cache and the sibling automata go; external corpora stay (SGLang keeps them)."""
+        self.ngram.drop_cache()
+        self.groups.clear()
+
+    def weight_runner(self) -> None:
+        return None
+
+    # ------------------------------------------------------------------ external corpora (SGLang's endpoints)
+    def add_corpus(self, corpus_id: str, chunks: list[list[int]]) -> int:
+        if corpus_id in self.corpora:
+            raise ValueError(f"External corpus '{corpus_id}' already exists. Remove it before adding a new corpus "
+                             "with the same id.")
+        sam = corpus_automaton(chunks)
+        if not len(sam):
+            raise ValueError("External corpus is empty — no tokens were loaded.")
+        self.corpora[corpus_id] = sam
+        return len(sam)
+
+    def remove_corpus(self, corpus_id: str) -> None:
+        self.corpora.pop(corpus_id, None)
+
+    def list_corpora(self) -> dict[str, int]:
+        return {cid: len(sam) for cid, sam in self.corpora.items()}
+
+    def corpus_tokens(self) -> int:
+        return sum(len(s) for s in self.corpora.values())
+
+    # ------------------------------------------------------------------ drafting
+    def _sibling(self, r) -> SuffixAutomaton | None:
+        ref = getattr(r.req, "history", None)
+        if ref is None or ref.group is None:
+            return None
+        group = self.groups.get(ref.group)
+        if group is None:
+            group = self.groups[ref.group] = {}
+            while len(self.groups) > MAX_GROUPS:
+                self.groups.popitem(last=False)
+        self.groups.move_to_end(ref.group)
+        sam = group.get(r.req.rid)
+        if sam is None:
+            sam = group[r.req.rid] = SuffixAutomaton()
+        sam.extend(r.tokens[r.prompt_len + len(sam):])
+        return sam
+
+    def _sources(self, r) -> list[SuffixAutomaton]:
+        ref = getattr(r.req, "history", None)
+        sources = []
+        if ref is not None and ref.group is not None:
+            sources += list(self.groups.get(ref.group, {}).values())
+        if ref is not None and ref.corpus_id is not None:
+            corpus = self.corpora.get(ref.corpus_id)
+            sources += [corpus] if corpus is not None else []
+        elif ref is None:
+            sources += list(self.corpora.values())
+        return sources
+
+    def draft_for(self, r) -> list[int]:
+        ngram_len, ngram_draft = self.ngram.match(r)
+        length, draft = best_draft(r.tokens, self._sources(r), self.k, self.max_depth)
+        if length > ngram_len or (length == ngram_len and length and len(draft) > len(ngram_draft)):
+            chosen = draft
+        else:
+            chosen = ngram_draft
+        if not chosen:
+            chosen = [r.tokens[-1]]
+        return chosen + [chosen[-1]] * (self.k - len(chosen))
+
+    def on_prefill(self, rows, hidden: torch.Tensor) -> None:
+        self.ngram.on_prefill(rows, hidden)
+        for r in rows:
+            self._sibling(r)
+
+    def propose(self, rows) -> torch.Tensor:
+        for r in rows:  # every sibling's automaton catches up before any row drafts from it
+            self._sibling(r)
+        return torch.tensor([self.draft_for(r) for r in rows], dtype=torch.long, device=self.device)
+
+    def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
+        return None
