@@ -126,3 +126,26 @@ def test_sample_follows_probs_and_token_logprobs_match_the_full_log_softmax():
     tokens = torch.tensor([3, 0, 29, 7, 7])
     full = sampling.output_logprobs(logits, temps, greedy).gather(-1, tokens[:, None])[:, 0]
     torch.testing.assert_close(sampling.token_logprobs(logits, temps, greedy, tokens), full)
+
+
+def test_sampled_drafts_verified_with_q_follow_p_and_a_biased_rule_is_caught():
+    """Drafts sampled from q, verified with q (min(1, p/q), residual max(0, p - q)) follow p. Verifying them as if
+    greedy (q one-hot) is lossless too, only less accepted. The rule "accept with min(1, p/q), on rejection
+    resample from p" is biased and detected."""
+    gen = torch.Generator().manual_seed(5)
+    V, n = 8, 40000
+    p = torch.softmax(torch.randn(V, generator=gen) * 1.5, -1)
+    q = torch.softmax(torch.randn(V, generator=gen) * 1.5, -1)
+    drafts = torch.multinomial(q.expand(n, V), 1, replacement=True, generator=gen)
+    target = p.expand(n, 2, V).clone()
+    rates = []
+    for draft_probs in (q.expand(n, 1, V), None):
+        accept, nxt = sampling.speculative_accept(target, draft_probs, drafts, gen)
+        first = torch.where(accept > 0, drafts[:, 0], nxt)
+        assert chi_square_pvalue(torch.bincount(first, minlength=V), p) > 1e-3
+        rates.append(float((accept > 0).float().mean()))
+    assert rates[0] > rates[1]  # knowing q accepts more
+    ratio = (p[drafts[:, 0]] / q[drafts[:, 0]]).clamp_max(1.0)
+    keep = torch.rand(n, generator=gen) < ratio
+    biased = torch.where(keep, drafts[:, 0], torch.multinomial(p.expand(n, V), 1, generator=gen)[:, 0])
+    assert chi_square_pvalue(torch.bincount(biased, minlength=V), p) < 1e-6

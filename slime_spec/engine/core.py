@@ -19,7 +19,7 @@ from slime_spec.engine import sampling, spec_policy, weight_updater
 from slime_spec.engine.drafters import make_drafter
 from slime_spec.engine.model import load_model
 from slime_spec.engine.speculative import spec_step
-from slime_spec.spec import Algorithm, SpecConfig, check_resolved
+from slime_spec.spec import SpecConfig, check_resolved
 
 __all__ = ["EngineCore", "Output", "Request", "SamplingParams", "SpecConfig"]
 
@@ -117,19 +117,6 @@ def _eos_ids(model_path: Path, config: dict, tokenizer) -> set[int]:
     return ids
 
 
-def check_spec_options(spec: SpecConfig | None, draft_sampling: bool, spec_auto: bool) -> None:
-    """Our own speculative options (not SGLang's) against the resolved settings; ValueError naming the flag."""
-    if (draft_sampling or spec_auto) and spec is None:
-        flag = "--spec-draft-sampling" if draft_sampling else "--spec-auto"
-        raise ValueError(f"{flag} needs speculative decoding: set --speculative-algorithm, or drop {flag}")
-    if draft_sampling and spec.speculative_algorithm not in (Algorithm.EAGLE, Algorithm.STANDALONE):
-        raise ValueError(f"--spec-draft-sampling with speculative_algorithm={spec.speculative_algorithm}: only "
-                         "chain drafters with a distribution (EAGLE/NEXTN with MTP layers, STANDALONE) can draft by "
-                         "sampling; drop --spec-draft-sampling")
-    if spec_auto and spec.speculative_adaptive:
-        raise ValueError("--spec-auto and --speculative-adaptive both choose the draft length per step; keep one")
-
-
 class EngineCore:
     nan_finish = NAN_FINISH
 
@@ -147,7 +134,7 @@ class EngineCore:
         dtype = canonical_dtype(dtype)  # refuses an unknown name before loading anything
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests={max_running_requests}: must be at least 1")
-        check_spec_options(spec, draft_sampling, spec_auto)
+        spec_policy.check_spec_options(spec, draft_sampling, spec_auto)
         self.draft_sampling = draft_sampling
         self.policy = spec_policy.make_policy(spec, spec_auto)
         self.timed = isinstance(self.policy, spec_policy.AutoSteps)  # costs are measured (CUDA: synchronized)

@@ -18,7 +18,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from slime_spec.spec import ADAPTIVE_TIERS
+from slime_spec.spec import ADAPTIVE_TIERS, Algorithm, SpecConfig
 
 # SGLang's per-tier knobs and their defaults (a tier entry overrides the file's top level, which overrides these).
 ADAPTIVE_KNOB_DEFAULTS = {"ema_alpha": 0.2, "update_interval": 5, "warmup_batches": 10, "down_hysteresis": -0.25,
@@ -199,3 +199,16 @@ def make_policy(spec, auto: bool):
     if spec.speculative_adaptive:
         return AdaptiveSteps(spec.speculative_num_steps, spec.speculative_adaptive_config)
     return FixedSteps(k)
+
+
+def check_spec_options(spec: SpecConfig | None, draft_sampling: bool, spec_auto: bool) -> None:
+    """Our own speculative options (not SGLang's) against the resolved settings; ValueError naming the flag."""
+    if (draft_sampling or spec_auto) and spec is None:
+        flag = "--spec-draft-sampling" if draft_sampling else "--spec-auto"
+        raise ValueError(f"{flag} needs speculative decoding: set --speculative-algorithm, or drop {flag}")
+    if draft_sampling and spec.speculative_algorithm not in (Algorithm.EAGLE, Algorithm.STANDALONE):
+        raise ValueError(f"--spec-draft-sampling with speculative_algorithm={spec.speculative_algorithm}: only "
+                         "chain drafters with a distribution (EAGLE/NEXTN with MTP layers, STANDALONE) can draft by "
+                         "sampling; drop --spec-draft-sampling")
+    if spec_auto and spec.speculative_adaptive:
+        raise ValueError("--spec-auto and --speculative-adaptive both choose the draft length per step; keep one")
