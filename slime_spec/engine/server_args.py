@@ -37,6 +37,7 @@ IMPLEMENTED = frozenset({
     "enable_deterministic_inference", "tp_size",
     "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
     "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_ngram_max_trie_depth",
+    "speculative_adaptive", "speculative_adaptive_config",
 })
 
 # Speed, memory, scheduling, logging and serving knobs: they cannot change a generated token of the
@@ -69,7 +70,6 @@ PERFORMANCE_ONLY = frozenset({
     "weight_loader_prefetch_num_threads", "weight_loader_drop_cache_after_load",
     "speculative_attention_mode", "speculative_draft_attention_backend", "speculative_ngram_min_bfs_breadth",
     "speculative_ngram_max_bfs_breadth", "speculative_ngram_match_type", "speculative_ngram_capacity",
-    "speculative_adaptive", "speculative_adaptive_config",
     # Used only by SGLang's OpenAI-compatible routes, which this server does not serve.
     "sampling_defaults", "chat_template", "completion_template", "reasoning_parser", "tool_call_parser",
     "enable_custom_logit_processor", "enable_return_hidden_states",

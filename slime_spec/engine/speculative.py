@@ -81,7 +81,7 @@ def spec_step(engine, rows: list) -> None:
         q = None if draft_probs is None else draft_probs[sampled]
         accept[sampled], next_token[sampled] = sampling.speculative_accept(probs, q, drafts[sampled],
                                                                            engine.generator)
-    chosen = torch.cat((drafts, torch.zeros_like(drafts[:, :1])), dim=1)
+    chosen = torch.cat((drafts, drafts.new_zeros(n, 1)), dim=1)
     chosen[torch.arange(n, device=dev), accept] = next_token
     logprobs = None
     if any(r.req.return_logprob for r in rows):
