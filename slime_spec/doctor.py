@@ -148,6 +148,7 @@ def diagnose(parsed: ParsedArgs, launching: bool = False) -> tuple[Config | None
         mtp_num_layers=config.train.mtp_num_layers, longest_prompt_tokens=longest,
         max_response_len=config.rollout.rollout_max_response_len, model_flags=model_flags,
         debug_rollout_only=config.debug_rollout_only, colocate=config.cluster.colocate,
+        spec_draft_sampling=config.engine.spec_draft_sampling, spec_auto=config.engine.spec_auto,
     ), F.MODEL_SHAPE_FLAGS)
     findings += flag_findings(parsed) + embedded_flag_findings(config) + rm_type_findings(config)
     ranges = range_findings(parsed, config)
