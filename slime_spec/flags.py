@@ -240,6 +240,12 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
                                              "backend only"}),
         ("--allow-unknown-flags", {**_ON, "help": "accept flags slime-spec does not know (your own, mixed in) "
                                                   "instead of stopping; doctor still lists them"}),
+
+        ("--spec-draft-sampling", {**_ON, "help": "embedded engine: MTP/STANDALONE drafts of sampled requests are "
+                                                  "sampled from the draft's own distribution and verified with "
+                                                  "min(1, p/q) (lossless); SGLang drafts argmax"}),
+        ("--spec-auto", {**_ON, "help": "embedded engine: choose the draft length per step (0 = plain) from measured "
+                                        "draft/verify costs and the accept rate to maximise tokens/s"}),
     ],
     # slime's function-path extension points: parsed so they are refused by name (NOT_ACTED_ON says what to use).
     "slime extension points (refused; see NOT_ACTED_ON)": [
@@ -304,7 +310,7 @@ ACTED_ON = {
     "config", "rollout_backend", "rollout_num_engines", "metrics_jsonl", "output_dir", "update_weight_buffer_size",
     "weight_sync_transport", "check_weight_sync", "weight_sync_check_interval", "engine_start_timeout",
     "rollout_request_retries",
-    "allow_unknown_flags", "spec_speedup_interval",
+    "allow_unknown_flags", "spec_speedup_interval", "spec_draft_sampling", "spec_auto",
     # Model-shape flags: the trainer builds the model from config.json; these are checked against it.
     "swiglu", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
     "num_query_groups", "kv_channels", "use_rotary_position_embeddings", "rotary_base", "disable_bias_linear",

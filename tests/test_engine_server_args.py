@@ -120,3 +120,34 @@ def test_server_refuses_to_start_with_a_harmful_flag(mimo, capsys):
     assert "--quantization='fp8'" in err and "change the logits" in err
     assert main(["--model-path", str(mimo), "--port", "1", "--speculative-algorithm", "EAGLE3"]) == 2
     assert "SPEC_UNSUPPORTED_BY_BACKEND" in capsys.readouterr().err
+
+
+def test_own_speculative_flags_parse_and_are_checked(tmp_path):
+    from slime_spec.tiny_model import make_tiny_model
+
+    model = str(make_tiny_model(tmp_path / "m", arch="mimo", hidden_size=32, num_layers=1))
+    args = parse_server_args(["--model-path", model, "--speculative-algorithm", "NEXTN", "--spec-draft-sampling",
+                              "--spec-auto"], cuda_available=False)
+    assert args.spec_draft_sampling and args.spec_auto and not args.ignored_flags
+    assert not parse_server_args(["--model-path", model], cuda_available=False).spec_auto
+    with pytest.raises(ServerArgsError, match="--spec-auto needs speculative decoding"):
+        parse_server_args(["--model-path", model, "--spec-auto"], cuda_available=False)
+    with pytest.raises(ServerArgsError, match="keep one"):
+        parse_server_args(["--model-path", model, "--speculative-algorithm", "EAGLE", "--speculative-adaptive",
+                           "--spec-auto"], cuda_available=False)
+
+
+def test_own_flags_travel_from_the_slime_command_line_to_the_embedded_server(tmp_path):
+    from slime_spec.args import parse_config
+    from slime_spec.tiny_model import make_tiny_model
+
+    model = str(make_tiny_model(tmp_path / "m", arch="mimo", hidden_size=32, num_layers=1))
+    flags = ["--hf-checkpoint", model, "--sglang-speculative-algorithm", "NEXTN", "--spec-auto",
+             "--spec-draft-sampling"]
+    embedded, _ = parse_config([*flags, "--rollout-backend", "embedded"])
+    argv = embedded.engine.server_argv("127.0.0.1", 30000)
+    assert argv[-2:] == ["--spec-draft-sampling", "--spec-auto"]
+    served = parse_server_args(argv[argv.index("--model-path"):], cuda_available=False)
+    assert served.spec_auto and served.spec_draft_sampling
+    sglang, _ = parse_config([*flags, "--rollout-backend", "sglang"])
+    assert "--spec-auto" not in sglang.engine.server_argv("127.0.0.1", 30000)  # doctor refuses it there

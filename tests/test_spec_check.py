@@ -156,3 +156,18 @@ def test_history_drafting_needs_ngram_and_consistent_budgets():
     assert over.level == "warning" and "newest" in over.message
     bad = codes(sglang={"speculative_algorithm": "NGRAM"}, backend="embedded", history_epochs=-1, **on)
     assert "--rollout-history-epochs -1" in bad["SPEC_HISTORY"].message
+def test_own_speculative_options_are_refused_on_sglang():
+    f = codes(sglang=mtp(), spec_draft_sampling=True, spec_auto=True)["SPEC_OWN_OPTION_ON_SGLANG"]
+    assert f.level == "error" and "--spec-draft-sampling and --spec-auto" in f.message
+    assert "--rollout-backend embedded" in f.fix
+    assert "SPEC_OWN_OPTION_ON_SGLANG" not in codes(sglang=mtp(), backend="embedded", spec_auto=True)
+
+
+def test_adaptive_is_recommended_when_the_draft_length_is_left_to_the_default():
+    untuned = {"speculative_algorithm": "EAGLE", **GOOD_GPU}
+    f = codes(sglang=untuned)["SPEC_ADAPTIVE_RECOMMENDED"]
+    assert f.level == "info" and "--sglang-speculative-adaptive" in f.fix and "3 steps" in f.message
+    assert "--spec-auto" in codes(sglang=untuned, backend="embedded")["SPEC_ADAPTIVE_RECOMMENDED"].fix
+    assert "SPEC_ADAPTIVE_RECOMMENDED" not in codes(sglang={**untuned, "speculative_adaptive": True})
+    assert "SPEC_ADAPTIVE_RECOMMENDED" not in codes(sglang=untuned, backend="embedded", spec_auto=True)
+    assert "SPEC_ADAPTIVE_RECOMMENDED" not in codes(sglang={"speculative_algorithm": "NGRAM"}, backend="embedded")

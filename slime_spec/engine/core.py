@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 from slime_spec.dtypes import canonical_dtype
-from slime_spec.engine import sampling, weight_updater
+from slime_spec.engine import sampling, spec_policy, weight_updater
 from slime_spec.engine.drafters import make_drafter
 from slime_spec.engine.model import load_model
+from slime_spec.engine.speculative import spec_step
 from slime_spec.spec import SpecConfig, check_resolved
 
 __all__ = ["EngineCore", "Output", "Request", "SamplingParams", "SpecConfig"]
@@ -118,17 +119,26 @@ def _eos_ids(model_path: Path, config: dict, tokenizer) -> set[int]:
 
 
 class EngineCore:
+    nan_finish = NAN_FINISH
+
     def __init__(self, model_path: str, spec: SpecConfig | None, *, dtype: str = "float32", device: str = "cpu",
                  max_running_requests: int = 32, context_length: int | None = None, seed: int = 0,
-                 cpu_threads: int | None = None):
+                 cpu_threads: int | None = None, draft_sampling: bool = False, spec_auto: bool = False):
         """spec: resolved speculative settings (slime_spec.spec.resolve), None without speculation.
         cpu_threads: intra-op threads while stepping on CPU; None = 1 for small models (hidden <= 1024), where
-        thread hand-off costs more than the tiny matmuls gain, else torch's default."""
+        thread hand-off costs more than the tiny matmuls gain, else torch's default.
+        draft_sampling (ours, --spec-draft-sampling): chain drafters sample drafts of sampled requests from their
+        own distribution instead of SGLang's argmax; spec_auto (ours, --spec-auto): pick k per step by measured
+        cost (spec_policy.AutoSteps)."""
         from transformers import AutoTokenizer
 
         dtype = canonical_dtype(dtype)  # refuses an unknown name before loading anything
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests={max_running_requests}: must be at least 1")
+        spec_policy.check_spec_options(spec, draft_sampling, spec_auto)
+        self.draft_sampling = draft_sampling
+        self.policy = spec_policy.make_policy(spec, spec_auto)
+        self.timed = isinstance(self.policy, spec_policy.AutoSteps)  # costs are measured (CUDA: synchronized)
         self.device = torch.device(device)
         self.model, self.model_config = load_model(model_path, dtype=dtype, device=device)
         if spec is not None:
@@ -139,10 +149,10 @@ class EngineCore:
         self.context_length = int(context_length or self.model.args.max_position_embeddings)
         self.eos_token_ids = _eos_ids(Path(model_path), self.model_config, self.tokenizer)
         self.max_running_requests = max_running_requests
-        k = spec.draft_tokens_per_verify if spec is not None else 0
+        k = self.policy.max_k if self.policy is not None else 0
         self.max_seq = self.context_length + k + 1  # a verify pass writes k positions past the last token
         self.cache = self.model.new_cache(max_running_requests, self.max_seq)
-        self.drafter = make_drafter(spec, self.model, max_running_requests, self.max_seq, dtype, device)
+        self.drafter = make_drafter(spec, self.model, max_running_requests, self.max_seq, dtype, device, k=k)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting: deque[_Row] = deque()
         self.running: list[_Row] = []
@@ -273,6 +283,8 @@ class EngineCore:
     def _non_finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
         """Rows whose logits hold NaN/inf get zero logits (so sampling runs) and are finished by the caller, as
         SGLang finishes them ("NaN happened"), instead of one broken row crashing the whole batch."""
+        if bool(torch.isfinite(logits.sum())):  # a finite sum means every entry is finite: one cheap check
+            return logits, set()
         bad = ~torch.isfinite(logits).flatten(1).all(-1)
         if not bool(bad.any()):
             return logits, set()
@@ -290,8 +302,7 @@ class EngineCore:
             tokens[sampled] = sampling.sample(probs, self.generator)
         logprobs = None
         if any(r.req.return_logprob for r in rows):
-            lp = sampling.output_logprobs(logits, temps, greedy)
-            logprobs = lp.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+            logprobs = sampling.token_logprobs(logits, temps, greedy, tokens).tolist()
         return tokens.tolist(), logprobs
 
     def _prefill(self, rows: list[_Row]) -> None:
@@ -329,50 +340,7 @@ class EngineCore:
                 row.finish = dict(NAN_FINISH)
 
     def _spec_step(self, rows: list[_Row]) -> None:
-        """Draft k tokens per row, verify all rows in one target forward, accept per row, roll back the rest."""
-        dev = self.device
-        drafts = self.drafter.propose(rows)  # [B, k]
-        n, k = drafts.shape
-        ids = torch.cat((torch.tensor([[r.tokens[-1]] for r in rows], device=dev), drafts), dim=1)
-        start = torch.tensor([r.kv_len for r in rows], device=dev)
-        positions = start[:, None] + torch.arange(k + 1, device=dev)[None]
-        slots = torch.tensor([r.slot for r in rows], device=dev)
-        hidden = self.model(ids, positions, self.cache, slots)
-        logits, broken = self._non_finite_rows(self.model.logits(hidden))  # [B, k+1, V]
-        greedy, temps, top_ks, top_ps, min_ps = self._params(rows)
-        accept, next_token = sampling.greedy_accept(logits, drafts)
-        sampled = ~greedy
-        if bool(sampled.any()):
-            reps = lambda t: t[sampled].repeat_interleave(k + 1)  # noqa: E731 (one value per position)
-            probs = sampling.filtered_probs(logits[sampled].flatten(0, 1), reps(temps), reps(top_ks), reps(top_ps),
-                                            reps(min_ps)).view(-1, k + 1, logits.shape[-1])
-            accept[sampled], next_token[sampled] = sampling.speculative_accept(probs, None, drafts[sampled],
-                                                                               self.generator)
-        chosen = torch.cat((drafts, torch.zeros_like(drafts[:, :1])), dim=1)
-        chosen[torch.arange(n, device=dev), accept] = next_token
-        logprobs = None
-        if any(r.req.return_logprob for r in rows):
-            lp = sampling.output_logprobs(logits.flatten(0, 1), temps.repeat_interleave(k + 1),
-                                          greedy.repeat_interleave(k + 1))
-            logprobs = lp.gather(-1, chosen.flatten()[:, None]).view(n, k + 1).tolist()
-        accept_list, chosen_list = accept.tolist(), chosen.tolist()
-        alive = []
-        for i, row in enumerate(rows):
-            a = accept_list[i]
-            row.verify_ct += 1
-            row.accept_num += a
-            row.draft_num += k
-            self._accept_tokens += a + 1
-            self._verify_passes += 1
-            row.kv_len += a + 1
-            self._append(row, chosen_list[i][: a + 1], None if logprobs is None else logprobs[i][: a + 1])
-            if i in broken:
-                row.finish = dict(NAN_FINISH)
-            if row.finish is None:
-                alive.append(i)
-        if alive:
-            idx = torch.tensor(alive, device=dev)
-            self.drafter.on_verify([rows[i] for i in alive], hidden[idx], [accept_list[i] for i in alive])
+        spec_step(self, rows)
 
     # ------------------------------------------------------------------ finishing
     def _append(self, row: _Row, tokens: list[int], logprobs: list[float] | None) -> None:
