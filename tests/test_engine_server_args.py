@@ -33,13 +33,13 @@ def test_every_table_entry_is_a_real_sglang_flag(parser):
 
 
 def test_classify_sorts_non_default_flags():
-    defaults = {"model_path": None, "mem_fraction_static": None, "cuda_graph_max_bs_decode": None,
+    defaults = {"model_path": None, "mem_fraction_static": None, "chunked_prefill_size": None,
                 "quantization": None, "tp_size": 1, "speculative_token_map": None, "schedule_policy": "fcfs"}
     names = {d: "--" + d.replace("_", "-") for d in defaults}
-    values = {**defaults, "model_path": "/m", "mem_fraction_static": 0.7, "cuda_graph_max_bs_decode": 8,
+    values = {**defaults, "model_path": "/m", "mem_fraction_static": 0.7, "chunked_prefill_size": 512,
               "quantization": "fp8", "speculative_token_map": "map.pt"}
     report = classify_flags(values, defaults, names)
-    assert report.ignored == ("--mem-fraction-static=0.7", "--cuda-graph-max-bs-decode=8")
+    assert report.ignored == ("--mem-fraction-static=0.7", "--chunked-prefill-size=512")
     assert [r.split(":")[0] for r in report.refused] == ["--quantization='fp8'", "--speculative-token-map='map.pt'"]
     assert "quantized weights change the logits" in report.refused[0]
     assert classify_flags(defaults, defaults, names).refused == ()
@@ -151,3 +151,18 @@ def test_own_flags_travel_from_the_slime_command_line_to_the_embedded_server(tmp
     assert served.spec_auto and served.spec_draft_sampling
     sglang, _ = parse_config([*flags, "--rollout-backend", "sglang"])
     assert "--spec-auto" not in sglang.engine.server_argv("127.0.0.1", 30000)  # doctor refuses it there
+
+
+def test_cuda_graph_flags_are_honoured_with_sglangs_capture_list(tmp_path):
+    """SGLang's graph flags are implemented (not ignored): parsed into CudaGraphSettings, and the default
+    capture list is SGLang's decode list clamped to --max-running-requests."""
+    from slime_spec.engine.cuda_graph import CudaGraphSettings
+    from slime_spec.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", arch="llama", mtp_layers=0, hidden_size=32, num_layers=1)
+    args = parse_server_args(["--model-path", str(model), "--cuda-graph-max-bs-decode", "6",
+                              "--cuda-graph-bs-decode", "1", "2", "3", "--disable-cuda-graph"], cuda_available=False)
+    assert args.cuda_graph == CudaGraphSettings(disable=True, batch_sizes=(1, 2, 3), max_bs=6)
+    assert not any("cuda-graph" in f for f in args.ignored_flags)
+    assert CudaGraphSettings(max_bs=12).capture_sizes(8, speculative=True) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert CudaGraphSettings().capture_sizes(48, speculative=False) == [1, 2, 4, 8, 12, 16, 24, 32, 40, 48]

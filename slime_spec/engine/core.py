@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from slime_spec.dtypes import canonical_dtype
+from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model
 from slime_spec.engine import sampling, spec_policy, weight_updater
 from slime_spec.engine.drafters import make_drafter
 from slime_spec.engine.model import load_model
@@ -123,13 +124,15 @@ class EngineCore:
 
     def __init__(self, model_path: str, spec: SpecConfig | None, *, dtype: str = "float32", device: str = "cpu",
                  max_running_requests: int = 32, context_length: int | None = None, seed: int = 0,
-                 cpu_threads: int | None = None, draft_sampling: bool = False, spec_auto: bool = False):
+                 cpu_threads: int | None = None, draft_sampling: bool = False, spec_auto: bool = False,
+                 cuda_graph: CudaGraphSettings | None = None):
         """spec: resolved speculative settings (slime_spec.spec.resolve), None without speculation.
         cpu_threads: intra-op threads while stepping on CPU; None = 1 for small models (hidden <= 1024), where
         thread hand-off costs more than the tiny matmuls gain, else torch's default.
         draft_sampling (ours, --spec-draft-sampling): chain drafters sample drafts of sampled requests from their
         own distribution instead of SGLang's argmax; spec_auto (ours, --spec-auto): pick k per step by measured
-        cost (spec_policy.AutoSteps)."""
+        cost (spec_policy.AutoSteps). cuda_graph: SGLang's graph flags; on CUDA decode, verify and MTP draft
+        steps replay captured graphs (cuda_graph.py), and the KV caches keep one scratch slot for padded rows."""
         from transformers import AutoTokenizer
 
         dtype = canonical_dtype(dtype)  # refuses an unknown name before loading anything
@@ -151,8 +154,11 @@ class EngineCore:
         self.max_running_requests = max_running_requests
         k = self.policy.max_k if self.policy is not None else 0
         self.max_seq = self.context_length + k + 1  # a verify pass writes k positions past the last token
-        self.cache = self.model.new_cache(max_running_requests, self.max_seq)
-        self.drafter = make_drafter(spec, self.model, max_running_requests, self.max_seq, dtype, device, k=k)
+        self.cache = self.model.new_cache(max_running_requests + 1, self.max_seq)  # + the scratch slot
+        self.drafter = make_drafter(spec, self.model, max_running_requests + 1, self.max_seq, dtype, device, k=k)
+        self.cuda_graph = cuda_graph or CudaGraphSettings()
+        self.graph_capture_seconds = 0.0
+        self._capture_graphs()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting: deque[_Row] = deque()
         self.running: list[_Row] = []
@@ -331,7 +337,9 @@ class EngineCore:
         ids = torch.tensor([[r.tokens[-1]] for r in rows], device=dev)
         positions = torch.tensor([[r.kv_len] for r in rows], device=dev)
         slots = torch.tensor([r.slot for r in rows], device=dev)
-        logits, broken = self._non_finite_rows(self.model.logits(self.model(ids, positions, self.cache, slots)[:, 0]))
+        num_keys = max(r.kv_len for r in rows) + 1
+        hidden = self.model(ids, positions, self.cache, slots, num_keys)
+        logits, broken = self._non_finite_rows(self.model.logits(hidden[:, 0]))
         tokens, logprobs = self._pick(rows, logits)
         for i, row in enumerate(rows):
             row.kv_len += 1
@@ -400,6 +408,8 @@ class EngineCore:
         tags = self._check_tags(tags)
         if self._rows:
             raise ValueError("release_memory_occupation needs an idle engine: abort or finish requests first")
+        if tags & {"kv_cache", "weights", "cuda_graph"}:
+            self.model.graphs = {}  # they captured the storage being freed; captured again on resume
         if "kv_cache" in tags and "kv_cache" not in self._released:
             self.cache = None
             if self.drafter is not None:
@@ -418,10 +428,23 @@ class EngineCore:
                 param.data = self._weight_backup.pop(id(param)).to(self.device)
             self._released.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self._released:
-            self.cache = self.model.new_cache(self.max_running_requests, self.max_seq)
+            self.cache = self.model.new_cache(self.max_running_requests + 1, self.max_seq)
             if self.drafter is not None:
                 self.drafter.new_cache()
             self._released.discard("kv_cache")
+        if not self._released:
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """On CUDA (unless --disable-cuda-graph), capture decode, verify and MTP draft forwards (cuda_graph.py)."""
+        if self.device.type != "cuda" or self.cuda_graph.disable:
+            return
+        mtp_cache = getattr(self.drafter, "cache", None) if getattr(self.drafter, "target", None) is self.model else None
+        self.model.graphs = graph_model(self.model, self.cache, mtp_cache, self.cuda_graph,
+                                        max_running_requests=self.max_running_requests,
+                                        max_draft_tokens=self.policy.max_k if self.policy is not None else 0,
+                                        max_seq=self.max_seq)
+        self.graph_capture_seconds = sum(g.capture_seconds for g in self.model.graphs.values())
 
     @staticmethod
     def _check_tags(tags: list[str] | None) -> set[str]:

@@ -72,10 +72,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        """HF's Llama RMSNorm (float32 statistics, weight applied in the input dtype), as one fused op."""
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -185,6 +183,7 @@ class CausalLM(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.args = a
+        self.graphs: dict = {}  # "target"/"mtp" -> cuda_graph.GraphedForward, set by the engine on CUDA
         self.model = Backbone(a)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
@@ -204,8 +203,16 @@ class CausalLM(nn.Module):
         """input_ids/positions [B, T] -> final-normed hidden states [B, T, H] (logits: `self.logits(hidden)`).
 
         num_keys: keys attention reads per row (at least the longest row's last position + 1); None reads
-        the positions back from the device, which a captured CUDA graph cannot do.
+        the positions back from the device, which a captured CUDA graph cannot do. With a captured graph for
+        this cache and shape (`self.graphs`, set by the engine on CUDA), the graph replays instead.
         """
+        graph = self.graphs.get("target")
+        if graph is not None and graph.serves(cache, input_ids, num_keys):
+            return graph(input_ids, positions, slots, num_keys)
+        return self.eager_forward(input_ids, positions, cache, slots, num_keys)
+
+    def eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                      slots: torch.Tensor, num_keys: int | None = None) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
         mask = causal_mask(positions, num_keys or int(positions.max()) + 1)
@@ -225,6 +232,14 @@ class CausalLM(nn.Module):
         projects `cat(hidden_layernorm(hidden), token_layernorm(embed))`, runs the decoder layer, and returns
         final_layernorm(out): both what the shared lm_head reads and the hidden state of the next draft step.
         """
+        graph = self.graphs.get("mtp") if layer == 0 else None
+        if graph is not None and graph.serves(cache, input_ids, num_keys):
+            return graph(input_ids, positions, slots, num_keys, prev_hidden=prev_hidden)
+        return self.eager_mtp_forward(input_ids, prev_hidden, positions, cache, slots, layer, num_keys)
+
+    def eager_mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
+                          cache: KVCache, slots: torch.Tensor, layer: int = 0,
+                          num_keys: int | None = None) -> torch.Tensor:
         mtp = self.model.mtp_layers[layer]
         embeds = self.model.embed_tokens(input_ids)
         embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)

@@ -26,6 +26,7 @@ from typing import Any
 
 from slime_spec import spec
 from slime_spec.args import sglang_parser
+from slime_spec.engine.cuda_graph import CudaGraphSettings
 from slime_spec.engine.spec_policy import check_spec_options
 from slime_spec.dtypes import canonical_dtype, config_dtype
 from slime_spec.doctor_codes import SERVER_PREFIX, Rule, errors
@@ -38,6 +39,8 @@ IMPLEMENTED = frozenset({
     "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
     "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_ngram_max_trie_depth",
     "speculative_adaptive", "speculative_adaptive_config",
+    "disable_cuda_graph", "cuda_graph_bs_decode", "cuda_graph_max_bs_decode", "disable_cuda_graph_padding",
+    "enable_torch_compile", "torch_compile_max_bs",
 })
 
 # Speed, memory, scheduling, logging and serving knobs: they cannot change a generated token of the
@@ -60,9 +63,9 @@ PERFORMANCE_ONLY = frozenset({
     "generation_tokens_buckets", "load_snapshot_publish_interval",
     "attention_backend", "decode_attention_backend", "prefill_attention_backend", "sampling_backend",
     "grammar_backend", "mm_attention_backend", "fp8_gemm_runner_backend", "fp4_gemm_runner_backend",
-    "bf16_gemm_backend", "moe_runner_backend", "disable_cuda_graph", "disable_cuda_graph_padding",
+    "bf16_gemm_backend", "moe_runner_backend",
     "disable_prefill_cuda_graph", "disable_decode_cuda_graph", "enable_profile_cuda_graph",
-    "enable_cudagraph_gc", "debug_cuda_graph", "enable_torch_compile", "torch_compile_max_bs",
+    "enable_cudagraph_gc", "debug_cuda_graph",
     "triton_attention_reduce_in_fp32", "triton_attention_num_kv_splits", "triton_attention_split_tile_size",
     "disable_custom_all_reduce", "enable_nccl_nvls", "enable_symm_mem", "enable_memory_saver",
     "enable_weights_cpu_backup", "enable_draft_weights_cpu_backup", "enable_hierarchical_cache",
@@ -148,6 +151,7 @@ class EngineServerArgs:
     spec_warnings: tuple[str, ...] = ()  # what spec.resolve changed or noted (no errors: those refuse)
     spec_draft_sampling: bool = False    # ours: --spec-draft-sampling
     spec_auto: bool = False              # ours: --spec-auto
+    cuda_graph: CudaGraphSettings = field(default_factory=CudaGraphSettings)
     ignored_flags: tuple[str, ...] = ()
     sglang_args: dict = field(default_factory=dict)  # every SGLang flag's value, for /server_info
 
@@ -292,6 +296,7 @@ def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> En
         log_level=values["log_level"], health_check_timeout_s=_health_check_timeout(), spec=spec_config,
         spec_warnings=tuple(map(str, findings)),
         spec_draft_sampling=bool(values.get("spec_draft_sampling")), spec_auto=bool(values.get("spec_auto")),
+        cuda_graph=CudaGraphSettings.from_values(values),
         ignored_flags=report.ignored,
         sglang_args={k: v for k, v in values.items() if k not in ("api_key", "admin_api_key")},
     )

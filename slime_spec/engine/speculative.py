@@ -67,7 +67,7 @@ def spec_step(engine, rows: list) -> None:
     start = torch.tensor([r.kv_len for r in rows], device=dev)
     positions = start[:, None] + torch.arange(k + 1, device=dev)[None]
     slots = torch.tensor([r.slot for r in rows], device=dev)
-    hidden = engine.model(ids, positions, engine.cache, slots)
+    hidden = engine.model(ids, positions, engine.cache, slots, max(r.kv_len for r in rows) + k + 1)
     logits, broken = engine._non_finite_rows(engine.model.logits(hidden.flatten(0, 1)).view(n, k + 1, -1))
     accept = torch.zeros(n, dtype=torch.long, device=dev)
     next_token = torch.zeros(n, dtype=torch.long, device=dev)

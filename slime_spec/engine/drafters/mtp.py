@@ -31,9 +31,9 @@ class MTPDrafter:
         self.cache = None
 
     def _extend(self, rows, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                last: torch.Tensor) -> None:
+                last: torch.Tensor, num_keys: int | None = None) -> None:
         slots = slots_of(rows, tokens.device)
-        out = self.target.mtp_forward(tokens, hidden, positions, self.cache, slots)
+        out = self.target.mtp_forward(tokens, hidden, positions, self.cache, slots, num_keys=num_keys)
         self.next_hidden[slots] = out[torch.arange(len(rows), device=out.device), last]
 
     def on_prefill(self, rows, hidden: torch.Tensor) -> None:
@@ -53,13 +53,14 @@ class MTPDrafter:
         device = self.next_hidden.device
         slots = slots_of(rows, device)
         pos = torch.tensor([r.kv_len for r in rows], device=device)
+        max_kv = max(r.kv_len for r in rows)  # host-side key count: a captured graph cannot read positions back
         hidden = self.next_hidden[slots]
 
         def step(j: int, token: torch.Tensor | None) -> torch.Tensor:
             nonlocal hidden
             if j > 0:
                 hidden = self.target.mtp_forward(token[:, None], hidden[:, None], (pos + j - 1)[:, None], self.cache,
-                                                 slots)[:, 0]
+                                                 slots, num_keys=max_kv + j)[:, 0]
             return self.target.logits(hidden)
 
         return chain(self.k, step, pick)
@@ -72,7 +73,8 @@ class MTPDrafter:
         tokens = torch.nn.functional.pad(tokens, (0, k1 - tokens.shape[1]))
         start = torch.tensor([r.kv_len - a - 1 for r, a in zip(rows, accepted)], device=device)
         positions = start[:, None] + torch.arange(k1, device=device)[None]
-        self._extend(rows, tokens, hidden, positions, torch.tensor(accepted, device=device))
+        num_keys = max(r.kv_len - a - 1 for r, a in zip(rows, accepted)) + k1
+        self._extend(rows, tokens, hidden, positions, torch.tensor(accepted, device=device), num_keys)
 
     def weight_runner(self) -> dict[str, torch.nn.Parameter]:
         """SGLang's MiMoMTP draft runner loads the MTP layers plus the embedding and lm_head it shares."""
