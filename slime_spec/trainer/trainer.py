@@ -260,8 +260,8 @@ class Trainer:
             rows = model_rows(batch, self.packed)
             with self.timer("trunk forward"):
                 trunk = self._trunk(rows)
-                log_probs = rows.to_samples(losses.token_log_probs(trunk.logits, rows.input_ids))
-                entropy = rows.to_samples(losses.token_entropy(trunk.logits))
+                log_probs, entropy = map(rows.to_samples,
+                                         losses.token_log_probs_and_entropy(trunk.logits, rows.input_ids))
                 if p.sft:
                     terms = losses.sft_loss_terms(log_probs, batch.loss_mask, entropy)
                 else:
