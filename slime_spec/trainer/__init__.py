@@ -2,11 +2,14 @@
 
 - cpu_compat.py: megatron-core's CUDA-only calls redirected to the CPU when there is no CUDA.
 - parallel.py: torch.distributed + Megatron TP/DP groups (gloo on CPU, nccl on CUDA).
-- model.py: GPTModel from an HF config, HF weights loaded, logits of the policy and of each MTP layer.
+- model.py: GPTModel from an HF config, HF weights loaded, the trunk's logits, each MTP layer's hidden states.
 - losses.py: GRPO advantages, PPO clip, KL estimators, entropy, SFT and MTP losses (pure).
 - batch.py: samples -> padded tensors and masks; optimizer steps / micro-batches per rank, by samples or
   packed by tokens and balanced by tokens over data-parallel ranks (pure).
 - packing.py: what the model reads per micro-batch: padded rows or one packed row (block-diagonal mask).
+- mtp_loss.py: the MTP loss with the frozen output layer fused into a chunked cross-entropy, trained
+  targets only (no [tokens, vocab] logits kept).
+- timing.py: the per-part split of a train step, for the benchmark.
 - precision.py: float32 master weights for a --bf16 model.
 - checkpoint.py: --save / --load format.
 - trainer.py: `Trainer`, one process's model + optimizer + steps.
