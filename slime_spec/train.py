@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from typing import Callable
@@ -42,9 +43,13 @@ def preflight(argv: list[str]) -> Config:
 def init_ray() -> None:
     import ray
 
-    from slime_spec.ray_env import ray_init_kwargs
+    from slime_spec.ray_env import pin_private_ray_to_loopback, ray_init_kwargs, starts_private_ray
+    from slime_spec.ray_reaper import start_reaper
 
     if not ray.is_initialized():  # inside a job: only what the job's runtime env lacks (see ray_env.py)
+        if starts_private_ray(os.environ):  # loopback only, and stopped even if this driver is SIGKILLed
+            pin_private_ray_to_loopback(os.environ)
+            start_reaper()
         ray.init(**ray_init_kwargs(os.environ, os.cpu_count()))
 
 
@@ -208,8 +213,17 @@ def _loop(config: Config, trainer, manager) -> dict:
     return report.finish()
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C (every `finally` runs: engines and Ray stop) instead of killing at once."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     quiet_known_noise()
+    exit_on_sigterm()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         config = preflight(argv)

@@ -100,6 +100,7 @@ class EngineFleet:
         self.current_version: str | None = None  # the weights the trainer holds (what every engine must serve)
         self.served: list[str | None] = [None] * num_engines  # what each engine reports it serves
         self.needs_sync: set[int] = set()
+        self.stopping = False  # set by shutdown: a request failing on a stopped engine restarts nothing
         self._locks: list[asyncio.Lock] | None = None
 
     def wait_ready(self) -> None:
@@ -155,6 +156,9 @@ class EngineFleet:
         """Restart engine `idx` if it died (only the first failure of an engine generation does this);
         a restarted engine that does not serve the current weights stays fenced until `confirm_weights`."""
         async with self.lock(idx):
+            if self.stopping:
+                await self.router.set_available(idx, False, dead=True)
+                return
             if self.generation[idx] != generation or self.router.dead[idx]:
                 return
             await self.router.set_available(idx, False)
@@ -207,12 +211,14 @@ class EngineFleet:
         return await asyncio.gather(*[getattr(a, method).remote(*args) for a in self.actors])
 
     async def shutdown(self) -> None:
-        """Stop every engine server; safe to call twice."""
+        """Stop every engine server; safe to call twice. Requests still in flight fail and restart nothing."""
+        self.stopping = True
         results = await asyncio.gather(*[a.shutdown.remote() for a in self.actors], return_exceptions=True)
         self._release(results)
 
     def stop_blocking(self) -> None:
         """`shutdown` for a constructor's failure path (no event loop running yet)."""
+        self.stopping = True
         results = []
         for ref in [a.shutdown.remote() for a in self.actors]:
             try:
