@@ -4,8 +4,9 @@
 through them, the engine servers, all as descendants of the driver. A driver that exits normally (or on
 Ctrl-C / SIGTERM) stops them through `ray.shutdown`; a SIGKILLed driver cannot, and Ray 2.60 leaves its agents
 running for minutes. The reaper is a small process of its own session (a terminal's Ctrl-C does not reach it)
-that keeps a fresh list of the driver's descendants and, the moment the driver is gone, stops every one of
-them still alive (SIGTERM, then SIGKILL after `GRACE_S`). It knows processes by (pid, start time), so a
+that keeps a fresh list of the driver's descendants and, once the driver is gone, stops every one of them
+still alive after `SETTLE_S` (a clean `ray.shutdown` needs that long to finish; the reaper then signals
+nothing and says nothing): SIGTERM, then SIGKILL after `GRACE_S`. It knows processes by (pid, start time), so a
 reused pid is never touched, and it touches nothing that was not the driver's descendant.
 """
 
@@ -19,6 +20,7 @@ import sys
 import psutil
 
 REFRESH_S = 0.5
+SETTLE_S = 2.0
 GRACE_S = 3.0
 
 
@@ -37,9 +39,9 @@ def descendants(pid: int) -> dict[int, float]:
     return out
 
 
-def stop_all(known: dict[int, float], grace_s: float = GRACE_S) -> list[int]:
-    """SIGTERM every process of `known` still alive with the same start time, SIGKILL those left after
-    `grace_s`; returns the pids signalled."""
+def stop_all(known: dict[int, float], settle_s: float = SETTLE_S, grace_s: float = GRACE_S) -> list[int]:
+    """SIGTERM every process of `known` (same pid and start time) still alive after `settle_s`, SIGKILL
+    those left after `grace_s` more; returns the pids signalled."""
     procs = []
     for pid, started in known.items():
         try:
@@ -48,6 +50,7 @@ def stop_all(known: dict[int, float], grace_s: float = GRACE_S) -> list[int]:
                 procs.append(p)
         except psutil.NoSuchProcess:
             continue
+    _, procs = psutil.wait_procs(procs, timeout=settle_s)
     for p in procs:
         try:
             p.terminate()

@@ -230,7 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     except ArgsError as e:
         print(f"slime-spec: {e}", file=sys.stderr)
         return 2
-    summary = run(config)
+    from slime_spec.rollout.manager import RolloutFailed
+
+    try:
+        summary = run(config)
+    except RolloutFailed as e:  # raised in the rollout manager; Ray's error is also a RolloutFailed
+        print(f"slime-spec: {e}", file=sys.stderr, flush=True)
+        return 1
     print(json.dumps({k: v for k, v in summary.items() if k != "rollouts"}, default=str))
     return 0
 

@@ -63,6 +63,19 @@ def exclude_stale(samples: list[Sample], current_version: str | None) -> int:
     return stale
 
 
+class RolloutFailed(RuntimeError):
+    """Every sample of a rollout failed: nothing to train on, and the cause is the same everywhere."""
+
+
+def check_not_all_failed(samples: list[Sample], desc: str) -> None:
+    """Raise `RolloutFailed` naming the first sample's error when no sample of `desc` was generated."""
+    if not samples or any(s.status != Status.ABORTED for s in samples):
+        return
+    first = next((s.error for s in samples if s.error), "no error recorded")
+    raise RolloutFailed(f"all {len(samples)} samples of {desc} failed, so the run stops instead of training on "
+                        f"nothing. The first sample's error: {first}")
+
+
 def parse_eval_prompt_data(items: tuple[str, ...]) -> list[tuple[str, str]]:
     """slime's `--eval-prompt-data name1 path1 name2 path2 ...`; a single path is named 'eval'."""
     if len(items) == 1:
@@ -172,6 +185,7 @@ class RolloutManager:
         samples = self.dataset.batch(rollout_id, r.rollout_batch_size, r.n_samples_per_prompt)
         restarts_before = self.fleet.total_restarts
         samples, elapsed = await self._run(samples, f"rollout {rollout_id}")
+        check_not_all_failed(samples, f"rollout {rollout_id}")
         stale = exclude_stale(samples, self.fleet.current_version)
         metrics = rollout_metrics(rollout_id, samples, elapsed, self.fleet.total_restarts - restarts_before)
         metrics["engine_restarts_total"] = self.fleet.total_restarts
@@ -204,6 +218,7 @@ class RolloutManager:
         for name, ds in self.eval_datasets.items():
             samples, elapsed = await self._run(ds.batch(0, len(ds), r.n_samples_per_eval_prompt), f"eval {name}",
                                                params)
+            check_not_all_failed(samples, f"eval {name}")
             m = rollout_metrics(rollout_id, samples, elapsed)
             out.update({f"eval/{name}/{k}": v for k, v in m.items() if k != "rollout_id"})
         if self.wandb and len(out) > 1:

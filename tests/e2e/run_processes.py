@@ -46,7 +46,7 @@ def make_run_inputs(root: Path) -> tuple[Path, Path]:
 
 
 class Run:
-    """A `--debug-rollout-only` run of two embedded engines with many rollouts, started in the background."""
+    """A `--debug-rollout-only` run of one embedded engine with many rollouts, started in the background."""
 
     def __init__(self, root: Path, model: Path, data: Path, name: str):
         self.dir = root / name
@@ -56,7 +56,7 @@ class Run:
         (self.dir / "run_hook.py").write_text(textwrap.dedent(HOOK.format(in_flight=str(self.in_flight))))
         self.log = self.dir / "driver.log"
         argv = [sys.executable, "-m", "slime_spec.train", "--hf-checkpoint", str(model),
-                "--rollout-backend", "embedded", "--rollout-num-engines", "2", "--debug-rollout-only",
+                "--rollout-backend", "embedded", "--rollout-num-engines", "1", "--debug-rollout-only",
                 "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label",
                 "--rm-type", "exact_match", "--num-rollout", "1000", "--rollout-batch-size", "4",
                 "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",

@@ -1,6 +1,6 @@
 """A local run opens no listening socket outside loopback (issue #11).
 
-A `--debug-rollout-only` run of two embedded engines on its own private Ray, mid-rollout: every listening
+A `--debug-rollout-only` run of an embedded engine on its own private Ray, mid-rollout: every listening
 TCP socket of every process of the run (the driver, gcs_server, raylet, the dashboard and runtime-env agents,
 the workers, the engine servers) must be bound to 127.0.0.1 / ::1 (or the IPv4-mapped ::ffff:127.0.0.1).
 """
@@ -46,7 +46,7 @@ def test_a_local_run_listens_on_loopback_only(tmp_path):
         assert "gcs_server" in names and "raylet" in names, names
         sockets = listening(procs)
         engines = [s for s in sockets if "slime_spec.engine" in s[0]]
-        assert len(engines) >= 2, sockets
+        assert engines, sockets
         exposed = [s for s in sockets if not is_loopback(s[1])]
         assert not exposed, "listening beyond loopback:\n" + "\n".join(map(str, exposed))
     finally:
