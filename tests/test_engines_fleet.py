@@ -241,3 +241,18 @@ def test_a_request_failing_during_shutdown_restarts_nothing(monkeypatch):
         with pytest.raises(NoEngineAvailable):
             await fleet.router.acquire()
     asyncio.run(main())
+
+
+def test_engine_command_lines_go_to_a_file_and_one_short_line(tmp_path):
+    from slime_spec.engines.fleet import COMMANDS_FILE, ready_line, write_commands
+
+    engine = EngineConfig(backend="embedded", model_path="/models/m", forwarded_argv=("--speculative-algorithm", "NGRAM"),
+                          server_args={"speculative_algorithm": "NGRAM"})
+    commands = [engine.server_argv("127.0.0.1", port, engine_index=i) for i, port in enumerate((30001, 30002))]
+    path = write_commands(tmp_path / "logs", commands)
+    assert path == tmp_path / "logs" / COMMANDS_FILE
+    assert path.read_text().splitlines() == [f"engine {i}: {' '.join(c)}" for i, c in enumerate(commands)]
+    line = ready_line(engine, ["http://127.0.0.1:30001", "http://127.0.0.1:30002"], "default", path)
+    assert line == (f"[fleet] 2 engine(s) ready (embedded, NGRAM, tp 1) on 127.0.0.1 ports 30001, 30002, "
+                    f"weights 'default'; command lines: {path}")
+    assert "--model-path" not in line and len(line) < 200 + len(str(path))

@@ -184,6 +184,31 @@ def test_a_rollout_whose_samples_all_fail_raises_naming_the_cause(manager, workd
     assert all(s.status != Status.ABORTED for s in ray.get(manager.generate.remote(6)))  # the manager still serves
 
 
+def test_engine_command_lines_are_written_once_to_the_log_dir(manager, workdir):
+    lines = (workdir / "logs" / "engine_commands.txt").read_text().splitlines()
+    assert [x.split(":")[0] for x in lines] == ["engine 0", "engine 1"]
+    assert all("-m slime_spec.engine --model-path" in x and "--speculative-algorithm NGRAM" in x for x in lines)
+
+
+def test_progress_off_a_terminal_is_one_line_per_rollout():
+    """Under Ray stderr is a file: a tqdm bar would print a line per refresh; one line per rollout instead."""
+    import io
+    import time
+
+    from slime_spec.rollout.manager import progress_bar, progress_done
+
+    stream = io.StringIO()  # not a tty, like a Ray worker's stderr
+    bar = progress_bar(50, "rollout 7", True, stream)
+    for _ in range(50):
+        bar.update(1)
+        time.sleep(0.03)  # 1.5 s: a terminal bar (mininterval 1 s) would have redrawn
+    progress_done(bar, "rollout 7", stream, 1.5)
+    assert stream.getvalue().splitlines() == ["rollout 7: 50/50 samples in 1.5s"]
+    quiet = io.StringIO()
+    progress_done(progress_bar(3, "eval", False, quiet), "eval", quiet, 0.1)
+    assert quiet.getvalue() == ""
+
+
 def test_all_failed_names_the_first_error_and_the_api_key_fix():
     err = EngineError("http://127.0.0.1:1", "/generate", 401, '{"error": "Unauthorized"}')
     samples = [Sample(index=i, group_index=0, prompt="p", status=Status.ABORTED, error=f"request failed: {err}")

@@ -43,6 +43,10 @@ class Engine:
     def get_url(self) -> str:
         return self.url
 
+    def command(self) -> list[str]:
+        """The server's full command line (the fleet writes it to a file, not to the console)."""
+        return list(self.process.argv)
+
     def pid(self) -> int | None:
         return self.process.pid
 

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
+from pathlib import Path
+from urllib.parse import urlparse
 
 import ray
 
@@ -25,6 +28,29 @@ from slime_spec.placement import ENGINE_GPU_FRACTION, Placement, create_placemen
 
 # What an engine serves right after start when it does not report a weight_version: the checkpoint.
 CHECKPOINT = "checkpoint"
+
+
+# Each engine's full server command line, one line per engine, in the engines' log dir.
+COMMANDS_FILE = "engine_commands.txt"
+
+
+def write_commands(log_dir: str | Path, commands: list[list[str]]) -> Path:
+    """The engines' command lines (~400 characters each) into `log_dir`/COMMANDS_FILE; returns its path."""
+    path = Path(log_dir) / COMMANDS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"engine {i}: {shlex.join(argv)}\n" for i, argv in enumerate(commands)))
+    return path
+
+
+def ready_line(engine: EngineConfig, urls: list[str], version: str | None, commands_path: Path) -> str:
+    """The one console line for the started engines: backend, speculative algorithm, TP, ports, the file."""
+    args = engine.server_args
+    algorithm = args.get("speculative_algorithm") or "no speculative decoding"
+    tp = engine.num_gpus_per_engine // int(args.get("pp_size") or 1)
+    ports = ", ".join(str(urlparse(u).port) for u in urls)
+    hosts = sorted({urlparse(u).hostname for u in urls})
+    return (f"[fleet] {len(urls)} engine(s) ready ({engine.backend}, {algorithm}, tp {tp}) on {', '.join(hosts)} "
+            f"ports {ports}, weights {version!r}; command lines: {commands_path}")
 
 
 class NoEngineAvailable(RuntimeError):
@@ -114,8 +140,8 @@ class EngineFleet:
             if v != self.current_version:
                 raise RuntimeError(f"engines started on different weight versions {self.served}: start every "
                                    "engine with the same --sglang-weight-version")
-        print(f"[fleet] {self.num_engines} engine(s) ready on weights {self.current_version!r}: "
-              f"{' '.join(self.urls)}", flush=True)
+        path = write_commands(self._kwargs["log_dir"], ray.get([a.command.remote() for a in self.actors]))
+        print(ready_line(self.engine_cfg, self.urls, self.current_version, path), flush=True)
 
     def _launch_gpu_engines(self, rollout_num_gpus: int, placement: Placement | None) -> None:
         """Engine i on its bundles of the run's placement (the driver's, or one of its own when started alone):

@@ -39,6 +39,8 @@ from slime_spec.rollout.rewards import assign_reward, load_function, make_reward
 from slime_spec.rollout.sample import Sample, Status
 from slime_spec.rollout.sampling_params import sampling_params
 
+# Where the bar cannot redraw in place (a Ray worker's stderr is a file), a progress line at most this often.
+NON_TTY_PROGRESS_EVERY_S = 60.0
 # Silence of an engine on one request (no byte for this long) that counts as a failure; never a total bound.
 DEFAULT_REQUEST_TIMEOUT_S = 1800.0
 
@@ -61,6 +63,23 @@ def exclude_stale(samples: list[Sample], current_version: str | None) -> int:
                        f"policy is at {current_version!r}: excluded from training")
             stale += 1
     return stale
+
+
+def progress_bar(total: int, desc: str, enabled: bool, stream) -> tqdm:
+    """A live bar on a terminal. Elsewhere (under Ray) a bar would print a line per refresh: instead a line
+    at most every NON_TTY_PROGRESS_EVERY_S (none for a shorter rollout), and `progress_done` prints one."""
+    tty = stream.isatty()
+    every = 1.0 if tty else NON_TTY_PROGRESS_EVERY_S
+    return tqdm(total=total, desc=desc, disable=not enabled, file=stream, mininterval=every,
+                delay=0 if tty else every)
+
+
+def progress_done(bar: tqdm, desc: str, stream, elapsed_s: float) -> None:
+    """Close the bar; off a terminal, the rollout's one progress line."""
+    shown = not bar.disable  # tqdm's close() disables the bar
+    bar.close()
+    if shown and not stream.isatty():
+        print(f"{desc}: {bar.n}/{bar.total} samples in {elapsed_s:.1f}s", file=stream, flush=True)
 
 
 class RolloutFailed(RuntimeError):
@@ -261,8 +280,7 @@ class RolloutManager:
             if self._session is None:
                 self._session = async_session(self.request_timeout_s)
             start = time.perf_counter()
-            bar = tqdm(total=len(samples), desc=desc, disable=not self.show_progress, mininterval=1.0,
-                       file=sys.stderr)
+            bar = progress_bar(len(samples), desc, self.show_progress, sys.stderr)
             tasks = [asyncio.create_task(self._sample_task(s, bar, params or self.sampling_params)) for s in samples]
             try:
                 done = await asyncio.gather(*tasks)
@@ -272,7 +290,7 @@ class RolloutManager:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
             finally:
-                bar.close()
+                progress_done(bar, desc, sys.stderr, time.perf_counter() - start)
             return sorted(done, key=lambda s: s.index), time.perf_counter() - start
 
     async def _sample_task(self, sample: Sample, bar: tqdm, params: dict) -> Sample:
