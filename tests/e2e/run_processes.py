@@ -46,9 +46,10 @@ def make_run_inputs(root: Path) -> tuple[Path, Path]:
 
 
 class Run:
-    """A `--debug-rollout-only` run of one embedded engine with many rollouts, started in the background."""
+    """A run of one embedded engine with many rollouts, started in the background: `--debug-rollout-only`,
+    or with `train` the whole loop (trainer, weight-update group) as well."""
 
-    def __init__(self, root: Path, model: Path, data: Path, name: str):
+    def __init__(self, root: Path, model: Path, data: Path, name: str, train: bool = False):
         self.dir = root / name
         self.dir.mkdir()
         self.tag = f"{name}-{uuid.uuid4().hex[:8]}"
@@ -56,11 +57,12 @@ class Run:
         (self.dir / "run_hook.py").write_text(textwrap.dedent(HOOK.format(in_flight=str(self.in_flight))))
         self.log = self.dir / "driver.log"
         argv = [sys.executable, "-m", "slime_spec.train", "--hf-checkpoint", str(model),
-                "--rollout-backend", "embedded", "--rollout-num-engines", "1", "--debug-rollout-only",
+                "--rollout-backend", "embedded", "--rollout-num-engines", "1",
                 "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label",
                 "--rm-type", "exact_match", "--num-rollout", "1000", "--rollout-batch-size", "4",
                 "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",
                 "--custom-generate-function-path", "run_hook.generate_slowly", "--output-dir", str(self.dir / "out")]
+        argv += ["--global-batch-size", "8", "--micro-batch-size", "4"] if train else ["--debug-rollout-only"]
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         env.update({RUN_MARKER: self.tag, "PYTHONPATH": os.pathsep.join([str(REPO), str(self.dir)])})
         with self.log.open("wb") as log:

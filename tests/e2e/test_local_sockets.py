@@ -1,8 +1,11 @@
 """A local run opens no listening socket outside loopback (issue #11).
 
-A `--debug-rollout-only` run of an embedded engine on its own private Ray, mid-rollout: every listening
-TCP socket of every process of the run (the driver, gcs_server, raylet, the dashboard and runtime-env agents,
-the workers, the engine servers) must be bound to 127.0.0.1 / ::1 (or the IPv4-mapped ::ffff:127.0.0.1).
+A training run (trainer, weight-update group, one embedded engine) on its own private Ray, mid-rollout:
+every listening TCP socket of every process of the run (the driver, gcs_server, raylet, the dashboard and
+runtime-env agents, the workers, the train actor's process-group store and gloo pairs, the engine server)
+must be bound to 127.0.0.1 / ::1 (or the IPv4-mapped ::ffff:127.0.0.1). Before the fix Ray's servers listened
+on `*` and the node IP (Ray 2.60 resolves a loopback node IP to the routable one, see ray_env.py), and the
+train actor's TCPStore on `*` (see trainer/parallel.py `loopback_store`).
 """
 
 import ipaddress
@@ -37,13 +40,13 @@ def test_is_loopback():
 
 def test_a_local_run_listens_on_loopback_only(tmp_path):
     model, data = make_run_inputs(tmp_path)
-    run = Run(tmp_path, model, data, "sockets")
+    run = Run(tmp_path, model, data, "sockets", train=True)
     try:
         run.wait_mid_rollout()
         procs = run.processes()
         names = " ".join(p.name() for p in procs)
         # the run's own processes were found: Ray's servers, its agents and the engines
-        assert "gcs_server" in names and "raylet" in names, names
+        assert "gcs_server" in names and "raylet" in names and "TrainActor" in names, names
         sockets = listening(procs)
         engines = [s for s in sockets if "slime_spec.engine" in s[0]]
         assert engines, sockets
