@@ -11,7 +11,6 @@ train actor's TCPStore on `*` (see trainer/parallel.py `loopback_store`).
 import ipaddress
 
 import psutil
-import pytest
 
 from tests.e2e.run_processes import Run, describe, make_run_inputs
 
