@@ -46,6 +46,7 @@ class ClusterConfig:
     rollout_num_gpus_per_engine: int = flag_default("rollout_num_gpus_per_engine")
     rollout_num_engines: int = flag_default("rollout_num_engines")  # used when there are no GPUs
     colocate: bool = flag_default("colocate")
+    placement_timeout: float = flag_default("placement_timeout")  # seconds; 0 = no bound
 
 
 @dataclass(frozen=True)
