@@ -63,3 +63,24 @@ def test_engine_greedy_output_is_the_same_with_and_without_cuda_graphs(tmp_path)
             done.update({o.rid: o.output_ids for o in core.step()})
         outputs.append(done)
     assert outputs[0] == outputs[1] == outputs[2] == outputs[3]
+
+
+def test_fused_projections_give_the_same_output_and_take_in_place_updates():
+    torch.manual_seed(0)
+    model = CausalLM(ModelArgs.from_hf_config({**CONFIG, "architectures": ["Qwen2ForCausalLM"],
+                                              "model_type": "qwen2"})).eval()
+    cache = model.new_cache(2, 64)
+    ids, pos, slots = torch.randint(0, 100, (2, 7)), torch.arange(7)[None].expand(2, 7), torch.tensor([0, 1])
+    with torch.no_grad():
+        ref = model(ids, pos, cache, slots)
+        names = [n for n, _ in model.named_parameters()]
+        model.fuse_projections()
+        assert [n for n, _ in model.named_parameters()] == names
+        torch.testing.assert_close(model(ids, pos, cache, slots), ref, rtol=1e-5, atol=1e-5)
+        layer = model.model.layers[0]
+        layer.self_attn.k_proj.weight.copy_(torch.zeros_like(layer.self_attn.k_proj.weight))
+        layer.mlp.up_proj.weight.mul_(2.0)
+        fused = model(ids, pos, cache, slots)
+        model.unfuse_projections()
+        torch.testing.assert_close(model(ids, pos, cache, slots), fused, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(fused, ref)

@@ -156,6 +156,8 @@ class EngineCore:
         self.max_seq = self.context_length + k + 1  # a verify pass writes k positions past the last token
         self.cache = self.model.new_cache(max_running_requests + 1, self.max_seq)  # + the scratch slot
         self.drafter = make_drafter(spec, self.model, max_running_requests + 1, self.max_seq, dtype, device, k=k)
+        if self.device.type == "cuda":
+            self.model.fuse_projections()
         self.cuda_graph = cuda_graph or CudaGraphSettings()
         self.graph_capture_seconds = 0.0
         self._capture_graphs()
@@ -416,6 +418,7 @@ class EngineCore:
                 self.drafter.drop_cache()
             self._released.add("kv_cache")
         if "weights" in tags and "weights" not in self._released:
+            self.model.unfuse_projections()
             for param in self._unique_params():
                 self._weight_backup[id(param)] = param.data.to("cpu", copy=True)
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
@@ -427,6 +430,8 @@ class EngineCore:
             for param in self._unique_params():
                 param.data = self._weight_backup.pop(id(param)).to(self.device)
             self._released.discard("weights")
+            if self.device.type == "cuda":
+                self.model.fuse_projections()
         if "kv_cache" in tags and "kv_cache" in self._released:
             self.cache = self.model.new_cache(self.max_running_requests + 1, self.max_seq)
             if self.drafter is not None:

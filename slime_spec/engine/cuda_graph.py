@@ -200,22 +200,27 @@ def graph_model(model, cache, mtp_cache, settings: CudaGraphSettings, *, max_run
     sizes = settings.capture_sizes(max_running_requests, speculative=max_draft_tokens > 0)
     common = dict(batch_sizes=sizes, token_counts=list(range(1, max_draft_tokens + 2)), key_counts=key_buckets(max_seq),
                   scratch_slot=max_running_requests, device=model.lm_head.weight.device, capture=capture)
-    compile_args = {}
-    if settings.torch_compile:
-        compile_args = dict(compile_max_bs=settings.torch_compile_max_bs)
+    compile_args = dict(compile_max_bs=settings.torch_compile_max_bs) if settings.torch_compile else {}
 
-    def target(ids, positions, slots, num_keys):
-        return model.eager_forward(ids, positions, cache, slots, num_keys)
+    def target(ids, positions, slots, num_keys, compiled=False):
+        return model.eager_forward(ids, positions, cache, slots, num_keys, compiled=compiled)
+
+    def compiled_target(ids, positions, slots, num_keys):
+        return target(ids, positions, slots, num_keys, compiled=True)
 
     graphs = {"target": GraphedForward(target, cache=cache, **common, **compile_args,
-                                       compiled_fn=torch.compile(target, dynamic=True) if compile_args else None)}
+                                       compiled_fn=compiled_target if compile_args else None)}
     if mtp_cache is not None:
-        def mtp(ids, positions, slots, num_keys, prev_hidden):
-            return model.eager_mtp_forward(ids, prev_hidden, positions, mtp_cache, slots, num_keys=num_keys)
+        def mtp(ids, positions, slots, num_keys, prev_hidden, compiled=False):
+            return model.eager_mtp_forward(ids, prev_hidden, positions, mtp_cache, slots, num_keys=num_keys,
+                                           compiled=compiled)
+
+        def compiled_mtp(ids, positions, slots, num_keys, prev_hidden):
+            return mtp(ids, positions, slots, num_keys, prev_hidden, compiled=True)
 
         hidden = ((model.args.hidden_size,), model.lm_head.weight.dtype)
         graphs["mtp"] = GraphedForward(mtp, cache=mtp_cache, extra={"prev_hidden": hidden}, **common, **compile_args,
-                                       compiled_fn=torch.compile(mtp, dynamic=True) if compile_args else None)
+                                       compiled_fn=compiled_mtp if compile_args else None)
     pool = None
     for g in graphs.values():
         g.pool = pool
