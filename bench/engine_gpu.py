@@ -74,6 +74,25 @@ def run(core: EngineCore, batch: list[list[int]], new_tokens: int) -> tuple[floa
     return len(batch) * new_tokens / seconds, (accepted + verify) / verify if verify else 1.0
 
 
+def run_long_tail(core: EngineCore, batch: list[list[int]], lengths: list[int]) -> tuple[float, float]:
+    """A rollout-shaped batch: request i decodes lengths[i] tokens. Returns (total seconds, the share of it spent
+    after 90% of the requests had finished: the long tail)."""
+    sync()
+    t = time.perf_counter()
+    for i, (ids, n) in enumerate(zip(batch, lengths)):
+        core.add_request(Request(rid=str(i), input_ids=ids, params=SamplingParams(
+            temperature=0.0, max_new_tokens=n, ignore_eos=True)))
+    done, t90 = 0, None
+    while core.has_work():
+        done += len(core.step())
+        if t90 is None and done >= 0.9 * len(batch):
+            sync()
+            t90 = time.perf_counter()
+    sync()
+    total = time.perf_counter() - t
+    return total, (total - (t90 - t)) / total
+
+
 def train_mtp(core: EngineCore, batch: list[list[int]], new_tokens: int, steps: int, lr: float) -> float:
     """Train the MTP layer on the target's own greedy continuations of `batch` (trunk frozen); returns the last
     loss. The MTP layer at position p reads (x_{p+1}, h_p) and predicts x_{p+2}, as the engine drafts."""
@@ -128,6 +147,9 @@ def main(argv=None) -> None:
     p.add_argument("--train-steps", type=int, default=300)
     p.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--device", default="cuda", help="cpu only to check the script (no graphs there)")
+    p.add_argument("--torch-compile", action="store_true",
+                   help="also time plain decoding with --enable-torch-compile, and run the speculative rows with it")
+    p.add_argument("--tail-requests", type=int, default=64, help="requests in the long-tailed rollout")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     shape = SHAPES["quick" if a.quick else "full"]
@@ -140,9 +162,12 @@ def main(argv=None) -> None:
                            max_position_embeddings=1024, init_from=str(llama), **shape)
     bw = copy_bandwidth(dev)
     graphs = CudaGraphSettings(batch_sizes=tuple(sorted(set(plain_b + spec_b))))
+    compiled_graphs = CudaGraphSettings(batch_sizes=graphs.batch_sizes, torch_compile=True,
+                                        torch_compile_max_bs=max(spec_b))
     ctx = a.prompt_len + a.new_tokens + 8
 
-    def engine(path, spec=None, cuda_graph=graphs, **kw):
+    def engine(path, spec=None, cuda_graph=None, **kw):
+        cuda_graph = cuda_graph or (compiled_graphs if a.torch_compile and spec is not None else graphs)
         core = EngineCore(str(path), spec, dtype="bfloat16", device=a.device, max_running_requests=max(spec_b),
                           context_length=ctx, cuda_graph=cuda_graph, **kw)
         return core
@@ -158,15 +183,23 @@ def main(argv=None) -> None:
           f"roofline at batch 1 {roofline_s * 1e3:.3f} ms/token = {1 / roofline_s:,.0f} tokens/s; "
           f"graph capture {plain.graph_capture_seconds:.1f} s")
     eager = engine(llama, cuda_graph=CudaGraphSettings(disable=True))
+    compiled = engine(llama, cuda_graph=compiled_graphs) if a.torch_compile else None
+    if compiled is not None:
+        print(f"graph capture with --enable-torch-compile (one decoder layer compiled): "
+              f"{compiled.graph_capture_seconds:.1f} s")
     rows = []
     for b in plain_b:
         batch = prompts(b, a.prompt_len, a.vocab, seed=b)
-        run(plain, batch, 8), run(eager, batch, 8)  # warm-up
-        g, e = [], []
+        for core in (plain, eager, compiled):
+            if core is not None:
+                run(core, batch, 8)  # warm-up
+        g, e, c = [], [], []
         for _ in range(a.repeats):
             g.append(run(plain, batch, a.new_tokens)[0])
             e.append(run(eager, batch, min(a.new_tokens, 32))[0])
-        rows.append((b, max(g), max(e)))
+            if compiled is not None:
+                c.append(run(compiled, batch, a.new_tokens)[0])
+        rows.append((b, max(g), max(e), max(c) if c else None))
     hf = {}
     if a.transformers:
         from transformers import AutoModelForCausalLM
@@ -182,15 +215,16 @@ def main(argv=None) -> None:
             sync()
             hf[b] = b * a.new_tokens / (time.perf_counter() - t)
         del model
-    print("\n| batch | engine, CUDA graphs tok/s | ms/token/row | x roofline (batch 1) | engine eager tok/s | "
-          "transformers generate tok/s | graphs / transformers |")
-    print("|---|---|---|---|---|---|---|")
-    for b, g, e in rows:
-        share = f"{(b / g) / roofline_s:.2f}x" if b == 1 else ""
+    print("\n| batch | engine eager tok/s | CUDA graphs tok/s | graphs + torch.compile tok/s | best ms/step "
+          "| best x roofline (batch 1) | transformers generate tok/s | best / transformers |")
+    print("|---|---|---|---|---|---|---|---|")
+    for b, g, e, c in rows:
+        best = max(g, c or 0.0)
+        share = f"{(1 / best) / roofline_s:.2f}x" if b == 1 else ""
         ref = hf.get(b)
-        print(f"| {b} | {g:,.0f} | {1e3 * b / g:.3f} | {share} | {e:,.0f} | "
-              f"{'' if ref is None else f'{ref:,.0f}'} | {'' if ref is None else f'{g / ref:.1f}x'} |")
-    del eager
+        print(f"| {b} | {e:,.0f} | {g:,.0f} | {'' if c is None else f'{c:,.0f}'} | {1e3 * b / best:.3f} | {share} | "
+              f"{'' if ref is None else f'{ref:,.0f}'} | {'' if ref is None else f'{best / ref:.1f}x'} |")
+    del eager, compiled
 
     # ---- speculative rows on the MiMo copy, MTP layer trained on the target's own outputs
     base = engine(mimo)
@@ -229,6 +263,32 @@ def main(argv=None) -> None:
             tps, acc = by_b[b]
             cells.append(f"{tps:,.0f} ({acc:.2f}) {tps / results['plain'][b][0]:.2f}x")
         print(f"| {name} | " + " | ".join(cells) + " |")
+
+    # ---- a rollout-shaped batch: most responses short, a few 10x longer
+    g = torch.Generator().manual_seed(7)
+    n = min(a.tail_requests, max(spec_b))
+    lengths = [max(8, min(10 * a.new_tokens, int(x))) for x in
+               torch.distributions.LogNormal(torch.log(torch.tensor(a.new_tokens / 4.0)), 0.9).sample((n,)).tolist()]
+    del g
+    tail_ctx = a.prompt_len + max(lengths) + 8
+    batch = prompts(n, a.prompt_len, a.vocab, seed=777)
+    print(f"\nlong-tailed rollout: {n} requests, response lengths median {sorted(lengths)[n // 2]}, "
+          f"max {max(lengths)} tokens\n")
+    print("| method | total s | vs plain | share of time after 90% of requests finished |")
+    print("|---|---|---|---|")
+    tail = {}
+    for name in ("plain", "EAGLE k=3", "EAGLE k=3, adaptive", "EAGLE k=3, --spec-auto", "NGRAM 4 tokens"):
+        spec, kw = configs[name]
+        core = EngineCore(str(mimo), spec, dtype="bfloat16", device=a.device, max_running_requests=max(spec_b),
+                          context_length=tail_ctx, cuda_graph=compiled_graphs if a.torch_compile and spec else graphs,
+                          **kw)
+        if core.drafter is not None and getattr(core.drafter, "target", None) is core.model:
+            core.load_weights(list(trained.items()), selector="all")
+        run(core, batch[:4], 8)
+        tail[name] = run_long_tail(core, batch, lengths)
+        del core
+        print(f"| {name} | {tail[name][0]:.2f} | {tail['plain'][0] / tail[name][0]:.2f}x | {tail[name][1]:.0%} |",
+              flush=True)
 
 
 if __name__ == "__main__":
