@@ -182,9 +182,15 @@ def test_mtp_only_update_changes_acceptance_not_greedy_output(ckpts):
     assert [again[r].spec_accept_token_num for r in after] == [after[r].spec_accept_token_num for r in after]
 
 
-def test_logprobs_under_speculation_equal_a_full_forward(ckpts):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                               reason="needs a CUDA device (runs on the GPU machine)"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_under_speculation_equal_a_full_forward(ckpts, device):
+    """On CUDA the engine replays CUDA graphs (float32 here: the tolerance is float32's, 1e-3 for GPU kernels)."""
     engine = EngineCore(str(ckpts["llama"]), SpecConfig("STANDALONE", 2, 1, 3, str(ckpts["draft"])),
-                        max_running_requests=4, seed=3)
+                        max_running_requests=4, seed=3, device=device)
     outs = generate(engine, make_requests(engine.tokenizer, temps=[0.0, 0.7], logprob=True))
     model, _ = load_model(ckpts["llama"])
     for i, req in enumerate(make_requests(engine.tokenizer, temps=[0.0, 0.7])):
@@ -195,7 +201,8 @@ def test_logprobs_under_speculation_equal_a_full_forward(ckpts):
         temp = req.params.temperature or 1.0
         ref = torch.log_softmax(logits[len(req.input_ids) - 1: -1] / temp, -1)
         ref = ref.gather(-1, torch.tensor(o.output_ids)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(o.output_logprobs), ref, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(o.output_logprobs), ref, atol=1e-4 if device == "cpu" else 1e-3,
+                                   rtol=0)
 
 
 def _exact_marginals(path, prompt, temperature):
@@ -223,13 +230,15 @@ def _exact_marginals(path, prompt, temperature):
     ("v16_mimo", SpecConfig("EAGLE", 2, 1, 3), False),
     ("v16_mimo", SpecConfig("EAGLE", 2, 1, 3), True),
 ])
-def test_speculative_sampling_follows_the_target_distribution(ckpts, target, spec, draft_sampling):
-    """Both drafting modes (SGLang's greedy chain, and ours: drafts sampled from q) emit the plain sampler's tokens."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_speculative_sampling_follows_the_target_distribution(ckpts, target, spec, draft_sampling, device):
+    """Both drafting modes (SGLang's greedy chain, and ours: drafts sampled from q) emit the plain sampler's tokens
+    (on CUDA with the engine's CUDA graphs)."""
     prompt, temperature, n = [5, 6, 7, 5, 6], 1.3, 3000
     path = str(ckpts[target])
     draft = str(ckpts[spec.speculative_draft_model_path]) if spec.speculative_draft_model_path else None
     engine = EngineCore(path, dataclasses.replace(spec, speculative_draft_model_path=draft),
-                        max_running_requests=64, seed=0, draft_sampling=draft_sampling)
+                        max_running_requests=64, seed=0, draft_sampling=draft_sampling, device=device)
     params = SamplingParams(temperature=temperature, max_new_tokens=3, ignore_eos=True)
     for i in range(n):
         engine.add_request(Request(str(i), prompt, params))
