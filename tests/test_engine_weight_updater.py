@@ -137,8 +137,12 @@ def test_target_update_then_mtp_only_update(server, trainer, restore):
 
     ok(server, "/begin_weight_update", {"selector": "target"})
     r = push(server, trainer, [(NORM, torch.zeros(32))], "target", weight_version="v1")
-    assert r.json() == {"success": True,
-                        "message": "Succeeded to update parameter online. Weight version updated to v1."}
+    body = r.json()
+    timing = body.pop("slime_spec_engine_timing")  # slime-spec extension: the engine's own seconds
+    assert body == {"success": True,
+                    "message": "Succeeded to update parameter online. Weight version updated to v1."}
+    assert timing["direct_tensors"] == 1 and timing["buffered_tensors"] == 0  # received into the parameter
+    assert timing["receive_s"] >= 0 and timing["load_s"] >= 0
     ok(server, "/end_weight_update", {})
     ids, accept, outs = outputs(server)
     assert ids != base_ids and all(t == 0 for row in ids for t in row)  # a zero final norm: logits 0, argmax 0

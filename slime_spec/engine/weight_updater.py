@@ -12,8 +12,13 @@ wrote is restored at once, later updates of the session are refused, and `end_we
 `success: false, rolled_back: true`. So a sync that fails after some of its buckets landed still leaves
 the weights from before `begin_weight_update` serving. `POST /abort_weight_update {}` (a slime-spec
 extension; SGLang has no such route) rolls back and closes the open session: the syncer uses it when one
-engine of several failed, so that none keeps a partial update. The copy costs one model's size in host
-memory for the length of a session.
+engine of several failed, so that none keeps a partial update. The copies live in reusable host buffers
+(weight_receive.SnapshotStore): one model's size in host memory, from the first session on.
+
+Inside a session a distributed update lands straight in parameter memory (weight_receive.receive_in_place);
+outside one, or for a flattened bucket, it is received into fresh buffers and loaded all or nothing.
+Every update reply carries `slime_spec_engine_timing` (a slime-spec extension field: receive and load
+seconds), and on CUDA is sent only after the device has finished the copies (weight_receive.settle).
 
 Selector semantics: "target" reaches the target runner, "draft" the draft runner (MiMo MTP layers
 for NEXTN/EAGLE, the separate model for STANDALONE, nothing for NGRAM), "all" both; a distributed
@@ -39,6 +44,7 @@ import functools
 import hashlib
 import logging
 import pickle
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +52,7 @@ import torch
 
 from slime_spec.dist_group import WeightUpdateGroup
 from slime_spec.engine.model import CausalLM, hf_weight_names
+from slime_spec.engine.weight_receive import EngineTiming, SnapshotStore, receive_in_place, settle
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +192,7 @@ class WeightUpdater:
         self.session_selector: str | None = None
         self.groups: dict[str, WeightUpdateGroup] = {}
         self._backup: dict[str, dict[str, torch.Tensor]] = {}  # role -> name -> tensor before the session
+        self._snapshots = SnapshotStore()  # the buffers _backup points into, reused by every session
         self._session_error: str | None = None
         self._version_before = weight_version
 
@@ -218,14 +226,13 @@ class WeightUpdater:
         return {**_result(True, f"rolled back {restored} tensor(s); the weights from before "
                                 "begin_weight_update() keep serving"), "rolled_back": True}
 
-    def _snapshot(self, core, named: list[tuple[str, torch.Tensor]], selector: str) -> None:
+    def _snapshot(self, core, names: set[str], selector: str) -> None:
         """Keep, once per session, a CPU copy of every tensor this update is about to overwrite."""
-        names = {n for n, _ in named}
         for role in roles_of(selector):
             served = core.named_weights(role)
             saved = self._backup.setdefault(role, {})
             for name in names & set(served) - set(saved):
-                saved[name] = served[name].detach().to("cpu", copy=True)
+                saved[name] = self._snapshots.copy_of(role, name, served[name])
 
     def _rollback(self, core) -> int:
         self.weight_version = self._version_before
@@ -286,16 +293,49 @@ class WeightUpdater:
             return _result(False, NOT_IN_SESSION.format(op="update_weights_from_distributed"))
         selector = req.get("selector", "all")
         roles_of(selector)
+        timing = EngineTiming()
+        if self._session_refused() is None and req.get("load_format") != "flattened_bucket":
+            return self._update_in_place(core, req, selector, timing)
+        t0 = time.perf_counter()
         try:
             named = self._receive(req)
         except (RuntimeError, ValueError, AssertionError) as e:
             return self._fail_session(core, f"Failed to receive weights: {e}")
+        timing.receive_s = time.perf_counter() - t0
         if (refused := self._session_refused()) is not None:
             return refused  # received (the broadcast must complete on every rank), but not loaded
-        return self._load(core, named, selector, req, "Succeeded to update parameter online.")
+        return self._load(core, named, selector, req, "Succeeded to update parameter online.", timing)
 
-    def _receive(self, req: dict) -> list[tuple[str, torch.Tensor]]:
-        """One broadcast from rank 0 per tensor, in the order of names (or one flat bucket), as SGLang receives."""
+    def _update_in_place(self, core, req: dict, selector: str, timing: EngineTiming) -> dict:
+        """Validate from names/dtypes/shapes, then broadcast into the parameters (session snapshot first).
+        A refused update still drains the broadcast, so rank 0 and the other engines go on."""
+        try:
+            group, specs, recv_device = self._group_and_specs(req)
+        except ValueError as e:
+            return self._fail_session(core, f"Failed to receive weights: {e}")
+        metas = [torch.empty(shape, dtype=dtype, device="meta") for _, dtype, shape in specs]
+        t0 = time.perf_counter()
+        try:
+            plan = core.plan_weights([(n, m) for (n, _, _), m in zip(specs, metas)], selector)
+        except ValueError as e:
+            try:
+                self._receive(req)
+            except (RuntimeError, ValueError, AssertionError) as recv_error:
+                e = f"{e}; draining the broadcast failed too: {recv_error}"
+            return self._fail_session(core, f"Failed to update parameter online: {e}. This update was not applied.")
+        timing.load_s += time.perf_counter() - t0
+        try:
+            receive_in_place(group, specs, recv_device, plan, metas,
+                             lambda name: self._snapshot(core, {name}, selector), timing)
+            t0 = time.perf_counter()
+            settle(recv_device)  # on CUDA the broadcasts and copies are queued: wait for them here
+            timing.receive_s += time.perf_counter() - t0
+        except (RuntimeError, ValueError, AssertionError) as e:
+            return self._fail_session(core, f"Failed to receive weights: {e}")
+        return {**self._finish_update(core, req, "Succeeded to update parameter online."), **timing.reply_field()}
+
+    def _group_and_specs(self, req: dict) -> tuple[WeightUpdateGroup, list[tuple[str, torch.dtype, list[int]]], str]:
+        """The request's group, its (name, dtype, shape) list, and the device the broadcast lands on."""
         group_name = req.get("group_name", "weight_update_group")
         if group_name not in self.groups:
             raise ValueError(f"Group {group_name} not in {list(self.groups)}. Please call "
@@ -305,17 +345,24 @@ class WeightUpdater:
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"names, dtypes and shapes must have the same length, got {len(names)}, "
                              f"{len(dtypes)}, {len(shapes)}")
-        device = self.device if group.backend == "nccl" else "cpu"
+        specs = [(n, _torch_dtype(d), [int(s) for s in shape]) for n, d, shape in zip(names, dtypes, shapes)]
+        return group, specs, self.device if group.backend == "nccl" else "cpu"
+
+    def _receive(self, req: dict) -> list[tuple[str, torch.Tensor]]:
+        """One broadcast from rank 0 per tensor into fresh buffers, in the order of names (or one flat bucket),
+        as SGLang receives."""
+        group, specs, device = self._group_and_specs(req)
         if req.get("load_format") == "flattened_bucket":
             from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-            bucket = FlattenedTensorBucket.empty(names, [_torch_dtype(d) for d in dtypes], shapes, device)
+            bucket = FlattenedTensorBucket.empty([n for n, _, _ in specs], [d for _, d, _ in specs],
+                                                 [s for _, _, s in specs], device)
             group.broadcast(bucket.get_flattened_tensor(), src=0)
             return bucket.reconstruct_tensors()
-        buffers = [(n, torch.empty([int(s) for s in shape], dtype=_torch_dtype(d), device=device))
-                   for n, d, shape in zip(names, dtypes, shapes)]
+        buffers = [(n, torch.empty(shape, dtype=dtype, device=device)) for n, dtype, shape in specs]
         for _, buf in buffers:
             group.broadcast(buf, src=0)
+        settle(device)
         return buffers
 
     @_fails_the_session("update_weights_from_tensor")
@@ -326,6 +373,7 @@ class WeightUpdater:
         roles_of(selector)
         if (refused := self._session_refused()) is not None:
             return refused
+        t0 = time.perf_counter()
         payloads = req["serialized_named_tensors"]
         if not isinstance(payloads, list) or not payloads:
             return self._fail_session(core, "serialized_named_tensors must be a non-empty list (one entry per TP rank)")
@@ -336,7 +384,7 @@ class WeightUpdater:
             return self._fail_session(core, f"Failed to deserialize serialized_named_tensors: {e}")
         if req.get("load_format") not in (None, "direct", "flattened_bucket"):
             return self._fail_session(core, f"Unknown load_format={req.get('load_format')}")
-        return self._load(core, named, selector, req, "Success")
+        return self._load(core, named, selector, req, "Success", EngineTiming(receive_s=time.perf_counter() - t0))
 
     @_fails_the_session("update_weights_from_disk")
     def update_from_disk(self, core, req: dict) -> dict:
@@ -362,13 +410,23 @@ class WeightUpdater:
             self.model_path = str(path)
         return {**out, "num_paused_requests": 0}
 
-    def _load(self, core, named: list[tuple[str, torch.Tensor]], selector: str, req: dict, ok: str) -> dict:
+    def _load(self, core, named: list[tuple[str, torch.Tensor]], selector: str, req: dict, ok: str,
+              timing: EngineTiming | None = None) -> dict:
+        """Load received tensors all or nothing; the reply waits until the copies are done (see settle)."""
+        timing = timing or EngineTiming()
+        t0 = time.perf_counter()
         if self.session_selector is not None:
-            self._snapshot(core, named, selector)
+            self._snapshot(core, {n for n, _ in named}, selector)
         try:
             core.load_weights(named, selector=selector)
+            settle(self.device)  # a CUDA-IPC sender may reuse its bucket the moment it reads the reply
         except ValueError as e:
             return self._fail_session(core, f"Failed to update parameter online: {e}. This update was not applied.")
+        timing.load_s += time.perf_counter() - t0
+        timing.buffered += len(named)
+        return {**self._finish_update(core, req, ok), **timing.reply_field()}
+
+    def _finish_update(self, core, req: dict, ok: str) -> dict:
         message = ok
         if req.get("weight_version") is not None:
             self.weight_version = req["weight_version"]
