@@ -142,6 +142,9 @@ def test_engine_logits_equal_megatron_after_sync(megatron, tmp_path, arch, trans
         metrics = syncer.sync(iter_hf_tensors(policy.named_parameters(), hf_config), weight_version="1")
         syncer.close()
         assert metrics["weight_sync_params"] > 0 and (metrics["weight_sync_mtp_params"] > 0) == bool(mtp)
+        if transport != "disk":  # the engine's own seconds (slime_spec_engine_timing), inside the send time
+            assert 0 < metrics["weight_sync_engine_load_s"] + metrics["weight_sync_engine_receive_s"] \
+                <= metrics["weight_sync_send_s"]
         reply = engine.generate([5, 6, 7, 8, 9])
         assert reply["meta_info"]["weight_version"] == "1" and reply["output_ids"] != before
 

@@ -44,7 +44,7 @@ from slime_spec.engines.client import EngineClient, EngineError, EngineGroupErro
 from slime_spec.net import free_port
 from slime_spec.weight_sync import protocol, readback, served_state, verify
 from slime_spec.weight_sync.gather import NamedTensor, make_buckets
-from slime_spec.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport
+from slime_spec.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport, engine_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +75,21 @@ class SyncSplit:
     send_s: float = 0.0  # update requests: HTTP + wire + engine-side load, as the trainer waits for them
     flush_s: float = 0.0  # /flush_cache
     check_s: float = 0.0  # coverage (and value) check after the sync; 0 when skipped
+    # inside send_s, as the embedded engine reports it (slime_spec_engine_timing; 0 on SGLang): the slowest
+    # engine's seconds receiving bytes (the wire, and the wait for the sender) and loading them
+    engine_receive_s: float = 0.0
+    engine_load_s: float = 0.0
+
+    @property
+    def http_s(self) -> float:
+        """send_s the engine does not account for: HTTP, queueing on the engine thread, the sender's own work."""
+        return max(0.0, self.send_s - self.engine_receive_s - self.engine_load_s)
 
     def metrics(self) -> dict:
         return {"weight_sync_gather_convert_s": self.gather_convert_s, "weight_sync_control_s": self.control_s,
                 "weight_sync_send_s": self.send_s, "weight_sync_flush_s": self.flush_s,
-                "weight_sync_check_s": self.check_s}
+                "weight_sync_check_s": self.check_s, "weight_sync_engine_receive_s": self.engine_receive_s,
+                "weight_sync_engine_load_s": self.engine_load_s}
 
 
 @dataclass(frozen=True)
@@ -219,7 +229,7 @@ class WeightSyncer:
             for bucket in stream:
                 selector = plan.target if bucket.kind == "target" else plan.mtp
                 with clock("send"):
-                    self.transport.send(bucket, selector, weight_version)
+                    clock.add_engine(*engine_seconds(self.transport.send(bucket, selector, weight_version)))
                 buckets += 1
                 buckets_applied += self.transport_name != "disk"  # disk buckets only load in finish()
                 counts[bucket.kind] += len(bucket.tensors)
@@ -455,7 +465,13 @@ class _Clock:
     """Accumulates wall time per phase of one sync (SyncSplit's fields without `_s`)."""
 
     def __init__(self):
-        self.totals = {"gather_convert": 0.0, "control": 0.0, "send": 0.0, "flush": 0.0, "check": 0.0}
+        self.totals = {"gather_convert": 0.0, "control": 0.0, "send": 0.0, "flush": 0.0, "check": 0.0,
+                       "engine_receive": 0.0, "engine_load": 0.0}
+
+    def add_engine(self, receive_s: float, load_s: float) -> None:
+        """The engine's own seconds of one update (inside `send`)."""
+        self.totals["engine_receive"] += receive_s
+        self.totals["engine_load"] += load_s
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
