@@ -52,7 +52,7 @@ import torch
 
 from slime_spec.dist_group import WeightUpdateGroup
 from slime_spec.engine.model import CausalLM, hf_weight_names
-from slime_spec.engine.weight_receive import EngineTiming, SnapshotStore, receive_in_place, settle
+from slime_spec.engine.weight_receive import EngineTiming, SnapshotStore, copy_threads, receive_in_place, settle
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,8 @@ def _fails_the_session(op: str):
         @functools.wraps(method)
         def guarded(self, core, req: dict) -> dict:
             try:
-                return method(self, core, req)
+                with copy_threads(self.device):
+                    return method(self, core, req)
             except Exception as e:
                 logger.exception("%s failed", op)
                 out = self._fail_session(core, f"{op} failed: {e!r}. This update was not applied; check the "
@@ -221,18 +222,26 @@ class WeightUpdater:
         """slime-spec extension: roll back and close the open session (another engine's update failed)."""
         if self.session_selector is None:
             return {**_result(True, "no weight-update session is open; nothing to roll back"), "rolled_back": False}
-        restored = self._rollback(core)
+        with copy_threads(self.device):
+            restored = self._rollback(core)
         self.session_selector, self._backup, self._session_error = None, {}, None
         return {**_result(True, f"rolled back {restored} tensor(s); the weights from before "
                                 "begin_weight_update() keep serving"), "rolled_back": True}
 
     def _snapshot(self, core, names: set[str], selector: str) -> None:
         """Keep, once per session, a CPU copy of every tensor this update is about to overwrite."""
-        for role in roles_of(selector):
-            served = core.named_weights(role)
-            saved = self._backup.setdefault(role, {})
-            for name in names & set(served) - set(saved):
-                saved[name] = self._snapshots.copy_of(role, name, served[name])
+        self._snapshotter(core, selector)(names)
+
+    def _snapshotter(self, core, selector: str):
+        """`_snapshot` for one update: the served tensors are looked up once, not once per tensor."""
+        served = {role: core.named_weights(role) for role in roles_of(selector)}
+
+        def snapshot(names: set[str]) -> None:
+            for role, weights in served.items():
+                saved = self._backup.setdefault(role, {})
+                for name in names & weights.keys() - saved.keys():
+                    saved[name] = self._snapshots.copy_of(role, name, weights[name])
+        return snapshot
 
     def _rollback(self, core) -> int:
         self.weight_version = self._version_before
@@ -323,10 +332,10 @@ class WeightUpdater:
             except (RuntimeError, ValueError, AssertionError) as recv_error:
                 e = f"{e}; draining the broadcast failed too: {recv_error}"
             return self._fail_session(core, f"Failed to update parameter online: {e}. This update was not applied.")
+        snapshot = self._snapshotter(core, selector)
         timing.load_s += time.perf_counter() - t0
         try:
-            receive_in_place(group, specs, recv_device, plan, metas,
-                             lambda name: self._snapshot(core, {name}, selector), timing)
+            receive_in_place(group, specs, recv_device, plan, metas, lambda name: snapshot({name}), timing)
             t0 = time.perf_counter()
             settle(recv_device)  # on CUDA the broadcasts and copies are queued: wait for them here
             timing.receive_s += time.perf_counter() - t0
