@@ -335,3 +335,24 @@ def test_a_corrupt_checkpoint_is_a_400_naming_the_file(server, tmp_path):
     r = post(server, "/update_weights_from_disk", {"model_path": str(tmp_path)})
     assert r.status_code == 400 and "model.safetensors is not a readable safetensors file" in r.json()["message"]
     assert r.json()["num_paused_requests"] == 0 and checksums(server) == base_sums
+
+
+def test_names_action_lists_what_checksum_lists_without_hashing(server):
+    """/weights_checker {"action": "names"} (slime-spec extension): the same keys as the checksums, with shapes."""
+    names = ok(server, "/weights_checker", {"action": "names", "selector": "all"})["ranks"][0]
+    assert "checksums" not in names and names["shapes"].keys() == checksums(server).keys()
+    assert names["shapes"][NORM] == [32] and names["shapes"][f"draft.{MTP_NORM}"] == [32]
+    r = post(server, "/weights_checker", {"action": "compare"})
+    assert r.status_code == 400 and "'names'" in r.json()["message"]
+
+
+def test_in_place_receive_converts_a_different_dtype_through_a_buffer(server, trainer, restore):
+    """float64 into a float32 weight: received into a buffer and converted; the float32 one lands in place."""
+    ok(server, "/begin_weight_update", {"selector": "all"})
+    r = push(server, trainer, [(NORM, torch.full((32,), 0.5, dtype=torch.float64)), (MTP_NORM, torch.zeros(32))],
+             "all")
+    timing = r.json()["slime_spec_engine_timing"]
+    assert timing["buffered_tensors"] == 1 and timing["direct_tensors"] == 1
+    ok(server, "/end_weight_update", {})
+    assert post(server, "/get_weights_by_name", {"name": NORM}).json() == [0.5] * 32
+    assert checksums(server, "draft")[f"draft.{MTP_NORM}"] == tensor_checksum(torch.zeros(32))

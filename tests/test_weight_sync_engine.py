@@ -197,6 +197,27 @@ def test_failed_sync_leaves_the_engine_serving_previous_weights(tmp_path, buffer
         engine.close()
 
 
+def test_between_checksum_syncs_the_embedded_engine_is_covered_by_names(tmp_path):
+    """--weight-sync-check-interval 3: syncs 1 and 2 check coverage by names only (no hashing), sync 3 reads the
+    checksums; a sync that misses a served weight fails its names check."""
+    served = make_tiny_model(tmp_path / "served", arch="mimo", seed=0, **TINY)
+    new = make_tiny_model(tmp_path / "new", arch="mimo", seed=1, **TINY)
+    engine = InProcessEngine(served, EAGLE_FLAGS)
+    try:
+        syncer = WeightSyncer([engine.client], WeightSyncConfig(weight_sync_check_interval=3),
+                              hf_config=_config(served), hf_checkpoint=served, spec=SpecSetup("EAGLE", None, str(served)),
+                              has_mtp_layers=True, transport="distributed", master_port=free_port())
+        good = list(iter_hf_state(_state(new), _config(new)))
+        flags = [(m["weight_sync_checked"], m["weight_sync_covered"])
+                 for m in (syncer.sync(iter(good), weight_version=str(i)) for i in range(3))]
+        assert flags == [(0, 1), (0, 1), (1, 1)]
+        with pytest.raises(WeightSyncError, match=r"model\.norm\.weight.*not written|not written.*model\.norm"):
+            syncer.sync(iter([t for t in good if t.name != "model.norm.weight"]), weight_version="4")
+        syncer.close()
+    finally:
+        engine.close()
+
+
 def test_failure_on_one_engine_of_two_rolls_back_the_other(tmp_path):
     """Engine B refuses a bucket that engine A already loaded: the syncer aborts the session everywhere,
     so A too serves exactly its previous weights (no mix across engines), and generation continues."""

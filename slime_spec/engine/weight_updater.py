@@ -56,6 +56,7 @@ from slime_spec.engine.weight_receive import EngineTiming, SnapshotStore, copy_t
 
 logger = logging.getLogger(__name__)
 
+NAMES_ACTION = "names"  # /weights_checker action: served names and shapes, no hashing (slime-spec extension)
 NOT_IN_SESSION = "{op} must run between begin_weight_update() and end_weight_update()"
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
                  "queued. Retract or finish them, then call /flush_cache.")
@@ -125,7 +126,12 @@ def deserialize_named_tensors(payload: Any) -> Any:
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
-    """SGLang's CPU tensor hash (managers/mm_utils.tensor_hash): sha256 of the raw bytes, first 8, hex."""
+    """SGLang's tensor hash (managers/mm_utils.tensor_hash), hex: on CPU sha256 of the raw bytes, first 8; on
+    CUDA SGLang's own Triton hash on the device (copying the model to the host to sha256 it would cost seconds)."""
+    if t.is_cuda:  # what mm_utils.tensor_hash calls for a CUDA tensor (mm_utils itself imports torchvision)
+        from sglang.kernels.ops.memory.gpu_tensor_hash import gpu_tensor_hash
+
+        return f"{gpu_tensor_hash(t.detach().contiguous()):016x}"
     from slime_spec.weight_sync.verify import tensor_checksum as checksum_of_parts
 
     return checksum_of_parts([t])
@@ -458,11 +464,14 @@ class WeightUpdater:
         return t.float().cpu().tolist()
 
     def check_weights(self, core, req: dict) -> dict:
+        """SGLang's `checksum` action; and `names` (a slime-spec extension, SGLang has no such action): the
+        served names and shapes, no hashing, for a coverage check that costs an HTTP round trip."""
         action = req.get("action", "checksum")
-        if action != "checksum":
-            return _result(False, f"Unsupported action={action!r}: the embedded engine implements 'checksum'")
+        if action not in ("checksum", NAMES_ACTION):
+            return _result(False, f"Unsupported action={action!r}: the embedded engine implements 'checksum' and "
+                                  f"'{NAMES_ACTION}' (slime-spec extension)")
         skip = req.get("skip_tensor_list") or []
-        merged: dict[str, str] = {}
+        merged: dict[str, Any] = {}
         infos = []
         for role in roles_of(req.get("selector", "all")):
             if role == "draft" and not self.has_draft:
@@ -473,11 +482,14 @@ class WeightUpdater:
             for name, t in weights.items():
                 if any(s in name for s in skip):
                     continue
-                merged[name if role == "target" else f"{role}.{name}"] = tensor_checksum(t)
+                key = name if role == "target" else f"{role}.{name}"
+                merged[key] = list(t.shape) if action == NAMES_ACTION else tensor_checksum(t)
             infos.append({"role": role, "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
                           "pp_size": 1, "rank": 0, "size": 1})
         out = _result(True, "Success.")
-        if infos:
+        if infos and action == NAMES_ACTION:
+            out["ranks"] = [{"shapes": merged, "parallelism_info": infos}]
+        elif infos:
             rank = {"checksums": merged, "per_gpu_checksum": overall_checksum(merged), "parallelism_info": infos}
             out["ranks"] = [rank]
             out["per_engine_checksum"] = hashlib.sha256(rank["per_gpu_checksum"].encode()).hexdigest()

@@ -48,6 +48,8 @@ from slime_spec.weight_sync.transports import DiskTransport, DistributedTranspor
 
 logger = logging.getLogger(__name__)
 
+EMBEDDED_BACKEND = "slime_spec.engine"  # /server_info `backend` of the embedded engine (slime_spec/engine)
+
 
 class WeightSyncError(RuntimeError):
     """A sync failed; `engines_serve_previous_weights` says whether generation was resumed on old weights
@@ -101,16 +103,18 @@ class SyncReport:
     mtp_tensors: int
     bytes: int
     buckets: int
-    served_written: dict[str, int]  # empty when the check was skipped (--weight-sync-check-interval)
+    served_written: dict[str, int]  # empty when no coverage check ran
     split: SyncSplit = SyncSplit()
-    checked: bool = True
+    checked: bool = True  # the checksum read-back ran (every --weight-sync-check-interval syncs)
+    covered: bool = True  # the coverage check ran: with the checksums, or by names alone in between
 
     def metrics(self) -> dict:
         """The keys the training loop merges into each rollout's metrics line."""
         return {"weight_sync_s": self.seconds, "weight_sync_gbps": self.gbps, "rollout_paused_s": self.seconds,
                 "weight_sync_params": self.target_tensors, "weight_sync_mtp_params": self.mtp_tensors,
                 "weight_sync_bytes": self.bytes, "weight_sync_buckets": self.buckets,
-                "weight_sync_checked": int(self.checked), **self.split.metrics()}
+                "weight_sync_checked": int(self.checked), "weight_sync_covered": int(self.covered),
+                **self.split.metrics()}
 
 
 @dataclass
@@ -158,6 +162,7 @@ class WeightSyncer:
         self._checkpoint: dict[str, served_state.ServedState | None] | None = None  # read by the first sync
         self._verified: dict[str, served_state.ServedState | None] = {}
         self._syncs = 0  # completed syncs, for --weight-sync-check-interval
+        self._names_route = False  # the engines answer /weights_checker {"action": "names"} (set by prepare)
 
     # ---- set-up, once, from what the engines say about themselves ----
     def prepare(self) -> None:
@@ -172,6 +177,10 @@ class WeightSyncer:
                                             self.protocol.session)
         self.engine_dtype = self._engine_dtype()
         self.engine_device = self.clients[0].server_info().get("device")
+        # the cheap coverage check between checksum read-backs: only the embedded engine has it, and an external
+        # draft's frozen-weights check needs checksums every sync
+        self._names_route = (all(c.server_info().get("backend") == EMBEDDED_BACKEND for c in self.clients)
+                             and self.protocol.session and not (self.spec.uses_draft and not self.spec.native_mtp))
         a = self._transport_args
         if self.transport_name == "distributed":
             self.transport = DistributedTransport(self.clients, a["master_address"], a["master_port"],
@@ -251,14 +260,34 @@ class WeightSyncer:
         self._syncs += 1
         checked = recorded is not None or self._syncs % max(1, self.config.weight_sync_check_interval) == 0
         with clock("check"):
-            served_written = self._verify(sent, recorded) if checked else self._skip_check()
+            if checked:
+                served_written = self._verify(sent, recorded)
+            elif self._names_route:
+                served_written = self._verify_names(sent)
+            else:
+                served_written = self._skip_check()
         with clock("control"):
             post_all(self.clients, "/continue_generation", protocol.continue_payload())
         seconds = time.perf_counter() - t0
         split = SyncSplit(**{f"{k}_s": v for k, v in clock.totals.items()})
         return SyncReport(seconds=seconds, transfer_seconds=transfer_s, gbps=nbytes / transfer_s / 1e9,
                           target_tensors=counts["target"], mtp_tensors=counts["mtp"], bytes=nbytes,
-                          buckets=buckets, served_written=served_written, split=split, checked=checked)
+                          buckets=buckets, served_written=served_written, split=split, checked=checked,
+                          covered=bool(served_written))
+
+    def _verify_names(self, sent: set[str]) -> dict[str, int]:
+        """Coverage by names alone (the embedded engine's `names` action, no hashing): every served weight was
+        written. What the engines serve is not checksummed, so it counts as unverified, as after a skipped check."""
+        roles = {"target", "draft"} if self.plan.mtp is not None else {"target"}
+        problems, written = [], {}
+        for client in self.clients:
+            reply = post_all([client], "/weights_checker", protocol.names_payload())[0]
+            written = self._verify_coverage(client, reply, sent, roles, problems)
+        self._skip_check()
+        if problems:
+            raise WeightSyncError("weight sync verification failed: " + "; ".join(problems)
+                                  + ". Generation stays paused.", engines_serve_previous_weights=False)
+        return written
 
     def _skip_check(self) -> dict[str, int]:
         """No coverage check this sync: what the engines serve now is not verified, so a failure of the next
