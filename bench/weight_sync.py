@@ -197,8 +197,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{sp.flush_s:.3f} | {sp.check_s:.3f} |")
     print(f"| raw {a.backend} broadcast, same tensors | - | - | {raw.nbytes / 1e6:.1f} | {raw_med:.3f} | "
           f"{raw_gbps:.3f} | 1.00 | | | | | | | | |")
+    for mb, reports in rows.items():  # the first sync of a syncer also reads the baseline: left out
+        checksum = [r.split.check_s for r in reports[1:] if r.checked]
+        names = [r.split.check_s for r in reports[1:] if r.covered and not r.checked]
+        print(f"check, bucket {mb} MiB: checksum read-back {_median_text(checksum)}; names only {_median_text(names)}")
     print("raw rounds (s): " + ", ".join(f"{x:.3f}" for x in raw_s))
     return 0
+
+
+def _median_text(xs: list[float]) -> str:
+    return f"median {sorted(xs)[len(xs) // 2]:.3f} s of {len(xs)}" if xs else "none ran"
 
 
 PRESETS = {

@@ -264,3 +264,13 @@ def test_engine_seconds_take_the_slowest_engine_and_zero_where_none_reports():
     assert engine_seconds([fast, slow]) == (0.3, 0.4)  # engines work side by side
     assert engine_seconds([{"success": True, "message": "Success"}]) == (0.0, 0.0)  # SGLang reports none
     assert engine_seconds([]) == (0.0, 0.0)
+
+
+def test_judge_recognises_the_checkpoint_without_a_verified_previous_state():
+    from slime_spec.weight_sync.served_state import ServedState, judge
+
+    checkpoint = ServedState("default", {"a": "1", "b": "2"})
+    assert judge("u", ServedState("default", {"a": "1", "b": "2"}), None, checkpoint).serves == "checkpoint"
+    assert judge("u", ServedState("7", {"a": "1", "b": "9"}), None, checkpoint).serves == "unverified"
+    assert judge("u", ServedState("7", {"a": "1", "b": "9"}), ServedState("7", {"a": "1", "b": "9"}),
+                 checkpoint).serves == "previous"
