@@ -7,8 +7,10 @@ without the verification read-back). The raw baseline broadcasts the very tensor
 one, from this process to a bare receiver process: the wire cost alone.
 
 The sync's split (SyncSplit) is printed beside it: trainer-side gather+convert, HTTP control, send
-(update requests: HTTP + wire + engine-side load, as the trainer waits on them), flush, and the coverage
-check (run every --weight-sync-check-interval syncs).
+(update requests, as the trainer waits on them) and inside it what the engine reports of itself
+(`slime_spec_engine_timing`): receive (wire, and waiting for the sender) and load (validation, the rollback
+snapshot, copies), the rest being HTTP and queueing; then flush, and the coverage check (run every
+--weight-sync-check-interval syncs).
 
     .venv/bin/python bench/weight_sync.py                                   # CPU, gloo
     python bench/weight_sync.py --backend nccl --device cuda --engine-gpu 1 # two GPUs: trainer 0, engine 1
@@ -183,19 +185,28 @@ def main(argv: list[str] | None = None) -> int:
     raw_gbps = raw.nbytes / raw_med / 1e9
     print(f"model: mimo hidden {hidden}, {shape['num_layers']} layers + 1 MTP, vocab {shape['vocab_size']}, "
           f"{a.dtype}; backend {a.backend}, trainer {a.device}; median of {a.repeats} rounds, each next to a raw one")
-    print("| path | bucket MiB | buckets | MB | seconds | GB/s | / raw | gather+convert | control | send "
-          "(HTTP+wire+load) | flush | check |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| path | bucket MiB | buckets | MB | seconds | GB/s | / raw | gather+convert | control | send | "
+          "engine receive | engine load | HTTP rest | flush | check |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for mb, reports in rows.items():
         med = sorted(reports, key=lambda r: r.transfer_seconds)[len(reports) // 2]
         sp = med.split
         print(f"| full sync | {mb} | {med.buckets} | {med.bytes / 1e6:.1f} | {med.transfer_seconds:.3f} | "
               f"{med.gbps:.3f} | {med.gbps / raw_gbps:.2f} | {sp.gather_convert_s:.3f} | {sp.control_s:.3f} | "
-              f"{sp.send_s:.3f} | {sp.flush_s:.3f} | {sp.check_s:.3f} |")
+              f"{sp.send_s:.3f} | {sp.engine_receive_s:.3f} | {sp.engine_load_s:.3f} | {sp.http_s:.3f} | "
+              f"{sp.flush_s:.3f} | {sp.check_s:.3f} |")
     print(f"| raw {a.backend} broadcast, same tensors | - | - | {raw.nbytes / 1e6:.1f} | {raw_med:.3f} | "
-          f"{raw_gbps:.3f} | 1.00 | | | | | |")
+          f"{raw_gbps:.3f} | 1.00 | | | | | | | | |")
+    for mb, reports in rows.items():  # the first sync of a syncer also reads the baseline: left out
+        checksum = [r.split.check_s for r in reports[1:] if r.checked]
+        names = [r.split.check_s for r in reports[1:] if r.covered and not r.checked]
+        print(f"check, bucket {mb} MiB: checksum read-back {_median_text(checksum)}; names only {_median_text(names)}")
     print("raw rounds (s): " + ", ".join(f"{x:.3f}" for x in raw_s))
     return 0
+
+
+def _median_text(xs: list[float]) -> str:
+    return f"median {sorted(xs)[len(xs) // 2]:.3f} s of {len(xs)}" if xs else "none ran"
 
 
 PRESETS = {

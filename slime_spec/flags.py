@@ -223,10 +223,12 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--weight-sync-transport", {"default": None, "choices": ["distributed", "tensor", "disk"],
                                      "help": "default: distributed when engines are separate, tensor with --colocate"}),
         ("--check-weight-sync", _ON),
-        ("--weight-sync-check-interval", {**_I, "default": 1,
-                                          "help": "run the coverage check (the engine hashes every served weight) "
-                                                  "after every N-th sync; 1: every sync. A failed sync can verify "
-                                                  "which engines serve the previous weights only after a checked one"}),
+        ("--weight-sync-check-interval", {**_I, "default": 25,
+                                          "help": "read back the engines' checksums of every served weight after every "
+                                                  "N-th sync (1: every sync); the embedded engine's coverage is checked "
+                                                  "by names after every other sync. A failed sync can verify which "
+                                                  "engines serve the previous weights only after a checksummed one. "
+                                                  "Default from measurement (docs/en/weight-sync.md)"}),
         ("--engine-start-timeout", {**_F, "default": 1800.0,
                                     "help": "upper bound in seconds on an engine server's start-up; the wait goes on "
                                             "only while the process is alive and not yet healthy. Large engines "

@@ -137,8 +137,12 @@ def test_target_update_then_mtp_only_update(server, trainer, restore):
 
     ok(server, "/begin_weight_update", {"selector": "target"})
     r = push(server, trainer, [(NORM, torch.zeros(32))], "target", weight_version="v1")
-    assert r.json() == {"success": True,
-                        "message": "Succeeded to update parameter online. Weight version updated to v1."}
+    body = r.json()
+    timing = body.pop("slime_spec_engine_timing")  # slime-spec extension: the engine's own seconds
+    assert body == {"success": True,
+                    "message": "Succeeded to update parameter online. Weight version updated to v1."}
+    assert timing["direct_tensors"] == 1 and timing["buffered_tensors"] == 0  # received into the parameter
+    assert timing["receive_s"] >= 0 and timing["load_s"] >= 0
     ok(server, "/end_weight_update", {})
     ids, accept, outs = outputs(server)
     assert ids != base_ids and all(t == 0 for row in ids for t in row)  # a zero final norm: logits 0, argmax 0
@@ -202,6 +206,27 @@ def test_update_from_tensor_plain_and_flattened_bucket(server, restore):
     r = post(server, "/update_weights_from_tensor", {"serialized_named_tensors": ["bm90IGEgcGlja2xl"]})
     assert r.status_code == 400 and "Failed to deserialize" in r.json()["message"]
     end_rolled_back(server)
+
+
+def test_names_action_lists_what_checksum_lists_without_hashing(server):
+    """/weights_checker {"action": "names"} (slime-spec extension): the same keys as the checksums, with shapes."""
+    names = ok(server, "/weights_checker", {"action": "names", "selector": "all"})["ranks"][0]
+    assert "checksums" not in names and names["shapes"].keys() == checksums(server).keys()
+    assert names["shapes"][NORM] == [32] and names["shapes"][f"draft.{MTP_NORM}"] == [32]
+    r = post(server, "/weights_checker", {"action": "compare"})
+    assert r.status_code == 400 and "'names'" in r.json()["message"]
+
+
+def test_in_place_receive_converts_a_different_dtype_through_a_buffer(server, trainer, restore):
+    """float64 into a float32 weight: received into a buffer and converted; the float32 one lands in place."""
+    ok(server, "/begin_weight_update", {"selector": "all"})
+    r = push(server, trainer, [(NORM, torch.full((32,), 0.5, dtype=torch.float64)), (MTP_NORM, torch.zeros(32))],
+             "all")
+    timing = r.json()["slime_spec_engine_timing"]
+    assert timing["buffered_tensors"] == 1 and timing["direct_tensors"] == 1
+    ok(server, "/end_weight_update", {})
+    assert post(server, "/get_weights_by_name", {"name": NORM}).json() == [0.5] * 32
+    assert checksums(server, "draft")[f"draft.{MTP_NORM}"] == tensor_checksum(torch.zeros(32))
 
 
 def end_rolled_back(server):
@@ -331,3 +356,27 @@ def test_a_corrupt_checkpoint_is_a_400_naming_the_file(server, tmp_path):
     r = post(server, "/update_weights_from_disk", {"model_path": str(tmp_path)})
     assert r.status_code == 400 and "model.safetensors is not a readable safetensors file" in r.json()["message"]
     assert r.json()["num_paused_requests"] == 0 and checksums(server) == base_sums
+
+
+
+
+def test_the_reply_comes_after_the_device_has_finished_the_copies(model, monkeypatch):
+    """On CUDA the copy out of a CUDA-IPC bucket is queued on the device; the sender may free or reuse that memory
+    the moment it reads the reply, so the update settles the device after the copy and before replying.
+    `settle` (torch.cuda.synchronize) is the one piece that cannot run here: it is replaced by a recorder."""
+    from slime_spec.engine import weight_updater as wu
+    from slime_spec.engine.core import EngineCore
+
+    core = EngineCore(str(model), None, max_running_requests=2)
+    events = []
+    monkeypatch.setattr(wu, "settle", lambda device: events.append(f"settle {device}"))
+    real_load = core.load_weights
+    monkeypatch.setattr(core, "load_weights", lambda named, selector="all": (real_load(named, selector),
+                                                                             events.append("copy")))
+    updater = wu.WeightUpdater("v0", str(model), "cuda", has_draft=False)
+    assert updater.begin(core, {"selector": "target"})["success"]
+    out = updater.update_from_tensor(core, {"serialized_named_tensors": [
+        serialize_named_tensors([(NORM, torch.zeros(32))])], "selector": "target"})
+    assert out["success"], out
+    assert events == ["copy", "settle cuda"]
+    assert torch.equal(core.named_weights("target")[NORM], torch.zeros(32))

@@ -142,6 +142,9 @@ def test_engine_logits_equal_megatron_after_sync(megatron, tmp_path, arch, trans
         metrics = syncer.sync(iter_hf_tensors(policy.named_parameters(), hf_config), weight_version="1")
         syncer.close()
         assert metrics["weight_sync_params"] > 0 and (metrics["weight_sync_mtp_params"] > 0) == bool(mtp)
+        if transport != "disk":  # the engine's own seconds (slime_spec_engine_timing), inside the send time
+            assert 0 < metrics["weight_sync_engine_load_s"] + metrics["weight_sync_engine_receive_s"] \
+                <= metrics["weight_sync_send_s"]
         reply = engine.generate([5, 6, 7, 8, 9])
         assert reply["meta_info"]["weight_version"] == "1" and reply["output_ids"] != before
 
@@ -189,6 +192,27 @@ def test_failed_sync_leaves_the_engine_serving_previous_weights(tmp_path, buffer
         assert engine.client.post("/weights_checker", {"action": "checksum", "selector": "all"})["ranks"] == sums_before
         syncer.sync(iter(good), weight_version="3")  # the same syncer recovers with a clean sync
         assert engine.generate([5, 6, 7, 8, 9])["meta_info"]["weight_version"] == "3"
+        syncer.close()
+    finally:
+        engine.close()
+
+
+def test_between_checksum_syncs_the_embedded_engine_is_covered_by_names(tmp_path):
+    """--weight-sync-check-interval 3: syncs 1 and 2 check coverage by names only (no hashing), sync 3 reads the
+    checksums; a sync that misses a served weight fails its names check."""
+    served = make_tiny_model(tmp_path / "served", arch="mimo", seed=0, **TINY)
+    new = make_tiny_model(tmp_path / "new", arch="mimo", seed=1, **TINY)
+    engine = InProcessEngine(served, EAGLE_FLAGS)
+    try:
+        syncer = WeightSyncer([engine.client], WeightSyncConfig(weight_sync_check_interval=3),
+                              hf_config=_config(served), hf_checkpoint=served, spec=SpecSetup("EAGLE", None, str(served)),
+                              has_mtp_layers=True, transport="distributed", master_port=free_port())
+        good = list(iter_hf_state(_state(new), _config(new)))
+        flags = [(m["weight_sync_checked"], m["weight_sync_covered"])
+                 for m in (syncer.sync(iter(good), weight_version=str(i)) for i in range(3))]
+        assert flags == [(0, 1), (0, 1), (1, 1)]
+        with pytest.raises(WeightSyncError, match=r"model\.norm\.weight.*not written|not written.*model\.norm"):
+            syncer.sync(iter([t for t in good if t.name != "model.norm.weight"]), weight_version="4")
         syncer.close()
     finally:
         engine.close()

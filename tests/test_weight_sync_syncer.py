@@ -40,7 +40,7 @@ def make_server():
 def make_syncer(servers, transport, spec=NATIVE, check=True, buffer=4096, tmp_path=None, has_mtp=True):
     clients = [EngineClient(s.url) for s in servers]
     config = WeightSyncConfig(weight_sync_transport=transport, update_weight_buffer_size=buffer,
-                              check_weight_sync=check)
+                              check_weight_sync=check, weight_sync_check_interval=1)  # every sync checked
     return WeightSyncer(clients, config,
                         hf_config=MIMO, hf_checkpoint=tmp_path / "ckpt" if tmp_path else "/nonexistent",
                         spec=spec, has_mtp_layers=has_mtp, transport=transport,
@@ -258,7 +258,8 @@ def _embedded(tmp_path):
 def _embedded_syncer(clients, served):
     from tests.test_weight_sync_engine import _config
 
-    return WeightSyncer(clients, WeightSyncConfig(update_weight_buffer_size=4096), hf_config=_config(served),
+    config = WeightSyncConfig(update_weight_buffer_size=4096, weight_sync_check_interval=1)  # every sync checked
+    return WeightSyncer(clients, config, hf_config=_config(served),
                         hf_checkpoint=served, spec=SpecSetup("EAGLE", None, str(served)), has_mtp_layers=True,
                         transport="tensor")
 

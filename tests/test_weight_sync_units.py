@@ -252,3 +252,25 @@ def test_canary_ok_warning_and_off():
     assert canary.judge_canary(2.4, NATIVE, "sync", previous=2.5).level == "ok"
     assert canary.judge_canary(1.5, NATIVE, "sync", previous=2.5).level == "warning"
     assert canary.judge_canary(1.0, SpecSetup(None), "sync").level == "off"
+
+
+# ---- engine timing ----
+
+def test_engine_seconds_take_the_slowest_engine_and_zero_where_none_reports():
+    from slime_spec.weight_sync.transports import engine_seconds
+
+    fast = {"success": True, "slime_spec_engine_timing": {"receive_s": 0.1, "load_s": 0.4}}
+    slow = {"success": True, "slime_spec_engine_timing": {"receive_s": 0.3, "load_s": 0.2}}
+    assert engine_seconds([fast, slow]) == (0.3, 0.4)  # engines work side by side
+    assert engine_seconds([{"success": True, "message": "Success"}]) == (0.0, 0.0)  # SGLang reports none
+    assert engine_seconds([]) == (0.0, 0.0)
+
+
+def test_judge_recognises_the_checkpoint_without_a_verified_previous_state():
+    from slime_spec.weight_sync.served_state import ServedState, judge
+
+    checkpoint = ServedState("default", {"a": "1", "b": "2"})
+    assert judge("u", ServedState("default", {"a": "1", "b": "2"}), None, checkpoint).serves == "checkpoint"
+    assert judge("u", ServedState("7", {"a": "1", "b": "9"}), None, checkpoint).serves == "unverified"
+    assert judge("u", ServedState("7", {"a": "1", "b": "9"}), ServedState("7", {"a": "1", "b": "9"}),
+                 checkpoint).serves == "previous"

@@ -470,14 +470,20 @@ class EngineCore:
         """Served weights by HF name for the runners `selector` reaches (see weight_updater.select_runners)."""
         return weight_updater.named_weights(weight_updater.select_runners(self.model, self.drafter, selector))
 
-    def load_weights(self, named: list[tuple[str, torch.Tensor]], selector: str = "all") -> None:
-        """Load HF-named tensors into every selected runner that has the name; all or nothing: every name, shape
-        and dtype is checked before the first copy, and a bad one raises ValueError with the old weights intact."""
+    def plan_weights(self, named: list[tuple[str, torch.Tensor]], selector: str = "all"
+                     ) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """The (parameter, tensor) copies `named` makes, every name, shape and dtype checked (ValueError on any
+        error); `named` may be meta tensors, so a receiver can check an update before its bytes arrive."""
         if "weights" in self._released:
             raise ValueError("weights are released (release_memory_occupation); resume them before loading")
         runners = weight_updater.select_runners(self.model, self.drafter, selector)
-        plan = weight_updater.plan_load(runners, named, tied=self.model.args.tie_word_embeddings, selector=selector,
+        return weight_updater.plan_load(runners, named, tied=self.model.args.tie_word_embeddings, selector=selector,
                                         algorithm=self.spec.speculative_algorithm if self.spec else None)
+
+    def load_weights(self, named: list[tuple[str, torch.Tensor]], selector: str = "all") -> None:
+        """Load HF-named tensors into every selected runner that has the name; all or nothing: every name, shape
+        and dtype is checked before the first copy, and a bad one raises ValueError with the old weights intact."""
+        plan = self.plan_weights(named, selector)
         with torch.no_grad():
             for param, tensor in plan:
                 param.copy_(tensor.to(device=param.device, dtype=param.dtype))

@@ -12,8 +12,13 @@ wrote is restored at once, later updates of the session are refused, and `end_we
 `success: false, rolled_back: true`. So a sync that fails after some of its buckets landed still leaves
 the weights from before `begin_weight_update` serving. `POST /abort_weight_update {}` (a slime-spec
 extension; SGLang has no such route) rolls back and closes the open session: the syncer uses it when one
-engine of several failed, so that none keeps a partial update. The copy costs one model's size in host
-memory for the length of a session.
+engine of several failed, so that none keeps a partial update. The copies live in reusable host buffers
+(weight_receive.SnapshotStore): one model's size in host memory, from the first session on.
+
+Inside a session a distributed update lands straight in parameter memory (weight_receive.receive_in_place);
+outside one, or for a flattened bucket, it is received into fresh buffers and loaded all or nothing.
+Every update reply carries `slime_spec_engine_timing` (a slime-spec extension field: receive and load
+seconds), and on CUDA is sent only after the device has finished the copies (weight_receive.settle).
 
 Selector semantics: "target" reaches the target runner, "draft" the draft runner (MiMo MTP layers
 for NEXTN/EAGLE, the separate model for STANDALONE, nothing for NGRAM), "all" both; a distributed
@@ -39,6 +44,7 @@ import functools
 import hashlib
 import logging
 import pickle
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +52,11 @@ import torch
 
 from slime_spec.dist_group import WeightUpdateGroup
 from slime_spec.engine.model import CausalLM, hf_weight_names
+from slime_spec.engine.weight_receive import EngineTiming, SnapshotStore, copy_threads, receive_in_place, settle
 
 logger = logging.getLogger(__name__)
 
+NAMES_ACTION = "names"  # /weights_checker action: served names and shapes, no hashing (slime-spec extension)
 NOT_IN_SESSION = "{op} must run between begin_weight_update() and end_weight_update()"
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
                  "queued. Retract or finish them, then call /flush_cache.")
@@ -118,7 +126,12 @@ def deserialize_named_tensors(payload: Any) -> Any:
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
-    """SGLang's CPU tensor hash (managers/mm_utils.tensor_hash): sha256 of the raw bytes, first 8, hex."""
+    """SGLang's tensor hash (managers/mm_utils.tensor_hash), hex: on CPU sha256 of the raw bytes, first 8; on
+    CUDA SGLang's own Triton hash on the device (copying the model to the host to sha256 it would cost seconds)."""
+    if t.is_cuda:  # what mm_utils.tensor_hash calls for a CUDA tensor (mm_utils itself imports torchvision)
+        from sglang.kernels.ops.memory.gpu_tensor_hash import gpu_tensor_hash
+
+        return f"{gpu_tensor_hash(t.detach().contiguous()):016x}"
     from slime_spec.weight_sync.verify import tensor_checksum as checksum_of_parts
 
     return checksum_of_parts([t])
@@ -164,7 +177,8 @@ def _fails_the_session(op: str):
         @functools.wraps(method)
         def guarded(self, core, req: dict) -> dict:
             try:
-                return method(self, core, req)
+                with copy_threads(self.device):
+                    return method(self, core, req)
             except Exception as e:
                 logger.exception("%s failed", op)
                 out = self._fail_session(core, f"{op} failed: {e!r}. This update was not applied; check the "
@@ -185,6 +199,7 @@ class WeightUpdater:
         self.session_selector: str | None = None
         self.groups: dict[str, WeightUpdateGroup] = {}
         self._backup: dict[str, dict[str, torch.Tensor]] = {}  # role -> name -> tensor before the session
+        self._snapshots = SnapshotStore()  # the buffers _backup points into, reused by every session
         self._session_error: str | None = None
         self._version_before = weight_version
 
@@ -213,19 +228,26 @@ class WeightUpdater:
         """slime-spec extension: roll back and close the open session (another engine's update failed)."""
         if self.session_selector is None:
             return {**_result(True, "no weight-update session is open; nothing to roll back"), "rolled_back": False}
-        restored = self._rollback(core)
+        with copy_threads(self.device):
+            restored = self._rollback(core)
         self.session_selector, self._backup, self._session_error = None, {}, None
         return {**_result(True, f"rolled back {restored} tensor(s); the weights from before "
                                 "begin_weight_update() keep serving"), "rolled_back": True}
 
-    def _snapshot(self, core, named: list[tuple[str, torch.Tensor]], selector: str) -> None:
+    def _snapshot(self, core, names: set[str], selector: str) -> None:
         """Keep, once per session, a CPU copy of every tensor this update is about to overwrite."""
-        names = {n for n, _ in named}
-        for role in roles_of(selector):
-            served = core.named_weights(role)
-            saved = self._backup.setdefault(role, {})
-            for name in names & set(served) - set(saved):
-                saved[name] = served[name].detach().to("cpu", copy=True)
+        self._snapshotter(core, selector)(names)
+
+    def _snapshotter(self, core, selector: str):
+        """`_snapshot` for one update: the served tensors are looked up once, not once per tensor."""
+        served = {role: core.named_weights(role) for role in roles_of(selector)}
+
+        def snapshot(names: set[str]) -> None:
+            for role, weights in served.items():
+                saved = self._backup.setdefault(role, {})
+                for name in names & weights.keys() - saved.keys():
+                    saved[name] = self._snapshots.copy_of(role, name, weights[name])
+        return snapshot
 
     def _rollback(self, core) -> int:
         self.weight_version = self._version_before
@@ -286,16 +308,49 @@ class WeightUpdater:
             return _result(False, NOT_IN_SESSION.format(op="update_weights_from_distributed"))
         selector = req.get("selector", "all")
         roles_of(selector)
+        timing = EngineTiming()
+        if self._session_refused() is None and req.get("load_format") != "flattened_bucket":
+            return self._update_in_place(core, req, selector, timing)
+        t0 = time.perf_counter()
         try:
             named = self._receive(req)
         except (RuntimeError, ValueError, AssertionError) as e:
             return self._fail_session(core, f"Failed to receive weights: {e}")
+        timing.receive_s = time.perf_counter() - t0
         if (refused := self._session_refused()) is not None:
             return refused  # received (the broadcast must complete on every rank), but not loaded
-        return self._load(core, named, selector, req, "Succeeded to update parameter online.")
+        return self._load(core, named, selector, req, "Succeeded to update parameter online.", timing)
 
-    def _receive(self, req: dict) -> list[tuple[str, torch.Tensor]]:
-        """One broadcast from rank 0 per tensor, in the order of names (or one flat bucket), as SGLang receives."""
+    def _update_in_place(self, core, req: dict, selector: str, timing: EngineTiming) -> dict:
+        """Validate from names/dtypes/shapes, then broadcast into the parameters (session snapshot first).
+        A refused update still drains the broadcast, so rank 0 and the other engines go on."""
+        try:
+            group, specs, recv_device = self._group_and_specs(req)
+        except ValueError as e:
+            return self._fail_session(core, f"Failed to receive weights: {e}")
+        metas = [torch.empty(shape, dtype=dtype, device="meta") for _, dtype, shape in specs]
+        t0 = time.perf_counter()
+        try:
+            plan = core.plan_weights([(n, m) for (n, _, _), m in zip(specs, metas)], selector)
+        except ValueError as e:
+            try:
+                self._receive(req)
+            except (RuntimeError, ValueError, AssertionError) as recv_error:
+                e = f"{e}; draining the broadcast failed too: {recv_error}"
+            return self._fail_session(core, f"Failed to update parameter online: {e}. This update was not applied.")
+        snapshot = self._snapshotter(core, selector)
+        timing.load_s += time.perf_counter() - t0
+        try:
+            receive_in_place(group, specs, recv_device, plan, metas, lambda name: snapshot({name}), timing)
+            t0 = time.perf_counter()
+            settle(recv_device)  # on CUDA the broadcasts and copies are queued: wait for them here
+            timing.receive_s += time.perf_counter() - t0
+        except (RuntimeError, ValueError, AssertionError) as e:
+            return self._fail_session(core, f"Failed to receive weights: {e}")
+        return {**self._finish_update(core, req, "Succeeded to update parameter online."), **timing.reply_field()}
+
+    def _group_and_specs(self, req: dict) -> tuple[WeightUpdateGroup, list[tuple[str, torch.dtype, list[int]]], str]:
+        """The request's group, its (name, dtype, shape) list, and the device the broadcast lands on."""
         group_name = req.get("group_name", "weight_update_group")
         if group_name not in self.groups:
             raise ValueError(f"Group {group_name} not in {list(self.groups)}. Please call "
@@ -305,17 +360,24 @@ class WeightUpdater:
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"names, dtypes and shapes must have the same length, got {len(names)}, "
                              f"{len(dtypes)}, {len(shapes)}")
-        device = self.device if group.backend == "nccl" else "cpu"
+        specs = [(n, _torch_dtype(d), [int(s) for s in shape]) for n, d, shape in zip(names, dtypes, shapes)]
+        return group, specs, self.device if group.backend == "nccl" else "cpu"
+
+    def _receive(self, req: dict) -> list[tuple[str, torch.Tensor]]:
+        """One broadcast from rank 0 per tensor into fresh buffers, in the order of names (or one flat bucket),
+        as SGLang receives."""
+        group, specs, device = self._group_and_specs(req)
         if req.get("load_format") == "flattened_bucket":
             from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-            bucket = FlattenedTensorBucket.empty(names, [_torch_dtype(d) for d in dtypes], shapes, device)
+            bucket = FlattenedTensorBucket.empty([n for n, _, _ in specs], [d for _, d, _ in specs],
+                                                 [s for _, _, s in specs], device)
             group.broadcast(bucket.get_flattened_tensor(), src=0)
             return bucket.reconstruct_tensors()
-        buffers = [(n, torch.empty([int(s) for s in shape], dtype=_torch_dtype(d), device=device))
-                   for n, d, shape in zip(names, dtypes, shapes)]
+        buffers = [(n, torch.empty(shape, dtype=dtype, device=device)) for n, dtype, shape in specs]
         for _, buf in buffers:
             group.broadcast(buf, src=0)
+        settle(device)
         return buffers
 
     @_fails_the_session("update_weights_from_tensor")
@@ -326,6 +388,7 @@ class WeightUpdater:
         roles_of(selector)
         if (refused := self._session_refused()) is not None:
             return refused
+        t0 = time.perf_counter()
         payloads = req["serialized_named_tensors"]
         if not isinstance(payloads, list) or not payloads:
             return self._fail_session(core, "serialized_named_tensors must be a non-empty list (one entry per TP rank)")
@@ -336,7 +399,7 @@ class WeightUpdater:
             return self._fail_session(core, f"Failed to deserialize serialized_named_tensors: {e}")
         if req.get("load_format") not in (None, "direct", "flattened_bucket"):
             return self._fail_session(core, f"Unknown load_format={req.get('load_format')}")
-        return self._load(core, named, selector, req, "Success")
+        return self._load(core, named, selector, req, "Success", EngineTiming(receive_s=time.perf_counter() - t0))
 
     @_fails_the_session("update_weights_from_disk")
     def update_from_disk(self, core, req: dict) -> dict:
@@ -362,13 +425,23 @@ class WeightUpdater:
             self.model_path = str(path)
         return {**out, "num_paused_requests": 0}
 
-    def _load(self, core, named: list[tuple[str, torch.Tensor]], selector: str, req: dict, ok: str) -> dict:
+    def _load(self, core, named: list[tuple[str, torch.Tensor]], selector: str, req: dict, ok: str,
+              timing: EngineTiming | None = None) -> dict:
+        """Load received tensors all or nothing; the reply waits until the copies are done (see settle)."""
+        timing = timing or EngineTiming()
+        t0 = time.perf_counter()
         if self.session_selector is not None:
-            self._snapshot(core, named, selector)
+            self._snapshot(core, {n for n, _ in named}, selector)
         try:
             core.load_weights(named, selector=selector)
+            settle(self.device)  # a CUDA-IPC sender may reuse its bucket the moment it reads the reply
         except ValueError as e:
             return self._fail_session(core, f"Failed to update parameter online: {e}. This update was not applied.")
+        timing.load_s += time.perf_counter() - t0
+        timing.buffered += len(named)
+        return {**self._finish_update(core, req, ok), **timing.reply_field()}
+
+    def _finish_update(self, core, req: dict, ok: str) -> dict:
         message = ok
         if req.get("weight_version") is not None:
             self.weight_version = req["weight_version"]
@@ -391,11 +464,14 @@ class WeightUpdater:
         return t.float().cpu().tolist()
 
     def check_weights(self, core, req: dict) -> dict:
+        """SGLang's `checksum` action; and `names` (a slime-spec extension, SGLang has no such action): the
+        served names and shapes, no hashing, for a coverage check that costs an HTTP round trip."""
         action = req.get("action", "checksum")
-        if action != "checksum":
-            return _result(False, f"Unsupported action={action!r}: the embedded engine implements 'checksum'")
+        if action not in ("checksum", NAMES_ACTION):
+            return _result(False, f"Unsupported action={action!r}: the embedded engine implements 'checksum' and "
+                                  f"'{NAMES_ACTION}' (slime-spec extension)")
         skip = req.get("skip_tensor_list") or []
-        merged: dict[str, str] = {}
+        merged: dict[str, Any] = {}
         infos = []
         for role in roles_of(req.get("selector", "all")):
             if role == "draft" and not self.has_draft:
@@ -406,11 +482,14 @@ class WeightUpdater:
             for name, t in weights.items():
                 if any(s in name for s in skip):
                     continue
-                merged[name if role == "target" else f"{role}.{name}"] = tensor_checksum(t)
+                key = name if role == "target" else f"{role}.{name}"
+                merged[key] = list(t.shape) if action == NAMES_ACTION else tensor_checksum(t)
             infos.append({"role": role, "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
                           "pp_size": 1, "rank": 0, "size": 1})
         out = _result(True, "Success.")
-        if infos:
+        if infos and action == NAMES_ACTION:
+            out["ranks"] = [{"shapes": merged, "parallelism_info": infos}]
+        elif infos:
             rank = {"checksums": merged, "per_gpu_checksum": overall_checksum(merged), "parallelism_info": infos}
             out["ranks"] = [rank]
             out["per_engine_checksum"] = hashlib.sha256(rank["per_gpu_checksum"].encode()).hexdigest()

@@ -102,6 +102,9 @@ def judge(url: str, now: ServedState | None, previous: ServedState | None,
     if now is None:
         return EngineVerdict(url, "unverified", reason="the engine has no /weights_checker (SGLang < 0.5.23?), "
                                                        "so what it serves cannot be read back")
+    if previous is None and checkpoint is not None and now.checksums == checkpoint.checksums:
+        # a restarted engine is recognised even when the last sync was not checksummed
+        return EngineVerdict(url, "checkpoint", now.weight_version, 0, len(now.checksums))
     if previous is None:
         return EngineVerdict(url, "unverified", now.weight_version, total=len(now.checksums),
                              reason=f"weight_version {now.weight_version!r}; no verified state to compare with "

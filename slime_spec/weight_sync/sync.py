@@ -29,7 +29,6 @@ leaves rank 0 waiting in the broadcast until the group's timeout (`timeout_s`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -44,9 +43,12 @@ from slime_spec.engines.client import EngineClient, EngineError, EngineGroupErro
 from slime_spec.net import free_port
 from slime_spec.weight_sync import protocol, readback, served_state, verify
 from slime_spec.weight_sync.gather import NamedTensor, make_buckets
-from slime_spec.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport
+from slime_spec.weight_sync.report import Clock, SyncReport, SyncSplit, one_intra_op_thread
+from slime_spec.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport, engine_seconds
 
 logger = logging.getLogger(__name__)
+
+EMBEDDED_BACKEND = "slime_spec.engine"  # /server_info `backend` of the embedded engine (slime_spec/engine)
 
 
 class WeightSyncError(RuntimeError):
@@ -64,43 +66,6 @@ class WeightSyncError(RuntimeError):
         for i, verdict in enumerate(self.engines):
             out.update(verdict.metrics(i))
         return out
-
-
-@dataclass(frozen=True)
-class SyncSplit:
-    """Where a sync's time went (seconds): the part the trainer does and the part the engines do are apart."""
-
-    gather_convert_s: float = 0.0  # trainer: TP gather, Megatron -> HF conversion, bucketing (the tensor stream)
-    control_s: float = 0.0  # HTTP control requests: pause, begin, end, (group set-up), not the update requests
-    send_s: float = 0.0  # update requests: HTTP + wire + engine-side load, as the trainer waits for them
-    flush_s: float = 0.0  # /flush_cache
-    check_s: float = 0.0  # coverage (and value) check after the sync; 0 when skipped
-
-    def metrics(self) -> dict:
-        return {"weight_sync_gather_convert_s": self.gather_convert_s, "weight_sync_control_s": self.control_s,
-                "weight_sync_send_s": self.send_s, "weight_sync_flush_s": self.flush_s,
-                "weight_sync_check_s": self.check_s}
-
-
-@dataclass(frozen=True)
-class SyncReport:
-    seconds: float  # pause .. continue, verification included: how long generation was paused
-    transfer_seconds: float  # pause .. flush: gather, convert, transfer, load
-    gbps: float  # model bytes (one copy, however many engines) / transfer_seconds, 1e9 bytes per GB
-    target_tensors: int
-    mtp_tensors: int
-    bytes: int
-    buckets: int
-    served_written: dict[str, int]  # empty when the check was skipped (--weight-sync-check-interval)
-    split: SyncSplit = SyncSplit()
-    checked: bool = True
-
-    def metrics(self) -> dict:
-        """The keys the training loop merges into each rollout's metrics line."""
-        return {"weight_sync_s": self.seconds, "weight_sync_gbps": self.gbps, "rollout_paused_s": self.seconds,
-                "weight_sync_params": self.target_tensors, "weight_sync_mtp_params": self.mtp_tensors,
-                "weight_sync_bytes": self.bytes, "weight_sync_buckets": self.buckets,
-                "weight_sync_checked": int(self.checked), **self.split.metrics()}
 
 
 @dataclass
@@ -148,6 +113,7 @@ class WeightSyncer:
         self._checkpoint: dict[str, served_state.ServedState | None] | None = None  # read by the first sync
         self._verified: dict[str, served_state.ServedState | None] = {}
         self._syncs = 0  # completed syncs, for --weight-sync-check-interval
+        self._names_route = False  # the engines answer /weights_checker {"action": "names"} (set by prepare)
 
     # ---- set-up, once, from what the engines say about themselves ----
     def prepare(self) -> None:
@@ -162,6 +128,9 @@ class WeightSyncer:
                                             self.protocol.session)
         self.engine_dtype = self._engine_dtype()
         self.engine_device = self.clients[0].server_info().get("device")
+        # the cheap coverage check between checksum read-backs: only the embedded engine has it
+        self._names_route = (all(c.server_info().get("backend") == EMBEDDED_BACKEND for c in self.clients)
+                             and self.protocol.session)
         a = self._transport_args
         if self.transport_name == "distributed":
             self.transport = DistributedTransport(self.clients, a["master_address"], a["master_port"],
@@ -194,12 +163,16 @@ class WeightSyncer:
         return self.sync_report(tensors, weight_version).metrics()
 
     def sync_report(self, tensors: Iterable[NamedTensor], weight_version: str | None = None) -> SyncReport:
+        with one_intra_op_thread():
+            return self._sync_report(tensors, weight_version)
+
+    def _sync_report(self, tensors: Iterable[NamedTensor], weight_version: str | None) -> SyncReport:
         self.prepare()
         plan, session = self.plan, self.protocol.session
         use_session = session and self.transport_name != "disk"
         recorded = self._recorder() if self.config.check_weight_sync else None
         counts, nbytes, buckets, buckets_applied, sent = {"target": 0, "mtp": 0}, 0, 0, 0, set()
-        clock = _Clock()
+        clock = Clock()
         t0 = time.perf_counter()
         session_open = False
         try:
@@ -219,7 +192,7 @@ class WeightSyncer:
             for bucket in stream:
                 selector = plan.target if bucket.kind == "target" else plan.mtp
                 with clock("send"):
-                    self.transport.send(bucket, selector, weight_version)
+                    clock.add_engine(*engine_seconds(self.transport.send(bucket, selector, weight_version)))
                 buckets += 1
                 buckets_applied += self.transport_name != "disk"  # disk buckets only load in finish()
                 counts[bucket.kind] += len(bucket.tensors)
@@ -241,14 +214,40 @@ class WeightSyncer:
         self._syncs += 1
         checked = recorded is not None or self._syncs % max(1, self.config.weight_sync_check_interval) == 0
         with clock("check"):
-            served_written = self._verify(sent, recorded) if checked else self._skip_check()
+            if checked:
+                served_written = self._verify(sent, recorded)
+            elif self._names_route or self._external_draft_checksums is not None:
+                served_written = self._verify_between(sent)
+            else:
+                served_written = self._skip_check()
         with clock("control"):
             post_all(self.clients, "/continue_generation", protocol.continue_payload())
         seconds = time.perf_counter() - t0
         split = SyncSplit(**{f"{k}_s": v for k, v in clock.totals.items()})
         return SyncReport(seconds=seconds, transfer_seconds=transfer_s, gbps=nbytes / transfer_s / 1e9,
                           target_tensors=counts["target"], mtp_tensors=counts["mtp"], bytes=nbytes,
-                          buckets=buckets, served_written=served_written, split=split, checked=checked)
+                          buckets=buckets, served_written=served_written, split=split, checked=checked,
+                          covered=bool(served_written))
+
+    def _verify_between(self, sent: set[str]) -> dict[str, int]:
+        """The check between checksum read-backs: coverage by names alone (the embedded engine's `names` action, no
+        hashing), and an external draft's own weights by the checksums of the draft runner alone (slime#1177).
+        The target is not checksummed, so what the engines serve counts as unverified, as after a skipped check."""
+        roles = {"target", "draft"} if self.plan.mtp is not None else {"target"}
+        problems, written = [], {}
+        for client in self.clients:
+            if self._names_route:
+                reply = post_all([client], "/weights_checker", protocol.names_payload())[0]
+                written = verify.check_coverage(verify.served_by_role(reply), sent, roles).written
+                self._coverage_problems(client, reply, sent, roles, problems)
+            if self._external_draft_checksums is not None:
+                reply = post_all([client], "/weights_checker", protocol.checksum_payload("draft", True))[0]
+                self._frozen_draft_problems(client, verify.served_by_role(reply), problems)
+        self._skip_check()
+        if problems:
+            raise WeightSyncError("weight sync verification failed: " + "; ".join(problems)
+                                  + ". Generation stays paused.", engines_serve_previous_weights=False)
+        return written
 
     def _skip_check(self) -> dict[str, int]:
         """No coverage check this sync: what the engines serve now is not verified, so a failure of the next
@@ -368,19 +367,26 @@ class WeightSyncer:
 
     def _verify_coverage(self, client: EngineClient, reply: dict, sent: set[str], roles: set[str],
                          problems: list[str]) -> dict:
-        served = verify.served_by_role(reply)
-        coverage = verify.check_coverage(served, sent, roles)
+        written = self._coverage_problems(client, reply, sent, roles, problems)
+        if self._external_draft_checksums is not None:
+            self._frozen_draft_problems(client, verify.served_by_role(reply), problems)
+        return written
+
+    def _coverage_problems(self, client: EngineClient, reply: dict, sent: set[str], roles: set[str],
+                           problems: list[str]) -> dict:
+        coverage = verify.check_coverage(verify.served_by_role(reply), sent, roles)
         for role, missing in coverage.missing.items():
             if missing:
                 problems.append(f"{client.url}: {len(missing)} weight(s) the {role} runner serves were not "
                                 f"written: {missing[:8]}")
-        if self._external_draft_checksums is not None:
-            now, before = _draft_only(served), self._external_draft_checksums
-            changed = sorted(n for n in before if now.get(n) != before[n])
-            if changed:
-                problems.append(f"{client.url}: the external draft ({self.spec.algorithm}) must keep its own "
-                                f"weights, but {len(changed)} of its tensors changed: {changed[:8]} (slime#1177)")
         return coverage.written
+
+    def _frozen_draft_problems(self, client: EngineClient, served: dict, problems: list[str]) -> None:
+        now, before = _draft_only(served), self._external_draft_checksums
+        changed = sorted(n for n in before if now.get(n) != before[n])
+        if changed:
+            problems.append(f"{client.url}: the external draft ({self.spec.algorithm}) must keep its own "
+                            f"weights, but {len(changed)} of its tensors changed: {changed[:8]} (slime#1177)")
 
     def _check_values(self, client: EngineClient, reply: dict | None, recorded: "Recorded", sent: set[str],
                       roles: set[str]) -> readback.ValueCheck:
@@ -449,32 +455,6 @@ class WeightSyncer:
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
-
-
-class _Clock:
-    """Accumulates wall time per phase of one sync (SyncSplit's fields without `_s`)."""
-
-    def __init__(self):
-        self.totals = {"gather_convert": 0.0, "control": 0.0, "send": 0.0, "flush": 0.0, "check": 0.0}
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.totals[phase] += time.perf_counter() - t0
-
-    def timed_iter(self, phase: str, items: Iterable):
-        """`items`, with the time spent producing each one counted to `phase`."""
-        it = iter(items)
-        while True:
-            with self(phase):
-                try:
-                    item = next(it)
-                except StopIteration:
-                    return
-            yield item
 
 
 def _only_wanted(tensors: Iterable[NamedTensor], plan: protocol.SelectorPlan) -> Iterable[NamedTensor]:

@@ -1,6 +1,7 @@
 """How a bucket of HF-named tensors reaches the engines: distributed, tensor or disk.
 
-A transport is `start()` (once per sync), `send(bucket, selector, weight_version)` per bucket,
+A transport is `start()` (once per sync), `send(bucket, selector, weight_version)` per bucket (returns
+the engines' replies, where `engine_seconds` finds the embedded engine's own timing),
 `finish(weight_version)`, and `close()` at shutdown; the session (begin/end), pausing and
 verification are the syncer's job (sync.py).
 
@@ -79,7 +80,7 @@ class DistributedTransport:
             posts.join()
         posts.result()
 
-    def send(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None) -> None:
+    def send(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None) -> list[dict]:
         tensors = [t.tensor.to("cuda") if self.backend == "nccl" else t.tensor for t in bucket.tensors]
         payload = protocol.distributed_payload(
             bucket.names, [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors],
@@ -91,7 +92,7 @@ class DistributedTransport:
                 self.group.broadcast(t, src=0)
         finally:
             posts.join()
-        posts.result()
+        return posts.result()
 
     def close(self) -> None:
         """Leave the group on every engine; this side's group is dropped even if an engine fails to (a
@@ -181,13 +182,15 @@ class TensorTransport:
     def finish(self, weight_version: str | None) -> None:
         pass
 
-    def send(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None) -> None:
+    def send(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None) -> list[dict]:
+        """The engine replies only after its copy from our memory completed (on CUDA after a device sync:
+        engine/weight_receive.settle), so `named` may be freed or reused once every engine has replied."""
         named = [(t.name, t.tensor) for t in bucket.tensors]
         if any(t.is_cuda for _, t in named):  # each engine gets its own handles, as each rank does
-            post_all(self.clients, "/update_weights_from_tensor", lambda _: self._payload(named, selector, weight_version))
-        else:  # inline bytes: one serialization serves every engine
-            post_all(self.clients, "/update_weights_from_tensor", self._payload(named, selector, weight_version))
-        # `named` (and the CUDA memory the handles point at) lives until every engine has replied
+            return post_all(self.clients, "/update_weights_from_tensor",
+                            lambda _: self._payload(named, selector, weight_version))
+        # inline bytes: one serialization serves every engine
+        return post_all(self.clients, "/update_weights_from_tensor", self._payload(named, selector, weight_version))
 
     def _payload(self, named, selector: protocol.Selector, weight_version: str | None) -> dict:
         return protocol.tensor_payload(serialize_for_tp_ranks(named, self.engine_tp_size), selector=selector,
@@ -221,7 +224,7 @@ class DiskTransport:
                 shutil.copy2(self.hf_checkpoint / name, self.out_dir / name)
         self._weight_map = {}
 
-    def send(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None) -> None:
+    def send(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None) -> list[dict]:
         from safetensors.torch import save_file
 
         file = f"model-{len(set(self._weight_map.values())):05d}.safetensors"
@@ -229,6 +232,7 @@ class DiskTransport:
         save_file({t.name: compact(t.tensor.cpu()) for t in bucket.tensors},
                   str(self.out_dir / file), metadata={"format": "pt"})
         self._weight_map.update({name: file for name in bucket.names})
+        return []  # nothing reaches an engine before finish()
 
     def finish(self, weight_version: str | None) -> None:
         index = {"metadata": {}, "weight_map": dict(sorted(self._weight_map.items()))}
@@ -239,6 +243,16 @@ class DiskTransport:
 
     def close(self) -> None:
         pass
+
+
+def engine_seconds(replies: Sequence[dict]) -> tuple[float, float]:
+    """(receive, load) seconds of one update, the slowest engine's (they work side by side), from the embedded
+    engine's `slime_spec_engine_timing` reply field (a slime-spec extension); (0, 0) where no engine reports it."""
+    timings = [r.get("slime_spec_engine_timing") for r in replies if isinstance(r, dict)]
+    timings = [t for t in timings if isinstance(t, dict)]
+    if not timings:
+        return 0.0, 0.0
+    return max(float(t.get("receive_s", 0.0)) for t in timings), max(float(t.get("load_s", 0.0)) for t in timings)
 
 
 class BackgroundCall:

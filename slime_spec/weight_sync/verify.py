@@ -51,13 +51,17 @@ def stacked_parts(name: str) -> list[str] | None:
 
 
 def served_by_role(checker_reply: dict) -> dict[str, dict[str, str]]:
-    """`/weights_checker` reply -> {role: {name: checksum}} (checksums of TP rank 0; names of all ranks)."""
+    """`/weights_checker` reply -> {role: {name: checksum}} (checksums of TP rank 0; names of all ranks).
+
+    The embedded engine's `names` action (a slime-spec extension) answers `shapes` instead of `checksums`:
+    the values are then shapes, good for coverage (names) only."""
     ranks = checker_reply.get("ranks")
     if not ranks:
         raise ValueError(f"/weights_checker returned no `ranks` (checksums): {checker_reply.get('message')!r}")
     out: dict[str, dict[str, str]] = {}
     for rank_index, info in enumerate(ranks):
-        for key, checksum in info["checksums"].items():
+        entries = info["checksums"] if "checksums" in info else info["shapes"]
+        for key, checksum in entries.items():
             m = _ROLE_KEY.match(key)
             role, name = (m.group(1), m.group(2)) if m else ("target", key)
             if rank_index == 0 or name not in out.get(role, {}):
