@@ -133,3 +133,16 @@ def test_mtp_catch_up_after_plain_steps_equals_an_extend_over_the_whole_sequence
                               torch.tensor([0]))
         fresh.on_prefill([r], hidden)
         torch.testing.assert_close(drafter.next_hidden[r.slot], fresh.next_hidden[r.slot], atol=1e-4, rtol=1e-4)
+
+
+def test_auto_is_not_fooled_by_one_slow_sample():
+    """A noisy machine only adds time: one slow first plain step (cold call, another process) must not keep auto
+    drafting when drafts are never accepted."""
+    auto = AutoSteps(max_k=2, explore_every=1000)
+    costs = {0: 1.0, 1: 1.3, 2: 1.6}
+    seen = []
+    for step in range(20):
+        k = auto.choose(8)
+        seen.append(k)
+        auto.observe(8, k, [0] * 8, draft_s=0.3 * k, verify_s=100.0 if step == 0 else costs[k])
+    assert seen[:6] == [0, 1, 2, 0, 1, 2] and set(seen[6:]) == {0}
