@@ -6,7 +6,8 @@ Regimes (each with its own target, its own plain row, and the ratio to it per ba
 - exact draft (the ceiling): a random Qwen2 target whose last layers are identity, drafted by STANDALONE with a
   model made of its first layers (bench/engine_models.make_exact_pair): every draft is accepted, at a fraction
   of the target's cost. Greedy, random prompts.
-- trained MTP (the realistic case): the demo's model shape, SFT-trained on the scratchpad task inside the bench,
+- trained MTP (the realistic case): a MiMo target (hidden 256, 8 layers; the demo's is 128, 6), SFT-trained on
+  the scratchpad task inside the bench,
   its MTP layer then trained on the target's own sampled outputs with the trunk frozen; held-out prompts,
   temperature 1 (RL rollout), EOS on. NEXTN with SGLang's greedy drafting at 1-3 steps, with drafting by
   sampling (`--spec-draft-sampling`), with SGLang's `--speculative-adaptive` and with our `--spec-auto`.
@@ -165,6 +166,7 @@ def regimes(tmp: Path, a: argparse.Namespace, quick: bool) -> list[Regime]:
     mtp_rows = [Setting("plain")] + [Setting(f"NEXTN k={k}", nextn(k)) for k in ([2] if quick else [1, 2, 3])]
     mtp_rows += [Setting(f"NEXTN k={k} draft sampling", nextn(k), draft_sampling=True) for k in ([2] if quick else [2, 3])]
     mtp_rows += [Setting("NEXTN adaptive, draft sampling", nextn(3, speculative_adaptive=True), draft_sampling=True),
+                 Setting("NEXTN auto k<=3", nextn(3), spec_auto=True),
                  Setting("NEXTN auto k<=3, draft sampling", nextn(3), draft_sampling=True, spec_auto=True)]
     out.append(Regime("trained MTP, temperature 1", trained, eval_prompts, rollout, mtp_rows, MIMO))
     if not quick:
@@ -202,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden-size", type=int, default=256, help="random targets (exact draft, floor, ngram)")
     p.add_argument("--num-layers", type=int, default=8, help="random targets (exact draft, floor, ngram)")
     p.add_argument("--draft-layers", type=int, default=2, help="the exact draft's layers (first of the target's)")
-    p.add_argument("--mtp-hidden-size", type=int, default=128, help="the trained target (the demo's model: 128)")
-    p.add_argument("--mtp-num-layers", type=int, default=6, help="the trained target (the demo's model: 6)")
+    p.add_argument("--mtp-hidden-size", type=int, default=256, help="the trained target (the demo's model: 128)")
+    p.add_argument("--mtp-num-layers", type=int, default=8, help="the trained target (the demo's model: 6)")
     p.add_argument("--sft-steps", type=int, default=150, help="target SFT steps on the scratchpad task")
     p.add_argument("--mtp-steps", type=int, default=100, help="MTP steps on the target's own outputs")
     p.add_argument("--model-cache", default="outputs/bench_engine_models",
