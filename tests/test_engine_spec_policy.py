@@ -146,3 +146,15 @@ def test_auto_is_not_fooled_by_one_slow_sample():
         seen.append(k)
         auto.observe(8, k, [0] * 8, draft_s=0.3 * k, verify_s=100.0 if step == 0 else costs[k])
     assert seen[:6] == [0, 1, 2, 0, 1, 2] and set(seen[6:]) == {0}
+
+
+def test_auto_explores_less_while_the_best_k_holds():
+    auto = AutoSteps(max_k=2, explore_every=8, max_explore_every=64)
+    seen = []
+    for _ in range(400):
+        k = auto.choose(8)
+        seen.append(k)
+        auto.observe(8, k, [0] * 8, draft_s=0.3 * k, verify_s={0: 1.0, 1: 1.3, 2: 1.6}[k])
+    probes = [i for i, k in enumerate(seen) if i >= 6 and k != 0]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:4] == [16, 32, 64, 64] and len(probes) <= 10  # 8, 16, 32, 64, 64...: backs off, never stops

@@ -155,6 +155,10 @@ class _Bucket:
     draft_samples: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))  # seconds per draft step
     verify_samples: dict[int, deque] = field(default_factory=dict)  # k -> seconds of the verify pass + sampling
     steps: int = 0
+    explores: int = 0
+    next_explore: int = 0          # the step of the next exploration (0 = not scheduled yet)
+    interval: int = 0              # steps between explorations; doubles while the best k stays the same
+    last_best: int | None = None
 
     @property
     def draft_cost(self) -> float | None:
@@ -169,13 +173,16 @@ class AutoSteps:
     """Our `--spec-auto`: k in 0..max_k per step, maximising expected tokens per second from online estimates.
 
     Each batch-size bucket first measures every k twice (cheapest first, two passes, so one cold call cannot
-    decide), then takes `best_steps`; every `explore_every` steps it tries a neighbour of the best k so the
-    estimates stay fresh. The per-token accept rate is the geometric MLE over all rows (accepted drafts /
+    decide), then takes `best_steps`; it tries a neighbour of the best k every `explore_every` steps so the
+    estimates stay fresh, doubling the interval (up to `max_explore_every`) while the best k does not change:
+    each probe of a losing k costs a step, and after a run of plain steps the MTP drafter's catch-up too. The per-token accept rate is the geometric MLE over all rows (accepted drafts /
     (accepted + rejections)), as an EMA.
     """
 
-    def __init__(self, max_k: int, alpha: float = 0.2, explore_every: int = 32, prior_accept_rate: float = 0.5):
+    def __init__(self, max_k: int, alpha: float = 0.2, explore_every: int = 32, prior_accept_rate: float = 0.5,
+                 max_explore_every: int = 512):
         self.max_k, self.alpha, self.explore_every = max_k, alpha, explore_every
+        self.max_explore_every = max(max_explore_every, explore_every)
         self.accept_rate = prior_accept_rate
         self.buckets: dict[int, _Bucket] = {}
 
@@ -187,9 +194,15 @@ class AutoSteps:
             if unmeasured:
                 return unmeasured[0]
         best = best_steps(self.accept_rate, b.draft_cost or 0.0, b.verify_cost)
-        if b.steps % self.explore_every == 0:
-            return min(best + 1, self.max_k) if (b.steps // self.explore_every) % 2 or best == 0 else best - 1
-        return best
+        if not b.next_explore:
+            b.interval, b.next_explore, b.last_best = self.explore_every, b.steps + self.explore_every, best
+        if b.steps < b.next_explore:
+            return best
+        stable = best == b.last_best
+        b.interval = min(2 * b.interval, self.max_explore_every) if stable else self.explore_every
+        b.next_explore, b.last_best = b.steps + b.interval, best
+        b.explores += 1
+        return min(best + 1, self.max_k) if b.explores % 2 or best == 0 else best - 1
 
     def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float) -> None:
         b = self.buckets.setdefault(bucket_of(batch_size), _Bucket())
