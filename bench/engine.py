@@ -1,32 +1,40 @@
-"""Embedded engine throughput: plain decoding vs each speculative algorithm, with transformers as the peer.
+"""Embedded engine throughput: does speculation pay? Plain decoding vs speculative settings, side by side.
 
-    python bench/engine.py [--quick] [--device cpu|cuda] [--out FILE]
+    python bench/engine.py [--quick] [--device cpu|cuda] [--repeats N] [--model-cache DIR] [--out FILE]
 
-One random checkpoint (Qwen2 layout, hidden 256, 4 layers by default) is the target everywhere; a MiMo
-copy of it (same base tensors plus one random MTP layer) serves EAGLE. Random weights accept nothing
-by chance, so three regimes bound what speculation can do:
-- upper bound: STANDALONE with the target as its own draft (every draft token is accepted);
-- NGRAM on repetitive text (drafts copied from the request's own tokens);
-- lower bound: drafts that are never accepted: STANDALONE with an "anti-draft" (the target with its
-  lm_head negated, so it drafts the target's least likely token) and EAGLE with a random MTP layer.
-  (A small random draft is no lower bound: random tiny models collapse onto the same few tokens.)
-Every engine row drives EngineCore in-process (as transformers' generate runs in-process): all
-requests are added, then step() runs until the batch is done; tokens/s counts generated tokens over
-the wall time, prefill included. Accept length = generated tokens / verify passes.
+Regimes (each with its own target, its own plain row, and the ratio to it per batch size):
+- exact draft (the ceiling): a random Qwen2 target whose last layers are identity, drafted by STANDALONE with a
+  model made of its first layers (bench/engine_models.make_exact_pair): every draft is accepted, at a fraction
+  of the target's cost. Greedy, random prompts.
+- trained MTP (the realistic case): a MiMo target (hidden 256, 8 layers; the demo's is 128, 6), SFT-trained on
+  the scratchpad task inside the bench,
+  its MTP layer then trained on the target's own sampled outputs with the trunk frozen; held-out prompts,
+  temperature 1 (RL rollout), EOS on. NEXTN with SGLang's greedy drafting at 1-3 steps, with drafting by
+  sampling (`--spec-draft-sampling`), with SGLang's `--speculative-adaptive` and with our `--spec-auto`.
+- never accepted (the floor): a random MiMo target with its random MTP layer, and STANDALONE with an
+  "anti-draft" (the target with its lm_head negated drafts the target's argmin); fixed, adaptive and auto k.
+- NGRAM on repetitive text.
+Every engine row drives EngineCore in-process: all requests are added, then step() runs until the batch is done;
+tokens/s counts generated tokens over wall time, prefill included. Each engine first runs the workload once
+untimed (so adaptive/auto start warm, as in a long-running server); then the rows of a regime and batch size run
+in turn, `--repeats` times, and each row reports its median. Accept length = tokens per verify pass (accepted
+drafts + 1; plain steps that adaptive/auto chose are not verify passes).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
+from engine_models import make_anti_draft, make_exact_pair, trained_mtp_model  # run as `python bench/engine.py`
+from slime_spec.engine.core import EngineCore, Request, SamplingParams
 from slime_spec.spec import resolve_or_raise
 from slime_spec.tiny_model import CHARACTERS, full_vocab_size, make_tiny_model
 
@@ -34,33 +42,65 @@ REPETITIVE = ["the cat sat on the mat. the cat sat on the mat. the cat sat on th
               "1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2 3",
               "abc def abc def abc def abc def abc def abc",
               "to be or not to be, to be or not to be, to be or"]
+MIMO = {"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1}
+
+
+@dataclass
+class Setting:
+    """One row: a speculative configuration of the engine (spec None = plain decoding)."""
+
+    method: str
+    server_args: dict | None = None
+    draft_sampling: bool = False
+    spec_auto: bool = False
+
+
+@dataclass
+class Regime:
+    """A target, its workload and the rows measured on it."""
+
+    name: str
+    model: Path
+    prompts: list[list[int]]
+    params: SamplingParams
+    settings: list[Setting]
+    target_config: dict | None = None
 
 
 @dataclass
 class Row:
-    method: str
     regime: str
-    prompts: str
+    method: str
     batch: int
-    tokens_per_s: float
-    accept_length: float | None
-    base: float | None = None  # tokens/s of plain decoding on the same prompts and batch
+    tokens_per_s: list[float] = field(default_factory=list)
+    accept_length: float | None = None
+    base: float | None = None  # median tokens/s of plain decoding in the same regime and batch
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.tokens_per_s)
 
 
-def random_prompts(n: int, length: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    letters = CHARACTERS[:60]
-    return ["".join(rng.choice(letters) for _ in range(length)) for _ in range(n)]
+def nextn(steps: int, **extra) -> dict:
+    return {"speculative_algorithm": "NEXTN", "speculative_num_steps": steps, "speculative_eagle_topk": 1,
+            "speculative_num_draft_tokens": steps + 1, **extra}
 
 
-def batch_of(prompts: list[str], batch: int) -> list[str]:
-    return [prompts[i % len(prompts)] for i in range(batch)]
+def standalone(draft: Path, steps: int = 3) -> dict:
+    return {"speculative_algorithm": "STANDALONE", "speculative_num_steps": steps, "speculative_eagle_topk": 1,
+            "speculative_num_draft_tokens": steps + 1, "speculative_draft_model_path": str(draft)}
 
 
-def run_engine(core: EngineCore, texts: list[str], max_new: int, tag: str) -> tuple[float, float | None]:
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True)
-    for i, t in enumerate(texts):
-        core.add_request(Request(f"{tag}-{i}", core.tokenizer.encode(t), params))
+def make_engine(regime: Regime, s: Setting, batch: int, device: str, dtype: str) -> EngineCore:
+    spec = None if s.server_args is None else resolve_or_raise(s.server_args, target_config=regime.target_config)
+    return EngineCore(str(regime.model), spec, dtype=dtype, device=device, max_running_requests=batch,
+                      draft_sampling=s.draft_sampling, spec_auto=s.spec_auto)
+
+
+def run_batch(core: EngineCore, prompts: list[list[int]], params: SamplingParams, tag: str) -> tuple[float, int, int, int]:
+    """(seconds, generated tokens, verify passes, accepted drafts) for one batch run to completion."""
+    for i, ids in enumerate(prompts):
+        core.add_request(Request(f"{tag}-{i}", ids, params))
     outs = []
     sync(core.device.type)
     start = time.perf_counter()
@@ -68,9 +108,8 @@ def run_engine(core: EngineCore, texts: list[str], max_new: int, tag: str) -> tu
         outs += core.step()
     sync(core.device.type)
     elapsed = time.perf_counter() - start
-    tokens = sum(o.completion_tokens for o in outs)
-    verify = sum(o.spec_verify_ct for o in outs)
-    return tokens / elapsed, (tokens / verify if verify else None)
+    return (elapsed, sum(o.completion_tokens for o in outs), sum(o.spec_verify_ct for o in outs),
+            sum(o.spec_accept_token_num for o in outs))
 
 
 def sync(device_type: str) -> None:
@@ -78,121 +117,119 @@ def sync(device_type: str) -> None:
         torch.cuda.synchronize()
 
 
-def engine_rows(name: str, regime: str, model: Path, spec: SpecConfig | None, prompt_sets: dict, batches: list[int],
-                max_new: int, device: str, dtype: str, repeats: int) -> list[Row]:
-    core = EngineCore(str(model), spec, dtype=dtype, device=device, max_running_requests=max(batches))
-    run_engine(core, batch_of(next(iter(prompt_sets.values())), 2), 8, "warmup")
+def measure(regime: Regime, batches: list[int], repeats: int, device: str, dtype: str) -> list[Row]:
+    """Every setting of the regime at every batch size, the settings interleaved within each repeat."""
     rows = []
-    for label, prompts in prompt_sets.items():
-        for b in batches:
-            runs = [run_engine(core, batch_of(prompts, b), max_new, f"{name}-{label}-{b}-{i}") for i in range(repeats)]
-            rows.append(Row(name, regime, label, b, max(r[0] for r in runs), runs[0][1]))
+    for b in batches:
+        prompts = [regime.prompts[i % len(regime.prompts)] for i in range(b)]
+        engines = [make_engine(regime, s, b, device, dtype) for s in regime.settings]
+        for core in engines:
+            run_batch(core, prompts, regime.params, "warmup")
+        batch_rows = [Row(regime.name, s.method, b) for s in regime.settings]
+        accepted, verifies = [0] * len(engines), [0] * len(engines)
+        for rep in range(repeats):
+            for i, core in enumerate(engines):
+                seconds, n, v, acc = run_batch(core, prompts, regime.params, f"r{rep}")
+                batch_rows[i].tokens_per_s.append(n / seconds)
+                accepted[i], verifies[i] = accepted[i] + acc, verifies[i] + v
+        for i, row in enumerate(batch_rows):
+            row.accept_length = (accepted[i] + verifies[i]) / verifies[i] if verifies[i] else None
+            row.base = batch_rows[0].median
+        rows += batch_rows
+        print(to_markdown(batch_rows), flush=True)
     return rows
 
 
-def hf_rows(model: Path, prompt_sets: dict, batches: list[int], max_new: int, device: str, dtype: str,
-            repeats: int) -> list[Row]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch_dtype = getattr(torch, dtype)
-    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch_dtype).to(device).eval()
-    tok = AutoTokenizer.from_pretrained(str(model))
-    tok.padding_side = "left"
-    common = dict(do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=tok.pad_token_id)
-
-    def timed(texts: list[str], **kw) -> float:
-        return max(timed_once(texts, **kw) for _ in range(repeats))
-
-    def timed_once(texts: list[str], **kw) -> float:
-        enc = tok(texts, return_tensors="pt", padding=True).to(device)
-        sync(device)
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = hf.generate(**enc, **common, **kw)
-        sync(device)
-        return (out.shape[0] * (out.shape[1] - enc["input_ids"].shape[1])) / (time.perf_counter() - start)
-
-    timed(["warm up"])
-    rows = []
-    for label, prompts in prompt_sets.items():
-        for b in batches:
-            rows.append(Row("transformers generate", "plain", label, b, timed(batch_of(prompts, b)), None))
-        # assisted generation and prompt lookup run one sequence at a time in transformers
-        rows.append(Row("transformers assisted", "draft == target", label, 1,
-                        timed(prompts[:1], assistant_model=hf), None))
-        rows.append(Row("transformers prompt lookup", "ngram", label, 1,
-                        timed(prompts[:1], prompt_lookup_num_tokens=3), None))
-    return rows
+def random_prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [tokenizer.encode("".join(rng.choice(CHARACTERS[:60]) for _ in range(length)), add_special_tokens=False)
+            for _ in range(n)]
 
 
-def make_anti_draft(target: Path, out: Path, shape: dict) -> Path:
-    """The target with an untied, negated lm_head: its greedy draft is the target's argmin, never accepted."""
-    from safetensors.torch import load_file, save_file
+def regimes(tmp: Path, a: argparse.Namespace, quick: bool) -> list[Regime]:
+    from transformers import AutoTokenizer
 
-    make_tiny_model(out, arch="qwen2", seed=0, init_from=str(target), tie_word_embeddings=False, **shape)
-    weights = load_file(str(out / "model.safetensors"))
-    weights["lm_head.weight"] = -load_file(str(target / "model.safetensors"))["model.embed_tokens.weight"]
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    hidden, layers = a.hidden_size, a.num_layers
+    shape = dict(hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2, intermediate_size=hidden * 3,
+                 max_position_embeddings=512)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=a.max_new_tokens, ignore_eos=True)
+    exact_target, exact_draft = make_exact_pair(tmp, shape, a.draft_layers)
+    tok = AutoTokenizer.from_pretrained(str(exact_target))
+    randoms = random_prompts(tok, 32, 48, seed=0)
+    out = [Regime(f"exact draft ({a.draft_layers} of {layers} layers)", exact_target, randoms, greedy,
+                  [Setting("plain"), Setting("STANDALONE k=3", standalone(exact_draft))])]
+    demo_shape = dict(hidden_size=a.mtp_hidden_size, num_layers=a.mtp_num_layers, num_heads=4, num_kv_heads=2,
+                      intermediate_size=a.mtp_hidden_size * 3, max_position_embeddings=512)
+    trained, eval_prompts = trained_mtp_model(Path(a.model_cache), demo_shape, digits=2, sft_steps=a.sft_steps,
+                                              mtp_steps=a.mtp_steps)
+    rollout = SamplingParams(temperature=1.0, max_new_tokens=128)
+    mtp_rows = [Setting("plain")] + [Setting(f"NEXTN k={k}", nextn(k)) for k in ([2] if quick else [1, 2, 3])]
+    mtp_rows += [Setting(f"NEXTN k={k} draft sampling", nextn(k), draft_sampling=True) for k in ([2] if quick else [2, 3])]
+    mtp_rows += [Setting("NEXTN adaptive, draft sampling", nextn(3, speculative_adaptive=True), draft_sampling=True),
+                 Setting("NEXTN auto k<=3", nextn(3), spec_auto=True),
+                 Setting("NEXTN auto k<=3, draft sampling", nextn(3), draft_sampling=True, spec_auto=True)]
+    out.append(Regime("trained MTP, temperature 1", trained, eval_prompts, rollout, mtp_rows, MIMO))
+    if not quick:
+        target = make_tiny_model(tmp / "target", arch="qwen2", seed=0, **shape)
+        mimo = make_tiny_model(tmp / "mimo", arch="mimo", seed=1, init_from=str(target), **shape)
+        anti = make_anti_draft(target, tmp / "anti", shape)
+        out.append(Regime("never accepted", mimo, randoms, greedy, [
+            Setting("plain"), Setting("STANDALONE anti-draft k=3", standalone(anti)),
+            Setting("NEXTN random MTP k=3", nextn(3)),
+            Setting("NEXTN random MTP adaptive", nextn(3, speculative_adaptive=True)),
+            Setting("NEXTN random MTP auto k<=3", nextn(3), spec_auto=True)], MIMO))
+        repetitive = [tok.encode(t, add_special_tokens=False) for t in REPETITIVE]
+        out.append(Regime("ngram, repetitive text", target, repetitive, greedy, [
+            Setting("plain"), Setting("NGRAM 3 drafts", {"speculative_algorithm": "NGRAM",
+                                                         "speculative_num_draft_tokens": 4})]))
     return out
 
 
-def to_markdown(rows: list[Row], header: str) -> str:
-    lines = [header, "", "| method | regime | prompts | batch | tokens/s | accept length | vs plain |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+def to_markdown(rows: list[Row]) -> str:
+    lines = ["| regime | method | batch | tokens/s (median) | accept length | vs plain |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         acc = f"{r.accept_length:.2f}" if r.accept_length is not None else "-"
-        ratio = f"{r.tokens_per_s / r.base:.2f}x" if r.base else "-"
-        lines.append(f"| {r.method} | {r.regime} | {r.prompts} | {r.batch} | {r.tokens_per_s:.1f} | {acc} | {ratio} |")
+        ratio = f"{r.median / r.base:.2f}x" if r.base else "-"
+        lines.append(f"| {r.regime} | {r.method} | {r.batch} | {r.median:.1f} | {acc} | {ratio} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a smaller model, fewer tokens, batches 1 and 8")
+    p.add_argument("--quick", action="store_true",
+                   help="exact-draft and trained-MTP regimes only, fewer rows, batches 1 and 8, one repeat")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
-    p.add_argument("--hidden-size", type=int, default=None)
-    p.add_argument("--num-layers", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=None,
-                   help="best of N timings per row (default: 3 on CUDA, 2 on CPU, 1 with --quick)")
-    p.add_argument("--no-transformers", action="store_true", help="skip the transformers peer rows")
+    p.add_argument("--hidden-size", type=int, default=256, help="random targets (exact draft, floor, ngram)")
+    p.add_argument("--num-layers", type=int, default=8, help="random targets (exact draft, floor, ngram)")
+    p.add_argument("--draft-layers", type=int, default=2, help="the exact draft's layers (first of the target's)")
+    p.add_argument("--mtp-hidden-size", type=int, default=256, help="the trained target (the demo's model: 128)")
+    p.add_argument("--mtp-num-layers", type=int, default=8, help="the trained target (the demo's model: 6)")
+    p.add_argument("--sft-steps", type=int, default=150, help="target SFT steps on the scratchpad task")
+    p.add_argument("--mtp-steps", type=int, default=100, help="MTP steps on the target's own outputs")
+    p.add_argument("--model-cache", default="outputs/bench_engine_models",
+                   help="trained checkpoints are kept here by their settings; reruns skip training")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="greedy regimes (default 64, --quick 32)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per row, interleaved (default 3; quick 1)")
     p.add_argument("--out", default=None, help="also write the markdown table here")
     a = p.parse_args(argv)
-    hidden = a.hidden_size or (128 if a.quick else 256)
-    layers = a.num_layers or (2 if a.quick else 4)
-    max_new = a.max_new_tokens or (32 if a.quick else 128)
+    a.max_new_tokens = a.max_new_tokens or (32 if a.quick else 64)
     batches = [1, 8] if a.quick else [1, 8, 32]
+    repeats = a.repeats or (1 if a.quick else 3)
     dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
     torch.manual_seed(0)
     tmp = Path(tempfile.mkdtemp(prefix="bench_engine_"))
-    shape = dict(hidden_size=hidden, num_layers=layers, num_heads=max(4, hidden // 64), num_kv_heads=2,
-                 intermediate_size=hidden * 3, max_position_embeddings=1024)
-    target = make_tiny_model(tmp / "target", arch="qwen2", seed=0, **shape)
-    mimo = make_tiny_model(tmp / "mimo", arch="mimo", seed=1, init_from=str(target), tie_word_embeddings=True,
-                           **shape)
-    anti = make_anti_draft(target, tmp / "anti", shape)
-    prompt_sets = {"random": random_prompts(32, 48, seed=0), "repetitive": REPETITIVE}
-    repeats = a.repeats or (1 if a.quick else 3 if a.device == "cuda" else 2)
-    eng = dict(prompt_sets=prompt_sets, batches=batches, max_new=max_new, device=a.device, dtype=dtype, repeats=repeats)
-    rows = engine_rows("plain", "-", target, None, **eng)
-    base = {(r.prompts, r.batch): r.tokens_per_s for r in rows}
-    rows += engine_rows("STANDALONE", "draft == target", target,
-                        SpecConfig("STANDALONE", 3, 1, 4, speculative_draft_model_path=str(target)), **eng)
-    rows += engine_rows("NGRAM", "ngram", target, resolve_or_raise({"speculative_algorithm": "NGRAM",
-                                                                  "speculative_num_draft_tokens": 4}), **eng)
-    rows += engine_rows("STANDALONE", "anti-draft", target,
-                        SpecConfig("STANDALONE", 3, 1, 4, speculative_draft_model_path=str(anti)), **eng)
-    rows += engine_rows("EAGLE (MTP)", "random draft", mimo, SpecConfig("EAGLE", 3, 1, 4), **eng)
-    if not a.no_transformers:
-        rows += hf_rows(target, prompt_sets, batches, max_new, a.device, dtype, repeats)
-    for r in rows:
-        r.base = base.get((r.prompts, r.batch))
-    header = (f"Embedded engine vs transformers: random Qwen2 checkpoint, hidden {hidden}, {layers} layers, "
-              f"vocab {full_vocab_size()}, {a.device} {dtype}, greedy, {max_new} new tokens per "
-              f"request, speculative chain of 3 draft tokens (NGRAM: 3), best of {repeats}, torch {torch.__version__}.")
-    table = to_markdown(rows, header)
-    print(table)
+    rows = []
+    for regime in regimes(tmp, a, a.quick):
+        rows += measure(regime, batches, repeats, a.device, dtype)
+    header = (f"Embedded engine, speculative vs plain: {a.device} {dtype}, torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads, vocab {full_vocab_size()}; random targets hidden {a.hidden_size}, "
+              f"{a.num_layers} layers, greedy, {a.max_new_tokens} new tokens; trained MTP target hidden "
+              f"{a.mtp_hidden_size}, {a.mtp_num_layers} layers ({a.sft_steps} SFT steps, {a.mtp_steps} MTP steps), "
+              f"2-digit scratchpad prompts, temperature 1, up to 128 new tokens; median of {repeats} interleaved runs.")
+    table = header + "\n\n" + to_markdown(rows)
+    print("\n" + table)
     if a.out:
         Path(a.out).write_text(table + "\n")
     return 0

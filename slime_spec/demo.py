@@ -28,8 +28,10 @@ SIZES = {  # name: model, data and loop sizes
                   grpo_steps=2, prompts=4, samples=4, updates_per_rollout=2, digits=2, max_response_len=96,
                   speedup_interval=2),
 }
-SPEC_FLAGS = ["--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-num-steps", "2",
-              "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "3"]
+# NEXTN with the MTP layer; --spec-auto picks k in 0..3 per step from measured costs and accept rate, so a draft
+# that does not pay (the frozen one drifting, a large batch on CPU) falls back to plain steps (docs/en/benchmarks.md).
+SPEC_FLAGS = ["--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-num-steps", "3",
+              "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "4", "--spec-auto"]
 
 
 def make_model_and_data(out: Path, size: dict, seed: int) -> tuple[Path, Path, Path, list[dict]]:

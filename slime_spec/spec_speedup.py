@@ -41,9 +41,11 @@ def without_speculative_flags(argv: tuple[str, ...] | list[str]) -> tuple[str, .
 
 
 def plain_engine_config(engine: EngineConfig) -> EngineConfig:
-    """The same engine without speculation."""
+    """The same engine without speculation (our own speculative options --spec-auto / --spec-draft-sampling off too:
+    the plain server refuses them)."""
     server_args = {k: v for k, v in engine.server_args.items() if not k.startswith("speculative_")}
-    return replace(engine, forwarded_argv=without_speculative_flags(engine.forwarded_argv), server_args=server_args)
+    return replace(engine, forwarded_argv=without_speculative_flags(engine.forwarded_argv), server_args=server_args,
+                   spec_auto=False, spec_draft_sampling=False)
 
 
 def check_config(config: Config) -> None:

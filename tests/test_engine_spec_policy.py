@@ -1,6 +1,7 @@
 """Draft length per step: the pure choice of --spec-auto, and adaptive / auto speculation in the engine."""
 
 import pytest
+import torch
 
 from slime_spec.engine.core import EngineCore, Request, SamplingParams
 from slime_spec.engine.spec_policy import AutoSteps, best_steps, bucket_of, expected_tokens
@@ -88,3 +89,72 @@ def test_auto_keeps_greedy_output_for_standalone_and_ngram(tmp_path, algorithm):
     engine.policy.explore_every = 3
     outs = run(engine)
     assert {r: o.output_ids for r, o in outs.items()} == {r: o.output_ids for r, o in base.items()}
+
+
+class ScriptedSteps:
+    """A step policy that plays a fixed sequence of draft lengths (then repeats the last)."""
+
+    def __init__(self, ks: list[int]):
+        self.ks, self.max_k, self.i = ks, max(ks), 0
+
+    def choose(self, batch_size: int) -> int:
+        self.i += 1
+        return self.ks[min(self.i - 1, len(self.ks) - 1)]
+
+    def observe(self, batch_size, k, accepted, draft_s, verify_s) -> None:
+        return None
+
+
+def test_mtp_catch_up_after_plain_steps_equals_an_extend_over_the_whole_sequence(mimo):
+    """k = 0 steps defer the MTP extend; the batched catch-up leaves the MTP layer where one extend over every
+    committed token (the target's hidden states from one full forward) leaves it."""
+    spec = resolve_or_raise({"speculative_algorithm": "EAGLE", "speculative_num_steps": 2,
+                             "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 3},
+                            target_config={"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1})
+    engine = EngineCore(str(mimo), spec, max_running_requests=3)
+    engine.policy = ScriptedSteps([2, 0, 0, 0, 2, 0, 0])
+    drafter = engine.drafter
+    tok = engine.tokenizer
+    for i in range(3):
+        engine.add_request(Request(f"r{i}", tok(f"q {i} " * (i + 2))["input_ids"],
+                                   SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)))
+    for _ in range(7):
+        engine.step()
+    assert drafter.pending and all(len(q) == 2 for q in drafter.pending.values())  # two plain steps deferred
+    rows = list(engine.running)
+    drafter._catch_up(rows)
+    assert not drafter.pending
+    from slime_spec.engine.drafters.mtp import MTPDrafter
+
+    fresh = MTPDrafter(engine.model, 2, 3, engine.max_seq)
+    for r in rows:
+        ids = torch.tensor([r.tokens])
+        hidden = engine.model(ids, torch.arange(len(r.tokens))[None], engine.model.new_cache(1, engine.max_seq),
+                              torch.tensor([0]))
+        fresh.on_prefill([r], hidden)
+        torch.testing.assert_close(drafter.next_hidden[r.slot], fresh.next_hidden[r.slot], atol=1e-4, rtol=1e-4)
+
+
+def test_auto_is_not_fooled_by_one_slow_sample():
+    """A noisy machine only adds time: one slow first plain step (cold call, another process) must not keep auto
+    drafting when drafts are never accepted."""
+    auto = AutoSteps(max_k=2, explore_every=1000)
+    costs = {0: 1.0, 1: 1.3, 2: 1.6}
+    seen = []
+    for step in range(20):
+        k = auto.choose(8)
+        seen.append(k)
+        auto.observe(8, k, [0] * 8, draft_s=0.3 * k, verify_s=100.0 if step == 0 else costs[k])
+    assert seen[:6] == [0, 1, 2, 0, 1, 2] and set(seen[6:]) == {0}
+
+
+def test_auto_explores_less_while_the_best_k_holds():
+    auto = AutoSteps(max_k=2, explore_every=8, max_explore_every=64)
+    seen = []
+    for _ in range(400):
+        k = auto.choose(8)
+        seen.append(k)
+        auto.observe(8, k, [0] * 8, draft_s=0.3 * k, verify_s={0: 1.0, 1: 1.3, 2: 1.6}[k])
+    probes = [i for i, k in enumerate(seen) if i >= 6 and k != 0]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:4] == [16, 32, 64, 64] and len(probes) <= 10  # 8, 16, 32, 64, 64...: backs off, never stops

@@ -24,6 +24,14 @@ def test_plain_engine_drops_every_speculative_flag_and_keeps_the_rest():
     assert not any(k.startswith("speculative_") for k in engine.server_args)
 
 
+def test_plain_engine_drops_our_own_speculative_options():
+    """The plain server refuses --spec-auto / --spec-draft-sampling without speculation."""
+    spec = config(*SPEC, "--spec-auto", "--spec-draft-sampling").engine
+    assert {"--spec-auto", "--spec-draft-sampling"} <= set(spec.server_argv("127.0.0.1", 1))
+    plain = plain_engine_config(spec).server_argv("127.0.0.1", 1)
+    assert not any(t.startswith("--spec") for t in plain)
+
+
 def test_measures_every_nth_rollout_and_the_last():
     assert [r for r in range(10) if due(4, r, 10)] == [3, 7, 9]
     assert not any(due(None, r, 10) for r in range(10))

@@ -8,7 +8,7 @@ did through `observe(...)` after it. `max_k` sizes the caches.
   batch-size tiers, each with candidate steps and an EMA of the accepted drafts per request; after a warm-up,
   every few batches a tier moves one candidate down when the EMA falls below it and up when it reaches it.
 - AutoSteps (`--spec-auto`, ours): measures the step's own costs online per batch-size bucket (draft step and
-  verify pass, EMA) and the per-token accept rate, and picks the k that maximises expected tokens per second.
+  verify pass, the minimum of recent samples) and the per-token accept rate (EMA), and picks the k that maximises expected tokens per second.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from slime_spec.spec import ADAPTIVE_TIERS, Algorithm, SpecConfig
@@ -142,50 +143,77 @@ def bucket_of(batch_size: int) -> int:
     return 1 << max(0, batch_size - 1).bit_length()
 
 
+COST_WINDOW = 8  # recent samples per cost estimate
+
+
 @dataclass
 class _Bucket:
-    draft_cost: float | None = None                       # seconds per draft step (all rows)
-    verify_cost: dict[int, float] = field(default_factory=dict)  # k -> seconds of the verify pass + sampling
+    """One batch-size bucket's recent costs. An estimate is the minimum of its last COST_WINDOW samples: on a
+    shared machine noise only ever adds time (another process, a GC pause, a cold first call), so the minimum of
+    recent samples tracks the true cost (which drifts slowly as sequences grow) where a mean would chase spikes."""
+
+    draft_samples: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))  # seconds per draft step
+    verify_samples: dict[int, deque] = field(default_factory=dict)  # k -> seconds of the verify pass + sampling
     steps: int = 0
+    explores: int = 0
+    next_explore: int = 0          # the step of the next exploration (0 = not scheduled yet)
+    interval: int = 0              # steps between explorations; doubles while the best k stays the same
+    last_best: int | None = None
+
+    @property
+    def draft_cost(self) -> float | None:
+        return min(self.draft_samples) if self.draft_samples else None
+
+    @property
+    def verify_cost(self) -> dict[int, float]:
+        return {k: min(v) for k, v in self.verify_samples.items()}
 
 
 class AutoSteps:
     """Our `--spec-auto`: k in 0..max_k per step, maximising expected tokens per second from online estimates.
 
-    Each batch-size bucket first measures every k once (cheapest first), then takes `best_steps`; every
-    `explore_every` steps it tries a neighbour of the best k so the estimates stay fresh. The per-token accept
-    rate is the geometric MLE over all rows (accepted drafts / (accepted + rejections)), as an EMA.
+    Each batch-size bucket first measures every k twice (cheapest first, two passes, so one cold call cannot
+    decide), then takes `best_steps`; it tries a neighbour of the best k every `explore_every` steps so the
+    estimates stay fresh, doubling the interval (up to `max_explore_every`) while the best k does not change:
+    each probe of a losing k costs a step, and after a run of plain steps the MTP drafter's catch-up too. The per-token accept rate is the geometric MLE over all rows (accepted drafts /
+    (accepted + rejections)), as an EMA.
     """
 
-    def __init__(self, max_k: int, alpha: float = 0.2, explore_every: int = 32, prior_accept_rate: float = 0.5):
+    def __init__(self, max_k: int, alpha: float = 0.2, explore_every: int = 32, prior_accept_rate: float = 0.5,
+                 max_explore_every: int = 512):
         self.max_k, self.alpha, self.explore_every = max_k, alpha, explore_every
+        self.max_explore_every = max(max_explore_every, explore_every)
         self.accept_rate = prior_accept_rate
         self.buckets: dict[int, _Bucket] = {}
-
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.alpha * (new - old)
 
     def choose(self, batch_size: int) -> int:
         b = self.buckets.setdefault(bucket_of(batch_size), _Bucket())
         b.steps += 1
-        unmeasured = [k for k in range(self.max_k + 1) if k not in b.verify_cost]
-        if unmeasured:
-            return unmeasured[0]
+        for passes in (1, 2):
+            unmeasured = [k for k in range(self.max_k + 1) if len(b.verify_samples.get(k, ())) < passes]
+            if unmeasured:
+                return unmeasured[0]
         best = best_steps(self.accept_rate, b.draft_cost or 0.0, b.verify_cost)
-        if b.steps % self.explore_every == 0:
-            return min(best + 1, self.max_k) if (b.steps // self.explore_every) % 2 or best == 0 else best - 1
-        return best
+        if not b.next_explore:
+            b.interval, b.next_explore, b.last_best = self.explore_every, b.steps + self.explore_every, best
+        if b.steps < b.next_explore:
+            return best
+        stable = best == b.last_best
+        b.interval = min(2 * b.interval, self.max_explore_every) if stable else self.explore_every
+        b.next_explore, b.last_best = b.steps + b.interval, best
+        b.explores += 1
+        return min(best + 1, self.max_k) if b.explores % 2 or best == 0 else best - 1
 
     def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float) -> None:
         b = self.buckets.setdefault(bucket_of(batch_size), _Bucket())
-        b.verify_cost[k] = self._ema(b.verify_cost.get(k), verify_s)
+        b.verify_samples.setdefault(k, deque(maxlen=COST_WINDOW)).append(verify_s)
         if k == 0 or not accepted:
             return
-        b.draft_cost = self._ema(b.draft_cost, draft_s / k)
+        b.draft_samples.append(draft_s / k)
         hits = sum(accepted)
         misses = sum(1 for a in accepted if a < k)
         if hits + misses:
-            self.accept_rate = self._ema(self.accept_rate, hits / (hits + misses))
+            self.accept_rate += self.alpha * (hits / (hits + misses) - self.accept_rate)
 
 
 def make_policy(spec, auto: bool):

@@ -14,6 +14,10 @@ class MTPDrafter:
     Draft position p reads (token x_{p+1}, hidden h_p). After each target forward, a draft extend runs over the
     newly verified positions with the target's hidden states (tokens shifted left by one); its last output gives
     the first draft token and hidden. Further draft tokens run the same layer on its own output hidden state.
+
+    Plain steps (k = 0, chosen by adaptive or auto speculation) draft nothing, so their extend is deferred: the
+    committed token and the target's hidden state wait in `pending` per slot, and the next draft runs one
+    batched extend over all of them (one MTP call instead of one per plain step).
     """
 
     def __init__(self, target: CausalLM, k: int, slots: int, max_seq: int):
@@ -22,13 +26,16 @@ class MTPDrafter:
         self.next_hidden = torch.zeros(slots, target.args.hidden_size, dtype=target.lm_head.weight.dtype,
                                        device=device)
         self.cache: KVCache | None = None
+        self.pending: dict[int, list[tuple[int, torch.Tensor, int]]] = {}  # slot -> [(token, hidden, position)]
         self.new_cache()
 
     def new_cache(self) -> None:
         self.cache = self.target.new_mtp_cache(self.slots, self.max_seq)
+        self.pending.clear()
 
     def drop_cache(self) -> None:
         self.cache = None
+        self.pending.clear()
 
     def _extend(self, rows, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 last: torch.Tensor, num_keys: int | None = None) -> None:
@@ -41,7 +48,26 @@ class MTPDrafter:
         tokens = pad([r.tokens[1:] for r in rows], device)  # x_1..x_n: prompt shifted, plus the first output
         positions = torch.arange(tokens.shape[1], device=device)[None].expand_as(tokens)
         last = torch.tensor([len(r.tokens) - 2 for r in rows], device=device)
+        for r in rows:
+            self.pending.pop(r.slot, None)
         self._extend(rows, tokens, hidden[:, : tokens.shape[1]], positions, last)
+
+    def _catch_up(self, rows) -> None:
+        """The deferred extends of plain steps, one batched MTP call over every waiting position."""
+        behind = [r for r in rows if r.slot in self.pending]
+        if not behind:
+            return
+        queued = [self.pending.pop(r.slot) for r in behind]
+        device = self.next_hidden.device
+        tokens = pad([[t for t, _, _ in q] for q in queued], device)
+        width = tokens.shape[1]
+        hidden = torch.zeros(len(behind), width, self.next_hidden.shape[1], dtype=self.next_hidden.dtype,
+                             device=device)
+        for i, q in enumerate(queued):
+            hidden[i, : len(q)] = torch.stack([h for _, h, _ in q])
+        start = torch.tensor([q[0][2] for q in queued], device=device)
+        positions = start[:, None] + torch.arange(width, device=device)[None]
+        self._extend(behind, tokens, hidden, positions, torch.tensor([len(q) - 1 for q in queued], device=device))
 
     def propose(self, rows) -> torch.Tensor:
         return self.sample_draft(rows, argmax_pick)[0]
@@ -50,6 +76,7 @@ class MTPDrafter:
         """k draft tokens per row, each picked from the MTP layer's logits: one batched MTP + lm_head call per
         step for all rows. The first reads the hidden state the last extend left; each further one runs the layer
         on its own output."""
+        self._catch_up(rows)
         device = self.next_hidden.device
         slots = slots_of(rows, device)
         pos = torch.tensor([r.kv_len for r in rows], device=device)
@@ -66,6 +93,10 @@ class MTPDrafter:
         return chain(self.k, step, pick)
 
     def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
+        if self.k == 0:  # a plain step: defer its extend to the next draft (see _catch_up)
+            for i, r in enumerate(rows):
+                self.pending.setdefault(r.slot, []).append((r.tokens[-1], hidden[i, 0], r.kv_len - 1))
+            return
         device = hidden.device
         k1 = hidden.shape[1]  # the verify pass's k + 1 positions
         # Row i verified positions n..n+k; its newly committed tokens x_{n+1}..x_{n+a+1} are tokens[-(a+1):].
