@@ -334,7 +334,8 @@ class EngineCore:
         if self.drafter is not None and alive:
             self.drafter.on_prefill([rows[i] for i in alive], hidden[torch.tensor(alive, device=dev)])
 
-    def _decode(self, rows: list[_Row]) -> None:
+    def _decode(self, rows: list[_Row]) -> torch.Tensor:
+        """One plain step for every row; returns the target's hidden states [B, 1, H] (for a drafter to keep)."""
         dev = self.device
         ids = torch.tensor([[r.tokens[-1]] for r in rows], device=dev)
         positions = torch.tensor([[r.kv_len] for r in rows], device=dev)
@@ -348,6 +349,7 @@ class EngineCore:
             self._append(row, [tokens[i]], None if logprobs is None else [logprobs[i]])
             if i in broken:
                 row.finish = dict(NAN_FINISH)
+        return hidden
 
     def _spec_step(self, rows: list[_Row]) -> None:
         spec_step(self, rows)

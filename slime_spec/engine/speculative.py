@@ -41,6 +41,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _count_verify(engine, row, accepted: int, k: int) -> None:
+    """A target forward that committed accepted + 1 tokens. A plain step (k = 0, chosen by adaptive or auto
+    speculation) counts as a verify pass of no drafts, so accept length stays tokens per target forward."""
+    row.verify_ct += 1
+    row.accept_num += accepted
+    row.draft_num += k
+    engine._accept_tokens += accepted + 1
+    engine._verify_passes += 1
+
+
+def plain_step(engine, rows: list, t0: float) -> None:
+    """k = 0: the engine's plain decode step (no speculative bookkeeping on the hot path); the drafter gets the
+    step's hidden states to keep in sync, and the policy the step's cost."""
+    hidden = engine._decode(rows)
+    for row in rows:
+        _count_verify(engine, row, 0, 0)
+    alive = [i for i, r in enumerate(rows) if r.finish is None]
+    if alive:
+        idx = torch.tensor(alive, device=engine.device)
+        engine.drafter.on_verify([rows[i] for i in alive], hidden[idx], [0] * len(alive))
+    if engine.timed:
+        _sync(engine.device)
+    engine.policy.observe(len(rows), 0, [0] * len(rows), 0.0, time.perf_counter() - t0)
+
+
 def spec_step(engine, rows: list) -> None:
     """Draft, verify, accept and append for `rows` (EngineCore's running rows); feeds the step policy."""
     dev = engine.device
@@ -50,16 +75,16 @@ def spec_step(engine, rows: list) -> None:
     k = engine.policy.choose(n)
     engine.drafter.k = k
     t0 = time.perf_counter()
+    if k == 0:
+        plain_step(engine, rows, t0)
+        return
     draft_probs = None
-    if k > 0:
-        pick = draft_pick(rows, params, engine.generator, engine.draft_sampling)
-        sample_draft = getattr(engine.drafter, "sample_draft", None)
-        if pick is not argmax_pick and sample_draft is not None:
-            drafts, draft_probs = sample_draft(rows, pick)
-        else:  # SGLang's greedy drafting, or a drafter without a distribution (NGRAM)
-            drafts = engine.drafter.propose(rows)
-    else:
-        drafts = torch.zeros(n, 0, dtype=torch.long, device=dev)
+    pick = draft_pick(rows, params, engine.generator, engine.draft_sampling)
+    sample_draft = getattr(engine.drafter, "sample_draft", None)
+    if pick is not argmax_pick and sample_draft is not None:
+        drafts, draft_probs = sample_draft(rows, pick)
+    else:  # SGLang's greedy drafting, or a drafter without a distribution (NGRAM)
+        drafts = engine.drafter.propose(rows)
     if engine.timed:
         _sync(dev)
     t1 = time.perf_counter()
@@ -92,12 +117,7 @@ def spec_step(engine, rows: list) -> None:
     alive = []
     for i, row in enumerate(rows):
         a = accept_list[i]
-        if k > 0:
-            row.verify_ct += 1
-            row.accept_num += a
-            row.draft_num += k
-            engine._accept_tokens += a + 1
-            engine._verify_passes += 1
+        _count_verify(engine, row, a, k)
         row.kv_len += a + 1
         engine._append(row, chosen_list[i][: a + 1], None if logprobs is None else logprobs[i][: a + 1])
         if i in broken:
