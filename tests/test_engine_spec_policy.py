@@ -145,7 +145,8 @@ def test_auto_is_not_fooled_by_one_slow_sample():
         k = auto.choose(8)
         seen.append(k)
         auto.observe(8, k, [0] * 8, draft_s=0.3 * k, verify_s=100.0 if step == 0 else costs[k])
-    assert seen[:6] == [0, 1, 2, 0, 1, 2] and set(seen[6:]) == {0}
+    # k = 2 is never probed: with every draft rejected it cannot win even at k = 1's cost (AutoSteps._dominated)
+    assert seen[:4] == [0, 1, 0, 1] and set(seen[4:]) == {0}
 
 
 def test_auto_explores_less_while_the_best_k_holds():
@@ -158,3 +159,19 @@ def test_auto_explores_less_while_the_best_k_holds():
     probes = [i for i, k in enumerate(seen) if i >= 6 and k != 0]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps[:4] == [16, 32, 64, 64] and len(probes) <= 10  # 8, 16, 32, 64, 64...: backs off, never stops
+
+
+def test_auto_skips_long_drafts_that_cannot_win_but_measures_those_that_can():
+    never = AutoSteps(max_k=3, explore_every=1000)
+    always = AutoSteps(max_k=3, explore_every=1000)
+    costs = {0: 1.0, 1: 1.2, 2: 1.3, 3: 1.4}
+    for auto, hit in ((never, 0), (always, 1)):
+        seen = []
+        for _ in range(12):
+            k = auto.choose(8)
+            seen.append(k)
+            auto.observe(8, k, [k * hit] * 8, draft_s=0.05 * k, verify_s=costs[k])
+        if hit:
+            assert seen[:4] == [0, 1, 2, 3] and seen[-1] == 3
+        else:
+            assert 2 not in seen and 3 not in seen and seen[-1] == 0 and never.accept_rate < 0.1

@@ -173,10 +173,12 @@ class AutoSteps:
     """Our `--spec-auto`: k in 0..max_k per step, maximising expected tokens per second from online estimates.
 
     Each batch-size bucket first measures every k twice (cheapest first, two passes, so one cold call cannot
-    decide), then takes `best_steps`; it tries a neighbour of the best k every `explore_every` steps so the
-    estimates stay fresh, doubling the interval (up to `max_explore_every`) while the best k does not change:
-    each probe of a losing k costs a step, and after a run of plain steps the MTP drafter's catch-up too. The per-token accept rate is the geometric MLE over all rows (accepted drafts /
-    (accepted + rejections)), as an EMA.
+    decide), skipping a k that cannot win even at the cost of a smaller one (`_dominated`), then takes
+    `best_steps`; it tries a neighbour of the best k every `explore_every` steps so the estimates stay fresh,
+    doubling the interval (up to `max_explore_every`) while the best k does not change: each probe of a losing k
+    costs a step, and after a run of plain steps the MTP drafter's catch-up too. The per-token accept rate is the
+    geometric MLE over all rows, accepted drafts / (accepted + rejections), from counts decayed by 1 - alpha per
+    step with one pseudo-count each (a step of 32 rows is 32 times the evidence of a step of one).
     """
 
     def __init__(self, max_k: int, alpha: float = 0.2, explore_every: int = 32, prior_accept_rate: float = 0.5,
@@ -184,13 +186,15 @@ class AutoSteps:
         self.max_k, self.alpha, self.explore_every = max_k, alpha, explore_every
         self.max_explore_every = max(max_explore_every, explore_every)
         self.accept_rate = prior_accept_rate
+        self._hits = self._misses = 0.0  # decayed counts of accepted / rejected drafts, one pseudo-count each
         self.buckets: dict[int, _Bucket] = {}
 
     def choose(self, batch_size: int) -> int:
         b = self.buckets.setdefault(bucket_of(batch_size), _Bucket())
         b.steps += 1
         for passes in (1, 2):
-            unmeasured = [k for k in range(self.max_k + 1) if len(b.verify_samples.get(k, ())) < passes]
+            unmeasured = [k for k in range(self.max_k + 1) if len(b.verify_samples.get(k, ())) < passes
+                          and not self._dominated(b, k)]
             if unmeasured:
                 return unmeasured[0]
         best = best_steps(self.accept_rate, b.draft_cost or 0.0, b.verify_cost)
@@ -204,6 +208,19 @@ class AutoSteps:
         b.explores += 1
         return min(best + 1, self.max_k) if b.explores % 2 or best == 0 else best - 1
 
+    def _dominated(self, b: "_Bucket", k: int) -> bool:
+        """Whether measuring k is pointless: even at the cost of the dearest smaller k measured so far (a verify
+        of more tokens never costs less), its expected tokens per second lose to the best measured k. Saves the
+        warm-up probes of long drafts that are never accepted."""
+        measured = b.verify_cost
+        smaller = [j for j in measured if j < k]
+        if k < 2 or not smaller or b.draft_cost is None:
+            return False
+        draft = b.draft_cost
+        best = max(expected_tokens(self.accept_rate, j) / max(j * draft + c, 1e-12) for j, c in measured.items())
+        optimistic = expected_tokens(self.accept_rate, k) / max(k * draft + max(measured[j] for j in smaller), 1e-12)
+        return optimistic < best
+
     def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float) -> None:
         b = self.buckets.setdefault(bucket_of(batch_size), _Bucket())
         b.verify_samples.setdefault(k, deque(maxlen=COST_WINDOW)).append(verify_s)
@@ -212,8 +229,9 @@ class AutoSteps:
         b.draft_samples.append(draft_s / k)
         hits = sum(accepted)
         misses = sum(1 for a in accepted if a < k)
-        if hits + misses:
-            self.accept_rate += self.alpha * (hits / (hits + misses) - self.accept_rate)
+        decay = 1.0 - self.alpha  # decayed counts: a step of many rows weighs as much evidence as it holds
+        self._hits, self._misses = decay * self._hits + hits, decay * self._misses + misses
+        self.accept_rate = (self._hits + 1.0) / (self._hits + self._misses + 2.0)
 
 
 def make_policy(spec, auto: bool):

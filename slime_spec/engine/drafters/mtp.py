@@ -26,16 +26,22 @@ class MTPDrafter:
         self.next_hidden = torch.zeros(slots, target.args.hidden_size, dtype=target.lm_head.weight.dtype,
                                        device=device)
         self.cache: KVCache | None = None
-        self.pending: dict[int, list[tuple[int, torch.Tensor, int]]] = {}  # slot -> [(token, hidden, position)]
+        # Deferred plain steps: per step (hidden [B, H], {slot: row}) and per slot [(token, step, position)], so a
+        # plain step costs one list append per row, no tensor op per row.
+        self.pending: dict[int, list[tuple[int, int, int]]] = {}
+        self.pending_steps: dict[int, tuple[torch.Tensor, dict[int, int]]] = {}
+        self._step_id = 0
         self.new_cache()
 
     def new_cache(self) -> None:
         self.cache = self.target.new_mtp_cache(self.slots, self.max_seq)
         self.pending.clear()
+        self.pending_steps.clear()
 
     def drop_cache(self) -> None:
         self.cache = None
         self.pending.clear()
+        self.pending_steps.clear()
 
     def _extend(self, rows, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 last: torch.Tensor, num_keys: int | None = None) -> None:
@@ -63,8 +69,12 @@ class MTPDrafter:
         width = tokens.shape[1]
         hidden = torch.zeros(len(behind), width, self.next_hidden.shape[1], dtype=self.next_hidden.dtype,
                              device=device)
-        for i, q in enumerate(queued):
-            hidden[i, : len(q)] = torch.stack([h for _, h, _ in q])
+        for i, (r, q) in enumerate(zip(behind, queued)):
+            hidden[i, : len(q)] = torch.stack([self.pending_steps[step][0][self.pending_steps[step][1][r.slot]]
+                                               for _, step, _ in q])
+        waiting = {step for q in self.pending.values() for _, step, _ in q}
+        for step in [s for s in self.pending_steps if s not in waiting]:
+            del self.pending_steps[step]
         start = torch.tensor([q[0][2] for q in queued], device=device)
         positions = start[:, None] + torch.arange(width, device=device)[None]
         self._extend(behind, tokens, hidden, positions, torch.tensor([len(q) - 1 for q in queued], device=device))
@@ -94,8 +104,10 @@ class MTPDrafter:
 
     def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
         if self.k == 0:  # a plain step: defer its extend to the next draft (see _catch_up)
-            for i, r in enumerate(rows):
-                self.pending.setdefault(r.slot, []).append((r.tokens[-1], hidden[i, 0], r.kv_len - 1))
+            self._step_id += 1
+            self.pending_steps[self._step_id] = (hidden[:, 0], {r.slot: i for i, r in enumerate(rows)})
+            for r in rows:
+                self.pending.setdefault(r.slot, []).append((r.tokens[-1], self._step_id, r.kv_len - 1))
             return
         device = hidden.device
         k1 = hidden.shape[1]  # the verify pass's k + 1 positions
