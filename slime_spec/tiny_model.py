@@ -26,6 +26,9 @@ PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 # Most useful characters first, so a truncated vocabulary (--vocab smaller than the full one) keeps them.
 CHARACTERS = (" \n" + string.ascii_lowercase + string.digits + ".,!?'\"-:;()" + string.ascii_uppercase
               + "".join(c for c in string.punctuation if c not in ".,!?'\"-:;()"))
+# Llama-3.1's RoPE scaling with a short original context, so a tiny model's positions reach the blended band.
+LLAMA31_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 64}
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -83,7 +86,8 @@ def write_tokenizer(out_dir: Path, vocab_size: int) -> None:
 
 def make_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
                 num_kv_heads: int, intermediate_size: int, max_position_embeddings: int, dtype: str,
-                mtp_layers: int, tie_word_embeddings: bool) -> dict:
+                mtp_layers: int, tie_word_embeddings: bool, rope_scaling: dict | None = None,
+                rope_theta: float = 10000.0) -> dict:
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r}: choose one of {ARCHS}")
     if hidden_size % num_heads or num_heads % num_kv_heads:
@@ -103,7 +107,7 @@ def make_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: int
         "hidden_act": "silu",
         "max_position_embeddings": max_position_embeddings,
         "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
+        "rope_theta": rope_theta,
         "tie_word_embeddings": tie_word_embeddings,
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
@@ -114,6 +118,8 @@ def make_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: int
     }
     if arch == "llama":
         config.update(attention_bias=False, mlp_bias=False)
+    if rope_scaling is not None:
+        config["rope_scaling"] = dict(rope_scaling)
     else:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers,
                       attention_dropout=0.0)
@@ -177,7 +183,8 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", mtp_layers: int = 
                     hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                     intermediate_size: int = 128, max_position_embeddings: int = 1024, seed: int = 0,
                     dtype: str = "float32", init_from: str | None = None,
-                    tie_word_embeddings: bool | None = None) -> Path:
+                    tie_word_embeddings: bool | None = None, rope_scaling: dict | None = None,
+                    rope_theta: float = 10000.0) -> Path:
     """Write a random checkpoint to `out_dir` and return its path.
 
     vocab_size: None = every special token and character (see `full_vocab_size()`); smaller keeps the
@@ -185,6 +192,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", mtp_layers: int = 
     init_from: a checkpoint directory; every tensor of the same name and shape is copied from it (e.g. a
       1-layer draft sharing the target's embedding and lm_head, or a MiMo whose base is a given Qwen2).
     tie_word_embeddings: None = the family's usual choice (llama False, qwen2 True, mimo False).
+    rope_scaling: written as config.json's `rope_scaling` (e.g. LLAMA31_ROPE_SCALING for a Llama-3.1 shape).
     """
     dtype = canonical_dtype(dtype)
     if arch == "mimo" and mtp_layers < 1:
@@ -195,7 +203,8 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", mtp_layers: int = 
     config = make_config(arch, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
                          num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
                          max_position_embeddings=max_position_embeddings, dtype=dtype,
-                         mtp_layers=mtp_layers if arch == "mimo" else 0, tie_word_embeddings=tie_word_embeddings)
+                         mtp_layers=mtp_layers if arch == "mimo" else 0, tie_word_embeddings=tie_word_embeddings,
+                         rope_scaling=rope_scaling, rope_theta=rope_theta)
     weights = make_weights(config, seed)
     if init_from is not None:
         source = load_file(str(Path(init_from) / "model.safetensors"))

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from slime_spec.config import TrainConfig
+from slime_spec.trainer import rope
 from slime_spec.trainer.packing import causal_mask
 from slime_spec.weight_sync import convert
 
@@ -46,16 +47,6 @@ def read_hf_state(checkpoint: str | Path) -> dict[str, torch.Tensor]:
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     """Megatron splits the vocabulary evenly over TP ranks; the extra rows are never read as logits."""
     return -(-vocab_size // tp_size) * tp_size
-
-
-def _rope_theta(hf_config: dict) -> float:
-    scaling = hf_config.get("rope_scaling") or {}
-    params = hf_config.get("rope_parameters") or {}
-    rope_type = scaling.get("rope_type") or scaling.get("type") or params.get("rope_type") or "default"
-    if rope_type != "default":
-        raise ValueError(f"rope_scaling type {rope_type!r} in the HF config is not supported by the trainer "
-                         f"(only plain RoPE)")
-    return float(hf_config.get("rope_theta") or params.get("rope_theta") or 10000.0)
 
 
 def transformer_config(hf_config: dict, train: TrainConfig):
@@ -115,6 +106,7 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 
     config = transformer_config(hf_config, train)
+    rope_spec = rope.rope_spec(hf_config)
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     mtp_spec = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
                 if train.mtp_num_layers else None)
@@ -126,9 +118,12 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
         parallel_output=False,
         share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
-        rotary_base=_rope_theta(hf_config),
+        rotary_base=rope_spec.theta,
         mtp_block_spec=mtp_spec,
     )
+    # Megatron's own llama3 scaling has fixed numbers: use the checkpoint's (set before the first forward,
+    # whose RoPE table Megatron caches).
+    model.rotary_pos_emb.inv_freq = rope.inv_freq(rope_spec, rope.head_dim_of(hf_config))
     if train.bf16:  # as Megatron's Float16Module: every parameter, norms included (torch's RMSNorm is built float32)
         model.bfloat16()
     if torch.cuda.is_available():
@@ -188,9 +183,9 @@ def forward(model, input_ids: torch.Tensor, vocab_size: int, with_mtp: bool = Tr
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
     mask = causal_mask(input_ids.shape[1], input_ids.device) if attention_mask is None else attention_mask
-    rope = rope_for_positions(model, position_ids)
+    rope_table = rope_for_positions(model, position_ids)
     decoder_input = model.embedding(input_ids=input_ids, position_ids=position_ids)
-    hidden = model.decoder(hidden_states=decoder_input, attention_mask=mask, rotary_pos_emb=rope)
+    hidden = model.decoder(hidden_states=decoder_input, attention_mask=mask, rotary_pos_emb=rope_table)
     output_weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights \
         else model.output_layer.weight
 
@@ -208,7 +203,7 @@ def forward(model, input_ids: torch.Tensor, vocab_size: int, with_mtp: bool = Tr
             return emb.masked_fill(sample_start, 0.0) if mtp_zero_first_token else emb
 
         stacked = model.mtp(input_ids=input_ids, position_ids=position_ids, hidden_states=hidden.detach(),
-                            attention_mask=mask, rotary_pos_emb=rope, embedding=detached_embedding)
+                            attention_mask=mask, rotary_pos_emb=rope_table, embedding=detached_embedding)
         per_layer = torch.chunk(stacked, 1 + model.config.mtp_num_layers, dim=0)[1:]
         mtp_logits = [logits_of(h, output_weight.detach()) for h in per_layer]
     return ModelOutput(logits, mtp_logits)
