@@ -28,13 +28,13 @@ class TrainActor:
         """This node's address and a free port, for rank 0 to host the process group's store."""
         return ray.util.get_node_ip_address(), free_port("")
 
-    def init(self, train: TrainConfig, master_addr: str, master_port: int) -> dict:
+    def init(self, train: TrainConfig, master_addr: str, master_port: int, draft_model_path: str | None = None) -> dict:
         from slime_spec.trainer.parallel import init_parallel
         from slime_spec.trainer.trainer import Trainer
 
         init_parallel(self.rank, self.world_size, master_addr, master_port, train.tensor_model_parallel_size,
                       train.seed)
-        self.trainer = Trainer(train)
+        self.trainer = Trainer(train, draft_model_path)
         return self.trainer.get_tp_info()
 
     def _ready(self):

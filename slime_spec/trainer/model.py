@@ -9,6 +9,7 @@ Needs `parallel.init_parallel` first (Megatron's TP groups and RNG trackers).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,6 +160,24 @@ def load_hf_weights(model, hf_state: dict[str, torch.Tensor], hf_config: dict, t
 class ModelOutput:
     logits: torch.Tensor  # [batch, seq, vocab]; position i predicts token i + 1
     mtp_logits: list[torch.Tensor]  # MTP layer k: position i predicts token i + k + 2
+    aux_hidden: torch.Tensor | None = None  # [b, s, n * h] outputs of the aux layers (EAGLE3), detached
+    embeds: torch.Tensor | None = None  # [b, s, h] token embeddings, detached (with aux_hidden)
+
+
+@contextlib.contextmanager
+def captured_layer_outputs(model, layer_ids: list[int]):
+    """Collect the (detached) outputs of decoder layers `layer_ids` during a forward, in layer order."""
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+    for i in layer_ids:
+        def hook(_module, _inputs, output, i=i):
+            captured[i] = (output[0] if isinstance(output, tuple) else output).detach()
+        handles.append(model.decoder.layers[i].register_forward_hook(hook))
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def rope_for_positions(model, position_ids: torch.Tensor) -> torch.Tensor:
@@ -169,7 +188,7 @@ def rope_for_positions(model, position_ids: torch.Tensor) -> torch.Tensor:
 
 def forward(model, input_ids: torch.Tensor, vocab_size: int, with_mtp: bool = True,
             mtp_zero_first_token: bool = False, position_ids: torch.Tensor | None = None,
-            attention_mask: torch.Tensor | None = None) -> ModelOutput:
+            attention_mask: torch.Tensor | None = None, aux_layer_ids: list[int] | None = None) -> ModelOutput:
     """The policy's and the MTP layers' logits for `input_ids` [rows, seq].
 
     Right-padded rows by default; packed rows pass their per-sample `position_ids` and block-diagonal
@@ -179,13 +198,19 @@ def forward(model, input_ids: torch.Tensor, vocab_size: int, with_mtp: bool = Tr
     *detached*: MTP training moves only the MTP layers, the draft follows the policy and never pulls it.
     `mtp_zero_first_token`: zero the MTP token embedding at each sample's position 0, as SGLang serves
     MiMo's MTP layer (sglang models/mimo_mtp.py), so the draft is trained on exactly the inputs it is served with.
+    `aux_layer_ids`: also return those layers' outputs and the embeddings, detached (an EAGLE3 draft's inputs).
     """
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
     mask = causal_mask(input_ids.shape[1], input_ids.device) if attention_mask is None else attention_mask
     rope_table = rope_for_positions(model, position_ids)
     decoder_input = model.embedding(input_ids=input_ids, position_ids=position_ids)
-    hidden = model.decoder(hidden_states=decoder_input, attention_mask=mask, rotary_pos_emb=rope_table)
+    with captured_layer_outputs(model, aux_layer_ids or []) as captured:
+        hidden = model.decoder(hidden_states=decoder_input, attention_mask=mask, rotary_pos_emb=rope_table)
+    aux_hidden = embeds = None
+    if aux_layer_ids:
+        aux_hidden = torch.cat([captured[i] for i in aux_layer_ids], dim=-1).transpose(0, 1)
+        embeds = decoder_input.detach().transpose(0, 1)
     output_weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights \
         else model.output_layer.weight
 
@@ -206,4 +231,4 @@ def forward(model, input_ids: torch.Tensor, vocab_size: int, with_mtp: bool = Tr
                             attention_mask=mask, rotary_pos_emb=rope_table, embedding=detached_embedding)
         per_layer = torch.chunk(stacked, 1 + model.config.mtp_num_layers, dim=0)[1:]
         mtp_logits = [logits_of(h, output_weight.detach()) for h in per_layer]
-    return ModelOutput(logits, mtp_logits)
+    return ModelOutput(logits, mtp_logits, aux_hidden, embeds)

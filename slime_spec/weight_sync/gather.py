@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator, Literal
 import torch
 import torch.distributed as dist
 
-Kind = Literal["target", "mtp"]
+Kind = Literal["target", "mtp", "draft"]  # draft: a separate draft model's own tensors (EAGLE3)
 
 
 @dataclass(frozen=True)
@@ -162,3 +162,10 @@ def iter_hf_state(state: dict[str, torch.Tensor], hf_config: dict) -> Iterator[N
     is_mtp = hf_mtp_matcher(hf_config)
     for name, tensor in state.items():
         yield NamedTensor(name, tensor.detach().contiguous(), "mtp" if is_mtp(name) else "target")
+
+
+def iter_draft_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[NamedTensor]:
+    """A separate draft's own tensors (EAGLE3: checkpoint names, never the embedding it shares with the
+    target), marked `kind="draft"`: they go to the draft runner alone, with selector `draft`."""
+    for name, tensor in named_tensors:
+        yield NamedTensor(name, tensor.detach().contiguous(), "draft")
