@@ -122,5 +122,15 @@ def test_draft_is_checkpointed_with_the_policy(llama, tmp_path):
     for (n, a), (m, b) in zip(trainer.named_draft_tensors(), resumed.named_draft_tensors()):
         assert n == m and torch.equal(a, b)
     assert resumed.online_draft.optimizer.state_dict()["state"]
+    exported = E.load_draft(tmp_path / "iter_0000000" / "eagle3_draft", num_target_layers=4)
+    for n, t in trainer.named_draft_tensors():
+        assert torch.equal(E.trainable_state(exported)[n], t), n
     with pytest.raises(ValueError, match="--sglang-speculative-draft-model-path"):
         make_trainer(llama, draft_path=None)
+
+
+def test_bf16_policy_trains_a_float32_draft(llama):
+    trainer = make_trainer(llama, bf16=True)
+    metrics = trainer.train_step(rollout(seed=3), rollout_id=0)
+    assert trainer.online_draft.draft.fc.weight.dtype == torch.float32
+    assert metrics["draft_loss"] == metrics["draft_loss"] and metrics["draft_loss"] > 0

@@ -66,6 +66,12 @@ class OnlineDraft:
         """Checkpoint name -> tensor of every trainable draft parameter (what selector `draft` updates)."""
         return {n: p.detach() for n, p in self.draft.named_parameters()}
 
+    def export(self, directory) -> None:
+        """The draft as an SGLang EAGLE3 checkpoint (config.json + model.safetensors) in its config's dtype."""
+        from slime_spec.dtypes import torch_dtype
+
+        eagle3_draft.save_draft(self.draft, directory, torch_dtype(self.draft.config.get("torch_dtype") or "float32"))
+
     def state_dict(self) -> dict:
         return {"model": {k: v.detach().cpu() for k, v in self.draft.state_dict().items()},
                 "optimizer": self.optimizer.state_dict()}

@@ -70,6 +70,8 @@ def ttt_loss(draft: Eagle3Draft, embeds: torch.Tensor, aux_hidden: torch.Tensor,
     if attention_mask is None:
         attention_mask = torch.ones(s, s, dtype=torch.bool, device=embeds.device).triu(1)[None, None]
     t2d = draft.t2d
+    dtype = draft.fc.weight.dtype  # a --bf16 policy's features meet the draft's own (float32) precision
+    embeds, aux_hidden = embeds.to(dtype), aux_hidden.to(dtype)
     target_logits = target_logits.detach().float()
     in_draft_vocab = t2d[target_logits.argmax(-1)]  # [b, s]: the target's top token can be drafted
     target_p = torch.softmax(target_logits[..., t2d], dim=-1)  # [b, s, Vd], draft id order (t2d ascending)

@@ -27,6 +27,7 @@ from slime_spec.trainer.parallel import TPInfo, current_tp_info
 from slime_spec.weight_sync import convert
 
 logger = logging.getLogger(__name__)
+EAGLE3_DRAFT_DIR = "eagle3_draft"  # in each --save iteration: the online draft as an SGLang checkpoint
 METRICS = ("loss", "pg_loss", "kl", "clip_fraction", "entropy", "mtp_loss")
 
 
@@ -175,6 +176,8 @@ class Trainer:
                                          self.hf_config, dict(self.named_megatron_params()), optimizer_state,
                                          draft_state=None if self.online_draft is None
                                          else self.online_draft.state_dict())
+            if self.online_draft is not None and self.tp.tp_rank == 0:  # servable as is: SGLang's EAGLE3 layout
+                self.online_draft.export(path.parent / EAGLE3_DRAFT_DIR)
         dist.barrier()
         if self.tp.rank == 0:
             checkpoint.mark_latest(self.train.save, rollout_id)
