@@ -1,7 +1,7 @@
 """megatron-core GPTModel (+ its MTP block) from an HF config, loading HF weights, and a forward that
 returns the policy's logits and every MTP layer's logits.
 
-Local (non-TransformerEngine) layer spec: RMSNorm, SwiGLU, RoPE, GQA, no linear bias except Qwen2's
+Local (non-TransformerEngine) layer spec: RMSNorm, SwiGLU, RoPE (plain or Llama-3.1's llama3 scaling), GQA, no linear bias except Qwen2's
 q/k/v bias. Parameters are float32 (training on CPU, and exact comparisons with HF), or bfloat16 with
 --bf16 (the optimizer then keeps float32 master copies: precision.py).
 Needs `parallel.init_parallel` first (Megatron's TP groups and RNG trackers).
