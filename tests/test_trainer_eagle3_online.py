@@ -134,3 +134,22 @@ def test_bf16_policy_trains_a_float32_draft(llama):
     metrics = trainer.train_step(rollout(seed=3), rollout_id=0)
     assert trainer.online_draft.draft.fc.weight.dtype == torch.float32
     assert metrics["draft_loss"] == metrics["draft_loss"] and metrics["draft_loss"] > 0
+
+
+def test_ttt_attention_sees_the_context_then_its_own_later_steps():
+    """Step k at position i attends to step-0 keys 0..i and to its own keys of steps 1..k (brute force)."""
+    from slime_spec.trainer.eagle3_ttt import _attend
+
+    gen = torch.Generator().manual_seed(0)
+    b, heads, kv, s, d, steps = 2, 4, 2, 6, 8, 3
+    q = torch.randn(b, heads, s, d, generator=gen)
+    keys = [torch.randn(b, kv, s, d, generator=gen) for _ in range(steps)]
+    values = [torch.randn(b, kv, s, d, generator=gen) for _ in range(steps)]
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]
+    out = _attend(q, keys, values, causal)
+    for i in range(s):
+        k_i = torch.cat([keys[0][:, :, :i + 1]] + [k[:, :, i:i + 1] for k in keys[1:]], dim=2)
+        v_i = torch.cat([values[0][:, :, :i + 1]] + [v[:, :, i:i + 1] for v in values[1:]], dim=2)
+        k_i, v_i = k_i.repeat_interleave(heads // kv, 1), v_i.repeat_interleave(heads // kv, 1)
+        w = torch.softmax(q[:, :, i:i + 1] @ k_i.transpose(-1, -2) / d ** 0.5, dim=-1)
+        torch.testing.assert_close(out[:, :, i:i + 1], w @ v_i, atol=1e-5, rtol=1e-5)
