@@ -1,11 +1,16 @@
 """Trainer throughput, side by side in one run: packed vs padded micro-batches on long-tailed lengths, and
-the step-time cost of online MTP training (no MTP layer / MTP forward only / --enable-mtp-training).
+the step-time cost of online MTP training (no MTP layer / MTP forward only / --enable-mtp-training), split
+into the parts of a step (trainer/timing.py) and extrapolated to the model's full depth.
 
 Each row is a real GRPO `Trainer.train_step` (old-policy log-probs, forward, backward, AdamW) on the same
 random MiMo-shaped checkpoint and the same samples. Lengths: a prompt plus a log-normal response whose
 99th percentile is 10x its median, cut at --max-len. Padded micro-batches hold as many samples as fit the
 same token budget when padded to the longest (--max-tokens-per-gpu / --max-len), as a padded trainer
 must size them; packed ones fill the budget with real tokens.
+
+Full depth: the MTP layer's cost does not grow with the trunk's depth, the trunk's does. The no-MTP step
+is also timed at half the layers; the slope gives the cost per trunk layer and the step at
+--full-depth-layers is extrapolated from it (MiMo-7B-RL: 36), the MTP overhead divided by that.
 
     python bench/trainer.py --quick                                  # CPU, tiny shapes, float32
     python bench/trainer.py --device cuda --dtype bf16               # MiMo-7B-RL layer shapes, 4 of 36 layers
@@ -34,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-kv-heads", type=int, default=MIMO_7B["num_kv_heads"])
     p.add_argument("--vocab-size", type=int, default=MIMO_7B["vocab_size"])
     p.add_argument("--num-layers", type=int, default=4, help="MiMo-7B-RL has 36; keep what fits in memory")
+    p.add_argument("--full-depth-layers", type=int, default=36,
+                   help="extrapolate the MTP overhead to this many trunk layers (MiMo-7B-RL: 36)")
     p.add_argument("--samples", type=int, default=32, help="samples per step (= --global-batch-size)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--median-response-len", type=int, default=192)
@@ -46,9 +53,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.device, a.dtype = "cpu", "fp32"
         a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads, a.vocab_size = 128, 256, 4, 2, 512
         a.num_layers, a.samples, a.prompt_len, a.median_response_len = 2, 16, 8, 24
+        a.full_depth_layers = 8
         a.max_len, a.max_tokens_per_gpu, a.steps = 256, 512, 2
     if a.max_len > a.max_tokens_per_gpu:
         p.error(f"--max-len {a.max_len} must be at most --max-tokens-per-gpu {a.max_tokens_per_gpu}")
+    if a.num_layers < 2:
+        p.error("--num-layers must be at least 2 (the per-layer cost is measured at half the layers too)")
     if a.samples % 2:
         p.error("--samples must be even (GRPO groups of 2)")
     return a
@@ -72,10 +82,13 @@ def make_samples(lengths: list[int], a, rng):
     return out
 
 
-def time_steps(train_config, samples, steps: int) -> tuple[float, object]:
-    """Median seconds of `steps` train_steps after one warm-up; also the trainer's plan of the samples."""
+def time_steps(train_config, samples, steps: int, split: bool = False) -> tuple[float, object, dict[str, float]]:
+    """Median seconds of `steps` train_steps after one warm-up; the trainer's plan of the samples; with
+    `split`, `steps` more steps with the per-part timer on (it synchronises the GPU around each part, so
+    the plain steps give the step time) and the mean seconds per step of each part."""
     import torch
 
+    from slime_spec.trainer.timing import PartTimer
     from slime_spec.trainer.trainer import Trainer
 
     trainer = Trainer(train_config)
@@ -90,10 +103,16 @@ def time_steps(train_config, samples, steps: int) -> tuple[float, object]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+    parts: dict[str, float] = {}
+    if split:
+        trainer.timer = PartTimer(enabled=True)
+        for r in range(steps):
+            trainer.train_step(samples, steps + r + 1)
+        parts = {part: secs / steps for part, secs in trainer.timer.seconds.items()}
     del trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return statistics.median(times), plan
+    return statistics.median(times), plan, parts
 
 
 def computed_tokens(plan, lengths: list[int], packed: bool) -> int:
@@ -113,6 +132,7 @@ def main(argv=None) -> None:
     from slime_spec.config import TrainConfig
     from slime_spec.tiny_model import make_tiny_model
     from slime_spec.trainer import parallel
+    from slime_spec.trainer.timing import PARTS
 
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU here; use --device cpu (or --quick)")
@@ -120,12 +140,17 @@ def main(argv=None) -> None:
     rng = random.Random(a.seed)
     lengths = sample_lengths(a, rng)
     samples = make_samples(lengths, a, rng)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_model(tmp, arch="mimo", mtp_layers=1, vocab_size=a.vocab_size, hidden_size=a.hidden_size,
-                               num_layers=a.num_layers, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
+    def checkpoint(tmp: str, num_layers: int):
+        return make_tiny_model(tmp, arch="mimo", mtp_layers=1, vocab_size=a.vocab_size, hidden_size=a.hidden_size,
+                               num_layers=num_layers, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads,
                                intermediate_size=a.intermediate_size,
                                max_position_embeddings=max(a.max_len, 1024), seed=a.seed,
                                dtype="bfloat16" if a.dtype == "bf16" else "float32")
+
+    half_layers = a.num_layers // 2
+    with tempfile.TemporaryDirectory() as tmp:
+        path = checkpoint(os.path.join(tmp, "full"), a.num_layers)
+        half_path = checkpoint(os.path.join(tmp, "half"), half_layers)
         padded_mbs = max(1, a.max_tokens_per_gpu // a.max_len)
         while a.samples % padded_mbs:
             padded_mbs -= 1
@@ -137,7 +162,7 @@ def main(argv=None) -> None:
                 (f"padded ({padded_mbs} samples/micro-batch)", {}, False),
                 (f"packed (<= {a.max_tokens_per_gpu} tokens/micro-batch)",
                  {"max_tokens_per_gpu": a.max_tokens_per_gpu}, True)):
-            secs, plan = time_steps(TrainConfig(**base, **kw), samples, a.steps)
+            secs, plan, _ = time_steps(TrainConfig(**base, **kw), samples, a.steps)
             rows.append((name, secs, real / secs, computed_tokens(plan, lengths, packed) / real,
                          sum(len(step) for step in plan)))
         mtp_rows = []
@@ -145,8 +170,12 @@ def main(argv=None) -> None:
         for name, kw in (("no MTP layer", {"mtp_num_layers": 0}),
                          ("MTP layer, forward only (frozen draft)", {"mtp_num_layers": 1}),
                          ("--enable-mtp-training", {"mtp_num_layers": 1, "enable_mtp_training": True})):
-            secs, _ = time_steps(TrainConfig(**base, **packed_kw, **kw), samples, a.steps)
-            mtp_rows.append((name, secs))
+            secs, _, parts = time_steps(TrainConfig(**base, **packed_kw, **kw), samples, a.steps, split=True)
+            mtp_rows.append((name, secs, parts))
+        half, _, _ = time_steps(TrainConfig(**{**base, "hf_checkpoint": str(half_path)}, **packed_kw,
+                                            mtp_num_layers=0), samples, a.steps)
+    per_layer = (mtp_rows[0][1] - half) / (a.num_layers - half_layers)
+    full_step = mtp_rows[0][1] + per_layer * (a.full_depth_layers - a.num_layers)
 
     device = torch.cuda.get_device_name() if a.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     print(f"\n{device}, {a.dtype}, hidden {a.hidden_size}, ffn {a.intermediate_size}, heads {a.num_heads}/"
@@ -157,10 +186,19 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|")
     for name, secs, tps, waste, n_mb in rows:
         print(f"| {name} | {secs:.3f} | {tps:,.0f} | {waste:.2f} | {n_mb} | {rows[0][1] / secs:.2f}x |")
-    print(f"\n| packed, MTP | step s | vs no MTP layer |")
-    print("|---|---|---|")
-    for name, secs in mtp_rows:
-        print(f"| {name} | {secs:.3f} | {(secs / mtp_rows[0][1] - 1) * 100:+.1f}% |")
+    base_secs = mtp_rows[0][1]
+    print(f"\n| packed, MTP | step s | vs no MTP layer | at {a.full_depth_layers} layers (extrapolated) |")
+    print("|---|---|---|---|")
+    for name, secs, _ in mtp_rows:
+        print(f"| {name} | {secs:.3f} | {(secs / base_secs - 1) * 100:+.1f}% | "
+              f"{(secs - base_secs) / full_step * 100:+.1f}% |")
+    print(f"\nper trunk layer {per_layer:.4f} s/step (no-MTP step at {half_layers} layers: {half:.3f} s); "
+          f"no-MTP step at {a.full_depth_layers} layers: {full_step:.3f} s (extrapolated)")
+    print(f"\n| seconds per step, timed apart (GPU synchronised per part) | "
+          + " | ".join(PARTS) + " |")
+    print("|---|" + "---|" * len(PARTS))
+    for name, _, parts in mtp_rows:
+        print(f"| {name} | " + " | ".join(f"{parts[p]:.3f}" if p in parts else "-" for p in PARTS) + " |")
 
 
 if __name__ == "__main__":

@@ -226,7 +226,8 @@ def to_config(p: ParsedArgs, refuse_unknown: bool = True) -> Config:
     engine = EngineConfig(
         backend=resolve_backend(a.rollout_backend), model_path=a.hf_checkpoint,
         num_gpus_per_engine=a.rollout_num_gpus_per_engine, forwarded_argv=tuple(p.sglang_tokens),
-        server_args=dict(p.sglang_set), seed=a.seed,
+        server_args=dict(p.sglang_set), seed=a.seed, spec_draft_sampling=a.spec_draft_sampling,
+        spec_auto=a.spec_auto,
     )
     train = from_flags(
         TrainConfig, a, loss_type=resolve_loss_type(a.loss_type),

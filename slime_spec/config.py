@@ -46,6 +46,7 @@ class ClusterConfig:
     rollout_num_gpus_per_engine: int = flag_default("rollout_num_gpus_per_engine")
     rollout_num_engines: int = flag_default("rollout_num_engines")  # used when there are no GPUs
     colocate: bool = flag_default("colocate")
+    placement_timeout: float = flag_default("placement_timeout")  # seconds; 0 = no bound
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class EngineConfig:
     # The same flags parsed by SGLang's own parser: dest -> value (only those the user set).
     server_args: dict = field(default_factory=dict)
     seed: int = flag_default("seed")
+    spec_draft_sampling: bool = flag_default("spec_draft_sampling")  # ours; embedded backend only
+    spec_auto: bool = flag_default("spec_auto")                      # ours; embedded backend only
 
     @property
     def module(self) -> str:
@@ -85,7 +88,9 @@ class EngineConfig:
                  "--random-seed", str(self.seed + engine_index)]
         if self.backend == "sglang":
             argv += ["--base-gpu-id", str(base_gpu_id)]
-        return argv + list(self.forwarded_argv)
+        own = [flag for flag, on in (("--spec-draft-sampling", self.spec_draft_sampling),
+                                     ("--spec-auto", self.spec_auto)) if on and self.backend == "embedded"]
+        return argv + list(self.forwarded_argv) + own
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,7 @@ def diagnose(parsed: ParsedArgs, launching: bool = False) -> tuple[Config | None
         history_drafting=config.rollout.rollout_history_drafting, history_epochs=config.rollout.rollout_history_epochs,
         history_max_tokens=config.rollout.rollout_history_max_tokens,
         prompts_per_rollout=config.rollout.rollout_batch_size,
+        spec_draft_sampling=config.engine.spec_draft_sampling, spec_auto=config.engine.spec_auto,
     ), F.MODEL_SHAPE_FLAGS)
     findings += flag_findings(parsed) + embedded_flag_findings(config) + rm_type_findings(config)
     ranges = range_findings(parsed, config)

@@ -136,6 +136,19 @@ class Rule(Enum):
         "a JSON file of batch-size tiers, e.g. {{\"1\": {{\"candidate_steps\": [1, 3, 5]}}}}, or drop the flag "
         "for SGLang's default tiers")
 
+    SPEC_OWN_OPTION_ON_SGLANG = _Entry(
+        "SPEC_OWN_OPTION_ON_SGLANG", "error",
+        "{flags}: slime-spec's own speculative options exist only in the embedded engine; SGLang's server would "
+        "refuse them",
+        "drop {flags}, or use --rollout-backend embedded; on SGLang, {sg}speculative-adaptive adapts the draft "
+        "length")
+    SPEC_ADAPTIVE_RECOMMENDED = _Entry(
+        "SPEC_ADAPTIVE_RECOMMENDED", "info",
+        "the draft length is SGLang's fixed default ({steps} steps at every batch size); RL rollouts decode at batch "
+        "sizes from the whole batch down to the last straggler, and a length that pays at small batches costs at "
+        "large ones",
+        "{sg}speculative-adaptive (SGLang's per-batch-size candidate steps){auto}")
+
     # ---- speculative settings vs the checkpoints and the GPU stack (slime_spec.spec_check)
     SPEC_DTYPE_MISMATCH = _Entry(
         "SPEC_DTYPE_MISMATCH", "error",

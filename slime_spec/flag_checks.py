@@ -75,6 +75,7 @@ BOUNDS: tuple[Bound, ...] = (
           "--sglang-server-concurrency 64"),
     Bound("rollout_request_retries", _at_least(0), "must be >= 0", "--rollout-request-retries 3"),
     Bound("engine_start_timeout", lambda v: v > 0, "must be > 0 seconds", "--engine-start-timeout 1800"),
+    Bound("placement_timeout", _at_least(0), "must be >= 0 seconds (0 waits without bound)", "--placement-timeout 300"),
     Bound("update_weight_buffer_size", _at_least(1), "must be >= 1 byte", "--update-weight-buffer-size 536870912"),
     Bound("tensor_model_parallel_size", _at_least(1), "must be >= 1", "--tensor-model-parallel-size 1", True),
     Bound("global_batch_size", _at_least(1), "must be >= 1", "drop it (one step per rollout) or a positive size",

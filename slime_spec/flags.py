@@ -235,6 +235,10 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
                                     "help": "upper bound in seconds on an engine server's start-up; the wait goes on "
                                             "only while the process is alive and not yet healthy. Large engines "
                                             "(DeepSeek/GLM at TP8, CUDA graph capture) take well over 300 s"}),
+        ("--placement-timeout", {**_F, "default": 300.0,
+                                 "help": "seconds to wait for the run's GPU placement group before failing with what "
+                                         "was requested and what the cluster has; 0 waits without bound (as slime "
+                                         "does: an autoscaling cluster adds nodes for a pending group)"}),
         ("--rollout-request-retries", {**_I, "default": 3,
                                        "help": "resubmissions of a request whose engine died (after its restart)"}),
         ("--spec-speedup-interval", {**_I, "default": None,
@@ -244,6 +248,12 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
                                              "backend only"}),
         ("--allow-unknown-flags", {**_ON, "help": "accept flags slime-spec does not know (your own, mixed in) "
                                                   "instead of stopping; doctor still lists them"}),
+
+        ("--spec-draft-sampling", {**_ON, "help": "embedded engine: MTP/STANDALONE drafts of sampled requests are "
+                                                  "sampled from the draft's own distribution and verified with "
+                                                  "min(1, p/q) (lossless); SGLang drafts argmax"}),
+        ("--spec-auto", {**_ON, "help": "embedded engine: choose the draft length per step (0 = plain) from measured "
+                                        "draft/verify costs and the accept rate to maximise tokens/s"}),
     ],
     # slime's function-path extension points: parsed so they are refused by name (NOT_ACTED_ON says what to use).
     "slime extension points (refused; see NOT_ACTED_ON)": [
@@ -308,8 +318,8 @@ ACTED_ON = {
     "tensor_model_parallel_size", "max_tokens_per_gpu", "use_dynamic_batch_size", "bf16",
     "config", "rollout_backend", "rollout_num_engines", "metrics_jsonl", "output_dir", "update_weight_buffer_size",
     "weight_sync_transport", "check_weight_sync", "weight_sync_check_interval", "engine_start_timeout",
-    "rollout_request_retries",
-    "allow_unknown_flags", "spec_speedup_interval",
+    "rollout_request_retries", "placement_timeout",
+    "allow_unknown_flags", "spec_speedup_interval", "spec_draft_sampling", "spec_auto",
     # Model-shape flags: the trainer builds the model from config.json; these are checked against it.
     "swiglu", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
     "num_query_groups", "kv_channels", "use_rotary_position_embeddings", "rotary_base", "disable_bias_linear",

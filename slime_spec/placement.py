@@ -6,7 +6,8 @@ useful order, so a probe task per bundle reports its (node IP, GPU id) and every
 sorted: train ranks are consecutive on a node, and an engine's GPUs are consecutive bundles of one node.
 Inside a bundle, train actors take `TRAIN_GPU_FRACTION` and engine actors `ENGINE_GPU_FRACTION` of the GPU,
 so colocated actors share it instead of asking Ray for a second whole GPU. Placement that cannot be satisfied
-fails after `PLACEMENT_TIMEOUT_S` naming what was requested and what the cluster has; it never hangs.
+fails after `--placement-timeout` seconds naming what was requested and what the cluster has, rather than hang
+(0: no bound, for an autoscaling cluster that adds nodes for a pending group).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slime_spec.cluster_check import layout
 
-PLACEMENT_TIMEOUT_S = 300.0
+PLACEMENT_TIMEOUT_S = 300.0  # --placement-timeout's default
 PROGRESS_EVERY_S = 30.0
 TRAIN_GPU_FRACTION = 0.4
 ENGINE_GPU_FRACTION = 0.2
@@ -99,7 +100,8 @@ def _span_error(locations, rollout: list[int], gpus_per_engine: int) -> ValueErr
 
 def create_placement(*, actor_gpus: int, rollout_gpus: int, gpus_per_engine: int, colocate: bool,
                      timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement:
-    """Reserve the bundles (failing after `timeout_s`), probe where each landed, and assign them."""
+    """Reserve the bundles (failing after `timeout_s`; 0 waits without bound), probe where each landed, and
+    assign them."""
     num_bundles, _ = layout(actor_gpus, rollout_gpus, colocate)
     if num_bundles < 1:
         raise ValueError("nothing to place: no actor GPUs and no rollout GPUs")
@@ -107,7 +109,7 @@ def create_placement(*, actor_gpus: int, rollout_gpus: int, gpus_per_engine: int
     try:
         _wait_placed(group, num_bundles, actor_gpus, rollout_gpus, colocate, timeout_s)
         locations = ray.get([_bundle_location.options(scheduling_strategy=_in_bundle(group, b)).remote()
-                             for b in range(num_bundles)], timeout=timeout_s)
+                             for b in range(num_bundles)], timeout=timeout_s or None)
         assignment = assign([(node, gpu) for node, gpu in locations], actor_gpus=actor_gpus,
                             rollout_gpus=rollout_gpus, gpus_per_engine=gpus_per_engine, colocate=colocate)
     except BaseException:
@@ -130,14 +132,15 @@ def gpus_to_place(config) -> tuple[int, int]:
     return actor, rollout
 
 
-def place_run(config, timeout_s: float = PLACEMENT_TIMEOUT_S) -> Placement | None:
-    """The driver's one placement group for a run; None on a cluster without GPUs (CPU actors, unplaced)."""
+def place_run(config) -> Placement | None:
+    """The driver's one placement group for a run (waiting at most `--placement-timeout` s); None on a cluster
+    without GPUs (CPU actors, unplaced)."""
     actor, rollout = gpus_to_place(config)
     if not ray.cluster_resources().get("GPU", 0) or not (actor or rollout):
         return None
     return create_placement(actor_gpus=actor, rollout_gpus=rollout,
                             gpus_per_engine=config.cluster.rollout_num_gpus_per_engine,
-                            colocate=config.cluster.colocate, timeout_s=timeout_s)
+                            colocate=config.cluster.colocate, timeout_s=config.cluster.placement_timeout)
 
 
 def remove_placement(placement: Placement | None) -> None:
@@ -158,19 +161,21 @@ def _wait_placed(group, num_bundles: int, actor_gpus: int, rollout_gpus: int, co
                  timeout_s: float) -> None:
     start = time.monotonic()
     ready = group.ready()
-    while not ray.wait([ready], timeout=max(0.1, min(PROGRESS_EVERY_S, start + timeout_s - time.monotonic())))[0]:
+    deadline = start + timeout_s if timeout_s else float("inf")
+    while not ray.wait([ready], timeout=max(0.1, min(PROGRESS_EVERY_S, deadline - time.monotonic())))[0]:
         waited = time.monotonic() - start
         total, free = ray.cluster_resources(), ray.available_resources()
         mode = "colocated: max of the two" if colocate else "separate: their sum"
         what = (f"{num_bundles} bundles of {BUNDLE} (--actor-num-nodes x --actor-num-gpus-per-node = {actor_gpus} "
                 f"actor GPUs, --rollout-num-gpus = {rollout_gpus}; {mode})")
-        if waited >= timeout_s:
+        if time.monotonic() >= deadline:
             raise TimeoutError(
-                f"the placement group of {what} was not placed within {timeout_s:.0f} s (PLACEMENT_TIMEOUT_S). "
+                f"the placement group of {what} was not placed within {timeout_s:.0f} s (--placement-timeout). "
                 f"The cluster has GPU={total.get('GPU', 0):g} CPU={total.get('CPU', 0):g} in all; available now: "
                 f"{dict(sorted(free.items()))}. Fix: lower --actor-num-gpus-per-node / --rollout-num-gpus, use "
                 "--colocate, free the GPUs other jobs hold, or add nodes")
-        print(f"[placement] waiting for {what} ({waited:.0f} s of {timeout_s:.0f} s); cluster GPU="
+        bound = f"of {timeout_s:.0f} s" if timeout_s else "(no --placement-timeout)"
+        print(f"[placement] waiting for {what} ({waited:.0f} s {bound}); cluster GPU="
               f"{total.get('GPU', 0):g}, available GPU={free.get('GPU', 0):g}", flush=True)
 
 

@@ -5,6 +5,12 @@ Inside `ray job submit` the job already carries a runtime env (scripts/common.sh
 the same fields or environment variables, even with equal values ("Failed to merge the Job's runtime
 env ..."), so the driver passes only what the job's env lacks. Without an address the driver starts a
 private Ray bound to the loopback address, with no dashboard: nothing listens on the network.
+
+Loopback in Ray 2.60: `ray.init(_node_ip_address="127.0.0.1")` alone is not enough on Linux, because
+`services.resolve_ip_for_localhost` replaces a loopback address with the node's routable IP whenever
+`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER` is true (its default off macOS/Windows), and every Ray server binds
+all interfaces unless the node IP is 127.0.0.1 (gcs_server, raylet, workers, the dashboard and runtime-env
+agents). With that variable 0, Ray runs as it does on a laptop: node IP 127.0.0.1, every listener on loopback.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from collections.abc import Mapping
 
 # What Ray sets in a job's driver process: the job config, its runtime env included.
 JOB_CONFIG_ENV_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+# Ray's local-only mode (see the module docstring): read by the driver and inherited by every Ray process.
+LOOPBACK_ONLY_ENV_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 # Runs in every Ray worker before any task: the same warning filters as the driver's.
 WORKER_SETUP_HOOK = "slime_spec.logging_setup.quiet_known_noise"
 
@@ -57,8 +65,22 @@ def ray_init_kwargs(environ: Mapping[str, str], cpu_count: int | None) -> dict:
     kwargs: dict = {"log_to_driver": True}
     if runtime_env is not None:
         kwargs["runtime_env"] = runtime_env
-    address = environ.get("RAY_ADDRESS")
-    if address:
-        return {"address": address, **kwargs}
+    if not starts_private_ray(environ):
+        return {"address": environ["RAY_ADDRESS"], **kwargs}
     return {"address": "local", "num_cpus": max(2, cpu_count or 2), "include_dashboard": False,
             "_node_ip_address": "127.0.0.1", **kwargs}
+
+
+def starts_private_ray(environ: Mapping[str, str]) -> bool:
+    """Whether `ray_init_kwargs` starts a private local Ray (no RAY_ADDRESS to join)."""
+    return not environ.get("RAY_ADDRESS")
+
+
+def pin_private_ray_to_loopback(environ: dict) -> None:
+    """Before a private `ray.init`: Ray's local-only mode, so the node IP is 127.0.0.1 and nothing listens
+    beyond loopback. Sets the variable for the Ray processes about to start, and Ray's already-imported
+    constant for this process (it is read once, at import)."""
+    from ray._private import ray_constants
+
+    environ[LOOPBACK_ONLY_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False

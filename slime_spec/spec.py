@@ -172,8 +172,9 @@ def _adaptive_unsupported_reason(algorithm: Algorithm, topk: int | None, sa: dic
         return f"speculative_algorithm={algorithm} (only EAGLE/EAGLE3 are supported)"
     if topk is not None and topk != 1:
         return f"speculative_eagle_topk={topk} (only topk=1 is supported)"
-    for dest, why in (("enable_dp_attention", "attention DP is not supported"),
-                      ("enable_multi_layer_eagle", "enable_multi_layer_eagle=True is not supported"),
+    if (sa.get("attn_dp_size") or 1) > 1 or sa.get("enable_dp_attention"):  # the flag SGLang 0.5.23 deprecates
+        return "attention DP is not supported"
+    for dest, why in (("enable_multi_layer_eagle", "enable_multi_layer_eagle=True is not supported"),
                       ("enable_two_batch_overlap", "enable_two_batch_overlap=True is not supported"),
                       ("enable_pdmux", "enable_pdmux=True is not supported")):
         if sa.get(dest):

@@ -39,6 +39,8 @@ class CheckInput:
     history_epochs: int = 1
     history_max_tokens: int = 8192
     prompts_per_rollout: int = 1    # --rollout-batch-size
+    spec_draft_sampling: bool = False  # ours (--spec-draft-sampling): embedded engine only
+    spec_auto: bool = False            # ours (--spec-auto): embedded engine only
 
     @cached_property
     def resolved(self) -> tuple[SpecConfig | None, list[Finding]]:
@@ -284,12 +286,33 @@ def check_history(inp: CheckInput) -> list[Finding]:
         out.append(Rule.SPEC_HISTORY_CORPUS_BUDGET.finding(per_prompt=inp.history_max_tokens,
                                                            prompts=inp.prompts_per_rollout, budget=corpus))
     return out
+def check_own_spec_options(inp: CheckInput) -> list[Finding]:
+    """Our speculative options exist only in the embedded engine: real SGLang would refuse them at start."""
+    own = [flag for flag, on in (("--spec-draft-sampling", inp.spec_draft_sampling), ("--spec-auto", inp.spec_auto))
+           if on]
+    if inp.backend == "sglang" and own:
+        return [Rule.SPEC_OWN_OPTION_ON_SGLANG.finding(flags=" and ".join(own))]
+    return []
+
+
+def check_adaptive_recommended(inp: CheckInput) -> list[Finding]:
+    """RL rollouts run at many batch sizes; a fixed draft length that pays at batch 1 costs at batch 64. Said when
+    the draft length was left to SGLang's fixed default (a tuned --sglang-speculative-num-steps is left alone)."""
+    config = inp.resolved[0]
+    if config is None or config.speculative_adaptive or inp.spec_auto or inp.debug_rollout_only \
+            or inp.sglang.get("speculative_num_steps") is not None:
+        return []
+    if config.speculative_algorithm in (Algorithm.EAGLE, Algorithm.EAGLE3) and config.speculative_eagle_topk == 1:
+        auto = " (or --spec-auto on the embedded backend)" if inp.backend == "embedded" else ""
+        return [Rule.SPEC_ADAPTIVE_RECOMMENDED.finding(auto=auto, steps=config.speculative_num_steps)]
+    return []
 
 
 def run_checks(inp: CheckInput, shape_flags: dict | None = None) -> list[Finding]:
     findings: list[Finding] = []
     for check in (check_speculative, check_dtype, check_context_length, check_sglang_version, check_mtp_training,
-                  check_draft_training, check_trainer_support, check_history):
+                  check_draft_training, check_trainer_support, check_history, check_own_spec_options,
+                  check_adaptive_recommended):
         findings += check(inp)
     if inp.backend == "sglang":
         findings += check_flashinfer(inp) + check_cuda_graph_bs(inp) + check_colocate(inp)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from typing import Callable
@@ -48,9 +49,13 @@ def preflight(argv: list[str]) -> Config:
 def init_ray() -> None:
     import ray
 
-    from slime_spec.ray_env import ray_init_kwargs
+    from slime_spec.ray_env import pin_private_ray_to_loopback, ray_init_kwargs, starts_private_ray
+    from slime_spec.ray_reaper import start_reaper
 
     if not ray.is_initialized():  # inside a job: only what the job's runtime env lacks (see ray_env.py)
+        if starts_private_ray(os.environ):  # loopback only, and stopped even if this driver is SIGKILLed
+            pin_private_ray_to_loopback(os.environ)
+            start_reaper()
         ray.init(**ray_init_kwargs(os.environ, os.cpu_count()))
 
 
@@ -229,15 +234,30 @@ def _steps(config: Config, trainer, manager, report: LoopReport, start: int, pro
     return report.finish()
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C (every `finally` runs: engines and Ray stop) instead of killing at once."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     quiet_known_noise()
+    exit_on_sigterm()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         config = preflight(argv)
     except ArgsError as e:
         print(f"slime-spec: {e}", file=sys.stderr)
         return 2
-    summary = run(config)
+    from slime_spec.rollout.manager import RolloutFailed
+
+    try:
+        summary = run(config)
+    except RolloutFailed as e:  # raised in the rollout manager; Ray's error is also a RolloutFailed
+        print(f"slime-spec: {e}", file=sys.stderr, flush=True)
+        return 1
     print(json.dumps({k: v for k, v in summary.items() if k != "rollouts"}, default=str))
     return 0
 

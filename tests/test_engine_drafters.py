@@ -26,6 +26,7 @@ def ckpts(tmp_path_factory):
         "mimo": make_tiny_model(root / "mimo", arch="mimo", hidden_size=32, num_layers=1, seed=13),
         "v16": make_tiny_model(root / "v16", vocab_size=16, hidden_size=32, num_layers=1, seed=14),
         "v16_draft": make_tiny_model(root / "v16d", vocab_size=16, hidden_size=32, num_layers=1, seed=15),
+        "v16_mimo": make_tiny_model(root / "v16m", arch="mimo", vocab_size=16, hidden_size=32, num_layers=1, seed=16),
     }
 
 
@@ -181,9 +182,15 @@ def test_mtp_only_update_changes_acceptance_not_greedy_output(ckpts):
     assert [again[r].spec_accept_token_num for r in after] == [after[r].spec_accept_token_num for r in after]
 
 
-def test_logprobs_under_speculation_equal_a_full_forward(ckpts):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                               reason="needs a CUDA device (runs on the GPU machine)"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_under_speculation_equal_a_full_forward(ckpts, device):
+    """On CUDA the engine replays CUDA graphs (float32 here: the tolerance is float32's, 1e-3 for GPU kernels)."""
     engine = EngineCore(str(ckpts["llama"]), SpecConfig("STANDALONE", 2, 1, 3, str(ckpts["draft"])),
-                        max_running_requests=4, seed=3)
+                        max_running_requests=4, seed=3, device=device)
     outs = generate(engine, make_requests(engine.tokenizer, temps=[0.0, 0.7], logprob=True))
     model, _ = load_model(ckpts["llama"])
     for i, req in enumerate(make_requests(engine.tokenizer, temps=[0.0, 0.7])):
@@ -194,7 +201,8 @@ def test_logprobs_under_speculation_equal_a_full_forward(ckpts):
         temp = req.params.temperature or 1.0
         ref = torch.log_softmax(logits[len(req.input_ids) - 1: -1] / temp, -1)
         ref = ref.gather(-1, torch.tensor(o.output_ids)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(o.output_logprobs), ref, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(o.output_logprobs), ref, atol=1e-4 if device == "cpu" else 1e-3,
+                                   rtol=0)
 
 
 def _exact_marginals(path, prompt, temperature):
@@ -215,13 +223,22 @@ def _exact_marginals(path, prompt, temperature):
     return joint2.sum(0), (joint2[..., None] * p3).sum((0, 1))
 
 
-@pytest.mark.parametrize("spec", [SpecConfig("STANDALONE", 2, 1, 3, "v16_draft"), ngram(3)])
-def test_speculative_sampling_follows_the_target_distribution(ckpts, spec):
+@pytest.mark.parametrize("target,spec,draft_sampling", [
+    ("v16", SpecConfig("STANDALONE", 2, 1, 3, "v16_draft"), False),
+    ("v16", SpecConfig("STANDALONE", 2, 1, 3, "v16_draft"), True),
+    ("v16", ngram(3), False),
+    ("v16_mimo", SpecConfig("EAGLE", 2, 1, 3), False),
+    ("v16_mimo", SpecConfig("EAGLE", 2, 1, 3), True),
+])
+@pytest.mark.parametrize("device", DEVICES)
+def test_speculative_sampling_follows_the_target_distribution(ckpts, target, spec, draft_sampling, device):
+    """Both drafting modes (SGLang's greedy chain, and ours: drafts sampled from q) emit the plain sampler's tokens
+    (on CUDA with the engine's CUDA graphs)."""
     prompt, temperature, n = [5, 6, 7, 5, 6], 1.3, 3000
-    path = str(ckpts["v16"])
+    path = str(ckpts[target])
     draft = str(ckpts[spec.speculative_draft_model_path]) if spec.speculative_draft_model_path else None
     engine = EngineCore(path, dataclasses.replace(spec, speculative_draft_model_path=draft),
-                        max_running_requests=64, seed=0)
+                        max_running_requests=64, seed=0, draft_sampling=draft_sampling, device=device)
     params = SamplingParams(temperature=temperature, max_new_tokens=3, ignore_eos=True)
     for i in range(n):
         engine.add_request(Request(str(i), prompt, params))
@@ -235,6 +252,40 @@ def test_speculative_sampling_follows_the_target_distribution(ckpts, spec):
     t3 = torch.bincount(torch.tensor([o.output_ids[2] for o in outs]), minlength=16)
     assert chi_square_pvalue(t2, p2) > 1e-3
     assert chi_square_pvalue(t3, p3) > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "mimo"])
+def test_draft_sampling_keeps_greedy_output_and_raises_acceptance(ckpts, arch):
+    """Greedy requests are untouched by draft sampling; sampled ones accept more with drafts sampled from q."""
+    base_engine = EngineCore(str(ckpts[arch]), None, max_running_requests=4)
+    base = generate(base_engine, make_requests(base_engine.tokenizer))
+    spec = SpecConfig("STANDALONE", 3, 1, 4, str(ckpts["llama"])) if arch == "llama" else SpecConfig("EAGLE", 3, 1, 4)
+    engine = EngineCore(str(ckpts[arch]), spec, max_running_requests=4, draft_sampling=True)
+    outs = generate(engine, make_requests(engine.tokenizer, temps=[0.0, 0.0, 0.9]), join_every=3)
+    for rid, o in base.items():
+        if int(rid[1:]) % 3 != 2:
+            assert o.output_ids == outs[rid].output_ids, rid
+
+
+def test_draft_sampling_with_the_target_as_draft_accepts_every_sampled_token(ckpts):
+    """q == p exactly: min(1, p/q) = 1, so every sampled draft is accepted (greedy drafting would reject most)."""
+    spec = SpecConfig("STANDALONE", 3, 1, 4, str(ckpts["llama"]))
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True)
+    accepted = {}
+    for mode in (False, True):
+        engine = EngineCore(str(ckpts["llama"]), spec, max_running_requests=8, seed=1, draft_sampling=mode)
+        outs = generate(engine, [Request(f"s{i}", engine.tokenizer(t)["input_ids"], params)
+                                 for i, t in enumerate(PROMPTS[:8])], first_wave=8)
+        accepted[mode] = sum(o.spec_accept_token_num for o in outs.values()) / \
+            sum(o.spec_draft_token_num for o in outs.values())
+    assert accepted[True] == 1.0 and accepted[False] < 0.5, accepted
+
+
+def test_draft_sampling_is_refused_where_it_cannot_apply(ckpts):
+    with pytest.raises(ValueError, match="--spec-draft-sampling needs speculative decoding"):
+        EngineCore(str(ckpts["llama"]), None, draft_sampling=True)
+    with pytest.raises(ValueError, match="only chain drafters"):
+        EngineCore(str(ckpts["llama"]), ngram(3), draft_sampling=True)
 
 
 def test_unsupported_algorithms_are_rejected_with_the_backend_code(ckpts):

@@ -26,7 +26,7 @@ def servers(tmp_path_factory):
                                     log_path=root / "plain.log").launch()
     spec = embedded_server_process(model, ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
                                  "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
-                                 "--random-seed", "0", "--cuda-graph-max-bs-decode", "8"],
+                                 "--random-seed", "0", "--mem-fraction-static", "0.7"],
                                    log_path=root / "spec.log").launch()
     try:
         yield plain.wait_ready(300), spec.wait_ready(300)
@@ -271,7 +271,7 @@ def test_release_resume_memory_and_weight_version(spec):
 
 def test_performance_only_flags_are_logged_once(spec):
     log = spec.log_path.read_text()
-    assert log.count("accepted and ignored") == 1 and "--cuda-graph-max-bs-decode=8" in log
+    assert log.count("accepted and ignored") == 1 and "--mem-fraction-static=0.7" in log
 
 
 def test_a_client_that_disconnects_aborts_its_request(plain):

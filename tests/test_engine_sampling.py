@@ -87,3 +87,65 @@ def test_speculative_chain_joint_distribution():
     second = torch.where(accept > 1, drafts[:, 1], nxt)[accept > 0]
     assert chi_square_pvalue(torch.bincount(first, minlength=V), p1) > 1e-3
     assert chi_square_pvalue(torch.bincount(second, minlength=V), p2[1]) > 1e-3
+
+
+def _sorted_reference(logits, temps, top_ks, top_ps, min_ps):
+    """SGLang's filter on every row through the sorted path (what filtered_probs skips when no filter is on)."""
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    probs_sort, probs_idx = probs.sort(dim=-1, descending=True)
+    probs_sum = torch.cumsum(probs_sort, dim=-1)
+    ranks = torch.arange(probs.shape[-1])[None, :]
+    probs_sort = probs_sort.masked_fill(ranks >= top_ks[:, None], 0.0)
+    probs_sort = probs_sort.masked_fill((probs_sum - probs_sort) > top_ps[:, None], 0.0)
+    probs_sort = probs_sort.masked_fill(probs_sort < (probs_sort[:, :1] * min_ps[:, None]), 0.0)
+    out = torch.zeros_like(probs).scatter_(-1, probs_idx, probs_sort)
+    return out / out.sum(-1, keepdim=True)
+
+
+def test_unfiltered_rows_skip_the_sort_and_agree_with_it():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=gen) * 3
+    temps = torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0, 1.0])
+    top_ks = torch.tensor([50, 50, 5, 50, 3, 60])
+    top_ps = torch.tensor([1.0, 1.0, 1.0, 0.8, 0.9, 1.0])
+    min_ps = torch.tensor([0.0, 0.1, 0.0, 0.0, 0.05, 0.2])
+    torch.testing.assert_close(sampling.filtered_probs(logits, temps, top_ks, top_ps, min_ps),
+                               _sorted_reference(logits, temps, top_ks, top_ps, min_ps))
+
+
+def test_sample_follows_probs_and_token_logprobs_match_the_full_log_softmax():
+    gen = torch.Generator().manual_seed(4)
+    p = torch.softmax(torch.randn(12, generator=gen) * 2, -1)
+    draws = sampling.sample(p.expand(40000, 12).contiguous(), gen)
+    assert chi_square_pvalue(torch.bincount(draws, minlength=12), p) > 1e-3
+    biased = torch.softmax(torch.log(p) * 1.1, -1)  # power: a slightly sharper distribution is detected
+    assert chi_square_pvalue(torch.bincount(sampling.sample(biased.expand(40000, 12).contiguous(), gen),
+                                            minlength=12), p) < 1e-6
+    logits, temps, greedy = torch.randn(5, 30), torch.tensor([0.0, 0.5, 1.0, 2.0, 1.0]), \
+        torch.tensor([True, False, False, False, False])
+    tokens = torch.tensor([3, 0, 29, 7, 7])
+    full = sampling.output_logprobs(logits, temps, greedy).gather(-1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(sampling.token_logprobs(logits, temps, greedy, tokens), full)
+
+
+def test_sampled_drafts_verified_with_q_follow_p_and_a_biased_rule_is_caught():
+    """Drafts sampled from q, verified with q (min(1, p/q), residual max(0, p - q)) follow p. Verifying them as if
+    greedy (q one-hot) is lossless too, only less accepted. The rule "accept with min(1, p/q), on rejection
+    resample from p" is biased and detected."""
+    gen = torch.Generator().manual_seed(5)
+    V, n = 8, 40000
+    p = torch.softmax(torch.randn(V, generator=gen) * 1.5, -1)
+    q = torch.softmax(torch.randn(V, generator=gen) * 1.5, -1)
+    drafts = torch.multinomial(q.expand(n, V), 1, replacement=True, generator=gen)
+    target = p.expand(n, 2, V).clone()
+    rates = []
+    for draft_probs in (q.expand(n, 1, V), None):
+        accept, nxt = sampling.speculative_accept(target, draft_probs, drafts, gen)
+        first = torch.where(accept > 0, drafts[:, 0], nxt)
+        assert chi_square_pvalue(torch.bincount(first, minlength=V), p) > 1e-3
+        rates.append(float((accept > 0).float().mean()))
+    assert rates[0] > rates[1]  # knowing q accepts more
+    ratio = (p[drafts[:, 0]] / q[drafts[:, 0]]).clamp_max(1.0)
+    keep = torch.rand(n, generator=gen) < ratio
+    biased = torch.where(keep, drafts[:, 0], torch.multinomial(p.expand(n, V), 1, generator=gen)[:, 0])
+    assert chi_square_pvalue(torch.bincount(biased, minlength=V), p) < 1e-6

@@ -33,13 +33,13 @@ def test_every_table_entry_is_a_real_sglang_flag(parser):
 
 
 def test_classify_sorts_non_default_flags():
-    defaults = {"model_path": None, "mem_fraction_static": None, "cuda_graph_max_bs_decode": None,
+    defaults = {"model_path": None, "mem_fraction_static": None, "chunked_prefill_size": None,
                 "quantization": None, "tp_size": 1, "speculative_token_map": None, "schedule_policy": "fcfs"}
     names = {d: "--" + d.replace("_", "-") for d in defaults}
-    values = {**defaults, "model_path": "/m", "mem_fraction_static": 0.7, "cuda_graph_max_bs_decode": 8,
+    values = {**defaults, "model_path": "/m", "mem_fraction_static": 0.7, "chunked_prefill_size": 512,
               "quantization": "fp8", "speculative_token_map": "map.pt"}
     report = classify_flags(values, defaults, names)
-    assert report.ignored == ("--mem-fraction-static=0.7", "--cuda-graph-max-bs-decode=8")
+    assert report.ignored == ("--mem-fraction-static=0.7", "--chunked-prefill-size=512")
     assert [r.split(":")[0] for r in report.refused] == ["--quantization='fp8'", "--speculative-token-map='map.pt'"]
     assert "quantized weights change the logits" in report.refused[0]
     assert classify_flags(defaults, defaults, names).refused == ()
@@ -120,3 +120,49 @@ def test_server_refuses_to_start_with_a_harmful_flag(mimo, capsys):
     assert "--quantization='fp8'" in err and "change the logits" in err
     assert main(["--model-path", str(mimo), "--port", "1", "--speculative-algorithm", "EAGLE3"]) == 2
     assert "SPEC_UNSUPPORTED_BY_BACKEND" in capsys.readouterr().err
+
+
+def test_own_speculative_flags_parse_and_are_checked(tmp_path):
+    from slime_spec.tiny_model import make_tiny_model
+
+    model = str(make_tiny_model(tmp_path / "m", arch="mimo", hidden_size=32, num_layers=1))
+    args = parse_server_args(["--model-path", model, "--speculative-algorithm", "NEXTN", "--spec-draft-sampling",
+                              "--spec-auto"], cuda_available=False)
+    assert args.spec_draft_sampling and args.spec_auto and not args.ignored_flags
+    assert not parse_server_args(["--model-path", model], cuda_available=False).spec_auto
+    with pytest.raises(ServerArgsError, match="--spec-auto needs speculative decoding"):
+        parse_server_args(["--model-path", model, "--spec-auto"], cuda_available=False)
+    with pytest.raises(ServerArgsError, match="keep one"):
+        parse_server_args(["--model-path", model, "--speculative-algorithm", "EAGLE", "--speculative-adaptive",
+                           "--spec-auto"], cuda_available=False)
+
+
+def test_own_flags_travel_from_the_slime_command_line_to_the_embedded_server(tmp_path):
+    from slime_spec.args import parse_config
+    from slime_spec.tiny_model import make_tiny_model
+
+    model = str(make_tiny_model(tmp_path / "m", arch="mimo", hidden_size=32, num_layers=1))
+    flags = ["--hf-checkpoint", model, "--sglang-speculative-algorithm", "NEXTN", "--spec-auto",
+             "--spec-draft-sampling"]
+    embedded, _ = parse_config([*flags, "--rollout-backend", "embedded"])
+    argv = embedded.engine.server_argv("127.0.0.1", 30000)
+    assert argv[-2:] == ["--spec-draft-sampling", "--spec-auto"]
+    served = parse_server_args(argv[argv.index("--model-path"):], cuda_available=False)
+    assert served.spec_auto and served.spec_draft_sampling
+    sglang, _ = parse_config([*flags, "--rollout-backend", "sglang"])
+    assert "--spec-auto" not in sglang.engine.server_argv("127.0.0.1", 30000)  # doctor refuses it there
+
+
+def test_cuda_graph_flags_are_honoured_with_sglangs_capture_list(tmp_path):
+    """SGLang's graph flags are implemented (not ignored): parsed into CudaGraphSettings, and the default
+    capture list is SGLang's decode list clamped to --max-running-requests."""
+    from slime_spec.engine.cuda_graph import CudaGraphSettings
+    from slime_spec.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", arch="llama", mtp_layers=0, hidden_size=32, num_layers=1)
+    args = parse_server_args(["--model-path", str(model), "--cuda-graph-max-bs-decode", "6",
+                              "--cuda-graph-bs-decode", "1", "2", "3", "--disable-cuda-graph"], cuda_available=False)
+    assert args.cuda_graph == CudaGraphSettings(disable=True, batch_sizes=(1, 2, 3), max_bs=6)
+    assert not any("cuda-graph" in f for f in args.ignored_flags)
+    assert CudaGraphSettings(max_bs=12).capture_sizes(8, speculative=True) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert CudaGraphSettings().capture_sizes(48, speculative=False) == [1, 2, 4, 8, 12, 16, 24, 32, 40, 48]

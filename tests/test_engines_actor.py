@@ -43,3 +43,26 @@ def test_each_engine_gets_its_own_seed():
     cfg = EngineConfig(backend="embedded", model_path="/m", seed=1234)
     seeds = [cfg.server_argv("127.0.0.1", 1, engine_index=i) for i in range(3)]
     assert [a[a.index("--random-seed") + 1] for a in seeds] == ["1234", "1235", "1236"]
+
+
+def test_a_shut_down_engine_is_never_restarted(tmp_path):
+    """Ctrl-C mid-rollout: shutdown stops the server, then a request that failed on it asks `ensure_alive`;
+    the engine must stay down (before the fix it restarted a server that outlived the run)."""
+    import pytest
+
+    from slime_spec.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", arch="llama", hidden_size=32, num_layers=1, intermediate_size=64,
+                            max_position_embeddings=128, seed=0)
+    engine = Engine(EngineConfig(backend="embedded", model_path=str(model)), 0, log_dir=str(tmp_path / "logs"),
+                    start_timeout_s=120)
+    try:
+        assert engine.alive()
+        engine.shutdown()
+        assert not engine.alive()
+        assert engine.ensure_alive() is False and not engine.alive()
+        with pytest.raises(RuntimeError, match="shut down"):
+            engine.restart()
+        assert not engine.alive()
+    finally:
+        engine.process.stop()

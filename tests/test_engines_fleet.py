@@ -195,3 +195,64 @@ def test_shutdown_stops_the_engines_when_the_trainer_side_fails(run):
     assert len(failures) == 1 and "destroy_weights_update_group" in failures[0]
     assert syncer.transport.group is None  # this side left the group even so
     assert not any(_pid_alive(p) for p in pids)
+
+
+class _RecordingActor:
+    """Stands in for an engine actor handle (a Ray actor cannot run without a cluster): counts restarts;
+    its shutdown is held until `stopped` is set, so a request can fail while the fleet is shutting down."""
+
+    def __init__(self):
+        self.restarts = 0
+        self.stopped = asyncio.Event()
+        self.ensure_alive = self._Remote(self._ensure_alive)
+        self.shutdown = self._Remote(self.stopped.wait)
+
+    class _Remote:
+        def __init__(self, fn):
+            self.fn = fn
+
+        async def remote(self, *args):
+            out = self.fn(*args)
+            return await out if asyncio.iscoroutine(out) else out
+
+    def _ensure_alive(self):
+        self.restarts += 1
+        return True
+
+
+def test_a_request_failing_during_shutdown_restarts_nothing(monkeypatch):
+    """The SIGINT race: shutdown is stopping the engines, a request in flight fails and calls `recover`;
+    the fleet must not ask the engine to come back, and routes nothing more to it."""
+    from slime_spec.engines.fleet import EngineFleet
+
+    fleet = EngineFleet.__new__(EngineFleet)  # no Ray: the routing and restart state only
+    actor = _RecordingActor()
+    fleet.actors, fleet.num_engines, fleet.generation = [actor], 1, [0]
+    fleet.router, fleet.stopping, fleet._locks, fleet._own_placement = Router(1, 2), False, None, None
+    monkeypatch.setattr(ray, "kill", lambda a: None)
+
+    async def main():
+        stopping = asyncio.create_task(fleet.shutdown())
+        await asyncio.sleep(0.01)  # shutdown is waiting for the engine to stop
+        await fleet.recover(0, generation=0)  # a request that failed because the server is going away
+        actor.stopped.set()
+        await stopping
+        assert actor.restarts == 0 and fleet.router.dead == [True]
+        with pytest.raises(NoEngineAvailable):
+            await fleet.router.acquire()
+    asyncio.run(main())
+
+
+def test_engine_command_lines_go_to_a_file_and_one_short_line(tmp_path):
+    from slime_spec.engines.fleet import COMMANDS_FILE, ready_line, write_commands
+
+    engine = EngineConfig(backend="embedded", model_path="/models/m", forwarded_argv=("--speculative-algorithm", "NGRAM"),
+                          server_args={"speculative_algorithm": "NGRAM"})
+    commands = [engine.server_argv("127.0.0.1", port, engine_index=i) for i, port in enumerate((30001, 30002))]
+    path = write_commands(tmp_path / "logs", commands)
+    assert path == tmp_path / "logs" / COMMANDS_FILE
+    assert path.read_text().splitlines() == [f"engine {i}: {' '.join(c)}" for i, c in enumerate(commands)]
+    line = ready_line(engine, ["http://127.0.0.1:30001", "http://127.0.0.1:30002"], "default", path)
+    assert line == (f"[fleet] 2 engine(s) ready (embedded, NGRAM, tp 1) on 127.0.0.1 ports 30001, 30002, "
+                    f"weights 'default'; command lines: {path}")
+    assert "--model-path" not in line and len(line) < 200 + len(str(path))

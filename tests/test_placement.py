@@ -82,3 +82,20 @@ def test_sglang_router_parses_the_argv():
     args = launch_router.parse_router_args(sglang_router_argv("python", 4000, ["http://a:1"], 1800)[3:])
     assert args.worker_urls == ["http://a:1"] and args.health_check_endpoint == "/health"
     assert args.health_failure_threshold > 1000 and args.health_check_interval_secs == ROUTER_HEALTH_INTERVAL_S
+
+
+def test_placement_timeout_flag_reaches_the_run_and_doctor_bounds_it(mimo7b):
+    from slime_spec.args import parse
+    from slime_spec.doctor import diagnose
+    from slime_spec.placement import PLACEMENT_TIMEOUT_S
+
+    def check(*extra):
+        config, findings = diagnose(parse(["--hf-checkpoint", str(mimo7b), "--rollout-backend", "embedded", *extra]))
+        return config, [f for f in findings if f.level == "error"]
+
+    config, errors = check()
+    assert config.cluster.placement_timeout == PLACEMENT_TIMEOUT_S == 300.0 and not errors  # default unchanged
+    config, errors = check("--placement-timeout", "0")  # no bound, as slime waits
+    assert config.cluster.placement_timeout == 0.0 and not errors
+    _, errors = check("--placement-timeout", "-1")
+    assert [(f.code, f.fix) for f in errors] == [("FLAG_OUT_OF_RANGE", "--placement-timeout 300")]

@@ -61,3 +61,19 @@ def test_ray_init_accepts_these_arguments():
     known = {"address", "num_cpus", "include_dashboard", "runtime_env", "log_to_driver"}
     assert known <= set(params)
     assert "_node_ip_address" in inspect.getsource(ray._private.worker.init)
+
+
+def test_a_private_ray_is_pinned_to_loopback(monkeypatch):
+    """Ray 2.60 turns a loopback node IP into the routable one unless its local-only mode is on; pinned, the
+    node IP Ray resolves for 127.0.0.1 stays 127.0.0.1 (so every Ray server binds loopback)."""
+    from ray._private import ray_constants, services
+
+    from slime_spec.ray_env import LOOPBACK_ONLY_ENV_VAR, pin_private_ray_to_loopback, starts_private_ray
+
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", ray_constants.ENABLE_RAY_CLUSTER)
+    assert starts_private_ray({}) and starts_private_ray({"RAY_ADDRESS": ""})
+    assert not starts_private_ray({"RAY_ADDRESS": "127.0.0.1:6379"})
+    environ: dict = {}
+    pin_private_ray_to_loopback(environ)
+    assert environ == {LOOPBACK_ONLY_ENV_VAR: "0"}
+    assert services.resolve_ip_for_localhost("127.0.0.1") == "127.0.0.1"

@@ -10,9 +10,10 @@ import ray
 from slime_spec.config import EngineConfig, RolloutConfig
 from slime_spec.tiny_model import make_tiny_model
 from slime_spec.rollout.debug_data import load_rollout
-from slime_spec.rollout.manager import RolloutManagerActor
+from slime_spec.engines.client import EngineError
+from slime_spec.rollout.manager import RolloutFailed, RolloutManagerActor, check_not_all_failed
 from slime_spec.rollout.metrics import REQUIRED_KEYS
-from slime_spec.rollout.sample import Status
+from slime_spec.rollout.sample import Sample, Status
 
 BATCH, N_SAMPLES, MAX_LEN = 4, 2, 12
 
@@ -25,18 +26,20 @@ def workdir(tmp_path_factory):
                                                   for i in range(6)) + "\n")
     # Test hook for the fault tests, a generate function that generates as usual unless armed:
     # with a PID in `kill_pid`, it SIGKILLs that engine server while the rollout's first requests are
-    # in flight; with `overlong` present, sample 1's prompt exceeds the context (the engine answers 400).
+    # in flight; with `overlong` present, sample 1's prompt exceeds the context (the engine answers 400);
+    # with `all_overlong` present, every sample's does.
     (root / "rollout_fault_hook.py").write_text(textwrap.dedent(f"""
         import os, signal
         from pathlib import Path
         from slime_spec.rollout.generate import default_generate
         PID_FILE, OVERLONG = Path({str(root / "kill_pid")!r}), Path({str(root / "overlong")!r})
+        ALL_OVERLONG = Path({str(root / "all_overlong")!r})
         async def generate_killing_engine(client, sample, sampling_params):
             if sample.index == 3 and PID_FILE.exists():
                 pid = int(PID_FILE.read_text())
                 PID_FILE.unlink()
                 os.kill(pid, signal.SIGKILL)
-            if sample.index == 1 and OVERLONG.exists():
+            if (sample.index == 1 and OVERLONG.exists()) or ALL_OVERLONG.exists():
                 sample.tokens = sample.tokens * 1000
             return await default_generate(client, sample, sampling_params)
     """))
@@ -167,6 +170,54 @@ def test_request_failing_every_time_ends_aborted(manager, workdir):
     assert all(s.status != Status.ABORTED for s in samples if s.index != 1)
     metrics = ray.get(manager.get_last_metrics.remote())
     assert metrics["aborted"] == 1 and metrics["engine_restarts"] == 0
+
+
+def test_a_rollout_whose_samples_all_fail_raises_naming_the_cause(manager, workdir):
+    (workdir / "all_overlong").write_text("")
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(manager.generate.remote(5))
+    finally:
+        (workdir / "all_overlong").unlink()
+    assert isinstance(info.value.as_instanceof_cause(), RolloutFailed)
+    assert f"all {BATCH * N_SAMPLES} samples of rollout 5 failed" in str(info.value) and "HTTP 400" in str(info.value)
+    assert all(s.status != Status.ABORTED for s in ray.get(manager.generate.remote(6)))  # the manager still serves
+
+
+def test_engine_command_lines_are_written_once_to_the_log_dir(manager, workdir):
+    lines = (workdir / "logs" / "engine_commands.txt").read_text().splitlines()
+    assert [x.split(":")[0] for x in lines] == ["engine 0", "engine 1"]
+    assert all("-m slime_spec.engine --model-path" in x and "--speculative-algorithm NGRAM" in x for x in lines)
+
+
+def test_progress_off_a_terminal_is_one_line_per_rollout():
+    """Under Ray stderr is a file: a tqdm bar would print a line per refresh; one line per rollout instead."""
+    import io
+    import time
+
+    from slime_spec.rollout.manager import progress_bar, progress_done
+
+    stream = io.StringIO()  # not a tty, like a Ray worker's stderr
+    bar = progress_bar(50, "rollout 7", True, stream)
+    for _ in range(50):
+        bar.update(1)
+        time.sleep(0.03)  # 1.5 s: a terminal bar (mininterval 1 s) would have redrawn
+    progress_done(bar, "rollout 7", stream, 1.5)
+    assert stream.getvalue().splitlines() == ["rollout 7: 50/50 samples in 1.5s"]
+    quiet = io.StringIO()
+    progress_done(progress_bar(3, "eval", False, quiet), "eval", quiet, 0.1)
+    assert quiet.getvalue() == ""
+
+
+def test_all_failed_names_the_first_error_and_the_api_key_fix():
+    err = EngineError("http://127.0.0.1:1", "/generate", 401, '{"error": "Unauthorized"}')
+    samples = [Sample(index=i, group_index=0, prompt="p", status=Status.ABORTED, error=f"request failed: {err}")
+               for i in range(3)]
+    with pytest.raises(RolloutFailed, match="all 3 samples of rollout 0 failed.*HTTP 401.*--sglang-api-key"):
+        check_not_all_failed(samples, "rollout 0")
+    samples[1].status = Status.COMPLETED
+    check_not_all_failed(samples, "rollout 0")  # one sample made it: the rollout goes on
+    check_not_all_failed([], "rollout 0")
 
 
 def test_eval_after_pause_and_memory_release(manager):

@@ -209,3 +209,20 @@ def test_tree_capacity_agrees_with_sglangs_tree_builder(steps, topk, tokens):
                                   draft_config=EAGLE3_DRAFT))
     capacity_error = any(f.code == "SPEC_TOPK_TOKENS" and f.level == "error" for f in found)
     assert sglang_builds != capacity_error, (steps, topk, tokens, [f.message for f in found])
+
+
+def test_own_speculative_options_are_refused_on_sglang():
+    f = codes(sglang=mtp(), spec_draft_sampling=True, spec_auto=True)["SPEC_OWN_OPTION_ON_SGLANG"]
+    assert f.level == "error" and "--spec-draft-sampling and --spec-auto" in f.message
+    assert "--rollout-backend embedded" in f.fix
+    assert "SPEC_OWN_OPTION_ON_SGLANG" not in codes(sglang=mtp(), backend="embedded", spec_auto=True)
+
+
+def test_adaptive_is_recommended_when_the_draft_length_is_left_to_the_default():
+    untuned = {"speculative_algorithm": "EAGLE", **GOOD_GPU}
+    f = codes(sglang=untuned)["SPEC_ADAPTIVE_RECOMMENDED"]
+    assert f.level == "info" and "--sglang-speculative-adaptive" in f.fix and "3 steps" in f.message
+    assert "--spec-auto" in codes(sglang=untuned, backend="embedded")["SPEC_ADAPTIVE_RECOMMENDED"].fix
+    assert "SPEC_ADAPTIVE_RECOMMENDED" not in codes(sglang={**untuned, "speculative_adaptive": True})
+    assert "SPEC_ADAPTIVE_RECOMMENDED" not in codes(sglang=untuned, backend="embedded", spec_auto=True)
+    assert "SPEC_ADAPTIVE_RECOMMENDED" not in codes(sglang={"speculative_algorithm": "NGRAM"}, backend="embedded")

@@ -80,6 +80,14 @@ def test_log_probs_entropy_and_policy_terms_align_with_targets():
     torch.testing.assert_close(sft.total[1], -lp[1, 3])
 
 
+def test_log_probs_and_entropy_from_one_log_softmax_equal_the_two_apart():
+    logits = torch.randn(2, 5, 7, generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 7, (2, 5), generator=torch.Generator().manual_seed(3))
+    lp, ent = losses.token_log_probs_and_entropy(logits, ids)
+    torch.testing.assert_close(lp, losses.token_log_probs(logits, ids))
+    torch.testing.assert_close(ent, losses.token_entropy(logits))
+
+
 def test_mtp_loss_targets_are_two_ahead_and_response_only():
     vocab, ids = 6, torch.tensor([[1, 2, 3, 4, 5]])
     logits = torch.full((1, 5, vocab), -20.0)

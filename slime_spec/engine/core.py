@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 
 from slime_spec.dtypes import canonical_dtype
-from slime_spec.engine import sampling, weight_updater
+from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model
+from slime_spec.engine import sampling, spec_policy, weight_updater
 from slime_spec.engine.drafters import make_drafter
 from slime_spec.engine.model import load_model
+from slime_spec.engine.speculative import spec_step
 from slime_spec.spec import SpecConfig, check_resolved
 
 __all__ = ["EngineCore", "Output", "Request", "SamplingParams", "SpecConfig"]
@@ -118,17 +120,28 @@ def _eos_ids(model_path: Path, config: dict, tokenizer) -> set[int]:
 
 
 class EngineCore:
+    nan_finish = NAN_FINISH
+
     def __init__(self, model_path: str, spec: SpecConfig | None, *, dtype: str = "float32", device: str = "cpu",
                  max_running_requests: int = 32, context_length: int | None = None, seed: int = 0,
-                 cpu_threads: int | None = None):
+                 cpu_threads: int | None = None, draft_sampling: bool = False, spec_auto: bool = False,
+                 cuda_graph: CudaGraphSettings | None = None):
         """spec: resolved speculative settings (slime_spec.spec.resolve), None without speculation.
         cpu_threads: intra-op threads while stepping on CPU; None = 1 for small models (hidden <= 1024), where
-        thread hand-off costs more than the tiny matmuls gain, else torch's default."""
+        thread hand-off costs more than the tiny matmuls gain, else torch's default.
+        draft_sampling (ours, --spec-draft-sampling): chain drafters sample drafts of sampled requests from their
+        own distribution instead of SGLang's argmax; spec_auto (ours, --spec-auto): pick k per step by measured
+        cost (spec_policy.AutoSteps). cuda_graph: SGLang's graph flags; on CUDA decode, verify and MTP draft
+        steps replay captured graphs (cuda_graph.py), and the KV caches keep one scratch slot for padded rows."""
         from transformers import AutoTokenizer
 
         dtype = canonical_dtype(dtype)  # refuses an unknown name before loading anything
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests={max_running_requests}: must be at least 1")
+        spec_policy.check_spec_options(spec, draft_sampling, spec_auto)
+        self.draft_sampling = draft_sampling
+        self.policy = spec_policy.make_policy(spec, spec_auto)
+        self.timed = isinstance(self.policy, spec_policy.AutoSteps)  # costs are measured (CUDA: synchronized)
         self.device = torch.device(device)
         self.model, self.model_config = load_model(model_path, dtype=dtype, device=device)
         if spec is not None:
@@ -139,10 +152,15 @@ class EngineCore:
         self.context_length = int(context_length or self.model.args.max_position_embeddings)
         self.eos_token_ids = _eos_ids(Path(model_path), self.model_config, self.tokenizer)
         self.max_running_requests = max_running_requests
-        k = spec.draft_tokens_per_verify if spec is not None else 0
+        k = self.policy.max_k if self.policy is not None else 0
         self.max_seq = self.context_length + k + 1  # a verify pass writes k positions past the last token
-        self.cache = self.model.new_cache(max_running_requests, self.max_seq)
-        self.drafter = make_drafter(spec, self.model, max_running_requests, self.max_seq, dtype, device)
+        self.cache = self.model.new_cache(max_running_requests + 1, self.max_seq)  # + the scratch slot
+        self.drafter = make_drafter(spec, self.model, max_running_requests + 1, self.max_seq, dtype, device, k=k)
+        if self.device.type == "cuda":
+            self.model.fuse_projections()
+        self.cuda_graph = cuda_graph or CudaGraphSettings()
+        self.graph_capture_seconds = 0.0
+        self._capture_graphs()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting: deque[_Row] = deque()
         self.running: list[_Row] = []
@@ -273,6 +291,8 @@ class EngineCore:
     def _non_finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
         """Rows whose logits hold NaN/inf get zero logits (so sampling runs) and are finished by the caller, as
         SGLang finishes them ("NaN happened"), instead of one broken row crashing the whole batch."""
+        if bool(torch.isfinite(logits.sum())):  # a finite sum means every entry is finite: one cheap check
+            return logits, set()
         bad = ~torch.isfinite(logits).flatten(1).all(-1)
         if not bool(bad.any()):
             return logits, set()
@@ -290,8 +310,7 @@ class EngineCore:
             tokens[sampled] = sampling.sample(probs, self.generator)
         logprobs = None
         if any(r.req.return_logprob for r in rows):
-            lp = sampling.output_logprobs(logits, temps, greedy)
-            logprobs = lp.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+            logprobs = sampling.token_logprobs(logits, temps, greedy, tokens).tolist()
         return tokens.tolist(), logprobs
 
     def _prefill(self, rows: list[_Row]) -> None:
@@ -320,7 +339,9 @@ class EngineCore:
         ids = torch.tensor([[r.tokens[-1]] for r in rows], device=dev)
         positions = torch.tensor([[r.kv_len] for r in rows], device=dev)
         slots = torch.tensor([r.slot for r in rows], device=dev)
-        logits, broken = self._non_finite_rows(self.model.logits(self.model(ids, positions, self.cache, slots)[:, 0]))
+        num_keys = max(r.kv_len for r in rows) + 1
+        hidden = self.model(ids, positions, self.cache, slots, num_keys)
+        logits, broken = self._non_finite_rows(self.model.logits(hidden[:, 0]))
         tokens, logprobs = self._pick(rows, logits)
         for i, row in enumerate(rows):
             row.kv_len += 1
@@ -329,50 +350,7 @@ class EngineCore:
                 row.finish = dict(NAN_FINISH)
 
     def _spec_step(self, rows: list[_Row]) -> None:
-        """Draft k tokens per row, verify all rows in one target forward, accept per row, roll back the rest."""
-        dev = self.device
-        drafts = self.drafter.propose(rows)  # [B, k]
-        n, k = drafts.shape
-        ids = torch.cat((torch.tensor([[r.tokens[-1]] for r in rows], device=dev), drafts), dim=1)
-        start = torch.tensor([r.kv_len for r in rows], device=dev)
-        positions = start[:, None] + torch.arange(k + 1, device=dev)[None]
-        slots = torch.tensor([r.slot for r in rows], device=dev)
-        hidden = self.model(ids, positions, self.cache, slots)
-        logits, broken = self._non_finite_rows(self.model.logits(hidden))  # [B, k+1, V]
-        greedy, temps, top_ks, top_ps, min_ps = self._params(rows)
-        accept, next_token = sampling.greedy_accept(logits, drafts)
-        sampled = ~greedy
-        if bool(sampled.any()):
-            reps = lambda t: t[sampled].repeat_interleave(k + 1)  # noqa: E731 (one value per position)
-            probs = sampling.filtered_probs(logits[sampled].flatten(0, 1), reps(temps), reps(top_ks), reps(top_ps),
-                                            reps(min_ps)).view(-1, k + 1, logits.shape[-1])
-            accept[sampled], next_token[sampled] = sampling.speculative_accept(probs, None, drafts[sampled],
-                                                                               self.generator)
-        chosen = torch.cat((drafts, torch.zeros_like(drafts[:, :1])), dim=1)
-        chosen[torch.arange(n, device=dev), accept] = next_token
-        logprobs = None
-        if any(r.req.return_logprob for r in rows):
-            lp = sampling.output_logprobs(logits.flatten(0, 1), temps.repeat_interleave(k + 1),
-                                          greedy.repeat_interleave(k + 1))
-            logprobs = lp.gather(-1, chosen.flatten()[:, None]).view(n, k + 1).tolist()
-        accept_list, chosen_list = accept.tolist(), chosen.tolist()
-        alive = []
-        for i, row in enumerate(rows):
-            a = accept_list[i]
-            row.verify_ct += 1
-            row.accept_num += a
-            row.draft_num += k
-            self._accept_tokens += a + 1
-            self._verify_passes += 1
-            row.kv_len += a + 1
-            self._append(row, chosen_list[i][: a + 1], None if logprobs is None else logprobs[i][: a + 1])
-            if i in broken:
-                row.finish = dict(NAN_FINISH)
-            if row.finish is None:
-                alive.append(i)
-        if alive:
-            idx = torch.tensor(alive, device=dev)
-            self.drafter.on_verify([rows[i] for i in alive], hidden[idx], [accept_list[i] for i in alive])
+        spec_step(self, rows)
 
     # ------------------------------------------------------------------ finishing
     def _append(self, row: _Row, tokens: list[int], logprobs: list[float] | None) -> None:
@@ -432,12 +410,15 @@ class EngineCore:
         tags = self._check_tags(tags)
         if self._rows:
             raise ValueError("release_memory_occupation needs an idle engine: abort or finish requests first")
+        if tags & {"kv_cache", "weights", "cuda_graph"}:
+            self.model.graphs = {}  # they captured the storage being freed; captured again on resume
         if "kv_cache" in tags and "kv_cache" not in self._released:
             self.cache = None
             if self.drafter is not None:
                 self.drafter.drop_cache()
             self._released.add("kv_cache")
         if "weights" in tags and "weights" not in self._released:
+            self.model.unfuse_projections()
             for param in self._unique_params():
                 self._weight_backup[id(param)] = param.data.to("cpu", copy=True)
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
@@ -449,11 +430,26 @@ class EngineCore:
             for param in self._unique_params():
                 param.data = self._weight_backup.pop(id(param)).to(self.device)
             self._released.discard("weights")
+            if self.device.type == "cuda":
+                self.model.fuse_projections()
         if "kv_cache" in tags and "kv_cache" in self._released:
-            self.cache = self.model.new_cache(self.max_running_requests, self.max_seq)
+            self.cache = self.model.new_cache(self.max_running_requests + 1, self.max_seq)
             if self.drafter is not None:
                 self.drafter.new_cache()
             self._released.discard("kv_cache")
+        if not self._released:
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """On CUDA (unless --disable-cuda-graph), capture decode, verify and MTP draft forwards (cuda_graph.py)."""
+        if self.device.type != "cuda" or self.cuda_graph.disable:
+            return
+        mtp_cache = getattr(self.drafter, "cache", None) if getattr(self.drafter, "target", None) is self.model else None
+        self.model.graphs = graph_model(self.model, self.cache, mtp_cache, self.cuda_graph,
+                                        max_running_requests=self.max_running_requests,
+                                        max_draft_tokens=self.policy.max_k if self.policy is not None else 0,
+                                        max_seq=self.max_seq)
+        self.graph_capture_seconds = sum(g.capture_seconds for g in self.model.graphs.values())
 
     @staticmethod
     def _check_tags(tags: list[str] | None) -> set[str]:

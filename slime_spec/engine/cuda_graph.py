@@ -20,9 +20,40 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
+
+
+@dataclass(frozen=True)
+class CudaGraphSettings:
+    """SGLang's graph flags, as the embedded engine honours them (CUDA only; the CPU path runs eagerly)."""
+
+    disable: bool = False                      # --disable-cuda-graph
+    batch_sizes: tuple[int, ...] | None = None  # --cuda-graph-bs-decode (None: SGLang's default list)
+    max_bs: int | None = None                  # --cuda-graph-max-bs-decode (None: --max-running-requests)
+    disable_padding: bool = False              # --disable-cuda-graph-padding: capture every size up to max_bs
+    torch_compile: bool = False                # --enable-torch-compile: fuse kernels before capture
+    torch_compile_max_bs: int = 32             # --torch-compile-max-bs
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> "CudaGraphSettings":
+        bs = values.get("cuda_graph_bs_decode")
+        return cls(disable=bool(values.get("disable_cuda_graph")), batch_sizes=tuple(bs) if bs else None,
+                   max_bs=values.get("cuda_graph_max_bs_decode"),
+                   disable_padding=bool(values.get("disable_cuda_graph_padding")),
+                   torch_compile=bool(values.get("enable_torch_compile")),
+                   torch_compile_max_bs=int(values.get("torch_compile_max_bs") or 32))
+
+    def capture_sizes(self, max_running_requests: int, speculative: bool) -> list[int]:
+        """The batch sizes to capture, clamped to the running-request limit as SGLang clamps to its pool."""
+        max_bs = min(self.max_bs or max_running_requests, max_running_requests)
+        sizes = list(self.batch_sizes) if self.batch_sizes else decode_batch_sizes(max_bs, speculative,
+                                                                                   self.disable_padding)
+        if max(sizes) > max_running_requests:
+            sizes.append(max_running_requests)
+        return sorted({s for s in sizes if 0 < s <= max_running_requests})
 
 
 def decode_batch_sizes(max_bs: int, speculative: bool, disable_padding: bool = False) -> list[int]:
@@ -68,8 +99,10 @@ class GraphedForward:
 
     def __init__(self, fn: ForwardFn, *, batch_sizes: list[int], token_counts: list[int], key_counts: list[int],
                  scratch_slot: int, device: torch.device, extra: dict[str, tuple[tuple[int, ...], torch.dtype]]
-                 | None = None, capture: bool | None = None, pool=None):
-        self.fn = fn
+                 | None = None, capture: bool | None = None, pool=None, cache: Any = None,
+                 compiled_fn: ForwardFn | None = None, compile_max_bs: int = 0):
+        self.fn, self.cache = fn, cache  # calls with another KV cache object run eagerly (see `serves`)
+        self.compiled_fn, self.compile_max_bs = compiled_fn, compile_max_bs
         self.batch_sizes, self.token_counts = sorted(set(batch_sizes)), sorted(set(token_counts))
         self.key_counts = sorted(set(key_counts))
         self.scratch_slot, self.device = scratch_slot, torch.device(device)
@@ -91,9 +124,15 @@ class GraphedForward:
         bs, keys = _bucket(self.batch_sizes, batch), _bucket(self.key_counts, num_keys)
         return None if bs is None or keys is None else (bs, tokens, keys)
 
+    def serves(self, cache: Any, input_ids: torch.Tensor, num_keys: int | None) -> bool:
+        """Whether a call on `cache` with this shape replays a graph (else the caller runs eagerly)."""
+        return (cache is self.cache and num_keys is not None
+                and self.shape_for(input_ids.shape[0], input_ids.shape[1], num_keys) is not None)
+
     def _static_call(self, bs: int, t: int, keys: int) -> torch.Tensor:
         extra = {name: buf[:bs, :t] for name, buf in self.extra.items()}
-        return self.fn(self.input_ids[:bs, :t], self.positions[:bs, :t], self.slots[:bs], keys, **extra)
+        fn = self.compiled_fn if self.compiled_fn is not None and bs <= self.compile_max_bs else self.fn
+        return fn(self.input_ids[:bs, :t], self.positions[:bs, :t], self.slots[:bs], keys, **extra)
 
     def capture(self) -> float:
         """Capture every shape, largest batch first so smaller graphs reuse its memory; returns seconds."""
@@ -151,3 +190,40 @@ class GraphedForward:
         graph, out = self.graphs[shape]
         graph.replay()
         return out[:n].clone()
+
+
+def graph_model(model, cache, mtp_cache, settings: CudaGraphSettings, *, max_running_requests: int,
+                max_draft_tokens: int, max_seq: int, capture: bool = True) -> dict[str, GraphedForward]:
+    """Captured decode/verify forwards of `model` (and of its MTP layer when `mtp_cache` is given), on one
+    memory pool. The caches hold one slot more than `max_running_requests`: the scratch slot of padded rows.
+    Token counts cover every verify width up to k+1, since adaptive and auto speculation change k per step."""
+    sizes = settings.capture_sizes(max_running_requests, speculative=max_draft_tokens > 0)
+    common = dict(batch_sizes=sizes, token_counts=list(range(1, max_draft_tokens + 2)), key_counts=key_buckets(max_seq),
+                  scratch_slot=max_running_requests, device=model.lm_head.weight.device, capture=capture)
+    compile_args = dict(compile_max_bs=settings.torch_compile_max_bs) if settings.torch_compile else {}
+
+    def target(ids, positions, slots, num_keys, compiled=False):
+        return model.eager_forward(ids, positions, cache, slots, num_keys, compiled=compiled)
+
+    def compiled_target(ids, positions, slots, num_keys):
+        return target(ids, positions, slots, num_keys, compiled=True)
+
+    graphs = {"target": GraphedForward(target, cache=cache, **common, **compile_args,
+                                       compiled_fn=compiled_target if compile_args else None)}
+    if mtp_cache is not None:
+        def mtp(ids, positions, slots, num_keys, prev_hidden, compiled=False):
+            return model.eager_mtp_forward(ids, prev_hidden, positions, mtp_cache, slots, num_keys=num_keys,
+                                           compiled=compiled)
+
+        def compiled_mtp(ids, positions, slots, num_keys, prev_hidden):
+            return mtp(ids, positions, slots, num_keys, prev_hidden, compiled=True)
+
+        hidden = ((model.args.hidden_size,), model.lm_head.weight.dtype)
+        graphs["mtp"] = GraphedForward(mtp, cache=mtp_cache, extra={"prev_hidden": hidden}, **common, **compile_args,
+                                       compiled_fn=compiled_mtp if compile_args else None)
+    pool = None
+    for g in graphs.values():
+        g.pool = pool
+        g.capture()
+        pool = g.pool
+    return graphs

@@ -72,10 +72,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        """HF's Llama RMSNorm (float32 statistics, weight applied in the input dtype), as one fused op."""
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -105,10 +103,26 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
+def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the linears' weights (and biases) into one tensor and make each linear's parameters views
+    of it: one matmul then serves them all, and an in-place update of any parameter lands in the fused tensor."""
+    weight = torch.cat([lin.weight.data for lin in linears])
+    bias = torch.cat([lin.bias.data for lin in linears]) if linears[0].bias is not None else None
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = weight[start:start + rows]
+        if bias is not None:
+            lin.bias.data = bias[start:start + rows]
+        start += rows
+    return weight, bias
+
+
 class Attention(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.a = a
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused q/k/v (CausalLM.fuse_projections)
         self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.qkv_bias)
         self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
@@ -117,9 +131,14 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, mask):
         B, T, _ = x.shape
         a = self.a
-        q = apply_rope(self.q_proj(x).view(B, T, a.num_heads, a.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(B, T, a.num_kv_heads, a.head_dim), cos, sin)
-        v = self.v_proj(x).view(B, T, a.num_kv_heads, a.head_dim)
+        if self.qkv is not None:
+            q, k, v = F.linear(x, *self.qkv).split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim,
+                                                    a.num_kv_heads * a.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = apply_rope(q.reshape(B, T, a.num_heads, a.head_dim), cos, sin)
+        k = apply_rope(k.reshape(B, T, a.num_kv_heads, a.head_dim), cos, sin)
+        v = v.reshape(B, T, a.num_kv_heads, a.head_dim)
         cache_k[slots[:, None], positions] = k
         cache_v[slots[:, None], positions] = v
         S = mask.shape[-1]
@@ -136,8 +155,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
         self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        self.gate_up: torch.Tensor | None = None  # fused gate/up weight (CausalLM.fuse_projections)
 
     def forward(self, x):
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -185,10 +208,30 @@ class CausalLM(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.args = a
+        self.graphs: dict = {}  # "target"/"mtp" -> cuda_graph.GraphedForward, set by the engine on CUDA
+        self._compiled_layer = None
         self.model = Backbone(a)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _decoder_layers(self) -> list[DecoderLayer]:
+        return list(self.model.layers) + list(getattr(self.model, "mtp_layers", []))
+
+    def fuse_projections(self) -> None:
+        """One matmul for q/k/v and one for gate/up in every layer (fewer, larger kernels: on a GPU a decode step
+        is bound by kernel count). The separate parameters stay, as views of the fused tensors, so weight
+        loading and checkpoints see the usual names."""
+        for layer in self._decoder_layers():
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+            mlp.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])[0]
+
+    def unfuse_projections(self) -> None:
+        """Drop the fused tensors (before weights are released, so their memory goes with the parameters')."""
+        for layer in self._decoder_layers():
+            layer.self_attn.qkv = None
+            layer.mlp.gate_up = None
 
     def new_cache(self, slots: int, max_seq: int) -> KVCache:
         p = self.lm_head.weight
@@ -204,14 +247,32 @@ class CausalLM(nn.Module):
         """input_ids/positions [B, T] -> final-normed hidden states [B, T, H] (logits: `self.logits(hidden)`).
 
         num_keys: keys attention reads per row (at least the longest row's last position + 1); None reads
-        the positions back from the device, which a captured CUDA graph cannot do.
+        the positions back from the device, which a captured CUDA graph cannot do. With a captured graph for
+        this cache and shape (`self.graphs`, set by the engine on CUDA), the graph replays instead.
         """
+        graph = self.graphs.get("target")
+        if graph is not None and graph.serves(cache, input_ids, num_keys):
+            return graph(input_ids, positions, slots, num_keys)
+        return self.eager_forward(input_ids, positions, cache, slots, num_keys)
+
+    def eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                      slots: torch.Tensor, num_keys: int | None = None, compiled: bool = False) -> torch.Tensor:
+        """compiled: run each decoder layer through `compiled_layer` (--enable-torch-compile; CUDA graphs)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
         mask = causal_mask(positions, num_keys or int(positions.max()) + 1)
+        run_layer = self.compiled_layer() if compiled else DecoderLayer.forward
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], slots, positions, mask)
+            x = run_layer(layer, x, cos, sin, cache.k[i], cache.v[i], slots, positions, mask)
         return self.model.norm(x)
+
+    def compiled_layer(self):
+        """One decoder layer's forward under torch.compile, shared by every layer (parameters are inputs, shapes
+        dynamic): the elementwise ops fuse into a few kernels, which a captured graph then replays. Compiling
+        one layer rather than the whole forward keeps the compile to seconds."""
+        if self._compiled_layer is None:
+            self._compiled_layer = torch.compile(DecoderLayer.forward, dynamic=True)
+        return self._compiled_layer
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -225,13 +286,22 @@ class CausalLM(nn.Module):
         projects `cat(hidden_layernorm(hidden), token_layernorm(embed))`, runs the decoder layer, and returns
         final_layernorm(out): both what the shared lm_head reads and the hidden state of the next draft step.
         """
+        graph = self.graphs.get("mtp") if layer == 0 else None
+        if graph is not None and graph.serves(cache, input_ids, num_keys):
+            return graph(input_ids, positions, slots, num_keys, prev_hidden=prev_hidden)
+        return self.eager_mtp_forward(input_ids, prev_hidden, positions, cache, slots, layer, num_keys)
+
+    def eager_mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
+                          cache: KVCache, slots: torch.Tensor, layer: int = 0,
+                          num_keys: int | None = None, compiled: bool = False) -> torch.Tensor:
         mtp = self.model.mtp_layers[layer]
         embeds = self.model.embed_tokens(input_ids)
         embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)
         x = mtp.input_proj(torch.cat((mtp.hidden_layernorm(prev_hidden), mtp.token_layernorm(embeds)), dim=-1))
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
         mask = causal_mask(positions, num_keys or int(positions.max()) + 1)
-        x = DecoderLayer.forward(mtp, x, cos, sin, cache.k[0], cache.v[0], slots, positions, mask)
+        run_layer = self.compiled_layer() if compiled else DecoderLayer.forward
+        x = run_layer(mtp, x, cos, sin, cache.k[0], cache.v[0], slots, positions, mask)
         return mtp.final_layernorm(x)
 
 

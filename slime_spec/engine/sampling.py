@@ -27,16 +27,26 @@ def filtered_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: tor
     """logits [N, V] float32, params [N] -> normalized sampling distribution [N, V] after SGLang's filters.
 
     top_ks uses the vocabulary size (or more) for "off". Greedy rows should not be passed here.
+    Only rows with an active top-k or top-p filter pay for the full-vocabulary sort (the RL default, top_p 1,
+    top_k -1, is a plain softmax); min-p needs only each row's max, which no other filter removes.
     """
     probs = torch.softmax(logits / temperatures[:, None], dim=-1)
+    needs_sort = (top_ks < probs.shape[-1]) | (top_ps < 1.0)
+    if bool(needs_sort.any()):
+        probs[needs_sort] = _top_k_top_p(probs[needs_sort], top_ks[needs_sort], top_ps[needs_sort])
+    if bool((min_ps > 0).any()):
+        probs = probs.masked_fill(probs < probs.amax(-1, keepdim=True) * min_ps[:, None], 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def _top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """SGLang's top-k then top-p on descending-sorted probs (the cumsum taken before the top-k zeroing)."""
     probs_sort, probs_idx = probs.sort(dim=-1, descending=True)
     probs_sum = torch.cumsum(probs_sort, dim=-1)
     ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
     probs_sort = probs_sort.masked_fill(ranks >= top_ks[:, None], 0.0)
     probs_sort = probs_sort.masked_fill((probs_sum - probs_sort) > top_ps[:, None], 0.0)
-    probs_sort = probs_sort.masked_fill(probs_sort < (probs_sort[:, :1] * min_ps[:, None]), 0.0)
-    out = torch.zeros_like(probs).scatter_(-1, probs_idx, probs_sort)
-    return out / out.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(-1, probs_idx, probs_sort)
 
 
 def output_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
@@ -45,9 +55,18 @@ def output_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, greedy: to
     return torch.log_softmax(logits / scale[:, None], dim=-1)
 
 
+def token_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor,
+                   tokens: torch.Tensor) -> torch.Tensor:
+    """output_logprobs(...) at one token per row [N], without materialising the [N, V] log-softmax."""
+    scale = torch.where(greedy, torch.ones_like(temperatures), temperatures)[:, None]
+    return (logits.gather(-1, tokens[:, None]) / scale - torch.logsumexp(logits / scale, dim=-1, keepdim=True))[:, 0]
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row from normalized probs [N, V]."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """One token per row from normalized probs [N, V]: argmax(p / E) with E ~ Exponential(1) i.i.d. draws token i
+    with probability p_i (the exponential race), in O(N V) elementwise work instead of multinomial's CDF search."""
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return (probs / race).argmax(-1)
 
 
 def speculative_accept(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_tokens: torch.Tensor,
@@ -61,25 +80,30 @@ def speculative_accept(target_probs: torch.Tensor, draft_probs: torch.Tensor | N
     Token j is accepted with probability min(1, p(x)/q(x)); at the first rejection the next token is drawn from
     normalize(max(p - q, 0)); if all k are accepted the bonus token is drawn from p at position k.
     Returns (accept_len [N] in 0..k, next_token [N]: the residual or bonus token).
+    The residual is built only at each row's stopping position: O(N V), not O(N k V).
     """
     n, k = draft_tokens.shape
+    rows = torch.arange(n, device=draft_tokens.device)
     p_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
-    if draft_probs is None:
-        q_draft = torch.ones_like(p_draft)
-        q_full = torch.zeros_like(target_probs[:, :k]).scatter_(-1, draft_tokens[..., None], 1.0)
-    else:
-        q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
-        q_full = draft_probs
+    q_draft = torch.ones_like(p_draft) if draft_probs is None else \
+        draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
     u = torch.rand(p_draft.shape, generator=generator, device=p_draft.device, dtype=p_draft.dtype)
     accepted = u * q_draft < p_draft  # u < p/q without dividing by zero
     accept_len = torch.cumprod(accepted.to(torch.int64), dim=-1).sum(-1)
-    rows = torch.arange(n, device=draft_tokens.device)
-    residual = (target_probs[:, :k] - q_full).clamp_min(0.0)
+    p_stop = target_probs[rows, accept_len]
+    rejected = accept_len < k
+    at = accept_len.clamp_max(max(k - 1, 0))
+    if draft_probs is None:
+        q_stop = torch.zeros_like(p_stop)
+        if k:
+            q_stop[rows, draft_tokens[rows, at]] = 1.0
+    else:
+        q_stop = draft_probs[rows, at] if k else torch.zeros_like(p_stop)
     # Position k has no draft: the bonus distribution is p itself.
-    residual = torch.cat((residual, target_probs[:, k:]), dim=1)[rows, accept_len]
+    residual = torch.where(rejected[:, None], (p_stop - q_stop).clamp_min(0.0), p_stop)
     mass = residual.sum(-1, keepdim=True)
     # A rejection with zero residual mass can only happen through float round-off (p == q); fall back to p.
-    residual = torch.where(mass > 0, residual, target_probs[rows, accept_len])
+    residual = torch.where(mass > 0, residual, p_stop)
     return accept_len, sample(residual / residual.sum(-1, keepdim=True), generator)
 
 

@@ -26,6 +26,8 @@ from typing import Any
 
 from slime_spec import spec
 from slime_spec.args import sglang_parser
+from slime_spec.engine.cuda_graph import CudaGraphSettings
+from slime_spec.engine.spec_policy import check_spec_options
 from slime_spec.dtypes import canonical_dtype, config_dtype
 from slime_spec.doctor_codes import SERVER_PREFIX, Rule, errors
 
@@ -36,6 +38,9 @@ IMPLEMENTED = frozenset({
     "enable_deterministic_inference", "tp_size",
     "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
     "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_ngram_max_trie_depth",
+    "speculative_adaptive", "speculative_adaptive_config",
+    "disable_cuda_graph", "cuda_graph_bs_decode", "cuda_graph_max_bs_decode", "disable_cuda_graph_padding",
+    "enable_torch_compile", "torch_compile_max_bs",
 })
 
 # Speed, memory, scheduling, logging and serving knobs: they cannot change a generated token of the
@@ -58,9 +63,9 @@ PERFORMANCE_ONLY = frozenset({
     "generation_tokens_buckets", "load_snapshot_publish_interval",
     "attention_backend", "decode_attention_backend", "prefill_attention_backend", "sampling_backend",
     "grammar_backend", "mm_attention_backend", "fp8_gemm_runner_backend", "fp4_gemm_runner_backend",
-    "bf16_gemm_backend", "moe_runner_backend", "disable_cuda_graph", "disable_cuda_graph_padding",
+    "bf16_gemm_backend", "moe_runner_backend",
     "disable_prefill_cuda_graph", "disable_decode_cuda_graph", "enable_profile_cuda_graph",
-    "enable_cudagraph_gc", "debug_cuda_graph", "enable_torch_compile", "torch_compile_max_bs",
+    "enable_cudagraph_gc", "debug_cuda_graph",
     "triton_attention_reduce_in_fp32", "triton_attention_num_kv_splits", "triton_attention_split_tile_size",
     "disable_custom_all_reduce", "enable_nccl_nvls", "enable_symm_mem", "enable_memory_saver",
     "enable_weights_cpu_backup", "enable_draft_weights_cpu_backup", "enable_hierarchical_cache",
@@ -68,7 +73,6 @@ PERFORMANCE_ONLY = frozenset({
     "weight_loader_prefetch_num_threads", "weight_loader_drop_cache_after_load",
     "speculative_attention_mode", "speculative_draft_attention_backend", "speculative_ngram_min_bfs_breadth",
     "speculative_ngram_max_bfs_breadth", "speculative_ngram_match_type", "speculative_ngram_capacity",
-    "speculative_adaptive", "speculative_adaptive_config",
     # Used only by SGLang's OpenAI-compatible routes, which this server does not serve.
     "sampling_defaults", "chat_template", "completion_template", "reasoning_parser", "tool_call_parser",
     "enable_custom_logit_processor", "enable_return_hidden_states",
@@ -92,6 +96,17 @@ REFUSAL_REASONS = {
     "allow_auto_truncate": "silently truncating prompts changes results; the embedded engine rejects "
                            "over-long requests instead",
 }
+
+# Our own flags (not SGLang's; real SGLang would reject them): dest -> (flag, help).
+OWN_FLAGS = {
+    "spec_draft_sampling": ("--spec-draft-sampling",
+                            "chain drafters (EAGLE/NEXTN MTP, STANDALONE) sample the drafts of sampled requests from "
+                            "their own distribution q and verify with min(1, p/q) (lossless; SGLang drafts argmax)"),
+    "spec_auto": ("--spec-auto",
+                  "choose the draft length per step (0 = plain decoding) from measured draft and verify costs and "
+                  "the accept rate, to maximise tokens/s"),
+}
+
 
 class ServerArgsError(ValueError):
     """A flag the embedded engine cannot honour; the message names every offending flag."""
@@ -134,6 +149,9 @@ class EngineServerArgs:
     health_check_timeout_s: float = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT (env), read once here
     spec: spec.SpecConfig | None = None  # None: no speculative decoding
     spec_warnings: tuple[str, ...] = ()  # what spec.resolve changed or noted (no errors: those refuse)
+    spec_draft_sampling: bool = False    # ours: --spec-draft-sampling
+    spec_auto: bool = False              # ours: --spec-auto
+    cuda_graph: CudaGraphSettings = field(default_factory=CudaGraphSettings)
     ignored_flags: tuple[str, ...] = ()
     sglang_args: dict = field(default_factory=dict)  # every SGLang flag's value, for /server_info
 
@@ -144,9 +162,15 @@ class EngineServerArgs:
 
 
 def engine_parser() -> argparse.ArgumentParser:
-    """The embedded engine's command line: SGLang's own server parser, with --help."""
-    return sglang_parser("python -m slime_spec.engine", "slime-spec's embedded SGLang-compatible server",
-                         standalone=True)
+    """The embedded engine's command line: SGLang's own server parser, with --help, plus OWN_FLAGS."""
+    sglang = sglang_parser("python -m slime_spec.engine", "slime-spec's embedded SGLang-compatible server",
+                           standalone=True)  # cached and shared: extended through a child parser, never mutated
+    parser = argparse.ArgumentParser(prog=sglang.prog, description=sglang.description, parents=[sglang],
+                                     add_help=False)
+    group = parser.add_argument_group("slime-spec's own speculative options (embedded engine only)")
+    for dest, (flag, help_text) in OWN_FLAGS.items():
+        group.add_argument(flag, dest=dest, action="store_true", help=help_text)
+    return parser
 
 
 def option_names(parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -170,7 +194,7 @@ def classify_flags(values: dict[str, Any], defaults: dict[str, Any], names: dict
     """Sort every flag whose value differs from SGLang's default into ignored or refused."""
     ignored, refused = [], []
     for dest, value in values.items():
-        if dest not in defaults or value == defaults[dest]:
+        if dest not in defaults or value == defaults[dest] or dest in OWN_FLAGS:
             continue
         shown = f"{names.get(dest, '--' + dest.replace('_', '-'))}={value!r}"
         if dest == "tp_size" and value != 1:
@@ -256,6 +280,10 @@ def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> En
     spec_config, findings = spec.resolve(spec_args, target_config=config, backend="embedded", sg=SERVER_PREFIX)
     if errors(findings):
         raise ServerArgsError("; ".join(map(str, errors(findings))))
+    try:
+        check_spec_options(spec_config, bool(values.get("spec_draft_sampling")), bool(values.get("spec_auto")))
+    except ValueError as e:
+        raise ServerArgsError(str(e)) from e
     seed = values["random_seed"] if values["random_seed"] is not None else random.randint(0, 1 << 30)
     return EngineServerArgs(
         model_path=values["model_path"], host=values["host"], port=values["port"], device=device,
@@ -267,6 +295,8 @@ def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> En
         weight_version=values["weight_version"], skip_tokenizer_init=values["skip_tokenizer_init"],
         log_level=values["log_level"], health_check_timeout_s=_health_check_timeout(), spec=spec_config,
         spec_warnings=tuple(map(str, findings)),
+        spec_draft_sampling=bool(values.get("spec_draft_sampling")), spec_auto=bool(values.get("spec_auto")),
+        cuda_graph=CudaGraphSettings.from_values(values),
         ignored_flags=report.ignored,
         sglang_args={k: v for k, v in values.items() if k not in ("api_key", "admin_api_key")},
     )

@@ -27,6 +27,7 @@ class Engine:
                  start_timeout_s: float = DEFAULT_START_TIMEOUT_S, gpu_ids: list[int] | None = None):
         self.index, self.start_timeout_s = index, start_timeout_s
         self.restarts = 0
+        self.stopped = False  # set by shutdown: no restart may bring the server back after it
         self.process: ServerProcess = engine_server_process(
             engine, log_path=Path(log_dir) / f"engine_{index}.log", host=host or node_host(), gpu_ids=gpu_ids,
             engine_index=index)
@@ -42,6 +43,10 @@ class Engine:
     def get_url(self) -> str:
         return self.url
 
+    def command(self) -> list[str]:
+        """The server's full command line (the fleet writes it to a file, not to the console)."""
+        return list(self.process.argv)
+
     def pid(self) -> int | None:
         return self.process.pid
 
@@ -53,13 +58,18 @@ class Engine:
 
     def restart(self) -> str:
         """Stop and start the server with the same argv (same port); returns the url."""
+        if self.stopped:
+            raise RuntimeError(f"engine {self.index} was shut down; it is not restarted")
         self.process.stop()
         self.process.start(self.start_timeout_s)
         self.restarts += 1
         return self.url
 
     def ensure_alive(self) -> bool:
-        """Restart the server if its process died or stopped answering /health; True if it restarted."""
+        """Restart the server if its process died or stopped answering /health; True if it restarted.
+        After `shutdown` (a request failing because shutdown just stopped the server) it never restarts."""
+        if self.stopped:
+            return False
         if self.process.alive() and self.client.healthy():
             return False
         if self.process.alive():
@@ -69,6 +79,7 @@ class Engine:
 
     def shutdown(self) -> int | None:
         """Stop the server and every process in its group; safe to call twice."""
+        self.stopped = True
         return self.process.stop()
 
     # ---- control routes ----

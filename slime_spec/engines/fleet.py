@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
+from pathlib import Path
+from urllib.parse import urlparse
 
 import ray
 
@@ -25,6 +28,29 @@ from slime_spec.placement import ENGINE_GPU_FRACTION, Placement, create_placemen
 
 # What an engine serves right after start when it does not report a weight_version: the checkpoint.
 CHECKPOINT = "checkpoint"
+
+
+# Each engine's full server command line, one line per engine, in the engines' log dir.
+COMMANDS_FILE = "engine_commands.txt"
+
+
+def write_commands(log_dir: str | Path, commands: list[list[str]]) -> Path:
+    """The engines' command lines (~400 characters each) into `log_dir`/COMMANDS_FILE; returns its path."""
+    path = Path(log_dir) / COMMANDS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"engine {i}: {shlex.join(argv)}\n" for i, argv in enumerate(commands)))
+    return path
+
+
+def ready_line(engine: EngineConfig, urls: list[str], version: str | None, commands_path: Path) -> str:
+    """The one console line for the started engines: backend, speculative algorithm, TP, ports, the file."""
+    args = engine.server_args
+    algorithm = args.get("speculative_algorithm") or "no speculative decoding"
+    tp = engine.num_gpus_per_engine // int(args.get("pp_size") or 1)
+    ports = ", ".join(str(urlparse(u).port) for u in urls)
+    hosts = sorted({urlparse(u).hostname for u in urls})
+    return (f"[fleet] {len(urls)} engine(s) ready ({engine.backend}, {algorithm}, tp {tp}) on {', '.join(hosts)} "
+            f"ports {ports}, weights {version!r}; command lines: {commands_path}")
 
 
 class NoEngineAvailable(RuntimeError):
@@ -100,6 +126,7 @@ class EngineFleet:
         self.current_version: str | None = None  # the weights the trainer holds (what every engine must serve)
         self.served: list[str | None] = [None] * num_engines  # what each engine reports it serves
         self.needs_sync: set[int] = set()
+        self.stopping = False  # set by shutdown: a request failing on a stopped engine restarts nothing
         self._locks: list[asyncio.Lock] | None = None
 
     def wait_ready(self) -> None:
@@ -113,8 +140,8 @@ class EngineFleet:
             if v != self.current_version:
                 raise RuntimeError(f"engines started on different weight versions {self.served}: start every "
                                    "engine with the same --sglang-weight-version")
-        print(f"[fleet] {self.num_engines} engine(s) ready on weights {self.current_version!r}: "
-              f"{' '.join(self.urls)}", flush=True)
+        path = write_commands(self._kwargs["log_dir"], ray.get([a.command.remote() for a in self.actors]))
+        print(ready_line(self.engine_cfg, self.urls, self.current_version, path), flush=True)
 
     def _launch_gpu_engines(self, rollout_num_gpus: int, placement: Placement | None) -> None:
         """Engine i on its bundles of the run's placement (the driver's, or one of its own when started alone):
@@ -155,6 +182,9 @@ class EngineFleet:
         """Restart engine `idx` if it died (only the first failure of an engine generation does this);
         a restarted engine that does not serve the current weights stays fenced until `confirm_weights`."""
         async with self.lock(idx):
+            if self.stopping:
+                await self.router.set_available(idx, False, dead=True)
+                return
             if self.generation[idx] != generation or self.router.dead[idx]:
                 return
             await self.router.set_available(idx, False)
@@ -207,12 +237,14 @@ class EngineFleet:
         return await asyncio.gather(*[getattr(a, method).remote(*args) for a in self.actors])
 
     async def shutdown(self) -> None:
-        """Stop every engine server; safe to call twice."""
+        """Stop every engine server; safe to call twice. Requests still in flight fail and restart nothing."""
+        self.stopping = True
         results = await asyncio.gather(*[a.shutdown.remote() for a in self.actors], return_exceptions=True)
         self._release(results)
 
     def stop_blocking(self) -> None:
         """`shutdown` for a constructor's failure path (no event loop running yet)."""
+        self.stopping = True
         results = []
         for ref in [a.shutdown.remote() for a in self.actors]:
             try:

@@ -40,6 +40,8 @@ from slime_spec.rollout.rewards import assign_reward, load_function, make_reward
 from slime_spec.rollout.sample import Sample, Status
 from slime_spec.rollout.sampling_params import sampling_params
 
+# Where the bar cannot redraw in place (a Ray worker's stderr is a file), a progress line at most this often.
+NON_TTY_PROGRESS_EVERY_S = 60.0
 # Silence of an engine on one request (no byte for this long) that counts as a failure; never a total bound.
 DEFAULT_REQUEST_TIMEOUT_S = 1800.0
 
@@ -62,6 +64,36 @@ def exclude_stale(samples: list[Sample], current_version: str | None) -> int:
                        f"policy is at {current_version!r}: excluded from training")
             stale += 1
     return stale
+
+
+def progress_bar(total: int, desc: str, enabled: bool, stream) -> tqdm:
+    """A live bar on a terminal. Elsewhere (under Ray) a bar would print a line per refresh: instead a line
+    at most every NON_TTY_PROGRESS_EVERY_S (none for a shorter rollout), and `progress_done` prints one."""
+    tty = stream.isatty()
+    every = 1.0 if tty else NON_TTY_PROGRESS_EVERY_S
+    return tqdm(total=total, desc=desc, disable=not enabled, file=stream, mininterval=every,
+                delay=0 if tty else every)
+
+
+def progress_done(bar: tqdm, desc: str, stream, elapsed_s: float) -> None:
+    """Close the bar; off a terminal, the rollout's one progress line."""
+    shown = not bar.disable  # tqdm's close() disables the bar
+    bar.close()
+    if shown and not stream.isatty():
+        print(f"{desc}: {bar.n}/{bar.total} samples in {elapsed_s:.1f}s", file=stream, flush=True)
+
+
+class RolloutFailed(RuntimeError):
+    """Every sample of a rollout failed: nothing to train on, and the cause is the same everywhere."""
+
+
+def check_not_all_failed(samples: list[Sample], desc: str) -> None:
+    """Raise `RolloutFailed` naming the first sample's error when no sample of `desc` was generated."""
+    if not samples or any(s.status != Status.ABORTED for s in samples):
+        return
+    first = next((s.error for s in samples if s.error), "no error recorded")
+    raise RolloutFailed(f"all {len(samples)} samples of {desc} failed, so the run stops instead of training on "
+                        f"nothing. The first sample's error: {first}")
 
 
 def parse_eval_prompt_data(items: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -178,6 +210,7 @@ class RolloutManager:
             clients = [RolloutEngineClient(u, self._session, self.auth) for u in self.fleet.urls]
             await self.history.before_rollout(clients, samples, rollout_id, self.tokenizer)
         samples, elapsed = await self._run(samples, f"rollout {rollout_id}")
+        check_not_all_failed(samples, f"rollout {rollout_id}")
         if self.history is not None:
             self.history.after_rollout(samples, rollout_id)
         stale = exclude_stale(samples, self.fleet.current_version)
@@ -212,6 +245,7 @@ class RolloutManager:
         for name, ds in self.eval_datasets.items():
             samples, elapsed = await self._run(ds.batch(0, len(ds), r.n_samples_per_eval_prompt), f"eval {name}",
                                                params)
+            check_not_all_failed(samples, f"eval {name}")
             m = rollout_metrics(rollout_id, samples, elapsed)
             out.update({f"eval/{name}/{k}": v for k, v in m.items() if k != "rollout_id"})
         if self.wandb and len(out) > 1:
@@ -254,8 +288,7 @@ class RolloutManager:
             if self._session is None:
                 self._session = async_session(self.request_timeout_s)
             start = time.perf_counter()
-            bar = tqdm(total=len(samples), desc=desc, disable=not self.show_progress, mininterval=1.0,
-                       file=sys.stderr)
+            bar = progress_bar(len(samples), desc, self.show_progress, sys.stderr)
             tasks = [asyncio.create_task(self._sample_task(s, bar, params or self.sampling_params)) for s in samples]
             try:
                 done = await asyncio.gather(*tasks)
@@ -265,7 +298,7 @@ class RolloutManager:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
             finally:
-                bar.close()
+                progress_done(bar, desc, sys.stderr, time.perf_counter() - start)
             return sorted(done, key=lambda s: s.index), time.perf_counter() - start
 
     async def _sample_task(self, sample: Sample, bar: tqdm, params: dict) -> Sample:

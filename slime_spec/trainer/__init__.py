@@ -3,7 +3,7 @@ process per GPU.
 
 - cpu_compat.py: megatron-core's CUDA-only calls redirected to the CPU when there is no CUDA.
 - parallel.py: torch.distributed + Megatron TP/DP groups (gloo on CPU, nccl on CUDA).
-- model.py: GPTModel from an HF config, HF weights loaded, logits of the policy and of each MTP layer
+- model.py: GPTModel from an HF config, HF weights loaded, the trunk's logits, each MTP layer's hidden states
   (and, for an EAGLE3 draft, the detached outputs of its aux layers and the embeddings).
 - rope.py: RoPE inverse frequencies, plain and Llama-3.1's llama3 scaling (as transformers computes them).
 - eagle3_draft.py: the EAGLE3 draft head in SGLang's LlamaForCausalLMEagle3 layout, one reference step.
@@ -13,6 +13,9 @@ process per GPU.
 - batch.py: samples -> padded tensors and masks; optimizer steps / micro-batches per rank, by samples or
   packed by tokens and balanced by tokens over data-parallel ranks (pure).
 - packing.py: what the model reads per micro-batch: padded rows or one packed row (block-diagonal mask).
+- mtp_loss.py: the MTP loss with the frozen output layer fused into a chunked cross-entropy, trained
+  targets only (no [tokens, vocab] logits kept).
+- timing.py: the per-part split of a train step, for the benchmark.
 - precision.py: float32 master weights for a --bf16 model.
 - checkpoint.py: --save / --load format.
 - trainer.py: `Trainer`, one process's model + optimizer + steps.

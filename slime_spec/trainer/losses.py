@@ -55,6 +55,14 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return F.pad(-(logp.exp() * logp).sum(-1), (1, 0))
 
 
+def token_log_probs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_log_probs` and `token_entropy` from one float32 log-softmax (the training step needs both;
+    two would hold two [b, s, V] float32 copies for the backward)."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    lp = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return F.pad(lp, (1, 0)), F.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+
+
 def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str) -> torch.Tensor:
     """Per-token KL(policy || ref) estimators (Schulman, "Approximating KL divergence"); k3 == low_var_kl,
     the latter clamped to [-10, 10] as slime does."""

@@ -180,24 +180,43 @@ def captured_layer_outputs(model, layer_ids: list[int]):
             h.remove()
 
 
+@dataclass
+class TrunkOutput:
+    """The policy's pass over model rows, and what the MTP layers and an EAGLE3 draft reuse from it."""
+
+    hidden: torch.Tensor  # [s, b, h] the decoder's output (before the output layer)
+    logits: torch.Tensor  # [b, s, vocab]
+    position_ids: torch.Tensor  # [b, s]
+    mask: torch.Tensor  # the attention mask the decoder used
+    rope: torch.Tensor
+    aux_hidden: torch.Tensor | None = None  # [b, s, n * h] outputs of the aux layers (EAGLE3), detached
+    embeds: torch.Tensor | None = None  # [b, s, h] token embeddings, detached (with aux_hidden)
+
+
 def rope_for_positions(model, position_ids: torch.Tensor) -> torch.Tensor:
     """Megatron's RoPE table [s, b, 1, d] looked up at each token's own position (packed rows restart at 0)."""
     table = model.rotary_pos_emb(int(position_ids.max()) + 1)  # [max_pos, 1, 1, d]
     return table[:, 0, 0][position_ids.t()][:, :, None]
 
 
-def forward(model, input_ids: torch.Tensor, vocab_size: int, with_mtp: bool = True,
-            mtp_zero_first_token: bool = False, position_ids: torch.Tensor | None = None,
-            attention_mask: torch.Tensor | None = None, aux_layer_ids: list[int] | None = None) -> ModelOutput:
-    """The policy's and the MTP layers' logits for `input_ids` [rows, seq].
+def output_weight(model) -> torch.Tensor:
+    """This rank's vocabulary shard of the output layer (the embedding when the two are tied)."""
+    return model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights \
+        else model.output_layer.weight
 
-    Right-padded rows by default; packed rows pass their per-sample `position_ids` and block-diagonal
-    `attention_mask` (packing.ModelRows).
-    Not GPTModel.forward: with MTP it returns only losses (no logits for PPO), and it lets the MTP loss
-    reach the trunk. Here the MTP block sees the decoder output, the embedding and the output layer
-    *detached*: MTP training moves only the MTP layers, the draft follows the policy and never pulls it.
-    `mtp_zero_first_token`: zero the MTP token embedding at each sample's position 0, as SGLang serves
-    MiMo's MTP layer (sglang models/mimo_mtp.py), so the draft is trained on exactly the inputs it is served with.
+
+def logits_of(model, hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[s, b, h] hidden states -> [b, s, vocab] logits, gathered over TP ranks, padded vocabulary rows dropped."""
+    out, _ = model.output_layer(hidden, weight=weight, runtime_gather_output=True)
+    return out.transpose(0, 1)[..., :vocab_size]
+
+
+def trunk_forward(model, input_ids: torch.Tensor, vocab_size: int, position_ids: torch.Tensor | None = None,
+                  attention_mask: torch.Tensor | None = None,
+                  aux_layer_ids: list[int] | None = None) -> TrunkOutput:
+    """The policy's logits for `input_ids` [rows, seq]: right-padded rows by default; packed rows pass their
+    per-sample `position_ids` and block-diagonal `attention_mask` (packing.ModelRows).
+
     `aux_layer_ids`: also return those layers' outputs and the embeddings, detached (an EAGLE3 draft's inputs).
     """
     if position_ids is None:
@@ -211,24 +230,43 @@ def forward(model, input_ids: torch.Tensor, vocab_size: int, with_mtp: bool = Tr
     if aux_layer_ids:
         aux_hidden = torch.cat([captured[i] for i in aux_layer_ids], dim=-1).transpose(0, 1)
         embeds = decoder_input.detach().transpose(0, 1)
-    output_weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights \
-        else model.output_layer.weight
+    return TrunkOutput(hidden, logits_of(model, hidden, output_weight(model), vocab_size), position_ids, mask,
+                       rope_table, aux_hidden, embeds)
 
-    def logits_of(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        out, _ = model.output_layer(h, weight=weight, runtime_gather_output=True)
-        return out.transpose(0, 1)[..., :vocab_size]  # [s, b, V] -> [b, s, V], padded rows dropped
 
-    logits = logits_of(hidden, output_weight)
+def mtp_hidden_states(model, input_ids: torch.Tensor, trunk: TrunkOutput,
+                      mtp_zero_first_token: bool = False) -> list[torch.Tensor]:
+    """Every MTP layer's final hidden states [s, b, h] (before the shared output layer).
+
+    The MTP block sees the decoder output and the embedding *detached*: MTP training moves only the MTP
+    layers, the draft follows the policy and never pulls it.
+    `mtp_zero_first_token`: zero the MTP token embedding at each sample's position 0, as SGLang serves
+    MiMo's MTP layer (sglang models/mimo_mtp.py), so the draft is trained on exactly the inputs it is served with.
+    """
+    sample_start = (trunk.position_ids == 0).t()[:, :, None]  # [s, b, 1]; Megatron rolls position_ids, not this
+
+    def detached_embedding(input_ids, position_ids):
+        emb = model.embedding(input_ids=input_ids, position_ids=position_ids).detach()  # [s, b, h]
+        return emb.masked_fill(sample_start, 0.0) if mtp_zero_first_token else emb
+
+    stacked = model.mtp(input_ids=input_ids, position_ids=trunk.position_ids, hidden_states=trunk.hidden.detach(),
+                        attention_mask=trunk.mask, rotary_pos_emb=trunk.rope, embedding=detached_embedding)
+    return list(torch.chunk(stacked, 1 + model.config.mtp_num_layers, dim=0)[1:])
+
+
+def forward(model, input_ids: torch.Tensor, vocab_size: int, with_mtp: bool = True,
+            mtp_zero_first_token: bool = False, position_ids: torch.Tensor | None = None,
+            attention_mask: torch.Tensor | None = None, aux_layer_ids: list[int] | None = None) -> ModelOutput:
+    """The policy's and the MTP layers' full logits for `input_ids` [rows, seq] (checks against HF and the
+    engines; training reads the MTP layers' hidden states through `mtp_loss` instead of their logits).
+
+    Not GPTModel.forward: with MTP it returns only losses (no logits for PPO), and it lets the MTP loss
+    reach the trunk (`mtp_hidden_states` detaches it). `aux_layer_ids`: as in `trunk_forward`.
+    """
+    trunk = trunk_forward(model, input_ids, vocab_size, position_ids, attention_mask, aux_layer_ids)
     mtp_logits: list[torch.Tensor] = []
     if with_mtp and getattr(model, "mtp_process", False):
-        sample_start = (position_ids == 0).t()[:, :, None]  # [s, b, 1]; Megatron rolls position_ids, not this
-
-        def detached_embedding(input_ids, position_ids):
-            emb = model.embedding(input_ids=input_ids, position_ids=position_ids).detach()  # [s, b, h]
-            return emb.masked_fill(sample_start, 0.0) if mtp_zero_first_token else emb
-
-        stacked = model.mtp(input_ids=input_ids, position_ids=position_ids, hidden_states=hidden.detach(),
-                            attention_mask=mask, rotary_pos_emb=rope_table, embedding=detached_embedding)
-        per_layer = torch.chunk(stacked, 1 + model.config.mtp_num_layers, dim=0)[1:]
-        mtp_logits = [logits_of(h, output_weight.detach()) for h in per_layer]
-    return ModelOutput(logits, mtp_logits, aux_hidden, embeds)
+        weight = output_weight(model).detach()
+        mtp_logits = [logits_of(model, h, weight, vocab_size)
+                      for h in mtp_hidden_states(model, input_ids, trunk, mtp_zero_first_token)]
+    return ModelOutput(trunk.logits, mtp_logits, trunk.aux_hidden, trunk.embeds)

@@ -6,7 +6,9 @@ gloo on CPU, nccl on CUDA. Megatron's state is process-global, so one process ho
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -39,8 +41,13 @@ def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int
         local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        backend, timeout = "nccl" if use_cuda else "gloo", timedelta(seconds=timeout_s)
+        if ipaddress.ip_address(master_addr).is_loopback:
+            dist.init_process_group(backend, store=loopback_store(rank, world_size, master_addr, master_port, timeout),
+                                    rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                                    world_size=world_size, timeout=timeout)
     from megatron.core import parallel_state, tensor_parallel
 
     if not parallel_state.model_parallel_is_initialized():
@@ -50,6 +57,16 @@ def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int
     return current_tp_info()
 
 
+
+
+def loopback_store(rank: int, world_size: int, host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """The process group's store on a loopback master: torch's TCPStore server listens on every interface
+    whatever host it is given, so rank 0 hands it a socket already bound to `host` (a local run then
+    listens on loopback only); the other ranks connect as usual."""
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    sock = socket.create_server((host, port))
+    return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=sock.detach())
 
 
 def init_single_process(seed: int = 1234) -> TPInfo:

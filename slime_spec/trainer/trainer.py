@@ -17,13 +17,14 @@ import torch.distributed as dist
 
 from slime_spec.config import TrainConfig
 from slime_spec.rollout.sample import Sample
-from slime_spec.trainer import checkpoint, losses
+from slime_spec.trainer import checkpoint, losses, mtp_loss
 from slime_spec.trainer.eagle3_online import OnlineDraft
 from slime_spec.trainer import model as M
 from slime_spec.trainer.batch import TokenBatch, collate, packed_step_slices, step_slices
 from slime_spec.trainer.packing import ModelRows, model_rows
 from slime_spec.trainer.precision import MasterParams
 from slime_spec.trainer.parallel import TPInfo, current_tp_info
+from slime_spec.trainer.timing import PartTimer
 from slime_spec.weight_sync import convert
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class Trainer:
             self.master.load_state_dict(state.pop("master_params", None))
             self.optimizer.load_state_dict(state)
         self.ref_state = self._reference_weights(resumed) if train.use_kl_loss else None
+        self.timer = PartTimer()  # bench/trainer.py enables it for the per-part split
 
     # ---------------------------------------------------------------- weights
     def _load_initial_weights(self) -> dict | None:
@@ -184,17 +186,31 @@ class Trainer:
         return path
 
     # ---------------------------------------------------------------- steps
-    def _forward(self, rows: ModelRows, with_mtp: bool, with_aux: bool = False):
+    def _trunk(self, rows: ModelRows, with_aux: bool = False) -> M.TrunkOutput:
+        """`with_aux`: also the online draft's inputs (its aux layers' outputs and the embeddings, detached)."""
         aux_ids = self.online_draft.aux_layer_ids if with_aux and self.online_draft is not None else None
-        return M.forward(self.model, rows.input_ids, self.vocab_size, with_mtp=with_mtp,
-                         mtp_zero_first_token=self.mtp_zero_first_token, position_ids=rows.position_ids,
-                         attention_mask=rows.attention_mask, aux_layer_ids=aux_ids)
+        return M.trunk_forward(self.model, rows.input_ids, self.vocab_size, position_ids=rows.position_ids,
+                               attention_mask=rows.attention_mask, aux_layer_ids=aux_ids)
 
     @torch.no_grad()
     def _log_probs(self, batch: TokenBatch) -> torch.Tensor:
         self.model.eval()
         rows = model_rows(batch, self.packed)
-        return rows.to_samples(losses.token_log_probs(self._forward(rows, with_mtp=False).logits, rows.input_ids))
+        return rows.to_samples(losses.token_log_probs(self._trunk(rows).logits, rows.input_ids))
+
+    def _mtp_loss(self, rows: ModelRows, trunk: M.TrunkOutput, loss_mask: torch.Tensor) -> torch.Tensor:
+        """[n] MTP loss of a micro-batch; with a graph only for --enable-mtp-training (a frozen draft's
+        loss is a metric)."""
+        from megatron.core import parallel_state as ps
+
+        with torch.set_grad_enabled(self.train.enable_mtp_training and torch.is_grad_enabled()):
+            with self.timer("MTP forward"):
+                hidden = M.mtp_hidden_states(self.model, rows.input_ids, trunk, self.mtp_zero_first_token)
+            with self.timer("MTP loss"):
+                weight = M.output_weight(self.model)
+                group = ps.get_tensor_model_parallel_group() if self.tp.tp_size > 1 else None
+                return mtp_loss.mtp_loss_per_sample(hidden, weight, rows, loss_mask, self.vocab_size,
+                                                    vocab_start=self.tp.tp_rank * weight.shape[0], group=group)
 
     def plan(self, samples: list[Sample]) -> list[list[list[int]]]:
         """This rank's sample indices per optimizer step, per micro-batch."""
@@ -214,19 +230,22 @@ class Trainer:
         Metrics (means over samples): loss (the policy or SFT objective), pg_loss, kl, clip_fraction,
         entropy, mtp_loss (reported even for a frozen draft), and grad_norm (mean over steps), lr.
         """
-        prepared = self._prepare(samples, loss_type)
+        with self.timer("old log-probs"):
+            prepared = self._prepare(samples, loss_type)
         grad_norms = []
         for s_idx in range(len(prepared.steps)):
             self.optimizer.zero_grad(set_to_none=True)
             self._backward_step(prepared, s_idx)
-            grad_norms.append(self._reduce_and_clip_grads())
-            self.optimizer.step()
-            self.master.copy_to_model()
+            with self.timer("optimizer"):
+                grad_norms.append(self._reduce_and_clip_grads())
+                self.optimizer.step()
+                self.master.copy_to_model()
             if self.online_draft is not None:
                 from megatron.core import parallel_state as ps
 
-                self.online_draft.step(ps.get_data_parallel_group() if self.tp.dp_size > 1 else None,
-                                       self.tp.dp_size)
+                with self.timer("EAGLE3 draft"):
+                    self.online_draft.step(ps.get_data_parallel_group() if self.tp.dp_size > 1 else None,
+                                           self.tp.dp_size)
         metrics = self._metrics(prepared.sums, grad_norms)
         if self.online_draft is not None:
             metrics.update(self.online_draft.pop_metrics())
@@ -266,35 +285,42 @@ class Trainer:
         return _Prepared(sft, steps, batches, advantages, old, ref, sums)
 
     def _backward_step(self, p: "_Prepared", s_idx: int, train_draft: bool = True) -> None:
-        """Forward and backward every micro-batch of optimizer step `s_idx`; gradients accumulate in float32."""
+        """Forward and backward every micro-batch of optimizer step `s_idx`; gradients accumulate in float32.
+
+        The MTP loss is backpropagated on its own: its graph starts from the detached trunk, so the two
+        backward passes give the gradients one pass over their sum would, and each is timed apart.
+        The online draft's loss (--enable-draft-training) also has its own backward: its inputs are detached,
+        so it reaches the draft only."""
         t = self.train
         self.model.train()
         train_draft = self.online_draft is not None and train_draft
         for m_idx, batch in enumerate(p.batches[s_idx]):
             rows = model_rows(batch, self.packed)
-            out = self._forward(rows, with_mtp=bool(t.mtp_num_layers), with_aux=train_draft)
-            log_probs = rows.to_samples(losses.token_log_probs(out.logits, rows.input_ids))
-            entropy = rows.to_samples(losses.token_entropy(out.logits))
-            if p.sft:
-                terms = losses.sft_loss_terms(log_probs, batch.loss_mask, entropy)
-            else:
-                adv = p.advantages[p.steps[s_idx][m_idx]].to(self.device)[:, None].expand_as(log_probs)
-                terms = losses.policy_loss_terms(
-                    log_probs, p.old[s_idx][m_idx], adv, batch.loss_mask, eps_clip=t.eps_clip,
-                    eps_clip_high=t.eps_clip_high, entropy=entropy, entropy_coef=t.entropy_coef,
-                    ref_log_probs=None if p.ref is None else p.ref[s_idx][m_idx],
-                    kl_loss_coef=t.kl_loss_coef, kl_loss_type=t.kl_loss_type)
-            objective = terms.total.sum()
-            if out.mtp_logits:
-                targets = [rows.to_samples(ce) for ce in losses.mtp_target_losses(out.mtp_logits, rows.input_ids)]
-                terms.mtp_loss = losses.mtp_loss_from_targets(targets, batch.loss_mask)
+            with self.timer("trunk forward"):
+                trunk = self._trunk(rows, with_aux=train_draft)
+                log_probs, entropy = map(rows.to_samples,
+                                         losses.token_log_probs_and_entropy(trunk.logits, rows.input_ids))
+                if p.sft:
+                    terms = losses.sft_loss_terms(log_probs, batch.loss_mask, entropy)
+                else:
+                    adv = p.advantages[p.steps[s_idx][m_idx]].to(self.device)[:, None].expand_as(log_probs)
+                    terms = losses.policy_loss_terms(
+                        log_probs, p.old[s_idx][m_idx], adv, batch.loss_mask, eps_clip=t.eps_clip,
+                        eps_clip_high=t.eps_clip_high, entropy=entropy, entropy_coef=t.entropy_coef,
+                        ref_log_probs=None if p.ref is None else p.ref[s_idx][m_idx],
+                        kl_loss_coef=t.kl_loss_coef, kl_loss_type=t.kl_loss_type)
+            if t.mtp_num_layers and getattr(self.model, "mtp_process", False):
+                terms.mtp_loss = self._mtp_loss(rows, trunk, batch.loss_mask)
                 if t.enable_mtp_training:
-                    objective = objective + t.mtp_loss_scaling_factor * terms.mtp_loss.sum()
-            (objective / t.global_batch_size).backward()
-            if train_draft:  # the policy's features are detached: this backward reaches the draft only
-                self.online_draft.accumulate(out, rows.position_ids, _row_layout(rows, batch.loss_mask),
-                                             rows.attention_mask, 1.0 / len(p.batches[s_idx]))
-            self.master.accumulate_grads()
+                    with self.timer("MTP backward"):
+                        (t.mtp_loss_scaling_factor * terms.mtp_loss.sum() / t.global_batch_size).backward()
+            with self.timer("trunk backward"):
+                (terms.total.sum() / t.global_batch_size).backward()
+                self.master.accumulate_grads()
+            if train_draft:
+                with self.timer("EAGLE3 draft"):
+                    self.online_draft.accumulate(trunk, rows.position_ids, _row_layout(rows, batch.loss_mask),
+                                                 rows.attention_mask, 1.0 / len(p.batches[s_idx]))
             self._accumulate(p.sums, terms, batch, None if p.sft else p.old[s_idx][m_idx])
 
     @staticmethod

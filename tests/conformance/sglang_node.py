@@ -21,7 +21,8 @@ from tests.conformance import sglang_doubles
 GPUS, GPU_BYTES, GPU_NAME = 8, 80 * 1024**3, "NVIDIA H100 80GB HBM3"
 RESOLVED_FIELDS = ("tp_size", "pp_size", "dp_size", "random_seed", "base_gpu_id", "trust_remote_code",
                    "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
-                   "speculative_eagle_topk", "speculative_num_draft_tokens", "attention_backend",
+                   "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_adaptive",
+                   "attention_backend",
                    "mem_fraction_static", "max_running_requests", "dtype", "host", "port", "model_path")
 
 

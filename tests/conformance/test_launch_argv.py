@@ -80,6 +80,7 @@ def launches(tmp_path_factory):
     cases["example native mtp"] = example_flags("sglang-args-native-mtp.sh", base, "MiMo-7B-RL")
     cases["example native mtp, pp 2"] = [*cases["example native mtp"], "--rollout-num-gpus", "8",
                                          "--rollout-num-gpus-per-engine", "4", "--sglang-pp-size", "2"]
+    cases["example native mtp, adaptive"] = [*cases["example native mtp"], "--sglang-speculative-adaptive"]
     rows = [(case, *launch) for case, flags in cases.items() for launch in engine_launches(flags)]
     work = tmp_path_factory.mktemp("resolve")
     (work / "in.json").write_text(json.dumps([argv for *_, argv in rows]))
@@ -93,7 +94,7 @@ def launches(tmp_path_factory):
 
 def test_every_script_and_example_is_resolved(launches):
     cases = {case for case, *_ in launches}
-    assert cases >= set(CLEAN_RUNS) | {"example eagle3", "example native mtp"}
+    assert cases >= set(CLEAN_RUNS) | {"example eagle3", "example native mtp", "example native mtp, adaptive"}
 
 
 def test_sglang_resolves_every_engine_argv(launches):
@@ -112,6 +113,7 @@ def test_resolved_values_are_the_ones_we_meant(launches):
         assert out["trust_remote_code"] is True, case
         assert out["speculative_algorithm"] == engine.server_args.get("speculative_algorithm"), case
         assert out["model_path"] == engine.model_path and out["port"] == 30000 + i, case
+        assert out["speculative_adaptive"] == bool(engine.server_args.get("speculative_adaptive")), case
 
 
 def test_engines_get_distinct_seeds(launches):

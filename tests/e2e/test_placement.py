@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import ray
 
-from slime_spec import placement as placement_mod
 from slime_spec.tiny_model import make_tiny_model
 from slime_spec.placement import create_placement, remove_placement
 from slime_spec.train import main
@@ -50,20 +49,19 @@ def test_placement_that_cannot_fit_times_out_naming_request_and_cluster(gpu_clus
     with pytest.raises(TimeoutError) as e:
         create_placement(actor_gpus=2, rollout_gpus=2, gpus_per_engine=1, colocate=False, timeout_s=2)
     msg = str(e.value)
-    assert "4 bundles" in msg and "within 2 s" in msg and "GPU=2" in msg and "--colocate" in msg
+    assert "4 bundles" in msg and "within 2 s (--placement-timeout)" in msg and "GPU=2" in msg and "--colocate" in msg
     assert gpus_free_again()  # the pending group was removed
 
 
-def test_colocate_two_actor_and_two_rollout_gpus_on_two_gpus(gpu_cluster, monkeypatch, capsys):
+def test_colocate_two_actor_and_two_rollout_gpus_on_two_gpus(gpu_cluster, capsys):
     root, model, data = gpu_cluster
-    monkeypatch.setattr(placement_mod, "PLACEMENT_TIMEOUT_S", 120.0)
     out = root / "run"
     argv = ["--hf-checkpoint", str(model), "--rollout-backend", "embedded", "--colocate",
             "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", "--rollout-num-engines", "2",
             "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label", "--rm-type", "exact_match",
             "--rollout-skip-special-tokens", "--num-rollout", "2", "--rollout-batch-size", "2",
             "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--global-batch-size", "4",
-            "--micro-batch-size", "2", "--lr", "1e-3", "--output-dir", str(out)]
+            "--micro-batch-size", "2", "--lr", "1e-3", "--placement-timeout", "120", "--output-dir", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "[placement] train rank 1" in printed and "[placement] engine 1" in printed

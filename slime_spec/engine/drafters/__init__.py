@@ -17,11 +17,12 @@ __all__ = ["Drafter", "HistoryDrafter", "MTPDrafter", "NgramDrafter", "Standalon
 
 
 def make_drafter(spec: SpecConfig | None, target: CausalLM, slots: int, max_seq: int, dtype: str,
-                 device: str) -> Drafter | None:
-    """The drafter for `spec` (None without speculation); `spec.check_resolved` must have passed."""
+                 device: str, k: int | None = None) -> Drafter | None:
+    """The drafter for `spec` (None without speculation); `spec.check_resolved` must have passed.
+    k: the most draft tokens a step may ask for (adaptive speculation's largest candidate), default the spec's."""
     if spec is None:
         return None
-    k = spec.draft_tokens_per_verify
+    k = spec.draft_tokens_per_verify if k is None else k
     algorithm = spec.speculative_algorithm
     if algorithm is Algorithm.EAGLE:
         return MTPDrafter(target, k, slots, max_seq)

@@ -2,25 +2,32 @@
 
 A drafter proposes k tokens per running row; the engine verifies them with one batched target forward.
 
-Every drafter here drafts greedily (SGLang's eagle_topk 1 chain picks the draft's argmax; NGRAM copies tokens),
-so the draft distribution q is one-hot and verification (see sampling.speculative_accept) is lossless.
+By default every drafter drafts greedily (SGLang's eagle_topk 1 chain picks the draft's argmax; NGRAM copies
+tokens), so the draft distribution q is one-hot and verification (see sampling.speculative_accept) is lossless.
+Chain drafters with a distribution (MTP, STANDALONE) also implement the optional `sample_draft(rows, pick)`: the
+engine's `pick` turns each step's draft logits into tokens and, when drafting by sampling, the distribution q each
+token was sampled from; verification then uses q (accept with min(1, p/q), resample from max(0, p - q)).
 
 Row state the engine keeps (see core._Row): `tokens` (prompt + output), `kv_len` (tokens whose keys/values are
 in the target cache: all but the last, pending one), `slot` (cache row). The settings come from
 `slime_spec.spec.SpecConfig`, resolved and checked for this engine before `make_drafter` runs.
 
 Drafter protocol:
-  k                                   draft tokens per verify (SpecConfig.draft_tokens_per_verify)
+  k                                   draft tokens of the next verify; the engine may set it per step (adaptive
+                                      and auto speculation, 0 = a plain step) at most to the k it was built with
+                                      (SpecConfig.draft_tokens_per_verify); read it in propose and on_verify
   on_prefill(rows, hidden)            after the target prefilled rows and appended their first token
   propose(rows) -> LongTensor [B, k]  draft tokens following each row's pending token
   on_verify(rows, hidden, accepted)   after the verify pass appended accepted[i] + 1 tokens to rows[i]
   weight_runner() -> {hf name: param} the draft's weights, as SGLang's draft runner loads them (or None)
   new_cache() / drop_cache()          (re)allocate or free the drafter's KV cache
+Optional:
+  sample_draft(rows, pick) -> (LongTensor [B, k], q [B, k, V] or None)   see above
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -41,6 +48,27 @@ class Drafter(Protocol):
     def new_cache(self) -> None: ...
 
     def drop_cache(self) -> None: ...
+
+
+# logits [B, V] of one draft step -> (tokens [B], the distribution they were drawn from [B, V], or None if greedy)
+DraftPick = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def argmax_pick(logits: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return logits.argmax(-1), None
+
+
+def chain(k: int, step: Callable[[int, torch.Tensor | None], torch.Tensor],
+          pick: DraftPick) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run k draft steps (`step(j, previous token)` -> logits [B, V]) and stack the picked tokens and their q."""
+    tokens, probs, token = [], [], None
+    for j in range(k):
+        token, q = pick(step(j, token))
+        tokens.append(token)
+        probs.append(q)
+    if not tokens:
+        raise ValueError("a draft chain needs k >= 1; the engine runs k = 0 as a plain step without drafting")
+    return torch.stack(tokens, dim=1), (None if probs[0] is None else torch.stack(probs, dim=1))
 
 
 def pad(seqs: list[list[int]], device) -> torch.Tensor:

@@ -146,9 +146,18 @@ class HistoryDrafter:
     """NGRAM on the embedded engine: the shared n-gram cache plus SAM sources (module docstring)."""
 
     def __init__(self, ngram: NgramDrafter, max_depth: int):
-        self.ngram, self.k, self.max_depth, self.device = ngram, ngram.k, max_depth, ngram.device
+        self.ngram, self.max_depth, self.device = ngram, max_depth, ngram.device
         self.corpora: dict[str, SuffixAutomaton] = {}
         self.groups: OrderedDict[str, dict[str, SuffixAutomaton]] = OrderedDict()  # group -> rid -> output SAM
+
+    @property
+    def k(self) -> int:
+        return self.ngram.k
+
+    @k.setter
+    def k(self, k: int) -> None:
+        """The engine sets the draft length per step (adaptive / auto): the n-gram matcher drafts that many too."""
+        self.ngram.k = k
 
     def new_cache(self) -> None:
         return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from slime_spec.engine.drafters.base import pad, slots_of
+from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of
 from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names
 
 
@@ -19,7 +19,6 @@ class MTPDrafter:
     def __init__(self, target: CausalLM, k: int, slots: int, max_seq: int):
         self.target, self.k, self.slots, self.max_seq = target, k, slots, max_seq
         device = target.lm_head.weight.device
-        self.next_token = torch.zeros(slots, dtype=torch.long, device=device)
         self.next_hidden = torch.zeros(slots, target.args.hidden_size, dtype=target.lm_head.weight.dtype,
                                        device=device)
         self.cache: KVCache | None = None
@@ -32,12 +31,10 @@ class MTPDrafter:
         self.cache = None
 
     def _extend(self, rows, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                last: torch.Tensor) -> None:
+                last: torch.Tensor, num_keys: int | None = None) -> None:
         slots = slots_of(rows, tokens.device)
-        out = self.target.mtp_forward(tokens, hidden, positions, self.cache, slots)
-        out = out[torch.arange(len(rows), device=out.device), last]
-        self.next_token[slots] = self.target.logits(out).argmax(-1)
-        self.next_hidden[slots] = out
+        out = self.target.mtp_forward(tokens, hidden, positions, self.cache, slots, num_keys=num_keys)
+        self.next_hidden[slots] = out[torch.arange(len(rows), device=out.device), last]
 
     def on_prefill(self, rows, hidden: torch.Tensor) -> None:
         device = hidden.device
@@ -47,27 +44,37 @@ class MTPDrafter:
         self._extend(rows, tokens, hidden[:, : tokens.shape[1]], positions, last)
 
     def propose(self, rows) -> torch.Tensor:
-        device = self.next_token.device
+        return self.sample_draft(rows, argmax_pick)[0]
+
+    def sample_draft(self, rows, pick: DraftPick) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """k draft tokens per row, each picked from the MTP layer's logits: one batched MTP + lm_head call per
+        step for all rows. The first reads the hidden state the last extend left; each further one runs the layer
+        on its own output."""
+        device = self.next_hidden.device
         slots = slots_of(rows, device)
-        token, hidden = self.next_token[slots], self.next_hidden[slots]
-        drafts = [token]
         pos = torch.tensor([r.kv_len for r in rows], device=device)
-        for j in range(self.k - 1):
-            hidden = self.target.mtp_forward(token[:, None], hidden[:, None], (pos + j)[:, None], self.cache,
-                                             slots)[:, 0]
-            token = self.target.logits(hidden).argmax(-1)
-            drafts.append(token)
-        return torch.stack(drafts, dim=1)
+        max_kv = max(r.kv_len for r in rows)  # host-side key count: a captured graph cannot read positions back
+        hidden = self.next_hidden[slots]
+
+        def step(j: int, token: torch.Tensor | None) -> torch.Tensor:
+            nonlocal hidden
+            if j > 0:
+                hidden = self.target.mtp_forward(token[:, None], hidden[:, None], (pos + j - 1)[:, None], self.cache,
+                                                 slots, num_keys=max_kv + j)[:, 0]
+            return self.target.logits(hidden)
+
+        return chain(self.k, step, pick)
 
     def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
         device = hidden.device
-        k1 = self.k + 1
+        k1 = hidden.shape[1]  # the verify pass's k + 1 positions
         # Row i verified positions n..n+k; its newly committed tokens x_{n+1}..x_{n+a+1} are tokens[-(a+1):].
         tokens = pad([r.tokens[len(r.tokens) - a - 1:] for r, a in zip(rows, accepted)], device)
         tokens = torch.nn.functional.pad(tokens, (0, k1 - tokens.shape[1]))
         start = torch.tensor([r.kv_len - a - 1 for r, a in zip(rows, accepted)], device=device)
         positions = start[:, None] + torch.arange(k1, device=device)[None]
-        self._extend(rows, tokens, hidden, positions, torch.tensor(accepted, device=device))
+        num_keys = max(r.kv_len - a - 1 for r, a in zip(rows, accepted)) + k1
+        self._extend(rows, tokens, hidden, positions, torch.tensor(accepted, device=device), num_keys)
 
     def weight_runner(self) -> dict[str, torch.nn.Parameter]:
         """SGLang's MiMoMTP draft runner loads the MTP layers plus the embedding and lm_head it shares."""

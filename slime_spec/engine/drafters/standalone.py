@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from slime_spec.engine.drafters.base import pad, slots_of
+from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of
 from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names
 
 
@@ -41,19 +41,25 @@ class StandaloneDrafter:
             r.draft_cached_len = len(r.tokens) - 1
 
     def propose(self, rows) -> torch.Tensor:
-        logits = self._feed(rows, [r.tokens[r.draft_cached_len:] for r in rows], [r.draft_cached_len for r in rows])
-        token = logits.argmax(-1)
-        drafts = [token]
-        device = token.device
+        return self.sample_draft(rows, argmax_pick)[0]
+
+    def sample_draft(self, rows, pick: DraftPick) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Catch the draft cache up on each row's unseen tokens, then k batched one-token draft steps."""
+        device = self.draft.lm_head.weight.device
         slots = slots_of(rows, device)
         pos = torch.tensor([len(r.tokens) for r in rows], device=device)
-        for j in range(self.k - 1):
-            hidden = self.draft(token[:, None], (pos + j)[:, None], self.cache, slots)
-            token = self.draft.logits(hidden[:, 0]).argmax(-1)
-            drafts.append(token)
-        return torch.stack(drafts, dim=1)
+
+        def step(j: int, token: torch.Tensor | None) -> torch.Tensor:
+            if j == 0:
+                return self._feed(rows, [r.tokens[r.draft_cached_len:] for r in rows],
+                                  [r.draft_cached_len for r in rows])
+            return self.draft.logits(self.draft(token[:, None], (pos + j - 1)[:, None], self.cache, slots)[:, 0])
+
+        return chain(self.k, step, pick)
 
     def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
+        if self.k == 0:
+            return  # no draft step ran: the draft cache catches up at the next propose
         for r, a in zip(rows, accepted):
             # The draft consumed the old pending token and d_1..d_{k-1}; valid are the pending token and d_1..d_a.
             r.draft_cached_len = r.kv_len - a + min(a, self.k - 1)

@@ -1,0 +1,214 @@
+"""How many draft tokens the next speculative step proposes: fixed, SGLang's adaptive rule, or our auto rule.
+
+Every policy answers `choose(batch_size) -> k` (0 = a plain decode step) before a step and is told what the step
+did through `observe(...)` after it. `max_k` sizes the caches.
+
+- FixedSteps: SGLang's static chain (`--speculative-num-steps`).
+- AdaptiveSteps: SGLang 0.5.23's `--speculative-adaptive` (sglang/srt/speculative/adaptive_spec_params.py):
+  batch-size tiers, each with candidate steps and an EMA of the accepted drafts per request; after a warm-up,
+  every few batches a tier moves one candidate down when the EMA falls below it and up when it reaches it.
+- AutoSteps (`--spec-auto`, ours): measures the step's own costs online per batch-size bucket (draft step and
+  verify pass, EMA) and the per-token accept rate, and picks the k that maximises expected tokens per second.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass, field
+
+from slime_spec.spec import ADAPTIVE_TIERS, Algorithm, SpecConfig
+
+# SGLang's per-tier knobs and their defaults (a tier entry overrides the file's top level, which overrides these).
+ADAPTIVE_KNOB_DEFAULTS = {"ema_alpha": 0.2, "update_interval": 5, "warmup_batches": 10, "down_hysteresis": -0.25,
+                          "up_hysteresis": 0.0, "ceiling_coeff": 0}
+# SGLang's default tiers also set the hysteresis per tier (batch 1 keeps the -0.25 default, the others 0).
+DEFAULT_TIER_KNOBS = {1: {"down_hysteresis": -0.25}, 8: {"down_hysteresis": 0.0}, 32: {"down_hysteresis": 0.0},
+                      64: {"down_hysteresis": 0.0}}
+
+
+class FixedSteps:
+    """Always k (SGLang's static speculative parameters)."""
+
+    def __init__(self, k: int):
+        self.max_k = k
+
+    def choose(self, batch_size: int) -> int:
+        return self.max_k
+
+    def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float) -> None:
+        return None
+
+
+@dataclass
+class AdaptiveTier:
+    """One batch-size tier: candidate steps, the EMA of accepted drafts per request, and the current steps."""
+
+    candidates: list[int]
+    current: int
+    ema: float
+    ema_alpha: float = 0.2
+    update_interval: int = 5
+    warmup_batches: int = 10
+    down_hysteresis: float = -0.25
+    up_hysteresis: float = 0.0
+    ceiling_coeff: float = 0
+    batches: int = 0
+
+    def observe(self, accepted: list[int]) -> None:
+        if not accepted:
+            return
+        if self.current > 0:
+            self.ema += self.ema_alpha * (sum(accepted) / len(accepted) - self.ema)
+        self.batches += 1
+        after_warmup = self.batches - self.warmup_batches
+        if after_warmup > 0 and after_warmup % self.update_interval == 0:
+            self.current = self._target()
+
+    def _target(self) -> int:
+        c, i = self.candidates, self.candidates.index(self.current)
+        if self.current == 0:  # after a plain interval, probe the smallest positive candidate
+            nxt = c[min(i + 1, len(c) - 1)]
+            if nxt > 0 and self.ema < 0:
+                self.ema = float(nxt - 1)
+            return nxt
+        start = i
+        while i > 0 and self.ema <= (0.5 if c[i - 1] == 0 else c[i - 1] - 0.5) + self.down_hysteresis:
+            i -= 1
+        if i == start:
+            while i < len(c) - 1 and self.ema > c[i] - 0.5 + self.up_hysteresis:
+                i += 1
+        if self.ceiling_coeff > 0 and c[i] <= self.current:
+            ceiling = max(1, math.ceil(self.ema * self.ceiling_coeff))
+            while i > 0 and c[i] > ceiling:
+                i -= 1
+        return c[i]
+
+
+def load_adaptive_tiers(config_path: str | None) -> dict[int, dict]:
+    """batch size -> the tier's knobs (candidate_steps included), from SGLang's defaults or the JSON file."""
+    if config_path is None:
+        return {bs: {**ADAPTIVE_KNOB_DEFAULTS, **DEFAULT_TIER_KNOBS.get(bs, {}), "candidate_steps": list(steps)}
+                for bs, steps in ADAPTIVE_TIERS.items()}
+    with open(config_path) as f:
+        raw = json.load(f)
+    top = {k: v for k, v in raw.items() if not k.isdigit()}
+    return {int(k): {**ADAPTIVE_KNOB_DEFAULTS, **top, **v} for k, v in raw.items() if k.isdigit()}
+
+
+class AdaptiveSteps:
+    """SGLang's adaptive speculation: the tier of the largest configured batch size <= the batch decides k."""
+
+    def __init__(self, initial_steps: int, config_path: str | None = None):
+        self.tiers: dict[int, AdaptiveTier] = {}
+        for bs, knobs in sorted(load_adaptive_tiers(config_path).items()):
+            candidates = sorted(set(knobs["candidate_steps"]))
+            current = initial_steps if initial_steps in candidates else candidates[len(candidates) // 2]
+            self.tiers[bs] = AdaptiveTier(candidates, current, float(current - 1),
+                                          **{k: knobs[k] for k in ADAPTIVE_KNOB_DEFAULTS})
+        self._sizes = sorted(self.tiers)
+        self.max_k = max(max(t.candidates) for t in self.tiers.values())
+
+    def tier(self, batch_size: int) -> AdaptiveTier:
+        return self.tiers[self._sizes[max(0, bisect.bisect_right(self._sizes, batch_size) - 1)]]
+
+    def choose(self, batch_size: int) -> int:
+        return self.tier(batch_size).current
+
+    def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float) -> None:
+        self.tier(batch_size).observe(accepted)
+
+
+def expected_tokens(accept_rate: float, k: int) -> float:
+    """Tokens one verify of a k-token chain yields when each draft is accepted with probability a (bonus included):
+    1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)."""
+    if accept_rate >= 1.0:
+        return float(k + 1)
+    return (1.0 - accept_rate ** (k + 1)) / (1.0 - accept_rate)
+
+
+def best_steps(accept_rate: float, draft_cost: float, verify_cost: dict[int, float]) -> int:
+    """The k (a key of verify_cost, 0 = plain) maximising expected tokens per second, with the step's cost
+    k * draft_cost + verify_cost[k]. Ties go to the smaller k."""
+    def rate(k: int) -> float:
+        return expected_tokens(accept_rate, k) / max(k * draft_cost + verify_cost[k], 1e-12)
+
+    return max(sorted(verify_cost), key=lambda k: (rate(k), -k))
+
+
+def bucket_of(batch_size: int) -> int:
+    """Batch sizes share cost estimates within powers of two (1, 2, 4, 8, ...)."""
+    return 1 << max(0, batch_size - 1).bit_length()
+
+
+@dataclass
+class _Bucket:
+    draft_cost: float | None = None                       # seconds per draft step (all rows)
+    verify_cost: dict[int, float] = field(default_factory=dict)  # k -> seconds of the verify pass + sampling
+    steps: int = 0
+
+
+class AutoSteps:
+    """Our `--spec-auto`: k in 0..max_k per step, maximising expected tokens per second from online estimates.
+
+    Each batch-size bucket first measures every k once (cheapest first), then takes `best_steps`; every
+    `explore_every` steps it tries a neighbour of the best k so the estimates stay fresh. The per-token accept
+    rate is the geometric MLE over all rows (accepted drafts / (accepted + rejections)), as an EMA.
+    """
+
+    def __init__(self, max_k: int, alpha: float = 0.2, explore_every: int = 32, prior_accept_rate: float = 0.5):
+        self.max_k, self.alpha, self.explore_every = max_k, alpha, explore_every
+        self.accept_rate = prior_accept_rate
+        self.buckets: dict[int, _Bucket] = {}
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)
+
+    def choose(self, batch_size: int) -> int:
+        b = self.buckets.setdefault(bucket_of(batch_size), _Bucket())
+        b.steps += 1
+        unmeasured = [k for k in range(self.max_k + 1) if k not in b.verify_cost]
+        if unmeasured:
+            return unmeasured[0]
+        best = best_steps(self.accept_rate, b.draft_cost or 0.0, b.verify_cost)
+        if b.steps % self.explore_every == 0:
+            return min(best + 1, self.max_k) if (b.steps // self.explore_every) % 2 or best == 0 else best - 1
+        return best
+
+    def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float) -> None:
+        b = self.buckets.setdefault(bucket_of(batch_size), _Bucket())
+        b.verify_cost[k] = self._ema(b.verify_cost.get(k), verify_s)
+        if k == 0 or not accepted:
+            return
+        b.draft_cost = self._ema(b.draft_cost, draft_s / k)
+        hits = sum(accepted)
+        misses = sum(1 for a in accepted if a < k)
+        if hits + misses:
+            self.accept_rate = self._ema(self.accept_rate, hits / (hits + misses))
+
+
+def make_policy(spec, auto: bool):
+    """The policy for resolved settings: AutoSteps (--spec-auto), AdaptiveSteps (speculative_adaptive), else
+    FixedSteps; None without speculation."""
+    if spec is None:
+        return None
+    k = spec.draft_tokens_per_verify
+    if auto:
+        return AutoSteps(k)
+    if spec.speculative_adaptive:
+        return AdaptiveSteps(spec.speculative_num_steps, spec.speculative_adaptive_config)
+    return FixedSteps(k)
+
+
+def check_spec_options(spec: SpecConfig | None, draft_sampling: bool, spec_auto: bool) -> None:
+    """Our own speculative options (not SGLang's) against the resolved settings; ValueError naming the flag."""
+    if (draft_sampling or spec_auto) and spec is None:
+        flag = "--spec-draft-sampling" if draft_sampling else "--spec-auto"
+        raise ValueError(f"{flag} needs speculative decoding: set --speculative-algorithm, or drop {flag}")
+    if draft_sampling and spec.speculative_algorithm not in (Algorithm.EAGLE, Algorithm.STANDALONE):
+        raise ValueError(f"--spec-draft-sampling with speculative_algorithm={spec.speculative_algorithm}: only "
+                         "chain drafters with a distribution (EAGLE/NEXTN with MTP layers, STANDALONE) can draft by "
+                         "sampling; drop --spec-draft-sampling")
+    if spec_auto and spec.speculative_adaptive:
+        raise ValueError("--spec-auto and --speculative-adaptive both choose the draft length per step; keep one")

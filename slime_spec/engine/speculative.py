@@ -1,0 +1,112 @@
+"""One speculative step of EngineCore: draft k tokens per row, verify all rows in one target forward, accept.
+
+The target verifies the pending token and the k drafts of every row as one batched forward and one lm_head
+matmul over all B * (k + 1) positions. Greedy rows accept while the draft equals the target's argmax; sampled
+rows use the standard lossless rule (sampling.speculative_accept), with q one-hot for SGLang's greedy drafting
+or, with draft sampling (`--spec-draft-sampling`), the distribution each draft token was sampled from.
+k comes from the step policy (spec_policy); k = 0 is a plain decode step that still keeps the drafter in sync.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from slime_spec.engine import sampling
+from slime_spec.engine.drafters.base import DraftPick, argmax_pick
+
+
+def draft_pick(rows, params, generator: torch.Generator, draft_sampling: bool) -> DraftPick:
+    """Greedy rows (and every row without draft sampling) take the draft's argmax; with draft sampling a sampled
+    row draws from the draft's own temperature/filter-adjusted distribution q, returned for verification."""
+    greedy, temps, top_ks, top_ps, min_ps = params
+    sampled = ~greedy
+    if not draft_sampling or not bool(sampled.any()):
+        return argmax_pick
+
+    def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = logits.argmax(-1)
+        q = torch.zeros_like(logits)
+        q[sampled] = sampling.filtered_probs(logits[sampled].float(), temps[sampled], top_ks[sampled],
+                                             top_ps[sampled], min_ps[sampled])
+        tokens[sampled] = sampling.sample(q[sampled], generator)
+        return tokens, q
+
+    return pick
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def spec_step(engine, rows: list) -> None:
+    """Draft, verify, accept and append for `rows` (EngineCore's running rows); feeds the step policy."""
+    dev = engine.device
+    n = len(rows)
+    params = engine._params(rows)
+    greedy, temps, top_ks, top_ps, min_ps = params
+    k = engine.policy.choose(n)
+    engine.drafter.k = k
+    t0 = time.perf_counter()
+    draft_probs = None
+    if k > 0:
+        pick = draft_pick(rows, params, engine.generator, engine.draft_sampling)
+        sample_draft = getattr(engine.drafter, "sample_draft", None)
+        if pick is not argmax_pick and sample_draft is not None:
+            drafts, draft_probs = sample_draft(rows, pick)
+        else:  # SGLang's greedy drafting, or a drafter without a distribution (NGRAM)
+            drafts = engine.drafter.propose(rows)
+    else:
+        drafts = torch.zeros(n, 0, dtype=torch.long, device=dev)
+    if engine.timed:
+        _sync(dev)
+    t1 = time.perf_counter()
+    ids = torch.cat((torch.tensor([[r.tokens[-1]] for r in rows], device=dev), drafts), dim=1)
+    start = torch.tensor([r.kv_len for r in rows], device=dev)
+    positions = start[:, None] + torch.arange(k + 1, device=dev)[None]
+    slots = torch.tensor([r.slot for r in rows], device=dev)
+    hidden = engine.model(ids, positions, engine.cache, slots, max(r.kv_len for r in rows) + k + 1)
+    logits, broken = engine._non_finite_rows(engine.model.logits(hidden.flatten(0, 1)).view(n, k + 1, -1))
+    accept = torch.zeros(n, dtype=torch.long, device=dev)
+    next_token = torch.zeros(n, dtype=torch.long, device=dev)
+    if bool(greedy.any()):
+        accept[greedy], next_token[greedy] = sampling.greedy_accept(logits[greedy], drafts[greedy])
+    sampled = ~greedy
+    if bool(sampled.any()):
+        reps = lambda t: t[sampled].repeat_interleave(k + 1)  # noqa: E731 (one value per position)
+        probs = sampling.filtered_probs(logits[sampled].flatten(0, 1), reps(temps), reps(top_ks), reps(top_ps),
+                                        reps(min_ps)).view(-1, k + 1, logits.shape[-1])
+        q = None if draft_probs is None else draft_probs[sampled]
+        accept[sampled], next_token[sampled] = sampling.speculative_accept(probs, q, drafts[sampled],
+                                                                           engine.generator)
+    chosen = torch.cat((drafts, drafts.new_zeros(n, 1)), dim=1)
+    chosen[torch.arange(n, device=dev), accept] = next_token
+    logprobs = None
+    if any(r.req.return_logprob for r in rows):
+        lp = sampling.token_logprobs(logits.flatten(0, 1), temps.repeat_interleave(k + 1),
+                                     greedy.repeat_interleave(k + 1), chosen.flatten())
+        logprobs = lp.view(n, k + 1).tolist()
+    accept_list, chosen_list = accept.tolist(), chosen.tolist()
+    alive = []
+    for i, row in enumerate(rows):
+        a = accept_list[i]
+        if k > 0:
+            row.verify_ct += 1
+            row.accept_num += a
+            row.draft_num += k
+            engine._accept_tokens += a + 1
+            engine._verify_passes += 1
+        row.kv_len += a + 1
+        engine._append(row, chosen_list[i][: a + 1], None if logprobs is None else logprobs[i][: a + 1])
+        if i in broken:
+            row.finish = dict(engine.nan_finish)
+        if row.finish is None:
+            alive.append(i)
+    if alive:
+        idx = torch.tensor(alive, device=dev)
+        engine.drafter.on_verify([rows[i] for i in alive], hidden[idx], [accept_list[i] for i in alive])
+    if engine.timed:
+        _sync(dev)
+    engine.policy.observe(n, k, accept_list, t1 - t0, time.perf_counter() - t1)

@@ -1,0 +1,86 @@
+"""The CUDA-graph runner's shape logic (padding, scratch slot, key buckets) runs on CPU too (capture=False),
+and on a GPU the engine's greedy output with graphs equals its output without them."""
+
+import pytest
+import torch
+
+from slime_spec.engine.cuda_graph import GraphedForward, key_buckets
+from slime_spec.engine.model import CausalLM, ModelArgs
+
+CONFIG = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=64, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1e4,
+              tie_word_embeddings=False, model_type="llama", architectures=["LlamaForCausalLM"])
+
+
+def test_key_buckets_cover_max_keys():
+    assert key_buckets(1024) == [256, 512, 1024]
+    assert key_buckets(1000) == [256, 512, 1000]
+    assert key_buckets(100) == [100]
+
+
+def test_padded_static_forward_equals_eager_and_leaves_other_slots_alone():
+    torch.manual_seed(0)
+    model = CausalLM(ModelArgs.from_hf_config(CONFIG)).eval()
+    cache = model.new_cache(5, 64)  # slots 0..3 for requests, 4 = scratch
+    graphed = GraphedForward(lambda i, p, s, k: model.eager_forward(i, p, cache, s, k), batch_sizes=[1, 2, 4],
+                             token_counts=[1, 3], key_counts=key_buckets(64, 16), scratch_slot=4, device="cpu",
+                             cache=cache)
+    with torch.no_grad():
+        ids = torch.randint(0, 100, (3, 10))
+        slots = torch.tensor([0, 2, 3])
+        model(ids, torch.arange(10)[None].expand(3, 10), cache, slots)
+        untouched = cache.k[0][1].clone()
+        nxt = torch.randint(0, 100, (3, 3))
+        pos = 10 + torch.arange(3)[None].expand(3, 3)
+        assert graphed.shape_for(3, 3, 13) == (4, 3, 16)
+        assert graphed.serves(cache, nxt, 13) and not graphed.serves(model.new_cache(5, 64), nxt, 13)
+        assert not graphed.serves(cache, nxt, None) and graphed.shape_for(3, 2, 13) is None
+        out = graphed(nxt, pos, slots, 13)
+        assert torch.equal(cache.k[0][1], untouched)  # padding wrote only into the scratch slot
+        ref = model.eager_forward(nxt, pos, cache, slots)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_engine_greedy_output_is_the_same_with_and_without_cuda_graphs(tmp_path):
+    from slime_spec.engine.core import EngineCore, Request, SamplingParams
+    from slime_spec.engine.cuda_graph import CudaGraphSettings
+    from slime_spec.spec import SpecConfig
+    from slime_spec.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", arch="mimo", mtp_layers=1, hidden_size=64, num_layers=2)
+    spec = SpecConfig("EAGLE", 3, 1, 4)
+    outputs = []
+    for settings, s in ((CudaGraphSettings(disable=True), None), (CudaGraphSettings(), None),
+                        (CudaGraphSettings(disable=True), spec), (CudaGraphSettings(), spec)):
+        core = EngineCore(str(model), s, dtype="float32", device="cuda", max_running_requests=4, cuda_graph=settings)
+        assert bool(core.model.graphs) == (not settings.disable)
+        for i, text in enumerate(["abc", "hello world", "1+1=", "zz"]):
+            core.add_request(Request(rid=str(i), input_ids=core.tokenizer.encode(text),
+                                     params=SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)))
+        done = {}
+        while core.has_work():
+            done.update({o.rid: o.output_ids for o in core.step()})
+        outputs.append(done)
+    assert outputs[0] == outputs[1] == outputs[2] == outputs[3]
+
+
+def test_fused_projections_give_the_same_output_and_take_in_place_updates():
+    torch.manual_seed(0)
+    model = CausalLM(ModelArgs.from_hf_config({**CONFIG, "architectures": ["Qwen2ForCausalLM"],
+                                              "model_type": "qwen2"})).eval()
+    cache = model.new_cache(2, 64)
+    ids, pos, slots = torch.randint(0, 100, (2, 7)), torch.arange(7)[None].expand(2, 7), torch.tensor([0, 1])
+    with torch.no_grad():
+        ref = model(ids, pos, cache, slots)
+        names = [n for n, _ in model.named_parameters()]
+        model.fuse_projections()
+        assert [n for n, _ in model.named_parameters()] == names
+        torch.testing.assert_close(model(ids, pos, cache, slots), ref, rtol=1e-5, atol=1e-5)
+        layer = model.model.layers[0]
+        layer.self_attn.k_proj.weight.copy_(torch.zeros_like(layer.self_attn.k_proj.weight))
+        layer.mlp.up_proj.weight.mul_(2.0)
+        fused = model(ids, pos, cache, slots)
+        model.unfuse_projections()
+        torch.testing.assert_close(model(ids, pos, cache, slots), fused, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(fused, ref)
