@@ -94,7 +94,7 @@ def _units(tensors: Iterable[NamedTensor]) -> Iterator[list[NamedTensor]]:
 
 
 def make_buckets(tensors: Iterable[NamedTensor], buffer_bytes: int) -> Iterator[Bucket]:
-    """Group tensors, in order, into buckets of at most `buffer_bytes`; target and MTP kept apart.
+    """Group tensors, in order, into buckets of at most `buffer_bytes`; each kind (target, MTP, draft) apart.
 
     The two halves of a fused pair (`FUSED_PAIRS`) always share a bucket, even if that makes it larger
     than the buffer. Streams: a bucket is yielded as soon as it is full, so only one bucket per kind is
@@ -112,9 +112,9 @@ def make_buckets(tensors: Iterable[NamedTensor], buffer_bytes: int) -> Iterator[
         if bucket is None:
             bucket = open_buckets[kind] = Bucket(kind)
         bucket.tensors.extend(unit)
-    for kind in ("target", "mtp"):
-        if kind in open_buckets and open_buckets[kind].tensors:
-            yield open_buckets[kind]
+    for bucket in open_buckets.values():
+        if bucket.tensors:
+            yield bucket
 
 
 def gather_tp_param(megatron_name: str, shard: torch.Tensor, tp_group=None, tp_size: int = 1) -> torch.Tensor:
