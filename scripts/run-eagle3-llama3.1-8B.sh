@@ -1,10 +1,14 @@
 #!/bin/bash
-# GRPO on Llama-3.1-8B-Instruct with the external sglang-EAGLE3-LLaMA3.1-Instruct-8B draft. The draft is
-# frozen: weight sync updates the target only (selector "target"), so the draft is never overwritten.
+# GRPO on Llama-3.1-8B-Instruct (llama3 RoPE scaling) with the external sglang-EAGLE3-LLaMA3.1-Instruct-8B
+# draft, trained online on the policy's own rollouts (--enable-draft-training: EAGLE3's training-time test
+# over --draft-ttt-steps steps, its own AdamW at --draft-lr; docs/en/speculative.md). Drop SPEC_ARGS to keep
+# the draft frozen: weight sync then updates the target only (selector "target").
 # One 8-GPU node, colocated. The SGLANG_ARGS are those of the EAGLE3 example: the draft is float16 and
 # supports 2048 positions, so dtype and context length must be set for the pair to agree.
-# The trainer does not support Llama-3.1's `llama3` RoPE scaling yet: until it does, run the speculative
-# rollout alone with DEBUG_ROLLOUT_ONLY=1.
+# Tiny stand-in on CPU (SMALL_MACHINE=1 HF_CHECKPOINT=<tiny llama> DRAFT_CHECKPOINT=<its EAGLE3 draft>, made by
+# `slime-spec make-tiny-model --arch llama --num-layers 4 --llama31-rope --out T --eagle3-draft D`): the
+# trainer runs it, but the embedded engine does not serve EAGLE3 yet, so doctor stops it with
+# SPEC_UNSUPPORTED_BY_BACKEND until it does.
 #
 #   bash scripts/run-eagle3-llama3.1-8B.sh                      # check, start Ray if needed, submit
 #   DOCTOR_ONLY=1 bash scripts/run-eagle3-llama3.1-8B.sh        # only check the configuration
@@ -114,8 +118,12 @@ SGLANG_ARGS=(
    --sglang-enable-draft-weights-cpu-backup
 )
 
-# The EAGLE3 draft is an external model: no MTP layers to train.
-SPEC_ARGS=()
+# The EAGLE3 draft is an external model (no MTP layers): it is trained next to the policy instead.
+SPEC_ARGS=(
+   --enable-draft-training
+   --draft-lr 5e-5
+   --draft-ttt-steps 7
+)
 
 DEBUG_ARGS=()
 if [ "${DEBUG_ROLLOUT_ONLY:-0}" = 1 ]; then DEBUG_ARGS=(--debug-rollout-only); fi

@@ -145,6 +145,7 @@ def diagnose(parsed: ParsedArgs, launching: bool = False) -> tuple[Config | None
     findings += run_checks(CheckInput(
         sglang=config.engine.server_args, backend=config.engine.backend, sglang_version=sglang_version(),
         target_config=target, draft_config=draft, enable_mtp_training=config.train.enable_mtp_training,
+        enable_draft_training=config.train.enable_draft_training,
         mtp_num_layers=config.train.mtp_num_layers, longest_prompt_tokens=longest,
         max_response_len=config.rollout.rollout_max_response_len, model_flags=model_flags,
         debug_rollout_only=config.debug_rollout_only, colocate=config.cluster.colocate,

@@ -195,6 +195,22 @@ class Rule(Enum):
         "SPEC_MTP_TRAINING", "error",
         "--mtp-num-layers {layers} but the checkpoint has {native} MTP layer(s)",
         "--mtp-num-layers {native}")
+    SPEC_DRAFT_TRAINING_NOT_EAGLE3 = _Entry(
+        "SPEC_DRAFT_TRAINING", "error",
+        "--enable-draft-training trains an EAGLE3 draft, but {sg}speculative-algorithm is {algorithm}",
+        "{sg}speculative-algorithm EAGLE3 {sg}speculative-draft-model-path DRAFT, or drop --enable-draft-training "
+        "(MTP layers train with --enable-mtp-training)")
+    SPEC_DRAFT_TRAINING_NOT_EAGLE3_DRAFT = _Entry(
+        "SPEC_DRAFT_TRAINING", "error",
+        "--enable-draft-training: the draft's config.json has architectures {archs}, not LlamaForCausalLMEagle3",
+        "point {sg}speculative-draft-model-path at an EAGLE3 draft (e.g. `slime-spec make-tiny-model --arch llama "
+        "--num-layers 4 --eagle3-draft DIR` for a tiny one)")
+    SPEC_DRAFT_TRAINING_AUX_LAYERS = _Entry(
+        "SPEC_DRAFT_TRAINING", "error",
+        "--enable-draft-training: the draft reads target layers {ids}, but SGLang captures distinct layers "
+        "0..{last} of this {layers}-layer target",
+        "set eagle_config.eagle_aux_hidden_state_layer_ids in the draft's config.json to three distinct layers "
+        "0..{last}")
     SPEC_HISTORY_NEEDS_NGRAM = _Entry(
         "SPEC_HISTORY", "error",
         "--rollout-history-drafting drafts through NGRAM's external corpora, but {sg}speculative-algorithm is "
@@ -237,7 +253,7 @@ class Rule(Enum):
         "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / MiMo model")
     TRAINER_UNSUPPORTED_ROPE = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
-        "rope_scaling type {rope_type!r}: the trainer implements plain RoPE only",
+        "rope_scaling type {rope_type!r}: the trainer implements plain RoPE and Llama-3.1's 'llama3' scaling only",
         "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / MiMo model")
     TRAINER_UNSUPPORTED_ACT = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",

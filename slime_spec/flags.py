@@ -136,6 +136,10 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--mtp-num-layers", {**_I, "default": 0}),
         ("--enable-mtp-training", _ON),
         ("--mtp-loss-scaling-factor", {**_F, "default": 0.2}),
+        ("--enable-draft-training", {**_ON, "help": "train the EAGLE3 draft (--sglang-speculative-draft-model-path) "
+                                                  "online on the policy's rollouts; off: the draft stays frozen"}),
+        ("--draft-lr", {**_F, "default": None, "help": "the draft's AdamW learning rate (default: --lr)"}),
+        ("--draft-ttt-steps", {**_I, "default": 7, "help": "EAGLE3 training-time-test unroll length"}),
     ],
     "model (Megatron MODEL_ARGS; checked against the HF config.json)": [
         ("--swiglu", _ON),
@@ -312,6 +316,7 @@ ACTED_ON = {
     "wandb_run_id",
     "debug_rollout_only", "debug_train_only", "save_debug_rollout_data", "load_debug_rollout_data",
     "mtp_num_layers", "enable_mtp_training", "mtp_loss_scaling_factor",
+    "enable_draft_training", "draft_lr", "draft_ttt_steps",
     "tensor_model_parallel_size", "max_tokens_per_gpu", "use_dynamic_batch_size", "bf16",
     "config", "rollout_backend", "rollout_num_engines", "metrics_jsonl", "output_dir", "update_weight_buffer_size",
     "weight_sync_transport", "check_weight_sync", "weight_sync_check_interval", "engine_start_timeout",

@@ -63,7 +63,7 @@ class Algorithm(StrEnum):
 
 ALIASES = {"NEXTN": "EAGLE"}  # sglang/srt/speculative/spec_registry.py _RESERVED_ALIASES
 # What the embedded engine implements: EAGLE with the target's own (MiMo) MTP layers, STANDALONE, NGRAM.
-EMBEDDED_ALGORITHMS = frozenset({Algorithm.EAGLE, Algorithm.STANDALONE, Algorithm.NGRAM})
+EMBEDDED_ALGORITHMS = frozenset({Algorithm.EAGLE, Algorithm.EAGLE3, Algorithm.STANDALONE, Algorithm.NGRAM})
 
 # SGLang 0.5.23 defaults and constants (tests/test_spec.py compares them with the installed SGLang).
 NGRAM_DEFAULT_DRAFT_TOKENS = 12
@@ -277,8 +277,7 @@ def _embedded_findings(config: SpecConfig, sg: str) -> list[Finding]:
     algorithm = config.speculative_algorithm
     choices = ", ".join(sorted(EMBEDDED_ALGORITHMS)) + " (NEXTN is EAGLE)"
     if algorithm not in EMBEDDED_ALGORITHMS:
-        why = " (it needs an EAGLE3 draft head)" if algorithm is Algorithm.EAGLE3 else ""
-        return [Rule.SPEC_UNSUPPORTED_ALGORITHM.finding(sg=sg, algorithm=algorithm, why=why, choices=choices)]
+        return [Rule.SPEC_UNSUPPORTED_ALGORITHM.finding(sg=sg, algorithm=algorithm, why="", choices=choices)]
     out = []
     if algorithm is not Algorithm.NGRAM and (config.speculative_eagle_topk or 1) > 1:
         out.append(Rule.SPEC_UNSUPPORTED_TREE.finding(sg=sg, topk=config.speculative_eagle_topk))

@@ -28,6 +28,7 @@ class CheckInput:
     target_config: dict | None
     draft_config: dict | None = None
     enable_mtp_training: bool = False
+    enable_draft_training: bool = False  # online EAGLE3 draft (trainer/eagle3_online.py)
     mtp_num_layers: int = 0
     longest_prompt_tokens: int | None = None
     max_response_len: int | None = None
@@ -165,6 +166,34 @@ def check_mtp_training(inp: CheckInput) -> list[Finding]:
     return []
 
 
+EAGLE3_DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+def eagle3_aux_layer_ids(draft_config: dict | None, num_target_layers: int) -> list[int]:
+    """The target layers an EAGLE3 draft reads: its eagle_config ids, else SGLang's default (outputs of
+    layers 1, L//2 - 1, L - 4); the same rule as trainer/eagle3_draft.py, without torch."""
+    explicit = ((draft_config or {}).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return list(explicit) if explicit else [1, num_target_layers // 2 - 1, num_target_layers - 4]
+
+
+def check_draft_training(inp: CheckInput) -> list[Finding]:
+    """--enable-draft-training: an EAGLE3 algorithm, an EAGLE3 draft, and aux layers the target has."""
+    if not inp.enable_draft_training or inp.debug_rollout_only:
+        return []
+    if inp.algorithm is not Algorithm.EAGLE3:
+        return [Rule.SPEC_DRAFT_TRAINING_NOT_EAGLE3.finding(algorithm=inp.sglang.get("speculative_algorithm"))]
+    if inp.draft_config is not None:
+        archs = inp.draft_config.get("architectures") or []
+        if EAGLE3_DRAFT_ARCHITECTURE not in archs:
+            return [Rule.SPEC_DRAFT_TRAINING_NOT_EAGLE3_DRAFT.finding(archs=archs)]
+    if inp.target_config is not None and inp.target_config.get("num_hidden_layers"):
+        layers = int(inp.target_config["num_hidden_layers"])
+        ids = eagle3_aux_layer_ids(inp.draft_config, layers)
+        if len(set(ids)) != len(ids) or any(not 0 <= i <= layers - 2 for i in ids):
+            return [Rule.SPEC_DRAFT_TRAINING_AUX_LAYERS.finding(ids=ids, last=layers - 2, layers=layers)]
+    return []
+
+
 def check_model_flags(inp: CheckInput, shape_flags: dict) -> list[Finding]:
     """Megatron MODEL_ARGS vs the HF config.json: a mismatch is an error naming both values."""
     if inp.target_config is None:
@@ -201,7 +230,7 @@ TRAINER_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "m
 
 
 def check_trainer_support(inp: CheckInput) -> list[Finding]:
-    """The trainer builds Llama, Qwen2 and MiMo with plain RoPE and SwiGLU (slime_spec/trainer/model.py)."""
+    """The trainer builds Llama, Qwen2 and MiMo with plain or llama3-scaled RoPE and SwiGLU (trainer/model.py)."""
     cfg = inp.target_config
     if inp.debug_rollout_only or cfg is None:
         return []
@@ -212,7 +241,7 @@ def check_trainer_support(inp: CheckInput) -> list[Finding]:
         return [Rule.TRAINER_UNSUPPORTED_FAMILY.finding(family=cfg.get("model_type") or archs)]
     scaling = cfg.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
+    if rope_type not in ("default", "llama3"):
         return [Rule.TRAINER_UNSUPPORTED_ROPE.finding(rope_type=rope_type)]
     if cfg.get("hidden_act", "silu") != "silu":
         return [Rule.TRAINER_UNSUPPORTED_ACT.finding(act=cfg["hidden_act"])]
@@ -282,7 +311,8 @@ def check_adaptive_recommended(inp: CheckInput) -> list[Finding]:
 def run_checks(inp: CheckInput, shape_flags: dict | None = None) -> list[Finding]:
     findings: list[Finding] = []
     for check in (check_speculative, check_dtype, check_context_length, check_sglang_version, check_mtp_training,
-                  check_trainer_support, check_history, check_own_spec_options, check_adaptive_recommended):
+                  check_draft_training, check_trainer_support, check_history, check_own_spec_options,
+                  check_adaptive_recommended):
         findings += check(inp)
     if inp.backend == "sglang":
         findings += check_flashinfer(inp) + check_cuda_graph_bs(inp) + check_colocate(inp)

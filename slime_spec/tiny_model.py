@@ -4,7 +4,8 @@ Tests, benchmarks and the CPU demo build every model they use with this: no hub 
 The checkpoint is a real Llama / Qwen2 / MiMo checkpoint by HF names, loadable by transformers
 (Llama, Qwen2) and by `slime_spec.engine.model`. Deterministic by `seed`.
 
-CLI: `slime-spec make-tiny-model --arch llama|qwen2|mimo [--mtp-layers K] [--vocab N] --out DIR`.
+CLI: `slime-spec make-tiny-model --arch llama|qwen2|mimo [--mtp-layers K] [--vocab N] --out DIR`;
+`--arch llama --num-layers 4 --eagle3-draft DRAFT_DIR [--draft-vocab N]` also writes an EAGLE3 draft for it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 # Most useful characters first, so a truncated vocabulary (--vocab smaller than the full one) keeps them.
 CHARACTERS = (" \n" + string.ascii_lowercase + string.digits + ".,!?'\"-:;()" + string.ascii_uppercase
               + "".join(c for c in string.punctuation if c not in ".,!?'\"-:;()"))
+# Llama-3.1's RoPE scaling with a short original context, so a tiny model's positions reach the blended band.
+LLAMA31_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 64}
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -83,7 +87,8 @@ def write_tokenizer(out_dir: Path, vocab_size: int) -> None:
 
 def make_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
                 num_kv_heads: int, intermediate_size: int, max_position_embeddings: int, dtype: str,
-                mtp_layers: int, tie_word_embeddings: bool) -> dict:
+                mtp_layers: int, tie_word_embeddings: bool, rope_scaling: dict | None = None,
+                rope_theta: float = 10000.0) -> dict:
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r}: choose one of {ARCHS}")
     if hidden_size % num_heads or num_heads % num_kv_heads:
@@ -103,7 +108,7 @@ def make_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: int
         "hidden_act": "silu",
         "max_position_embeddings": max_position_embeddings,
         "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
+        "rope_theta": rope_theta,
         "tie_word_embeddings": tie_word_embeddings,
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
@@ -114,6 +119,8 @@ def make_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: int
     }
     if arch == "llama":
         config.update(attention_bias=False, mlp_bias=False)
+    if rope_scaling is not None:
+        config["rope_scaling"] = dict(rope_scaling)
     else:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers,
                       attention_dropout=0.0)
@@ -177,7 +184,8 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", mtp_layers: int = 
                     hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                     intermediate_size: int = 128, max_position_embeddings: int = 1024, seed: int = 0,
                     dtype: str = "float32", init_from: str | None = None,
-                    tie_word_embeddings: bool | None = None) -> Path:
+                    tie_word_embeddings: bool | None = None, rope_scaling: dict | None = None,
+                    rope_theta: float = 10000.0) -> Path:
     """Write a random checkpoint to `out_dir` and return its path.
 
     vocab_size: None = every special token and character (see `full_vocab_size()`); smaller keeps the
@@ -185,6 +193,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", mtp_layers: int = 
     init_from: a checkpoint directory; every tensor of the same name and shape is copied from it (e.g. a
       1-layer draft sharing the target's embedding and lm_head, or a MiMo whose base is a given Qwen2).
     tie_word_embeddings: None = the family's usual choice (llama False, qwen2 True, mimo False).
+    rope_scaling: written as config.json's `rope_scaling` (e.g. LLAMA31_ROPE_SCALING for a Llama-3.1 shape).
     """
     dtype = canonical_dtype(dtype)
     if arch == "mimo" and mtp_layers < 1:
@@ -195,7 +204,8 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", mtp_layers: int = 
     config = make_config(arch, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
                          num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
                          max_position_embeddings=max_position_embeddings, dtype=dtype,
-                         mtp_layers=mtp_layers if arch == "mimo" else 0, tie_word_embeddings=tie_word_embeddings)
+                         mtp_layers=mtp_layers if arch == "mimo" else 0, tie_word_embeddings=tie_word_embeddings,
+                         rope_scaling=rope_scaling, rope_theta=rope_theta)
     weights = make_weights(config, seed)
     if init_from is not None:
         source = load_file(str(Path(init_from) / "model.safetensors"))
@@ -216,6 +226,66 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", mtp_layers: int = 
     return out
 
 
+def tiny_draft_vocab(vocab_size: int, draft_vocab_size: int) -> list[int]:
+    """The target ids a tiny draft keeps: EOS, <|im_end|> and the first characters (pad, bos and <|im_start|>
+    left out, so d2t holds real offsets), ascending as EAGLE3 maps are."""
+    dropped = {PAD_ID, BOS_ID, 3}
+    kept = [i for i in range(vocab_size) if i not in dropped][:draft_vocab_size]
+    if len(kept) != draft_vocab_size or draft_vocab_size < 2:
+        raise ValueError(f"draft_vocab_size={draft_vocab_size}: choose 2..{vocab_size - len(dropped)} for a target "
+                         f"vocabulary of {vocab_size}")
+    return kept
+
+
+def make_tiny_eagle3_draft(out_dir: str | Path, target_dir: str | Path, draft_vocab_size: int = 48,
+                           intermediate_size: int | None = None, aux_layer_ids: list[int] | None = None,
+                           seed: int = 1, dtype: str = "float32") -> Path:
+    """Write a random EAGLE3 draft for the Llama checkpoint at `target_dir`, in SGLang's
+    LlamaForCausalLMEagle3 layout (trainer/eagle3_draft.py), and return its path.
+
+    aux_layer_ids: None = [0, (L - 1) // 2, L - 2] for a target of L >= 4 layers (SGLang's own default,
+      [1, L//2 - 1, L - 4], needs L >= 6 to name three distinct layers), written to
+      eagle_config.eagle_aux_hidden_state_layer_ids.
+    """
+    from slime_spec.trainer.eagle3_draft import ARCHITECTURE, AUX_IDS_FIELD, Eagle3Draft, save_draft
+
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    if target.get("model_type") != "llama":
+        raise ValueError(f"{target_dir}: model_type {target.get('model_type')!r}; EAGLE3 drafts here are for llama")
+    layers = target["num_hidden_layers"]
+    if aux_layer_ids is None:
+        if layers < 4:
+            raise ValueError(f"{target_dir} has {layers} layers: an EAGLE3 draft reads three distinct layers "
+                             f"0..L-2; make the target with num_layers >= 4")
+        aux_layer_ids = [0, (layers - 1) // 2, layers - 2]
+    hot = tiny_draft_vocab(target["vocab_size"], draft_vocab_size)
+    keep = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+            "rope_theta", "rope_scaling", "max_position_embeddings", "vocab_size", "bos_token_id", "eos_token_id",
+            "pad_token_id")
+    config = {k: target[k] for k in keep if k in target}
+    config.update(architectures=[ARCHITECTURE], model_type="llama", num_hidden_layers=1,
+                  intermediate_size=intermediate_size or target["intermediate_size"],
+                  draft_vocab_size=draft_vocab_size, target_hidden_size=target["hidden_size"],
+                  tie_word_embeddings=False, torch_dtype=canonical_dtype(dtype),
+                  eagle_config={AUX_IDS_FIELD: list(aux_layer_ids), "use_aux_hidden_state": True})
+    draft = Eagle3Draft(config, num_aux=len(aux_layer_ids))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+        draft.midlayer.self_attn.o_proj.weight.mul_(0.5)
+        draft.midlayer.mlp.down_proj.weight.mul_(0.5)
+        draft.lm_head.weight.mul_(2.0)
+        ids = torch.tensor(hot, dtype=torch.long)
+        draft.d2t.copy_(ids - torch.arange(len(hot)))
+        draft.t2d.zero_()
+        draft.t2d[ids] = True
+    return save_draft(draft, out_dir, torch_dtype(canonical_dtype(dtype)))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="slime-spec make-tiny-model", description=__doc__.splitlines()[0])
     p.add_argument("--arch", choices=ARCHS, default="llama")
@@ -230,14 +300,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--init-from", default=None, help="copy same-name, same-shape tensors from this checkpoint")
+    p.add_argument("--eagle3-draft", default=None, metavar="DIR",
+                   help="also write an EAGLE3 draft for the (llama, >= 4 layers) model to DIR")
+    p.add_argument("--draft-vocab", type=int, default=48, help="the EAGLE3 draft's vocabulary size")
+    p.add_argument("--llama31-rope", action="store_true", help="Llama-3.1 rope_scaling (rope_type llama3)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    if a.eagle3_draft and a.arch != "llama":
+        p.error(f"--eagle3-draft needs --arch llama (got {a.arch})")
     path = make_tiny_model(a.out, arch=a.arch, mtp_layers=a.mtp_layers, vocab_size=a.vocab,
                            hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=a.num_heads,
                            num_kv_heads=a.num_kv_heads, intermediate_size=a.intermediate_size,
                            max_position_embeddings=a.max_position_embeddings, seed=a.seed, dtype=a.dtype,
-                           init_from=a.init_from)
+                           init_from=a.init_from, rope_scaling=LLAMA31_ROPE_SCALING if a.llama31_rope else None)
     print(f"wrote {a.arch} checkpoint to {path}")
+    if a.eagle3_draft:
+        draft = make_tiny_eagle3_draft(a.eagle3_draft, path, draft_vocab_size=a.draft_vocab, seed=a.seed + 1,
+                                       dtype=a.dtype)
+        print(f"wrote EAGLE3 draft to {draft}")
     return 0
 
 

@@ -289,7 +289,9 @@ def test_draft_sampling_is_refused_where_it_cannot_apply(ckpts):
 
 
 def test_unsupported_algorithms_are_rejected_with_the_backend_code(ckpts):
-    with pytest.raises(ValueError, match="^SPEC_UNSUPPORTED_BY_BACKEND:.*EAGLE3"):
+    with pytest.raises(ValueError, match="^SPEC_UNSUPPORTED_BY_BACKEND:.*eagle-topk 1"):
+        EngineCore(str(ckpts["llama"]), SpecConfig("EAGLE3", 3, 4, 8, str(ckpts["draft"])))
+    with pytest.raises(ValueError, match="EAGLE3.*draft-model-path"):
         EngineCore(str(ckpts["mimo"]), SpecConfig("EAGLE3", 3, 1, 4))
     with pytest.raises(ValueError, match="^SPEC_UNSUPPORTED_BY_BACKEND:.*eagle-topk 1"):
         EngineCore(str(ckpts["mimo"]), SpecConfig("EAGLE", 3, 4, 8))

@@ -103,11 +103,11 @@ def test_engine_refuses_what_it_cannot_draft(llama, mimo):
                            "--speculative-draft-model-path", str(llama), "--speculative-num-steps", "2",
                            "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4"],
                           cuda_available=False)
-    with pytest.raises(ServerArgsError, match="SPEC_UNSUPPORTED_BY_BACKEND"):
+    with pytest.raises(ServerArgsError, match="SPEC_EAGLE3_NO_DRAFT"):
         parse_server_args(["--model-path", str(mimo), "--speculative-algorithm", "EAGLE3"], cuda_available=False)
     # A SpecConfig that did not come from spec.resolve is checked again by the engine at start.
     args = parse_server_args(["--model-path", str(mimo)], cuda_available=False)
-    for bad in (SpecConfig("EAGLE3", 3, 1, 4, str(mimo)), SpecConfig("EAGLE", 2, 2, 4)):
+    for bad in (SpecConfig("EAGLE3", 3, 4, 8, str(mimo)), SpecConfig("EAGLE", 2, 2, 4)):
         with pytest.raises(ValueError, match="SPEC_UNSUPPORTED_BY_BACKEND"):
             EngineLoop(make_core_factory(dataclasses.replace(args, spec=bad))).start()
 
@@ -119,7 +119,7 @@ def test_server_refuses_to_start_with_a_harmful_flag(mimo, capsys):
     err = capsys.readouterr().err
     assert "--quantization='fp8'" in err and "change the logits" in err
     assert main(["--model-path", str(mimo), "--port", "1", "--speculative-algorithm", "EAGLE3"]) == 2
-    assert "SPEC_UNSUPPORTED_BY_BACKEND" in capsys.readouterr().err
+    assert "SPEC_EAGLE3_NO_DRAFT" in capsys.readouterr().err
 
 
 def test_own_speculative_flags_parse_and_are_checked(tmp_path):

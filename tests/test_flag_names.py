@@ -29,6 +29,9 @@ OTHER_TOOL_FLAGS = {
     "--num-kv-heads": "tiny_model.py",
     "--intermediate-size": "tiny_model.py",
     "--init-from": "tiny_model.py",
+    "--eagle3-draft": "tiny_model.py",
+    "--draft-vocab": "tiny_model.py",
+    "--llama31-rope": "tiny_model.py",
     "--worker-urls": "rollout/manager.py",  # sglang_router.launch_router, started for --use-sglang-router
     "--health-check-endpoint": "rollout/manager.py",
     "--health-check-interval-secs": "rollout/manager.py",

@@ -64,8 +64,7 @@ PROMPTS = ["gsm8k/gsm8k-train.jsonl", "dapo-math-17k/dapo-math-17k.jsonl", "aime
 
 # script -> (extra environment, expected engines, expected per-engine --tp-size)
 CLEAN_RUNS = {
-    # Llama-3.1's llama3 RoPE scaling is not built by the trainer yet: rollout-only (see the test below)
-    "run-eagle3-llama3.1-8B.sh": ({"DEBUG_ROLLOUT_ONLY": "1"}, 8, 1),
+    "run-eagle3-llama3.1-8B.sh": ({}, 8, 1),  # trains the policy and, online, its EAGLE3 draft
     "run-mimo-7B-rl-mtp.sh": ({}, 8, 1),
     "run-glm4.5-mtp.sh": ({"DEBUG_ROLLOUT_ONLY": "1"}, 4, 8),
     "run-deepseek-v3-mtp.sh": ({"DEBUG_ROLLOUT_ONLY": "1"}, 8, 8),
@@ -117,7 +116,8 @@ def doctor_runs(tmp_path_factory):
     base = make_base_dir(tmp_path_factory.mktemp("base"))
     # `--sglang-dtype auto` after the script's `float16`: the float16 draft meets the bfloat16 target.
     broken = subprocess.Popen(["bash", str(SCRIPTS / "run-eagle3-llama3.1-8B.sh")],
-                              env=script_env(base, EXTRA_ARGS="--sglang-dtype auto"), stdout=subprocess.PIPE,
+                              env=script_env(base, EXTRA_ARGS="--sglang-dtype auto",  # its own doctor.txt
+                                             OUTPUT_DIR=str(base / "outputs-broken")), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     from slime_spec.doctor import main as doctor_main
 
@@ -423,7 +423,14 @@ def test_training_a_model_the_trainer_cannot_build_is_a_doctor_error(doctor_runs
     from slime_spec.doctor import diagnose
     from slime_spec.args import parse
 
-    _, _, flags = doctor_runs["run-eagle3-llama3.1-8B.sh"]
+    _, _, flags = doctor_runs["run-glm4.5-mtp.sh"]
     _, findings = diagnose(parse([f for f in flags if f != "--debug-rollout-only"]))
     errors = [f for f in findings if f.level == "error"]
-    assert [f.code for f in errors] == ["TRAINER_UNSUPPORTED_MODEL"] and "'llama3'" in errors[0].message
+    unsupported = [f for f in errors if f.code == "TRAINER_UNSUPPORTED_MODEL"]
+    assert len(unsupported) == 1 and "glm4_moe" in unsupported[0].message
+
+
+def test_eagle3_script_trains_the_draft_online(doctor_runs):
+    _, _, flags = doctor_runs["run-eagle3-llama3.1-8B.sh"]
+    assert "--debug-rollout-only" not in flags and "--enable-draft-training" in flags
+    assert last(flags, "--draft-ttt-steps") == "7" and last(flags, "--draft-lr") == "5e-5"

@@ -85,13 +85,14 @@ def test_resolve_follows_sglang():
 
 def test_unknown_algorithm_recommends_what_the_backend_runs():
     embedded = found({"speculative_algorithm": "EAGLE4"}, backend="embedded")["SPEC_UNKNOWN_ALGORITHM"]
-    assert "EAGLE3" not in embedded.fix and "NGRAM" in embedded.fix
+    assert "EAGLE3" in embedded.fix and "NGRAM" in embedded.fix and "DFLASH" not in embedded.fix
     assert "DFLASH" in found({"speculative_algorithm": "EAGLE4"})["SPEC_UNKNOWN_ALGORITHM"].fix
 
 
-def test_embedded_backend_runs_eagle_standalone_ngram_chains():
-    assert sorted(spec.EMBEDDED_ALGORITHMS) == ["EAGLE", "NGRAM", "STANDALONE"]
-    for name in ("EAGLE3", "FROZEN_KV_MTP", "UNO"):
+def test_embedded_backend_runs_eagle_eagle3_standalone_ngram_chains():
+    assert sorted(spec.EMBEDDED_ALGORITHMS) == ["EAGLE", "EAGLE3", "NGRAM", "STANDALONE"]
+    assert found({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/d"}, backend="embedded") == {}
+    for name in ("FROZEN_KV_MTP", "UNO"):
         assert found({"speculative_algorithm": name, "speculative_draft_model_path": "/d"},
                      backend="embedded")["SPEC_UNSUPPORTED_BY_BACKEND"].level == "error"
     tree = found({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/d",

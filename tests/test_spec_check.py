@@ -119,8 +119,10 @@ def test_trainer_unsupported_model_unless_rollout_only():
     f = codes(target_config=glm)["TRAINER_UNSUPPORTED_MODEL"]
     assert f.level == "error" and "--debug-rollout-only" in f.fix
     assert "TRAINER_UNSUPPORTED_MODEL" not in codes(target_config=glm, debug_rollout_only=True)
-    llama31 = {**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
-    assert "'llama3'" in codes(target_config=llama31)["TRAINER_UNSUPPORTED_MODEL"].message
+    yarn = {**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    assert "'yarn'" in codes(target_config=yarn)["TRAINER_UNSUPPORTED_MODEL"].message
+    llama31 = {**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}  # the trainer builds Llama-3.1
+    assert "TRAINER_UNSUPPORTED_MODEL" not in codes(target_config=llama31)
     assert "TRAINER_UNSUPPORTED_MODEL" not in codes(target_config=LLAMA)
 
 
@@ -156,6 +158,59 @@ def test_history_drafting_needs_ngram_and_consistent_budgets():
     assert over.level == "warning" and "newest" in over.message
     bad = codes(sglang={"speculative_algorithm": "NGRAM"}, backend="embedded", history_epochs=-1, **on)
     assert "--rollout-history-epochs -1" in bad["SPEC_HISTORY"].message
+
+
+EAGLE3_DRAFT = {**EAGLE3, "architectures": ["LlamaForCausalLMEagle3"]}
+
+
+def test_draft_training_needs_eagle3_a_draft_and_layers_the_target_has():
+    good = dict(sglang=eagle3(), target_config=LLAMA, enable_draft_training=True)
+    assert codes(draft_config=EAGLE3_DRAFT, **good) == {}  # Llama-3.1-8B: SGLang's default layers 1, 15, 28
+    f = codes(sglang=mtp(), enable_draft_training=True)["SPEC_DRAFT_TRAINING"]
+    assert "EAGLE" in f.message and "--enable-draft-training" in f.fix
+    assert "LlamaForCausalLMEagle3" in codes(draft_config={**EAGLE3, "architectures": ["LlamaForCausalLM"]},
+                                             **good)["SPEC_DRAFT_TRAINING"].message
+    four = {**LLAMA, "num_hidden_layers": 4}
+    assert "0..2" in codes(**{**good, "target_config": four}, draft_config=EAGLE3_DRAFT)["SPEC_DRAFT_TRAINING"].message
+    explicit = {**EAGLE3_DRAFT, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}
+    assert codes(**{**good, "target_config": four}, draft_config=explicit) == {}
+    assert "SPEC_DRAFT_TRAINING" not in codes(sglang=mtp(), enable_draft_training=True, debug_rollout_only=True)
+
+
+TREE_SHAPES = [(5, 8, 32), (5, 8, 330), (5, 8, 331), (1, 4, 5), (1, 4, 6), (2, 2, 7), (2, 2, 8), (3, 4, 37),
+               (3, 4, 38), (4, 2, 15)]
+
+
+@pytest.mark.parametrize("steps,topk,tokens", TREE_SHAPES)
+def test_tree_capacity_agrees_with_sglangs_tree_builder(steps, topk, tokens):
+    """SGLang picks num_draft_tokens - 1 tree nodes from the draft's candidate scores with its own
+    organize_draft_results: it fails exactly where our SPEC_TOPK_TOKENS capacity error fires."""
+    import torch
+
+    from tests.conformance import sglang_doubles
+
+    sglang_doubles.install()
+    from sglang.srt.speculative.eagle_utils import organize_draft_results
+
+    batch = 2
+    scores = [torch.rand(batch, 1, topk)] + [torch.rand(batch, topk, topk) for _ in range(steps - 1)]
+    tokens_list = [torch.randint(0, 100, (batch, topk))] + [torch.randint(0, 100, (batch, topk * topk))
+                                                            for _ in range(steps - 1)]
+    parents = [torch.zeros(batch, topk + 1, dtype=torch.long)] + [torch.zeros(batch, topk, dtype=torch.long)
+                                                                  for _ in range(steps - 1)]
+    try:
+        organize_draft_results(scores, tokens_list, parents, tokens)
+        sglang_builds = True
+    except RuntimeError:
+        sglang_builds = False
+    found = run_checks(CheckInput(sglang=eagle3(speculative_num_steps=steps, speculative_eagle_topk=topk,
+                                                 speculative_num_draft_tokens=tokens),
+                                  backend="sglang", sglang_version="0.5.23", target_config=LLAMA,
+                                  draft_config=EAGLE3_DRAFT))
+    capacity_error = any(f.code == "SPEC_TOPK_TOKENS" and f.level == "error" for f in found)
+    assert sglang_builds != capacity_error, (steps, topk, tokens, [f.message for f in found])
+
+
 def test_own_speculative_options_are_refused_on_sglang():
     f = codes(sglang=mtp(), spec_draft_sampling=True, spec_auto=True)["SPEC_OWN_OPTION_ON_SGLANG"]
     assert f.level == "error" and "--spec-draft-sampling and --spec-auto" in f.message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 
 import pytest
 import torch
@@ -37,7 +38,8 @@ def make_server():
         s.close()
 
 
-def make_syncer(servers, transport, spec=NATIVE, check=True, buffer=4096, tmp_path=None, has_mtp=True):
+def make_syncer(servers, transport, spec=NATIVE, check=True, buffer=4096, tmp_path=None, has_mtp=True,
+                trains_draft=False):
     clients = [EngineClient(s.url) for s in servers]
     config = WeightSyncConfig(weight_sync_transport=transport, update_weight_buffer_size=buffer,
                               check_weight_sync=check, weight_sync_check_interval=1)  # every sync checked
@@ -45,7 +47,7 @@ def make_syncer(servers, transport, spec=NATIVE, check=True, buffer=4096, tmp_pa
                         hf_config=MIMO, hf_checkpoint=tmp_path / "ckpt" if tmp_path else "/nonexistent",
                         spec=spec, has_mtp_layers=has_mtp, transport=transport,
                         master_port=free_port() if transport == "distributed" else None,
-                        disk_dir=tmp_path / "sync" if tmp_path else None, timeout_s=60)
+                        disk_dir=tmp_path / "sync" if tmp_path else None, timeout_s=60, trains_draft=trains_draft)
 
 
 def assert_serves(server: FakeSGLangServer, state: dict[str, torch.Tensor], runner="target"):
@@ -391,3 +393,75 @@ def test_check_interval_skips_the_coverage_check_and_a_later_failure_says_unveri
     with pytest.raises(WeightSyncError, match="UNVERIFIED.*weight-sync-check-interval") as err:
         syncer.sync(iter_hf_state(make_weights(MIMO, seed=4), MIMO), weight_version="4")
     assert err.value.engines[0].serves == "unverified" and server.paused
+
+
+EAGLE3 = SpecSetup("EAGLE3", "/eagle3", "/ckpt")
+
+
+def eagle3_state(seed: int) -> dict[str, torch.Tensor]:
+    """An EAGLE3 draft's own tensors (checkpoint names) for MIMO's shapes: one of them, lm_head.weight, is
+    also a target name, with a different (draft-vocabulary) shape."""
+    from slime_spec.trainer.eagle3_draft import Eagle3Draft
+
+    config = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+              "vocab_size": 48, "draft_vocab_size": 16, "max_position_embeddings": 128, "rms_norm_eps": 1e-6}
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(config, num_aux=3)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_()
+    return {n: p.detach().clone() for n, p in draft.named_parameters()}
+
+
+@pytest.mark.parametrize("transport", ["distributed", "tensor"])
+def test_trained_eagle3_draft_is_synced_with_selector_draft_and_never_touches_the_target(make_server, transport):
+    from slime_spec.weight_sync.gather import iter_draft_tensors
+
+    server = make_server(draft="external", draft_state=eagle3_state(0))
+    shared = server.target.weights["model.embed_tokens.weight"]
+    server.draft.weights["model.embed_tokens.weight"] = shared  # SGLang shares the target's embedding
+    syncer = make_syncer([server], transport, spec=EAGLE3, trains_draft=True)
+    for step in range(2):
+        new, draft = make_weights(MIMO, seed=20 + step), eagle3_state(30 + step)
+        metrics = syncer.sync(itertools.chain(iter_hf_state(new, MIMO), iter_draft_tensors(draft.items())),
+                              weight_version=str(step))
+        target_only = {n: t for n, t in new.items() if not n.startswith("model.mtp_layers.")}
+        assert_serves(server, target_only, "target")  # lm_head.weight too: the draft's never reached it
+        assert_serves(server, {**draft, "model.embed_tokens.weight": new["model.embed_tokens.weight"]}, "draft")
+        assert metrics["weight_sync_draft_params"] == len(draft) and metrics["weight_sync_mtp_params"] == 0
+    syncer.close()
+    assert server.contract_errors == []
+    begins = [b["selector"] for p, b in server.calls if p == "/begin_weight_update"]
+    assert begins == ["all", "all"]
+    updates = [(b["selector"], b.get("names")) for p, b in server.calls if p.startswith("/update_weights_from")]
+    assert {s for s, _ in updates} == {"target", "draft"}
+    if transport == "distributed":  # every draft name went with selector draft, no target name did
+        draft_names = {n for s, names in updates if s == "draft" for n in names}
+        assert draft_names == set(eagle3_state(0))
+        assert not any(n.startswith(("fc.", "midlayer.")) for s, names in updates if s == "target" for n in names)
+
+
+def test_trained_draft_changed_outside_the_sync_is_still_caught(make_server):
+    """Tensors of the trained draft that the sync does not send must stay as loaded (the frozen check)."""
+    from slime_spec.weight_sync.gather import iter_draft_tensors
+
+    server = make_server(draft="external", draft_state=eagle3_state(0))
+    syncer = make_syncer([server], "tensor", spec=EAGLE3, trains_draft=True, check=False)
+    draft = {n: t for n, t in eagle3_state(1).items() if n != "norm.weight"}
+    syncer.sync(itertools.chain(iter_hf_state(make_weights(MIMO, seed=3), MIMO), iter_draft_tensors(draft.items())))
+    server.draft.weights["norm.weight"].add_(1.0)
+    with pytest.raises(WeightSyncError, match="draft.norm.weight"):
+        syncer.sync(itertools.chain(iter_hf_state(make_weights(MIMO, seed=4), MIMO),
+                                    iter_draft_tensors(draft.items())))
+
+
+def test_draft_tensors_to_a_frozen_draft_are_refused(make_server):
+    from slime_spec.weight_sync.gather import iter_draft_tensors
+
+    server = make_server(draft="external", draft_state=eagle3_state(0))
+    before = {n: t.clone() for n, t in server.draft.weights.items()}
+    syncer = make_syncer([server], "tensor", spec=EAGLE3)
+    with pytest.raises(WeightSyncError, match="trains_draft"):
+        syncer.sync(itertools.chain(iter_hf_state(make_weights(MIMO, seed=3), MIMO),
+                                    iter_draft_tensors(eagle3_state(1).items())))
+    assert all(torch.equal(before[n], t) for n, t in server.draft.weights.items())

@@ -38,6 +38,12 @@ def test_target_and_mtp_tensors_never_share_a_bucket():
     assert sum(len(b.tensors) for b in buckets) == len(tensors)
 
 
+def test_draft_tensors_get_buckets_of_their_own_and_none_is_dropped():
+    tensors = [_t("a", 4), _t("d1", 4, "draft"), _t("m1", 4, "mtp"), _t("d2", 4, "draft")]
+    buckets = list(make_buckets(tensors, buffer_bytes=1000))
+    assert [(b.kind, b.names) for b in buckets] == [("target", ["a"]), ("draft", ["d1", "d2"]), ("mtp", ["m1"])]
+
+
 def _mla_layer(i: int, kind="target") -> list[NamedTensor]:
     """One DeepSeek-V3 attention block, in the order the converter yields it (q_a_proj first, kv_a later)."""
     p = f"model.layers.{i}.self_attn."
@@ -274,3 +280,30 @@ def test_judge_recognises_the_checkpoint_without_a_verified_previous_state():
     assert judge("u", ServedState("7", {"a": "1", "b": "9"}), None, checkpoint).serves == "unverified"
     assert judge("u", ServedState("7", {"a": "1", "b": "9"}), ServedState("7", {"a": "1", "b": "9"}),
                  checkpoint).serves == "previous"
+@pytest.mark.parametrize("transport", ["distributed", "tensor"])
+def test_trained_external_draft_gets_its_own_tensors_with_selector_draft(transport):
+    plan = plan_selectors(EAGLE3, has_mtp_layers=False, transport=transport, session=True, trains_draft=True)
+    assert (plan.target, plan.mtp, plan.draft) == ("target", None, "draft")
+    assert protocol.session_selector(plan) == "all"
+
+
+def test_trained_draft_refusals_name_the_fix():
+    with pytest.raises(ValueError, match="--enable-draft-training.*EAGLE3"):
+        plan_selectors(NATIVE, has_mtp_layers=True, transport="tensor", session=True, trains_draft=True)
+    with pytest.raises(ValueError, match="0.5.23"):
+        plan_selectors(EAGLE3, has_mtp_layers=False, transport="distributed", session=False, trains_draft=True)
+    with pytest.raises(ValueError, match="--weight-sync-transport distributed or tensor"):
+        plan_selectors(EAGLE3, has_mtp_layers=False, transport="disk", session=True, trains_draft=True)
+
+
+def test_draft_tensors_written_maps_checkpoint_names_onto_served_ones():
+    sent = {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+            "midlayer.self_attn.v_proj.weight", "lm_head.weight"}
+    served = {"target": {"lm_head.weight": "t"},
+              "draft": {"model.fc.weight": "a", "model.midlayer.self_attn.qkv_proj.weight": "b",
+                        "lm_head.weight": "c", "model.embed_tokens.weight": "t"}}
+    assert verify.draft_tensors_written(served, sent) == {"draft": sent}
+    assert verify.draft_tensors_written(served, sent | {"midlayer.mlp.up_proj.weight"})["draft"] == sent
+    assert verify.written_by_draft_sync("draft.model.fc.weight", sent)
+    assert not verify.written_by_draft_sync("draft.model.embed_tokens.weight", sent)
+    assert not verify.written_by_draft_sync("lm_head.weight", sent)  # a target name is never the draft's

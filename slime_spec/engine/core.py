@@ -319,7 +319,9 @@ class EngineCore:
         ids = torch.tensor([r.tokens + [0] * (width - len(r.tokens)) for r in rows], device=dev)
         positions = torch.arange(width, device=dev)[None].expand(len(rows), width)
         slots = torch.tensor([r.slot for r in rows], device=dev)
-        hidden = self.model(ids, positions, self.cache, slots)
+        aux_ids = getattr(self.drafter, "aux_layer_ids", None)  # EAGLE3 drafts from the target's aux states
+        out = self.model(ids, positions, self.cache, slots, aux_layer_ids=aux_ids)
+        hidden, features = out if aux_ids else (out, out)
         last = torch.tensor([len(r.tokens) - 1 for r in rows], device=dev)
         logits, broken = self._non_finite_rows(self.model.logits(hidden[torch.arange(len(rows), device=dev), last]))
         tokens, logprobs = self._pick(rows, logits)
@@ -332,7 +334,7 @@ class EngineCore:
             if row.finish is None:
                 alive.append(i)
         if self.drafter is not None and alive:
-            self.drafter.on_prefill([rows[i] for i in alive], hidden[torch.tensor(alive, device=dev)])
+            self.drafter.on_prefill([rows[i] for i in alive], features[torch.tensor(alive, device=dev)])
 
     def _decode(self, rows: list[_Row]) -> torch.Tensor:
         """One plain step for every row; returns the target's hidden states [B, 1, H] (for a drafter to keep)."""

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from slime_spec.dtypes import torch_dtype
+from slime_spec.trainer import rope as rope_math
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM")
 
@@ -41,6 +42,7 @@ class ModelArgs:
     tie_word_embeddings: bool
     qkv_bias: bool
     mtp_layers: int
+    rope_llama3: tuple[tuple[str, float], ...] | None = None  # Llama-3.1's rope_scaling fields (trainer/rope.py)
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelArgs":
@@ -48,8 +50,10 @@ class ModelArgs:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architectures={config.get('architectures')}: the embedded engine runs "
                              f"{SUPPORTED_ARCHITECTURES}; use --rollout-backend sglang for other models")
-        if config.get("rope_scaling") or (config.get("rope_parameters") or {}).get("rope_type", "default") != "default":
-            raise ValueError("rope_scaling is not supported by the embedded engine; remove it from config.json")
+        try:
+            rope_spec = rope_math.rope_spec(config)
+        except ValueError as e:
+            raise ValueError(f"{e}; the embedded engine runs the same RoPE kinds") from None
         heads = config["num_attention_heads"]
         rope = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         return cls(
@@ -62,7 +66,11 @@ class ModelArgs:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=arch != "LlamaForCausalLM" or bool(config.get("attention_bias", False)),
             mtp_layers=int(config.get("num_nextn_predict_layers", 0)) if arch == "MiMoForCausalLM" else 0,
+            rope_llama3=tuple(sorted(rope_spec.llama3.items())) if rope_spec.llama3 else None,
         )
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(positions, self.head_dim, self.rope_theta, dtype, self.rope_llama3)
 
 
 class RMSNorm(nn.Module):
@@ -76,10 +84,16 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin `[B, T, head_dim]` for HF's rotate-half RoPE, computed in float32 like transformers."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64)
-                                .float() / head_dim))
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 llama3: tuple[tuple[str, float], ...] | None = None):
+    """cos/sin `[B, T, head_dim]` for HF's rotate-half RoPE, computed in float32 like transformers;
+    `llama3`: Llama-3.1's rescaled frequencies (the trainer's math, trainer/rope.py)."""
+    if llama3:
+        spec = rope_math.RopeSpec(theta, "llama3", dict(llama3))
+        inv_freq = rope_math.inv_freq(spec, head_dim).to(positions.device)
+    else:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64)
+                                    .float() / head_dim))
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -243,27 +257,38 @@ class CausalLM(nn.Module):
         return KVCache(1, slots, max_seq, self.args.num_kv_heads, self.args.head_dim, p.dtype, p.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor, num_keys: int | None = None) -> torch.Tensor:
+                slots: torch.Tensor, num_keys: int | None = None, aux_layer_ids: list[int] | None = None):
         """input_ids/positions [B, T] -> final-normed hidden states [B, T, H] (logits: `self.logits(hidden)`).
 
         num_keys: keys attention reads per row (at least the longest row's last position + 1); None reads
         the positions back from the device, which a captured CUDA graph cannot do. With a captured graph for
         this cache and shape (`self.graphs`, set by the engine on CUDA), the graph replays instead.
+        aux_layer_ids: (hidden, aux) as `eager_forward` returns them, always eager (EAGLE3's target forward).
         """
+        if aux_layer_ids:
+            return self.eager_forward(input_ids, positions, cache, slots, num_keys, aux_layer_ids=aux_layer_ids)
         graph = self.graphs.get("target")
         if graph is not None and graph.serves(cache, input_ids, num_keys):
             return graph(input_ids, positions, slots, num_keys)
         return self.eager_forward(input_ids, positions, cache, slots, num_keys)
 
     def eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                      slots: torch.Tensor, num_keys: int | None = None, compiled: bool = False) -> torch.Tensor:
-        """compiled: run each decoder layer through `compiled_layer` (--enable-torch-compile; CUDA graphs)."""
+                      slots: torch.Tensor, num_keys: int | None = None, compiled: bool = False,
+                      aux_layer_ids: list[int] | None = None):
+        """compiled: run each decoder layer through `compiled_layer` (--enable-torch-compile; CUDA graphs).
+        aux_layer_ids: also return the outputs of those layers, concatenated [B, T, n * H] (an EAGLE3 draft's
+        input: SGLang captures them as the inputs of layers id + 1), as (hidden, aux)."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
+        cos, sin = self.args.cos_sin(positions, x.dtype)
         mask = causal_mask(positions, num_keys or int(positions.max()) + 1)
         run_layer = self.compiled_layer() if compiled else DecoderLayer.forward
+        aux = []
         for i, layer in enumerate(self.model.layers):
             x = run_layer(layer, x, cos, sin, cache.k[i], cache.v[i], slots, positions, mask)
+            if aux_layer_ids and i in aux_layer_ids:
+                aux.append(x)
+        if aux_layer_ids:
+            return self.model.norm(x), torch.cat(aux, dim=-1)
         return self.model.norm(x)
 
     def compiled_layer(self):
@@ -298,7 +323,7 @@ class CausalLM(nn.Module):
         embeds = self.model.embed_tokens(input_ids)
         embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)
         x = mtp.input_proj(torch.cat((mtp.hidden_layernorm(prev_hidden), mtp.token_layernorm(embeds)), dim=-1))
-        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, x.dtype)
+        cos, sin = self.args.cos_sin(positions, x.dtype)
         mask = causal_mask(positions, num_keys or int(positions.max()) + 1)
         run_layer = self.compiled_layer() if compiled else DecoderLayer.forward
         x = run_layer(mtp, x, cos, sin, cache.k[0], cache.v[0], slots, positions, mask)

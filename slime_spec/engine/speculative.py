@@ -92,7 +92,9 @@ def spec_step(engine, rows: list) -> None:
     start = torch.tensor([r.kv_len for r in rows], device=dev)
     positions = start[:, None] + torch.arange(k + 1, device=dev)[None]
     slots = torch.tensor([r.slot for r in rows], device=dev)
-    hidden = engine.model(ids, positions, engine.cache, slots, max(r.kv_len for r in rows) + k + 1)
+    aux_ids = getattr(engine.drafter, "aux_layer_ids", None)  # EAGLE3 drafts from the target's aux states
+    out = engine.model(ids, positions, engine.cache, slots, max(r.kv_len for r in rows) + k + 1, aux_layer_ids=aux_ids)
+    hidden, features = out if aux_ids else (out, out)
     logits, broken = engine._non_finite_rows(engine.model.logits(hidden.flatten(0, 1)).view(n, k + 1, -1))
     accept = torch.zeros(n, dtype=torch.long, device=dev)
     next_token = torch.zeros(n, dtype=torch.long, device=dev)
@@ -126,7 +128,7 @@ def spec_step(engine, rows: list) -> None:
             alive.append(i)
     if alive:
         idx = torch.tensor(alive, device=dev)
-        engine.drafter.on_verify([rows[i] for i in alive], hidden[idx], [accept_list[i] for i in alive])
+        engine.drafter.on_verify([rows[i] for i in alive], features[idx], [accept_list[i] for i in alive])
     if engine.timed:
         _sync(dev)
     engine.policy.observe(n, k, accept_list, t1 - t0, time.perf_counter() - t1)

@@ -1,8 +1,14 @@
-"""Trainer: the Megatron policy (+ MTP layers) and its GRPO / SFT training, one process per GPU.
+"""Trainer: the Megatron policy (+ MTP layers, or an online EAGLE3 draft) and its GRPO / SFT training, one
+process per GPU.
 
 - cpu_compat.py: megatron-core's CUDA-only calls redirected to the CPU when there is no CUDA.
 - parallel.py: torch.distributed + Megatron TP/DP groups (gloo on CPU, nccl on CUDA).
-- model.py: GPTModel from an HF config, HF weights loaded, the trunk's logits, each MTP layer's hidden states.
+- model.py: GPTModel from an HF config, HF weights loaded, the trunk's logits, each MTP layer's hidden states
+  (and, for an EAGLE3 draft, the detached outputs of its aux layers and the embeddings).
+- rope.py: RoPE inverse frequencies, plain and Llama-3.1's llama3 scaling (as transformers computes them).
+- eagle3_draft.py: the EAGLE3 draft head in SGLang's LlamaForCausalLMEagle3 layout, one reference step.
+- eagle3_ttt.py: EAGLE3's training-time-test loss over several unrolled draft steps (pure).
+- eagle3_online.py: `OnlineDraft`, the draft trained next to the policy (--enable-draft-training).
 - losses.py: GRPO advantages, PPO clip, KL estimators, entropy, SFT and MTP losses (pure).
 - batch.py: samples -> padded tensors and masks; optimizer steps / micro-batches per rank, by samples or
   packed by tokens and balanced by tokens over data-parallel ranks (pure).

@@ -6,6 +6,7 @@ engines; every rank takes part in a sync because gathering TP shards is collecti
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import ray
@@ -28,13 +29,13 @@ class TrainActor:
         """This node's address and a free port, for rank 0 to host the process group's store."""
         return ray.util.get_node_ip_address(), free_port("")
 
-    def init(self, train: TrainConfig, master_addr: str, master_port: int) -> dict:
+    def init(self, train: TrainConfig, master_addr: str, master_port: int, draft_model_path: str | None = None) -> dict:
         from slime_spec.trainer.parallel import init_parallel
         from slime_spec.trainer.trainer import Trainer
 
         init_parallel(self.rank, self.world_size, master_addr, master_port, train.tensor_model_parallel_size,
                       train.seed)
-        self.trainer = Trainer(train)
+        self.trainer = Trainer(train, draft_model_path)
         return self.trainer.get_tp_info()
 
     def _ready(self):
@@ -89,18 +90,19 @@ class TrainActor:
             hf_checkpoint=trainer.train.hf_checkpoint, spec=spec, has_mtp_layers=bool(trainer.train.mtp_num_layers),
             transport=weight_sync.weight_sync_transport, colocate=colocate, master_address=address, master_port=port,
             backend="nccl" if torch.cuda.is_available() else "gloo", engine_tp_size=engine_tp_size,
-            disk_dir=disk_dir)
+            disk_dir=disk_dir, trains_draft=trainer.online_draft is not None)
         self.canary = AcceptanceCanary(spec, colocated=colocate) if spec.uses_draft else None
 
     def sync_weights(self, weight_version: str, probe_tokens: list[list[int]] | None = None,
                      restarted_urls: list[str] | None = None) -> dict:
         """Gather (every TP rank of the first replica), convert and, on rank 0, send; returns rank 0's metrics.
+        With --enable-draft-training the online draft's own tensors follow the target's (selector `draft`).
 
         `restarted_urls`: engines restarted since the last sync; they rejoin the weight-update group first.
         """
         from megatron.core import parallel_state as ps
 
-        from slime_spec.weight_sync.gather import iter_hf_tensors
+        from slime_spec.weight_sync.gather import iter_draft_tensors, iter_hf_tensors
 
         trainer = self._ready()
         if trainer.tp.dp_rank != 0:  # every replica holds the same weights; the first one sends
@@ -115,7 +117,8 @@ class TrainActor:
             raise RuntimeError("sync_weights before connect_engines")
         if restarted_urls:
             self.syncer.rejoin(restarted_urls)
-        metrics = self.syncer.sync(tensors, weight_version=weight_version)
+        metrics = self.syncer.sync(itertools.chain(tensors, iter_draft_tensors(trainer.named_draft_tensors())),
+                                   weight_version=weight_version)
         if self.canary is not None:
             self.canary.set_probe_from_samples(probe_tokens or [])
             if self.canary.probe is not None:

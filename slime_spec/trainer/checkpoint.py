@@ -4,7 +4,8 @@ Layout (Megatron's naming):
   {dir}/latest_checkpointed_iteration.txt        the rollout id of the newest checkpoint
   {dir}/iter_{rollout_id:07d}/tp_rank_{r:02d}.pt    {"format": 1, "rollout_id", "tp_size", "hf_config",
                                                     "model": {megatron name: local shard},
-                                                    "optimizer": torch optimizer state_dict or None}
+                                                    "optimizer": torch optimizer state_dict or None,
+                                                    "draft": online EAGLE3 draft {"model", "optimizer"} or None}
 Only data-parallel rank 0 of each TP rank writes; every DP rank reads its TP rank's file.
 Shards are stored as Megatron names and local TP shapes, so --load needs the same TP size.
 """
@@ -31,12 +32,14 @@ def shard_path(directory: str | Path, rollout_id: int, tp_rank: int) -> Path:
 
 
 def save_shard(directory: str | Path, rollout_id: int, tp_rank: int, tp_size: int, hf_config: dict,
-               model_state: dict[str, torch.Tensor], optimizer_state: dict | None) -> Path:
+               model_state: dict[str, torch.Tensor], optimizer_state: dict | None,
+               draft_state: dict | None = None) -> Path:
     path = shard_path(directory, rollout_id, tp_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save({"format": FORMAT, "rollout_id": rollout_id, "tp_size": tp_size, "hf_config": hf_config,
-                "model": {k: v.detach().cpu() for k, v in model_state.items()}, "optimizer": optimizer_state}, tmp)
+                "model": {k: v.detach().cpu() for k, v in model_state.items()}, "optimizer": optimizer_state,
+                "draft": draft_state}, tmp)
     tmp.replace(path)  # a crash mid-write never leaves a truncated shard under the final name
     return path
 

@@ -49,7 +49,8 @@ class TrainGroup:
                 options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": threads}}
             self.actors.append(actor_cls.options(**options).remote(rank, n))
         master_addr, master_port = ray.get(self.actors[0].master_address.remote())
-        self.tp_infos = ray.get([a.init.remote(train, master_addr, master_port) for a in self.actors])
+        draft_path = config.engine.server_args.get("speculative_draft_model_path")  # EAGLE3 online training
+        self.tp_infos = ray.get([a.init.remote(train, master_addr, master_port, draft_path) for a in self.actors])
 
     def _all(self, method: str, *args, **kwargs) -> list:
         return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])

@@ -1,7 +1,7 @@
 """megatron-core GPTModel (+ its MTP block) from an HF config, loading HF weights, and a forward that
 returns the policy's logits and every MTP layer's logits.
 
-Local (non-TransformerEngine) layer spec: RMSNorm, SwiGLU, RoPE, GQA, no linear bias except Qwen2's
+Local (non-TransformerEngine) layer spec: RMSNorm, SwiGLU, RoPE (plain or Llama-3.1's llama3 scaling), GQA, no linear bias except Qwen2's
 q/k/v bias. Parameters are float32 (training on CPU, and exact comparisons with HF), or bfloat16 with
 --bf16 (the optimizer then keeps float32 master copies: precision.py).
 Needs `parallel.init_parallel` first (Megatron's TP groups and RNG trackers).
@@ -9,6 +9,7 @@ Needs `parallel.init_parallel` first (Megatron's TP groups and RNG trackers).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from slime_spec.config import TrainConfig
+from slime_spec.trainer import rope
 from slime_spec.trainer.packing import causal_mask
 from slime_spec.weight_sync import convert
 
@@ -46,16 +48,6 @@ def read_hf_state(checkpoint: str | Path) -> dict[str, torch.Tensor]:
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     """Megatron splits the vocabulary evenly over TP ranks; the extra rows are never read as logits."""
     return -(-vocab_size // tp_size) * tp_size
-
-
-def _rope_theta(hf_config: dict) -> float:
-    scaling = hf_config.get("rope_scaling") or {}
-    params = hf_config.get("rope_parameters") or {}
-    rope_type = scaling.get("rope_type") or scaling.get("type") or params.get("rope_type") or "default"
-    if rope_type != "default":
-        raise ValueError(f"rope_scaling type {rope_type!r} in the HF config is not supported by the trainer "
-                         f"(only plain RoPE)")
-    return float(hf_config.get("rope_theta") or params.get("rope_theta") or 10000.0)
 
 
 def transformer_config(hf_config: dict, train: TrainConfig):
@@ -115,6 +107,7 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 
     config = transformer_config(hf_config, train)
+    rope_spec = rope.rope_spec(hf_config)
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     mtp_spec = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
                 if train.mtp_num_layers else None)
@@ -126,9 +119,12 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
         parallel_output=False,
         share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
-        rotary_base=_rope_theta(hf_config),
+        rotary_base=rope_spec.theta,
         mtp_block_spec=mtp_spec,
     )
+    # Megatron's own llama3 scaling has fixed numbers: use the checkpoint's (set before the first forward,
+    # whose RoPE table Megatron caches).
+    model.rotary_pos_emb.inv_freq = rope.inv_freq(rope_spec, rope.head_dim_of(hf_config))
     if train.bf16:  # as Megatron's Float16Module: every parameter, norms included (torch's RMSNorm is built float32)
         model.bfloat16()
     if torch.cuda.is_available():
@@ -164,17 +160,37 @@ def load_hf_weights(model, hf_state: dict[str, torch.Tensor], hf_config: dict, t
 class ModelOutput:
     logits: torch.Tensor  # [batch, seq, vocab]; position i predicts token i + 1
     mtp_logits: list[torch.Tensor]  # MTP layer k: position i predicts token i + k + 2
+    aux_hidden: torch.Tensor | None = None  # [b, s, n * h] outputs of the aux layers (EAGLE3), detached
+    embeds: torch.Tensor | None = None  # [b, s, h] token embeddings, detached (with aux_hidden)
+
+
+@contextlib.contextmanager
+def captured_layer_outputs(model, layer_ids: list[int]):
+    """Collect the (detached) outputs of decoder layers `layer_ids` during a forward, in layer order."""
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+    for i in layer_ids:
+        def hook(_module, _inputs, output, i=i):
+            captured[i] = (output[0] if isinstance(output, tuple) else output).detach()
+        handles.append(model.decoder.layers[i].register_forward_hook(hook))
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @dataclass
 class TrunkOutput:
-    """The policy's pass over model rows, and what the MTP layers reuse from it."""
+    """The policy's pass over model rows, and what the MTP layers and an EAGLE3 draft reuse from it."""
 
     hidden: torch.Tensor  # [s, b, h] the decoder's output (before the output layer)
     logits: torch.Tensor  # [b, s, vocab]
     position_ids: torch.Tensor  # [b, s]
     mask: torch.Tensor  # the attention mask the decoder used
     rope: torch.Tensor
+    aux_hidden: torch.Tensor | None = None  # [b, s, n * h] outputs of the aux layers (EAGLE3), detached
+    embeds: torch.Tensor | None = None  # [b, s, h] token embeddings, detached (with aux_hidden)
 
 
 def rope_for_positions(model, position_ids: torch.Tensor) -> torch.Tensor:
@@ -196,16 +212,26 @@ def logits_of(model, hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int
 
 
 def trunk_forward(model, input_ids: torch.Tensor, vocab_size: int, position_ids: torch.Tensor | None = None,
-                  attention_mask: torch.Tensor | None = None) -> TrunkOutput:
+                  attention_mask: torch.Tensor | None = None,
+                  aux_layer_ids: list[int] | None = None) -> TrunkOutput:
     """The policy's logits for `input_ids` [rows, seq]: right-padded rows by default; packed rows pass their
-    per-sample `position_ids` and block-diagonal `attention_mask` (packing.ModelRows)."""
+    per-sample `position_ids` and block-diagonal `attention_mask` (packing.ModelRows).
+
+    `aux_layer_ids`: also return those layers' outputs and the embeddings, detached (an EAGLE3 draft's inputs).
+    """
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
     mask = causal_mask(input_ids.shape[1], input_ids.device) if attention_mask is None else attention_mask
-    rope = rope_for_positions(model, position_ids)
+    rope_table = rope_for_positions(model, position_ids)
     decoder_input = model.embedding(input_ids=input_ids, position_ids=position_ids)
-    hidden = model.decoder(hidden_states=decoder_input, attention_mask=mask, rotary_pos_emb=rope)
-    return TrunkOutput(hidden, logits_of(model, hidden, output_weight(model), vocab_size), position_ids, mask, rope)
+    with captured_layer_outputs(model, aux_layer_ids or []) as captured:
+        hidden = model.decoder(hidden_states=decoder_input, attention_mask=mask, rotary_pos_emb=rope_table)
+    aux_hidden = embeds = None
+    if aux_layer_ids:
+        aux_hidden = torch.cat([captured[i] for i in aux_layer_ids], dim=-1).transpose(0, 1)
+        embeds = decoder_input.detach().transpose(0, 1)
+    return TrunkOutput(hidden, logits_of(model, hidden, output_weight(model), vocab_size), position_ids, mask,
+                       rope_table, aux_hidden, embeds)
 
 
 def mtp_hidden_states(model, input_ids: torch.Tensor, trunk: TrunkOutput,
@@ -230,17 +256,17 @@ def mtp_hidden_states(model, input_ids: torch.Tensor, trunk: TrunkOutput,
 
 def forward(model, input_ids: torch.Tensor, vocab_size: int, with_mtp: bool = True,
             mtp_zero_first_token: bool = False, position_ids: torch.Tensor | None = None,
-            attention_mask: torch.Tensor | None = None) -> ModelOutput:
+            attention_mask: torch.Tensor | None = None, aux_layer_ids: list[int] | None = None) -> ModelOutput:
     """The policy's and the MTP layers' full logits for `input_ids` [rows, seq] (checks against HF and the
     engines; training reads the MTP layers' hidden states through `mtp_loss` instead of their logits).
 
     Not GPTModel.forward: with MTP it returns only losses (no logits for PPO), and it lets the MTP loss
-    reach the trunk (`mtp_hidden_states` detaches it).
+    reach the trunk (`mtp_hidden_states` detaches it). `aux_layer_ids`: as in `trunk_forward`.
     """
-    trunk = trunk_forward(model, input_ids, vocab_size, position_ids, attention_mask)
+    trunk = trunk_forward(model, input_ids, vocab_size, position_ids, attention_mask, aux_layer_ids)
     mtp_logits: list[torch.Tensor] = []
     if with_mtp and getattr(model, "mtp_process", False):
         weight = output_weight(model).detach()
         mtp_logits = [logits_of(model, h, weight, vocab_size)
                       for h in mtp_hidden_states(model, input_ids, trunk, mtp_zero_first_token)]
-    return ModelOutput(trunk.logits, mtp_logits)
+    return ModelOutput(trunk.logits, mtp_logits, trunk.aux_hidden, trunk.embeds)

@@ -12,7 +12,8 @@ from collections import defaultdict
 
 import torch
 
-PARTS = ("old log-probs", "trunk forward", "MTP forward", "MTP loss", "MTP backward", "trunk backward", "optimizer")
+PARTS = ("old log-probs", "trunk forward", "MTP forward", "MTP loss", "MTP backward", "trunk backward", "optimizer",
+         "EAGLE3 draft")  # the online draft's forward, backward and optimizer step (--enable-draft-training)
 
 
 class PartTimer:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from slime_spec.config import TrainConfig
 from slime_spec.rollout.sample import Sample
 from slime_spec.trainer import checkpoint, losses, mtp_loss
+from slime_spec.trainer.eagle3_online import OnlineDraft
 from slime_spec.trainer import model as M
 from slime_spec.trainer.batch import TokenBatch, collate, packed_step_slices, step_slices
 from slime_spec.trainer.packing import ModelRows, model_rows
@@ -27,11 +28,14 @@ from slime_spec.trainer.timing import PartTimer
 from slime_spec.weight_sync import convert
 
 logger = logging.getLogger(__name__)
+EAGLE3_DRAFT_DIR = "eagle3_draft"  # in each --save iteration: the online draft as an SGLang checkpoint
 METRICS = ("loss", "pg_loss", "kl", "clip_fraction", "entropy", "mtp_loss")
 
 
 class Trainer:
-    def __init__(self, train: TrainConfig):
+    def __init__(self, train: TrainConfig, draft_model_path: str | None = None):
+        """draft_model_path: the engines' draft (--sglang-speculative-draft-model-path), trained online with
+        --enable-draft-training."""
         if train.loss_type not in ("policy_loss", "sft"):
             raise ValueError(f"--loss-type {train.loss_type!r}: choose policy_loss or sft")
         if train.loss_type == "policy_loss" and train.advantage_estimator != "grpo":
@@ -55,6 +59,16 @@ class Trainer:
         self.model = M.build_gpt_model(self.hf_config, train)
         self.start_rollout_id = 0
         resumed = self._load_initial_weights()
+        # --enable-draft-training: an EAGLE3 draft trained next to the policy; without it none is built,
+        # so the engines' draft stays as loaded (frozen) and nothing ever overwrites it.
+        self.online_draft = OnlineDraft(train, draft_model_path, self.hf_config["num_hidden_layers"],
+                                        self.device) \
+            if train.enable_draft_training else None
+        if self.online_draft is not None and resumed is not None:
+            if resumed.get("draft") is None:
+                raise ValueError(f"--load {train.load}: the checkpoint has no draft state, but "
+                                 f"--enable-draft-training is on; resume without it or from a draft-training run")
+            self.online_draft.load_state_dict(resumed["draft"])
         for name, p in self.model.named_parameters():
             if convert.is_mtp_param(name):
                 p.requires_grad_(train.enable_mtp_training)  # a frozen draft gets no gradient and no decay
@@ -143,6 +157,12 @@ class Trainer:
         out = M.forward(self.model, ids, self.vocab_size, with_mtp=True, mtp_zero_first_token=self.mtp_zero_first_token)
         return {"logits": out.logits.float().cpu(), "mtp_logits": [x.float().cpu() for x in out.mtp_logits]}
 
+    def named_draft_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint name, tensor) of the online EAGLE3 draft's own parameters, for selector `draft`;
+        nothing without --enable-draft-training (the engines' draft stays frozen)."""
+        if self.online_draft is not None:
+            yield from self.online_draft.synced_tensors().items()
+
     def get_tp_info(self) -> dict:
         return dict(self.tp.__dict__)
 
@@ -155,16 +175,22 @@ class Trainer:
             if self.master.mixed:
                 optimizer_state["master_params"] = self.master.state_dict()
             path = checkpoint.save_shard(self.train.save, rollout_id, self.tp.tp_rank, self.tp.tp_size,
-                                         self.hf_config, dict(self.named_megatron_params()), optimizer_state)
+                                         self.hf_config, dict(self.named_megatron_params()), optimizer_state,
+                                         draft_state=None if self.online_draft is None
+                                         else self.online_draft.state_dict())
+            if self.online_draft is not None and self.tp.tp_rank == 0:  # servable as is: SGLang's EAGLE3 layout
+                self.online_draft.export(path.parent / EAGLE3_DRAFT_DIR)
         dist.barrier()
         if self.tp.rank == 0:
             checkpoint.mark_latest(self.train.save, rollout_id)
         return path
 
     # ---------------------------------------------------------------- steps
-    def _trunk(self, rows: ModelRows) -> M.TrunkOutput:
+    def _trunk(self, rows: ModelRows, with_aux: bool = False) -> M.TrunkOutput:
+        """`with_aux`: also the online draft's inputs (its aux layers' outputs and the embeddings, detached)."""
+        aux_ids = self.online_draft.aux_layer_ids if with_aux and self.online_draft is not None else None
         return M.trunk_forward(self.model, rows.input_ids, self.vocab_size, position_ids=rows.position_ids,
-                               attention_mask=rows.attention_mask)
+                               attention_mask=rows.attention_mask, aux_layer_ids=aux_ids)
 
     @torch.no_grad()
     def _log_probs(self, batch: TokenBatch) -> torch.Tensor:
@@ -214,7 +240,16 @@ class Trainer:
                 grad_norms.append(self._reduce_and_clip_grads())
                 self.optimizer.step()
                 self.master.copy_to_model()
-        return self._metrics(prepared.sums, grad_norms)
+            if self.online_draft is not None:
+                from megatron.core import parallel_state as ps
+
+                with self.timer("EAGLE3 draft"):
+                    self.online_draft.step(ps.get_data_parallel_group() if self.tp.dp_size > 1 else None,
+                                           self.tp.dp_size)
+        metrics = self._metrics(prepared.sums, grad_norms)
+        if self.online_draft is not None:
+            metrics.update(self.online_draft.pop_metrics())
+        return metrics
 
     def gradients(self, samples: list[Sample], loss_type: str | None = None) -> dict[str, torch.Tensor]:
         """The data-parallel-averaged, unclipped float32 gradient of one optimizer step (exactly
@@ -224,7 +259,7 @@ class Trainer:
                              f"(--global-batch-size), got {len(samples)}")
         prepared = self._prepare(samples, loss_type)
         self.optimizer.zero_grad(set_to_none=True)
-        self._backward_step(prepared, 0)
+        self._backward_step(prepared, 0, train_draft=False)
         self._reduce_grads()
         names = {id(p): n for n, p in self.model.named_parameters()}
         grads = {names[id(p)]: m.grad.detach().clone() for p, m in zip(self.master.model_params, self.master.params)
@@ -249,17 +284,20 @@ class Trainer:
         sums = torch.zeros(len(METRICS) + 3, dtype=torch.float64)  # METRICS, n_samples, |lp diff|, n_tokens
         return _Prepared(sft, steps, batches, advantages, old, ref, sums)
 
-    def _backward_step(self, p: "_Prepared", s_idx: int) -> None:
+    def _backward_step(self, p: "_Prepared", s_idx: int, train_draft: bool = True) -> None:
         """Forward and backward every micro-batch of optimizer step `s_idx`; gradients accumulate in float32.
 
         The MTP loss is backpropagated on its own: its graph starts from the detached trunk, so the two
-        backward passes give the gradients one pass over their sum would, and each is timed apart."""
+        backward passes give the gradients one pass over their sum would, and each is timed apart.
+        The online draft's loss (--enable-draft-training) also has its own backward: its inputs are detached,
+        so it reaches the draft only."""
         t = self.train
         self.model.train()
+        train_draft = self.online_draft is not None and train_draft
         for m_idx, batch in enumerate(p.batches[s_idx]):
             rows = model_rows(batch, self.packed)
             with self.timer("trunk forward"):
-                trunk = self._trunk(rows)
+                trunk = self._trunk(rows, with_aux=train_draft)
                 log_probs, entropy = map(rows.to_samples,
                                          losses.token_log_probs_and_entropy(trunk.logits, rows.input_ids))
                 if p.sft:
@@ -279,6 +317,10 @@ class Trainer:
             with self.timer("trunk backward"):
                 (terms.total.sum() / t.global_batch_size).backward()
                 self.master.accumulate_grads()
+            if train_draft:
+                with self.timer("EAGLE3 draft"):
+                    self.online_draft.accumulate(trunk, rows.position_ids, _row_layout(rows, batch.loss_mask),
+                                                 rows.attention_mask, 1.0 / len(p.batches[s_idx]))
             self._accumulate(p.sums, terms, batch, None if p.sft else p.old[s_idx][m_idx])
 
     @staticmethod
@@ -345,6 +387,13 @@ class Trainer:
             for p in params:
                 p.grad.mul_(scale)
         return norm
+
+
+def _row_layout(rows: ModelRows, per_sample: torch.Tensor) -> torch.Tensor:
+    """[n, S] per-token values of the samples -> the model rows' layout [r, L] (0 on padding)."""
+    flat = torch.zeros(rows.input_ids.numel(), dtype=per_sample.dtype, device=per_sample.device)
+    flat[rows.index[rows.valid]] = per_sample[rows.valid]
+    return flat.view_as(rows.input_ids)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator, Literal
 import torch
 import torch.distributed as dist
 
-Kind = Literal["target", "mtp"]
+Kind = Literal["target", "mtp", "draft"]  # draft: a separate draft model's own tensors (EAGLE3)
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def _units(tensors: Iterable[NamedTensor]) -> Iterator[list[NamedTensor]]:
 
 
 def make_buckets(tensors: Iterable[NamedTensor], buffer_bytes: int) -> Iterator[Bucket]:
-    """Group tensors, in order, into buckets of at most `buffer_bytes`; target and MTP kept apart.
+    """Group tensors, in order, into buckets of at most `buffer_bytes`; each kind (target, MTP, draft) apart.
 
     The two halves of a fused pair (`FUSED_PAIRS`) always share a bucket, even if that makes it larger
     than the buffer. Streams: a bucket is yielded as soon as it is full, so only one bucket per kind is
@@ -112,9 +112,9 @@ def make_buckets(tensors: Iterable[NamedTensor], buffer_bytes: int) -> Iterator[
         if bucket is None:
             bucket = open_buckets[kind] = Bucket(kind)
         bucket.tensors.extend(unit)
-    for kind in ("target", "mtp"):
-        if kind in open_buckets and open_buckets[kind].tensors:
-            yield open_buckets[kind]
+    for bucket in open_buckets.values():
+        if bucket.tensors:
+            yield bucket
 
 
 def gather_tp_param(megatron_name: str, shard: torch.Tensor, tp_group=None, tp_size: int = 1) -> torch.Tensor:
@@ -162,3 +162,10 @@ def iter_hf_state(state: dict[str, torch.Tensor], hf_config: dict) -> Iterator[N
     is_mtp = hf_mtp_matcher(hf_config)
     for name, tensor in state.items():
         yield NamedTensor(name, tensor.detach().contiguous(), "mtp" if is_mtp(name) else "target")
+
+
+def iter_draft_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[NamedTensor]:
+    """A separate draft's own tensors (EAGLE3: checkpoint names, never the embedding it shares with the
+    target), marked `kind="draft"`: they go to the draft runner alone, with selector `draft`."""
+    for name, tensor in named_tensors:
+        yield NamedTensor(name, tensor.detach().contiguous(), "draft")

@@ -103,22 +103,29 @@ class SpecSetup:
 
 @dataclass(frozen=True)
 class SelectorPlan:
-    """Which runners load the target tensors, and the MTP tensors (None: MTP tensors are not sent)."""
+    """Which runners load the target tensors, the MTP tensors and a separate draft's own tensors
+    (None: tensors of that kind are not sent)."""
 
     target: Selector
     mtp: Selector | None
     reason: str
+    draft: Selector | None = None
 
 
-def plan_selectors(spec: SpecSetup, has_mtp_layers: bool, transport: Transport, session: bool) -> SelectorPlan:
+def plan_selectors(spec: SpecSetup, has_mtp_layers: bool, transport: Transport, session: bool,
+                   trains_draft: bool = False) -> SelectorPlan:
     """Choose `selector` per tensor kind, or refuse a combination that would corrupt or skip the draft.
 
     - native MTP draft: "all" for every tensor: the MTP layers load into the draft runner, and the draft
       also loads the shared embedding / lm_head from the target names (sglang models/mimo_mtp.py).
     - external, untrained draft (EAGLE3, STANDALONE, a separate draft path): "target" only, MTP tensors
       not sent: the draft must never receive target tensors (slime#1177).
+    - external draft trained online (`trains_draft`, --enable-draft-training): target tensors "target",
+      the draft's own tensors "draft" (each runner gets only its own), the session opens with "all".
     - no draft (none, NGRAM): "target"; MTP tensors are not sent (no runner serves them).
     """
+    if trains_draft:
+        return _plan_trained_draft(spec, transport, session)
     if not spec.uses_draft:
         return SelectorPlan("target", None, f"speculative_algorithm={spec.algorithm!r}: no draft runner")
     if spec.native_mtp:
@@ -145,9 +152,28 @@ def plan_selectors(spec: SpecSetup, has_mtp_layers: bool, transport: Transport, 
                                         "weights, target tensors go to the target runner only")
 
 
+def _plan_trained_draft(spec: SpecSetup, transport: Transport, session: bool) -> SelectorPlan:
+    if not spec.uses_draft or spec.native_mtp:
+        raise ValueError(f"--enable-draft-training trains a separate draft (EAGLE3), but the engines run "
+                         f"speculative_algorithm={spec.algorithm!r} with draft path {spec.draft_model_path!r}: "
+                         "set --sglang-speculative-algorithm EAGLE3 and --sglang-speculative-draft-model-path, "
+                         "or drop --enable-draft-training")
+    if not session:
+        raise ValueError("--enable-draft-training sends the draft's tensors with selector 'draft', which this "
+                         "SGLang does not have (no weight-update session): upgrade SGLang to >= 0.5.23, or "
+                         "drop --enable-draft-training")
+    if transport == "disk":
+        raise ValueError("--weight-sync-transport disk with --enable-draft-training: /update_weights_from_disk "
+                         "has no selector and reloads every runner from the target checkpoint. Use "
+                         "--weight-sync-transport distributed or tensor")
+    return SelectorPlan("target", None, f"external draft ({spec.algorithm}) trained online: target tensors "
+                                        "to the target runner, the draft's own tensors to the draft runner",
+                        draft="draft")
+
+
 def session_selector(plan: SelectorPlan) -> Selector:
     """The selector a session opens with: the union of the runners any update in it touches."""
-    selectors = {plan.target} | ({plan.mtp} if plan.mtp else set())
+    selectors = {plan.target} | {s for s in (plan.mtp, plan.draft) if s}
     if selectors == {"target"}:
         return "target"
     if selectors == {"draft"}:

@@ -53,12 +53,13 @@ class SyncReport:
     split: SyncSplit = SyncSplit()
     checked: bool = True  # the checksum read-back ran (every --weight-sync-check-interval syncs)
     covered: bool = True  # the coverage check ran: with the checksums, or by names alone in between
+    draft_tensors: int = 0  # a trained separate draft's own tensors (selector `draft`)
 
     def metrics(self) -> dict:
         """The keys the training loop merges into each rollout's metrics line."""
         return {"weight_sync_s": self.seconds, "weight_sync_gbps": self.gbps, "rollout_paused_s": self.seconds,
                 "weight_sync_params": self.target_tensors, "weight_sync_mtp_params": self.mtp_tensors,
-                "weight_sync_bytes": self.bytes, "weight_sync_buckets": self.buckets,
+                "weight_sync_draft_params": self.draft_tensors, "weight_sync_bytes": self.bytes, "weight_sync_buckets": self.buckets,
                 "weight_sync_checked": int(self.checked), "weight_sync_covered": int(self.covered),
                 **self.split.metrics()}
 

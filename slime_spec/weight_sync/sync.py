@@ -3,9 +3,11 @@
 One sync:
   pause generation (retract: running requests are recomputed with the new weights afterwards)
   -> [begin_weight_update {selector}]  (SGLang >= 0.5.23; not for disk, which needs no session)
-  -> one update request per bucket (target and MTP tensors each with their own selector)
+  -> one update request per bucket (target, MTP and a trained draft's tensors each with their own selector)
   -> [end_weight_update] -> flush the cache
-  -> coverage: every weight the updated runners serve (target, and the MTP draft) was written
+  -> coverage: every weight the updated runners serve (target, and the MTP draft) was written; every sent
+     tensor of a trained separate draft (--enable-draft-training) is served by the draft runner, and the
+     draft's other tensors (neither sent nor shared with the target) are unchanged
   -> with check_weight_sync: served VALUES equal the sent tensors' (readback.py: /get_weights_by_name
      slices where the model serves them; /weights_checker checksums only on engines with device cpu)
   -> continue generation.
@@ -74,13 +76,16 @@ class Recorded:
 
     sample: readback.ValueSample  # leading rows of a sample of target tensors
     checksums: verify.ChecksumRecorder | None  # every tensor's CPU checksum, for engines on device cpu
+    draft_checksums: verify.ChecksumRecorder | None = None  # a trained draft's, apart: its names may be the
+    # target's (`lm_head.weight`)
 
     def add(self, bucket) -> None:
         for t in bucket.tensors:
             if bucket.kind == "target":
                 self.sample.add(t.name, t.tensor)
-            if self.checksums is not None:
-                self.checksums.add(t.name, t.tensor)
+            recorder = self.draft_checksums if bucket.kind == "draft" else self.checksums
+            if recorder is not None:
+                recorder.add(t.name, t.tensor)
 
 
 class WeightSyncer:
@@ -88,11 +93,15 @@ class WeightSyncer:
                  hf_checkpoint: str | Path, spec: protocol.SpecSetup, has_mtp_layers: bool,
                  transport: str | None = None, colocate: bool = False, master_address: str = "127.0.0.1",
                  master_port: int | None = None, backend: str = "gloo", engine_tp_size: int = 1,
-                 disk_dir: str | Path | None = None, timeout_s: float = 300.0, check_sample: int = 64):
+                 disk_dir: str | Path | None = None, timeout_s: float = 300.0, check_sample: int = 64,
+                 trains_draft: bool = False):
+        """trains_draft: the trainer also sends a separate draft's own tensors (`NamedTensor.kind == "draft"`,
+        --enable-draft-training), loaded with selector `draft`."""
         if not clients:
             raise ValueError("WeightSyncer needs at least one engine")
         self.clients, self.config, self.hf_config = list(clients), config, hf_config
         self.hf_checkpoint, self.spec, self.has_mtp_layers = Path(hf_checkpoint), spec, has_mtp_layers
+        self.trains_draft = trains_draft
         self.transport_name = resolve_transport(transport, colocate)
         if self.transport_name == "distributed" and master_port is None:
             raise ValueError("transport distributed needs master_port (a free port on the trainer's rank 0)")
@@ -125,7 +134,7 @@ class WeightSyncer:
             raise ValueError(f"engines speak different weight-update protocols: {protocols}; run one SGLang version")
         self.protocol = next(iter(protocols.values()))
         self.plan = protocol.plan_selectors(self.spec, self.has_mtp_layers, self.transport_name,
-                                            self.protocol.session)
+                                            self.protocol.session, self.trains_draft)
         self.engine_dtype = self._engine_dtype()
         self.engine_device = self.clients[0].server_info().get("device")
         # the cheap coverage check between checksum read-backs: only the embedded engine has it
@@ -148,8 +157,10 @@ class WeightSyncer:
     def _recorder(self) -> "Recorded":
         """What the value check needs of the sent tensors: a sample of leading rows, and (CPU engines only,
         the one place SGLang's checksum is reproducible here) the checksum of every tensor."""
-        checksums = verify.ChecksumRecorder(self.engine_dtype) if self.engine_device == "cpu" else None
-        return Recorded(readback.ValueSample(self.engine_dtype, self.check_sample), checksums)
+        on_cpu = self.engine_device == "cpu"
+        checksums = verify.ChecksumRecorder(self.engine_dtype) if on_cpu else None
+        draft = verify.ChecksumRecorder(self.engine_dtype) if on_cpu and self.plan.draft else None
+        return Recorded(readback.ValueSample(self.engine_dtype, self.check_sample), checksums, draft)
 
     def _engine_dtype(self) -> torch.dtype | None:
         dtype = self.clients[0].server_info().get("dtype") or "auto"
@@ -171,7 +182,8 @@ class WeightSyncer:
         plan, session = self.plan, self.protocol.session
         use_session = session and self.transport_name != "disk"
         recorded = self._recorder() if self.config.check_weight_sync else None
-        counts, nbytes, buckets, buckets_applied, sent = {"target": 0, "mtp": 0}, 0, 0, 0, set()
+        counts, nbytes, buckets, buckets_applied = {"target": 0, "mtp": 0, "draft": 0}, 0, 0, 0
+        sent, draft_sent = set(), set()  # a trained draft's names apart: they may be the target's
         clock = Clock()
         t0 = time.perf_counter()
         session_open = False
@@ -190,14 +202,14 @@ class WeightSyncer:
             stream = clock.timed_iter("gather_convert", make_buckets(_only_wanted(tensors, plan),
                                                                      self.config.update_weight_buffer_size))
             for bucket in stream:
-                selector = plan.target if bucket.kind == "target" else plan.mtp
+                selector = {"target": plan.target, "mtp": plan.mtp, "draft": plan.draft}[bucket.kind]
                 with clock("send"):
                     clock.add_engine(*engine_seconds(self.transport.send(bucket, selector, weight_version)))
                 buckets += 1
                 buckets_applied += self.transport_name != "disk"  # disk buckets only load in finish()
                 counts[bucket.kind] += len(bucket.tensors)
                 nbytes += bucket.nbytes
-                sent.update(bucket.names)
+                (draft_sent if bucket.kind == "draft" else sent).update(bucket.names)
                 if recorded is not None:
                     recorded.add(bucket)
             with clock("send"):
@@ -215,9 +227,9 @@ class WeightSyncer:
         checked = recorded is not None or self._syncs % max(1, self.config.weight_sync_check_interval) == 0
         with clock("check"):
             if checked:
-                served_written = self._verify(sent, recorded)
+                served_written = self._verify(sent, recorded, draft_sent)
             elif self._names_route or self._external_draft_checksums is not None:
-                served_written = self._verify_between(sent)
+                served_written = self._verify_between(sent, draft_sent)
             else:
                 served_written = self._skip_check()
         with clock("control"):
@@ -227,9 +239,9 @@ class WeightSyncer:
         return SyncReport(seconds=seconds, transfer_seconds=transfer_s, gbps=nbytes / transfer_s / 1e9,
                           target_tensors=counts["target"], mtp_tensors=counts["mtp"], bytes=nbytes,
                           buckets=buckets, served_written=served_written, split=split, checked=checked,
-                          covered=bool(served_written))
+                          covered=bool(served_written), draft_tensors=counts["draft"])
 
-    def _verify_between(self, sent: set[str]) -> dict[str, int]:
+    def _verify_between(self, sent: set[str], draft_sent: set[str]) -> dict[str, int]:
         """The check between checksum read-backs: coverage by names alone (the embedded engine's `names` action, no
         hashing), and an external draft's own weights by the checksums of the draft runner alone (slime#1177).
         The target is not checksummed, so what the engines serve counts as unverified, as after a skipped check."""
@@ -238,11 +250,10 @@ class WeightSyncer:
         for client in self.clients:
             if self._names_route:
                 reply = post_all([client], "/weights_checker", protocol.names_payload())[0]
-                written = verify.check_coverage(verify.served_by_role(reply), sent, roles).written
-                self._coverage_problems(client, reply, sent, roles, problems)
+                written = self._coverage_problems(client, reply, sent, roles, problems, draft_sent)
             if self._external_draft_checksums is not None:
                 reply = post_all([client], "/weights_checker", protocol.checksum_payload("draft", True))[0]
-                self._frozen_draft_problems(client, verify.served_by_role(reply), problems)
+                self._frozen_draft_problems(client, verify.served_by_role(reply), problems, draft_sent)
         self._skip_check()
         if problems:
             raise WeightSyncError("weight sync verification failed: " + "; ".join(problems)
@@ -333,7 +344,7 @@ class WeightSyncer:
         return verdicts
 
     # ---- verification ----
-    def _verify(self, sent: set[str], recorded: "Recorded | None") -> dict[str, int]:
+    def _verify(self, sent: set[str], recorded: "Recorded | None", draft_sent: set[str]) -> dict[str, int]:
         """Check every engine; raise WeightSyncError listing each problem (generation stays paused)."""
         roles = {"target", "draft"} if self.plan.mtp is not None else {"target"}
         problems, written, states = [], {}, {}
@@ -350,11 +361,11 @@ class WeightSyncer:
                 written = self._verify_by_name(client, sent, problems)
                 states[client.url] = None
             else:
-                written = self._verify_coverage(client, reply, sent, roles, problems)
+                written = self._verify_coverage(client, reply, sent, roles, problems, draft_sent)
                 states[client.url] = served_state.ServedState(served_state.weight_version_of(client),
                                                               served_state.checksums_of(reply))
             if recorded is not None:
-                check = self._check_values(client, reply, recorded, sent, roles)
+                check = self._check_values(client, reply, recorded, sent, roles, draft_sent)
                 self.last_value_checks.append(check)
                 problems += [f"{client.url}: check_weight_sync ({'+'.join(check.methods) or 'no method'}): {p}"
                              for p in check.problems[:8]]
@@ -366,42 +377,58 @@ class WeightSyncer:
         return written
 
     def _verify_coverage(self, client: EngineClient, reply: dict, sent: set[str], roles: set[str],
-                         problems: list[str]) -> dict:
-        written = self._coverage_problems(client, reply, sent, roles, problems)
+                         problems: list[str], draft_sent: set[str]) -> dict:
+        written = self._coverage_problems(client, reply, sent, roles, problems, draft_sent)
         if self._external_draft_checksums is not None:
-            self._frozen_draft_problems(client, verify.served_by_role(reply), problems)
+            self._frozen_draft_problems(client, verify.served_by_role(reply), problems, draft_sent)
         return written
 
     def _coverage_problems(self, client: EngineClient, reply: dict, sent: set[str], roles: set[str],
-                           problems: list[str]) -> dict:
-        coverage = verify.check_coverage(verify.served_by_role(reply), sent, roles)
+                           problems: list[str], draft_sent: set[str]) -> dict:
+        served = verify.served_by_role(reply)
+        coverage = verify.check_coverage(served, sent, roles)
         for role, missing in coverage.missing.items():
             if missing:
                 problems.append(f"{client.url}: {len(missing)} weight(s) the {role} runner serves were not "
                                 f"written: {missing[:8]}")
+        if self.plan.draft:
+            taken = verify.draft_tensors_written(served, draft_sent)
+            for role, names in (taken or {"draft": set()}).items():
+                unserved = sorted(draft_sent - names)
+                if unserved:
+                    problems.append(f"{client.url}: {len(unserved)} sent draft tensor(s) are not served by its "
+                                    f"{role} runner: {unserved[:8]} (check the draft checkpoint's names)")
+                coverage.written[role] = len(names)
         return coverage.written
 
-    def _frozen_draft_problems(self, client: EngineClient, served: dict, problems: list[str]) -> None:
+    def _frozen_draft_problems(self, client: EngineClient, served: dict, problems: list[str],
+                               draft_sent: set[str]) -> None:
         now, before = _draft_only(served), self._external_draft_checksums
+        if self.plan.draft:  # trained: only what the sync does not write must stay as loaded
+            before = {n: c for n, c in before.items() if not verify.written_by_draft_sync(n, draft_sent)}
         changed = sorted(n for n in before if now.get(n) != before[n])
         if changed:
             problems.append(f"{client.url}: the external draft ({self.spec.algorithm}) must keep its own "
                             f"weights, but {len(changed)} of its tensors changed: {changed[:8]} (slime#1177)")
 
     def _check_values(self, client: EngineClient, reply: dict | None, recorded: "Recorded", sent: set[str],
-                      roles: set[str]) -> readback.ValueCheck:
+                      roles: set[str], draft_sent: set[str]) -> readback.ValueCheck:
         """Served values against the sent tensors (readback.py says which method applies when)."""
         checksum_problems = None
         if reply is not None and recorded.checksums is not None:
             checksum_problems = []
             if verify.engine_tp_size(reply) > 1:
                 checksum_problems.append("whole-tensor checksums need engine TP 1 (a TP > 1 engine hashes shards)")
-            checksum_problems += verify.compare_checksums(verify.served_by_role(reply),
-                                                          recorded.checksums.checksums, roles)
+            served = verify.served_by_role(reply)
+            checksum_problems += verify.compare_checksums(served, recorded.checksums.checksums, roles)
+            if recorded.draft_checksums is not None:
+                drafts = {r: names for r, names in served.items() if r != "target"}
+                checksum_problems += verify.compare_checksums(drafts, recorded.draft_checksums.checksums, {"draft"})
         target_sent = sorted(n for n in sent if not self._is_mtp_name(n))
         probe = "model.embed_tokens.weight" if "model.embed_tokens.weight" in sent else target_sent[0]
         return readback.check_values(client, recorded.sample, device=self.engine_device, probe=probe,
-                                     checksum_problems=checksum_problems, checksum_count=len(sent))
+                                     checksum_problems=checksum_problems,
+                                     checksum_count=len(sent) + len(draft_sent))
 
     def _verify_by_name(self, client: EngineClient, sent: set[str], problems: list[str]) -> dict:
         """For an SGLang without /weights_checker: ask for each sent target weight by name.
@@ -458,8 +485,14 @@ class WeightSyncer:
 
 
 def _only_wanted(tensors: Iterable[NamedTensor], plan: protocol.SelectorPlan) -> Iterable[NamedTensor]:
-    """Drop MTP tensors when no runner should receive them (no draft, or an external draft)."""
-    return (t for t in tensors if t.kind == "target" or plan.mtp is not None)
+    """Drop MTP tensors when no runner should receive them (no draft, or an external draft); a draft tensor
+    without a trained draft is an error (the frozen draft must never be overwritten)."""
+    for t in tensors:
+        if t.kind == "draft" and plan.draft is None:
+            raise ValueError(f"draft tensor {t.name} sent, but this syncer keeps the draft frozen: "
+                             "--enable-draft-training builds the syncer with trains_draft=True")
+        if t.kind != "mtp" or plan.mtp is not None:
+            yield t
 
 
 def _draft_only(served: dict[str, dict[str, str]]) -> dict[str, str]:

@@ -199,3 +199,27 @@ def compare_checksums(served: dict[str, dict[str, str]], expected: dict[str, str
             if source is not None and expected[source] != checksum:
                 bad.append(f"{role}:{name} (engine {checksum}, trainer {expected[source]} from {source})")
     return bad
+
+
+def draft_tensors_written(served: dict[str, dict[str, str]], draft_sent: set[str]) -> dict[str, set[str]]:
+    """Per draft runner (role): the sent draft tensors (checkpoint names) some served weight of it takes.
+
+    A trained separate draft (EAGLE3) is sent under its checkpoint names; the engine may serve them fused
+    (`qkv_proj`) or renamed (`midlayer` -> `model.layers.0`), which `match_sent_name` resolves by tail.
+    """
+    pool = with_fused_names(draft_sent)
+    out: dict[str, set[str]] = {}
+    for role in updated_roles(served, {"draft"}):
+        taken = out.setdefault(role, set())
+        for name in served[role]:
+            source = match_sent_name(name, draft_sent, role, pool)
+            if source is not None:
+                taken.update(p for p in (stacked_parts(source) or [source]) if p in draft_sent)
+    return out
+
+
+def written_by_draft_sync(role_key: str, draft_sent: set[str]) -> bool:
+    """Whether the served draft tensor `role.name` is one the draft sync writes."""
+    m = _ROLE_KEY.match(role_key)
+    role, name = (m.group(1), m.group(2)) if m else ("target", role_key)
+    return role != "target" and match_sent_name(name, draft_sent, role) is not None

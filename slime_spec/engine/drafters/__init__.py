@@ -6,6 +6,7 @@ The protocol every drafter follows is documented in `base.py`.
 from __future__ import annotations
 
 from slime_spec.engine.drafters.base import Drafter
+from slime_spec.engine.drafters.eagle3 import Eagle3Drafter, load_eagle3_drafter
 from slime_spec.engine.drafters.history import HistoryDrafter
 from slime_spec.engine.drafters.mtp import MTPDrafter
 from slime_spec.engine.drafters.ngram import NgramDrafter
@@ -13,7 +14,7 @@ from slime_spec.engine.drafters.standalone import StandaloneDrafter
 from slime_spec.engine.model import CausalLM, load_model
 from slime_spec.spec import Algorithm, SpecConfig
 
-__all__ = ["Drafter", "HistoryDrafter", "MTPDrafter", "NgramDrafter", "StandaloneDrafter", "make_drafter"]
+__all__ = ["Drafter", "Eagle3Drafter", "HistoryDrafter", "MTPDrafter", "NgramDrafter", "StandaloneDrafter", "make_drafter"]
 
 
 def make_drafter(spec: SpecConfig | None, target: CausalLM, slots: int, max_seq: int, dtype: str,
@@ -26,6 +27,8 @@ def make_drafter(spec: SpecConfig | None, target: CausalLM, slots: int, max_seq:
     algorithm = spec.speculative_algorithm
     if algorithm is Algorithm.EAGLE:
         return MTPDrafter(target, k, slots, max_seq)
+    if algorithm is Algorithm.EAGLE3:
+        return load_eagle3_drafter(target, spec.speculative_draft_model_path, k, slots, max_seq)
     if algorithm is Algorithm.STANDALONE:
         path = spec.speculative_draft_model_path
         draft, config = load_model(path, dtype=dtype, device=device)

@@ -1,0 +1,127 @@
+"""EAGLE3 drafting with a LlamaForCausalLMEagle3 draft head (SGLang's EAGLE3 worker, eagle_topk 1 chain).
+
+The draft head is the trainer's `Eagle3Draft` (trainer/eagle3_draft.py: the checkpoint layout and the step's
+math), run here against its own KV cache. Draft position p reads (token x_{p+1}, hidden h_p): after each
+target forward, a draft extend runs over the newly verified positions with h_p = fc(the target's aux states
+at p) (tokens shifted left by one); its last output gives the first draft token and the pre-norm hidden
+state that the next draft step reads instead of fc(aux). Draft logits cover the draft vocabulary; draft id d
+is target id d + d2t[d] (SGLang's hot_token_id), so a draft token is a target token and q is zero outside it.
+The embedding is the target's (SGLang shares it with the draft).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of
+from slime_spec.engine.model import CausalLM, KVCache, causal_mask
+from slime_spec.trainer import eagle3_draft
+
+
+class Eagle3Drafter:
+    def __init__(self, target: CausalLM, draft: eagle3_draft.Eagle3Draft, aux_layer_ids: list[int], k: int,
+                 slots: int, max_seq: int):
+        self.target, self.draft, self.k, self.slots, self.max_seq = target, draft, k, slots, max_seq
+        self.aux_layer_ids = aux_layer_ids  # the engine's target forward returns these layers' outputs
+        weight = target.lm_head.weight
+        self.hot_ids = draft.draft_to_target().to(weight.device)  # [Vd] target id of each draft id
+        self.next_hidden = torch.zeros(slots, draft.config["hidden_size"], dtype=weight.dtype, device=weight.device)
+        self.cache: KVCache | None = None
+        self.new_cache()
+
+    def new_cache(self) -> None:
+        w = self.target.lm_head.weight
+        self.cache = KVCache(1, self.slots, self.max_seq, self.draft.kv_heads, self.draft.head_dim, w.dtype, w.device)
+
+    def drop_cache(self) -> None:
+        self.cache = None
+
+    def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             num_keys: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One cached draft step over tokens/positions [B, T]: (draft-vocab logits [B, T, Vd] float32,
+        pre-norm output [B, T, H]); hidden is aux states [B, T, n * Ht] (through fc) or a previous output."""
+        d = self.draft
+        if hidden.shape[-1] != d.config["hidden_size"]:
+            hidden = d.project(hidden)
+        q, k, v = d.qkv(self.target.model.embed_tokens(tokens), hidden, positions)  # [B, heads, T, D]
+        self.cache.k[0][slots[:, None], positions] = k.transpose(1, 2)
+        self.cache.v[0][slots[:, None], positions] = v.transpose(1, 2)
+        S = num_keys or int(positions.max()) + 1
+        keys = self.cache.k[0][slots, :S].transpose(1, 2)
+        values = self.cache.v[0][slots, :S].transpose(1, 2)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_mask(positions, S),
+                                              enable_gqa=d.heads != d.kv_heads)
+        out = d.finish(hidden, attn)
+        return d.logits(out).float(), out
+
+    def target_vocab_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """[B, Vd] -> [B, V]: -inf outside the draft vocabulary, so picks and q are over target ids."""
+        full = draft_logits.new_full((draft_logits.shape[0], self.target.args.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.hot_ids, draft_logits)
+
+    def _extend(self, rows, tokens, aux, positions, last, num_keys=None) -> None:
+        slots = slots_of(rows, tokens.device)
+        _, out = self.step(tokens, aux, positions, slots, num_keys)
+        self.next_hidden[slots] = out[torch.arange(len(rows), device=out.device), last]
+
+    def on_prefill(self, rows, aux: torch.Tensor) -> None:
+        device = aux.device
+        tokens = pad([r.tokens[1:] for r in rows], device)
+        positions = torch.arange(tokens.shape[1], device=device)[None].expand_as(tokens)
+        last = torch.tensor([len(r.tokens) - 2 for r in rows], device=device)
+        self._extend(rows, tokens, aux[:, : tokens.shape[1]], positions, last)
+
+    def propose(self, rows) -> torch.Tensor:
+        return self.sample_draft(rows, argmax_pick)[0]
+
+    def sample_draft(self, rows, pick: DraftPick) -> tuple[torch.Tensor, torch.Tensor | None]:
+        device = self.next_hidden.device
+        slots = slots_of(rows, device)
+        pos = torch.tensor([r.kv_len for r in rows], device=device)
+        max_kv = max(r.kv_len for r in rows)
+        hidden = self.next_hidden[slots]
+
+        def step(j: int, token: torch.Tensor | None) -> torch.Tensor:
+            nonlocal hidden
+            if j == 0:
+                return self.target_vocab_logits(self.draft.logits(hidden).float())
+            logits, out = self.step(token[:, None], hidden[:, None], (pos + j - 1)[:, None], slots, max_kv + j)
+            hidden = out[:, 0]
+            return self.target_vocab_logits(logits[:, 0])
+
+        return chain(self.k, step, pick)
+
+    def on_verify(self, rows, aux: torch.Tensor, accepted: list[int]) -> None:
+        device = aux.device
+        k1 = aux.shape[1]
+        tokens = pad([r.tokens[len(r.tokens) - a - 1:] for r, a in zip(rows, accepted)], device)
+        tokens = F.pad(tokens, (0, k1 - tokens.shape[1]))
+        start = torch.tensor([r.kv_len - a - 1 for r, a in zip(rows, accepted)], device=device)
+        positions = start[:, None] + torch.arange(k1, device=device)[None]
+        num_keys = max(r.kv_len - a - 1 for r, a in zip(rows, accepted)) + k1
+        self._extend(rows, tokens, aux, positions, torch.tensor(accepted, device=device), num_keys)
+
+    def weight_runner(self) -> dict[str, torch.nn.Parameter]:
+        """The draft's own parameters by checkpoint name (what selector `draft` updates); the embedding is
+        the target's and d2t / t2d never change."""
+        return dict(self.draft.named_parameters())
+
+
+def load_eagle3_drafter(target: CausalLM, path: str, k: int, slots: int, max_seq: int) -> Eagle3Drafter:
+    """The draft at `path` (SGLang's EAGLE3 layout) on the target's device, parameters in the target's dtype."""
+    weight = target.lm_head.weight
+    draft = eagle3_draft.load_draft(path, target.args.num_layers).to(weight.device)
+    if draft.config.get("target_hidden_size", target.args.hidden_size) != target.args.hidden_size or \
+            draft.config["hidden_size"] != target.args.hidden_size:
+        raise ValueError(f"--speculative-draft-model-path {path}: hidden_size {draft.config['hidden_size']} is not "
+                         f"the target's {target.args.hidden_size}; the EAGLE3 draft shares the target's embedding")
+    if draft.config["vocab_size"] != target.args.vocab_size:
+        raise ValueError(f"--speculative-draft-model-path {path}: vocab_size {draft.config['vocab_size']} != the "
+                         f"target's {target.args.vocab_size}; EAGLE3 needs a draft made for this target")
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.data = p.data.to(weight.dtype)
+    draft.eval().requires_grad_(False)
+    ids = eagle3_draft.aux_layer_ids(draft.config, target.args.num_layers)
+    return Eagle3Drafter(target, draft, ids, k, slots, max_seq)
