@@ -33,12 +33,15 @@ class EngineTiming:
 
     receive_s: float = 0.0
     load_s: float = 0.0
+    snapshot_s: float = 0.0  # inside load_s: the session's rollback copies, which SGLang does not make (on CUDA
+    # the in-place distributed receive counts queueing them only; their device time lands in receive_s)
     direct: int = 0  # tensors received straight into parameter memory
     buffered: int = 0  # tensors received into a buffer and copied
 
     def reply_field(self) -> dict:
         return {"slime_spec_engine_timing": {"receive_s": self.receive_s, "load_s": self.load_s,
-                                             "direct_tensors": self.direct, "buffered_tensors": self.buffered}}
+                                             "snapshot_s": self.snapshot_s, "direct_tensors": self.direct,
+                                             "buffered_tensors": self.buffered}}
 
 
 @dataclass
@@ -110,6 +113,7 @@ def receive_in_place(group, specs: list[tuple[str, torch.dtype, list[int]]], rec
             t0 = time.perf_counter()
             if params:
                 snapshot(name)
+            timing.snapshot_s += time.perf_counter() - t0
             first = params[0].data if params else None
             direct = (first is not None and first.dtype == dtype and same_device(first.device, recv_device)
                       and first.is_contiguous())

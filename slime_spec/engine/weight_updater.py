@@ -119,9 +119,14 @@ def plan_load(runners: list[Runner], named: list[tuple[str, torch.Tensor]], *, t
 
 # ------------------------------------------------------------------ payloads
 def deserialize_named_tensors(payload: Any) -> Any:
-    """One rank's entry (base64 str or bytes) -> what the producer pickled, through SGLang's SafeUnpickler."""
-    from sglang.srt.utils.common import MultiprocessingSerializer, normalize_serialized_named_tensor_payload
+    """One rank's entry (base64 str or bytes) -> what the producer pickled, through SGLang's SafeUnpickler.
 
+    torch's CUDA-IPC rebuild is patched first, as SGLang's TP worker does: the producer names its device by UUID
+    (weight_sync/transports.py), which the patched rebuild maps to this process's device index."""
+    from sglang.srt.utils.common import MultiprocessingSerializer, normalize_serialized_named_tensor_payload
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()
     return MultiprocessingSerializer.deserialize(normalize_serialized_named_tensor_payload(payload))
 
 
@@ -432,6 +437,8 @@ class WeightUpdater:
         t0 = time.perf_counter()
         if self.session_selector is not None:
             self._snapshot(core, {n for n, _ in named}, selector)
+            settle(self.device)  # so snapshot_s is the copies' time, not their queueing (same stream: no loss)
+            timing.snapshot_s += time.perf_counter() - t0
         try:
             core.load_weights(named, selector=selector)
             settle(self.device)  # a CUDA-IPC sender may reuse its bucket the moment it reads the reply
