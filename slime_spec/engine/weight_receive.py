@@ -86,6 +86,28 @@ def settle(device: str | torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class DeviceSpan:
+    """Seconds of the work queued between construction and `stop()`: on CUDA the device's own time (CUDA events,
+    read once that work has completed, e.g. after `settle`), so timing a phase adds no device sync; on CPU wall time."""
+
+    def __init__(self, device: str | torch.device):
+        self.cuda = str(device).startswith("cuda") and torch.cuda.is_available()
+        if self.cuda:
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        self._t0, self._t1 = time.perf_counter(), None
+
+    def stop(self) -> None:
+        if self.cuda:
+            self._end.record()
+        self._t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            return self._start.elapsed_time(self._end) / 1000.0
+        return self._t1 - self._t0
+
+
 def same_device(a: torch.device, b: str | torch.device) -> bool:
     """`cuda` and `cuda:<current>` are one device; `cpu` is `cpu`."""
     a, b = torch.device(a), torch.device(b)

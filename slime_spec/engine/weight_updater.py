@@ -52,7 +52,8 @@ import torch
 
 from slime_spec.dist_group import WeightUpdateGroup
 from slime_spec.engine.model import CausalLM, hf_weight_names
-from slime_spec.engine.weight_receive import EngineTiming, SnapshotStore, copy_threads, receive_in_place, settle
+from slime_spec.engine.weight_receive import (DeviceSpan, EngineTiming, SnapshotStore, copy_threads, receive_in_place,
+                                              settle)
 
 logger = logging.getLogger(__name__)
 
@@ -435,15 +436,16 @@ class WeightUpdater:
         """Load received tensors all or nothing; the reply waits until the copies are done (see settle)."""
         timing = timing or EngineTiming()
         t0 = time.perf_counter()
+        snapshot = DeviceSpan(self.device)
         if self.session_selector is not None:
             self._snapshot(core, {n for n, _ in named}, selector)
-            settle(self.device)  # so snapshot_s is the copies' time, not their queueing (same stream: no loss)
-            timing.snapshot_s += time.perf_counter() - t0
+        snapshot.stop()
         try:
             core.load_weights(named, selector=selector)
             settle(self.device)  # a CUDA-IPC sender may reuse its bucket the moment it reads the reply
         except ValueError as e:
             return self._fail_session(core, f"Failed to update parameter online: {e}. This update was not applied.")
+        timing.snapshot_s += snapshot.seconds()
         timing.load_s += time.perf_counter() - t0
         timing.buffered += len(named)
         return {**self._finish_update(core, req, ok), **timing.reply_field()}

@@ -249,7 +249,8 @@ class TensorTransport:
         cuda = next((t.device for _, t in named if t.is_cuda), None)
         if cuda is not None:  # the engine reads these bytes from another process: they must be written first
             torch.cuda.synchronize(cuda)
-        self.flatten_s += time.perf_counter() - t0
+        if flat is not None:
+            self.flatten_s += time.perf_counter() - t0
         if cuda is not None:  # each engine gets its own handles, as each rank does
             replies = post_all(self.clients, "/update_weights_from_tensor",
                                lambda _: self._payload(named, flat, selector, weight_version))
