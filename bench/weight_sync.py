@@ -43,14 +43,17 @@ from slime_spec.net import free_port
 
 
 
-def start_engine(model_path: Path, device: str, gpu: str | None, log: Path) -> tuple[subprocess.Popen, str]:
+def start_engine(model_path: Path, device: str, gpu: str | None, log: Path,
+                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """`python -m slime_spec.engine` on `model_path` (EAGLE with the MTP layer), `extra` flags appended."""
     port = free_port()
     env = dict(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     argv = [sys.executable, "-m", "slime_spec.engine", "--model-path", str(model_path), "--host", "127.0.0.1",
             "--port", str(port), "--device", device, "--speculative-algorithm", "EAGLE",
-            "--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
+            "--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2",
+            *extra]
     proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300

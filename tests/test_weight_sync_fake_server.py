@@ -230,6 +230,11 @@ class FakeSGLangServer:
         if path == "/update_weights_from_tensor":
             runners = self._update_runners(body, default_all=True)
             named = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))
+            if body.get("load_format") == "flattened_bucket":  # rebuilt as SGLang's model runner does
+                from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+                named = FlattenedTensorBucket(flattened_tensor=named["flattened_tensor"],
+                                              metadata=named["metadata"]).reconstruct_tensors()
             self._load(named, runners)
             return ok
         if path == "/update_weights_from_disk":

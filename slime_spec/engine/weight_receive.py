@@ -33,12 +33,15 @@ class EngineTiming:
 
     receive_s: float = 0.0
     load_s: float = 0.0
+    snapshot_s: float = 0.0  # inside load_s: the session's rollback copies, which SGLang does not make (on CUDA
+    # the in-place distributed receive counts queueing them only; their device time lands in receive_s)
     direct: int = 0  # tensors received straight into parameter memory
     buffered: int = 0  # tensors received into a buffer and copied
 
     def reply_field(self) -> dict:
         return {"slime_spec_engine_timing": {"receive_s": self.receive_s, "load_s": self.load_s,
-                                             "direct_tensors": self.direct, "buffered_tensors": self.buffered}}
+                                             "snapshot_s": self.snapshot_s, "direct_tensors": self.direct,
+                                             "buffered_tensors": self.buffered}}
 
 
 @dataclass
@@ -83,6 +86,28 @@ def settle(device: str | torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class DeviceSpan:
+    """Seconds of the work queued between construction and `stop()`: on CUDA the device's own time (CUDA events,
+    read once that work has completed, e.g. after `settle`), so timing a phase adds no device sync; on CPU wall time."""
+
+    def __init__(self, device: str | torch.device):
+        self.cuda = str(device).startswith("cuda") and torch.cuda.is_available()
+        if self.cuda:
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        self._t0, self._t1 = time.perf_counter(), None
+
+    def stop(self) -> None:
+        if self.cuda:
+            self._end.record()
+        self._t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            return self._start.elapsed_time(self._end) / 1000.0
+        return self._t1 - self._t0
+
+
 def same_device(a: torch.device, b: str | torch.device) -> bool:
     """`cuda` and `cuda:<current>` are one device; `cpu` is `cpu`."""
     a, b = torch.device(a), torch.device(b)
@@ -110,6 +135,7 @@ def receive_in_place(group, specs: list[tuple[str, torch.dtype, list[int]]], rec
             t0 = time.perf_counter()
             if params:
                 snapshot(name)
+            timing.snapshot_s += time.perf_counter() - t0
             first = params[0].data if params else None
             direct = (first is not None and first.dtype == dtype and same_device(first.device, recv_device)
                       and first.is_contiguous())

@@ -52,7 +52,8 @@ import torch
 
 from slime_spec.dist_group import WeightUpdateGroup
 from slime_spec.engine.model import CausalLM, hf_weight_names
-from slime_spec.engine.weight_receive import EngineTiming, SnapshotStore, copy_threads, receive_in_place, settle
+from slime_spec.engine.weight_receive import (DeviceSpan, EngineTiming, SnapshotStore, copy_threads, receive_in_place,
+                                              settle)
 
 logger = logging.getLogger(__name__)
 
@@ -119,9 +120,14 @@ def plan_load(runners: list[Runner], named: list[tuple[str, torch.Tensor]], *, t
 
 # ------------------------------------------------------------------ payloads
 def deserialize_named_tensors(payload: Any) -> Any:
-    """One rank's entry (base64 str or bytes) -> what the producer pickled, through SGLang's SafeUnpickler."""
-    from sglang.srt.utils.common import MultiprocessingSerializer, normalize_serialized_named_tensor_payload
+    """One rank's entry (base64 str or bytes) -> what the producer pickled, through SGLang's SafeUnpickler.
 
+    torch's CUDA-IPC rebuild is patched first, as SGLang's TP worker does: the producer names its device by UUID
+    (weight_sync/transports.py), which the patched rebuild maps to this process's device index."""
+    from sglang.srt.utils.common import MultiprocessingSerializer, normalize_serialized_named_tensor_payload
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()
     return MultiprocessingSerializer.deserialize(normalize_serialized_named_tensor_payload(payload))
 
 
@@ -430,13 +436,16 @@ class WeightUpdater:
         """Load received tensors all or nothing; the reply waits until the copies are done (see settle)."""
         timing = timing or EngineTiming()
         t0 = time.perf_counter()
+        snapshot = DeviceSpan(self.device)
         if self.session_selector is not None:
             self._snapshot(core, {n for n, _ in named}, selector)
+        snapshot.stop()
         try:
             core.load_weights(named, selector=selector)
             settle(self.device)  # a CUDA-IPC sender may reuse its bucket the moment it reads the reply
         except ValueError as e:
             return self._fail_session(core, f"Failed to update parameter online: {e}. This update was not applied.")
+        timing.snapshot_s += snapshot.seconds()
         timing.load_s += time.perf_counter() - t0
         timing.buffered += len(named)
         return {**self._finish_update(core, req, ok), **timing.reply_field()}

@@ -211,9 +211,11 @@ def distributed_payload(names: list[str], dtypes: list[str], shapes: list[list[i
 
 
 def tensor_payload(serialized_named_tensors: list[str], *, selector: Selector, weight_version: str | None,
-                   flush_cache: bool, session: bool) -> dict:
+                   flush_cache: bool, session: bool, load_format: str | None = None) -> dict:
     payload = {"serialized_named_tensors": serialized_named_tensors, "flush_cache": flush_cache,
                "weight_version": weight_version}
+    if load_format is not None:
+        payload["load_format"] = load_format
     if session:
         payload["selector"] = selector
     return payload

@@ -9,9 +9,10 @@ verification are the syncer's job (sync.py).
   `/init_weights_update_group` (trainer = rank 0, engine i's TP rank r = rank_offset_i + r); per bucket
   every engine gets `/update_weights_from_distributed` (names, dtypes, shapes) while rank 0 broadcasts
   each tensor in that order. nccl on GPU, gloo on CPU.
-- tensor (colocated): `/update_weights_from_tensor` with the named tensors serialized the way SGLang's
-  MultiprocessingSerializer reads them (pickle, base64 over HTTP), one entry per engine TP rank, each
-  serialized on its own; CUDA tensors as IPC handles naming the device by UUID.
+- tensor (colocated): `/update_weights_from_tensor` with each bucket flattened into one tensor
+  (`load_format: "flattened_bucket"`, as upstream slime sends it) and serialized the way SGLang's
+  MultiprocessingSerializer reads it (pickle, base64 over HTTP), one entry per engine TP rank, each
+  serialized on its own; a CUDA bucket as one IPC handle naming the device by UUID.
 - disk: the whole model written as an HF checkpoint (safetensors shards + index + the original
   config/tokenizer files), then `/update_weights_from_disk`. One request per sync, so all-or-nothing.
 """
@@ -24,6 +25,7 @@ import json
 import pickle
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -170,31 +172,101 @@ def compact(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+FLATTENED_BUCKET = "flattened_bucket"
+
+
+def flatten_bucket(named: list[tuple[str, torch.Tensor]]) -> dict:
+    """The `{"flattened_tensor", "metadata"}` object SGLang's `_update_weights_from_flattened_bucket` reads: every
+    tensor's bytes in one uint8 tensor on their device, and SGLang's own FlattenedTensorMetadata per tensor.
+
+    Wider dtypes come first, so every tensor starts at a multiple of its element size (the receiver views each
+    byte range as its dtype, which needs that alignment); the order of names does not matter to a load.
+    """
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+    if not named:
+        raise ValueError("cannot flatten an empty bucket")
+    ordered = sorted(named, key=lambda nt: -nt[1].element_size())
+    parts, metadata, offset = [], [], 0
+    for name, t in ordered:
+        flat = t.detach().reshape(-1).view(torch.uint8)
+        metadata.append(FlattenedTensorMetadata(name=name, shape=t.shape, dtype=t.dtype, start_idx=offset,
+                                                end_idx=offset + flat.numel(), numel=flat.numel()))
+        parts.append(flat)
+        offset += flat.numel()
+    return {"flattened_tensor": torch.cat(parts), "metadata": metadata}
+
+
+def serialize_flattened(obj: dict, tp_size: int) -> list[str]:
+    """`serialized_named_tensors` of one flattened bucket, one entry per engine TP rank (each its own handle)."""
+    if tp_size < 1:
+        raise ValueError(f"engine tp size must be >= 1, got {tp_size}: pass the engines' --tp-size")
+    return [_serialize(obj, obj["flattened_tensor"].is_cuda) for _ in range(tp_size)]
+
+
+def _serialize(obj, cuda: bool) -> str:
+    buf = io.BytesIO()
+    if cuda:
+        cuda_ipc_pickler(buf).dump(obj)
+    else:
+        pickle.dump(obj, buf)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
 class TensorTransport:
+    """Colocated: the engine copies each bucket out of the trainer's own memory (CUDA IPC on GPU).
+
+    `flatten=True` (the default) sends one flat tensor per bucket (`load_format: "flattened_bucket"`): one IPC
+    handle for the engine to open, at the price of one device copy on this side; `flatten=False` sends every
+    tensor as it is (no load_format: the model's own loader; one handle per tensor's storage, no copy here).
+    Per sync (reset by `start`): `flatten_s` and `serialize_s`, this side's seconds, the part of a send that is
+    neither HTTP nor the engine's; `engine_snapshot_s`, the embedded engine's rollback copies inside its load.
+    """
+
     name = "tensor"
 
-    def __init__(self, clients: Sequence[EngineClient], *, engine_tp_size: int = 1, session: bool = True):
+    def __init__(self, clients: Sequence[EngineClient], *, engine_tp_size: int = 1, session: bool = True,
+                 flatten: bool = True):
         self.clients, self.engine_tp_size, self.session = list(clients), int(engine_tp_size), session
+        self.load_format = FLATTENED_BUCKET if flatten else None
+        self.flatten_s = self.serialize_s = self.engine_snapshot_s = 0.0
 
     def start(self) -> None:
-        pass
+        self.flatten_s = self.serialize_s = self.engine_snapshot_s = 0.0
 
     def finish(self, weight_version: str | None) -> None:
-        pass
+        """Hand back the device memory of buckets the engines have released (torch keeps a block that was shared
+        over CUDA IPC until the receiver lets it go)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()
 
     def send(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None) -> list[dict]:
         """The engine replies only after its copy from our memory completed (on CUDA after a device sync:
-        engine/weight_receive.settle), so `named` may be freed or reused once every engine has replied."""
+        engine/weight_receive.settle), so the bucket may be freed or reused once every engine has replied."""
         named = [(t.name, t.tensor) for t in bucket.tensors]
-        if any(t.is_cuda for _, t in named):  # each engine gets its own handles, as each rank does
-            return post_all(self.clients, "/update_weights_from_tensor",
-                            lambda _: self._payload(named, selector, weight_version))
-        # inline bytes: one serialization serves every engine
-        return post_all(self.clients, "/update_weights_from_tensor", self._payload(named, selector, weight_version))
+        t0 = time.perf_counter()
+        flat = flatten_bucket(named) if self.load_format else None
+        cuda = next((t.device for _, t in named if t.is_cuda), None)
+        if cuda is not None:  # the engine reads these bytes from another process: they must be written first
+            torch.cuda.synchronize(cuda)
+        if flat is not None:
+            self.flatten_s += time.perf_counter() - t0
+        if cuda is not None:  # each engine gets its own handles, as each rank does
+            replies = post_all(self.clients, "/update_weights_from_tensor",
+                               lambda _: self._payload(named, flat, selector, weight_version))
+        else:  # inline bytes: one serialization serves every engine
+            replies = post_all(self.clients, "/update_weights_from_tensor",
+                               self._payload(named, flat, selector, weight_version))
+        self.engine_snapshot_s += engine_timing(replies, "snapshot_s")
+        return replies
 
-    def _payload(self, named, selector: protocol.Selector, weight_version: str | None) -> dict:
-        return protocol.tensor_payload(serialize_for_tp_ranks(named, self.engine_tp_size), selector=selector,
-                                       weight_version=weight_version, flush_cache=False, session=self.session)
+    def _payload(self, named, flat: dict | None, selector: protocol.Selector, weight_version: str | None) -> dict:
+        t0 = time.perf_counter()
+        entries = (serialize_for_tp_ranks(named, self.engine_tp_size) if flat is None
+                   else serialize_flattened(flat, self.engine_tp_size))
+        self.serialize_s += time.perf_counter() - t0
+        return protocol.tensor_payload(entries, selector=selector, weight_version=weight_version, flush_cache=False,
+                                       session=self.session, load_format=self.load_format)
 
     def close(self) -> None:
         pass
@@ -248,11 +320,13 @@ class DiskTransport:
 def engine_seconds(replies: Sequence[dict]) -> tuple[float, float]:
     """(receive, load) seconds of one update, the slowest engine's (they work side by side), from the embedded
     engine's `slime_spec_engine_timing` reply field (a slime-spec extension); (0, 0) where no engine reports it."""
+    return engine_timing(replies, "receive_s"), engine_timing(replies, "load_s")
+
+
+def engine_timing(replies: Sequence[dict], key: str) -> float:
+    """The slowest engine's `slime_spec_engine_timing[key]` of one update; 0 where no engine reports it."""
     timings = [r.get("slime_spec_engine_timing") for r in replies if isinstance(r, dict)]
-    timings = [t for t in timings if isinstance(t, dict)]
-    if not timings:
-        return 0.0, 0.0
-    return max(float(t.get("receive_s", 0.0)) for t in timings), max(float(t.get("load_s", 0.0)) for t in timings)
+    return max((float(t.get(key, 0.0)) for t in timings if isinstance(t, dict)), default=0.0)
 
 
 class BackgroundCall:

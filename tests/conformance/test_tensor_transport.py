@@ -3,7 +3,9 @@
 Each engine's body goes through SGLang's `UpdateWeightsFromTensorReqInput` (base64 -> bytes), then each
 TP rank runs SGLang's `TpModelWorker.deserialize_own_rank` (monkey_patch_torch_reductions +
 MultiprocessingSerializer/SafeUnpickler on its own entry) with its parallel state a test double
-naming the rank. On CPU the tensors travel inline; the CUDA test runs only where a GPU is present.
+naming the rank; a flattened bucket is then rebuilt as SGLang's
+`WeightUpdater._update_weights_from_flattened_bucket` does, with SGLang's own FlattenedTensorBucket.
+On CPU the tensors travel inline; the CUDA tests run only where a GPU is present.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class RecordingClient:
         return {"success": True, "message": "Success"}
 
 
-def sglang_rank_reads(body: dict, tp_rank: int) -> list[tuple[str, torch.Tensor]]:
+def sglang_rank_reads(body: dict, tp_rank: int):
     """TP rank `tp_rank` of an SGLang engine deserializing its own entry of the request."""
     req = build("UpdateWeightsFromTensorReqInput", body)  # installs the import doubles first
     from sglang.srt.managers.tp_worker import TpModelWorker
@@ -39,6 +41,28 @@ def sglang_rank_reads(body: dict, tp_rank: int) -> list[tuple[str, torch.Tensor]
     parallel = types.SimpleNamespace(tp_rank=tp_rank)  # test double for SGLang's parallel context
     with mock.patch("sglang.srt.managers.tp_worker.get_parallel", return_value=parallel):
         return TpModelWorker.deserialize_own_rank(None, req.serialized_named_tensors)
+
+
+def sglang_rank_loads(body: dict, tp_rank: int) -> list[tuple[str, torch.Tensor]]:
+    """What SGLang's TP rank `tp_rank` hands to its model's load_weights for a flattened-bucket request: the
+    steps of its `WeightUpdater._update_weights_from_flattened_bucket` (whose module imports multimodal code
+    that needs torchvision, absent here), on SGLang's own FlattenedTensorBucket and FlattenedTensorMetadata."""
+    assert body["load_format"] == "flattened_bucket"
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+
+    obj = sglang_rank_reads(body, tp_rank)
+    metadata = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
+                                        end_idx=m.end_idx, numel=m.numel) for m in obj["metadata"]]
+    return FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=metadata).reconstruct_tensors()
+
+
+def assert_loads_the_bucket(got: list[tuple[str, torch.Tensor]], sent: Bucket, device: str = "cpu") -> None:
+    assert sorted(n for n, _ in got) == sorted(t.name for t in sent.tensors)
+    by_name = dict(got)
+    for expected in sent.tensors:
+        tensor = by_name[expected.name]
+        assert tensor.device.type == device and tensor.dtype == expected.tensor.dtype, expected.name
+        assert torch.equal(tensor, expected.tensor), expected.name
 
 
 def bucket(device: str = "cpu") -> Bucket:
@@ -52,9 +76,25 @@ def bucket(device: str = "cpu") -> Bucket:
 
 
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
-def test_each_engine_tp_rank_reads_its_own_entry(tp_size):
+def test_each_engine_tp_rank_loads_its_own_flattened_bucket(tp_size):
     clients = [RecordingClient("http://engine-0"), RecordingClient("http://engine-1")]
     transport = TensorTransport(clients, engine_tp_size=tp_size)
+    sent = bucket()
+    transport.send(sent, "target", "v1")
+    for client in clients:
+        (body,) = client.bodies
+        assert len(body["serialized_named_tensors"]) == tp_size
+        for rank in range(tp_size):
+            assert_loads_the_bucket(sglang_rank_loads(body, rank), sent)
+            # inline bytes: the flat tensor holds exactly the sent bytes, not the padded storage of a view
+            flat = sglang_rank_reads(body, rank)["flattened_tensor"]
+            assert flat.numel() == sum(t.tensor.numel() * t.tensor.element_size() for t in sent.tensors)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_each_engine_tp_rank_reads_its_own_entry(tp_size):
+    clients = [RecordingClient("http://engine-0"), RecordingClient("http://engine-1")]
+    transport = TensorTransport(clients, engine_tp_size=tp_size, flatten=False)
     sent = bucket()
     transport.send(sent, "target", "v1")
     for client in clients:
@@ -85,3 +125,14 @@ def test_cuda_tensors_travel_as_ipc_handles_sglang_opens():
         got = sglang_rank_reads(body, rank)
         for (_, tensor), expected in zip(got, sent.tensors):
             assert tensor.is_cuda and torch.equal(tensor, expected.tensor), expected.name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC handles need a GPU (runs on the GPU machine)")
+def test_cuda_flattened_bucket_travels_as_one_ipc_handle_per_rank():
+    client = RecordingClient("http://engine-0")
+    sent = bucket("cuda")
+    TensorTransport([client], engine_tp_size=2).send(sent, "target", "v1")
+    (body,) = client.bodies
+    assert body["serialized_named_tensors"][0] != body["serialized_named_tensors"][1]
+    for rank in range(2):
+        assert_loads_the_bucket(sglang_rank_loads(body, rank), sent, device="cuda")

@@ -42,7 +42,13 @@ class RecordingRunner:
         self.calls.append("end")
 
     def update_weights_from_tensor(self, named_tensors, load_format=None):
+        """A flattened bucket is rebuilt as SGLang's model runner does, with SGLang's own FlattenedTensorBucket."""
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
         self.calls.append("load")
+        if load_format == "flattened_bucket":
+            named_tensors = FlattenedTensorBucket(flattened_tensor=named_tensors["flattened_tensor"],
+                                                  metadata=named_tensors["metadata"]).reconstruct_tensors()
         self.loaded.update(dict(named_tensors))
         return True, "Success"
 
