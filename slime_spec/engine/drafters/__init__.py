@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from slime_spec.engine.drafters.base import Drafter
 from slime_spec.engine.drafters.history import HistoryDrafter
+from slime_spec.engine.drafters.hybrid import HybridDrafter
 from slime_spec.engine.drafters.mtp import MTPDrafter
 from slime_spec.engine.drafters.ngram import NgramDrafter
 from slime_spec.engine.drafters.standalone import StandaloneDrafter
 from slime_spec.engine.model import CausalLM, load_model
 from slime_spec.spec import Algorithm, SpecConfig
 
-__all__ = ["Drafter", "HistoryDrafter", "MTPDrafter", "NgramDrafter", "StandaloneDrafter", "make_drafter"]
+__all__ = ["Drafter", "HistoryDrafter", "HybridDrafter", "MTPDrafter", "NgramDrafter", "StandaloneDrafter", "make_drafter"]
 
 
 def make_drafter(spec: SpecConfig | None, target: CausalLM, slots: int, max_seq: int, dtype: str,
@@ -25,7 +26,9 @@ def make_drafter(spec: SpecConfig | None, target: CausalLM, slots: int, max_seq:
     k = spec.draft_tokens_per_verify if k is None else k
     algorithm = spec.speculative_algorithm
     if algorithm is Algorithm.EAGLE:
-        return MTPDrafter(target, k, slots, max_seq)
+        # MTP; requests carrying `slime_history` (--rollout-history-drafting) may draft from history instead.
+        history = HistoryDrafter(None, spec.speculative_ngram_max_trie_depth, k, device)
+        return HybridDrafter(MTPDrafter(target, k, slots, max_seq), history)
     if algorithm is Algorithm.STANDALONE:
         path = spec.speculative_draft_model_path
         draft, config = load_model(path, dtype=dtype, device=device)
