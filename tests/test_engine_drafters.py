@@ -452,7 +452,7 @@ def test_ngram_cache_finds_the_longest_suffix_seen_before():
 
     class Row:  # what the drafter reads of core._Row
         def __init__(self, tokens):
-            self.tokens, self.ngram_upto = tokens, 1
+            self.tokens, self.ngram_upto, self.draft_state = tokens, 1, {}
 
     g = torch.Generator().manual_seed(2)
     drafter = NgramDrafter(k=4, max_window=6, min_window=1, device="cpu")

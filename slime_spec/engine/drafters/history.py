@@ -16,7 +16,6 @@ Sources per running row, best match wins (longest matched suffix, then the longe
 
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -55,37 +54,37 @@ class SuffixAutomaton:
         return len(self.text)
 
     def extend(self, tokens) -> None:
-        for t in tokens:
-            self._add(int(t))
-
-    def _new_state(self, length: int, first: int, link: int = -1, nxt: dict | None = None) -> int:
-        self.next.append({} if nxt is None else dict(nxt))
-        self.link.append(link)
-        self.length.append(length)
-        self.first.append(first)
-        return len(self.length) - 1
-
-    def _add(self, c: int) -> None:
-        pos = len(self.text)
-        self.text.append(c)
-        cur = self._new_state(self.length[self.last] + 1, pos)
-        p = self.last
-        while p != -1 and c not in self.next[p]:
-            self.next[p][c] = cur
-            p = self.link[p]
-        if p == -1:
-            self.link[cur] = 0
-        else:
-            q = self.next[p][c]
-            if self.length[p] + 1 == self.length[q]:
-                self.link[cur] = q
-            else:
-                clone = self._new_state(self.length[p] + 1, self.first[q], self.link[q], self.next[q])
-                while p != -1 and self.next[p].get(c) == q:
-                    self.next[p][c] = clone
-                    p = self.link[p]
-                self.link[q] = self.link[cur] = clone
-        self.last = cur
+        """Append tokens (the standard online construction, amortized O(1) each; locals for speed)."""
+        nxt, link, length, first, text = self.next, self.link, self.length, self.first, self.text
+        last = self.last
+        for c in tokens:
+            c = int(c)
+            cur = len(length)
+            nxt.append({})
+            link.append(0)
+            length.append(length[last] + 1)
+            first.append(len(text))
+            text.append(c)
+            p = last
+            while p != -1 and c not in nxt[p]:
+                nxt[p][c] = cur
+                p = link[p]
+            if p != -1:
+                q = nxt[p][c]
+                if length[p] + 1 == length[q]:
+                    link[cur] = q
+                else:
+                    clone = len(length)
+                    nxt.append(dict(nxt[q]))
+                    link.append(link[q])
+                    length.append(length[p] + 1)
+                    first.append(first[q])
+                    while p != -1 and nxt[p].get(c) == q:
+                        nxt[p][c] = clone
+                        p = link[p]
+                    link[q] = link[cur] = clone
+            last = cur
+        self.last = last
 
     def match(self, context: list[int], max_depth: int) -> tuple[int, int]:
         """(length, end) of the longest suffix of context[-max_depth:] occurring here with a token after it."""
@@ -107,19 +106,25 @@ class SuffixAutomaton:
         return 0, -1
 
     def step(self, state: int, length: int, t: int) -> tuple[int, int]:
-        """Advance a streaming match (state, length) by one context token: amortized O(1).
+        return self.advance(state, length, (t,))
+
+    def advance(self, state: int, length: int, tokens) -> tuple[int, int]:
+        """Advance a streaming match (state, length) by context tokens: amortized O(1) each.
 
         The automaton may have grown since the match was taken; a clone made since then holds the shorter
         strings of the old state, so the state is first moved up to the one that holds `length` now."""
         link, lengths, nxt = self.link, self.length, self.next
         while state > 0 and length <= lengths[link[state]]:
             state = link[state]
-        while state and t not in nxt[state]:
-            state = link[state]
-            length = lengths[state]
-        if t in nxt[state]:
-            return nxt[state][t], length + 1
-        return 0, 0
+        for t in tokens:
+            while state and t not in nxt[state]:
+                state = link[state]
+                length = lengths[state]
+            if t in nxt[state]:
+                state, length = nxt[state][t], length + 1
+            else:
+                state, length = 0, 0
+        return state, length
 
     def occurrence(self, state: int, length: int) -> tuple[int, int]:
         """(length, end) of the longest suffix of a streaming match whose earliest occurrence has a token after
@@ -183,7 +188,6 @@ class HistoryDrafter:
         self._k = ngram.k if ngram is not None else k
         self.corpora: dict[str, SuffixAutomaton] = {}
         self.groups: OrderedDict[str, dict[str, SuffixAutomaton]] = OrderedDict()  # group -> rid -> output SAM
-        self.cursors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # row -> {source: [state, len, fed]}
 
     @property
     def k(self) -> int:
@@ -262,18 +266,16 @@ class HistoryDrafter:
 
         Longest match wins, then the longest continuation. Each source's streaming match starts max_depth
         tokens back the first time the row meets it and then only reads the row's new tokens."""
-        cursors = self.cursors.get(r)
+        cursors = r.draft_state.get("history")  # source -> [state, length, tokens read]
         if cursors is None:
-            cursors = self.cursors[r] = {}
+            cursors = r.draft_state["history"] = {}
         tokens, n, k = r.tokens, len(r.tokens), self._k
         best_len, best = 0, []
         for sam in self._sources(r):
             cur = cursors.get(sam)
             if cur is None:
                 cur = cursors[sam] = [0, 0, max(0, n - self.max_depth)]
-            state, length = cur[0], cur[1]
-            for t in tokens[cur[2]:]:
-                state, length = sam.step(state, length, t)
+            state, length = sam.advance(cur[0], cur[1], tokens[cur[2]:])
             cur[0], cur[1], cur[2] = state, length, n
             length, end = sam.occurrence(state, length)
             if length < best_len or length == 0:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import weakref
-from collections import OrderedDict
+import itertools
 
 import torch
 
-DEFAULT_CAPACITY = 262_144  # n-gram entries; the oldest go first (SGLang: --speculative-ngram-capacity nodes)
+DEFAULT_CAPACITY = 262_144  # n-gram entries; past it the oldest quarter goes (SGLang: --speculative-ngram-capacity)
 MOD = (1 << 61) - 1  # rolling-hash modulus (a Mersenne prime: collisions are ~1 in 2**61 per pair)
 BASE = 1_000_003
 
@@ -55,8 +54,7 @@ class NgramDrafter:
     def __init__(self, k: int, max_window: int, min_window: int, device, capacity: int = DEFAULT_CAPACITY):
         self.k, self.max_window, self.min_window, self.device = k, max_window, min_window, device
         self.capacity = capacity
-        self.index: OrderedDict[int, tuple[list[int], int]] = OrderedDict()
-        self.hashes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # row -> PrefixHashes
+        self.index: dict[int, tuple[list[int], int]] = {}
 
     def new_cache(self) -> None:
         return None
@@ -66,25 +64,25 @@ class NgramDrafter:
         self.index.clear()
 
     def _hashes(self, r) -> PrefixHashes:
-        h = self.hashes.get(r)
+        h = r.draft_state.get("ngram")
         if h is None:
-            h = self.hashes[r] = PrefixHashes()
+            h = r.draft_state["ngram"] = PrefixHashes()
         h.extend(r.tokens)
         return h
 
     def _index(self, r) -> PrefixHashes:
         tokens, h = r.tokens, self._hashes(r)
-        index, move, window = self.index, self.index.move_to_end, self.max_window
-        # An n-gram ending right before position e is indexed once tokens[e] (its continuation) exists.
+        prefix, powers, index, window = h.prefix, PrefixHashes.powers, self.index, self.max_window
+        # An n-gram ending right before position e is indexed once tokens[e] (its continuation) exists; keys as
+        # PrefixHashes.key computes them, inlined (this loop is the drafter's hot path).
         for e in range(r.ngram_upto, len(tokens)):
-            entry = (tokens, e)
-            for w in range(1, min(window, e) + 1):
-                key = h.key(e - w, e)
-                index[key] = entry
-                move(key)
+            pe = prefix[e]
+            keys = [(pe - prefix[e - w] * powers[w]) % MOD + w * MOD for w in range(1, min(window, e) + 1)]
+            index.update(dict.fromkeys(keys, (tokens, e)))
         r.ngram_upto = len(tokens)
-        while len(index) > self.capacity:
-            index.popitem(last=False)
+        if len(index) > self.capacity:  # evict in bulk, oldest first (a key keeps the place of its first insert)
+            for key in list(itertools.islice(index, len(index) - self.capacity * 3 // 4)):
+                del index[key]
         return h
 
     def match(self, r) -> tuple[int, list[int]]:
