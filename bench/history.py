@@ -182,7 +182,8 @@ def make_engine(method: str, model: str, args) -> EngineCore:
                                  "speculative_eagle_topk": 1, "speculative_num_draft_tokens": args.draft_tokens})
     elif method != "plain":
         spec = resolve_or_raise({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": args.draft_tokens})
-    return EngineCore(model, spec, device=args.device, max_running_requests=args.batch, seed=args.seed)
+    return EngineCore(model, spec, device=args.device, max_running_requests=args.batch, seed=args.seed,
+                      spec_auto=args.spec_auto and spec is not None)
 
 
 def run_method(method: str, model: str, prompts: list[dict], policies: list[dict], args, max_tokens: int,
@@ -265,7 +266,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2 layers, hidden 64, 4 prompts x 4: a smoke run")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--draft-tokens", type=int, default=4, help="tokens per verify (k + 1), every method")
+    ap.add_argument("--draft-tokens", type=int, default=8, help="tokens per verify (k + 1), every method")
+    ap.add_argument("--spec-auto", action="store_true",
+                    help="--spec-auto for every speculative method: k per step from measured costs, up to the above")
     ap.add_argument("--epochs", type=int, default=1, help="--rollout-history-epochs")
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[8192],
                     help="--rollout-history-max-tokens; several values sweep the history methods")
