@@ -213,9 +213,10 @@ class Rule(Enum):
         "0..{last}")
     SPEC_HISTORY_NEEDS_NGRAM = _Entry(
         "SPEC_HISTORY", "error",
-        "--rollout-history-drafting drafts through NGRAM's external corpora, but {sg}speculative-algorithm is "
-        "{algorithm}",
-        "{sg}speculative-algorithm NGRAM, or drop --rollout-history-drafting")
+        "--rollout-history-drafting drafts through NGRAM's external corpora (or, on the embedded backend, "
+        "EAGLE/NEXTN's hybrid MTP + history drafter), but {sg}speculative-algorithm is {algorithm}",
+        "{sg}speculative-algorithm NGRAM (either backend) or NEXTN (--rollout-backend embedded), or drop "
+        "--rollout-history-drafting")
     SPEC_HISTORY_NO_SAM_BUDGET = _Entry(
         "SPEC_HISTORY", "error",
         "--rollout-history-drafting on SGLang with {sg}speculative-ngram-external-sam-budget {budget}: SGLang "

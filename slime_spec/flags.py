@@ -71,7 +71,8 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--sglang-router-port", {**_I, "default": None}),
         ("--use-sglang-router", _ON),
         ("--rollout-history-drafting", {**_ON, "help": "draft from the group's siblings and the prompt's earlier "
-                                        "rollouts (NGRAM; see docs/en/speculative.md)"}),
+                                        "rollouts (NGRAM; on the embedded backend also NEXTN/EAGLE: MTP + history, "
+                                        "see docs/en/speculative.md)"}),
         ("--rollout-history-epochs", {**_I, "default": 1, "help": "earlier rollouts of a prompt kept for drafting"}),
         ("--rollout-history-max-tokens", {**_I, "default": 8192, "help": "history tokens kept per prompt"}),
     ],

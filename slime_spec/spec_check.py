@@ -265,13 +265,15 @@ SGLANG_CORPUS_MAX_TOKENS = 10_000_000  # SGLang 0.5.23's --speculative-ngram-ext
 
 
 def check_history(inp: CheckInput) -> list[Finding]:
-    """--rollout-history-drafting: NGRAM on both backends; on SGLang, corpora it actually drafts from."""
+    """--rollout-history-drafting: NGRAM on SGLang (corpora it actually drafts from); on the embedded engine NGRAM,
+    or EAGLE/NEXTN (the hybrid drafter: MTP and history per row)."""
     if not inp.history_drafting:
         return []
     out = []
     if inp.history_epochs < 0 or inp.history_max_tokens < 1:
         out.append(Rule.SPEC_HISTORY_BOUNDS.finding(epochs=inp.history_epochs, max_tokens=inp.history_max_tokens))
-    if inp.algorithm is not Algorithm.NGRAM:
+    hybrid = inp.backend == "embedded" and inp.algorithm is Algorithm.EAGLE
+    if inp.algorithm is not Algorithm.NGRAM and not hybrid:
         return out + [Rule.SPEC_HISTORY_NEEDS_NGRAM.finding(algorithm=inp.sglang.get("speculative_algorithm"))]
     if inp.backend != "sglang":
         return out

@@ -157,3 +157,18 @@ def test_embedded_sync_names_group_and_prompt_corpus_per_request(tmp_path):
     asyncio.run(sync.before_rollout([InProcess()], [], 2))
     assert ext["corpus_id"] not in engine.drafter.list_corpora()  # the old version was removed
     assert len(engine.drafter.list_corpora()) == 2
+
+
+def test_doctor_accepts_nextn_with_history_on_the_embedded_engine_only():
+    """The hybrid MTP + history drafter exists only in the embedded engine; SGLang still needs NGRAM."""
+    from slime_spec.spec_check import CheckInput, check_history
+
+    nextn = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2, "speculative_eagle_topk": 1,
+             "speculative_num_draft_tokens": 3}
+    embedded = CheckInput(sglang=nextn, backend="embedded", sglang_version="0.5.23", target_config=None,
+                          history_drafting=True)
+    assert check_history(embedded) == []
+    sglang = CheckInput(sglang=nextn, backend="sglang", sglang_version="0.5.23", target_config=None,
+                        history_drafting=True)
+    [finding] = check_history(sglang)
+    assert finding.code == "SPEC_HISTORY" and "NGRAM" in finding.fix and "embedded" in finding.fix

@@ -92,7 +92,7 @@ class _Row:
     accept_num: int = 0
     draft_num: int = 0
     draft_cached_len: int = 0                        # STANDALONE: tokens in the draft model's KV cache
-    ngram_index: dict = field(default_factory=dict)  # NGRAM: n-gram -> position after its latest occurrence
+    draft_state: dict = field(default_factory=dict)  # drafters' per-row state (n-gram hashes, history cursors)
     ngram_upto: int = 1                              # NGRAM: n-grams ending before this position are indexed
 
     @property

@@ -8,13 +8,15 @@ from __future__ import annotations
 from slime_spec.engine.drafters.base import Drafter
 from slime_spec.engine.drafters.eagle3 import Eagle3Drafter, load_eagle3_drafter
 from slime_spec.engine.drafters.history import HistoryDrafter
+from slime_spec.engine.drafters.hybrid import HybridDrafter
 from slime_spec.engine.drafters.mtp import MTPDrafter
 from slime_spec.engine.drafters.ngram import NgramDrafter
 from slime_spec.engine.drafters.standalone import StandaloneDrafter
 from slime_spec.engine.model import CausalLM, load_model
 from slime_spec.spec import Algorithm, SpecConfig
 
-__all__ = ["Drafter", "Eagle3Drafter", "HistoryDrafter", "MTPDrafter", "NgramDrafter", "StandaloneDrafter", "make_drafter"]
+__all__ = ["Drafter", "Eagle3Drafter", "HistoryDrafter", "HybridDrafter", "MTPDrafter", "NgramDrafter",
+           "StandaloneDrafter", "make_drafter"]
 
 
 def make_drafter(spec: SpecConfig | None, target: CausalLM, slots: int, max_seq: int, dtype: str,
@@ -26,7 +28,9 @@ def make_drafter(spec: SpecConfig | None, target: CausalLM, slots: int, max_seq:
     k = spec.draft_tokens_per_verify if k is None else k
     algorithm = spec.speculative_algorithm
     if algorithm is Algorithm.EAGLE:
-        return MTPDrafter(target, k, slots, max_seq)
+        # MTP; requests carrying `slime_history` (--rollout-history-drafting) may draft from history instead.
+        history = HistoryDrafter(None, spec.speculative_ngram_max_trie_depth, k, device)
+        return HybridDrafter(MTPDrafter(target, k, slots, max_seq), history)
     if algorithm is Algorithm.EAGLE3:
         return load_eagle3_drafter(target, spec.speculative_draft_model_path, k, slots, max_seq)
     if algorithm is Algorithm.STANDALONE:

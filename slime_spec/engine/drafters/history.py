@@ -1,8 +1,9 @@
 """History drafting: copy from the request's group siblings, its prompt's earlier rollouts, and external corpora.
 
-Every source is a suffix automaton (SAM), so finding the longest suffix of a row's context that occurs in a
-source costs O(context) per source, whatever the source's size (no linear scan). The draft is the chain that
-followed that occurrence. Drafts are a deterministic function of tokens (a one-hot q), so verification stays
+Every source is a suffix automaton (SAM), extended online as siblings generate. Each row keeps a streaming
+match per source (`SuffixAutomaton.step`), so finding the longest suffix of its context that occurs in a source
+costs O(new tokens) per step, whatever the source's size (no linear scan, no rebuild). The draft is the chain
+that followed that occurrence: O(k). Drafts are a deterministic function of tokens (a one-hot q), so verification stays
 lossless (see sampling.speculative_accept).
 
 Sources per running row, best match wins (longest matched suffix, then the longest continuation):
@@ -53,37 +54,37 @@ class SuffixAutomaton:
         return len(self.text)
 
     def extend(self, tokens) -> None:
-        for t in tokens:
-            self._add(int(t))
-
-    def _new_state(self, length: int, first: int, link: int = -1, nxt: dict | None = None) -> int:
-        self.next.append({} if nxt is None else dict(nxt))
-        self.link.append(link)
-        self.length.append(length)
-        self.first.append(first)
-        return len(self.length) - 1
-
-    def _add(self, c: int) -> None:
-        pos = len(self.text)
-        self.text.append(c)
-        cur = self._new_state(self.length[self.last] + 1, pos)
-        p = self.last
-        while p != -1 and c not in self.next[p]:
-            self.next[p][c] = cur
-            p = self.link[p]
-        if p == -1:
-            self.link[cur] = 0
-        else:
-            q = self.next[p][c]
-            if self.length[p] + 1 == self.length[q]:
-                self.link[cur] = q
-            else:
-                clone = self._new_state(self.length[p] + 1, self.first[q], self.link[q], self.next[q])
-                while p != -1 and self.next[p].get(c) == q:
-                    self.next[p][c] = clone
-                    p = self.link[p]
-                self.link[q] = self.link[cur] = clone
-        self.last = cur
+        """Append tokens (the standard online construction, amortized O(1) each; locals for speed)."""
+        nxt, link, length, first, text = self.next, self.link, self.length, self.first, self.text
+        last = self.last
+        for c in tokens:
+            c = int(c)
+            cur = len(length)
+            nxt.append({})
+            link.append(0)
+            length.append(length[last] + 1)
+            first.append(len(text))
+            text.append(c)
+            p = last
+            while p != -1 and c not in nxt[p]:
+                nxt[p][c] = cur
+                p = link[p]
+            if p != -1:
+                q = nxt[p][c]
+                if length[p] + 1 == length[q]:
+                    link[cur] = q
+                else:
+                    clone = len(length)
+                    nxt.append(dict(nxt[q]))
+                    link.append(link[q])
+                    length.append(length[p] + 1)
+                    first.append(first[q])
+                    while p != -1 and nxt[p].get(c) == q:
+                        nxt[p][c] = clone
+                        p = link[p]
+                    link[q] = link[cur] = clone
+            last = cur
+        self.last = last
 
     def match(self, context: list[int], max_depth: int) -> tuple[int, int]:
         """(length, end) of the longest suffix of context[-max_depth:] occurring here with a token after it."""
@@ -104,13 +105,42 @@ class SuffixAutomaton:
             length = self.length[state]
         return 0, -1
 
+    def step(self, state: int, length: int, t: int) -> tuple[int, int]:
+        return self.advance(state, length, (t,))
+
+    def advance(self, state: int, length: int, tokens) -> tuple[int, int]:
+        """Advance a streaming match (state, length) by context tokens: amortized O(1) each.
+
+        The automaton may have grown since the match was taken; a clone made since then holds the shorter
+        strings of the old state, so the state is first moved up to the one that holds `length` now."""
+        link, lengths, nxt = self.link, self.length, self.next
+        while state > 0 and length <= lengths[link[state]]:
+            state = link[state]
+        for t in tokens:
+            while state and t not in nxt[state]:
+                state = link[state]
+                length = lengths[state]
+            if t in nxt[state]:
+                state, length = nxt[state][t], length + 1
+            else:
+                state, length = 0, 0
+        return state, length
+
+    def occurrence(self, state: int, length: int) -> tuple[int, int]:
+        """(length, end) of the longest suffix of a streaming match whose earliest occurrence has a token after
+        it; (0, -1) if none. Walks suffix links, usually none or one."""
+        text = self.text
+        while state > 0:
+            end = self.first[state]
+            if end + 1 < len(text) and text[end + 1] != SEPARATOR:
+                return length, end
+            state = self.link[state]
+            length = self.length[state]
+        return 0, -1
+
     def continuation(self, end: int, k: int) -> list[int]:
-        out = []
-        for t in self.text[end + 1:end + 1 + k]:
-            if t == SEPARATOR:
-                break
-            out.append(t)
-        return out
+        out = self.text[end + 1:end + 1 + k]
+        return out[:out.index(SEPARATOR)] if SEPARATOR in out else out
 
 
 def corpus_automaton(chunks: list[list[int]]) -> SuffixAutomaton:
@@ -122,7 +152,9 @@ def corpus_automaton(chunks: list[list[int]]) -> SuffixAutomaton:
 
 
 def best_draft(context: list[int], sources, k: int, max_depth: int) -> tuple[int, list[int]]:
-    """The continuation after the longest suffix match over `sources`, extended by re-matching up to k tokens."""
+    """The continuation after the longest suffix match over `sources`, extended by re-matching up to k tokens.
+
+    A from-scratch reference (O(max_depth) per source and call); the drafter matches incrementally instead."""
     draft: list[int] = []
     first_len = 0
     while len(draft) < k:
@@ -143,28 +175,38 @@ def best_draft(context: list[int], sources, k: int, max_depth: int) -> tuple[int
 
 
 class HistoryDrafter:
-    """NGRAM on the embedded engine: the shared n-gram cache plus SAM sources (module docstring)."""
+    """NGRAM on the embedded engine: the shared n-gram cache plus SAM sources (module docstring).
 
-    def __init__(self, ngram: NgramDrafter, max_depth: int):
-        self.ngram, self.max_depth, self.device = ngram, max_depth, ngram.device
+    ngram None: history sources only (the hybrid drafter's history half, see hybrid.py). Each row keeps one
+    streaming match per source, advanced only by the tokens appended since its last draft, so a draft costs
+    O(new tokens + k) per source instead of re-matching the context.
+    """
+
+    def __init__(self, ngram: NgramDrafter | None, max_depth: int, k: int | None = None, device=None):
+        self.ngram, self.max_depth = ngram, max_depth
+        self.device = ngram.device if ngram is not None else device
+        self._k = ngram.k if ngram is not None else k
         self.corpora: dict[str, SuffixAutomaton] = {}
         self.groups: OrderedDict[str, dict[str, SuffixAutomaton]] = OrderedDict()  # group -> rid -> output SAM
 
     @property
     def k(self) -> int:
-        return self.ngram.k
+        return self._k
 
     @k.setter
     def k(self, k: int) -> None:
         """The engine sets the draft length per step (adaptive / auto): the n-gram matcher drafts that many too."""
-        self.ngram.k = k
+        self._k = k
+        if self.ngram is not None:
+            self.ngram.k = k
 
     def new_cache(self) -> None:
         return None
 
     def drop_cache(self) -> None:
         """The shared n-gram cache and the sibling automata go; external corpora stay (SGLang keeps them)."""
-        self.ngram.drop_cache()
+        if self.ngram is not None:
+            self.ngram.drop_cache()
         self.groups.clear()
 
     def weight_runner(self) -> None:
@@ -219,25 +261,52 @@ class HistoryDrafter:
             sources += list(self.corpora.values())
         return sources
 
-    def draft_for(self, r) -> list[int]:
-        ngram_len, ngram_draft = self.ngram.match(r)
-        length, draft = best_draft(r.tokens, self._sources(r), self.k, self.max_depth)
-        if length > ngram_len or (length == ngram_len and length and len(draft) > len(ngram_draft)):
-            chosen = draft
-        else:
-            chosen = ngram_draft
-        if not chosen:
-            chosen = [r.tokens[-1]]
-        return chosen + [chosen[-1]] * (self.k - len(chosen))
+    def history_match(self, r) -> tuple[int, list[int]]:
+        """(matched suffix length, up to k continuation tokens) over the row's SAM sources; (0, []) if none.
 
-    def on_prefill(self, rows, hidden: torch.Tensor) -> None:
-        self.ngram.on_prefill(rows, hidden)
+        Longest match wins, then the longest continuation. Each source's streaming match starts max_depth
+        tokens back the first time the row meets it and then only reads the row's new tokens."""
+        cursors = r.draft_state.get("history")  # source -> [state, length, tokens read]
+        if cursors is None:
+            cursors = r.draft_state["history"] = {}
+        tokens, n, k = r.tokens, len(r.tokens), self._k
+        best_len, best = 0, []
+        for sam in self._sources(r):
+            cur = cursors.get(sam)
+            if cur is None:
+                cur = cursors[sam] = [0, 0, max(0, n - self.max_depth)]
+            state, length = sam.advance(cur[0], cur[1], tokens[cur[2]:])
+            cur[0], cur[1], cur[2] = state, length, n
+            length, end = sam.occurrence(state, length)
+            if length < best_len or length == 0:
+                continue
+            cont = sam.continuation(end, k)
+            if length > best_len or len(cont) > len(best):
+                best_len, best = length, cont
+        return (best_len, best) if best else (0, [])
+
+    def draft_for(self, r) -> list[int]:
+        length, draft = self.history_match(r)
+        if self.ngram is not None:
+            ngram_len, ngram_draft = self.ngram.match(r)
+            if not (length > ngram_len or (length == ngram_len and length and len(draft) > len(ngram_draft))):
+                draft = ngram_draft
+        if not draft:
+            draft = [r.tokens[-1]]
+        return draft + [draft[-1]] * (self._k - len(draft))
+
+    def catch_up(self, rows) -> None:
+        """Every row's n-grams and sibling automaton take its new tokens before any row drafts from them."""
         for r in rows:
+            if self.ngram is not None:
+                self.ngram._index(r)
             self._sibling(r)
+
+    def on_prefill(self, rows, hidden: torch.Tensor | None = None) -> None:
+        self.catch_up(rows)
 
     def propose(self, rows) -> torch.Tensor:
-        for r in rows:  # every sibling's automaton catches up before any row drafts from it
-            self._sibling(r)
+        self.catch_up(rows)
         return torch.tensor([self.draft_for(r) for r in rows], dtype=torch.long, device=self.device)
 
     def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:

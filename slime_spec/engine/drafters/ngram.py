@@ -2,11 +2,39 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import itertools
 
 import torch
 
-DEFAULT_CAPACITY = 262_144  # n-gram entries; the oldest go first (SGLang: --speculative-ngram-capacity nodes)
+DEFAULT_CAPACITY = 262_144  # n-gram entries; past it the oldest quarter goes (SGLang: --speculative-ngram-capacity)
+MOD = (1 << 61) - 1  # rolling-hash modulus (a Mersenne prime: collisions are ~1 in 2**61 per pair)
+BASE = 1_000_003
+
+
+class PrefixHashes:
+    """Polynomial prefix hashes of one row's tokens, extended only by the tokens appended since the last call.
+
+    The hash of tokens[i:j] is one subtraction and one multiplication, so an n-gram key costs O(1) instead of
+    building a tuple of n tokens. A collision only makes a draft wrong, which verification rejects."""
+
+    powers = [1]  # BASE**i mod MOD, shared by every row
+
+    def __init__(self):
+        self.prefix = [0]
+
+    def extend(self, tokens: list[int]) -> None:
+        prefix = self.prefix
+        h = prefix[-1]
+        for t in tokens[len(prefix) - 1:]:
+            h = (h * BASE + t + 1) % MOD
+            prefix.append(h)
+        powers = PrefixHashes.powers
+        while len(powers) < len(prefix):
+            powers.append(powers[-1] * BASE % MOD)
+
+    def key(self, start: int, end: int) -> int:
+        """One int per (n, hash of tokens[start:end]) with n = end - start: n-grams of two lengths never meet."""
+        return (self.prefix[end] - self.prefix[start] * PrefixHashes.powers[end - start]) % MOD + (end - start) * MOD
 
 
 class NgramDrafter:
@@ -15,15 +43,18 @@ class NgramDrafter:
 
     Like SGLang 0.5.23's trie (one per server, fed with every request's tokens after each verify), the cache is
     shared across requests: a row drafts from its own prompt + output and from every other request's, running
-    or finished, so the samples of a GRPO group draft from each other. Entries map an n-gram to (the token list
-    it came from, the position right after it); rows with no match get filler drafts, which verification
-    rejects at no cost to correctness.
+    or finished, so the samples of a GRPO group draft from each other. Entries map an n-gram (a rolling hash)
+    to (the token list it came from, the position right after it); rows with no match get filler drafts,
+    which verification rejects at no cost to correctness.
+
+    Cost per row and step: max_window dictionary writes per new token (each n-gram ending there) and a binary
+    search over suffix lengths (log2 max_window lookups): every suffix of an indexed n-gram is indexed too.
     """
 
     def __init__(self, k: int, max_window: int, min_window: int, device, capacity: int = DEFAULT_CAPACITY):
         self.k, self.max_window, self.min_window, self.device = k, max_window, min_window, device
         self.capacity = capacity
-        self.index: OrderedDict[tuple, tuple[list[int], int]] = OrderedDict()
+        self.index: dict[int, tuple[list[int], int]] = {}
 
     def new_cache(self) -> None:
         return None
@@ -32,30 +63,44 @@ class NgramDrafter:
         """Released with the KV cache (and flushed with it, as SGLang's flush_cache resets its trie)."""
         self.index.clear()
 
-    def _index(self, r) -> None:
-        tokens = r.tokens
-        # An n-gram ending right before position e is indexed once tokens[e] (its continuation) exists.
+    def _hashes(self, r) -> PrefixHashes:
+        h = r.draft_state.get("ngram")
+        if h is None:
+            h = r.draft_state["ngram"] = PrefixHashes()
+        h.extend(r.tokens)
+        return h
+
+    def _index(self, r) -> PrefixHashes:
+        tokens, h = r.tokens, self._hashes(r)
+        prefix, powers, index, window = h.prefix, PrefixHashes.powers, self.index, self.max_window
+        # An n-gram ending right before position e is indexed once tokens[e] (its continuation) exists; keys as
+        # PrefixHashes.key computes them, inlined (this loop is the drafter's hot path).
         for e in range(r.ngram_upto, len(tokens)):
-            for w in range(1, min(self.max_window, e) + 1):
-                key = tuple(tokens[e - w:e])
-                self.index[key] = (tokens, e)
-                self.index.move_to_end(key)
+            pe = prefix[e]
+            keys = [(pe - prefix[e - w] * powers[w]) % MOD + w * MOD for w in range(1, min(window, e) + 1)]
+            index.update(dict.fromkeys(keys, (tokens, e)))
         r.ngram_upto = len(tokens)
-        while len(self.index) > self.capacity:
-            self.index.popitem(last=False)
+        if len(index) > self.capacity:  # evict in bulk, oldest first (a key keeps the place of its first insert)
+            for key in list(itertools.islice(index, len(index) - self.capacity * 3 // 4)):
+                del index[key]
+        return h
 
     def match(self, r) -> tuple[int, list[int]]:
         """(matched suffix length, up to k continuation tokens); (0, []) without a match."""
-        self._index(r)
-        tokens = r.tokens
-        for w in range(min(self.max_window, len(tokens)), self.min_window - 1, -1):
-            hit = self.index.get(tuple(tokens[-w:]))
+        h = self._index(r)
+        n = len(r.tokens)
+        lo, hi, best = self.min_window, min(self.max_window, n), None
+        while lo <= hi:  # the longest indexed suffix: if n tokens match, so do their last n - 1
+            w = (lo + hi) // 2
+            hit = self.index.get(h.key(n - w, n))
             if hit is not None:
-                source, e = hit
-                found = source[e:e + self.k]
-                if found:
-                    return w, found
-        return 0, []
+                best, lo = (w, hit), w + 1
+            else:
+                hi = w - 1
+        if best is None:
+            return 0, []
+        w, (source, e) = best
+        return w, source[e:e + self.k]
 
     def draft_for(self, r) -> list[int]:
         _, found = self.match(r)
