@@ -128,6 +128,9 @@ def grpo(argv: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from slime_spec.logging_setup import quiet_known_noise
+
+    quiet_known_noise()  # the SFT warm-up loads the checkpoint's config in this process too
     p = argparse.ArgumentParser(prog="slime-spec demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="a small run that still goes through every stage")

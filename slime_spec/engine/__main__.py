@@ -25,6 +25,9 @@ def make_core_factory(args: EngineServerArgs):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from slime_spec.logging_setup import quiet_known_noise
+
+    quiet_known_noise()  # an engine server is no Ray worker: it installs the filters itself
     try:
         args = parse_server_args(sys.argv[1:] if argv is None else argv)
     except ServerArgsError as e:
