@@ -97,6 +97,7 @@ def train_mtp(core: EngineCore, batch: list[list[int]], new_tokens: int, steps: 
     """Train the MTP layer on the target's own greedy continuations of `batch` (trunk frozen); returns the last
     loss. The MTP layer at position p reads (x_{p+1}, h_p) and predicts x_{p+2}, as the engine drafts."""
     model = core.model
+    model.unfuse_projections()  # train the separate parameters (the fused matmuls would bypass their gradients)
     for i, ids in enumerate(batch):
         core.add_request(Request(rid=f"t{i}", input_ids=ids, params=SamplingParams(
             temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)))
@@ -132,7 +133,7 @@ def train_mtp(core: EngineCore, batch: list[list[int]], new_tokens: int, steps: 
         for p, m in zip(params, master):
             p.data.copy_(m)
             p.requires_grad_(False)
-    return loss.item()
+    return loss.item()  # `core` keeps serving eagerly-fused-free; the rows below load these weights into fresh engines
 
 
 def main(argv=None) -> None:
@@ -150,6 +151,7 @@ def main(argv=None) -> None:
     p.add_argument("--torch-compile", action="store_true",
                    help="also time plain decoding with --enable-torch-compile, and run the speculative rows with it")
     p.add_argument("--tail-requests", type=int, default=64, help="requests in the long-tailed rollout")
+    p.add_argument("--skip-plain", action="store_true", help="skip the plain-decode table (speculative rows only)")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     shape = SHAPES["quick" if a.quick else "full"]
@@ -182,6 +184,8 @@ def main(argv=None) -> None:
           f"{nbytes / 1e9:.2f} GB of weights; copy bandwidth {bw / 1e12:.2f} TB/s (read + written); "
           f"roofline at batch 1 {roofline_s * 1e3:.3f} ms/token = {1 / roofline_s:,.0f} tokens/s; "
           f"graph capture {plain.graph_capture_seconds:.1f} s")
+    if a.skip_plain:
+        plain_b = []
     eager = engine(llama, cuda_graph=CudaGraphSettings(disable=True))
     compiled = engine(llama, cuda_graph=compiled_graphs) if a.torch_compile else None
     if compiled is not None:
@@ -201,7 +205,7 @@ def main(argv=None) -> None:
                 c.append(run(compiled, batch, a.new_tokens)[0])
         rows.append((b, max(g), max(e), max(c) if c else None))
     hf = {}
-    if a.transformers:
+    if a.transformers and plain_b:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(llama), dtype=torch.bfloat16).to(dev).eval()

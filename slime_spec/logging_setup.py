@@ -1,7 +1,8 @@
 """Silence the known-harmless warnings that every slime-spec process would otherwise print.
 
-Called at process start: by the driver (`slime_spec.train`) and, through Ray's
-`worker_process_setup_hook` (see ray_env.py), by every Ray worker before its first task. Each
+Called at process start: by the driver (`slime_spec.train`), `slime-spec demo`, doctor and the embedded
+server (`python -m slime_spec.engine`), and, through Ray's `worker_process_setup_hook` (see ray_env.py),
+by every Ray worker before its first task. Each
 filter names one message and why it says nothing about this run:
 
 - megatron-core, on import without NVIDIA Apex / Transformer Engine (7 lines per train process): the
