@@ -21,6 +21,7 @@ from slime_spec.engine.drafters import make_drafter
 from slime_spec.engine.model import load_model
 from slime_spec.engine.speculative import spec_step
 from slime_spec.spec import SpecConfig, check_resolved
+from slime_spec.threads import intra_op_threads
 
 __all__ = ["EngineCore", "Output", "Request", "SamplingParams", "SpecConfig"]
 
@@ -231,14 +232,8 @@ class EngineCore:
 
     # ------------------------------------------------------------------ scheduling
     def step(self) -> list[Output]:
-        if self.cpu_threads is None:
+        with intra_op_threads(self.cpu_threads):
             return self._step()
-        saved = torch.get_num_threads()
-        torch.set_num_threads(self.cpu_threads)
-        try:
-            return self._step()
-        finally:
-            torch.set_num_threads(saved)
 
     def _step(self) -> list[Output]:
         self._drop_aborted_waiting()

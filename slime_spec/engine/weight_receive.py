@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 
+from slime_spec.threads import intra_op_threads
+
 
 @dataclass
 class EngineTiming:
@@ -69,15 +71,8 @@ def copy_threads(device: str | torch.device):
     """On a CPU engine, copy on one intra-op thread: a copy is memory-bound, and OpenMP workers that
     spin-wait for a core the gloo receiver or the trainer holds turn a 10 ms snapshot into a second
     (measured on 2 shared cores: 0.02 s on one thread, 0.8-2.9 s on two)."""
-    if torch.device(device).type != "cpu":
+    with intra_op_threads(1 if torch.device(device).type == "cpu" else None):
         yield
-        return
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def settle(device: str | torch.device) -> None:

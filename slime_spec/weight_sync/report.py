@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
-import torch
+
+from slime_spec.threads import intra_op_threads
 
 
 @dataclass(frozen=True)
@@ -70,12 +71,8 @@ def one_intra_op_thread():
     OpenMP workers spin-waiting for a core the gloo sender or an engine holds cost far more than they gain:
     measured on 2 shared cores, converting a 177 MB model took 0.17 s on two threads and 0.003-0.009 s on one.
     CUDA work is unaffected; generation is paused meanwhile, so no other torch work needs the threads."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with intra_op_threads(1):
         yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 class Clock:
