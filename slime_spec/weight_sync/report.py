@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
-
 from slime_spec.threads import intra_op_threads
 
 
