@@ -12,6 +12,7 @@ transformers is asked about torchvision first, so it keeps reporting "no torchvi
 from __future__ import annotations
 
 import importlib.abc
+import importlib.util
 import importlib.machinery
 import pickle
 import sys
@@ -91,8 +92,14 @@ class AbsentModule(types.ModuleType):
 
 
 class AbsentModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Stands in for the roots in `roots` only: where a package is really installed (the GPU machine has
+    torchvision, sentencepiece and einops), the real one is imported."""
+
+    def __init__(self, roots: set[str]):
+        self.roots = roots
+
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in ABSENT_ROOTS:
+        if name.split(".")[0] in self.roots:
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
@@ -118,8 +125,10 @@ def install() -> None:
         return
     from transformers.utils import import_utils
 
-    assert not import_utils.is_torchvision_available()  # cached: transformers never sees the double
-    sys.meta_path.insert(0, AbsentModuleFinder())
+    absent = {root for root in ABSENT_ROOTS if importlib.util.find_spec(root) is None}
+    if "torchvision" in absent:
+        assert not import_utils.is_torchvision_available()  # cached: transformers never sees the double
+    sys.meta_path.insert(0, AbsentModuleFinder(absent))
     try:
         import dill  # noqa: F401
     except ImportError:
