@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -45,6 +46,13 @@ def make_run_inputs(root: Path) -> tuple[Path, Path]:
     return model, data
 
 
+def _default_sigint() -> None:
+    """The driver gets SIGINT's default disposition, as a terminal's Ctrl-C finds it. A suite started in the
+    background of a non-interactive shell (`make test &`) runs with SIGINT ignored, which a child inherits, and
+    Python installs no KeyboardInterrupt handler for an ignored SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Run:
     """A run of one embedded engine with many rollouts, started in the background: `--debug-rollout-only`,
     or with `train` the whole loop (trainer, weight-update group) as well."""
@@ -67,7 +75,7 @@ class Run:
         env.update({RUN_MARKER: self.tag, "PYTHONPATH": os.pathsep.join([str(REPO), str(self.dir)])})
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, cwd=self.dir)
+                                         env=env, cwd=self.dir, preexec_fn=_default_sigint)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
