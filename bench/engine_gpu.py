@@ -133,7 +133,7 @@ def train_mtp(core: EngineCore, batch: list[list[int]], new_tokens: int, steps: 
         for p, m in zip(params, master):
             p.data.copy_(m)
             p.requires_grad_(False)
-    return loss.item()  # `core` keeps serving eagerly-fused-free; the rows below load these weights into fresh engines
+    return loss.item()  # `core` stays unfused (training only); the rows below load these weights into fresh engines
 
 
 def main(argv=None) -> None:
@@ -269,11 +269,10 @@ def main(argv=None) -> None:
         print(f"| {name} | " + " | ".join(cells) + " |")
 
     # ---- a rollout-shaped batch: most responses short, a few 10x longer
-    g = torch.Generator().manual_seed(7)
     n = min(a.tail_requests, max(spec_b))
+    torch.manual_seed(7)  # the same lengths in every run
     lengths = [max(8, min(10 * a.new_tokens, int(x))) for x in
                torch.distributions.LogNormal(torch.log(torch.tensor(a.new_tokens / 4.0)), 0.9).sample((n,)).tolist()]
-    del g
     tail_ctx = a.prompt_len + max(lengths) + 8
     batch = prompts(n, a.prompt_len, a.vocab, seed=777)
     print(f"\nlong-tailed rollout: {n} requests, response lengths median {sorted(lengths)[n // 2]}, "

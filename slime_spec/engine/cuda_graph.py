@@ -161,11 +161,6 @@ class GraphedForward:
         self.capture_seconds = time.perf_counter() - t0
         return self.capture_seconds
 
-    def drop(self) -> None:
-        """Forget the graphs (their memory and the storage they captured); the next call captures again."""
-        self.graphs.clear()
-        self.pool = None
-
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, num_keys: int,
                  **extra: torch.Tensor) -> torch.Tensor:
         """Run at the padded shape; `num_keys` (a host int: longest row's last position + 1) picks the bucket."""

@@ -70,14 +70,14 @@ def spec_step(engine, rows: list) -> None:
     """Draft, verify, accept and append for `rows` (EngineCore's running rows); feeds the step policy."""
     dev = engine.device
     n = len(rows)
-    params = engine._params(rows)
-    greedy, temps, top_ks, top_ps, min_ps = params
     k = engine.policy.choose(n)
     engine.drafter.k = k
     t0 = time.perf_counter()
     if k == 0:
         plain_step(engine, rows, t0)
         return
+    params = engine._params(rows)  # after the k = 0 branch: the plain step builds its own
+    greedy, temps, top_ks, top_ps, min_ps = params
     draft_probs = None
     pick = draft_pick(rows, params, engine.generator, engine.draft_sampling)
     sample_draft = getattr(engine.drafter, "sample_draft", None)
