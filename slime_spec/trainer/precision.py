@@ -50,13 +50,6 @@ class MasterParams:
             for model_param, master in zip(self.model_params, self.params):
                 model_param.copy_(master)
 
-    @torch.no_grad()
-    def reset_from_model(self) -> None:
-        """Masters = the model's current weights (after loading weights into the model)."""
-        if self.mixed:
-            for model_param, master in zip(self.model_params, self.params):
-                master.copy_(model_param)
-
     def state_dict(self) -> list[torch.Tensor] | None:
         """The float32 masters for a checkpoint (None without --bf16: the model holds them exactly)."""
         return [m.detach().clone() for m in self.params] if self.mixed else None
