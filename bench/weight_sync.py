@@ -129,13 +129,18 @@ class RawBroadcast:
         self.proc.join(timeout=60)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The model-shape flags both weight-sync benches take: a preset, overridden field by field."""
     p.add_argument("--preset", choices=sorted(PRESETS), default="small",
                    help="model shape; mimo-7b is MiMo-7B-RL's (hidden 4096, vocab 151680, 36 layers + 1 MTP)")
     p.add_argument("--hidden-size", type=int, default=None, help="overrides the preset")
     p.add_argument("--num-layers", type=int, default=None, help="overrides the preset (cut a large model by layers)")
     p.add_argument("--vocab", type=int, default=None, help="overrides the preset")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(p)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--bucket-mb", type=int, nargs="+", default=[128],
                    help="--update-weight-buffer-size in MiB; several values: one row each, to size it by measurement")

@@ -31,7 +31,7 @@ from pathlib import Path
 import requests
 import torch
 
-from bench.weight_sync import PRESETS, start_engine
+from bench.weight_sync import PRESETS, add_shape_args, start_engine
 from slime_spec.config import TrainConfig, WeightSyncConfig
 from slime_spec.engines.client import EngineClient
 from slime_spec.weight_sync.gather import iter_hf_tensors
@@ -97,11 +97,7 @@ class DeviceCopy:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default="small",
-                   help="model shape; mimo-7b is MiMo-7B-RL's (hidden 4096, vocab 151680, 36 layers + 1 MTP)")
-    p.add_argument("--hidden-size", type=int, default=None, help="overrides the preset")
-    p.add_argument("--num-layers", type=int, default=None, help="overrides the preset (cut a large model by layers)")
-    p.add_argument("--vocab", type=int, default=None, help="overrides the preset")
+    add_shape_args(p)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
                    help="the one device trainer and engine share")
