@@ -173,6 +173,9 @@ class EngineCore:
         self._verify_passes = 0
         self._released: set[str] = set()
         self._weight_backup: dict[int, torch.Tensor] = {}
+        self._params_key: tuple = ()           # the rows `_params_value` was built for
+        self._params_value: tuple = ()
+        self._params_all_greedy = True
         small = self.model.args.hidden_size <= 1024
         self.cpu_threads = cpu_threads or (1 if self.device.type == "cpu" and small else None)
 
@@ -273,14 +276,21 @@ class EngineCore:
         return [self._output(r) for r in done]
 
     def _params(self, rows: list[_Row]):
-        p = [r.req.params for r in rows]
-        dev = self.device
-        greedy = torch.tensor([sampling.is_greedy(x.temperature, x.top_k) for x in p], device=dev)
-        temps = torch.tensor([x.temperature for x in p], dtype=torch.float32, device=dev)
-        top_ks = torch.tensor([x.top_k if x.top_k > 0 else self.vocab_size for x in p], device=dev)
-        top_ps = torch.tensor([x.top_p for x in p], dtype=torch.float32, device=dev)
-        min_ps = torch.tensor([x.min_p for x in p], dtype=torch.float32, device=dev)
-        return greedy, temps, top_ks, top_ps, min_ps
+        """(greedy, temperatures, top_ks, top_ps, min_ps) per row, on the device. Built once per batch
+        composition: between admissions and finishes every step reuses them (on a GPU each rebuild is five
+        host-to-device copies on the decode step's critical path)."""
+        key = tuple(rows)  # rows compare by identity, and the tuple keeps them alive, so no id is reused
+        if self._params_key != key:
+            p = [r.req.params for r in rows]
+            flags = [sampling.is_greedy(x.temperature, x.top_k) for x in p]
+            values = torch.tensor([[x.temperature, x.top_k if x.top_k > 0 else self.vocab_size, x.top_p, x.min_p]
+                                   for x in p], dtype=torch.float64).to(self.device)
+            greedy = torch.tensor(flags).to(self.device)
+            self._params_value = (greedy, values[:, 0].float(), values[:, 1].long(), values[:, 2].float(),
+                                  values[:, 3].float())
+            self._params_all_greedy = all(flags)
+            self._params_key = key
+        return self._params_value
 
     @staticmethod
     def _non_finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
@@ -296,17 +306,22 @@ class EngineCore:
 
     def _pick(self, rows: list[_Row], logits: torch.Tensor) -> tuple[list[int], list[float] | None]:
         """Next token per row from logits [B, V] (greedy or SGLang-filtered sampling), plus logprobs if asked."""
+        tokens, logprobs = self._pick_on_device(rows, logits)
+        return tokens.tolist(), None if logprobs is None else logprobs.tolist()
+
+    def _pick_on_device(self, rows: list[_Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_pick` without reading back: tokens [B] and logprobs [B] (or None) stay on the device."""
         greedy, temps, top_ks, top_ps, min_ps = self._params(rows)
         tokens = logits.argmax(-1)
-        sampled = ~greedy
-        if bool(sampled.any()):
+        if not self._params_all_greedy:
+            sampled = ~greedy
             probs = sampling.filtered_probs(logits[sampled], temps[sampled], top_ks[sampled], top_ps[sampled],
                                             min_ps[sampled])
             tokens[sampled] = sampling.sample(probs, self.generator)
         logprobs = None
         if any(r.req.return_logprob for r in rows):
-            logprobs = sampling.token_logprobs(logits, temps, greedy, tokens).tolist()
-        return tokens.tolist(), logprobs
+            logprobs = sampling.token_logprobs(logits, temps, greedy, tokens)
+        return tokens, logprobs
 
     def _prefill(self, rows: list[_Row]) -> None:
         dev = self.device
@@ -332,19 +347,23 @@ class EngineCore:
             self.drafter.on_prefill([rows[i] for i in alive], features[torch.tensor(alive, device=dev)])
 
     def _decode(self, rows: list[_Row]) -> torch.Tensor:
-        """One plain step for every row; returns the target's hidden states [B, 1, H] (for a drafter to keep)."""
+        """One plain step for every row; returns the target's hidden states [B, 1, H] (for a drafter to keep).
+        One host-to-device copy in (token, position, slot per row) and one read back (tokens, the non-finite
+        flags, logprobs): on a GPU every extra copy or sync is time the device sits idle."""
         dev = self.device
-        ids = torch.tensor([[r.tokens[-1]] for r in rows], device=dev)
-        positions = torch.tensor([[r.kv_len] for r in rows], device=dev)
-        slots = torch.tensor([r.slot for r in rows], device=dev)
+        inputs = torch.tensor([[r.tokens[-1], r.kv_len, r.slot] for r in rows]).to(dev)
         num_keys = max(r.kv_len for r in rows) + 1
-        hidden = self.model(ids, positions, self.cache, slots, num_keys)
-        logits, broken = self._non_finite_rows(self.model.logits(hidden[:, 0]))
-        tokens, logprobs = self._pick(rows, logits)
+        hidden = self.model(inputs[:, 0:1], inputs[:, 1:2], self.cache, inputs[:, 2], num_keys)
+        logits = self.model.logits(hidden[:, 0])
+        broken = ~torch.isfinite(logits).all(-1)
+        logits = logits.masked_fill(broken[:, None], 0.0)  # so sampling runs; the row is finished below
+        tokens, logprobs = self._pick_on_device(rows, logits)
+        readback = [tokens.double(), broken.double()] + ([] if logprobs is None else [logprobs.double()])
+        values = torch.stack(readback).tolist()
         for i, row in enumerate(rows):
             row.kv_len += 1
-            self._append(row, [tokens[i]], None if logprobs is None else [logprobs[i]])
-            if i in broken:
+            self._append(row, [int(values[0][i])], None if logprobs is None else [values[2][i]])
+            if values[1][i]:
                 row.finish = dict(NAN_FINISH)
         return hidden
 

@@ -111,6 +111,7 @@ class GraphedForward:
         self.input_ids = torch.zeros(bs, t, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(bs, t, dtype=torch.long, device=self.device)
         self.slots = torch.full((bs,), scratch_slot, dtype=torch.long, device=self.device)
+        self.pad_positions = torch.arange(t, device=self.device).expand(bs, t)
         self.extra = {name: torch.zeros(bs, t, *shape, dtype=dtype, device=self.device)
                       for name, (shape, dtype) in (extra or {}).items()}
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -173,8 +174,9 @@ class GraphedForward:
         self.input_ids[:n, :t].copy_(input_ids)
         self.positions[:n, :t].copy_(positions)
         self.slots[:n].copy_(slots)
-        self.slots[n:bs].fill_(self.scratch_slot)
-        self.positions[n:bs, :t].copy_(torch.arange(t, device=self.device).expand(bs - n, t))
+        if bs > n:  # padded rows: the scratch slot, positions 0..t-1
+            self.slots[n:bs].fill_(self.scratch_slot)
+            self.positions[n:bs, :t].copy_(self.pad_positions[: bs - n, :t])
         for name, value in extra.items():
             self.extra[name][:n, :t].copy_(value)
         if not self.capture_graphs:
