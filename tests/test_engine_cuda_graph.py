@@ -51,18 +51,21 @@ def test_engine_greedy_output_is_the_same_with_and_without_cuda_graphs(tmp_path)
     model = make_tiny_model(tmp_path / "m", arch="mimo", mtp_layers=1, hidden_size=64, num_layers=2)
     spec = SpecConfig("EAGLE", 3, 1, 4)
     outputs = []
-    for settings, s in ((CudaGraphSettings(disable=True), None), (CudaGraphSettings(), None),
-                        (CudaGraphSettings(disable=True), spec), (CudaGraphSettings(), spec)):
-        core = EngineCore(str(model), s, dtype="float32", device="cuda", max_running_requests=4, cuda_graph=settings)
+    for settings, s, overlap in ((CudaGraphSettings(disable=True), None, False), (CudaGraphSettings(), None, None),
+                                 (CudaGraphSettings(disable=True), None, None), (CudaGraphSettings(disable=True), spec,
+                                 None), (CudaGraphSettings(), spec, None)):
+        core = EngineCore(str(model), s, dtype="float32", device="cuda", max_running_requests=4, cuda_graph=settings,
+                          overlap_schedule=overlap)
         assert bool(core.model.graphs) == (not settings.disable)
-        for i, text in enumerate(["abc", "hello world", "1+1=", "zz"]):
+        assert (core.overlap is not None) == (s is None and overlap is None)  # on by default for plain decoding
+        for i, text in enumerate(["abc", "hello world", "1+1=", "zz", "a longer prompt than the others"]):
             core.add_request(Request(rid=str(i), input_ids=core.tokenizer.encode(text),
-                                     params=SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)))
+                                     params=SamplingParams(temperature=0.0, max_new_tokens=8 + 5 * i, ignore_eos=True)))
         done = {}
         while core.has_work():
             done.update({o.rid: o.output_ids for o in core.step()})
         outputs.append(done)
-    assert outputs[0] == outputs[1] == outputs[2] == outputs[3]
+    assert all(out == outputs[0] for out in outputs)
 
 
 def test_fused_projections_give_the_same_output_and_take_in_place_updates():

@@ -166,3 +166,14 @@ def test_cuda_graph_flags_are_honoured_with_sglangs_capture_list(tmp_path):
     assert not any("cuda-graph" in f for f in args.ignored_flags)
     assert CudaGraphSettings(max_bs=12).capture_sizes(8, speculative=True) == [1, 2, 3, 4, 5, 6, 7, 8]
     assert CudaGraphSettings().capture_sizes(48, speculative=False) == [1, 2, 4, 8, 12, 16, 24, 32, 40, 48]
+
+
+def test_disable_overlap_schedule_is_honoured(tmp_path):
+    """SGLang's --disable-overlap-schedule turns the embedded engine's overlap schedule off (engine/overlap.py);
+    without it the engine picks its default (on for plain decoding on CUDA)."""
+    from slime_spec.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", arch="llama", mtp_layers=0, hidden_size=32, num_layers=1)
+    args = parse_server_args(["--model-path", str(model), "--disable-overlap-schedule"], cuda_available=False)
+    assert args.overlap_schedule is False and "--disable-overlap-schedule" not in args.ignored_flags
+    assert parse_server_args(["--model-path", str(model)], cuda_available=False).overlap_schedule is None

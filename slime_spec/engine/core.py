@@ -19,6 +19,7 @@ from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model
 from slime_spec.engine import sampling, spec_policy, weight_updater
 from slime_spec.engine.drafters import make_drafter
 from slime_spec.engine.model import load_model
+from slime_spec.engine.overlap import OverlapDecode
 from slime_spec.engine.speculative import spec_step
 from slime_spec.spec import SpecConfig, check_resolved
 from slime_spec.threads import intra_op_threads
@@ -126,14 +127,16 @@ class EngineCore:
     def __init__(self, model_path: str, spec: SpecConfig | None, *, dtype: str = "float32", device: str = "cpu",
                  max_running_requests: int = 32, context_length: int | None = None, seed: int = 0,
                  cpu_threads: int | None = None, draft_sampling: bool = False, spec_auto: bool = False,
-                 cuda_graph: CudaGraphSettings | None = None):
+                 cuda_graph: CudaGraphSettings | None = None, overlap_schedule: bool | None = None):
         """spec: resolved speculative settings (slime_spec.spec.resolve), None without speculation.
         cpu_threads: intra-op threads while stepping on CPU; None = 1 for small models (hidden <= 1024), where
         thread hand-off costs more than the tiny matmuls gain, else torch's default.
         draft_sampling (ours, --spec-draft-sampling): chain drafters sample drafts of sampled requests from their
         own distribution instead of SGLang's argmax; spec_auto (ours, --spec-auto): pick k per step by measured
         cost (spec_policy.AutoSteps). cuda_graph: SGLang's graph flags; on CUDA decode, verify and MTP draft
-        steps replay captured graphs (cuda_graph.py), and the KV caches keep one scratch slot for padded rows."""
+        steps replay captured graphs (cuda_graph.py), and the KV caches keep one scratch slot for padded rows.
+        overlap_schedule: launch each plain decode step before reading the previous one (overlap.py); None = on for
+        plain decoding on CUDA (SGLang's default; off with --disable-overlap-schedule)."""
         from transformers import AutoTokenizer
 
         dtype = canonical_dtype(dtype)  # refuses an unknown name before loading anything
@@ -176,6 +179,12 @@ class EngineCore:
         self._params_key: tuple = ()           # the rows `_params_value` was built for
         self._params_value: tuple = ()
         self._params_all_greedy = True
+        if overlap_schedule and self.drafter is not None:
+            raise ValueError("overlap_schedule=True: the overlap schedule runs plain decoding only (speculative "
+                             "decoding steps read each verify's result before drafting the next)")
+        if overlap_schedule is None:
+            overlap_schedule = self.device.type == "cuda" and self.drafter is None
+        self.overlap = OverlapDecode(self) if overlap_schedule else None
         small = self.model.args.hidden_size <= 1024
         self.cpu_threads = cpu_threads or (1 if self.device.type == "cpu" and small else None)
 
@@ -221,7 +230,8 @@ class EngineCore:
             self.abort(rid)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._finished_early)
+        in_flight = self.overlap is not None and self.overlap.in_flight is not None
+        return bool(self.waiting or self.running or self._finished_early or in_flight)
 
     @property
     def released_tags(self) -> list[str]:
@@ -253,9 +263,16 @@ class EngineCore:
                 new_rows.append(row)
         if new_rows:
             self._prefill(new_rows)
+            if self.overlap is not None:
+                self.overlap.after_prefill([r for r in new_rows if r.finish is None])
         active = [r for r in self.running if r.finish is None]
-        if active:
-            self._spec_step(active) if self.drafter is not None else self._decode(active)
+        if self.drafter is not None:
+            if active:
+                self._spec_step(active)
+        elif self.overlap is not None:
+            self.overlap.step(active)  # with no active row: only the step in flight is read back
+        elif active:
+            self._decode(active)
         return self._collect()
 
     def _drop_aborted_waiting(self) -> None:
@@ -426,6 +443,8 @@ class EngineCore:
     def release_memory(self, tags: list[str] | None = None) -> None:
         """Free the KV caches ("kv_cache") and/or weights ("weights": kept in a CPU backup) while idle."""
         tags = self._check_tags(tags)
+        if self.overlap is not None:
+            self.overlap.drain()
         if self._rows:
             raise ValueError("release_memory_occupation needs an idle engine: abort or finish requests first")
         if tags & {"kv_cache", "weights", "cuda_graph"}:

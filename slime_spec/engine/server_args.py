@@ -40,7 +40,7 @@ IMPLEMENTED = frozenset({
     "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_ngram_max_trie_depth",
     "speculative_adaptive", "speculative_adaptive_config",
     "disable_cuda_graph", "cuda_graph_bs_decode", "cuda_graph_max_bs_decode", "disable_cuda_graph_padding",
-    "enable_torch_compile", "torch_compile_max_bs",
+    "enable_torch_compile", "torch_compile_max_bs", "disable_overlap_schedule",
 })
 
 # Speed, memory, scheduling, logging and serving knobs: they cannot change a generated token of the
@@ -50,7 +50,7 @@ PERFORMANCE_ONLY = frozenset({
     "max_queued_requests", "max_total_tokens", "chunked_prefill_size", "prefill_decode_interval",
     "enable_dynamic_chunking", "max_prefill_tokens", "prefill_max_requests", "schedule_policy",
     "schedule_conservativeness", "page_size", "disable_radix_cache", "radix_eviction_policy",
-    "disable_chunked_prefix_cache", "disable_overlap_schedule", "num_continuous_decode_steps",
+    "disable_chunked_prefix_cache", "num_continuous_decode_steps",
     "scheduler_recv_interval", "enable_mixed_chunk", "nccl_port", "dist_timeout", "watchdog_timeout",
     "soft_watchdog_timeout", "sleep_on_idle", "gc_threshold", "skip_server_warmup", "warmups",
     "stream_interval", "batch_notify_size", "gpu_id_step", "numa_node", "enable_p2p_check",
@@ -152,6 +152,7 @@ class EngineServerArgs:
     spec_draft_sampling: bool = False    # ours: --spec-draft-sampling
     spec_auto: bool = False              # ours: --spec-auto
     cuda_graph: CudaGraphSettings = field(default_factory=CudaGraphSettings)
+    overlap_schedule: bool | None = None  # False with --disable-overlap-schedule; None: the engine's default
     ignored_flags: tuple[str, ...] = ()
     sglang_args: dict = field(default_factory=dict)  # every SGLang flag's value, for /server_info
 
@@ -297,6 +298,7 @@ def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> En
         spec_warnings=tuple(map(str, findings)),
         spec_draft_sampling=bool(values.get("spec_draft_sampling")), spec_auto=bool(values.get("spec_auto")),
         cuda_graph=CudaGraphSettings.from_values(values),
+        overlap_schedule=False if values.get("disable_overlap_schedule") else None,
         ignored_flags=report.ignored,
         sglang_args={k: v for k, v in values.items() if k not in ("api_key", "admin_api_key")},
     )

@@ -1,0 +1,116 @@
+"""The overlap schedule (engine/overlap.py): launching step t + 1 before reading step t changes no output.
+
+On CPU the schedule runs synchronously, so these tests pin its bookkeeping (device-side last tokens, dropped tokens
+of rows that finished while a step was in flight, admission into freed slots, aborts, logprobs); the GPU run of
+tests/test_engine_cuda_graph.py covers it with real asynchrony.
+"""
+
+import pytest
+
+from slime_spec.engine.core import EngineCore, Request, SamplingParams
+from slime_spec.spec import resolve_or_raise
+from slime_spec.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("overlap") / "llama", hidden_size=32, num_layers=2, seed=31)
+
+
+def run(engine, requests, abort_after: dict[str, int] | None = None):
+    for r in requests:
+        engine.add_request(r)
+    outs, steps = {}, 0
+    while engine.has_work():
+        for o in engine.step():
+            outs[o.rid] = o
+        steps += 1
+        for rid, at in (abort_after or {}).items():
+            if steps == at:
+                engine.abort(rid)
+    return outs
+
+
+def requests(engine, sampled: bool = False):
+    """More requests than slots, mixed lengths and stops, one finishing at its first token."""
+    prompts = ["once upon a time", "the cat", "a b c d e", "hello", "x", "in the beginning", "so it goes"]
+    out = []
+    for i, text in enumerate(prompts):
+        ids = engine.tokenizer(text)["input_ids"]
+        params = SamplingParams(temperature=1.0 if sampled else 0.0, max_new_tokens=[1, 5, 17, 30, 9, 2, 23][i],
+                                ignore_eos=i % 2 == 0)
+        out.append(Request(f"r{i}", ids, params, return_logprob=i % 3 == 0))
+    return out
+
+
+def engines(llama, **kw):
+    plain = EngineCore(str(llama), None, max_running_requests=3, context_length=96, overlap_schedule=False, **kw)
+    overlap = EngineCore(str(llama), None, max_running_requests=3, context_length=96, overlap_schedule=True, **kw)
+    return plain, overlap
+
+
+def test_greedy_outputs_finishes_and_logprobs_equal_the_plain_schedule(llama):
+    plain, overlap = engines(llama)
+    assert overlap.overlap is not None and plain.overlap is None
+    a, b = run(plain, requests(plain)), run(overlap, requests(overlap))
+    assert a.keys() == b.keys() == {f"r{i}" for i in range(7)}
+    for rid in a:
+        assert b[rid].output_ids == a[rid].output_ids, rid
+        assert b[rid].finish_reason == a[rid].finish_reason, rid
+        if a[rid].output_logprobs is not None:
+            assert b[rid].output_logprobs == pytest.approx(a[rid].output_logprobs, abs=1e-5)
+    assert not overlap.has_work() and overlap.overlap.in_flight is None
+    assert sorted(overlap.free_slots) == [0, 1, 2]
+
+
+def test_stop_token_mid_output_drops_the_token_in_flight(llama):
+    plain, overlap = engines(llama)
+    ids = plain.tokenizer("once upon a time")["input_ids"]
+    base = run(plain, [Request("a", ids, SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True))])["a"]
+    stop = base.output_ids[6]
+    first = base.output_ids.index(stop)
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, stop_token_ids=[stop])
+    out = run(overlap, [Request("b", ids, params)])["b"]
+    assert out.output_ids == base.output_ids[: first + 1]
+    assert out.finish_reason == {"type": "stop", "matched": stop}
+
+
+def test_abort_while_a_step_is_in_flight(llama):
+    plain, overlap = engines(llama)
+    reqs = requests(overlap)
+    outs = run(overlap, reqs, abort_after={"r3": 4})
+    assert outs["r3"].finish_reason["type"] == "abort"
+    full = run(plain, requests(plain))
+    assert outs["r3"].output_ids == full["r3"].output_ids[: len(outs["r3"].output_ids)]
+    assert outs["r2"].output_ids == full["r2"].output_ids  # the others are untouched
+
+
+def test_sampled_rows_run_and_stay_in_the_vocabulary(llama):
+    _, overlap = engines(llama, seed=3)
+    outs = run(overlap, requests(overlap, sampled=True))
+    for o in outs.values():
+        assert 1 <= len(o.output_ids) and all(0 <= t < overlap.vocab_size for t in o.output_ids)
+        assert o.completion_tokens == len(o.output_ids)
+
+
+def test_release_memory_reads_the_step_in_flight_first(llama):
+    _, overlap = engines(llama)
+    ids = overlap.tokenizer("hello")["input_ids"]
+    overlap.add_request(Request("a", ids, SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)))
+    done = []
+    while not done:
+        done = overlap.step()
+    assert overlap.overlap.in_flight is not None  # a step launched for a row that finished meanwhile
+    overlap.release_memory(["kv_cache"])
+    assert overlap.overlap.in_flight is None and overlap.cache is None
+    overlap.resume_memory(["kv_cache"])
+    assert run(overlap, [Request("b", ids, SamplingParams(temperature=0.0, max_new_tokens=3))])["b"].output_ids
+
+
+def test_speculative_decoding_refuses_the_overlap_schedule(tmp_path):
+    mimo = make_tiny_model(tmp_path / "mimo", arch="mimo", hidden_size=32, num_layers=1, seed=5)
+    spec = resolve_or_raise({"speculative_algorithm": "NEXTN", "speculative_num_steps": 2,
+                             "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 3})
+    with pytest.raises(ValueError, match="overlap_schedule=True"):
+        EngineCore(str(mimo), spec, overlap_schedule=True)
+    assert EngineCore(str(mimo), spec).overlap is None  # the default: plain decoding only, and CUDA only
