@@ -179,6 +179,8 @@ class EngineCore:
         self._params_key: tuple = ()           # the rows `_params_value` was built for
         self._params_value: tuple = ()
         self._params_all_greedy = True
+        self._params_all_sampled = False
+        self._params_filtered = False
         if overlap_schedule and self.drafter is not None:
             raise ValueError("overlap_schedule=True: the overlap schedule runs plain decoding only (speculative "
                              "decoding steps read each verify's result before drafting the next)")
@@ -306,8 +308,17 @@ class EngineCore:
             self._params_value = (greedy, values[:, 0].float(), values[:, 1].long(), values[:, 2].float(),
                                   values[:, 3].float())
             self._params_all_greedy = all(flags)
+            self._params_all_sampled = not any(flags)
+            self._params_filtered = any((x.top_k > 0 and x.top_k < self.vocab_size) or x.top_p < 1.0 or x.min_p > 0
+                                        for x in p)
             self._params_key = key
         return self._params_value
+
+    def to_device(self, values: list) -> torch.Tensor:
+        """Host ints to the device without blocking: a copy from pageable memory waits for the whole stream
+        (so a step launched from it could not overlap the previous one); from pinned memory it is queued."""
+        t = torch.tensor(values)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     @staticmethod
     def _non_finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
@@ -330,7 +341,9 @@ class EngineCore:
         """`_pick` without reading back: tokens [B] and logprobs [B] (or None) stay on the device."""
         greedy, temps, top_ks, top_ps, min_ps = self._params(rows)
         tokens = logits.argmax(-1)
-        if not self._params_all_greedy:
+        if self._params_all_sampled and not self._params_filtered:  # the RL default: no mask, no host read
+            tokens = sampling.sample(torch.softmax(logits / temps[:, None], dim=-1), self.generator)
+        elif not self._params_all_greedy:
             sampled = ~greedy
             probs = sampling.filtered_probs(logits[sampled], temps[sampled], top_ks[sampled], top_ps[sampled],
                                             min_ps[sampled])
@@ -368,7 +381,7 @@ class EngineCore:
         One host-to-device copy in (token, position, slot per row) and one read back (tokens, the non-finite
         flags, logprobs): on a GPU every extra copy or sync is time the device sits idle."""
         dev = self.device
-        inputs = torch.tensor([[r.tokens[-1], r.kv_len, r.slot] for r in rows]).to(dev)
+        inputs = self.to_device([[r.tokens[-1], r.kv_len, r.slot] for r in rows])
         num_keys = max(r.kv_len for r in rows) + 1
         hidden = self.model(inputs[:, 0:1], inputs[:, 1:2], self.cache, inputs[:, 2], num_keys)
         logits = self.model.logits(hidden[:, 0])

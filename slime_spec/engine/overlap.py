@@ -37,7 +37,7 @@ class OverlapDecode:
     def after_prefill(self, rows: list) -> None:
         """Rows just prefilled have their first token on the host: put it where the next launch reads it."""
         if rows:
-            pairs = torch.tensor([[r.slot, r.tokens[-1]] for r in rows]).to(self.engine.device)
+            pairs = self.engine.to_device([[r.slot, r.tokens[-1]] for r in rows])
             self.last_token[pairs[:, 0]] = pairs[:, 1]
 
     def step(self, rows: list) -> None:
@@ -55,7 +55,7 @@ class OverlapDecode:
 
     def _launch(self, rows: list) -> InFlight:
         e = self.engine
-        inputs = torch.tensor([[r.kv_len, r.slot] for r in rows]).to(e.device)
+        inputs = e.to_device([[r.kv_len, r.slot] for r in rows])
         positions, slots = inputs[:, 0:1], inputs[:, 1]
         num_keys = max(r.kv_len for r in rows) + 1
         hidden = e.model(self.last_token[slots][:, None], positions, e.cache, slots, num_keys)
