@@ -33,6 +33,13 @@ class OverlapDecode:
         self.last_token = torch.zeros(engine.max_running_requests + 1, dtype=torch.long, device=engine.device)
         self.in_flight: InFlight | None = None
         self.pinned = engine.device.type == "cuda"
+        # Two sets of pinned host buffers, alternating by step: step t's are reused at step t + 2, after step t's
+        # results were read (so its copies are complete). Allocating pinned memory per step would not overlap:
+        # a block still in use by a queued copy cannot be recycled, and a fresh one costs a slow host allocation.
+        rows = engine.max_running_requests
+        self.inputs = [torch.zeros((rows, 2), dtype=torch.long, pin_memory=self.pinned) for _ in range(2)]
+        self.outputs = [torch.zeros((3, rows), dtype=torch.float64, pin_memory=self.pinned) for _ in range(2)]
+        self.flip = 0
 
     def after_prefill(self, rows: list) -> None:
         """Rows just prefilled have their first token on the host: put it where the next launch reads it."""
@@ -55,7 +62,11 @@ class OverlapDecode:
 
     def _launch(self, rows: list) -> InFlight:
         e = self.engine
-        inputs = e.to_device([[r.kv_len, r.slot] for r in rows])
+        n, buffer = len(rows), self.flip
+        self.flip ^= 1
+        host_in = self.inputs[buffer][:n]
+        host_in.copy_(torch.tensor([[r.kv_len, r.slot] for r in rows]))
+        inputs = host_in.to(e.device, non_blocking=self.pinned) if self.pinned else host_in.clone()
         positions, slots = inputs[:, 0:1], inputs[:, 1]
         num_keys = max(r.kv_len for r in rows) + 1
         hidden = e.model(self.last_token[slots][:, None], positions, e.cache, slots, num_keys)
@@ -66,7 +77,7 @@ class OverlapDecode:
         for row in rows:
             row.kv_len += 1
         values = torch.stack([tokens.double(), broken.double()] + ([] if logprobs is None else [logprobs.double()]))
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=self.pinned)
+        host = self.outputs[buffer][: values.shape[0], :n]
         host.copy_(values, non_blocking=self.pinned)
         event = None
         if self.pinned:
