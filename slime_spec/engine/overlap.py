@@ -38,7 +38,7 @@ class OverlapDecode:
         # a block still in use by a queued copy cannot be recycled, and a fresh one costs a slow host allocation.
         rows = engine.max_running_requests
         self.inputs = [torch.zeros((rows, 2), dtype=torch.long, pin_memory=self.pinned) for _ in range(2)]
-        self.outputs = [torch.zeros((3, rows), dtype=torch.float64, pin_memory=self.pinned) for _ in range(2)]
+        self.outputs = [torch.zeros(3 * rows, dtype=torch.float64, pin_memory=self.pinned) for _ in range(2)]
         self.flip = 0
 
     def after_prefill(self, rows: list) -> None:
@@ -77,8 +77,8 @@ class OverlapDecode:
         for row in rows:
             row.kv_len += 1
         values = torch.stack([tokens.double(), broken.double()] + ([] if logprobs is None else [logprobs.double()]))
-        host = self.outputs[buffer][: values.shape[0], :n]
-        host.copy_(values, non_blocking=self.pinned)
+        host = self.outputs[buffer][: values.numel()].view(values.shape)  # contiguous: a strided target would
+        host.copy_(values, non_blocking=self.pinned)                         # make the copy synchronous
         event = None
         if self.pinned:
             event = torch.cuda.Event()
