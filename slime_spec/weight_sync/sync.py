@@ -46,7 +46,8 @@ from slime_spec.net import free_port
 from slime_spec.weight_sync import protocol, readback, served_state, verify
 from slime_spec.weight_sync.gather import NamedTensor, make_buckets
 from slime_spec.weight_sync.report import Clock, SyncReport, SyncSplit, one_intra_op_thread
-from slime_spec.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport, engine_seconds
+from slime_spec.weight_sync.transports import (DiskTransport, DistributedTransport, TensorTransport, engine_seconds,
+                                               engine_timing)
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +205,8 @@ class WeightSyncer:
             for bucket in stream:
                 selector = {"target": plan.target, "mtp": plan.mtp, "draft": plan.draft}[bucket.kind]
                 with clock("send"):
-                    clock.add_engine(*engine_seconds(self.transport.send(bucket, selector, weight_version)))
+                    replies = self.transport.send(bucket, selector, weight_version)
+                clock.add_engine(*engine_seconds(replies), snapshot_s=engine_timing(replies, "snapshot_s"))
                 buckets += 1
                 buckets_applied += self.transport_name != "disk"  # disk buckets only load in finish()
                 counts[bucket.kind] += len(bucket.tensors)

@@ -220,7 +220,7 @@ class TensorTransport:
     handle for the engine to open, at the price of one device copy on this side; `flatten=False` sends every
     tensor as it is (no load_format: the model's own loader; one handle per tensor's storage, no copy here).
     Per sync (reset by `start`): `flatten_s` and `serialize_s`, this side's seconds, the part of a send that is
-    neither HTTP nor the engine's; `engine_snapshot_s`, the embedded engine's rollback copies inside its load.
+    neither HTTP nor the engine's (the engine's rollback snapshot is in the sync's split: `engine_snapshot_s`).
     """
 
     name = "tensor"
@@ -229,10 +229,10 @@ class TensorTransport:
                  flatten: bool = True):
         self.clients, self.engine_tp_size, self.session = list(clients), int(engine_tp_size), session
         self.load_format = FLATTENED_BUCKET if flatten else None
-        self.flatten_s = self.serialize_s = self.engine_snapshot_s = 0.0
+        self.flatten_s = self.serialize_s = 0.0
 
     def start(self) -> None:
-        self.flatten_s = self.serialize_s = self.engine_snapshot_s = 0.0
+        self.flatten_s = self.serialize_s = 0.0
 
     def finish(self, weight_version: str | None) -> None:
         """Hand back the device memory of buckets the engines have released (torch keeps a block that was shared
@@ -257,7 +257,6 @@ class TensorTransport:
         else:  # inline bytes: one serialization serves every engine
             replies = post_all(self.clients, "/update_weights_from_tensor",
                                self._payload(named, flat, selector, weight_version))
-        self.engine_snapshot_s += engine_timing(replies, "snapshot_s")
         return replies
 
     def _payload(self, named, flat: dict | None, selector: protocol.Selector, weight_version: str | None) -> dict:
