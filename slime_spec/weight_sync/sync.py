@@ -213,7 +213,8 @@ class WeightSyncer:
                 self.transport.start()
                 if self.rank_buckets is not None:
                     self.rank_buckets.start(plan.mtp is not None, plan.draft is not None,
-                                            self.config.update_weight_buffer_size, self.transport.load_format is not None)
+                                            self.config.update_weight_buffer_size,
+                                            flatten=self.transport.load_format is not None)
                 if use_session:
                     post_all(self.clients, "/begin_weight_update",
                              protocol.begin_payload(protocol.session_selector(plan)))

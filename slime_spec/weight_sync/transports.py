@@ -267,7 +267,7 @@ class TensorTransport:
 
     def _send_rank_buckets(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None) -> list[dict]:
         """Engine e's entries come from its own GPUs' trainer ranks (colocated.py); every rank keeps its bucket
-        until the engines have replied, then `release` lets them drop it."""
+        until the engines have replied, then `release` lets them drop it. Rank 0's flatten counts in serialize_s."""
         from slime_spec.weight_sync.colocated import RankFailure, rank_entry
 
         channel, keep = self.rank_buckets, None
