@@ -8,9 +8,10 @@ The baseline copies the very tensors the sync sent into preallocated buffers on 
 (`Tensor.copy_`, then a device sync), interleaved with the syncs: the bytes moved once, nothing else.
 
 Split per sync: gather+convert (trainer), flatten (one device copy into the flat bucket, trainer), serialize
-(pickling the handle or, on CPU, the bytes), engine receive (deserialize: opening the handle), engine load
-(validation, rollback snapshot, the copies, the device sync before the reply) and inside it the snapshot,
-HTTP (the rest of the update requests), flush.
+(pickling the handle or, on CPU, the bytes), engine receive (deserialize: opening the handle), engine load less
+the snapshot (validation, the copies, the device sync before the reply), the engine's rollback snapshot in a
+column of its own with where it was kept (GB on the device / in pinned host memory), HTTP (the rest of the
+update requests), flush.
 
 The served checkpoint is the trainer's own random initialisation, written once per shape under --model-cache
 and reused by later runs; the trainer then negates its weights so every sync changes what is served, and the
@@ -37,7 +38,7 @@ from slime_spec.engines.client import EngineClient
 from slime_spec.weight_sync.gather import iter_hf_tensors
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer
-from slime_spec.weight_sync.transports import TensorTransport
+from slime_spec.weight_sync.transports import TensorTransport, engine_timing
 
 ENGINE_FLAGS = ("--disable-cuda-graph", "--context-length", "256", "--max-running-requests", "2")  # start fast
 
@@ -75,6 +76,21 @@ def cached_checkpoint(cache: Path, config: dict, model) -> Path:
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tmp.rename(path)
     return path
+
+
+class SnapshotTierTransport(TensorTransport):
+    """The colocated transport, also summing where the engine kept its rollback snapshot (device or host bytes,
+    from its `slime_spec_engine_timing` reply field) over one sync."""
+
+    def start(self) -> None:
+        super().start()
+        self.snapshot_device_bytes = self.snapshot_host_bytes = 0
+
+    def send(self, bucket, selector, weight_version):
+        replies = super().send(bucket, selector, weight_version)
+        self.snapshot_device_bytes += int(engine_timing(replies, "snapshot_device_bytes"))
+        self.snapshot_host_bytes += int(engine_timing(replies, "snapshot_host_bytes"))
+        return replies
 
 
 class DeviceCopy:
@@ -141,15 +157,16 @@ def main(argv: list[str] | None = None) -> int:
                                       hf_config=config, hf_checkpoint=served, has_mtp_layers=True,
                                       spec=SpecSetup("EAGLE", None, str(served)), transport="tensor")
                 syncer.prepare()  # then the transport of this row's format (prepare builds the default, flattened)
-                syncer.transport = TensorTransport(syncer.clients, session=syncer.protocol.session,
-                                                   flatten=fmt == "flattened")
+                syncer.transport = SnapshotTierTransport(syncer.clients, session=syncer.protocol.session,
+                                                         flatten=fmt == "flattened")
                 syncer.sync_report(iter_hf_tensors(model.named_parameters(), config), "warm-up")  # + baseline read
                 rows[(fmt, mb)] = []
                 for i in range(a.repeats):  # interleaved, so both see the same machine load
                     copy_s.append(copy.round())
                     report = syncer.sync_report(iter_hf_tensors(model.named_parameters(), config), f"{fmt}-{mb}-{i}")
                     t = syncer.transport
-                    rows[(fmt, mb)].append((report, t.flatten_s, t.serialize_s, t.engine_snapshot_s))
+                    rows[(fmt, mb)].append((report, t.flatten_s, t.serialize_s, t.snapshot_device_bytes,
+                                            t.snapshot_host_bytes))
                 syncer.close()
         served_norm = requests.post(url + "/get_weights_by_name", timeout=60,
                                     json={"name": "model.norm.weight", "truncate_size": 1 << 30}).json()
@@ -171,19 +188,21 @@ def print_table(a, config: dict, rows: dict, copy_s: list[float], nbytes: int) -
           f"{config['vocab_size']}, {a.dtype}; trainer and engine on {device}; median of {a.repeats} syncs, each "
           "next to a device copy of the same tensors")
     print("| format | bucket MiB | buckets | GB | seconds | GB/s | / copy | gather+convert | flatten | serialize | "
-          "HTTP | engine receive | engine load | (of it snapshot) | flush | control |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "HTTP | engine receive | engine load, less snapshot | engine snapshot | snapshot GB on device / host | "
+          "flush | control |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (fmt, mb), reports in rows.items():
-        report, flatten_s, serialize_s, snapshot_s = sorted(reports, key=lambda r: r[0].transfer_seconds)[
-            len(reports) // 2]
+        report, flatten_s, serialize_s, device_bytes, host_bytes = sorted(
+            reports, key=lambda r: r[0].transfer_seconds)[len(reports) // 2]
         sp = report.split
         http = max(0.0, sp.send_s - flatten_s - serialize_s - sp.engine_receive_s - sp.engine_load_s)
         print(f"| {fmt} | {mb} | {report.buckets} | {report.bytes / 1e9:.2f} | {report.transfer_seconds:.3f} | "
               f"{report.gbps:.2f} | {report.gbps / copy_gbps:.3f} | {sp.gather_convert_s:.3f} | {flatten_s:.3f} | "
-              f"{serialize_s:.3f} | {http:.3f} | {sp.engine_receive_s:.3f} | {sp.engine_load_s:.3f} | "
-              f"{snapshot_s:.3f} | {sp.flush_s:.3f} | {sp.control_s:.3f} |")
+              f"{serialize_s:.3f} | {http:.3f} | {sp.engine_receive_s:.3f} | "
+              f"{sp.engine_load_s - sp.engine_snapshot_s:.3f} | {sp.engine_snapshot_s:.3f} | "
+              f"{device_bytes / 1e9:.2f} / {host_bytes / 1e9:.2f} | {sp.flush_s:.3f} | {sp.control_s:.3f} |")
     print(f"| device copy, same tensors | - | - | {nbytes / 1e9:.2f} | {copy_med:.4f} | {copy_gbps:.2f} | 1.000 "
-          "| | | | | | | | | |")
+          "| | | | | | | | | | |")
     print("copy rounds (s): " + ", ".join(f"{x:.4f}" for x in copy_s))
 
 

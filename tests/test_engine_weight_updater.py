@@ -380,3 +380,60 @@ def test_the_reply_comes_after_the_device_has_finished_the_copies(model, monkeyp
     assert out["success"], out
     assert events == ["copy", "settle cuda"]
     assert torch.equal(core.named_weights("target")[NORM], torch.zeros(32))
+
+
+def served_bytes(core) -> dict[str, torch.Tensor]:
+    return {f"{role}.{n}": t.clone() for role in ("target", "draft") for n, t in core.named_weights(role).items()}
+
+
+@pytest.mark.parametrize("budget_tensors", [0, 2, 10 ** 6])  # host tier only, both tiers, device tier only
+def test_a_failure_after_buckets_landed_restores_every_old_byte_from_either_snapshot_tier(model, budget_tensors):
+    """The session's snapshot is kept on the tensors' own device while the budget lasts, the rest in host buffers
+    (on a CPU engine both are host memory, but the device tier's own code runs: fresh buffers per session, dropped
+    when it ends). Two buckets land, the third is refused: every byte of every served tensor is as before."""
+    from slime_spec.engine import weight_updater as wu
+    from slime_spec.engine.core import EngineCore
+
+    core = EngineCore(str(model), None, max_running_requests=2)
+    before = served_bytes(core)
+    target = core.named_weights("target")
+    names = [n for n in target if n.startswith("model.layers.")][:4]
+    budget = sum(target[n].numel() * target[n].element_size() for n in names[:budget_tensors]) \
+        if budget_tensors < len(names) else 1 << 40
+    updater = wu.WeightUpdater("v0", str(model), "cpu", has_draft=False)
+    updater.session.snapshot_budget = lambda device: budget
+    assert updater.begin(core, {"selector": "target"})["success"]
+    replies = [updater.update_from_tensor(core, {"serialized_named_tensors": [serialize_named_tensors(
+        [(n, torch.full_like(target[n], 7.0)) for n in bucket])], "selector": "target"})
+        for bucket in (names[:2], names[2:])]
+    assert all(r["success"] for r in replies), replies
+    timings = [r["slime_spec_engine_timing"] for r in replies]
+    device = sum(t["snapshot_device_bytes"] for t in timings)
+    host = sum(t["snapshot_host_bytes"] for t in timings)
+    assert device + host == sum(target[n].numel() * target[n].element_size() for n in names)
+    assert (device > 0) == (budget_tensors > 0) and (host > 0) == (budget_tensors < len(names))
+    assert torch.equal(core.named_weights("target")[names[0]], torch.full_like(target[names[0]], 7.0))
+    bad = updater.update_from_tensor(core, {"serialized_named_tensors": [serialize_named_tensors(
+        [(NORM, torch.zeros(3))])], "selector": "target"})
+    assert not bad["success"] and "were rolled back" in bad["message"], bad
+    after = served_bytes(core)
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before), [k for k in before if not torch.equal(after[k],
+                                                                                                     before[k])]
+    assert updater.session.snapshots.device_bytes == 0  # the device copies are dropped once restored
+    assert updater.end(core, {})["rolled_back"] is True
+
+
+def test_device_snapshot_budget_is_free_memory_less_headroom():
+    from slime_spec.engine.weight_receive import SnapshotStore, device_snapshot_budget
+
+    assert device_snapshot_budget("cpu") == 0  # a CPU engine snapshots into reused host buffers
+    store = SnapshotStore()
+    store.begin_session(100 * 4)
+    a, b = torch.arange(60.0), torch.arange(60.0) + 1
+    copy_a, copy_b = store.copy_of("target", "a", a), store.copy_of("target", "b", b)
+    assert (store.device_bytes, store.host_bytes) == (240, 240)  # a fits the budget, b goes to the host tier
+    a.zero_(), b.zero_()
+    assert torch.equal(copy_a, torch.arange(60.0)) and torch.equal(copy_b, torch.arange(60.0) + 1)
+    store.end_session()
+    assert (store.device_bytes, store.device_budget, store.nbytes) == (0, 0, 240)  # the host tier stays for reuse

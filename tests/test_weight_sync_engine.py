@@ -364,7 +364,8 @@ def test_colocated_sync_lands_and_reports_its_split(tmp_path, flatten):
         assert report.buckets > 1 and report.served_written["target"] > 0  # check_weight_sync compared the values
         t = syncer.transport
         assert t.serialize_s > 0 and (t.flatten_s > 0) == flatten
-        assert 0 < t.engine_snapshot_s <= report.split.engine_load_s  # the rollback copies, inside the load
+        assert 0 < report.split.engine_snapshot_s <= report.split.engine_load_s  # the rollback copies, in the load
+        assert report.metrics()["weight_sync_engine_snapshot_s"] == report.split.engine_snapshot_s
         norm = engine.client.post("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 1 << 20})
         norm = norm.get("result") if isinstance(norm, dict) else norm  # the client wraps a bare list
         assert torch.equal(torch.tensor(norm), _state(new)["model.norm.weight"].float())

@@ -6,14 +6,14 @@ model_runner_components/weight_updater.py) except where the embedded engine beha
 a failed load leaves the old weights serving (EngineCore.load_weights is all or nothing), and the
 message says so instead of SGLang's "partially updated".
 
-Sessions roll back as a whole. Inside `begin_weight_update` ... `end_weight_update` the updater keeps a
-CPU copy of every tensor it overwrites; if any update of the session fails, every tensor the session
+Sessions roll back as a whole (weight_session.py). Inside `begin_weight_update` ... `end_weight_update` the
+updater keeps a copy of every tensor it overwrites; if any update of the session fails, every tensor the session
 wrote is restored at once, later updates of the session are refused, and `end_weight_update` answers
 `success: false, rolled_back: true`. So a sync that fails after some of its buckets landed still leaves
 the weights from before `begin_weight_update` serving. `POST /abort_weight_update {}` (a slime-spec
 extension; SGLang has no such route) rolls back and closes the open session: the syncer uses it when one
-engine of several failed, so that none keeps a partial update. The copies live in reusable host buffers
-(weight_receive.SnapshotStore): one model's size in host memory, from the first session on.
+engine of several failed, so that none keeps a partial update. The copies stay on the device while its free
+memory allows and go to reusable host buffers otherwise (weight_receive.SnapshotStore).
 
 Inside a session a distributed update lands straight in parameter memory (weight_receive.receive_in_place);
 outside one, or for a flattened bucket, it is received into fresh buffers and loaded all or nothing.
@@ -52,8 +52,8 @@ import torch
 
 from slime_spec.dist_group import WeightUpdateGroup
 from slime_spec.engine.model import CausalLM, hf_weight_names
-from slime_spec.engine.weight_receive import (DeviceSpan, EngineTiming, SnapshotStore, copy_threads, receive_in_place,
-                                              settle)
+from slime_spec.engine.weight_receive import DeviceSpan, EngineTiming, copy_threads, receive_in_place, settle
+from slime_spec.engine.weight_session import WeightSession, roles_of
 
 logger = logging.getLogger(__name__)
 
@@ -152,14 +152,6 @@ def overall_checksum(checksums: dict[str, str]) -> str:
     return h.hexdigest()
 
 
-def roles_of(selector: str) -> list[str]:
-    if selector == "all":
-        return ["target", "draft"]
-    if selector in ("target", "draft"):
-        return [selector]
-    raise ValueError(f"invalid selector {selector!r}; expected 'target', 'draft', or 'all'")
-
-
 def _torch_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
@@ -202,29 +194,21 @@ class WeightUpdater:
         self.model_path = model_path
         self.device = device
         self.has_draft = has_draft
-        self.session_selector: str | None = None
+        self.session = WeightSession(device)
         self.groups: dict[str, WeightUpdateGroup] = {}
-        self._backup: dict[str, dict[str, torch.Tensor]] = {}  # role -> name -> tensor before the session
-        self._snapshots = SnapshotStore()  # the buffers _backup points into, reused by every session
-        self._session_error: str | None = None
-        self._version_before = weight_version
 
     # ------------------------------------------------------------------ session
     def begin(self, core, req: dict) -> dict:
-        if self.session_selector is not None:
+        if self.session.open:
             return _result(False, "a weight-update session is already open; call end_weight_update() first")
-        selector = req.get("selector", "all")
-        roles_of(selector)
-        self.session_selector = selector
-        self._backup, self._session_error = {}, None
-        self._version_before = self.weight_version
+        self.session.begin(req.get("selector", "all"), self.weight_version)
         return _result(True, "Success")
 
     def end(self, core, req: dict) -> dict:
-        if self.session_selector is None:
+        if not self.session.open:
             return _result(False, "no weight-update session is open; call begin_weight_update() first")
-        error = self._session_error
-        self.session_selector, self._backup, self._session_error = None, {}, None
+        error = self.session.error
+        self.session.close()
         if error is not None:
             return {**_result(False, f"the session was rolled back after a failed update ({error}); the weights "
                                      "from before begin_weight_update() keep serving"), "rolled_back": True}
@@ -232,50 +216,45 @@ class WeightUpdater:
 
     def abort(self, core, req: dict) -> dict:
         """slime-spec extension: roll back and close the open session (another engine's update failed)."""
-        if self.session_selector is None:
+        if not self.session.open:
             return {**_result(True, "no weight-update session is open; nothing to roll back"), "rolled_back": False}
         with copy_threads(self.device):
             restored = self._rollback(core)
-        self.session_selector, self._backup, self._session_error = None, {}, None
+        self.session.close()
         return {**_result(True, f"rolled back {restored} tensor(s); the weights from before "
                                 "begin_weight_update() keep serving"), "rolled_back": True}
 
-    def _snapshot(self, core, names: set[str], selector: str) -> None:
-        """Keep, once per session, a CPU copy of every tensor this update is about to overwrite."""
-        self._snapshotter(core, selector)(names)
+    def _snapshot(self, core, names: set[str], selector: str, timing: EngineTiming) -> None:
+        """Keep, once per session, a copy of every tensor this update is about to overwrite."""
+        self._timed_snapshotter(core, selector, timing)(names)
 
-    def _snapshotter(self, core, selector: str):
-        """`_snapshot` for one update: the served tensors are looked up once, not once per tensor."""
-        served = {role: core.named_weights(role) for role in roles_of(selector)}
+    def _timed_snapshotter(self, core, selector: str, timing: EngineTiming):
+        """The session's snapshotter for one update; the bytes it copies count into `timing`."""
+        snapshot = self.session.snapshotter(core, selector)
 
-        def snapshot(names: set[str]) -> None:
-            for role, weights in served.items():
-                saved = self._backup.setdefault(role, {})
-                for name in names & weights.keys() - saved.keys():
-                    saved[name] = self._snapshots.copy_of(role, name, weights[name])
-        return snapshot
+        def timed(names: set[str]) -> None:
+            device0, host0 = self.session.snapshot_bytes()
+            snapshot(names)
+            device1, host1 = self.session.snapshot_bytes()
+            timing.snapshot_device_bytes += device1 - device0
+            timing.snapshot_host_bytes += host1 - host0
+        return timed
 
     def _rollback(self, core) -> int:
-        self.weight_version = self._version_before
-        restored = 0
-        for role, saved in self._backup.items():
-            if saved:
-                core.load_weights(list(saved.items()), selector=role)
-                restored += len(saved)
-        self._backup = {}
-        return restored
+        self.weight_version = self.session.version_before
+        return self.session.rollback(core)
 
     def _fail_session(self, core, message: str) -> dict:
         """A failed update inside a session: restore everything the session wrote, refuse the rest of it."""
-        if self.session_selector is None:
+        if not self.session.open:
             return _result(False, message)
         restored = self._rollback(core)
-        self._session_error = message
+        self.session.error = message
         return _result(False, f"{message} This session's {restored} earlier tensor write(s) were rolled back: the "
                               "weights from before begin_weight_update() keep serving.")
 
     def _session_refused(self) -> dict | None:
-        if self.session_selector is not None and self._session_error is not None:
+        if self.session.open and self.session.error is not None:
             return _result(False, "an earlier update of this session failed and was rolled back; call "
                                   "end_weight_update() and sync again in a new session")
         return None
@@ -310,7 +289,7 @@ class WeightUpdater:
     # ------------------------------------------------------------------ updates
     @_fails_the_session("update_weights_from_distributed")
     def update_from_distributed(self, core, req: dict) -> dict:
-        if self.session_selector is None:
+        if not self.session.open:
             return _result(False, NOT_IN_SESSION.format(op="update_weights_from_distributed"))
         selector = req.get("selector", "all")
         roles_of(selector)
@@ -344,7 +323,7 @@ class WeightUpdater:
             except (RuntimeError, ValueError, AssertionError) as recv_error:
                 e = f"{e}; draining the broadcast failed too: {recv_error}"
             return self._fail_session(core, f"Failed to update parameter online: {e}. This update was not applied.")
-        snapshot = self._snapshotter(core, selector)
+        snapshot = self._timed_snapshotter(core, selector, timing)
         timing.load_s += time.perf_counter() - t0
         try:
             receive_in_place(group, specs, recv_device, plan, metas, lambda name: snapshot({name}), timing)
@@ -388,7 +367,7 @@ class WeightUpdater:
 
     @_fails_the_session("update_weights_from_tensor")
     def update_from_tensor(self, core, req: dict) -> dict:
-        if self.session_selector is None:
+        if not self.session.open:
             return _result(False, NOT_IN_SESSION.format(op="update_weights_from_tensor"))
         selector = req.get("selector", "all")
         roles_of(selector)
@@ -437,8 +416,8 @@ class WeightUpdater:
         timing = timing or EngineTiming()
         t0 = time.perf_counter()
         snapshot = DeviceSpan(self.device)
-        if self.session_selector is not None:
-            self._snapshot(core, {n for n, _ in named}, selector)
+        if self.session.open:
+            self._snapshot(core, {n for n, _ in named}, selector, timing)
         snapshot.stop()
         try:
             core.load_weights(named, selector=selector)

@@ -169,3 +169,19 @@ def iter_draft_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Ite
     target), marked `kind="draft"`: they go to the draft runner alone, with selector `draft`."""
     for name, tensor in named_tensors:
         yield NamedTensor(name, tensor.detach().contiguous(), "draft")
+
+
+def only_wanted_kinds(tensors: Iterable[NamedTensor], *, mtp: bool, draft: bool) -> Iterator[NamedTensor]:
+    """Drop MTP tensors when no runner should receive them (no draft, or an external draft); a draft tensor
+    without a trained draft is an error (the frozen draft must never be overwritten)."""
+    for t in tensors:
+        if t.kind == "draft" and not draft:
+            raise ValueError(f"draft tensor {t.name} sent, but this syncer keeps the draft frozen: "
+                             "--enable-draft-training builds the syncer with trains_draft=True")
+        if t.kind != "mtp" or mtp:
+            yield t
+
+
+def only_wanted(tensors: Iterable[NamedTensor], plan) -> Iterator[NamedTensor]:
+    """`only_wanted_kinds` for a protocol.SelectorPlan (a kind whose selector is None is not sent)."""
+    return only_wanted_kinds(tensors, mtp=plan.mtp is not None, draft=plan.draft is not None)

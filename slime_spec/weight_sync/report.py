@@ -27,6 +27,7 @@ class SyncSplit:
     # engine's seconds receiving bytes (the wire, and the wait for the sender) and loading them
     engine_receive_s: float = 0.0
     engine_load_s: float = 0.0
+    engine_snapshot_s: float = 0.0  # inside engine_load_s: the rollback snapshot, which SGLang does not make
 
     @property
     def http_s(self) -> float:
@@ -37,7 +38,8 @@ class SyncSplit:
         return {"weight_sync_gather_convert_s": self.gather_convert_s, "weight_sync_control_s": self.control_s,
                 "weight_sync_send_s": self.send_s, "weight_sync_flush_s": self.flush_s,
                 "weight_sync_check_s": self.check_s, "weight_sync_engine_receive_s": self.engine_receive_s,
-                "weight_sync_engine_load_s": self.engine_load_s}
+                "weight_sync_engine_load_s": self.engine_load_s,
+                "weight_sync_engine_snapshot_s": self.engine_snapshot_s}
 
 
 @dataclass(frozen=True)
@@ -79,12 +81,13 @@ class Clock:
 
     def __init__(self):
         self.totals = {"gather_convert": 0.0, "control": 0.0, "send": 0.0, "flush": 0.0, "check": 0.0,
-                       "engine_receive": 0.0, "engine_load": 0.0}
+                       "engine_receive": 0.0, "engine_load": 0.0, "engine_snapshot": 0.0}
 
-    def add_engine(self, receive_s: float, load_s: float) -> None:
-        """The engine's own seconds of one update (inside `send`)."""
+    def add_engine(self, receive_s: float, load_s: float, snapshot_s: float = 0.0) -> None:
+        """The engine's own seconds of one update (inside `send`; the snapshot inside the load)."""
         self.totals["engine_receive"] += receive_s
         self.totals["engine_load"] += load_s
+        self.totals["engine_snapshot"] += snapshot_s
 
     @contextlib.contextmanager
     def __call__(self, phase: str):

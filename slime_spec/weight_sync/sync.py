@@ -44,9 +44,11 @@ from slime_spec.dtypes import config_dtype, torch_dtype
 from slime_spec.engines.client import EngineClient, EngineError, EngineGroupError, post_all
 from slime_spec.net import free_port
 from slime_spec.weight_sync import protocol, readback, served_state, verify
-from slime_spec.weight_sync.gather import NamedTensor, make_buckets
+from slime_spec.weight_sync.colocated import RankBuckets
+from slime_spec.weight_sync.gather import NamedTensor, make_buckets, only_wanted
 from slime_spec.weight_sync.report import Clock, SyncReport, SyncSplit, one_intra_op_thread
-from slime_spec.weight_sync.transports import DiskTransport, DistributedTransport, TensorTransport, engine_seconds
+from slime_spec.weight_sync.transports import (DiskTransport, DistributedTransport, TensorTransport, engine_seconds,
+                                               engine_timing)
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +96,10 @@ class WeightSyncer:
                  transport: str | None = None, colocate: bool = False, master_address: str = "127.0.0.1",
                  master_port: int | None = None, backend: str = "gloo", engine_tp_size: int = 1,
                  disk_dir: str | Path | None = None, timeout_s: float = 300.0, check_sample: int = 64,
-                 trains_draft: bool = False):
+                 trains_draft: bool = False, rank_buckets: RankBuckets | None = None):
         """trains_draft: the trainer also sends a separate draft's own tensors (`NamedTensor.kind == "draft"`,
-        --enable-draft-training), loaded with selector `draft`."""
+        --enable-draft-training), loaded with selector `draft`. rank_buckets: colocated engines get one bucket per
+        trainer rank (colocated.py; the other ranks run colocated.follow_sync); None: rank 0's bucket for all."""
         if not clients:
             raise ValueError("WeightSyncer needs at least one engine")
         self.clients, self.config, self.hf_config = list(clients), config, hf_config
@@ -107,6 +110,12 @@ class WeightSyncer:
             raise ValueError("transport distributed needs master_port (a free port on the trainer's rank 0)")
         if self.transport_name == "disk" and disk_dir is None:
             raise ValueError("transport disk needs disk_dir (a directory every engine can read)")
+        if rank_buckets is not None and (self.transport_name != "tensor" or rank_buckets.layout.num_engines !=
+                                         len(self.clients) or rank_buckets.layout.engine_tp_size != engine_tp_size):
+            raise ValueError(f"per-rank buckets are for the tensor transport of --colocate, one engine per "
+                             f"{rank_buckets.layout.engine_tp_size} trainer ranks: got transport "
+                             f"{self.transport_name}, {len(self.clients)} engine(s) of --tp-size {engine_tp_size}")
+        self.rank_buckets = rank_buckets
         self._transport_args = dict(master_address=master_address, master_port=master_port, backend=backend,
                                     engine_tp_size=engine_tp_size, disk_dir=disk_dir, timeout_s=timeout_s)
         self.protocol: protocol.Protocol | None = None
@@ -147,7 +156,7 @@ class WeightSyncer:
                                                   session=self.protocol.session, timeout_s=a["timeout_s"])
         elif self.transport_name == "tensor":
             self.transport = TensorTransport(self.clients, engine_tp_size=a["engine_tp_size"],
-                                             session=self.protocol.session)
+                                             session=self.protocol.session, rank_buckets=self.rank_buckets)
         else:
             self.transport = DiskTransport(self.clients, a["disk_dir"], self.hf_checkpoint,
                                            session=self.protocol.session)
@@ -174,8 +183,15 @@ class WeightSyncer:
         return self.sync_report(tensors, weight_version).metrics()
 
     def sync_report(self, tensors: Iterable[NamedTensor], weight_version: str | None = None) -> SyncReport:
-        with one_intra_op_thread():
-            return self._sync_report(tensors, weight_version)
+        if self.rank_buckets is not None:
+            self.rank_buckets.next_sync()
+        try:
+            with one_intra_op_thread():
+                return self._sync_report(tensors, weight_version)
+        except BaseException as e:
+            if self.rank_buckets is not None:  # the other trainer ranks wait for this sync's next message
+                self.rank_buckets.abort(repr(e))
+            raise
 
     def _sync_report(self, tensors: Iterable[NamedTensor], weight_version: str | None) -> SyncReport:
         self.prepare()
@@ -195,16 +211,21 @@ class WeightSyncer:
                     self._read_baseline()
             with clock("control"):
                 self.transport.start()
+                if self.rank_buckets is not None:
+                    self.rank_buckets.start(plan.mtp is not None, plan.draft is not None,
+                                            self.config.update_weight_buffer_size,
+                                            flatten=self.transport.load_format is not None)
                 if use_session:
                     post_all(self.clients, "/begin_weight_update",
                              protocol.begin_payload(protocol.session_selector(plan)))
                     session_open = True
-            stream = clock.timed_iter("gather_convert", make_buckets(_only_wanted(tensors, plan),
+            stream = clock.timed_iter("gather_convert", make_buckets(only_wanted(tensors, plan),
                                                                      self.config.update_weight_buffer_size))
             for bucket in stream:
                 selector = {"target": plan.target, "mtp": plan.mtp, "draft": plan.draft}[bucket.kind]
                 with clock("send"):
-                    clock.add_engine(*engine_seconds(self.transport.send(bucket, selector, weight_version)))
+                    replies = self.transport.send(bucket, selector, weight_version)
+                clock.add_engine(*engine_seconds(replies), snapshot_s=engine_timing(replies, "snapshot_s"))
                 buckets += 1
                 buckets_applied += self.transport_name != "disk"  # disk buckets only load in finish()
                 counts[bucket.kind] += len(bucket.tensors)
@@ -482,17 +503,6 @@ class WeightSyncer:
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
-
-
-def _only_wanted(tensors: Iterable[NamedTensor], plan: protocol.SelectorPlan) -> Iterable[NamedTensor]:
-    """Drop MTP tensors when no runner should receive them (no draft, or an external draft); a draft tensor
-    without a trained draft is an error (the frozen draft must never be overwritten)."""
-    for t in tensors:
-        if t.kind == "draft" and plan.draft is None:
-            raise ValueError(f"draft tensor {t.name} sent, but this syncer keeps the draft frozen: "
-                             "--enable-draft-training builds the syncer with trains_draft=True")
-        if t.kind != "mtp" or plan.mtp is not None:
-            yield t
 
 
 def _draft_only(served: dict[str, dict[str, str]]) -> dict[str, str]:

@@ -12,7 +12,8 @@ verification are the syncer's job (sync.py).
 - tensor (colocated): `/update_weights_from_tensor` with each bucket flattened into one tensor
   (`load_format: "flattened_bucket"`, as upstream slime sends it) and serialized the way SGLang's
   MultiprocessingSerializer reads it (pickle, base64 over HTTP), one entry per engine TP rank, each
-  serialized on its own; a CUDA bucket as one IPC handle naming the device by UUID.
+  serialized on its own; a CUDA bucket as one IPC handle naming the device by UUID. With per-rank buckets
+  (colocated.py) entry r is the bucket of the trainer rank on engine TP rank r's GPU.
 - disk: the whole model written as an HF checkpoint (safetensors shards + index + the original
   config/tokenizer files), then `/update_weights_from_disk`. One request per sync, so all-or-nothing.
 """
@@ -220,29 +221,34 @@ class TensorTransport:
     handle for the engine to open, at the price of one device copy on this side; `flatten=False` sends every
     tensor as it is (no load_format: the model's own loader; one handle per tensor's storage, no copy here).
     Per sync (reset by `start`): `flatten_s` and `serialize_s`, this side's seconds, the part of a send that is
-    neither HTTP nor the engine's; `engine_snapshot_s`, the embedded engine's rollback copies inside its load.
+    neither HTTP nor the engine's (the engine's rollback snapshot is in the sync's split: `engine_snapshot_s`).
     """
 
     name = "tensor"
 
     def __init__(self, clients: Sequence[EngineClient], *, engine_tp_size: int = 1, session: bool = True,
-                 flatten: bool = True):
+                 flatten: bool = True, rank_buckets=None):
         self.clients, self.engine_tp_size, self.session = list(clients), int(engine_tp_size), session
+        self.rank_buckets = rank_buckets  # colocated.RankBuckets: entry r from trainer rank r; None: all from rank 0
         self.load_format = FLATTENED_BUCKET if flatten else None
-        self.flatten_s = self.serialize_s = self.engine_snapshot_s = 0.0
+        self.flatten_s = self.serialize_s = 0.0
 
     def start(self) -> None:
-        self.flatten_s = self.serialize_s = self.engine_snapshot_s = 0.0
+        self.flatten_s = self.serialize_s = 0.0
 
     def finish(self, weight_version: str | None) -> None:
         """Hand back the device memory of buckets the engines have released (torch keeps a block that was shared
         over CUDA IPC until the receiver lets it go)."""
+        if self.rank_buckets is not None:
+            self.rank_buckets.finish()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.ipc_collect()
 
     def send(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None) -> list[dict]:
         """The engine replies only after its copy from our memory completed (on CUDA after a device sync:
         engine/weight_receive.settle), so the bucket may be freed or reused once every engine has replied."""
+        if self.rank_buckets is not None:
+            return self._send_rank_buckets(bucket, selector, weight_version)
         named = [(t.name, t.tensor) for t in bucket.tensors]
         t0 = time.perf_counter()
         flat = flatten_bucket(named) if self.load_format else None
@@ -257,7 +263,33 @@ class TensorTransport:
         else:  # inline bytes: one serialization serves every engine
             replies = post_all(self.clients, "/update_weights_from_tensor",
                                self._payload(named, flat, selector, weight_version))
-        self.engine_snapshot_s += engine_timing(replies, "snapshot_s")
+        return replies
+
+    def _send_rank_buckets(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None) -> list[dict]:
+        """Engine e's entries come from its own GPUs' trainer ranks (colocated.py); every rank keeps its bucket
+        until the engines have replied, then `release` lets them drop it. Rank 0's flatten counts in serialize_s."""
+        from slime_spec.weight_sync.colocated import RankFailure, rank_entry
+
+        channel, keep = self.rank_buckets, None
+        t0 = time.perf_counter()
+        try:
+            own, keep = rank_entry([(t.name, t.tensor) for t in bucket.tensors], self.load_format is not None)
+        except Exception as e:  # the other ranks wait in the exchange: fail the bucket there, on every rank
+            own = RankFailure(0, repr(e))
+        self.serialize_s += time.perf_counter() - t0
+        entries = channel.exchange(bucket, own)
+        if isinstance(entries, RankFailure):
+            channel.release(f"trainer rank {entries.rank}: {entries.message}")
+            raise RuntimeError(f"trainer rank {entries.rank} could not hand over its bucket: {entries.message}")
+        try:
+            replies = post_all(self.clients, "/update_weights_from_tensor", lambda e: protocol.tensor_payload(
+                channel.layout.entries_of(e, entries), selector=selector, weight_version=weight_version,
+                flush_cache=False, session=self.session, load_format=self.load_format))
+        except Exception as e:
+            channel.release(repr(e))
+            raise
+        channel.release(None)
+        del keep  # every engine replied after its copy: this rank's bucket may go
         return replies
 
     def _payload(self, named, flat: dict | None, selector: protocol.Selector, weight_version: str | None) -> dict:

@@ -1,0 +1,155 @@
+"""Per-trainer-rank colocated buckets (weight_sync/colocated.py), with real gloo groups on CPU.
+
+Every trainer rank is a process of its own (a default gloo group, as Megatron's); rank 0 runs the tensor
+transport and the others `follow_sync`. The engines are test doubles for the HTTP hop: each request body is read
+by SGLang 0.5.23's own code, one engine TP rank at a time (`TpModelWorker.deserialize_own_rank`, then its
+FlattenedTensorBucket), so what each engine TP rank would load is what is checked. Every rank's tensors differ
+by its rank (real ranks hold equal tensors), so an entry that came from the wrong rank is seen.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import traceback
+
+import pytest
+import torch
+
+from slime_spec.net import free_port
+from slime_spec.weight_sync.colocated import ColocatedLayout
+
+TENSORS = [("model.embed_tokens.weight", (64, 16), torch.float32), ("model.layers.0.mlp.up_proj.weight", (32, 16),
+           torch.bfloat16), ("model.norm.weight", (16,), torch.float32), ("model.mtp_layers.0.norm.weight", (16,),
+           torch.float32)]
+
+
+def rank_tensors(rank: int, drift: bool = False):
+    """What trainer rank `rank` holds after the TP all-gather (plus `rank`, to tell the ranks' entries apart)."""
+    from slime_spec.weight_sync.gather import NamedTensor
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for name, shape, dtype in TENSORS:
+        if drift and name == "model.norm.weight":
+            name = "model.final_norm.weight"
+        kind = "mtp" if ".mtp_layers." in name else "target"
+        out.append(NamedTensor(name, (torch.randn(shape, generator=g) + rank).to(dtype), kind))
+    return out
+
+
+class SGLangEngine:
+    """Test double for one engine's HTTP hop: its TP ranks read the body with SGLang's own code."""
+
+    def __init__(self, url: str, tp_size: int, fail_on: int | None = None):
+        self.url, self.tp_size, self.fail_on, self.loaded = url, tp_size, fail_on, []
+
+    def post(self, path: str, body: dict) -> dict:
+        from tests.conformance.test_tensor_transport import sglang_rank_loads, sglang_rank_reads
+
+        read = sglang_rank_loads if body.get("load_format") == "flattened_bucket" else sglang_rank_reads
+        assert path == "/update_weights_from_tensor" and len(body["serialized_named_tensors"]) == self.tp_size
+        if self.fail_on == len(self.loaded):
+            raise RuntimeError(f"{self.url} refused bucket {self.fail_on}")
+        self.loaded.append([{n: t.clone() for n, t in read(body, r)} for r in range(self.tp_size)])
+        return {"success": True, "message": "Success"}
+
+
+def run_rank(rank: int, world: int, port: int, case: dict, out_path: str) -> None:
+    import torch.distributed as dist
+
+    from slime_spec.weight_sync.colocated import RankBuckets, follow_sync
+    from slime_spec.weight_sync.gather import make_buckets, only_wanted_kinds
+    from slime_spec.weight_sync.transports import TensorTransport
+
+    result = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        channel = RankBuckets(dist.group.WORLD, ColocatedLayout.of(world, case["engine_tp"]))
+        tensors = rank_tensors(rank, drift=case.get("drift_rank") == rank)
+        channel.next_sync() if rank == 0 else None
+        if rank != 0:
+            result["buckets"] = follow_sync(channel, iter(tensors))
+        elif case.get("abort_before_start"):
+            channel.abort("pause_generation failed")
+        else:
+            engines = [SGLangEngine(f"http://engine-{e}", case["engine_tp"], case.get("fail_on"))
+                       for e in range(channel.layout.num_engines)]
+            transport = TensorTransport(engines, engine_tp_size=case["engine_tp"], rank_buckets=channel,
+                                        flatten=case["flatten"])
+            transport.start()
+            channel.start(mtp=False, draft=False, buffer_bytes=case["buffer_bytes"], flatten=case["flatten"])
+            try:
+                for bucket in make_buckets(only_wanted_kinds(iter(tensors), mtp=False, draft=False),
+                                           case["buffer_bytes"]):
+                    transport.send(bucket, "target", "v1")
+                transport.finish("v1")
+            except Exception:
+                channel.abort("rank 0 failed")  # what WeightSyncer.sync_report does
+                raise
+            finally:
+                result["loaded"] = [e.loaded for e in engines]
+    except Exception as e:
+        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    finally:
+        with open(out_path, "wb") as f:
+            pickle.dump(result, f)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(tmp_path, world: int, **case) -> list[dict]:
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    outs = [tmp_path / f"rank{r}.pkl" for r in range(world)]
+    procs = [ctx.Process(target=run_rank, args=(r, world, port, case, str(outs[r]))) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung: the exchange did not end on every rank"
+    return [pickle.loads(o.read_bytes()) for o in outs]
+
+
+@pytest.mark.parametrize("engine_tp,flatten", [(2, True), (1, True), (2, False)])
+def test_each_engine_tp_rank_loads_the_bucket_of_the_trainer_rank_on_its_gpu(tmp_path, engine_tp, flatten):
+    """Two trainer ranks: one engine of TP 2, or two engines of TP 1; engine e's TP rank r reads trainer rank
+    e * tp + r's entry, with every name, dtype and value of that rank's tensors."""
+    results = run_ranks(tmp_path, 2, engine_tp=engine_tp, flatten=flatten, buffer_bytes=4096)
+    assert all("error" not in r for r in results), [r.get("error") for r in results]
+    loaded = results[0]["loaded"]  # [engine][bucket][tp rank] -> {name: tensor}
+    assert len(loaded) == 2 // engine_tp and results[1]["buckets"] == len(loaded[0]) > 1
+    for e, buckets in enumerate(loaded):
+        for tp_rank in range(engine_tp):
+            trainer_rank = e * engine_tp + tp_rank
+            got = {n: t for bucket in buckets for n, t in bucket[tp_rank].items()}
+            want = {t.name: t.tensor for t in rank_tensors(trainer_rank) if t.kind == "target"}
+            assert got.keys() == want.keys()  # the MTP tensor was not wanted, on any rank
+            assert all(got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]) for n in want), trainer_rank
+
+
+def test_a_refused_bucket_fails_the_sync_on_every_rank(tmp_path):
+    results = run_ranks(tmp_path, 2, engine_tp=2, flatten=True, buffer_bytes=4096, fail_on=1)
+    assert "refused bucket 1" in results[0]["error"]
+    assert "bucket 1 failed" in results[1]["error"] and "refused bucket 1" in results[1]["error"]
+    assert len(results[0]["loaded"][0]) == 1  # the first bucket landed, then the sync ended everywhere
+
+
+def test_rank_0_failing_before_the_first_bucket_releases_the_other_ranks(tmp_path):
+    results = run_ranks(tmp_path, 2, engine_tp=2, flatten=True, buffer_bytes=4096, abort_before_start=True)
+    assert "aborted by the trainer's rank 0: pause_generation failed" in results[1]["error"]
+
+
+def test_ranks_whose_tensor_streams_differ_fail_instead_of_loading_a_mix(tmp_path):
+    results = run_ranks(tmp_path, 2, engine_tp=2, flatten=True, buffer_bytes=1 << 20, drift_rank=1)
+    assert "streams differ" in results[0]["error"] and "streams differ" in results[1]["error"]
+    assert results[0]["loaded"] == [[]]  # nothing reached the engine
+
+
+def test_layout_needs_a_multiple_of_the_engine_tp_size():
+    assert ColocatedLayout.of(4, 2).entries_of(1, ["a", "b", "c", "d"]) == ["c", "d"]
+    with pytest.raises(ValueError, match="multiple of the engines' --tp-size"):
+        ColocatedLayout.of(3, 2)
