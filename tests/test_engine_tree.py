@@ -93,3 +93,122 @@ def test_tree_shape_and_the_options_it_refuses():
     assert tree.tree_shape(SpecConfig("NGRAM", 2, 4, 8)) is None
     shape = tree.tree_shape(SpecConfig("EAGLE", 3, 4, 8))
     assert (shape.steps, shape.topk, shape.num_draft_tokens, shape.draft_region) == (3, 4, 8, 8)
+
+
+# ------------------------------------------------------------------ the engine's tree steps
+TREES = [(3, 2, 4), (3, 4, 8), (4, 8, 16)]  # (num_steps, eagle_topk, num_draft_tokens)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree_models")
+    llama = make_tiny_model(root / "llama", hidden_size=32, num_layers=4, seed=31)
+    v16 = make_tiny_model(root / "v16", vocab_size=16, hidden_size=32, num_layers=4, seed=32)
+    return {
+        "llama": llama,
+        "llama_small": make_tiny_model(root / "small", hidden_size=32, num_layers=1, seed=33, init_from=str(llama)),
+        "llama_eagle3": make_tiny_eagle3_draft(root / "le", llama, draft_vocab_size=40),
+        "mimo": make_tiny_model(root / "mimo", arch="mimo", hidden_size=32, num_layers=1, seed=13),
+        "v16": v16,
+        "v16_small": make_tiny_model(root / "v16s", vocab_size=16, hidden_size=32, num_layers=1, seed=34),
+        "v16_eagle3": make_tiny_eagle3_draft(root / "ve", v16, draft_vocab_size=12),
+        "v16_mimo": make_tiny_model(root / "v16m", arch="mimo", vocab_size=16, hidden_size=32, num_layers=1, seed=16),
+    }
+
+
+def _tree_spec(algorithm, steps, topk, tokens, draft=None):
+    return SpecConfig(algorithm, steps, topk, tokens, None if draft is None else str(draft))
+
+
+def _check_lossless(ckpts, target, spec, prepare=None):
+    """Greedy rows (sharing batches with sampled ones) equal plain decoding, logprobs included; returns the
+    engine's accept length."""
+    base_engine = EngineCore(str(ckpts[target]), None, max_running_requests=4)
+    tok = base_engine.tokenizer
+    base = generate(base_engine, make_requests(tok, logprob=True))
+    engine = EngineCore(str(ckpts[target]), spec, max_running_requests=4)
+    if prepare is not None:
+        prepare(engine)
+    outs = generate(engine, make_requests(tok, temps=[0.0, 0.0, 0.9], logprob=True), join_every=3)
+    for rid, o in base.items():
+        if int(rid[1:]) % 3 != 2:
+            assert o.output_ids == outs[rid].output_ids, (spec, rid)
+            assert o.finish_reason == outs[rid].finish_reason
+            torch.testing.assert_close(torch.tensor(outs[rid].output_logprobs), torch.tensor(o.output_logprobs),
+                                       atol=1e-4, rtol=0)
+    verified = [o for o in outs.values() if o.spec_verify_ct]
+    assert verified and all(o.spec_draft_token_num == o.spec_verify_ct * (spec.speculative_num_draft_tokens - 1)
+                            for o in verified)
+    assert 1.0 <= engine.avg_spec_accept_length <= spec.speculative_num_steps + 1
+    return engine.avg_spec_accept_length
+
+
+def _check_sampling(ckpts, target, spec, min_accept):
+    """Sampled output follows the target distribution (the plain sampler's exact marginals of tokens 2 and 3)."""
+    prompt, temperature, n = [5, 6, 7, 5, 6], 1.3, 3000
+    engine = EngineCore(str(ckpts[target]), spec, max_running_requests=64, seed=0)
+    params = SamplingParams(temperature=temperature, max_new_tokens=3, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(Request(str(i), prompt, params))
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    accepted = sum(o.spec_accept_token_num for o in outs)
+    assert min_accept * n < accepted < sum(o.spec_draft_token_num for o in outs)
+    p2, p3 = _exact_marginals(str(ckpts[target]), prompt, temperature)
+    t2 = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=16)
+    t3 = torch.bincount(torch.tensor([o.output_ids[2] for o in outs]), minlength=16)
+    assert chi_square_pvalue(t2, p2) > 1e-3
+    assert chi_square_pvalue(t3, p3) > 1e-3
+
+
+@pytest.mark.parametrize("steps,topk,tokens", TREES)
+def test_mtp_tree_greedy_equals_plain_decoding(ckpts, steps, topk, tokens):
+    accept = _check_lossless(ckpts, "mimo", _tree_spec("EAGLE", steps, topk, tokens), prepare=_copy_target_into_mtp)
+    assert accept > 1.8  # a good draft's trees are accepted: the moved KV and the draft's catch-up are exercised
+
+
+def _reference_mtp_logits(model, tokens, path):
+    """The MTP layer's logits after `path` (draft tokens after the pending one), recomputed from scratch: target
+    forward, MTP extend over x_1..x_n, then one chained step per path token."""
+    n = len(tokens) - 1
+    ids, pos = torch.tensor([tokens[:n]]), torch.arange(n)[None]
+    hidden = model(ids, pos, model.new_cache(1, n + len(path) + 2), torch.tensor([0]))
+    cache = model.new_mtp_cache(1, n + len(path) + 2)
+    out = model.mtp_forward(torch.tensor([tokens[1:]]), hidden, pos, cache, torch.tensor([0]))[:, -1]
+    for j, t in enumerate(path):
+        out = model.mtp_forward(torch.tensor([[t]]), out[:, None], torch.tensor([[n + j]]), cache,
+                                torch.tensor([0]))[:, 0]
+    return model.logits(out)[0]
+
+
+def test_mtp_tree_nodes_are_the_top_k_of_their_parents_draft_distribution(ckpts):
+    """Each node's token is among the top-k of the draft distribution at its parent, recomputed from scratch over
+    the parent's path: the frontier's tree attention (context + own ancestors) and hidden-state hand-off are right."""
+    steps, topk, tokens = 3, 4, 8
+    engine = EngineCore(str(ckpts["mimo"]), _tree_spec("EAGLE", steps, topk, tokens), max_running_requests=4)
+    _copy_target_into_mtp(engine)
+    recorded = []
+    draft = engine.drafter.tree_draft
+
+    def recording(rows, shape):
+        t = draft(rows, shape)
+        if len(recorded) < 6:
+            recorded.extend((list(r.tokens), t.tokens[i].tolist(), t.parent[i].tolist()) for i, r in enumerate(rows))
+        return t
+
+    engine.drafter.tree_draft = recording
+    generate(engine, make_requests(engine.tokenizer)[:4])
+    assert len(recorded) >= 6
+    for row_tokens, node_tokens, parent in recorded:
+        for node in range(1, tokens):
+            path, p = [], parent[node]
+            while p > 0:
+                path.insert(0, node_tokens[p])
+                p = parent[p]
+            probs = torch.softmax(_reference_mtp_logits(engine.model, row_tokens, path), -1)
+            assert probs[node_tokens[node]] >= probs.topk(topk).values[-1] - 1e-5, (row_tokens, node)
+
+
+def test_mtp_tree_sampling_follows_the_target_distribution(ckpts):
+    _check_sampling(ckpts, "v16_mimo", _tree_spec("EAGLE", 2, 4, 6), min_accept=0.05)

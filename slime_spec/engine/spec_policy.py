@@ -256,5 +256,12 @@ def check_spec_options(spec: SpecConfig | None, draft_sampling: bool, spec_auto:
         raise ValueError(f"--spec-draft-sampling with speculative_algorithm={spec.speculative_algorithm}: only "
                          "chain drafters with a distribution (EAGLE/NEXTN with MTP layers, STANDALONE) can draft by "
                          "sampling; drop --spec-draft-sampling")
+    tree = spec is not None and spec.speculative_algorithm is not Algorithm.NGRAM \
+        and (spec.speculative_eagle_topk or 1) > 1
+    if tree and (draft_sampling or spec_auto):
+        flag = "--spec-draft-sampling" if draft_sampling else "--spec-auto"
+        raise ValueError(f"{flag} with --speculative-eagle-topk {spec.speculative_eagle_topk}: it applies to chain "
+                         f"drafts only (a tree is drafted and verified as SGLang does); drop {flag} or use "
+                         "--speculative-eagle-topk 1")
     if spec_auto and spec.speculative_adaptive:
         raise ValueError("--spec-auto and --speculative-adaptive both choose the draft length per step; keep one")
