@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from slime_spec.engine import tree
+from slime_spec.engine.drafters.eagle3 import load_eagle3_drafter
 from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
 from slime_spec.engine.sampling import chi_square_pvalue
 from slime_spec.tiny_model import make_tiny_eagle3_draft, make_tiny_model
@@ -168,10 +169,10 @@ def test_mtp_tree_greedy_equals_plain_decoding(ckpts, steps, topk, tokens):
     assert accept > 1.8  # a good draft's trees are accepted: the moved KV and the draft's catch-up are exercised
 
 
-def _reference_mtp_logits(model, tokens, path):
+def _reference_mtp_logits(engine, ckpts, tokens, path):
     """The MTP layer's logits after `path` (draft tokens after the pending one), recomputed from scratch: target
     forward, MTP extend over x_1..x_n, then one chained step per path token."""
-    n = len(tokens) - 1
+    model, n = engine.model, len(tokens) - 1
     ids, pos = torch.tensor([tokens[:n]]), torch.arange(n)[None]
     hidden = model(ids, pos, model.new_cache(1, n + len(path) + 2), torch.tensor([0]))
     cache = model.new_mtp_cache(1, n + len(path) + 2)
@@ -182,17 +183,48 @@ def _reference_mtp_logits(model, tokens, path):
     return model.logits(out)[0]
 
 
-def test_mtp_tree_nodes_are_the_top_k_of_their_parents_draft_distribution(ckpts):
+def _reference_eagle3_logits(engine, ckpts, tokens, path):
+    """The EAGLE3 draft's logits after `path`, recomputed by a fresh chain drafter: target aux states over the
+    context, a draft extend over x_1..x_n, then one chained step per path token."""
+    target, n = engine.model, len(tokens) - 1
+    d = load_eagle3_drafter(target, str(ckpts["llama_eagle3"]), k=1, slots=1, max_seq=n + len(path) + 2)
+    ids, pos, slot = torch.tensor([tokens[:n]]), torch.arange(n)[None], torch.tensor([0])
+    _, aux = target(ids, pos, target.new_cache(1, n + 1), slot, aux_layer_ids=d.aux_layer_ids)
+    logits, out = d.step(torch.tensor([tokens[1:]]), aux, pos, slot)
+    logits, hidden = logits[:, -1], out[:, -1]
+    for j, t in enumerate(path):
+        logits, out = d.step(torch.tensor([[t]]), hidden[:, None], torch.tensor([[n + j]]), slot, num_keys=n + j + 1)
+        logits, hidden = logits[:, 0], out[:, 0]
+    return d.target_vocab_logits(logits)[0]
+
+
+def _reference_standalone_logits(engine, ckpts, tokens, path):
+    """The draft model's logits after the row's tokens and `path`, by one full forward."""
+    draft = engine.drafter.draft
+    seq = torch.tensor([tokens + path])
+    hidden = draft(seq, torch.arange(seq.shape[1])[None], draft.new_cache(1, seq.shape[1]), torch.tensor([0]))
+    return draft.logits(hidden[0, -1])
+
+
+@pytest.mark.parametrize("target,spec,reference", [
+    ("mimo", ("EAGLE", None), _reference_mtp_logits),
+    ("llama", ("EAGLE3", "llama_eagle3"), _reference_eagle3_logits),
+    ("llama", ("STANDALONE", "llama_small"), _reference_standalone_logits),
+])
+def test_tree_nodes_are_the_top_k_of_their_parents_draft_distribution(ckpts, target, spec, reference):
     """Each node's token is among the top-k of the draft distribution at its parent, recomputed from scratch over
-    the parent's path: the frontier's tree attention (context + own ancestors) and hidden-state hand-off are right."""
+    the parent's path: the frontier's tree attention (context + own ancestors) and state hand-off are right."""
     steps, topk, tokens = 3, 4, 8
-    engine = EngineCore(str(ckpts["mimo"]), _tree_spec("EAGLE", steps, topk, tokens), max_running_requests=4)
-    _copy_target_into_mtp(engine)
+    algorithm, draft = spec
+    engine = EngineCore(str(ckpts[target]), _tree_spec(algorithm, steps, topk, tokens, draft and ckpts[draft]),
+                        max_running_requests=4)
+    if algorithm == "EAGLE":
+        _copy_target_into_mtp(engine)
     recorded = []
-    draft = engine.drafter.tree_draft
+    draft_tree = engine.drafter.tree_draft
 
     def recording(rows, shape):
-        t = draft(rows, shape)
+        t = draft_tree(rows, shape)
         if len(recorded) < 6:
             recorded.extend((list(r.tokens), t.tokens[i].tolist(), t.parent[i].tolist()) for i, r in enumerate(rows))
         return t
@@ -206,9 +238,39 @@ def test_mtp_tree_nodes_are_the_top_k_of_their_parents_draft_distribution(ckpts)
             while p > 0:
                 path.insert(0, node_tokens[p])
                 p = parent[p]
-            probs = torch.softmax(_reference_mtp_logits(engine.model, row_tokens, path), -1)
+            with torch.no_grad():
+                probs = torch.softmax(reference(engine, ckpts, row_tokens, path).float(), -1)
             assert probs[node_tokens[node]] >= probs.topk(topk).values[-1] - 1e-5, (row_tokens, node)
 
 
 def test_mtp_tree_sampling_follows_the_target_distribution(ckpts):
     _check_sampling(ckpts, "v16_mimo", _tree_spec("EAGLE", 2, 4, 6), min_accept=0.05)
+
+
+@pytest.mark.parametrize("steps,topk,tokens", TREES)
+def test_eagle3_tree_greedy_equals_plain_decoding(ckpts, steps, topk, tokens):
+    _check_lossless(ckpts, "llama", _tree_spec("EAGLE3", steps, topk, tokens, ckpts["llama_eagle3"]))
+
+
+def test_eagle3_tree_sampling_follows_the_target_distribution(ckpts):
+    _check_sampling(ckpts, "v16", _tree_spec("EAGLE3", 2, 4, 6, ckpts["v16_eagle3"]), min_accept=0.02)
+
+
+@pytest.mark.parametrize("steps,topk,tokens", TREES)
+def test_standalone_tree_greedy_equals_plain_decoding(ckpts, steps, topk, tokens):
+    _check_lossless(ckpts, "llama", _tree_spec("STANDALONE", steps, topk, tokens, ckpts["llama_small"]))
+
+
+def test_standalone_tree_with_the_target_as_draft_accepts_every_verify(ckpts):
+    """A draft equal to the target, greedy: the root's most likely child has the highest score of the whole tree,
+    so it is always verified and accepted; deeper nodes are accepted where the greedy path stayed in the tree.
+    The output stays plain decoding's, so the moved KV is right."""
+    _check_lossless(ckpts, "llama", _tree_spec("STANDALONE", 3, 2, 6, ckpts["llama"]))
+    engine = EngineCore(str(ckpts["llama"]), _tree_spec("STANDALONE", 3, 2, 6, ckpts["llama"]), max_running_requests=4)
+    outs = generate(engine, make_requests(engine.tokenizer))
+    assert all(o.spec_accept_token_num >= o.spec_verify_ct for o in outs.values())
+    assert engine.avg_spec_accept_length > 2.5
+
+
+def test_standalone_tree_sampling_follows_the_target_distribution(ckpts):
+    _check_sampling(ckpts, "v16", _tree_spec("STANDALONE", 2, 4, 6, ckpts["v16_small"]), min_accept=0.02)
