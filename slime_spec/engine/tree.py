@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from slime_spec.engine import sampling
-from slime_spec.spec import Algorithm, SpecConfig
+from slime_spec.spec import SpecConfig
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,7 @@ class TreeShape:
 def tree_shape(spec: SpecConfig | None) -> TreeShape | None:
     """The tree of a resolved EAGLE / EAGLE3 / STANDALONE config with eagle_topk > 1, else None (a chain; NGRAM's
     top-k is its BFS breadth, which the embedded engine drafts as a chain)."""
-    if spec is None or not spec.speculative_algorithm.eagle_family or (spec.speculative_eagle_topk or 1) == 1 \
-            or spec.speculative_algorithm is Algorithm.NGRAM:
+    if spec is None or not spec.speculative_algorithm.eagle_family or (spec.speculative_eagle_topk or 1) == 1:
         return None
     return TreeShape(spec.speculative_num_steps, spec.speculative_eagle_topk, spec.speculative_num_draft_tokens)
 
