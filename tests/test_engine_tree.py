@@ -274,3 +274,18 @@ def test_standalone_tree_with_the_target_as_draft_accepts_every_verify(ckpts):
 
 def test_standalone_tree_sampling_follows_the_target_distribution(ckpts):
     _check_sampling(ckpts, "v16", _tree_spec("STANDALONE", 2, 4, 6, ckpts["v16_small"]), min_accept=0.02)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU machine)")
+@pytest.mark.parametrize("target,algorithm,draft", [("mimo", "EAGLE", None), ("llama", "EAGLE3", "llama_eagle3"),
+                                                    ("llama", "STANDALONE", "llama_small")])
+def test_cuda_tree_greedy_equals_cpu_plain_decoding(ckpts, target, algorithm, draft):
+    """On CUDA the tree steps run eagerly beside the captured chain/decode graphs; greedy output is unchanged."""
+    cpu = EngineCore(str(ckpts[target]), None, max_running_requests=4)
+    base = generate(cpu, make_requests(cpu.tokenizer))
+    for steps, topk, tokens in TREES:
+        engine = EngineCore(str(ckpts[target]), _tree_spec(algorithm, steps, topk, tokens, draft and ckpts[draft]),
+                            device="cuda", max_running_requests=4)
+        outs = generate(engine, make_requests(engine.tokenizer, logprob=True))
+        for rid, o in base.items():
+            assert outs[rid].output_ids == o.output_ids, (algorithm, steps, topk, rid)

@@ -113,18 +113,18 @@ def build_tree(root: torch.Tensor, parent_list: torch.Tensor, selected: torch.Te
     depth = [[0] * n for _ in range(b)]
     first_child = [[-1] * n for _ in range(b)]
     next_sibling = [[-1] * n for _ in range(b)]
-    mask = torch.zeros(b, n, n, dtype=torch.bool)
+    mask = [[[False] * n for _ in range(n)] for _ in range(b)]
     for r in range(b):
         where = {flat: i + 1 for i, flat in enumerate(sel[r])}
-        mask[r, 0, 0] = True
+        mask[r][0][0] = True
         for i in range(1, n):
             slot = sel[r][i - 1] // topk
             p = 0 if slot == 0 else where.get(plist[r][slot], -1)
             parent[r][i] = p
             if p >= 0:  # nodes are in drafting order: a parent precedes its children
                 depth[r][i] = depth[r][p] + 1
-                mask[r, i] = mask[r, p]
-            mask[r, i, i] = True
+                mask[r][i] = list(mask[r][p])
+            mask[r][i][i] = True
         for i in range(n - 1, 0, -1):  # children linked in ascending node order
             p = parent[r][i]
             if p >= 0:
@@ -132,7 +132,7 @@ def build_tree(root: torch.Tensor, parent_list: torch.Tensor, selected: torch.Te
     dev = selected.device
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
     return DraftTree(torch.cat((root[:, None], draft_tokens), dim=1), as_tensor(parent), as_tensor(depth),
-                     mask.to(dev), as_tensor(first_child), as_tensor(next_sibling))
+                     torch.tensor(mask, dtype=torch.bool, device=dev), as_tensor(first_child), as_tensor(next_sibling))
 
 
 # step(i, frontier tokens [B, k], input state [B, k, ...], visible [B, k, region]) -> (logits [B, k, V], state)
