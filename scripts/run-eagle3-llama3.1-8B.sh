@@ -7,8 +7,8 @@
 # supports 2048 positions, so dtype and context length must be set for the pair to agree.
 # Tiny stand-in on CPU (SMALL_MACHINE=1 HF_CHECKPOINT=<tiny llama> DRAFT_CHECKPOINT=<its EAGLE3 draft>, made by
 # `slime-spec make-tiny-model --arch llama --num-layers 4 --llama31-rope --out T --eagle3-draft D`): the
-# embedded engine serves EAGLE3 chains only, so add EXTRA_ARGS="--sglang-speculative-eagle-topk 1
-# --sglang-speculative-num-draft-tokens 6" (tree drafting, eagle-topk > 1, is refused there).
+# embedded engine serves the same 5 / 8 / 32 EAGLE3 tree (eagle-topk > 1 runs eagerly there; a chain,
+# EXTRA_ARGS="--sglang-speculative-eagle-topk 1 --sglang-speculative-num-draft-tokens 6", is faster on CPU).
 #
 #   bash scripts/run-eagle3-llama3.1-8B.sh                      # check, start Ray if needed, submit
 #   DOCTOR_ONLY=1 bash scripts/run-eagle3-llama3.1-8B.sh        # only check the configuration

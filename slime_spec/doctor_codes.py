@@ -54,10 +54,6 @@ class Rule(Enum):
         "SPEC_UNSUPPORTED_BY_BACKEND", "error",
         "the embedded engine does not implement speculative_algorithm={algorithm}{why}",
         "on a GPU node use --rollout-backend sglang; on CPU use {sg}speculative-algorithm with one of {choices}")
-    SPEC_UNSUPPORTED_TREE = _Entry(
-        "SPEC_UNSUPPORTED_BY_BACKEND", "error",
-        "{sg}speculative-eagle-topk {topk} asks for a tree draft; the embedded engine drafts chains only",
-        "{sg}speculative-eagle-topk 1, or backend sglang (--rollout-backend sglang) on a GPU node")
     SPEC_UNSUPPORTED_DRAFT_PATH = _Entry(
         "SPEC_UNSUPPORTED_BY_BACKEND", "error",
         "{algorithm} with {sg}speculative-draft-model-path {path}: the embedded engine drafts {algorithm} only "

@@ -279,8 +279,6 @@ def _embedded_findings(config: SpecConfig, sg: str) -> list[Finding]:
     if algorithm not in EMBEDDED_ALGORITHMS:
         return [Rule.SPEC_UNSUPPORTED_ALGORITHM.finding(sg=sg, algorithm=algorithm, why="", choices=choices)]
     out = []
-    if algorithm is not Algorithm.NGRAM and (config.speculative_eagle_topk or 1) > 1:
-        out.append(Rule.SPEC_UNSUPPORTED_TREE.finding(sg=sg, topk=config.speculative_eagle_topk))
     if algorithm is Algorithm.EAGLE and config.speculative_draft_model_path:
         out.append(Rule.SPEC_UNSUPPORTED_DRAFT_PATH.finding(sg=sg, algorithm=algorithm,
                                                            path=config.speculative_draft_model_path))

@@ -289,12 +289,12 @@ def test_draft_sampling_is_refused_where_it_cannot_apply(ckpts):
 
 
 def test_unsupported_algorithms_are_rejected_with_the_backend_code(ckpts):
-    with pytest.raises(ValueError, match="^SPEC_UNSUPPORTED_BY_BACKEND:.*eagle-topk 1"):
-        EngineCore(str(ckpts["llama"]), SpecConfig("EAGLE3", 3, 4, 8, str(ckpts["draft"])))
+    with pytest.raises(ValueError, match="^SPEC_TOPK_TOKENS:.*at most 7 nodes"):  # SGLang's tree-size limit
+        EngineCore(str(ckpts["mimo"]), SpecConfig("EAGLE", 2, 2, 8))
     with pytest.raises(ValueError, match="EAGLE3.*draft-model-path"):
         EngineCore(str(ckpts["mimo"]), SpecConfig("EAGLE3", 3, 1, 4))
-    with pytest.raises(ValueError, match="^SPEC_UNSUPPORTED_BY_BACKEND:.*eagle-topk 1"):
-        EngineCore(str(ckpts["mimo"]), SpecConfig("EAGLE", 3, 4, 8))
+    with pytest.raises(ValueError, match="--spec-draft-sampling with --speculative-eagle-topk 4"):
+        EngineCore(str(ckpts["mimo"]), SpecConfig("EAGLE", 3, 4, 8), draft_sampling=True)
     with pytest.raises(ValueError, match="num_steps \\+ 1"):
         EngineCore(str(ckpts["mimo"]), SpecConfig("NEXTN", 3, 1, 6))
     with pytest.raises(ValueError, match="MTP layers"):

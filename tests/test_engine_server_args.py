@@ -96,19 +96,20 @@ def test_engine_refuses_what_it_cannot_draft(llama, mimo):
     from slime_spec.engine.__main__ import make_core_factory
     from slime_spec.engine.scheduler import EngineLoop
 
-    # eagle_topk > 1 is a tree draft, which the embedded engine does not implement: refused while parsing the
-    # flags (spec.resolve), before a model loads.
-    with pytest.raises(ServerArgsError, match="SPEC_UNSUPPORTED_BY_BACKEND"):
+    # A tree larger than SGLang allows (num_draft_tokens <= topk + (steps - 1) * topk^2 + 1) is refused while
+    # parsing the flags (spec.resolve), before a model loads.
+    with pytest.raises(ServerArgsError, match="SPEC_TOPK_TOKENS"):
         parse_server_args(["--model-path", str(llama), "--speculative-algorithm", "STANDALONE",
                            "--speculative-draft-model-path", str(llama), "--speculative-num-steps", "2",
-                           "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4"],
+                           "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "8"],
                           cuda_available=False)
     with pytest.raises(ServerArgsError, match="SPEC_EAGLE3_NO_DRAFT"):
         parse_server_args(["--model-path", str(mimo), "--speculative-algorithm", "EAGLE3"], cuda_available=False)
     # A SpecConfig that did not come from spec.resolve is checked again by the engine at start.
     args = parse_server_args(["--model-path", str(mimo)], cuda_available=False)
-    for bad in (SpecConfig("EAGLE3", 3, 4, 8, str(mimo)), SpecConfig("EAGLE", 2, 2, 4)):
-        with pytest.raises(ValueError, match="SPEC_UNSUPPORTED_BY_BACKEND"):
+    for bad, code in ((SpecConfig("FROZEN_KV_MTP", 3, 1, 4, str(mimo)), "SPEC_UNSUPPORTED_BY_BACKEND"),
+                      (SpecConfig("EAGLE", 2, 2, 8), "SPEC_TOPK_TOKENS")):
+        with pytest.raises(ValueError, match=code):
             EngineLoop(make_core_factory(dataclasses.replace(args, spec=bad))).start()
 
 

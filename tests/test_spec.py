@@ -89,7 +89,7 @@ def test_unknown_algorithm_recommends_what_the_backend_runs():
     assert "DFLASH" in found({"speculative_algorithm": "EAGLE4"})["SPEC_UNKNOWN_ALGORITHM"].fix
 
 
-def test_embedded_backend_runs_eagle_eagle3_standalone_ngram_chains():
+def test_embedded_backend_runs_eagle_eagle3_standalone_ngram_chains_and_trees():
     assert sorted(spec.EMBEDDED_ALGORITHMS) == ["EAGLE", "EAGLE3", "NGRAM", "STANDALONE"]
     assert found({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/d"}, backend="embedded") == {}
     for name in ("FROZEN_KV_MTP", "UNO"):
@@ -98,7 +98,10 @@ def test_embedded_backend_runs_eagle_eagle3_standalone_ngram_chains():
     tree = found({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/d",
                   "speculative_num_steps": 2, "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 4},
                  backend="embedded")
-    assert "chains only" in tree["SPEC_UNSUPPORTED_BY_BACKEND"].message
+    assert tree == {}  # tree drafting (engine/tree.py); SGLang's tree-size checks still apply:
+    too_big = found({"speculative_algorithm": "EAGLE", "speculative_num_steps": 2, "speculative_eagle_topk": 2,
+                     "speculative_num_draft_tokens": 8}, backend="embedded")
+    assert too_big["SPEC_TOPK_TOKENS"].level == "error" and "at most 7 nodes" in too_big["SPEC_TOPK_TOKENS"].message
     external = found({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/d"}, backend="embedded")
     assert "STANDALONE" in external["SPEC_UNSUPPORTED_BY_BACKEND"].fix
     assert found({"speculative_algorithm": "NGRAM"}, backend="embedded") == {}  # NGRAM's top-k is not a tree

@@ -274,17 +274,21 @@ class CausalLM(nn.Module):
 
     def eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                       slots: torch.Tensor, num_keys: int | None = None, compiled: bool = False,
-                      aux_layer_ids: list[int] | None = None):
+                      aux_layer_ids: list[int] | None = None, cache_positions: torch.Tensor | None = None,
+                      attn_mask: torch.Tensor | None = None):
         """compiled: run each decoder layer through `compiled_layer` (--enable-torch-compile; CUDA graphs).
         aux_layer_ids: also return the outputs of those layers, concatenated [B, T, n * H] (an EAGLE3 draft's
-        input: SGLang captures them as the inputs of layers id + 1), as (hidden, aux)."""
+        input: SGLang captures them as the inputs of layers id + 1), as (hidden, aux).
+        cache_positions / attn_mask (tree verification, engine/tree.py): where the keys/values are written when
+        not at `positions` (which then only rotate), and the [B, 1, T, S] mask replacing the causal one."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.args.cos_sin(positions, x.dtype)
-        mask = causal_mask(positions, num_keys or int(positions.max()) + 1)
+        mask = attn_mask if attn_mask is not None else causal_mask(positions, num_keys or int(positions.max()) + 1)
+        write = positions if cache_positions is None else cache_positions
         run_layer = self.compiled_layer() if compiled else DecoderLayer.forward
         aux = []
         for i, layer in enumerate(self.model.layers):
-            x = run_layer(layer, x, cos, sin, cache.k[i], cache.v[i], slots, positions, mask)
+            x = run_layer(layer, x, cos, sin, cache.k[i], cache.v[i], slots, write, mask)
             if aux_layer_ids and i in aux_layer_ids:
                 aux.append(x)
         if aux_layer_ids:
@@ -318,15 +322,20 @@ class CausalLM(nn.Module):
 
     def eager_mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
                           cache: KVCache, slots: torch.Tensor, layer: int = 0,
-                          num_keys: int | None = None, compiled: bool = False) -> torch.Tensor:
+                          num_keys: int | None = None, compiled: bool = False,
+                          cache_positions: torch.Tensor | None = None,
+                          attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """cache_positions / attn_mask: as in `eager_forward` (tree drafting: each draft-tree node at a cache
+        location of its own, seeing its ancestors)."""
         mtp = self.model.mtp_layers[layer]
         embeds = self.model.embed_tokens(input_ids)
         embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)
         x = mtp.input_proj(torch.cat((mtp.hidden_layernorm(prev_hidden), mtp.token_layernorm(embeds)), dim=-1))
         cos, sin = self.args.cos_sin(positions, x.dtype)
-        mask = causal_mask(positions, num_keys or int(positions.max()) + 1)
+        mask = attn_mask if attn_mask is not None else causal_mask(positions, num_keys or int(positions.max()) + 1)
+        write = positions if cache_positions is None else cache_positions
         run_layer = self.compiled_layer() if compiled else DecoderLayer.forward
-        x = run_layer(mtp, x, cos, sin, cache.k[0], cache.v[0], slots, positions, mask)
+        x = run_layer(mtp, x, cos, sin, cache.k[0], cache.v[0], slots, write, mask)
         return mtp.final_layernorm(x)
 
 

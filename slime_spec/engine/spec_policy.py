@@ -19,6 +19,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from slime_spec.engine.tree import tree_shape
 from slime_spec.spec import ADAPTIVE_TIERS, Algorithm, SpecConfig
 
 # SGLang's per-tier knobs and their defaults (a tier entry overrides the file's top level, which overrides these).
@@ -256,5 +257,10 @@ def check_spec_options(spec: SpecConfig | None, draft_sampling: bool, spec_auto:
         raise ValueError(f"--spec-draft-sampling with speculative_algorithm={spec.speculative_algorithm}: only "
                          "chain drafters with a distribution (EAGLE/NEXTN with MTP layers, STANDALONE) can draft by "
                          "sampling; drop --spec-draft-sampling")
+    if tree_shape(spec) is not None and (draft_sampling or spec_auto):
+        flag = "--spec-draft-sampling" if draft_sampling else "--spec-auto"
+        raise ValueError(f"{flag} with --speculative-eagle-topk {spec.speculative_eagle_topk}: it applies to chain "
+                         f"drafts only (a tree is drafted and verified as SGLang does); drop {flag} or use "
+                         "--speculative-eagle-topk 1")
     if spec_auto and spec.speculative_adaptive:
         raise ValueError("--spec-auto and --speculative-adaptive both choose the draft length per step; keep one")

@@ -5,6 +5,7 @@ matmul over all B * (k + 1) positions. Greedy rows accept while the draft equals
 rows use the standard lossless rule (sampling.speculative_accept), with q one-hot for SGLang's greedy drafting
 or, with draft sampling (`--spec-draft-sampling`), the distribution each draft token was sampled from.
 k comes from the step policy (spec_policy); k = 0 is a plain decode step that still keeps the drafter in sync.
+With eagle_topk > 1 a step drafts and verifies a tree instead (`tree_step`, math in engine/tree.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 
 import torch
 
-from slime_spec.engine import sampling
+from slime_spec.engine import sampling, tree
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick
 
 
@@ -68,6 +69,10 @@ def plain_step(engine, rows: list, t0: float) -> None:
 
 def spec_step(engine, rows: list) -> None:
     """Draft, verify, accept and append for `rows` (EngineCore's running rows); feeds the step policy."""
+    shape = tree.tree_shape(engine.spec)
+    if shape is not None:
+        tree_step(engine, rows, shape)
+        return
     dev = engine.device
     n = len(rows)
     k = engine.policy.choose(n)
@@ -132,3 +137,71 @@ def spec_step(engine, rows: list) -> None:
     if engine.timed:
         _sync(dev)
     engine.policy.observe(n, k, accept_list, t1 - t0, time.perf_counter() - t1)
+
+
+def tree_step(engine, rows: list, shape: tree.TreeShape) -> None:
+    """eagle_topk > 1: the drafter drafts a tree per row (engine/tree.py), the target verifies the root and its
+    num_draft_tokens - 1 nodes in one eager forward (each node at its own cache location, RoPE position = row
+    length + depth, attending to the context and its ancestors), the longest accepted path is taken, and its
+    keys/values are moved to contiguous positions. A verify counts num_draft_tokens - 1 drafts, as SGLang's."""
+    dev = engine.device
+    n, width = len(rows), shape.num_draft_tokens
+    t0 = time.perf_counter()
+    greedy, temps, top_ks, top_ps, min_ps = engine._params(rows)
+    drafted = engine.drafter.tree_draft(rows, shape)
+    if engine.timed:
+        _sync(dev)
+    t1 = time.perf_counter()
+    base = [r.kv_len for r in rows]
+    start = torch.tensor(base, device=dev)
+    slots = torch.tensor([r.slot for r in rows], device=dev)
+    num_keys = max(base) + width
+    aux_ids = getattr(engine.drafter, "aux_layer_ids", None)  # EAGLE3 drafts from the target's aux states
+    out = engine.model.eager_forward(drafted.tokens, start[:, None] + drafted.depth, engine.cache, slots, num_keys,
+                                     aux_layer_ids=aux_ids,
+                                     cache_positions=start[:, None] + torch.arange(width, device=dev)[None],
+                                     attn_mask=tree.region_mask(start, drafted.mask, num_keys))
+    hidden, features = out if aux_ids else (out, out)
+    logits, broken = engine._non_finite_rows(engine.model.logits(hidden.flatten(0, 1)).view(n, width, -1))
+    sampled = ~greedy
+    probs = None
+    if bool(sampled.any()):
+        reps = lambda t: t[sampled].repeat_interleave(width)  # noqa: E731 (one value per node)
+        probs = sampling.filtered_probs(logits[sampled].flatten(0, 1), reps(temps), reps(top_ks), reps(top_ps),
+                                        reps(min_ps)).view(-1, width, logits.shape[-1])
+    paths, next_tokens = tree.accept(drafted, logits, greedy, probs, engine.generator)
+    tokens = drafted.tokens.tolist()
+    chosen = [[tokens[i][node] for node in paths[i][1:]] + [next_tokens[i]] for i in range(n)]
+    logprobs = None
+    if any(r.req.return_logprob for r in rows):
+        at = torch.tensor([i * width + node for i in range(n) for node in paths[i]], device=dev)
+        lens = torch.tensor([len(p) for p in paths], device=dev)
+        lp = sampling.token_logprobs(logits.flatten(0, 1)[at], temps.repeat_interleave(lens),
+                                     greedy.repeat_interleave(lens),
+                                     torch.tensor([t for c in chosen for t in c], device=dev)).tolist()
+        logprobs, offset = [], 0
+        for p in paths:
+            logprobs.append(lp[offset: offset + len(p)])
+            offset += len(p)
+    tree.move_accepted_kv(engine.cache.k + engine.cache.v, [r.slot for r in rows], base, paths)
+    accepted = [len(p) - 1 for p in paths]
+    alive = []
+    for i, row in enumerate(rows):
+        _count_verify(engine, row, accepted[i], width - 1)
+        row.kv_len += accepted[i] + 1
+        engine._append(row, chosen[i], None if logprobs is None else logprobs[i])
+        if i in broken:
+            row.finish = dict(engine.nan_finish)
+        if row.finish is None:
+            alive.append(i)
+    if alive:
+        # The accepted path's target states, contiguous from the root (padded with the root), as a chain verify
+        # hands them to the drafter.
+        path_nodes = torch.tensor([paths[i] + [0] * (width - len(paths[i])) for i in alive], device=dev)
+        idx = torch.tensor(alive, device=dev)
+        path_features = features[idx[:, None], path_nodes]
+        on_verify = getattr(engine.drafter, "on_tree_verify", engine.drafter.on_verify)
+        on_verify([rows[i] for i in alive], path_features, [accepted[i] for i in alive])
+    if engine.timed:
+        _sync(dev)
+    engine.policy.observe(n, width - 1, accepted, t1 - t0, time.perf_counter() - t1)

@@ -13,6 +13,7 @@ from slime_spec.engine.drafters.mtp import MTPDrafter
 from slime_spec.engine.drafters.ngram import NgramDrafter
 from slime_spec.engine.drafters.standalone import StandaloneDrafter
 from slime_spec.engine.model import CausalLM, load_model
+from slime_spec.engine.tree import tree_shape
 from slime_spec.spec import Algorithm, SpecConfig
 
 __all__ = ["Drafter", "Eagle3Drafter", "HistoryDrafter", "HybridDrafter", "MTPDrafter", "NgramDrafter",
@@ -26,6 +27,9 @@ def make_drafter(spec: SpecConfig | None, target: CausalLM, slots: int, max_seq:
     if spec is None:
         return None
     k = spec.draft_tokens_per_verify if k is None else k
+    shape = tree_shape(spec)
+    if shape is not None:  # a draft tree's frontier nodes take cache locations past the row's length
+        max_seq += shape.draft_region
     algorithm = spec.speculative_algorithm
     if algorithm is Algorithm.EAGLE:
         # MTP; requests carrying `slime_history` (--rollout-history-drafting) may draft from history instead.

@@ -23,6 +23,9 @@ Drafter protocol:
   new_cache() / drop_cache()          (re)allocate or free the drafter's KV cache
 Optional:
   sample_draft(rows, pick) -> (LongTensor [B, k], q [B, k, V] or None)   see above
+  tree_draft(rows, shape) -> tree.DraftTree   eagle_topk > 1 (MTP, EAGLE3, STANDALONE): a draft tree per row
+                                              (engine/tree.py); on_verify then gets the accepted path's states
+  on_tree_verify(rows, hidden, accepted)      after a tree verify, where on_verify's chain bookkeeping differs
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""EAGLE3 drafting with a LlamaForCausalLMEagle3 draft head (SGLang's EAGLE3 worker, eagle_topk 1 chain).
+"""EAGLE3 drafting with a LlamaForCausalLMEagle3 draft head (SGLang's EAGLE3 worker: a chain, or a tree).
 
 The draft head is the trainer's `Eagle3Draft` (trainer/eagle3_draft.py: the checkpoint layout and the step's
 math), run here against its own KV cache. Draft position p reads (token x_{p+1}, hidden h_p): after each
@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from slime_spec.engine import tree
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of
 from slime_spec.engine.model import CausalLM, KVCache, causal_mask
 from slime_spec.trainer import eagle3_draft
@@ -38,20 +39,23 @@ class Eagle3Drafter:
         self.cache = None
 
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-             num_keys: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             num_keys: int | None = None, cache_positions: torch.Tensor | None = None,
+             attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One cached draft step over tokens/positions [B, T]: (draft-vocab logits [B, T, Vd] float32,
-        pre-norm output [B, T, H]); hidden is aux states [B, T, n * Ht] (through fc) or a previous output."""
+        pre-norm output [B, T, H]); hidden is aux states [B, T, n * Ht] (through fc) or a previous output.
+        cache_positions / attn_mask: a draft-tree node's own cache location and mask (model.eager_forward)."""
         d = self.draft
         if hidden.shape[-1] != d.config["hidden_size"]:
             hidden = d.project(hidden)
         q, k, v = d.qkv(self.target.model.embed_tokens(tokens), hidden, positions)  # [B, heads, T, D]
-        self.cache.k[0][slots[:, None], positions] = k.transpose(1, 2)
-        self.cache.v[0][slots[:, None], positions] = v.transpose(1, 2)
-        S = num_keys or int(positions.max()) + 1
+        write = positions if cache_positions is None else cache_positions
+        self.cache.k[0][slots[:, None], write] = k.transpose(1, 2)
+        self.cache.v[0][slots[:, None], write] = v.transpose(1, 2)
+        S = attn_mask.shape[-1] if attn_mask is not None else num_keys or int(positions.max()) + 1
         keys = self.cache.k[0][slots, :S].transpose(1, 2)
         values = self.cache.v[0][slots, :S].transpose(1, 2)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_mask(positions, S),
-                                              enable_gqa=d.heads != d.kv_heads)
+        mask = attn_mask if attn_mask is not None else causal_mask(positions, S)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=d.heads != d.kv_heads)
         out = d.finish(hidden, attn)
         return d.logits(out).float(), out
 
@@ -91,6 +95,24 @@ class Eagle3Drafter:
             return self.target_vocab_logits(logits[:, 0])
 
         return chain(self.k, step, pick)
+
+    def tree_draft(self, rows, shape: tree.TreeShape) -> tree.DraftTree:
+        """A draft tree per row (eagle_topk > 1), laid out as MTPDrafter.tree_draft lays out its own."""
+        device = self.next_hidden.device
+        slots = slots_of(rows, device)
+        pos = torch.tensor([r.kv_len for r in rows], device=device)
+        num_keys = max(r.kv_len for r in rows) + shape.draft_region
+        first = self.next_hidden[slots]
+
+        def step(i: int, tokens: torch.Tensor, hidden: torch.Tensor, visible: torch.Tensor):
+            b, k = tokens.shape
+            logits, out = self.step(tokens, hidden, (pos + i)[:, None].expand(-1, k), slots,
+                                    cache_positions=pos[:, None] + i * k + torch.arange(k, device=device)[None],
+                                    attn_mask=tree.region_mask(pos, visible, num_keys))
+            return self.target_vocab_logits(logits.flatten(0, 1)).view(b, k, -1), out
+
+        root = torch.tensor([r.tokens[-1] for r in rows], device=device)
+        return tree.draft_tree(root, self.target_vocab_logits(self.draft.logits(first).float()), first, step, shape)
 
     def on_verify(self, rows, aux: torch.Tensor, accepted: list[int]) -> None:
         device = aux.device

@@ -132,6 +132,10 @@ class HybridDrafter:
             q[hist_idx] = torch.nn.functional.one_hot(tokens[hist_idx], q.shape[-1]).to(q.dtype)
         return tokens, q
 
+    def tree_draft(self, rows, shape):
+        """Tree drafting (eagle_topk > 1) is MTP's for every row: history drafts are chains."""
+        return self.mtp.tree_draft(rows, shape)
+
     def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
         """The MTP layer extends over the verified positions of every row (history rows too: its KV cache must
         hold them); each row's acceptance updates the rate of the source it drafted from."""

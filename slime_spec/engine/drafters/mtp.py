@@ -1,9 +1,10 @@
-"""NEXTN / EAGLE drafting with MiMo's MTP layer 0 (SGLang's EAGLE worker, eagle_topk 1)."""
+"""NEXTN / EAGLE drafting with MiMo's MTP layer 0 (SGLang's EAGLE worker: a chain, or a tree with eagle_topk > 1)."""
 
 from __future__ import annotations
 
 import torch
 
+from slime_spec.engine import tree
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of
 from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names
 
@@ -101,6 +102,28 @@ class MTPDrafter:
             return self.target.logits(hidden)
 
         return chain(self.k, step, pick)
+
+    def tree_draft(self, rows, shape: tree.TreeShape) -> tree.DraftTree:
+        """A draft tree per row (eagle_topk > 1): the root's children from the hidden state the last extend left;
+        each further step runs the layer once over every row's top-k frontier, node j of step i at cache location
+        kv_len + i * topk + j (past the context, overwritten by the next extend) and RoPE position kv_len + i."""
+        self._catch_up(rows)
+        device = self.next_hidden.device
+        slots = slots_of(rows, device)
+        pos = torch.tensor([r.kv_len for r in rows], device=device)
+        num_keys = max(r.kv_len for r in rows) + shape.draft_region
+        first = self.next_hidden[slots]
+
+        def step(i: int, tokens: torch.Tensor, hidden: torch.Tensor, visible: torch.Tensor):
+            k = tokens.shape[1]
+            out = self.target.eager_mtp_forward(
+                tokens, hidden, (pos + i)[:, None].expand(-1, k), self.cache, slots, num_keys=num_keys,
+                cache_positions=pos[:, None] + i * k + torch.arange(k, device=device)[None],
+                attn_mask=tree.region_mask(pos, visible, num_keys))
+            return self.target.logits(out), out
+
+        root = torch.tensor([r.tokens[-1] for r in rows], device=device)
+        return tree.draft_tree(root, self.target.logits(first), first, step, shape)
 
     def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
         if self.k == 0:  # a plain step: defer its extend to the next draft (see _catch_up)

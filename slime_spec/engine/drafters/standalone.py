@@ -1,9 +1,10 @@
-"""STANDALONE drafting: a separate small causal LM (SGLang's --speculative-draft-model-path)."""
+"""STANDALONE drafting: a separate small causal LM (SGLang's --speculative-draft-model-path), chain or tree."""
 
 from __future__ import annotations
 
 import torch
 
+from slime_spec.engine import tree
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of
 from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names
 
@@ -56,6 +57,35 @@ class StandaloneDrafter:
             return self.draft.logits(self.draft(token[:, None], (pos + j - 1)[:, None], self.cache, slots)[:, 0])
 
         return chain(self.k, step, pick)
+
+    def tree_draft(self, rows, shape: tree.TreeShape) -> tree.DraftTree:
+        """A draft tree per row (eagle_topk > 1): catch up (the pending token included), then each step runs the
+        draft once over every row's top-k frontier, node j of step i at cache location len(tokens) + i * topk + j
+        and RoPE position len(tokens) + i, seeing the context and its ancestors."""
+        device = self.draft.lm_head.weight.device
+        slots = slots_of(rows, device)
+        first = self._feed(rows, [r.tokens[r.draft_cached_len:] for r in rows], [r.draft_cached_len for r in rows])
+        for r in rows:
+            r.draft_cached_len = len(r.tokens)
+        base = torch.tensor([len(r.tokens) for r in rows], device=device)
+        num_keys = max(len(r.tokens) for r in rows) + shape.draft_region
+
+        def step(i: int, tokens: torch.Tensor, _state: torch.Tensor, visible: torch.Tensor):
+            k = tokens.shape[1]
+            hidden = self.draft.eager_forward(tokens, (base + i)[:, None].expand(-1, k), self.cache, slots, num_keys,
+                                              cache_positions=base[:, None] + i * k + torch.arange(k, device=device),
+                                              attn_mask=tree.region_mask(base, visible, num_keys))
+            return self.draft.logits(hidden), _state
+
+        root = torch.tensor([r.tokens[-1] for r in rows], device=device)
+        no_state = torch.zeros(len(rows), 1, device=device)  # the draft reads tokens only
+        return tree.draft_tree(root, first, no_state, step, shape)
+
+    def on_tree_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
+        """After a tree verify the draft cache keeps the context and the old pending token; the accepted tokens
+        are fed at the next draft's catch-up."""
+        for r, a in zip(rows, accepted):
+            r.draft_cached_len = r.kv_len - a
 
     def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
         if self.k == 0:

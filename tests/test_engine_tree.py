@@ -1,0 +1,291 @@
+"""Tree drafting (eagle_topk > 1): the tree math of engine/tree.py on hand-checked trees, and the embedded
+engine's tree steps for MTP, EAGLE3 and STANDALONE (greedy equal to plain decoding, sampled output following
+the target distribution, logprobs the target's). SGLang's own selection code is compared in
+tests/conformance/test_tree_draft.py."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from slime_spec.engine import tree
+from slime_spec.engine.drafters.eagle3 import load_eagle3_drafter
+from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
+from slime_spec.engine.sampling import chi_square_pvalue
+from slime_spec.tiny_model import make_tiny_eagle3_draft, make_tiny_model
+from tests.test_engine_drafters import _copy_target_into_mtp, _exact_marginals, generate, make_requests
+
+# A topk-2 tree of 3 steps: flat ids 0, 1 (the root's children), 2..5 (step 1: children of the frontier 0, 1),
+# 6..9 (step 2: children of the step-1 frontier, flat ids 3 and 4).
+PARENT_LIST = torch.tensor([[-1, 0, 1, 3, 4]])
+SELECTED = torch.tensor([[0, 1, 3, 4, 6]])
+TOKENS = torch.tensor([[10, 11, 12, 13, 14]])
+
+
+def hand_tree():
+    return tree.build_tree(torch.tensor([9]), PARENT_LIST, SELECTED, TOKENS, topk=2)
+
+
+def test_build_tree_links_parents_depths_masks_and_siblings():
+    t = hand_tree()
+    assert t.tokens.tolist() == [[9, 10, 11, 12, 13, 14]]
+    assert t.parent.tolist() == [[-1, 0, 0, 1, 2, 3]]
+    assert t.depth.tolist() == [[0, 1, 1, 2, 2, 3]]
+    assert t.first_child.tolist() == [[1, 3, 4, 5, -1, -1]]
+    assert t.next_sibling.tolist() == [[-1, 2, -1, -1, -1, -1]]
+    assert t.mask[0, 5].nonzero().flatten().tolist() == [0, 1, 3, 5]
+    assert t.mask[0, 4].nonzero().flatten().tolist() == [0, 2, 4]
+    # A node whose parent was not selected (tied scores) is linked to nothing: the walk never reaches it.
+    orphan = tree.build_tree(torch.tensor([9]), PARENT_LIST, torch.tensor([[0, 6]]), torch.tensor([[10, 14]]), 2)
+    assert orphan.parent.tolist() == [[-1, 0, -1]] and orphan.first_child.tolist() == [[1, -1, -1]]
+
+
+def test_greedy_walk_follows_the_target_argmax():
+    t = hand_tree()
+    first, sib, toks = t.first_child[0].tolist(), t.next_sibling[0].tolist(), t.tokens[0].tolist()
+    # target argmax at nodes 0..5
+    assert tree.greedy_walk(first, sib, toks, [10, 12, 0, 14, 0, 7]) == ([0, 1, 3, 5], 7)
+    assert tree.greedy_walk(first, sib, toks, [11, 0, 13, 0, 5, 0]) == ([0, 2, 4], 5)
+    assert tree.greedy_walk(first, sib, toks, [3, 0, 0, 0, 0, 0]) == ([0], 3)
+    assert tree.greedy_walk(first, sib, toks, [10, 4, 0, 0, 0, 0]) == ([0, 1], 4)
+
+
+def test_sampled_walk_emits_the_target_distribution():
+    """SGLang's target-only rule is lossless: the first token follows p at the root, the second p at the node
+    of the first token (accepted in the tree or drawn as the bonus)."""
+    n, vocab = 20000, 16
+    gen = torch.Generator().manual_seed(0)
+    t = hand_tree()
+    batch = tree.DraftTree(*(x.expand(n, *x.shape[1:]) for x in dataclasses.astuple(t)))
+    probs = torch.softmax(torch.randn(1, 6, vocab, generator=gen) * 1.5, -1)
+    logits = probs.log().expand(n, -1, -1)
+    paths, bonus = tree.accept(batch, logits, torch.zeros(n, dtype=torch.bool), probs.expand(n, -1, -1), gen)
+    toks = t.tokens[0].tolist()
+    emitted = [[toks[node] for node in p[1:]] + [b] for p, b in zip(paths, bonus)]
+    assert len({len(p) for p in paths}) > 2  # paths of several lengths ran
+    first = torch.bincount(torch.tensor([e[0] for e in emitted]), minlength=vocab)
+    assert chi_square_pvalue(first, probs[0, 0]) > 1e-3
+    second = torch.bincount(torch.tensor([e[1] for e in emitted if e[0] == 10]), minlength=vocab)
+    assert chi_square_pvalue(second, probs[0, 1]) > 1e-3
+    # Greedy rows in the same call follow the argmax
+    greedy = torch.ones(n, dtype=torch.bool)
+    paths, nxt = tree.accept(batch, logits, greedy, None, gen)
+    ref = tree.greedy_walk(t.first_child[0].tolist(), t.next_sibling[0].tolist(), toks, probs[0].argmax(-1).tolist())
+    assert (paths[0], nxt[0]) == ref and all(p == paths[0] for p in paths)
+
+
+def test_region_mask_sees_the_context_and_the_visible_region():
+    visible = torch.tensor([[[True, False, True]], [[False, True, False]]])
+    mask = tree.region_mask(torch.tensor([2, 4]), visible, 8)
+    assert mask.shape == (2, 1, 1, 8)
+    assert mask[0, 0, 0].tolist() == [True, True, True, False, True, False, False, False]
+    assert mask[1, 0, 0].tolist() == [True, True, True, True, False, True, False, False]
+
+
+def test_move_accepted_kv_makes_the_path_contiguous():
+    cache = torch.arange(2 * 10).view(2, 10, 1).float()
+    tree.move_accepted_kv([cache], [1, 0], [3, 2], [[0, 2, 5], [0]])
+    assert cache[1, 3:6, 0].tolist() == [13.0, 15.0, 18.0]
+    assert cache[0].flatten().tolist() == list(map(float, range(10)))
+
+
+def test_tree_shape_and_the_options_it_refuses():
+    assert tree.tree_shape(SpecConfig("EAGLE", 3, 1, 4)) is None
+    assert tree.tree_shape(SpecConfig("NGRAM", 2, 4, 8)) is None
+    shape = tree.tree_shape(SpecConfig("EAGLE", 3, 4, 8))
+    assert (shape.steps, shape.topk, shape.num_draft_tokens, shape.draft_region) == (3, 4, 8, 8)
+
+
+# ------------------------------------------------------------------ the engine's tree steps
+TREES = [(3, 2, 4), (3, 4, 8), (4, 8, 16)]  # (num_steps, eagle_topk, num_draft_tokens)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tree_models")
+    llama = make_tiny_model(root / "llama", hidden_size=32, num_layers=4, seed=31)
+    v16 = make_tiny_model(root / "v16", vocab_size=16, hidden_size=32, num_layers=4, seed=32)
+    return {
+        "llama": llama,
+        "llama_small": make_tiny_model(root / "small", hidden_size=32, num_layers=1, seed=33, init_from=str(llama)),
+        "llama_eagle3": make_tiny_eagle3_draft(root / "le", llama, draft_vocab_size=40),
+        "mimo": make_tiny_model(root / "mimo", arch="mimo", hidden_size=32, num_layers=1, seed=13),
+        "v16": v16,
+        "v16_small": make_tiny_model(root / "v16s", vocab_size=16, hidden_size=32, num_layers=1, seed=34),
+        "v16_eagle3": make_tiny_eagle3_draft(root / "ve", v16, draft_vocab_size=12),
+        "v16_mimo": make_tiny_model(root / "v16m", arch="mimo", vocab_size=16, hidden_size=32, num_layers=1, seed=16),
+    }
+
+
+def _tree_spec(algorithm, steps, topk, tokens, draft=None):
+    return SpecConfig(algorithm, steps, topk, tokens, None if draft is None else str(draft))
+
+
+def _check_lossless(ckpts, target, spec, prepare=None):
+    """Greedy rows (sharing batches with sampled ones) equal plain decoding, logprobs included; returns the
+    engine's accept length."""
+    base_engine = EngineCore(str(ckpts[target]), None, max_running_requests=4)
+    tok = base_engine.tokenizer
+    base = generate(base_engine, make_requests(tok, logprob=True))
+    engine = EngineCore(str(ckpts[target]), spec, max_running_requests=4)
+    if prepare is not None:
+        prepare(engine)
+    outs = generate(engine, make_requests(tok, temps=[0.0, 0.0, 0.9], logprob=True), join_every=3)
+    for rid, o in base.items():
+        if int(rid[1:]) % 3 != 2:
+            assert o.output_ids == outs[rid].output_ids, (spec, rid)
+            assert o.finish_reason == outs[rid].finish_reason
+            torch.testing.assert_close(torch.tensor(outs[rid].output_logprobs), torch.tensor(o.output_logprobs),
+                                       atol=1e-4, rtol=0)
+    verified = [o for o in outs.values() if o.spec_verify_ct]
+    assert verified and all(o.spec_draft_token_num == o.spec_verify_ct * (spec.speculative_num_draft_tokens - 1)
+                            for o in verified)
+    assert 1.0 <= engine.avg_spec_accept_length <= spec.speculative_num_steps + 1
+    return engine.avg_spec_accept_length
+
+
+def _check_sampling(ckpts, target, spec, min_accept):
+    """Sampled output follows the target distribution (the plain sampler's exact marginals of tokens 2 and 3)."""
+    prompt, temperature, n = [5, 6, 7, 5, 6], 1.3, 3000
+    engine = EngineCore(str(ckpts[target]), spec, max_running_requests=64, seed=0)
+    params = SamplingParams(temperature=temperature, max_new_tokens=3, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(Request(str(i), prompt, params))
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    accepted = sum(o.spec_accept_token_num for o in outs)
+    assert min_accept * n < accepted < sum(o.spec_draft_token_num for o in outs)
+    p2, p3 = _exact_marginals(str(ckpts[target]), prompt, temperature)
+    t2 = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=16)
+    t3 = torch.bincount(torch.tensor([o.output_ids[2] for o in outs]), minlength=16)
+    assert chi_square_pvalue(t2, p2) > 1e-3
+    assert chi_square_pvalue(t3, p3) > 1e-3
+
+
+@pytest.mark.parametrize("steps,topk,tokens", TREES)
+def test_mtp_tree_greedy_equals_plain_decoding(ckpts, steps, topk, tokens):
+    accept = _check_lossless(ckpts, "mimo", _tree_spec("EAGLE", steps, topk, tokens), prepare=_copy_target_into_mtp)
+    assert accept > 1.8  # a good draft's trees are accepted: the moved KV and the draft's catch-up are exercised
+
+
+def _reference_mtp_logits(engine, ckpts, tokens, path):
+    """The MTP layer's logits after `path` (draft tokens after the pending one), recomputed from scratch: target
+    forward, MTP extend over x_1..x_n, then one chained step per path token."""
+    model, n = engine.model, len(tokens) - 1
+    ids, pos = torch.tensor([tokens[:n]]), torch.arange(n)[None]
+    hidden = model(ids, pos, model.new_cache(1, n + len(path) + 2), torch.tensor([0]))
+    cache = model.new_mtp_cache(1, n + len(path) + 2)
+    out = model.mtp_forward(torch.tensor([tokens[1:]]), hidden, pos, cache, torch.tensor([0]))[:, -1]
+    for j, t in enumerate(path):
+        out = model.mtp_forward(torch.tensor([[t]]), out[:, None], torch.tensor([[n + j]]), cache,
+                                torch.tensor([0]))[:, 0]
+    return model.logits(out)[0]
+
+
+def _reference_eagle3_logits(engine, ckpts, tokens, path):
+    """The EAGLE3 draft's logits after `path`, recomputed by a fresh chain drafter: target aux states over the
+    context, a draft extend over x_1..x_n, then one chained step per path token."""
+    target, n = engine.model, len(tokens) - 1
+    d = load_eagle3_drafter(target, str(ckpts["llama_eagle3"]), k=1, slots=1, max_seq=n + len(path) + 2)
+    ids, pos, slot = torch.tensor([tokens[:n]]), torch.arange(n)[None], torch.tensor([0])
+    _, aux = target(ids, pos, target.new_cache(1, n + 1), slot, aux_layer_ids=d.aux_layer_ids)
+    logits, out = d.step(torch.tensor([tokens[1:]]), aux, pos, slot)
+    logits, hidden = logits[:, -1], out[:, -1]
+    for j, t in enumerate(path):
+        logits, out = d.step(torch.tensor([[t]]), hidden[:, None], torch.tensor([[n + j]]), slot, num_keys=n + j + 1)
+        logits, hidden = logits[:, 0], out[:, 0]
+    return d.target_vocab_logits(logits)[0]
+
+
+def _reference_standalone_logits(engine, ckpts, tokens, path):
+    """The draft model's logits after the row's tokens and `path`, by one full forward."""
+    draft = engine.drafter.draft
+    seq = torch.tensor([tokens + path])
+    hidden = draft(seq, torch.arange(seq.shape[1])[None], draft.new_cache(1, seq.shape[1]), torch.tensor([0]))
+    return draft.logits(hidden[0, -1])
+
+
+@pytest.mark.parametrize("target,spec,reference", [
+    ("mimo", ("EAGLE", None), _reference_mtp_logits),
+    ("llama", ("EAGLE3", "llama_eagle3"), _reference_eagle3_logits),
+    ("llama", ("STANDALONE", "llama_small"), _reference_standalone_logits),
+])
+def test_tree_nodes_are_the_top_k_of_their_parents_draft_distribution(ckpts, target, spec, reference):
+    """Each node's token is among the top-k of the draft distribution at its parent, recomputed from scratch over
+    the parent's path: the frontier's tree attention (context + own ancestors) and state hand-off are right."""
+    steps, topk, tokens = 3, 4, 8
+    algorithm, draft = spec
+    engine = EngineCore(str(ckpts[target]), _tree_spec(algorithm, steps, topk, tokens, draft and ckpts[draft]),
+                        max_running_requests=4)
+    if algorithm == "EAGLE":
+        _copy_target_into_mtp(engine)
+    recorded = []
+    draft_tree = engine.drafter.tree_draft
+
+    def recording(rows, shape):
+        t = draft_tree(rows, shape)
+        if len(recorded) < 6:
+            recorded.extend((list(r.tokens), t.tokens[i].tolist(), t.parent[i].tolist()) for i, r in enumerate(rows))
+        return t
+
+    engine.drafter.tree_draft = recording
+    generate(engine, make_requests(engine.tokenizer)[:4])
+    assert len(recorded) >= 6
+    for row_tokens, node_tokens, parent in recorded:
+        for node in range(1, tokens):
+            path, p = [], parent[node]
+            while p > 0:
+                path.insert(0, node_tokens[p])
+                p = parent[p]
+            with torch.no_grad():
+                probs = torch.softmax(reference(engine, ckpts, row_tokens, path).float(), -1)
+            assert probs[node_tokens[node]] >= probs.topk(topk).values[-1] - 1e-5, (row_tokens, node)
+
+
+def test_mtp_tree_sampling_follows_the_target_distribution(ckpts):
+    _check_sampling(ckpts, "v16_mimo", _tree_spec("EAGLE", 2, 4, 6), min_accept=0.05)
+
+
+@pytest.mark.parametrize("steps,topk,tokens", TREES)
+def test_eagle3_tree_greedy_equals_plain_decoding(ckpts, steps, topk, tokens):
+    _check_lossless(ckpts, "llama", _tree_spec("EAGLE3", steps, topk, tokens, ckpts["llama_eagle3"]))
+
+
+def test_eagle3_tree_sampling_follows_the_target_distribution(ckpts):
+    _check_sampling(ckpts, "v16", _tree_spec("EAGLE3", 2, 4, 6, ckpts["v16_eagle3"]), min_accept=0.02)
+
+
+@pytest.mark.parametrize("steps,topk,tokens", TREES)
+def test_standalone_tree_greedy_equals_plain_decoding(ckpts, steps, topk, tokens):
+    _check_lossless(ckpts, "llama", _tree_spec("STANDALONE", steps, topk, tokens, ckpts["llama_small"]))
+
+
+def test_standalone_tree_with_the_target_as_draft_accepts_every_verify(ckpts):
+    """A draft equal to the target, greedy: the root's most likely child has the highest score of the whole tree,
+    so it is always verified and accepted; deeper nodes are accepted where the greedy path stayed in the tree.
+    The output stays plain decoding's, so the moved KV is right."""
+    _check_lossless(ckpts, "llama", _tree_spec("STANDALONE", 3, 2, 6, ckpts["llama"]))
+    engine = EngineCore(str(ckpts["llama"]), _tree_spec("STANDALONE", 3, 2, 6, ckpts["llama"]), max_running_requests=4)
+    outs = generate(engine, make_requests(engine.tokenizer))
+    assert all(o.spec_accept_token_num >= o.spec_verify_ct for o in outs.values())
+    assert engine.avg_spec_accept_length > 2.5
+
+
+def test_standalone_tree_sampling_follows_the_target_distribution(ckpts):
+    _check_sampling(ckpts, "v16", _tree_spec("STANDALONE", 2, 4, 6, ckpts["v16_small"]), min_accept=0.02)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU machine)")
+@pytest.mark.parametrize("target,algorithm,draft", [("mimo", "EAGLE", None), ("llama", "EAGLE3", "llama_eagle3"),
+                                                    ("llama", "STANDALONE", "llama_small")])
+def test_cuda_tree_greedy_equals_cpu_plain_decoding(ckpts, target, algorithm, draft):
+    """On CUDA the tree steps run eagerly beside the captured chain/decode graphs; greedy output is unchanged."""
+    cpu = EngineCore(str(ckpts[target]), None, max_running_requests=4)
+    base = generate(cpu, make_requests(cpu.tokenizer))
+    for steps, topk, tokens in TREES:
+        engine = EngineCore(str(ckpts[target]), _tree_spec(algorithm, steps, topk, tokens, draft and ckpts[draft]),
+                            device="cuda", max_running_requests=4)
+        outs = generate(engine, make_requests(engine.tokenizer, logprob=True))
+        for rid, o in base.items():
+            assert outs[rid].output_ids == o.output_ids, (algorithm, steps, topk, rid)
