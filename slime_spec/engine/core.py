@@ -16,7 +16,7 @@ import torch
 
 from slime_spec.dtypes import canonical_dtype
 from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model
-from slime_spec.engine import sampling, spec_policy, weight_updater
+from slime_spec.engine import sampling, spec_policy, tree, weight_updater
 from slime_spec.engine.drafters import make_drafter
 from slime_spec.engine.model import load_model
 from slime_spec.engine.overlap import OverlapDecode
@@ -495,10 +495,13 @@ class EngineCore:
         if self.device.type != "cuda" or self.cuda_graph.disable:
             return
         mtp_cache = getattr(self.drafter, "cache", None) if getattr(self.drafter, "target", None) is self.model else None
+        widest = self.policy.max_k if self.policy is not None else 0
+        shape = tree.tree_shape(self.spec)
+        if shape is not None:  # a tree verifies eagerly (its mask is per step); the MTP catch-up spans <= steps + 1
+            widest = shape.steps
         self.model.graphs = graph_model(self.model, self.cache, mtp_cache, self.cuda_graph,
                                         max_running_requests=self.max_running_requests,
-                                        max_draft_tokens=self.policy.max_k if self.policy is not None else 0,
-                                        max_seq=self.max_seq)
+                                        max_draft_tokens=widest, max_seq=self.max_seq)
         self.graph_capture_seconds = sum(g.capture_seconds for g in self.model.graphs.values())
 
     @staticmethod

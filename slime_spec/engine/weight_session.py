@@ -61,12 +61,17 @@ class WeightSession:
         """Keep, once per session, a copy of every served tensor named that `selector` reaches (the served
         tensors are looked up once per update, not once per tensor)."""
         served = {role: core.named_weights(role) for role in roles_of(selector)}
+        copies: dict[tuple, torch.Tensor] = {}  # one copy of a tensor several runners serve (MiMo's embedding)
 
         def snapshot(names: set[str]) -> None:
             for role, weights in served.items():
                 saved = self.backup.setdefault(role, {})
                 for name in names & weights.keys() - saved.keys():
-                    saved[name] = self.snapshots.copy_of(role, name, weights[name])
+                    tensor = weights[name]
+                    key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+                    if key not in copies:
+                        copies[key] = self.snapshots.copy_of(role, name, tensor)
+                    saved[name] = copies[key]
         return snapshot
 
     def snapshot_bytes(self) -> tuple[int, int]:
