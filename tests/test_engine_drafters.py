@@ -461,7 +461,7 @@ def test_ngram_cache_finds_the_longest_suffix_seen_before():
     """The rolling-hash n-gram cache against a brute force over every token list it indexed."""
     from slime_spec.engine.drafters.ngram import NgramDrafter
 
-    class Row:  # what the drafter reads of core._Row
+    class Row:  # what the drafter reads of request.Row
         def __init__(self, tokens):
             self.tokens, self.ngram_upto, self.draft_state = tokens, 1, {}
 

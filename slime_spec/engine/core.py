@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,90 +19,12 @@ from slime_spec.engine import sampling, spec_policy, tree, weight_updater
 from slime_spec.engine.drafters import make_drafter
 from slime_spec.engine.model import load_model
 from slime_spec.engine.overlap import OverlapDecode
+from slime_spec.engine.request import NAN_FINISH, Output, Request, SamplingParams, Row
 from slime_spec.engine.speculative import spec_step
 from slime_spec.spec import SpecConfig, check_resolved
 from slime_spec.threads import intra_op_threads
 
 __all__ = ["EngineCore", "Output", "Request", "SamplingParams", "SpecConfig"]
-
-NAN_FINISH = {"type": "stop", "matched": "NaN happened"}  # SGLang's FINISH_MATCHED_STR for non-finite logits
-
-
-@dataclass
-class SamplingParams:
-    """SGLang's names and defaults (sglang/srt/sampling/sampling_params.py)."""
-
-    temperature: float = 1.0     # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = -1              # -1 = off
-    min_p: float = 0.0
-    max_new_tokens: int = 128
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-
-    def validate(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not (self.temperature >= 0 and self.temperature != float("inf")):
-            raise ValueError(f"temperature must be a non-negative finite number, got {self.temperature}.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.top_k != -1 and self.top_k < 1:
-            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
-        if self.max_new_tokens is None or self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
-
-
-@dataclass
-class Request:
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    return_logprob: bool = False
-    history: object = None  # drafters.history.HistoryRef: the slime-spec extension `slime_history`
-
-
-@dataclass
-class Output:
-    rid: str
-    output_ids: list[int]
-    output_logprobs: list[float] | None   # the target's logprob of each output token (see sampling.py)
-    finish_reason: dict                   # SGLang's finish_reason JSON: length | stop (matched) | abort
-    prompt_tokens: int
-    completion_tokens: int
-    spec_verify_ct: int                   # verify passes of this request
-    spec_accept_token_num: int            # accepted draft tokens (bonus tokens excluded)
-    spec_draft_token_num: int             # draft tokens proposed
-    text: str                             # detokenized output
-
-
-@dataclass(eq=False)
-class _Row:
-    req: Request
-    slot: int = -1
-    tokens: list[int] = field(default_factory=list)  # prompt + output
-    kv_len: int = 0                                  # tokens in the target KV cache: all but the pending last
-    logprobs: list[float] = field(default_factory=list)
-    finish: dict | None = None
-    verify_ct: int = 0
-    accept_num: int = 0
-    draft_num: int = 0
-    draft_cached_len: int = 0                        # STANDALONE: tokens in the draft model's KV cache
-    draft_state: dict = field(default_factory=dict)  # drafters' per-row state (n-gram hashes, history cursors)
-    ngram_upto: int = 1                              # NGRAM: n-grams ending before this position are indexed
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.req.input_ids)
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
 
 
 def _eos_ids(model_path: Path, config: dict, tokenizer) -> set[int]:
@@ -166,12 +87,12 @@ class EngineCore:
         self.graph_capture_seconds = 0.0
         self._capture_graphs()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.waiting: deque[_Row] = deque()
-        self.running: list[_Row] = []
-        self._rows: dict[str, _Row] = {}      # rid -> row, for every request not yet returned by step()
+        self.waiting: deque[Row] = deque()
+        self.running: list[Row] = []
+        self._rows: dict[str, Row] = {}      # rid -> row, for every request not yet returned by step()
         self._aborted_waiting = 0             # rows in `waiting` marked aborted, removed at the next step
         self.free_slots = list(range(max_running_requests))
-        self._finished_early: list[_Row] = []
+        self._finished_early: list[Row] = []
         self._accept_tokens = 0  # sum over verify passes of (accepted + 1), as SGLang's avg_spec_accept_length
         self._verify_passes = 0
         self._released: set[str] = set()
@@ -211,7 +132,7 @@ class EngineCore:
                              f"{len(ids) + req.params.max_new_tokens} tokens: {len(ids)} tokens from the input "
                              f"messages and {req.params.max_new_tokens} tokens for the completion. Please reduce "
                              "the number of tokens in the input messages or the completion to fit within the limit.")
-        row = _Row(req=req, tokens=list(ids))
+        row = Row(req=req, tokens=list(ids))
         self.waiting.append(row)
         self._rows[req.rid] = row
 
@@ -294,7 +215,7 @@ class EngineCore:
             self._rows.pop(r.req.rid, None)
         return [self._output(r) for r in done]
 
-    def _params(self, rows: list[_Row]):
+    def _params(self, rows: list[Row]):
         """(greedy, temperatures, top_ks, top_ps, min_ps) per row, on the device. Built once per batch
         composition: between admissions and finishes every step reuses them (on a GPU each rebuild is five
         host-to-device copies on the decode step's critical path)."""
@@ -332,12 +253,12 @@ class EngineCore:
         mask = bad.view(-1, *([1] * (logits.dim() - 1)))
         return logits.masked_fill(mask, 0.0), set(bad.nonzero().flatten().tolist())
 
-    def _pick(self, rows: list[_Row], logits: torch.Tensor) -> tuple[list[int], list[float] | None]:
+    def _pick(self, rows: list[Row], logits: torch.Tensor) -> tuple[list[int], list[float] | None]:
         """Next token per row from logits [B, V] (greedy or SGLang-filtered sampling), plus logprobs if asked."""
         tokens, logprobs = self._pick_on_device(rows, logits)
         return tokens.tolist(), None if logprobs is None else logprobs.tolist()
 
-    def _pick_on_device(self, rows: list[_Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _pick_on_device(self, rows: list[Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`_pick` without reading back: tokens [B] and logprobs [B] (or None) stay on the device."""
         greedy, temps, top_ks, top_ps, min_ps = self._params(rows)
         tokens = logits.argmax(-1)
@@ -353,7 +274,7 @@ class EngineCore:
             logprobs = sampling.token_logprobs(logits, temps, greedy, tokens)
         return tokens, logprobs
 
-    def _prefill(self, rows: list[_Row]) -> None:
+    def _prefill(self, rows: list[Row]) -> None:
         dev = self.device
         width = max(len(r.tokens) for r in rows)
         ids = torch.tensor([r.tokens + [0] * (width - len(r.tokens)) for r in rows], device=dev)
@@ -376,7 +297,7 @@ class EngineCore:
         if self.drafter is not None and alive:
             self.drafter.on_prefill([rows[i] for i in alive], features[torch.tensor(alive, device=dev)])
 
-    def _decode(self, rows: list[_Row]) -> torch.Tensor:
+    def _decode(self, rows: list[Row]) -> torch.Tensor:
         """One plain step for every row; returns the target's hidden states [B, 1, H] (for a drafter to keep).
         One host-to-device copy in (token, position, slot per row) and one read back (tokens, the non-finite
         flags, logprobs): on a GPU every extra copy or sync is time the device sits idle."""
@@ -397,11 +318,11 @@ class EngineCore:
                 row.finish = dict(NAN_FINISH)
         return hidden
 
-    def _spec_step(self, rows: list[_Row]) -> None:
+    def _spec_step(self, rows: list[Row]) -> None:
         spec_step(self, rows)
 
     # ------------------------------------------------------------------ finishing
-    def _append(self, row: _Row, tokens: list[int], logprobs: list[float] | None) -> None:
+    def _append(self, row: Row, tokens: list[int], logprobs: list[float] | None) -> None:
         """Append tokens one by one, stopping at the first finish (SGLang's order: stop string, token, length)."""
         p = row.req.params
         for j, t in enumerate(tokens):
@@ -421,7 +342,7 @@ class EngineCore:
             if row.finish is not None:
                 return
 
-    def _matched_stop_str(self, row: _Row) -> str | None:
+    def _matched_stop_str(self, row: Row) -> str | None:
         p = row.req.params
         window = max(len(s) for s in p.stop) + 1
         tail = self.tokenizer.decode(row.output_ids[-window:])
@@ -430,7 +351,7 @@ class EngineCore:
                 return s
         return None
 
-    def _output(self, row: _Row) -> Output:
+    def _output(self, row: Row) -> Output:
         p = row.req.params
         out = row.output_ids
         text_ids = out

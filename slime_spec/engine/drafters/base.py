@@ -8,7 +8,7 @@ Chain drafters with a distribution (MTP, STANDALONE) also implement the optional
 engine's `pick` turns each step's draft logits into tokens and, when drafting by sampling, the distribution q each
 token was sampled from; verification then uses q (accept with min(1, p/q), resample from max(0, p - q)).
 
-Row state the engine keeps (see core._Row): `tokens` (prompt + output), `kv_len` (tokens whose keys/values are
+Row state the engine keeps (see request.Row): `tokens` (prompt + output), `kv_len` (tokens whose keys/values are
 in the target cache: all but the last, pending one), `slot` (cache row). The settings come from
 `slime_spec.spec.SpecConfig`, resolved and checked for this engine before `make_drafter` runs.
 
