@@ -279,10 +279,11 @@ def test_standalone_tree_sampling_follows_the_target_distribution(ckpts):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU machine)")
 @pytest.mark.parametrize("target,algorithm,draft", [("mimo", "EAGLE", None), ("llama", "EAGLE3", "llama_eagle3"),
                                                     ("llama", "STANDALONE", "llama_small")])
-def test_cuda_tree_greedy_equals_cpu_plain_decoding(ckpts, target, algorithm, draft):
-    """On CUDA the tree steps run eagerly beside the captured chain/decode graphs; greedy output is unchanged."""
-    cpu = EngineCore(str(ckpts[target]), None, max_running_requests=4)
-    base = generate(cpu, make_requests(cpu.tokenizer))
+def test_cuda_tree_greedy_equals_plain_decoding(ckpts, target, algorithm, draft):
+    """On CUDA the tree steps run eagerly beside the captured chain/decode graphs; greedy output equals plain decoding
+    on the same device (CPU and CUDA kernels may round differently, so the reference runs on CUDA too)."""
+    plain = EngineCore(str(ckpts[target]), None, device="cuda", max_running_requests=4)
+    base = generate(plain, make_requests(plain.tokenizer))
     for steps, topk, tokens in TREES:
         engine = EngineCore(str(ckpts[target]), _tree_spec(algorithm, steps, topk, tokens, draft and ckpts[draft]),
                             device="cuda", max_running_requests=4)
