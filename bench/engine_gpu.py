@@ -44,10 +44,10 @@ from slime_spec.tiny_model import make_tiny_model
 SHAPES = {"full": dict(hidden_size=1536, num_layers=24, num_heads=12, num_kv_heads=2, intermediate_size=4096),
           "quick": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512)}
 # Flags left unset take these values: the full run, or --quick (a minute on a CPU, to check the script).
-DEFAULTS = {"full": dict(new_tokens=128, plain_batches="1,8,32", spec_batches="1,8,32,128", repeats=2,
+DEFAULTS = {"full": dict(vocab=32000, new_tokens=128, plain_batches="1,8,32", spec_batches="1,8,32,128", repeats=2,
                          tail_requests=64, train_steps=600, train_prompts=256, draft_layers=2),
-            "quick": dict(new_tokens=32, plain_batches="1,4", spec_batches="1,4", repeats=1,
-                          tail_requests=8, train_steps=40, train_prompts=16, draft_layers=1)}
+            "quick": dict(vocab=4096, new_tokens=32, plain_batches="1,4", spec_batches="1,4", repeats=1,
+                          tail_requests=8, train_steps=20, train_prompts=8, draft_layers=1)}
 
 
 def sync() -> None:
@@ -136,6 +136,20 @@ def greedy_corpus(core: EngineCore, teacher: CausalLM, batch: list[list[int]], n
             hidden.append(teacher(tokens[rows], positions, teacher.new_cache(len(rows), length),
                                   torch.arange(len(rows), device=core.device), num_keys=length))
     return Corpus(tokens, torch.cat(hidden), len(batch[0]))
+
+
+def init_mtp_from_trunk(model: CausalLM) -> None:
+    """Start the MTP layer as the target's first layer run on the next token: input_proj passes the token
+    embedding through (the hidden-state half starts at zero), the decoder layer and final norm are the target's
+    layer 0 and final norm. Its drafts then begin where a 1-layer truncation of the target is (a random MTP
+    layer agrees with the target on no token); distillation then teaches it to use the hidden state too."""
+    mtp, h = model.model.mtp_layers[0], model.args.hidden_size
+    with torch.no_grad():
+        mtp.load_state_dict(model.model.layers[0].state_dict(), strict=False)
+        mtp.input_proj.weight.zero_()
+        mtp.input_proj.weight[:, h:] = torch.eye(h)
+        mtp.token_layernorm.weight.fill_(1.0)
+        mtp.final_layernorm.weight.copy_(model.model.norm.weight)
 
 
 def describe(corpus: Corpus) -> str:
@@ -227,7 +241,7 @@ def distill(params: list[torch.nn.Parameter], student_teacher, corpus: Corpus, h
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--vocab", type=int, default=None)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--plain-batches", default=None)
@@ -393,6 +407,7 @@ def train_drafts(a, mimo: Path, llama: Path, tmp: Path, core: EngineCore, shape:
     held_out = greedy_corpus(core, teacher, prompts(8, a.prompt_len, a.vocab, seed=4321), a.new_tokens)
     del core
     print(f"\ntraining corpus: {describe(corpus)}")
+    init_mtp_from_trunk(teacher)
     distill(list(teacher.model.mtp_layers.parameters()), partial(mtp_student, teacher), corpus, held_out,
             a.train_steps, a.train_lr, a.train_batch, "MTP layer")
     mtp_weights = [(n, t.detach().clone()) for n, t in teacher.state_dict().items() if "mtp_layers" in n]
