@@ -1,15 +1,22 @@
 """The embedded engine on one GPU: plain decode against the memory roofline and transformers, then speculative
-decoding with a briefly trained MTP draft, NGRAM, and adaptive/auto draft lengths, side by side in one run.
+decoding with drafts trained briefly on the target's own outputs (MTP, a small STANDALONE draft), NGRAM,
+adaptive/auto draft lengths and the exact-draft ceiling, side by side in one run.
 
     python bench/engine_gpu.py                  # 0.7B Llama layout (hidden 1536, 24 layers), bf16
-    python bench/engine_gpu.py --quick          # a small model, to check the script
+    python bench/engine_gpu.py --quick --device cpu   # a small model, to check the script
 
 1. Roofline: bytes of weights (+ KV read per token) / the measured device-to-device copy bandwidth.
 2. Plain decode tokens/s at batch 1/8/32, CUDA graphs on and off, and transformers' generate on the same
    checkpoint (eager, dynamic cache).
-3. Speculative rows at batch 1/8/32/128 on a MiMo copy of the target (same base tensors + one MTP layer). The MTP
-   layer is trained inside the bench on the target's own greedy outputs (trunk frozen), so its accept length is
-   what a draft that learned this target reaches; NGRAM drafts from the prompt and every request's tokens.
+3. Speculative rows at batch 1/8/32/128 on a MiMo copy of the target (same base tensors + one MTP layer).
+   Two drafts learn the target inside the bench, on its greedy continuations of --train-prompts random prompts:
+   the MTP layer (trunk frozen) and a STANDALONE draft made of the target's first --draft-layers layers,
+   embedding and lm_head (its layers trained). Both are distilled in float32 on the target's whole next-token
+   distribution (soft cross-entropy), and the bench prints their top-1 agreement with the target on held-out
+   continuations: the per-token accept rate to expect. NGRAM drafts from the prompt and every request's tokens.
+   The ceiling: a target whose layers from --draft-layers on are identity, drafted by STANDALONE with its first
+   layers (bench/engine_models.make_exact_pair): every draft is accepted at the cost of those layers; it is
+   compared with plain decoding of that target.
 Every row decodes `--new-tokens` tokens per request (ignore_eos) from random prompts; tokens/s counts generated
 tokens over wall time, prefill included; ratios are to plain decoding at the same batch, measured in the same run
 with repeats interleaved.
@@ -18,19 +25,29 @@ with repeats interleaved.
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
+from engine_models import make_exact_pair, save_checkpoint  # run as `python bench/engine_gpu.py`
 
 from slime_spec.engine.core import EngineCore, Request, SamplingParams
 from slime_spec.engine.cuda_graph import CudaGraphSettings
+from slime_spec.engine.model import CausalLM, load_model
 from slime_spec.spec import SpecConfig, resolve_or_raise
 from slime_spec.tiny_model import make_tiny_model
 
 SHAPES = {"full": dict(hidden_size=1536, num_layers=24, num_heads=12, num_kv_heads=2, intermediate_size=4096),
           "quick": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512)}
+# Flags left unset take these values: the full run, or --quick (a minute on a CPU, to check the script).
+DEFAULTS = {"full": dict(vocab=32000, new_tokens=128, plain_batches="1,8,32", spec_batches="1,8,32,128", repeats=2,
+                         tail_requests=64, train_steps=600, train_prompts=256, draft_layers=2),
+            "quick": dict(vocab=4096, new_tokens=32, plain_batches="1,4", spec_batches="1,4", repeats=1,
+                          tail_requests=8, train_steps=20, train_prompts=8, draft_layers=1)}
 
 
 def sync() -> None:
@@ -93,66 +110,159 @@ def run_long_tail(core: EngineCore, batch: list[list[int]], lengths: list[int]) 
     return total, (total - (t90 - t)) / total
 
 
-def train_mtp(core: EngineCore, batch: list[list[int]], new_tokens: int, steps: int, lr: float) -> float:
-    """Train the MTP layer on the target's own greedy continuations of `batch` (trunk frozen); returns the last
-    loss. The MTP layer at position p reads (x_{p+1}, h_p) and predicts x_{p+2}, as the engine drafts."""
-    model = core.model
-    model.unfuse_projections()  # train the separate parameters (the fused matmuls would bypass their gradients)
+# ---- drafts trained on the target's own outputs
+@dataclass
+class Corpus:
+    """Prompts + the target's greedy continuations [n, T], and the fp32 trunk's final-normed hidden states
+    [n, T, H]: the MTP layer's input, and (through the lm_head) the teacher distribution at every position."""
+    tokens: torch.Tensor
+    hidden: torch.Tensor
+    prompt_len: int
+
+
+def greedy_corpus(core: EngineCore, teacher: CausalLM, batch: list[list[int]], new_tokens: int) -> Corpus:
     for i, ids in enumerate(batch):
-        core.add_request(Request(rid=f"t{i}", input_ids=ids, params=SamplingParams(
+        core.add_request(Request(rid=f"c{i}", input_ids=ids, params=SamplingParams(
             temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)))
     seqs = {}
     while core.has_work():
         seqs.update({o.rid: o.output_ids for o in core.step()})
-    tokens = torch.tensor([ids + seqs[f"t{i}"] for i, ids in enumerate(batch)], device=core.device)
+    tokens = torch.tensor([ids + seqs[f"c{i}"] for i, ids in enumerate(batch)], device=core.device)
     n, length = tokens.shape
-    positions = torch.arange(length, device=core.device)[None].expand(n, length)
-    slots = torch.arange(n, device=core.device)
+    hidden = []
     with torch.no_grad():
-        hidden = model.eager_forward(tokens, positions, model.new_cache(n, length), slots)
-    mtp = model.model.mtp_layers[0]
-    params = [p for p in mtp.parameters()]
-    master = [p.detach().float().clone().requires_grad_(True) for p in params]
-    opt = torch.optim.AdamW(master, lr=lr, weight_decay=0.0)
-    loss = torch.tensor(0.0)
+        for rows in torch.arange(n, device=core.device).split(16):
+            positions = torch.arange(length, device=core.device)[None].expand(len(rows), length)
+            hidden.append(teacher(tokens[rows], positions, teacher.new_cache(len(rows), length),
+                                  torch.arange(len(rows), device=core.device), num_keys=length))
+    return Corpus(tokens, torch.cat(hidden), len(batch[0]))
+
+
+def init_mtp_from_trunk(model: CausalLM) -> None:
+    """Start the MTP layer as the target's first layer run on the next token: input_proj passes the token
+    embedding through (the hidden-state half starts at zero), the decoder layer and final norm are the target's
+    layer 0 and final norm. Its drafts then begin where a 1-layer truncation of the target is (a random MTP
+    layer agrees with the target on no token); distillation then teaches it to use the hidden state too."""
+    mtp, h = model.model.mtp_layers[0], model.args.hidden_size
+    with torch.no_grad():
+        mtp.load_state_dict(model.model.layers[0].state_dict(), strict=False)
+        mtp.input_proj.weight.zero_()
+        mtp.input_proj.weight[:, h:] = torch.eye(h)
+        mtp.token_layernorm.weight.fill_(1.0)
+        mtp.final_layernorm.weight.copy_(model.model.norm.weight)
+
+
+def describe(corpus: Corpus) -> str:
+    """How repetitive the target's continuations are: distinct tokens per continuation, and the share of next
+    tokens that repeat what followed the current token's previous occurrence (what an n-gram draft copies)."""
+    distinct, copied, total = [], 0, 0
+    for seq in corpus.tokens.tolist():
+        out = seq[corpus.prompt_len:]
+        distinct.append(len(set(out)))
+        last_next: dict[int, int] = {}
+        for i in range(len(seq) - 1):
+            if i >= corpus.prompt_len:
+                copied += last_next.get(seq[i]) == seq[i + 1]
+                total += 1
+            last_next[seq[i]] = seq[i + 1]
+    distinct.sort()
+    return (f"{len(distinct)} continuations of {len(out)} tokens: median {distinct[len(distinct) // 2]} distinct "
+            f"tokens, {copied / max(total, 1):.0%} of next tokens repeat what followed the previous occurrence")
+
+
+def mtp_student(model: CausalLM, corpus: Corpus, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(MTP logits, teacher logits) [b, T-1, V]: at position p the MTP layer reads (x_{p+1}, h_p) and predicts
+    x_{p+2}, exactly as the engine drafts (drafters/mtp.py); the teacher is the target's distribution at p+1."""
+    tokens, hidden = corpus.tokens[rows], corpus.hidden[rows]
+    b, length = tokens.shape
+    positions = torch.arange(length - 1, device=tokens.device)[None].expand(b, length - 1)
+    out = model.eager_mtp_forward(tokens[:, 1:], hidden[:, :-1], positions, model.new_mtp_cache(b, length),
+                                  torch.arange(b, device=tokens.device), num_keys=length - 1)
+    with torch.no_grad():
+        teacher = model.logits(hidden[:, 1:])
+    return model.logits(out), teacher
+
+
+def standalone_student(draft: CausalLM, target: CausalLM, corpus: Corpus, rows: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(draft logits, teacher logits) [b, T, V]: the draft reads what the target reads."""
+    tokens = corpus.tokens[rows]
+    b, length = tokens.shape
+    positions = torch.arange(length, device=tokens.device)[None].expand(b, length)
+    hidden = draft(tokens, positions, draft.new_cache(b, length), torch.arange(b, device=tokens.device),
+                   num_keys=length)
+    with torch.no_grad():
+        teacher = target.logits(corpus.hidden[rows])
+    return draft.logits(hidden), teacher
+
+
+def agreement(student_teacher, corpus: Corpus) -> float:
+    """Top-1 agreement with the target over the continuation positions: a greedy draft's per-token accept rate."""
+    same = []
+    with torch.no_grad():
+        for rows in torch.arange(len(corpus.tokens), device=corpus.tokens.device).split(16):
+            student, teacher = student_teacher(corpus, rows)
+            same.append((student.argmax(-1) == teacher.argmax(-1))[:, corpus.prompt_len:])
+    return torch.cat(same).float().mean().item()
+
+
+def distill(params: list[torch.nn.Parameter], student_teacher, corpus: Corpus, held_out: Corpus, steps: int,
+            lr: float, batch: int, label: str) -> None:
+    """Distil the target's own distribution (soft cross-entropy to its softmax at every position, not just its
+    argmax: 32000 numbers per position instead of one, so the draft learns the target's function rather than
+    memorising a few greedy continuations). AdamW, linear warm-up, cosine decay, gradient clipping."""
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * (0.55 + 0.45 * math.cos(math.pi * min(1.0, s / steps))))
+    before = agreement(student_teacher, held_out)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
     for _ in range(steps):
-        for p, m in zip(params, master):
-            p.data.copy_(m.detach())
-            p.requires_grad_(True)
-            p.grad = None
-        out = model.eager_mtp_forward(tokens[:, 1:-1], hidden[:, :-2], positions[:, :-2],
-                                      model.new_mtp_cache(n, length), slots)
-        logits = model.lm_head(out).float()
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 2:].flatten())
-        loss.backward()
-        for p, m in zip(params, master):
-            m.grad = p.grad.float()
-        opt.step()
+        rows = torch.randperm(len(corpus.tokens), generator=gen)[:batch].to(corpus.tokens.device)
+        student, teacher = student_teacher(corpus, rows)
+        loss = -(teacher.softmax(-1) * student.log_softmax(-1)).sum(-1).mean()
         opt.zero_grad()
-    with torch.no_grad():
-        for p, m in zip(params, master):
-            p.data.copy_(m)
-            p.requires_grad_(False)
-    return loss.item()  # `core` stays unfused (training only); the rows below load these weights into fresh engines
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    for p in params:
+        p.requires_grad_(False)
+    print(f"{label}: {steps} steps on {len(corpus.tokens)} greedy continuations, soft cross-entropy "
+          f"{losses[0]:.2f} -> {losses[-1]:.2f}; top-1 agreement with the target on {len(held_out.tokens)} "
+          f"held-out continuations {before:.1%} -> {agreement(student_teacher, held_out):.1%} "
+          f"(train {agreement(student_teacher, corpus):.1%})", flush=True)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--vocab", type=int, default=None)
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--plain-batches", default="1,8,32")
-    p.add_argument("--spec-batches", default="1,8,32,128")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--train-steps", type=int, default=300)
+    p.add_argument("--new-tokens", type=int, default=None)
+    p.add_argument("--plain-batches", default=None)
+    p.add_argument("--spec-batches", default=None)
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--train-steps", type=int, default=None, help="distillation steps per trained draft")
+    p.add_argument("--train-prompts", type=int, default=None, help="greedy continuations the drafts learn from")
+    p.add_argument("--train-batch", type=int, default=16, help="continuations per distillation step")
+    p.add_argument("--train-lr", type=float, default=1e-3, help="peak AdamW learning rate of the distillation")
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="layers of the trained STANDALONE draft and of the exact draft (the target's first layers)")
     p.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--device", default="cuda", help="cpu only to check the script (no graphs there)")
     p.add_argument("--torch-compile", action="store_true",
                    help="also time plain decoding with --enable-torch-compile, and run the speculative rows with it")
-    p.add_argument("--tail-requests", type=int, default=64, help="requests in the long-tailed rollout")
+    p.add_argument("--tail-requests", type=int, default=None, help="requests in the long-tailed rollout")
     p.add_argument("--skip-plain", action="store_true", help="skip the plain-decode table (speculative rows only)")
     a = p.parse_args(argv)
+    for flag, value in DEFAULTS["quick" if a.quick else "full"].items():
+        if getattr(a, flag) is None:
+            setattr(a, flag, value)
     dev = torch.device(a.device)
     shape = SHAPES["quick" if a.quick else "full"]
     plain_b = [int(x) for x in a.plain_batches.split(",")]
@@ -230,24 +340,17 @@ def main(argv=None) -> None:
               f"{'' if ref is None else f'{ref:,.0f}'} | {'' if ref is None else f'{best / ref:.1f}x'} |")
     del eager, compiled
 
-    # ---- speculative rows on the MiMo copy, MTP layer trained on the target's own outputs
-    base = engine(mimo)
-    loss = train_mtp(base, prompts(64, a.prompt_len, a.vocab, seed=1234), a.new_tokens, a.train_steps, 1e-3)
-    trained = {n: t.detach().clone() for n, t in base.model.state_dict().items() if "mtp_layers" in n}
-    print(f"\nMTP layer trained {a.train_steps} steps on 64 greedy continuations: final loss {loss:.3f}")
-    eagle = lambda k: SpecConfig("EAGLE", k, 1, k + 1)  # noqa: E731
-    configs = {"plain": (None, {}), "EAGLE k=1": (eagle(1), {}), "EAGLE k=3": (eagle(3), {}),
-               "EAGLE k=3, adaptive": (SpecConfig("EAGLE", 3, 1, 4, speculative_adaptive=True), {}),
-               "EAGLE k=3, --spec-auto": (eagle(3), {"spec_auto": True}),
-               "NGRAM 4 tokens": (resolve_or_raise({"speculative_algorithm": "NGRAM",
-                                                       "speculative_num_draft_tokens": 4}), {})}
+    # ---- speculative rows: drafts trained on the target's own outputs, NGRAM, and the exact-draft ceiling
+    mtp_weights, trained_draft = train_drafts(a, mimo, llama, tmp, engine(mimo), shape, dev)
+    exact_target, exact_draft = make_exact_pair(tmp, {**shape, "vocab_size": a.vocab, "dtype": "bfloat16",
+                                                      "max_position_embeddings": 1024}, a.draft_layers)
+    rows = speculative_rows(mimo, trained_draft, exact_target, exact_draft, a.draft_layers)
     cores = {}
-    for name, (spec, kw) in configs.items():
-        core = engine(mimo, spec, **kw)
-        if core.drafter is not None and getattr(core.drafter, "target", None) is core.model:  # the MTP drafter
-            core.load_weights(list(trained.items()), selector="all")
-        cores[name] = core
-    results = {name: {} for name in configs}
+    for name, (path, spec, kw, _) in rows.items():
+        cores[name] = engine(path, spec, **kw)
+        if getattr(cores[name].drafter, "target", None) is cores[name].model:  # the MTP drafter
+            cores[name].load_weights(mtp_weights, selector="all")
+    results = {name: {} for name in rows}
     for b in spec_b:
         batch = prompts(b, a.prompt_len, a.vocab, seed=100 + b)
         for core in cores.values():
@@ -259,13 +362,12 @@ def main(argv=None) -> None:
                 best = results[name].get(b)
                 if best is None or tps > best[0]:
                     results[name][b] = (tps, acc)
+    del cores
     print("\n| method | " + " | ".join(f"batch {b}: tok/s (accept) vs plain" for b in spec_b) + " |")
     print("|---|" + "---|" * len(spec_b))
     for name, by_b in results.items():
-        cells = []
-        for b in spec_b:
-            tps, acc = by_b[b]
-            cells.append(f"{tps:,.0f} ({acc:.2f}) {tps / results['plain'][b][0]:.2f}x")
+        base = results[rows[name][3]]
+        cells = [f"{by_b[b][0]:,.0f} ({by_b[b][1]:.2f}) {by_b[b][0] / base[b][0]:.2f}x" for b in spec_b]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
     # ---- a rollout-shaped batch: most responses short, a few 10x longer
@@ -280,19 +382,64 @@ def main(argv=None) -> None:
     print("| method | total s | vs plain | share of time after 90% of requests finished |")
     print("|---|---|---|---|")
     tail = {}
-    for name in ("plain", "EAGLE k=3", "EAGLE k=3, adaptive", "EAGLE k=3, --spec-auto", "NGRAM 4 tokens"):
-        spec, kw = configs[name]
-        core = EngineCore(str(mimo), spec, dtype="bfloat16", device=a.device, max_running_requests=max(spec_b),
+    for name in ("plain", "EAGLE k=3", "EAGLE k=3, adaptive", "EAGLE k=3, --spec-auto", "NGRAM 4 tokens",
+                 f"STANDALONE trained {a.draft_layers}-layer k=3"):
+        path, spec, kw, _ = rows[name]
+        core = EngineCore(str(path), spec, dtype="bfloat16", device=a.device, max_running_requests=max(spec_b),
                           context_length=tail_ctx, cuda_graph=compiled_graphs if a.torch_compile and spec else graphs,
                           **kw)
-        if core.drafter is not None and getattr(core.drafter, "target", None) is core.model:
-            core.load_weights(list(trained.items()), selector="all")
+        if getattr(core.drafter, "target", None) is core.model:
+            core.load_weights(mtp_weights, selector="all")
         run(core, batch[:4], 8)
         tail[name] = run_long_tail(core, batch, lengths)
         del core
         print(f"| {name} | {tail[name][0]:.2f} | {tail['plain'][0] / tail[name][0]:.2f}x | {tail[name][1]:.0%} |",
               flush=True)
 
+
+def train_drafts(a, mimo: Path, llama: Path, tmp: Path, core: EngineCore, shape: dict, dev
+                 ) -> tuple[list[tuple[str, torch.Tensor]], Path]:
+    """Train the MiMo copy's MTP layer and a small STANDALONE draft (the target's first --draft-layers layers,
+    embedding and lm_head, then distilled) on the target's own greedy continuations, in float32 off the serving
+    engine. Returns the MTP weights to load into the serving engines and the draft's checkpoint."""
+    teacher, _ = load_model(mimo, dtype="float32", device=a.device)
+    corpus = greedy_corpus(core, teacher, prompts(a.train_prompts, a.prompt_len, a.vocab, seed=1234), a.new_tokens)
+    held_out = greedy_corpus(core, teacher, prompts(8, a.prompt_len, a.vocab, seed=4321), a.new_tokens)
+    del core
+    print(f"\ntraining corpus: {describe(corpus)}")
+    init_mtp_from_trunk(teacher)
+    distill(list(teacher.model.mtp_layers.parameters()), partial(mtp_student, teacher), corpus, held_out,
+            a.train_steps, a.train_lr, a.train_batch, "MTP layer")
+    mtp_weights = [(n, t.detach().clone()) for n, t in teacher.state_dict().items() if "mtp_layers" in n]
+    init = make_tiny_model(tmp / "draft_init", arch="llama", mtp_layers=0, vocab_size=a.vocab, dtype="bfloat16",
+                           max_position_embeddings=1024, init_from=str(llama),
+                           **{**shape, "num_layers": a.draft_layers})
+    draft, _ = load_model(init, dtype="float32", device=a.device)
+    distill([p for n, p in draft.named_parameters() if n.startswith("model.layers.") or n == "model.norm.weight"],
+            partial(standalone_student, draft, teacher), corpus, held_out, a.train_steps, a.train_lr,
+            a.train_batch, f"STANDALONE {a.draft_layers}-layer draft")
+    trained = save_checkpoint(draft.to(torch.bfloat16), init, tmp / "draft")
+    del teacher, draft
+    return mtp_weights, trained
+
+
+def speculative_rows(mimo: Path, trained_draft: Path, exact_target: Path, exact_draft: Path, draft_layers: int
+                     ) -> dict[str, tuple[Path, SpecConfig | None, dict, str]]:
+    """name -> (target checkpoint, speculative settings, engine options, the plain row it is compared with)."""
+    eagle = lambda k: SpecConfig("EAGLE", k, 1, k + 1)  # noqa: E731
+    standalone = lambda draft: resolve_or_raise({  # noqa: E731
+        "speculative_algorithm": "STANDALONE", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+        "speculative_num_draft_tokens": 4, "speculative_draft_model_path": str(draft)})
+    exact_plain = "plain, exact-pair target"
+    return {"plain": (mimo, None, {}, "plain"), "EAGLE k=1": (mimo, eagle(1), {}, "plain"),
+            "EAGLE k=3": (mimo, eagle(3), {}, "plain"),
+            "EAGLE k=3, adaptive": (mimo, SpecConfig("EAGLE", 3, 1, 4, speculative_adaptive=True), {}, "plain"),
+            "EAGLE k=3, --spec-auto": (mimo, eagle(3), {"spec_auto": True}, "plain"),
+            "NGRAM 4 tokens": (mimo, resolve_or_raise({"speculative_algorithm": "NGRAM",
+                                                       "speculative_num_draft_tokens": 4}), {}, "plain"),
+            f"STANDALONE trained {draft_layers}-layer k=3": (mimo, standalone(trained_draft), {}, "plain"),
+            exact_plain: (exact_target, None, {}, exact_plain),
+            f"STANDALONE exact {draft_layers}-layer k=3": (exact_target, standalone(exact_draft), {}, exact_plain)}
 
 if __name__ == "__main__":
     main()
