@@ -87,3 +87,31 @@ def test_fused_projections_give_the_same_output_and_take_in_place_updates():
         model.unfuse_projections()
         torch.testing.assert_close(model(ids, pos, cache, slots), fused, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(fused, ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_standalone_draft_steps_replay_graphs_and_keep_greedy_output(tmp_path):
+    """A STANDALONE draft model's one-token chain steps replay their own graphs; greedy output is unchanged."""
+    from slime_spec.engine.core import EngineCore, Request, SamplingParams
+    from slime_spec.engine.cuda_graph import CudaGraphSettings
+    from slime_spec.spec import resolve_or_raise
+    from slime_spec.tiny_model import make_tiny_model
+
+    target = make_tiny_model(tmp_path / "t", arch="llama", mtp_layers=0, hidden_size=64, num_layers=2, seed=1)
+    draft = make_tiny_model(tmp_path / "d", arch="llama", mtp_layers=0, hidden_size=64, num_layers=1, seed=2)
+    spec = resolve_or_raise({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(draft),
+                             "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+                             "speculative_num_draft_tokens": 4})
+    outputs = []
+    for settings in (CudaGraphSettings(disable=True), CudaGraphSettings()):
+        core = EngineCore(str(target), spec, dtype="float32", device="cuda", max_running_requests=4,
+                          cuda_graph=settings)
+        assert bool(core.drafter.draft.graphs) == (not settings.disable)
+        for i, text in enumerate(["abc", "hello world", "1+1="]):
+            core.add_request(Request(rid=str(i), input_ids=core.tokenizer.encode(text),
+                                     params=SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)))
+        done = {}
+        while core.has_work():
+            done.update({o.rid: o.output_ids for o in core.step()})
+        outputs.append(done)
+    assert outputs[0] == outputs[1]

@@ -17,7 +17,7 @@ from slime_spec.dtypes import canonical_dtype
 from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model
 from slime_spec.engine import sampling, spec_policy, tree, weight_updater
 from slime_spec.engine.drafters import make_drafter
-from slime_spec.engine.model import load_model
+from slime_spec.engine.model import CausalLM, load_model
 from slime_spec.engine.overlap import OverlapDecode
 from slime_spec.engine.request import NAN_FINISH, Output, Request, SamplingParams, Row
 from slime_spec.engine.speculative import spec_step
@@ -82,7 +82,8 @@ class EngineCore:
         self.cache = self.model.new_cache(max_running_requests + 1, self.max_seq)  # + the scratch slot
         self.drafter = make_drafter(spec, self.model, max_running_requests + 1, self.max_seq, dtype, device, k=k)
         if self.device.type == "cuda":
-            self.model.fuse_projections()
+            for model in self._causal_lms():
+                model.fuse_projections()
         self.cuda_graph = cuda_graph or CudaGraphSettings()
         self.graph_capture_seconds = 0.0
         self._capture_graphs()
@@ -382,14 +383,16 @@ class EngineCore:
         if self._rows:
             raise ValueError("release_memory_occupation needs an idle engine: abort or finish requests first")
         if tags & {"kv_cache", "weights", "cuda_graph"}:
-            self.model.graphs = {}  # they captured the storage being freed; captured again on resume
+            for model in self._causal_lms():
+                model.graphs = {}  # they captured the storage being freed; captured again on resume
         if "kv_cache" in tags and "kv_cache" not in self._released:
             self.cache = None
             if self.drafter is not None:
                 self.drafter.drop_cache()
             self._released.add("kv_cache")
         if "weights" in tags and "weights" not in self._released:
-            self.model.unfuse_projections()
+            for model in self._causal_lms():
+                model.unfuse_projections()
             for param in self._unique_params():
                 self._weight_backup[id(param)] = param.data.to("cpu", copy=True)
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
@@ -402,7 +405,8 @@ class EngineCore:
                 param.data = self._weight_backup.pop(id(param)).to(self.device)
             self._released.discard("weights")
             if self.device.type == "cuda":
-                self.model.fuse_projections()
+                for model in self._causal_lms():
+                    model.fuse_projections()
         if "kv_cache" in tags and "kv_cache" in self._released:
             self.cache = self.model.new_cache(self.max_running_requests + 1, self.max_seq)
             if self.drafter is not None:
@@ -423,7 +427,17 @@ class EngineCore:
         self.model.graphs = graph_model(self.model, self.cache, mtp_cache, self.cuda_graph,
                                         max_running_requests=self.max_running_requests,
                                         max_draft_tokens=widest, max_seq=self.max_seq)
-        self.graph_capture_seconds = sum(g.capture_seconds for g in self.model.graphs.values())
+        draft = self._causal_lms()[1:]
+        if draft and shape is None:  # a STANDALONE draft's one-token chain steps (its catch-up runs eagerly)
+            draft[0].graphs = graph_model(draft[0], self.drafter.cache, None, self.cuda_graph,
+                                          max_running_requests=self.max_running_requests, max_draft_tokens=0,
+                                          max_seq=self.max_seq)
+        self.graph_capture_seconds = sum(g.capture_seconds for m in self._causal_lms() for g in m.graphs.values())
+
+    def _causal_lms(self) -> list:
+        """The target, and a STANDALONE draft model: what fuses projections and captures graphs on CUDA."""
+        draft = getattr(self.drafter, "draft", None)
+        return [self.model] + ([draft] if isinstance(draft, CausalLM) else [])
 
     @staticmethod
     def _check_tags(tags: list[str] | None) -> set[str]:

@@ -49,12 +49,14 @@ class StandaloneDrafter:
         device = self.draft.lm_head.weight.device
         slots = slots_of(rows, device)
         pos = torch.tensor([len(r.tokens) for r in rows], device=device)
+        longest = max(len(r.tokens) for r in rows)
 
         def step(j: int, token: torch.Tensor | None) -> torch.Tensor:
             if j == 0:
                 return self._feed(rows, [r.tokens[r.draft_cached_len:] for r in rows],
                                   [r.draft_cached_len for r in rows])
-            return self.draft.logits(self.draft(token[:, None], (pos + j - 1)[:, None], self.cache, slots)[:, 0])
+            hidden = self.draft(token[:, None], (pos + j - 1)[:, None], self.cache, slots, longest + j)  # graphed
+            return self.draft.logits(hidden[:, 0])
 
         return chain(self.k, step, pick)
 
