@@ -17,7 +17,8 @@ size and format), so every rank buckets its own tensor stream exactly as rank 0 
 (its names, checked by every rank), then every rank's entry is gathered, rank 0 posts, and it broadcasts the
 outcome: every rank keeps its bucket alive until the engines have replied (the engine replies only once its copy
 is done), then drops it. A sync ends with `done`, or `abort` when rank 0 failed between buckets; a failed bucket
-ends it on every rank at once. The other ranks run `follow_sync`.
+ends it on every rank at once. The other ranks run `follow_sync`; a failure of their own tensor stream is handed
+to rank 0 in the next exchange. The train actor (trainer/actor.py) wires this up with `colocated_rank_buckets`.
 """
 
 from __future__ import annotations
