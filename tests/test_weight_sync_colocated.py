@@ -55,7 +55,15 @@ class SGLangEngine:
         return {"success": True, "message": "Success"}
 
 
-def run_rank(rank: int, world: int, port: int, case: dict, out_path: str) -> None:
+def failing_after(tensors, n: int):
+    for i, t in enumerate(tensors):
+        if i == n:
+            raise RuntimeError("this rank's conversion failed (injected)")
+        yield t
+
+
+def run_case(rank: int, world: int, case: dict) -> dict:
+    """One sync of `case` on the group every case shares: each case must end on every rank for the next to run."""
     import torch.distributed as dist
 
     from slime_spec.weight_sync.colocated import RankBuckets, follow_sync
@@ -64,9 +72,10 @@ def run_rank(rank: int, world: int, port: int, case: dict, out_path: str) -> Non
 
     result = {}
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         channel = RankBuckets(dist.group.WORLD, ColocatedLayout.of(world, case["engine_tp"]))
         tensors = rank_tensors(rank, drift=case.get("drift_rank") == rank)
+        if case.get("stream_fails_on") == rank:
+            tensors = failing_after(tensors, 2)
         channel.next_sync() if rank == 0 else None
         if rank != 0:
             result["buckets"] = follow_sync(channel, iter(tensors))
@@ -91,37 +100,70 @@ def run_rank(rank: int, world: int, port: int, case: dict, out_path: str) -> Non
                 result["loaded"] = [e.loaded for e in engines]
     except Exception as e:
         result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    return result
+
+
+def run_rank(rank: int, world: int, port: int, cases: dict, out_path: str) -> None:
+    """Every case, in order, in one process per rank (one spawn for the whole module: spawns cost seconds)."""
+    import torch.distributed as dist
+
+    results = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        for name, case in cases.items():
+            results[name] = run_case(rank, world, case)
+    except Exception as e:
+        results["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     finally:
         with open(out_path, "wb") as f:
-            pickle.dump(result, f)
+            pickle.dump(results, f)
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_ranks(tmp_path, world: int, **case) -> list[dict]:
+CASES = {
+    "tp2_flat": dict(engine_tp=2, flatten=True, buffer_bytes=4096),
+    "tp1_flat": dict(engine_tp=1, flatten=True, buffer_bytes=4096),
+    "tp2_direct": dict(engine_tp=2, flatten=False, buffer_bytes=4096),
+    "refused": dict(engine_tp=2, flatten=True, buffer_bytes=4096, fail_on=1),
+    "abort": dict(engine_tp=2, flatten=True, buffer_bytes=4096, abort_before_start=True),
+    "drift": dict(engine_tp=2, flatten=True, buffer_bytes=1 << 20, drift_rank=1),
+    "stream_fails": dict(engine_tp=2, flatten=True, buffer_bytes=4096, stream_fails_on=1),
+    "after_failures": dict(engine_tp=2, flatten=True, buffer_bytes=4096),
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, list[dict]]:
+    """Two trainer ranks run every case of CASES in order: {case: [rank 0's result, rank 1's]}."""
+    world, tmp = 2, tmp_path_factory.mktemp("colocated")
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
-    outs = [tmp_path / f"rank{r}.pkl" for r in range(world)]
-    procs = [ctx.Process(target=run_rank, args=(r, world, port, case, str(outs[r]))) for r in range(world)]
+    outs = [tmp / f"rank{r}.pkl" for r in range(world)]
+    procs = [ctx.Process(target=run_rank, args=(r, world, port, CASES, str(outs[r]))) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=120)
+        p.join(timeout=180)
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()
     assert not alive, "a rank hung: the exchange did not end on every rank"
-    return [pickle.loads(o.read_bytes()) for o in outs]
+    per_rank = [pickle.loads(o.read_bytes()) for o in outs]
+    assert all("error" not in r for r in per_rank), [r.get("error") for r in per_rank]
+    return {name: [r[name] for r in per_rank] for name in CASES}
 
 
-@pytest.mark.parametrize("engine_tp,flatten", [(2, True), (1, True), (2, False)])
-def test_each_engine_tp_rank_loads_the_bucket_of_the_trainer_rank_on_its_gpu(tmp_path, engine_tp, flatten):
+@pytest.mark.parametrize("case,engine_tp", [("tp2_flat", 2), ("tp1_flat", 1), ("tp2_direct", 2),
+                                            ("after_failures", 2)])
+def test_each_engine_tp_rank_loads_the_bucket_of_the_trainer_rank_on_its_gpu(results, case, engine_tp):
     """Two trainer ranks: one engine of TP 2, or two engines of TP 1; engine e's TP rank r reads trainer rank
-    e * tp + r's entry, with every name, dtype and value of that rank's tensors."""
-    results = run_ranks(tmp_path, 2, engine_tp=engine_tp, flatten=flatten, buffer_bytes=4096)
-    assert all("error" not in r for r in results), [r.get("error") for r in results]
-    loaded = results[0]["loaded"]  # [engine][bucket][tp rank] -> {name: tensor}
-    assert len(loaded) == 2 // engine_tp and results[1]["buckets"] == len(loaded[0]) > 1
+    e * tp + r's entry, with every name, dtype and value of that rank's tensors (also after failed syncs on the
+    same group)."""
+    ranks = results[case]
+    assert all("error" not in r for r in ranks), [r.get("error") for r in ranks]
+    loaded = ranks[0]["loaded"]  # [engine][bucket][tp rank] -> {name: tensor}
+    assert len(loaded) == 2 // engine_tp and ranks[1]["buckets"] == len(loaded[0]) > 1
     for e, buckets in enumerate(loaded):
         for tp_rank in range(engine_tp):
             trainer_rank = e * engine_tp + tp_rank
@@ -131,22 +173,30 @@ def test_each_engine_tp_rank_loads_the_bucket_of_the_trainer_rank_on_its_gpu(tmp
             assert all(got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]) for n in want), trainer_rank
 
 
-def test_a_refused_bucket_fails_the_sync_on_every_rank(tmp_path):
-    results = run_ranks(tmp_path, 2, engine_tp=2, flatten=True, buffer_bytes=4096, fail_on=1)
-    assert "refused bucket 1" in results[0]["error"]
-    assert "bucket 1 failed" in results[1]["error"] and "refused bucket 1" in results[1]["error"]
-    assert len(results[0]["loaded"][0]) == 1  # the first bucket landed, then the sync ended everywhere
+def test_a_refused_bucket_fails_the_sync_on_every_rank(results):
+    ranks = results["refused"]
+    assert "refused bucket 1" in ranks[0]["error"]
+    assert "bucket 1 failed" in ranks[1]["error"] and "refused bucket 1" in ranks[1]["error"]
+    assert len(ranks[0]["loaded"][0]) == 1  # the first bucket landed, then the sync ended everywhere
 
 
-def test_rank_0_failing_before_the_first_bucket_releases_the_other_ranks(tmp_path):
-    results = run_ranks(tmp_path, 2, engine_tp=2, flatten=True, buffer_bytes=4096, abort_before_start=True)
-    assert "aborted by the trainer's rank 0: pause_generation failed" in results[1]["error"]
+def test_rank_0_failing_before_the_first_bucket_releases_the_other_ranks(results):
+    assert "aborted by the trainer's rank 0: pause_generation failed" in results["abort"][1]["error"]
 
 
-def test_ranks_whose_tensor_streams_differ_fail_instead_of_loading_a_mix(tmp_path):
-    results = run_ranks(tmp_path, 2, engine_tp=2, flatten=True, buffer_bytes=1 << 20, drift_rank=1)
-    assert "streams differ" in results[0]["error"] and "streams differ" in results[1]["error"]
-    assert results[0]["loaded"] == [[]]  # nothing reached the engine
+def test_ranks_whose_tensor_streams_differ_fail_instead_of_loading_a_mix(results):
+    ranks = results["drift"]
+    assert "streams differ" in ranks[0]["error"] and "streams differ" in ranks[1]["error"]
+    assert ranks[0]["loaded"] == [[]]  # nothing reached the engine
+
+
+def test_a_failing_tensor_stream_on_another_rank_fails_the_sync_on_every_rank(results):
+    """Rank 1's gather or conversion raises while it makes its second bucket: rank 0 learns it in that bucket's
+    exchange (naming rank 1), sends nothing more, and both ranks end the sync."""
+    ranks = results["stream_fails"]
+    assert "trainer rank 1 could not hand over its bucket" in ranks[0]["error"]
+    assert "conversion failed (injected)" in ranks[0]["error"] and "conversion failed (injected)" in ranks[1]["error"]
+    assert len(ranks[0]["loaded"][0]) == 1  # the first bucket (the embedding alone) landed, the second never left
 
 
 def test_layout_needs_a_multiple_of_the_engine_tp_size():

@@ -1,7 +1,9 @@
 """`TrainActor`: one train process as a Ray actor (the group that drives them is in group.py).
 
 Besides training it holds, on global rank 0, the `WeightSyncer` that pushes the weights into the
-engines; every rank takes part in a sync because gathering TP shards is collective.
+engines; every rank takes part in a sync because gathering TP shards is collective. With --colocate and engines
+spread over several trainer GPUs, every trainer rank on an engine's GPU hands that engine TP rank its own bucket
+(weight_sync/colocated.py): rank 0 leads the exchange, the others follow it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class TrainActor:
         self.trainer = None
         self.syncer = None  # rank 0 only, after connect_engines
         self.canary = None
+        self.rank_buckets = None  # colocated.RankBuckets of this rank, when the colocated engines take per-rank buckets
+        self.colocated_ranks = 0  # W: trainer ranks 0..W-1 hand their own buckets over (0: rank 0 sends alone)
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the process group's store."""
@@ -71,11 +75,19 @@ class TrainActor:
 
     def connect_engines(self, urls: list[str], weight_sync: WeightSyncConfig, server_args: dict, model_path: str,
                         colocate: bool, engine_tp_size: int, disk_dir: str) -> None:
-        """Rank 0: a WeightSyncer (and acceptance canary) for these engines; other ranks only gather."""
-        if self.rank != 0:
-            return
+        """Rank 0: a WeightSyncer (and acceptance canary) for these engines. Colocated engines on the GPUs of
+        several trainer ranks (tensor transport): every rank joins the per-rank bucket group (collective), so
+        engine e's TP rank r gets the bucket of trainer rank e * engine_tp_size + r, the one on its GPU."""
         import torch
 
+        from slime_spec.config import resolve_transport
+        from slime_spec.weight_sync.colocated import colocated_rank_buckets
+
+        if colocate and resolve_transport(weight_sync.weight_sync_transport, colocate) == "tensor":
+            self.rank_buckets, self.colocated_ranks = colocated_rank_buckets(self.rank, self.world_size, len(urls),
+                                                                             engine_tp_size)
+        if self.rank != 0:
+            return
         from slime_spec.engines.client import EngineAuth, EngineClient
         from slime_spec.weight_sync.canary import AcceptanceCanary
         from slime_spec.weight_sync.protocol import SpecSetup
@@ -90,35 +102,42 @@ class TrainActor:
             hf_checkpoint=trainer.train.hf_checkpoint, spec=spec, has_mtp_layers=bool(trainer.train.mtp_num_layers),
             transport=weight_sync.weight_sync_transport, colocate=colocate, master_address=address, master_port=port,
             backend="nccl" if torch.cuda.is_available() else "gloo", engine_tp_size=engine_tp_size,
-            disk_dir=disk_dir, trains_draft=trainer.online_draft is not None)
+            disk_dir=disk_dir, trains_draft=trainer.online_draft is not None, rank_buckets=self.rank_buckets)
         self.canary = AcceptanceCanary(spec, colocated=colocate) if spec.uses_draft else None
 
     def sync_weights(self, weight_version: str, probe_tokens: list[list[int]] | None = None,
                      restarted_urls: list[str] | None = None) -> dict:
-        """Gather (every TP rank of the first replica), convert and, on rank 0, send; returns rank 0's metrics.
-        With --enable-draft-training the online draft's own tensors follow the target's (selector `draft`).
+        """Gather (every TP rank of the first replica, and of any replica on a colocated engine's GPU), convert
+        and send; returns rank 0's metrics. With per-rank buckets the ranks 1..W-1 hand theirs over through
+        `follow_sync`; a failure on any of them fails the sync on every rank. With --enable-draft-training the
+        online draft's own tensors follow the target's (selector `draft`).
 
         `restarted_urls`: engines restarted since the last sync; they rejoin the weight-update group first.
         """
         from megatron.core import parallel_state as ps
 
+        from slime_spec.weight_sync.colocated import follow_sync
         from slime_spec.weight_sync.gather import iter_draft_tensors, iter_hf_tensors
 
         trainer = self._ready()
-        if trainer.tp.dp_rank != 0:  # every replica holds the same weights; the first one sends
-            return {}
+        first_of_tp_group = self.rank - trainer.tp.tp_rank  # Megatron's TP groups are consecutive ranks
+        if trainer.tp.dp_rank != 0 and first_of_tp_group >= self.colocated_ranks:
+            return {}  # every replica holds the same weights: this one neither sends nor takes part in a gather
         tensors = iter_hf_tensors(trainer.named_megatron_params(), trainer.hf_config,
                                   tp_group=ps.get_tensor_model_parallel_group(), tp_size=trainer.tp.tp_size)
+        stream = itertools.chain(tensors, iter_draft_tensors(trainer.named_draft_tensors()))
         if self.rank != 0:
-            for _ in tensors:  # take part in the collective gathers, in the same order as rank 0
-                pass
+            if self.rank_buckets is not None:
+                follow_sync(self.rank_buckets, stream)
+            else:
+                for _ in tensors:  # take part in the collective gathers, in the same order as rank 0
+                    pass
             return {}
         if self.syncer is None:
             raise RuntimeError("sync_weights before connect_engines")
         if restarted_urls:
             self.syncer.rejoin(restarted_urls)
-        metrics = self.syncer.sync(itertools.chain(tensors, iter_draft_tensors(trainer.named_draft_tensors())),
-                                   weight_version=weight_version)
+        metrics = self.syncer.sync(stream, weight_version=weight_version)
         if self.canary is not None:
             self.canary.set_probe_from_samples(probe_tokens or [])
             if self.canary.probe is not None:

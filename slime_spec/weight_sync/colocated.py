@@ -17,11 +17,13 @@ size and format), so every rank buckets its own tensor stream exactly as rank 0 
 (its names, checked by every rank), then every rank's entry is gathered, rank 0 posts, and it broadcasts the
 outcome: every rank keeps its bucket alive until the engines have replied (the engine replies only once its copy
 is done), then drops it. A sync ends with `done`, or `abort` when rank 0 failed between buckets; a failed bucket
-ends it on every rank at once. The other ranks run `follow_sync`.
+ends it on every rank at once. The other ranks run `follow_sync`; a failure of their own tensor stream is handed
+to rank 0 in the next exchange. The train actor (trainer/actor.py) wires this up with `colocated_rank_buckets`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Iterable
@@ -30,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from slime_spec.weight_sync.gather import Bucket, NamedTensor, make_buckets, only_wanted_kinds
+
+logger = logging.getLogger(__name__)
 
 WAITING, OPEN, ENDED = "waiting", "open", "ended"  # rank 0's view of the other ranks in one sync
 
@@ -150,21 +154,53 @@ class RankBuckets:
             self._broadcast(("abort", reason))
 
 
+def colocated_rank_buckets(rank: int, world_size: int, num_engines: int,
+                           engine_tp_size: int) -> tuple[RankBuckets | None, int]:
+    """Every trainer rank calls this once per set of engines (`dist.new_group` is collective over the default
+    group): this rank's RankBuckets (None outside the group) and W, the number of colocated trainer ranks that
+    hand over buckets (0: rank 0 alone sends, as with one colocated GPU, where there is nothing to spread)."""
+    layout = ColocatedLayout(num_engines, engine_tp_size)
+    if world_size < 2 or layout.world_size < 2:
+        return None, 0
+    if layout.world_size > world_size:  # engine TP ranks on GPUs without a trainer rank of their own
+        if rank == 0:
+            logger.warning("%d engine(s) of --tp-size %d span %d GPUs but the trainer has %d rank(s): rank 0 sends "
+                           "every engine TP rank its bucket (read across GPUs); per-rank buckets need "
+                           "--rollout-num-gpus <= --actor-num-nodes x --actor-num-gpus-per-node", num_engines,
+                           engine_tp_size, layout.world_size, world_size)
+        return None, 0
+    group = dist.new_group(ranks=list(range(layout.world_size)), backend="gloo")
+    return (RankBuckets(group, layout) if rank < layout.world_size else None), layout.world_size
+
+
 def follow_sync(channel: RankBuckets, tensors: Iterable[NamedTensor]) -> int:
     """A colocated trainer rank other than 0: bucket `tensors` as rank 0 does and hand each bucket's entry over.
-    Returns the number of buckets sent; raises when rank 0 aborted or a bucket failed."""
+    A failure of this rank's own stream (gather, conversion) is handed to rank 0 through the next exchange, so it
+    fails that bucket on every rank rather than leave rank 0 waiting. Returns the number of buckets sent; raises
+    when rank 0 aborted, a bucket failed, or this rank failed."""
     message = channel._broadcast(None)
     _raise_if_aborted(message)
     _, mtp, draft, buffer_bytes, flatten = message
+    buckets = make_buckets(only_wanted_kinds(tensors, mtp=mtp, draft=draft), buffer_bytes)
     sent = 0
-    for bucket in make_buckets(only_wanted_kinds(tensors, mtp=mtp, draft=draft), buffer_bytes):
+    while True:
+        bucket, failure = _next_bucket(buckets)
         header = channel._broadcast(None)
-        _raise_if_aborted(header)
-        if header[0] != "bucket":
-            raise RuntimeError(f"trainer rank {channel.rank} holds bucket {sent} ({len(bucket.tensors)} tensors) but "
-                               f"rank 0 sent {header[0]!r}: the ranks' tensor streams differ")
+        if header[0] == "abort":
+            raise RuntimeError(f"weight sync aborted by the trainer's rank 0: {header[1]}") from failure
+        if header[0] == "done":
+            if failure is not None:
+                raise failure
+            if bucket is not None:
+                raise RuntimeError(f"trainer rank {channel.rank} holds bucket {sent} ({len(bucket.tensors)} tensors) "
+                                   "but rank 0 sent 'done': the ranks' tensor streams differ")
+            return sent
         keep = None
         try:
+            if failure is not None:
+                raise failure
+            if bucket is None:
+                raise RuntimeError("this rank's tensor stream ended before rank 0's: the ranks' tensor streams differ")
             if header[1] != bucket.names:
                 raise ValueError(f"bucket {sent}: rank 0 sends {len(header[1])} tensors, this rank made "
                                  f"{len(bucket.names)}; the ranks' tensor streams differ")
@@ -175,15 +211,16 @@ def follow_sync(channel: RankBuckets, tensors: Iterable[NamedTensor]) -> int:
         error = channel._broadcast(None)
         del keep  # the engines have replied: their copies out of this rank's memory are done
         if error is not None:
-            raise RuntimeError(f"weight sync bucket {sent} failed: {error}")
+            raise RuntimeError(f"trainer rank {channel.rank}: weight sync bucket {sent} failed: {error}") from failure
         sent += 1
-    message = channel._broadcast(None)
-    if message[0] == "bucket":  # rank 0 has a bucket more: answer its gather and status, then fail
-        channel._gather(RankFailure(channel.rank, "this rank's tensor stream ended before rank 0's"))
-        channel._broadcast(None)
-        raise RuntimeError(f"trainer rank {channel.rank}: rank 0 sent more buckets than this rank made")
-    _raise_if_aborted(message)
-    return sent
+
+
+def _next_bucket(buckets) -> tuple[Bucket | None, Exception | None]:
+    """The next bucket (None at the end of the stream), or the exception that making it raised."""
+    try:
+        return next(buckets, None), None
+    except Exception as e:
+        return None, e
 
 
 def _raise_if_aborted(message) -> None:

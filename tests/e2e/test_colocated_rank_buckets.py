@@ -1,0 +1,136 @@
+"""--colocate with two trainer ranks (DP 2, gloo on CPU) and two embedded engines of TP 1: per-rank buckets
+through the train actor's own path (`TrainActor.connect_engines` / `sync_weights`).
+
+Each trainer rank is a process of its own running `TrainActor` directly (what `TrainGroup` runs inside a Ray
+actor); the engines are the embedded engine's HTTP app served from threads of this process. Engine e is on the
+GPU of trainer rank e, so it must serve rank e's bytes: after the train step, rank 1 adds 1 to its own copy of the
+final norm (real DP replicas hold equal weights), so an entry that came from the wrong rank is seen. A second
+sync, in which rank 1's tensor stream fails midway, must fail on both ranks (no hang) and leave both engines on
+the weights of the first sync (the embedded engine rolls the session back).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import traceback
+
+import pytest
+import torch
+
+from slime_spec.net import free_port
+from slime_spec.tiny_model import make_tiny_model
+from tests.test_weight_sync_engine import EAGLE_FLAGS, InProcessEngine
+
+EAGLE = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 2, "speculative_eagle_topk": 1,
+         "speculative_num_draft_tokens": 3}
+NORM, EMBED = "model.norm.weight", "model.embed_tokens.weight"
+INJECTED = "rank 1 lost a shard (injected)"
+
+
+def rollout():
+    from slime_spec.rollout.sample import Sample
+
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for g in range(2):
+        prompt = torch.randint(5, 60, (4,), generator=gen).tolist()
+        for j in range(2):
+            response = torch.randint(5, 60, (5,), generator=gen).tolist()
+            out.append(Sample(index=len(out), group_index=g, prompt="p", tokens=prompt + response,
+                              response_length=5, reward=float(j)))
+    return out
+
+
+def failing_after(params, n: int):
+    for i, item in enumerate(params):
+        if i == n:
+            raise RuntimeError(INJECTED)
+        yield item
+
+
+def run_trainer_rank(rank: int, port: int, model: str, urls: list[str], out_path: str, disk_dir: str) -> None:
+    from slime_spec.config import TrainConfig, WeightSyncConfig
+    from slime_spec.trainer.actor import TrainActor
+
+    result = {}
+    actor = TrainActor(rank, 2)
+    try:
+        train = TrainConfig(hf_checkpoint=model, mtp_num_layers=1, enable_mtp_training=True, lr=1e-2,
+                            global_batch_size=4, micro_batch_size=2, n_samples_per_prompt=2)
+        actor.init(train, "127.0.0.1", port)
+        actor.connect_engines(urls, WeightSyncConfig(weight_sync_transport="tensor", update_weight_buffer_size=4096,
+                                                     weight_sync_check_interval=1),
+                              EAGLE, model, colocate=True, engine_tp_size=1, disk_dir=disk_dir)
+        result["colocated_ranks"] = actor.colocated_ranks
+        actor.train_step(rollout(), 0)
+        trainer = actor.trainer
+        if rank == 1:
+            norm = next(p for n, p in trainer.model.named_parameters() if n.endswith("decoder.final_layernorm.weight"))
+            with torch.no_grad():
+                norm.add_(1.0)
+        result["hf"] = {n: t.clone() for n, t in actor.hf_state_dict().items() if n in (NORM, EMBED)}
+        result["sync"] = actor.sync_weights("1")
+        if rank == 1:
+            own = trainer.named_megatron_params
+            trainer.named_megatron_params = lambda: failing_after(own(), 3)
+        try:
+            actor.sync_weights("2")
+            result["second"] = "succeeded"
+        except Exception as e:
+            result["second"] = f"{type(e).__name__}: {e}"
+    except Exception as e:
+        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    finally:
+        with open(out_path, "wb") as f:
+            pickle.dump(result, f)
+        actor.shutdown()
+
+
+def served(engine: InProcessEngine, name: str) -> torch.Tensor:
+    reply = engine.client.post("/get_weights_by_name", {"name": name, "truncate_size": 1 << 20})
+    return torch.tensor(reply.get("result") if isinstance(reply, dict) else reply)
+
+
+def test_each_colocated_engine_serves_its_own_trainer_ranks_trained_weights(tmp_path):
+    model = make_tiny_model(tmp_path / "model", arch="mimo", mtp_layers=1, hidden_size=32, num_layers=1,
+                            intermediate_size=64, max_position_embeddings=128, seed=3)
+    engines = [InProcessEngine(model, EAGLE_FLAGS) for _ in range(2)]
+    try:
+        checkpoint = {n: served(engines[0], n) for n in (NORM, EMBED)}
+        ctx = multiprocessing.get_context("spawn")
+        port, outs = free_port(), [tmp_path / f"rank{r}.pkl" for r in range(2)]
+        procs = [ctx.Process(target=run_trainer_rank, args=(r, port, str(model), [e.url for e in engines],
+                                                            str(outs[r]), str(tmp_path / "disk"))) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=240)
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        assert not alive, "a trainer rank hung: the sync did not end on every rank"
+        ranks = [pickle.loads(o.read_bytes()) for o in outs]
+        assert all("error" not in r for r in ranks), [r.get("error") for r in ranks]
+        assert [r["colocated_ranks"] for r in ranks] == [2, 2]
+        first = ranks[0]["sync"]
+        assert first["weight_sync_params"] > 0 and first["weight_sync_mtp_params"] > 0 and first["weight_sync_buckets"] > 1
+        assert ranks[1]["sync"] == {}  # rank 0 reports the sync
+
+        # engine e serves trainer rank e's trained tensors: the embedding both ranks trained alike, the norm rank 1
+        # moved on its own copy only
+        for e, engine in enumerate(engines):
+            own = ranks[e]["hf"]
+            assert torch.equal(served(engine, EMBED), own[EMBED].float()), e
+            assert torch.equal(served(engine, NORM), own[NORM].float()), e
+        assert not torch.equal(ranks[0]["hf"][EMBED], checkpoint[EMBED])  # trained, not the checkpoint
+        assert torch.equal(served(engines[1], NORM), served(engines[0], NORM) + 1)
+
+        # rank 1's stream failed in the second sync: both ranks fail, naming it; the engines keep the first sync
+        assert INJECTED in ranks[1]["second"] and INJECTED in ranks[0]["second"], [r["second"] for r in ranks]
+        assert "trainer rank 1" in ranks[0]["second"]
+        for e, engine in enumerate(engines):
+            assert torch.equal(served(engine, NORM), ranks[e]["hf"][NORM].float()), e
+    finally:
+        for engine in engines:
+            engine.close()
