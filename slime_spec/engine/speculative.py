@@ -56,14 +56,56 @@ def plain_step(engine, rows: list, t0: float) -> None:
     step's hidden states to keep in sync, and the policy the step's cost."""
     hidden = engine._decode(rows)
     for row in rows:
-        _count_verify(engine, row, 0, 0)
+        row.verify_ct += 1
+    engine._accept_tokens += len(rows)
+    engine._verify_passes += len(rows)
     alive = [i for i, r in enumerate(rows) if r.finish is None]
-    if alive:
-        idx = torch.tensor(alive, device=engine.device)
-        engine.drafter.on_verify([rows[i] for i in alive], hidden[idx], [0] * len(alive))
+    if len(alive) == len(rows):
+        engine.drafter.on_verify(rows, hidden, [0] * len(rows))
+    elif alive:
+        engine.drafter.on_verify([rows[i] for i in alive], hidden[torch.tensor(alive, device=engine.device)],
+                                 [0] * len(alive))
     if engine.timed:
         _sync(engine.device)
     engine.policy.observe(len(rows), 0, [0] * len(rows), 0.0, time.perf_counter() - t0)
+
+
+def catch_up(engine, rows: list) -> float:
+    """Run a drafter's deferred work of earlier plain steps (MTP's extends) before drafting; its seconds are the
+    price of switching from k = 0 back to drafting, which the policy keeps apart from the draft step's cost."""
+    deferred = getattr(engine.drafter, "catch_up_deferred", None)
+    if deferred is None:
+        return 0.0
+    t0 = time.perf_counter()
+    deferred(rows)
+    if engine.timed:
+        _sync(engine.device)
+    return time.perf_counter() - t0
+
+
+def accept_drafts(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None, params,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted drafts [n], the token after them [n]) per row: greedy rows by argmax equality, sampled rows by
+    the lossless rule. A batch of one kind (the usual case: all sampled in RL) skips the per-kind row copies."""
+    greedy, temps, top_ks, top_ps, min_ps = params
+    n, k1, vocab = logits.shape
+    any_greedy, all_greedy = bool(greedy.any()), bool(greedy.all())
+    if all_greedy:
+        return sampling.greedy_accept(logits, drafts)
+    sampled = None if not any_greedy else ~greedy
+    pick = (lambda t: t) if sampled is None else (lambda t: t[sampled])  # noqa: E731
+    reps = lambda t: pick(t).repeat_interleave(k1)  # noqa: E731 (one value per position)
+    probs = sampling.filtered_probs(pick(logits).flatten(0, 1), reps(temps), reps(top_ks), reps(top_ps),
+                                    reps(min_ps)).view(-1, k1, vocab)
+    q = None if draft_probs is None else pick(draft_probs)
+    sampled_accept = sampling.speculative_accept(probs, q, pick(drafts), generator)
+    if sampled is None:
+        return sampled_accept
+    accept = torch.zeros(n, dtype=torch.long, device=logits.device)
+    next_token = torch.zeros(n, dtype=torch.long, device=logits.device)
+    accept[greedy], next_token[greedy] = sampling.greedy_accept(logits[greedy], drafts[greedy])
+    accept[sampled], next_token[sampled] = sampled_accept
+    return accept, next_token
 
 
 def spec_step(engine, rows: list) -> None:
@@ -72,12 +114,12 @@ def spec_step(engine, rows: list) -> None:
     n = len(rows)
     k = engine.policy.choose(n)
     engine.drafter.k = k
-    t0 = time.perf_counter()
     if k == 0:
-        plain_step(engine, rows, t0)
+        plain_step(engine, rows, time.perf_counter())
         return
+    switch_s = catch_up(engine, rows)
+    t0 = time.perf_counter()
     params = engine._params(rows)  # after the k = 0 branch: the plain step builds its own
-    greedy, temps, top_ks, top_ps, min_ps = params
     draft_probs = None
     pick = draft_pick(rows, params, engine.generator, engine.draft_sampling)
     sample_draft = getattr(engine.drafter, "sample_draft", None)
@@ -88,30 +130,20 @@ def spec_step(engine, rows: list) -> None:
     if engine.timed:
         _sync(dev)
     t1 = time.perf_counter()
-    ids = torch.cat((torch.tensor([[r.tokens[-1]] for r in rows], device=dev), drafts), dim=1)
-    start = torch.tensor([r.kv_len for r in rows], device=dev)
-    positions = start[:, None] + torch.arange(k + 1, device=dev)[None]
-    slots = torch.tensor([r.slot for r in rows], device=dev)
+    meta = torch.tensor([(r.tokens[-1], r.kv_len, r.slot) for r in rows], device=dev)  # one host-to-device copy
+    ids = torch.cat((meta[:, :1], drafts), dim=1)
+    positions = meta[:, 1:2] + torch.arange(k + 1, device=dev)[None]
     aux_ids = getattr(engine.drafter, "aux_layer_ids", None)  # EAGLE3 drafts from the target's aux states
-    out = engine.model(ids, positions, engine.cache, slots, max(r.kv_len for r in rows) + k + 1, aux_layer_ids=aux_ids)
+    out = engine.model(ids, positions, engine.cache, meta[:, 2], max(r.kv_len for r in rows) + k + 1,
+                       aux_layer_ids=aux_ids)
     hidden, features = out if aux_ids else (out, out)
     logits, broken = engine._non_finite_rows(engine.model.logits(hidden.flatten(0, 1)).view(n, k + 1, -1))
-    accept = torch.zeros(n, dtype=torch.long, device=dev)
-    next_token = torch.zeros(n, dtype=torch.long, device=dev)
-    if bool(greedy.any()):
-        accept[greedy], next_token[greedy] = sampling.greedy_accept(logits[greedy], drafts[greedy])
-    sampled = ~greedy
-    if bool(sampled.any()):
-        reps = lambda t: t[sampled].repeat_interleave(k + 1)  # noqa: E731 (one value per position)
-        probs = sampling.filtered_probs(logits[sampled].flatten(0, 1), reps(temps), reps(top_ks), reps(top_ps),
-                                        reps(min_ps)).view(-1, k + 1, logits.shape[-1])
-        q = None if draft_probs is None else draft_probs[sampled]
-        accept[sampled], next_token[sampled] = sampling.speculative_accept(probs, q, drafts[sampled],
-                                                                           engine.generator)
+    accept, next_token = accept_drafts(logits, drafts, draft_probs, params, engine.generator)
     chosen = torch.cat((drafts, drafts.new_zeros(n, 1)), dim=1)
     chosen[torch.arange(n, device=dev), accept] = next_token
     logprobs = None
     if any(r.req.return_logprob for r in rows):
+        greedy, temps = params[0], params[1]
         lp = sampling.token_logprobs(logits.flatten(0, 1), temps.repeat_interleave(k + 1),
                                      greedy.repeat_interleave(k + 1), chosen.flatten())
         logprobs = lp.view(n, k + 1).tolist()
@@ -126,9 +158,11 @@ def spec_step(engine, rows: list) -> None:
             row.finish = dict(engine.nan_finish)
         if row.finish is None:
             alive.append(i)
-    if alive:
-        idx = torch.tensor(alive, device=dev)
-        engine.drafter.on_verify([rows[i] for i in alive], features[idx], [accept_list[i] for i in alive])
+    if len(alive) == n:
+        engine.drafter.on_verify(rows, features, accept_list)
+    elif alive:
+        engine.drafter.on_verify([rows[i] for i in alive], features[torch.tensor(alive, device=dev)],
+                                 [accept_list[i] for i in alive])
     if engine.timed:
         _sync(dev)
-    engine.policy.observe(n, k, accept_list, t1 - t0, time.perf_counter() - t1)
+    engine.policy.observe(n, k, accept_list, t1 - t0, time.perf_counter() - t1, switch_s)
