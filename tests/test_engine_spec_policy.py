@@ -71,6 +71,8 @@ def test_adaptive_and_auto_keep_greedy_output_and_vary_k(mimo, mode):
     outs = run(engine)
     assert {r: o.output_ids for r, o in outs.items()} == {r: o.output_ids for r, o in base.items()}
     assert len(set(chosen)) > 1, chosen  # the draft length moved (0 = plain steps included for auto)
+    times = engine.step_times  # every phase of the speculative steps was timed, plain (k = 0) steps apart
+    assert times.draft_s > 0 and times.verify_s > 0 and times.sampling_s > 0 and (times.plain_s > 0) == (0 in chosen)
     assert engine.max_seq >= engine.context_length + engine.policy.max_k + 1
 
 

@@ -19,7 +19,7 @@ from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model
 from slime_spec.engine import sampling, spec_policy, weight_updater
 from slime_spec.engine.drafters import make_drafter
 from slime_spec.engine.model import load_model
-from slime_spec.engine.speculative import spec_step
+from slime_spec.engine.speculative import StepTimes, spec_step
 from slime_spec.spec import SpecConfig, check_resolved
 from slime_spec.threads import intra_op_threads
 
@@ -171,6 +171,7 @@ class EngineCore:
         self._finished_early: list[_Row] = []
         self._accept_tokens = 0  # sum over verify passes of (accepted + 1), as SGLang's avg_spec_accept_length
         self._verify_passes = 0
+        self.step_times = StepTimes()  # speculative steps' seconds per phase (speculative.StepTimes)
         self._released: set[str] = set()
         self._weight_backup: dict[int, torch.Tensor] = {}
         small = self.model.args.hidden_size <= 1024

@@ -10,11 +10,29 @@ k comes from the step policy (spec_policy); k = 0 is a plain decode step that st
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, dataclass
 
 import torch
 
 from slime_spec.engine import sampling
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick
+
+
+@dataclass
+class StepTimes:
+    """Seconds the speculative engine's steps spent per phase since start, for the time shares the rollout reports:
+    draft (the drafter proposing, its catch-up after plain steps and its update after each verify), verify (the
+    target forward and lm_head over every drafted position), sampling (acceptance, sampling, appending tokens) and
+    plain (whole k = 0 steps that adaptive or auto speculation chose). On CUDA the phases are synchronized only
+    under --spec-auto, so elsewhere they are host-side times."""
+
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    sampling_s: float = 0.0
+    plain_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
 
 
 def draft_pick(rows, params, generator: torch.Generator, draft_sampling: bool) -> DraftPick:
@@ -67,7 +85,9 @@ def plain_step(engine, rows: list, t0: float) -> None:
                                  [0] * len(alive))
     if engine.timed:
         _sync(engine.device)
-    engine.policy.observe(len(rows), 0, [0] * len(rows), 0.0, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    engine.step_times.plain_s += seconds
+    engine.policy.observe(len(rows), 0, [0] * len(rows), 0.0, seconds)
 
 
 def catch_up(engine, rows: list) -> float:
@@ -138,6 +158,9 @@ def spec_step(engine, rows: list) -> None:
                        aux_layer_ids=aux_ids)
     hidden, features = out if aux_ids else (out, out)
     logits, broken = engine._non_finite_rows(engine.model.logits(hidden.flatten(0, 1)).view(n, k + 1, -1))
+    if engine.timed:
+        _sync(dev)
+    t2 = time.perf_counter()
     accept, next_token = accept_drafts(logits, drafts, draft_probs, params, engine.generator)
     chosen = torch.cat((drafts, drafts.new_zeros(n, 1)), dim=1)
     chosen[torch.arange(n, device=dev), accept] = next_token
@@ -158,6 +181,7 @@ def spec_step(engine, rows: list) -> None:
             row.finish = dict(engine.nan_finish)
         if row.finish is None:
             alive.append(i)
+    t3 = time.perf_counter()
     if len(alive) == n:
         engine.drafter.on_verify(rows, features, accept_list)
     elif alive:
@@ -165,4 +189,9 @@ def spec_step(engine, rows: list) -> None:
                                  [accept_list[i] for i in alive])
     if engine.timed:
         _sync(dev)
-    engine.policy.observe(n, k, accept_list, t1 - t0, time.perf_counter() - t1, switch_s)
+    t4 = time.perf_counter()
+    times = engine.step_times
+    times.draft_s += switch_s + (t1 - t0) + (t4 - t3)
+    times.verify_s += t2 - t1
+    times.sampling_s += t3 - t2
+    engine.policy.observe(n, k, accept_list, t1 - t0, t4 - t1, switch_s)
