@@ -199,6 +199,47 @@ def regimes(tmp: Path, a: argparse.Namespace, quick: bool) -> list[Regime]:
     return out
 
 
+def step_costs(model: Path, prompts: list[list[int]], batches: list[int], device: str, dtype: str,
+               steps: int = 20, repeats: int = 3) -> str:
+    """Per-step cost of fixed NEXTN k = 1..3 over plain decoding at each batch size (temperature 1, EOS off, the
+    same prompts; median of interleaved repeats, process CPU time so other processes on a shared machine weigh
+    less), and where a k = 3 step's time goes (speculative.StepTimes)."""
+    clock = time.thread_time if device == "cpu" else time.perf_counter
+    params = SamplingParams(temperature=1.0, max_new_tokens=4 * steps + 16, ignore_eos=True)  # no row finishes
+    lines = ["| batch | plain ms/step | k=1 / plain | k=2 / plain | k=3 / plain | k=3: draft | verify | sampling |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    regime = Regime("step costs", model, prompts, params, [], MIMO)
+    for b in batches:
+        settings = [Setting("plain")] + [Setting(f"k={k}", nextn(k)) for k in (1, 2, 3)]
+        engines = [make_engine(regime, s, b, device, dtype) for s in settings]
+        per_step: list[list[float]] = [[] for _ in engines]
+        for rep in range(repeats + 1):  # the first pass warms up
+            for i, core in enumerate(engines):
+                for j in range(b):
+                    core.add_request(Request(f"c{rep}-{j}", prompts[j % len(prompts)], params))
+                core.step()  # prefill
+                if i == 3:
+                    core.step_times = type(core.step_times)()
+                sync(device)
+                start = clock()
+                for _ in range(steps):
+                    core.step()
+                sync(device)
+                if rep:
+                    per_step[i].append((clock() - start) / steps)
+                core.abort_all()
+                while core.has_work():
+                    core.step()
+        plain = statistics.median(per_step[0])
+        t = engines[3].step_times
+        total = t.draft_s + t.verify_s + t.sampling_s
+        lines.append(f"| {b} | {plain * 1e3:.2f} | " + " | ".join(f"{statistics.median(c) / plain:.2f}"
+                                                                 for c in per_step[1:]) +
+                     f" | {t.draft_s / total:.0%} | {t.verify_s / total:.0%} | {t.sampling_s / total:.0%} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def to_markdown(rows: list[Row]) -> str:
     lines = ["| regime | method | batch | tokens/s (median) | accept length | vs plain |",
              "| --- | --- | ---: | ---: | ---: | ---: |"]
@@ -226,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure the trained-MTP rows on this MiMo checkpoint instead of training one (e.g. "
                         "outputs/demo/model_sft); needs --mtp-prompts")
     p.add_argument("--mtp-prompts", default=None, help="JSONL with a `prompt` field per line (outputs/demo/data/eval.jsonl)")
+    p.add_argument("--step-costs", action="store_true",
+                   help="only the per-step cost of k = 1..3 over plain on the trained-MTP target (and its phases)")
     p.add_argument("--regime", default=None, help="only the regimes whose name contains this (e.g. 'trained MTP')")
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32; --quick 1,8)")
     p.add_argument("--model-cache", default="outputs/bench_engine_models",
@@ -242,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
     torch.manual_seed(0)
     tmp = Path(tempfile.mkdtemp(prefix="bench_engine_"))
+    if a.step_costs:
+        model = next(r for r in regimes(tmp, a, quick=True) if r.name.startswith("trained MTP"))
+        print(step_costs(model.model, model.prompts, batches, a.device, dtype, repeats=repeats))
+        return 0
     rows = []
     for regime in regimes(tmp, a, a.quick):
         if a.regime is None or a.regime in regime.name:

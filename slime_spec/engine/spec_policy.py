@@ -151,7 +151,7 @@ def bucket_of(batch_size: int) -> int:
 
 
 COST_WINDOW = 8  # recent samples per cost estimate
-EXPLORE_BUDGET = 0.05  # at most this share of a bucket's measured step time is spent beyond the best k's cost
+EXPLORE_BUDGET = 0.025  # at most this share of a bucket's measured step time is spent beyond the best k's cost
 
 
 @dataclass
