@@ -1,6 +1,11 @@
 """Embedded engine throughput: does speculation pay? Plain decoding vs speculative settings, side by side.
 
     python bench/engine.py [--quick] [--device cpu|cuda] [--repeats N] [--model-cache DIR] [--out FILE]
+    python bench/engine.py --step-costs --mtp-model outputs/demo/model_sft --mtp-prompts outputs/demo/data/eval.jsonl
+
+`--mtp-model` measures the trained-MTP rows on an existing checkpoint (the demo's) instead of training one;
+`--step-costs` prints only what one step of fixed k = 1..3 costs over a plain step per batch size, and where a k = 3
+step's time goes (draft / verify / sampling).
 
 Regimes (each with its own target, its own plain row, and the ratio to it per batch size):
 - exact draft (the ceiling): a random Qwen2 target whose last layers are identity, drafted by STANDALONE with a
