@@ -43,6 +43,13 @@ def draft_pick(rows, params, generator: torch.Generator, draft_sampling: bool) -
     if not draft_sampling or not bool(sampled.any()):
         return argmax_pick
 
+    if bool(sampled.all()):  # the RL case: every row sampled, no per-row copies
+        def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q = sampling.filtered_probs(logits.float(), temps, top_ks, top_ps, min_ps)
+            return sampling.sample(q, generator), q
+
+        return pick
+
     def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = logits.argmax(-1)
         q = torch.zeros_like(logits)
