@@ -1,6 +1,11 @@
 """Embedded engine throughput: does speculation pay? Plain decoding vs speculative settings, side by side.
 
     python bench/engine.py [--quick] [--device cpu|cuda] [--repeats N] [--model-cache DIR] [--out FILE]
+    python bench/engine.py --step-costs --mtp-model outputs/demo/model_sft --mtp-prompts outputs/demo/data/eval.jsonl
+
+`--mtp-model` measures the trained-MTP rows on an existing checkpoint (the demo's) instead of training one;
+`--step-costs` prints only what one step of fixed k = 1..3 costs over a plain step per batch size, and where a k = 3
+step's time goes (draft / verify / sampling).
 
 Regimes (each with its own target, its own plain row, and the ratio to it per batch size):
 - exact draft (the ceiling): a random Qwen2 target whose last layers are identity, drafted by STANDALONE with a
@@ -146,6 +151,17 @@ def random_prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]
             for _ in range(n)]
 
 
+def jsonl_prompts(model: Path, path: Path) -> list[list[int]]:
+    """The `prompt` field of every line of a JSONL file (the demo's data), tokenized as the rollout does."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    return [tok.encode(json.loads(line)["prompt"], add_special_tokens=False) for line in path.read_text().splitlines()
+            if line.strip()]
+
+
 def regimes(tmp: Path, a: argparse.Namespace, quick: bool) -> list[Regime]:
     from transformers import AutoTokenizer
 
@@ -160,8 +176,11 @@ def regimes(tmp: Path, a: argparse.Namespace, quick: bool) -> list[Regime]:
                   [Setting("plain"), Setting("STANDALONE k=3", standalone(exact_draft))])]
     demo_shape = dict(hidden_size=a.mtp_hidden_size, num_layers=a.mtp_num_layers, num_heads=4, num_kv_heads=2,
                       intermediate_size=a.mtp_hidden_size * 3, max_position_embeddings=512)
-    trained, eval_prompts = trained_mtp_model(Path(a.model_cache), demo_shape, digits=2, sft_steps=a.sft_steps,
-                                              mtp_steps=a.mtp_steps)
+    if a.mtp_model:  # an existing checkpoint, e.g. the demo's outputs/demo/model_sft, on its own eval prompts
+        trained, eval_prompts = Path(a.mtp_model), jsonl_prompts(Path(a.mtp_model), Path(a.mtp_prompts))
+    else:
+        trained, eval_prompts = trained_mtp_model(Path(a.model_cache), demo_shape, digits=2, sft_steps=a.sft_steps,
+                                                  mtp_steps=a.mtp_steps)
     rollout = SamplingParams(temperature=1.0, max_new_tokens=128)
     mtp_rows = [Setting("plain")] + [Setting(f"NEXTN k={k}", nextn(k)) for k in ([2] if quick else [1, 2, 3])]
     mtp_rows += [Setting(f"NEXTN k={k} draft sampling", nextn(k), draft_sampling=True) for k in ([2] if quick else [2, 3])]
@@ -183,6 +202,47 @@ def regimes(tmp: Path, a: argparse.Namespace, quick: bool) -> list[Regime]:
             Setting("plain"), Setting("NGRAM 3 drafts", {"speculative_algorithm": "NGRAM",
                                                          "speculative_num_draft_tokens": 4})]))
     return out
+
+
+def step_costs(model: Path, prompts: list[list[int]], batches: list[int], device: str, dtype: str,
+               steps: int = 20, repeats: int = 3) -> str:
+    """Per-step cost of fixed NEXTN k = 1..3 over plain decoding at each batch size (temperature 1, EOS off, the
+    same prompts; median of interleaved repeats, process CPU time so other processes on a shared machine weigh
+    less), and where a k = 3 step's time goes (speculative.StepTimes)."""
+    clock = time.thread_time if device == "cpu" else time.perf_counter
+    params = SamplingParams(temperature=1.0, max_new_tokens=4 * steps + 16, ignore_eos=True)  # no row finishes
+    lines = ["| batch | plain ms/step | k=1 / plain | k=2 / plain | k=3 / plain | k=3: draft | verify | sampling |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    regime = Regime("step costs", model, prompts, params, [], MIMO)
+    for b in batches:
+        settings = [Setting("plain")] + [Setting(f"k={k}", nextn(k)) for k in (1, 2, 3)]
+        engines = [make_engine(regime, s, b, device, dtype) for s in settings]
+        per_step: list[list[float]] = [[] for _ in engines]
+        for rep in range(repeats + 1):  # the first pass warms up
+            for i, core in enumerate(engines):
+                for j in range(b):
+                    core.add_request(Request(f"c{rep}-{j}", prompts[j % len(prompts)], params))
+                core.step()  # prefill
+                if i == 3:
+                    core.step_times = type(core.step_times)()
+                sync(device)
+                start = clock()
+                for _ in range(steps):
+                    core.step()
+                sync(device)
+                if rep:
+                    per_step[i].append((clock() - start) / steps)
+                core.abort_all()
+                while core.has_work():
+                    core.step()
+        plain = statistics.median(per_step[0])
+        t = engines[3].step_times
+        total = t.draft_s + t.verify_s + t.sampling_s
+        lines.append(f"| {b} | {plain * 1e3:.2f} | " + " | ".join(f"{statistics.median(c) / plain:.2f}"
+                                                                 for c in per_step[1:]) +
+                     f" | {t.draft_s / total:.0%} | {t.verify_s / total:.0%} | {t.sampling_s / total:.0%} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
 
 
 def to_markdown(rows: list[Row]) -> str:
@@ -208,6 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtp-num-layers", type=int, default=8, help="the trained target (the demo's model: 6)")
     p.add_argument("--sft-steps", type=int, default=150, help="target SFT steps on the scratchpad task")
     p.add_argument("--mtp-steps", type=int, default=100, help="MTP steps on the target's own outputs")
+    p.add_argument("--mtp-model", default=None,
+                   help="measure the trained-MTP rows on this MiMo checkpoint instead of training one (e.g. "
+                        "outputs/demo/model_sft); needs --mtp-prompts")
+    p.add_argument("--mtp-prompts", default=None, help="JSONL with a `prompt` field per line (outputs/demo/data/eval.jsonl)")
+    p.add_argument("--step-costs", action="store_true",
+                   help="only the per-step cost of k = 1..3 over plain on the trained-MTP target (and its phases)")
+    p.add_argument("--regime", default=None, help="only the regimes whose name contains this (e.g. 'trained MTP')")
+    p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32; --quick 1,8)")
     p.add_argument("--model-cache", default="outputs/bench_engine_models",
                    help="trained checkpoints are kept here by their settings; reruns skip training")
     p.add_argument("--max-new-tokens", type=int, default=None, help="greedy regimes (default 64, --quick 32)")
@@ -215,19 +283,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also write the markdown table here")
     a = p.parse_args(argv)
     a.max_new_tokens = a.max_new_tokens or (32 if a.quick else 64)
-    batches = [1, 8] if a.quick else [1, 8, 32]
+    if a.mtp_model and not a.mtp_prompts:
+        p.error("--mtp-model needs --mtp-prompts (a JSONL file with a `prompt` field per line)")
+    batches = [int(b) for b in a.batches.split(",")] if a.batches else ([1, 8] if a.quick else [1, 8, 32])
     repeats = a.repeats or (1 if a.quick else 3)
     dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
     torch.manual_seed(0)
     tmp = Path(tempfile.mkdtemp(prefix="bench_engine_"))
+    if a.step_costs:
+        model = next(r for r in regimes(tmp, a, quick=True) if r.name.startswith("trained MTP"))
+        print(step_costs(model.model, model.prompts, batches, a.device, dtype, repeats=repeats))
+        return 0
     rows = []
     for regime in regimes(tmp, a, a.quick):
-        rows += measure(regime, batches, repeats, a.device, dtype)
+        if a.regime is None or a.regime in regime.name:
+            rows += measure(regime, batches, repeats, a.device, dtype)
+    trained = (f"trained MTP target {a.mtp_model}" if a.mtp_model else
+               f"trained MTP target hidden {a.mtp_hidden_size}, {a.mtp_num_layers} layers ({a.sft_steps} SFT steps, "
+               f"{a.mtp_steps} MTP steps), 2-digit scratchpad prompts")
     header = (f"Embedded engine, speculative vs plain: {a.device} {dtype}, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads, vocab {full_vocab_size()}; random targets hidden {a.hidden_size}, "
-              f"{a.num_layers} layers, greedy, {a.max_new_tokens} new tokens; trained MTP target hidden "
-              f"{a.mtp_hidden_size}, {a.mtp_num_layers} layers ({a.sft_steps} SFT steps, {a.mtp_steps} MTP steps), "
-              f"2-digit scratchpad prompts, temperature 1, up to 128 new tokens; median of {repeats} interleaved runs.")
+              f"{a.num_layers} layers, greedy, {a.max_new_tokens} new tokens; {trained}, temperature 1, up to 128 new "
+              f"tokens; median of {repeats} interleaved runs.")
     table = header + "\n\n" + to_markdown(rows)
     print("\n" + table)
     if a.out:

@@ -171,6 +171,37 @@ def reward_verdict(r0: float, r1: float, smoke: bool) -> str:
     return "rose" if r1 > r0 else "did NOT rise"
 
 
+TIME_SHARES = ("engine", "draft", "verify", "sampling", "plain", "outside_engine")
+
+
+def run_time_and_accept(rollouts: list[dict]) -> dict:
+    """Over a run's rollouts: each time share weighted by rollout seconds (rollout/metrics.time_shares: engine
+    phases, and outside the engine = HTTP, queues), and accept length token-weighted (tokens per verify pass over
+    every sample) and per sample (the mean of per-sample ratios, averaged over rollouts)."""
+    out = {}
+    for name in TIME_SHARES:
+        timed = [(r[f"time_share_{name}"], r["rollout_time_s"]) for r in rollouts if f"time_share_{name}" in r]
+        seconds = sum(t for _, t in timed)
+        out[f"time_share_{name}"] = sum(v * t for v, t in timed) / seconds if seconds else None
+    verify = sum(r.get("spec_verify_ct") or 0 for r in rollouts)
+    out["accept_length_token_weighted"] = (sum(r.get("spec_completion_tokens") or 0 for r in rollouts) / verify
+                                           if verify else None)
+    per_sample = [r["spec_accept_length"] for r in rollouts if r.get("spec_accept_length") is not None]
+    out["accept_length_per_sample"] = sum(per_sample) / len(per_sample) if per_sample else None
+    return out
+
+
+def format_time_and_accept(m: dict) -> str:
+    accept = (f"accept length {m['accept_length_token_weighted']:.2f} token-weighted, "
+              f"{m['accept_length_per_sample']:.2f} per sample" if m["accept_length_token_weighted"] else "")
+    if m["time_share_engine"] is None:
+        return accept
+    phases = ", ".join(f"{p} {m[f'time_share_{p}']:.0%}" for p in ("draft", "verify", "sampling", "plain")
+                       if m[f"time_share_{p}"] is not None)
+    return (f"{accept}; rollout time: engine steps {m['time_share_engine']:.0%} ({phases} of them), "
+            f"outside the engine (HTTP, queues) {m['time_share_outside_engine']:.0%}")
+
+
 def finish(out: Path, trained: dict, frozen: dict | None, elapsed_s: float, title: str, smoke: bool = False) -> int:
     from slime_spec.loop_report import plot
 
@@ -184,6 +215,7 @@ def finish(out: Path, trained: dict, frozen: dict | None, elapsed_s: float, titl
     r0, r1 = trained["reward_first_quarter_mean"], trained["reward_last_quarter_mean"]
     summary["reward_rose"] = None if smoke else r1 > r0
     summary["spec_speedup"] = {name: run["spec_speedup"] for name, run in runs.items() if run}
+    summary["time_and_accept"] = {name: run_time_and_accept(run["rollouts"]) for name, run in runs.items() if run}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     print(f"\n[demo] {title}\n[demo] done in {elapsed_s:.0f}s (first quarter of the steps -> last quarter, means)")
     print(f"  reward        {r0:.3f} -> {r1:.3f} ({reward_verdict(r0, r1, smoke)})")
@@ -195,6 +227,9 @@ def finish(out: Path, trained: dict, frozen: dict | None, elapsed_s: float, titl
         if run and run.get("spec_speedup") is not None:
             print(f"  spec_speedup  {run['spec_speedup']:.2f}x over the run (first {run['spec_speedup_first']:.2f}x, "
                   f"last {run['spec_speedup_last']:.2f}x; plain time / speculative time, same prompts) ({name})")
+    for name, run in (("MTP trained online", trained), ("draft frozen", frozen)):
+        if run:
+            print(f"  {format_time_and_accept(run_time_and_accept(run['rollouts']))} ({name})")
     print(f"  outputs: {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'plot.png'}")
     return 0
 

@@ -113,6 +113,10 @@ def test_greedy_equal_with_and_without_speculation(plain, spec):
         assert 0 <= m["spec_num_correct_drafts"] == m["spec_accept_token_num"] <= m["spec_num_proposed_drafts"]
     assert load(spec, headers={})["avg_spec_accept_length"] >= 1.0
     assert "avg_spec_accept_length" not in load(plain)
+    times, state = load(spec, headers={})["spec_step_times"], load(spec, headers={})
+    assert times["draft_s"] > 0 and times["verify_s"] > 0 and times["sampling_s"] > 0
+    assert 0 < sum(times.values()) <= state["engine_step_s"]  # phases of the steps, inside the steps' time
+    assert load(plain)["engine_step_s"] > 0 and "spec_step_times" not in load(plain)
 
 
 def test_logprobs_shape(plain):

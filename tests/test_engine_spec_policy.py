@@ -71,6 +71,8 @@ def test_adaptive_and_auto_keep_greedy_output_and_vary_k(mimo, mode):
     outs = run(engine)
     assert {r: o.output_ids for r, o in outs.items()} == {r: o.output_ids for r, o in base.items()}
     assert len(set(chosen)) > 1, chosen  # the draft length moved (0 = plain steps included for auto)
+    times = engine.step_times  # every phase of the speculative steps was timed, plain (k = 0) steps apart
+    assert times.draft_s > 0 and times.verify_s > 0 and times.sampling_s > 0 and (times.plain_s > 0) == (0 in chosen)
     assert engine.max_seq >= engine.context_length + engine.policy.max_k + 1
 
 
@@ -101,7 +103,7 @@ class ScriptedSteps:
         self.i += 1
         return self.ks[min(self.i - 1, len(self.ks) - 1)]
 
-    def observe(self, batch_size, k, accepted, draft_s, verify_s) -> None:
+    def observe(self, batch_size, k, accepted, draft_s, verify_s, switch_s=0.0) -> None:
         return None
 
 
@@ -122,7 +124,7 @@ def test_mtp_catch_up_after_plain_steps_equals_an_extend_over_the_whole_sequence
         engine.step()
     assert drafter.pending and all(len(q) == 2 for q in drafter.pending.values())  # two plain steps deferred
     rows = list(engine.running)
-    drafter._catch_up(rows)
+    drafter.catch_up_deferred(rows)
     assert not drafter.pending
     from slime_spec.engine.drafters.mtp import MTPDrafter
 
@@ -175,3 +177,60 @@ def test_auto_skips_long_drafts_that_cannot_win_but_measures_those_that_can():
             assert seen[:4] == [0, 1, 2, 3] and seen[-1] == 3
         else:
             assert 2 not in seen and 3 not in seen and seen[-1] == 0 and never.accept_rate < 0.1
+
+
+def simulate(auto: AutoSteps, steps: int, hit, costs: dict, draft_s: float, catch_up_s: float, batch: int = 32,
+             response_len: int = 128):
+    """Drive a policy with scripted costs: each draft accepted iff hit(step); the first draft after plain steps pays
+    a catch-up of catch_up_s per plain step since the last draft (MTP's deferred extends), at most a response's
+    length of them (a request that finishes takes its deferred positions with it). Returns (k per step, seconds
+    per step)."""
+    ks, seconds, deferred = [], [], 0
+    for step in range(steps):
+        k = auto.choose(batch)
+        switch = catch_up_s * min(deferred, response_len) if k else 0.0
+        deferred = 0 if k else deferred + 1
+        accepted = [k if hit(step) else 0] * batch
+        auto.observe(batch, k, accepted, draft_s=draft_s * k, verify_s=costs[k], switch_s=switch)
+        ks.append(k)
+        seconds.append(draft_s * k + costs[k] + switch)
+    return ks, seconds
+
+
+def test_auto_bounds_what_probes_cost_when_drafts_never_pay():
+    """A draft that is never accepted, a verify that costs nearly in proportion to its tokens (CPU, large batch)
+    and a catch-up of 0.15 plain steps per deferred plain step: after the warm-up, probes cost at most the
+    explore budget of the time, and are at most one step in explore_every."""
+    auto = AutoSteps(max_k=3)
+    costs = {0: 1.0, 1: 1.9, 2: 2.8, 3: 3.7}
+    ks, seconds = simulate(auto, 20000, lambda step: False, costs, draft_s=0.3, catch_up_s=0.15)
+    warm = 8
+    probes = [i for i in range(warm, len(ks)) if ks[i]]
+    assert probes and len(probes) <= (len(ks) - warm) / auto.explore_every
+    beyond_plain = sum(seconds[warm:]) / (len(ks) - warm) - costs[0]
+    assert beyond_plain <= auto.explore_budget * 1.05, beyond_plain
+    b = auto.buckets[32]
+    assert b.explore_s <= auto.explore_budget * b.total_s + max(seconds)  # one probe may overshoot, then waits
+    late = [b - a for a, b in zip(probes, probes[1:])][-3:]
+    assert min(late) >= auto.max_explore_every  # rarer as the evidence holds
+
+
+def test_auto_keeps_the_catch_up_out_of_the_draft_cost():
+    """A catch-up is the price of leaving k = 0, not of each draft step: it counts in the bucket's time, not in
+    the draft step's cost estimate."""
+    auto = AutoSteps(max_k=3)
+    auto.observe(4, 0, [0] * 4, draft_s=0.0, verify_s=1.0)
+    auto.observe(4, 2, [2] * 4, draft_s=0.1, verify_s=1.1, switch_s=30.0)
+    b = auto.buckets[4]
+    assert b.draft_cost == pytest.approx(0.05) and b.verify_cost == {0: 1.0, 2: 1.1}
+    assert b.total_s == pytest.approx(32.2)
+
+
+def test_auto_comes_back_to_drafting_when_drafts_start_paying():
+    auto = AutoSteps(max_k=3)
+    costs = {0: 1.0, 1: 1.05, 2: 1.1, 3: 1.15}
+    ks, _ = simulate(auto, 6000, lambda step: step >= 3000, costs, draft_s=0.05, catch_up_s=0.15, batch=4)
+    assert set(ks[100:3000]) <= {0, 1} and ks[100:3000].count(0) > 0.95 * 2900
+    back = next(i for i in range(3000, 6000) if ks[i] == 3)
+    assert back - 3000 <= 2 * auto.max_explore_every  # the next probe sees the hits, with the budget allowing it
+    assert ks[-100:].count(3) >= 95

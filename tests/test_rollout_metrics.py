@@ -5,7 +5,8 @@ import pytest
 from slime_spec.rollout.generate import apply_generate_output
 from slime_spec.rollout.metrics import (REQUIRED_KEYS, format_metrics_line, format_speedup, rollout_metrics,
                                         slime_log_keys,
-                                        spec_summary, wandb_logged_in, wandb_mode, write_metrics_line)
+                                        spec_summary, time_shares, wandb_logged_in, wandb_mode,
+                                        write_metrics_line)
 from slime_spec.rollout.sample import Sample, SpecStats, Status
 
 
@@ -127,3 +128,19 @@ def test_speedup_is_a_perf_key_and_a_console_clause():
     assert format_speedup(step) == ("spec_speedup 1.50x (plain 3.00s / speculative 2.00s on the same prompts, "
                                     "accept_len 2.25)")
     assert format_speedup({"rollout_id": 1}) is None
+
+
+def test_time_shares_from_engine_counters_before_and_after_a_rollout():
+    times = lambda d, v, s, p: {"draft_s": d, "verify_s": v, "sampling_s": s, "plain_s": p}  # noqa: E731
+    before = {0: {"engine_step_s": 10.0, "spec_step_times": times(1.0, 4.0, 1.0, 2.0)},
+              1: {"engine_step_s": 50.0},                      # restarted during the rollout: counters went back
+              2: {"avg_spec_accept_length": 2.0}}              # no counters (real SGLang): left out
+    after = {0: {"engine_step_s": 18.0, "spec_step_times": times(2.0, 8.0, 2.0, 2.8)},
+             1: {"engine_step_s": 3.0}, 2: {"avg_spec_accept_length": 2.5}}
+    m = time_shares(before, after, rollout_time_s=10.0)
+    assert m["time_share_engine"] == pytest.approx(0.8) and m["time_share_outside_engine"] == pytest.approx(0.2)
+    assert (m["time_share_draft"], m["time_share_verify"], m["time_share_sampling"], m["time_share_plain"]) == \
+        pytest.approx((1 / 8, 4 / 8, 1 / 8, 0.8 / 8))
+    assert time_shares({}, after, 10.0) == {} and time_shares(before, after, 0.0) == {}
+    line = format_metrics_line({**rollout_metrics(0, [_s(0, 10, 4)], 1.0), **m})
+    assert "time: engine 80% (draft 12% verify 50% sampling 12% plain 10%), outside (HTTP, queues) 20%" in line

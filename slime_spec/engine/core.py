@@ -20,7 +20,7 @@ from slime_spec.engine.drafters import make_drafter
 from slime_spec.engine.model import CausalLM, load_model
 from slime_spec.engine.overlap import OverlapDecode
 from slime_spec.engine.request import NAN_FINISH, Output, Request, SamplingParams, Row
-from slime_spec.engine.speculative import spec_step
+from slime_spec.engine.speculative import StepTimes, spec_step
 from slime_spec.spec import SpecConfig, check_resolved
 from slime_spec.threads import intra_op_threads
 
@@ -96,6 +96,7 @@ class EngineCore:
         self._finished_early: list[Row] = []
         self._accept_tokens = 0  # sum over verify passes of (accepted + 1), as SGLang's avg_spec_accept_length
         self._verify_passes = 0
+        self.step_times = StepTimes()  # speculative steps' seconds per phase (speculative.StepTimes)
         self._released: set[str] = set()
         self._weight_backup: dict[int, torch.Tensor] = {}
         self._params_key: tuple = ()           # the rows `_params_value` was built for

@@ -255,9 +255,11 @@ def create_app(args: EngineServerArgs, loop: EngineLoop, weights: WeightUpdater)
     async def server_info():
         state = {**args.sglang_args, "world_size": 1, "startup_time": startup_time,
                  "effective_max_running_requests_per_dp": args.max_running_requests,
-                 "last_gen_throughput": loop.stats["last_gen_throughput"], **loop.load()}
+                 "last_gen_throughput": loop.stats["last_gen_throughput"], **loop.load(),
+                 "engine_step_s": loop.stats["engine_step_s"]}  # slime-spec: seconds inside engine steps since start
         if spec_enabled:
             state["avg_spec_accept_length"] = loop.stats["avg_spec_accept_length"]
+            state["spec_step_times"] = loop.core.step_times.as_dict()  # slime-spec: per phase (StepTimes)
         resolved = {**args.sglang_args, "device": args.device, "dtype": args.dtype, "random_seed": args.random_seed,
                     **(args.spec.server_args() if spec_enabled else {})}
         return {**resolved, "weight_version": weights.weight_version, "startup_time": startup_time,

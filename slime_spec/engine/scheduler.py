@@ -81,7 +81,7 @@ class EngineLoop:
         self.startup_error: BaseException | None = None
         self.core: Any = None
         self.paused = False
-        self.stats = {"avg_spec_accept_length": 1.0, "last_gen_throughput": 0.0}
+        self.stats = {"avg_spec_accept_length": 1.0, "last_gen_throughput": 0.0, "engine_step_s": 0.0}
         self._window_tokens = 0
         self._window_start = time.perf_counter()
         self._broken: str | None = None
@@ -271,6 +271,7 @@ class EngineLoop:
         elif not self.core.has_work():
             self._window_start = now - (now - t0)  # idle time does not dilute throughput
         self.stats["avg_spec_accept_length"] = float(self.core.avg_spec_accept_length)
+        self.stats["engine_step_s"] += time.perf_counter() - t0  # the rollout's time outside it: HTTP, queues
 
     def _fail_in_flight(self, error: Exception) -> None:
         for fut in self._futures.values():

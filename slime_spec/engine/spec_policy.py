@@ -8,7 +8,12 @@ did through `observe(...)` after it. `max_k` sizes the caches.
   batch-size tiers, each with candidate steps and an EMA of the accepted drafts per request; after a warm-up,
   every few batches a tier moves one candidate down when the EMA falls below it and up when it reaches it.
 - AutoSteps (`--spec-auto`, ours): measures the step's own costs online per batch-size bucket (draft step and
-  verify pass, the minimum of recent samples) and the per-token accept rate (EMA), and picks the k that maximises expected tokens per second.
+  verify pass, the minimum of recent samples) and the per-token accept rate (EMA), and picks the k that maximises
+  expected tokens per second; probes of other k are bounded in steps and in time (see AutoSteps).
+
+`observe` takes the step's draft seconds, verify seconds (target forward, acceptance, sampling, bookkeeping) and
+switch seconds: a drafter's one-off catch-up after plain steps (MTP's deferred extends), the price of leaving
+k = 0 rather than of drafting, so it is kept out of the per-draft-step cost.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ class FixedSteps:
     def choose(self, batch_size: int) -> int:
         return self.max_k
 
-    def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float) -> None:
+    def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float,
+                switch_s: float = 0.0) -> None:
         return None
 
 
@@ -118,7 +124,8 @@ class AdaptiveSteps:
     def choose(self, batch_size: int) -> int:
         return self.tier(batch_size).current
 
-    def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float) -> None:
+    def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float,
+                switch_s: float = 0.0) -> None:
         self.tier(batch_size).observe(accepted)
 
 
@@ -145,6 +152,7 @@ def bucket_of(batch_size: int) -> int:
 
 
 COST_WINDOW = 8  # recent samples per cost estimate
+EXPLORE_BUDGET = 0.025  # at most this share of a bucket's measured step time is spent beyond the best k's cost
 
 
 @dataclass
@@ -160,6 +168,13 @@ class _Bucket:
     next_explore: int = 0          # the step of the next exploration (0 = not scheduled yet)
     interval: int = 0              # steps between explorations; doubles while the best k stays the same
     last_best: int | None = None
+    probing: int | None = None     # the best k when the step in flight is a probe of another k
+    total_s: float = 0.0           # every observed step's seconds (draft + verify + switch)
+    explore_s: float = 0.0         # what probes cost beyond the best k's estimated step cost
+
+    def step_cost(self, k: int) -> float:
+        """Estimated seconds of one step at a measured k."""
+        return k * (self.draft_cost or 0.0) + self.verify_cost[k]
 
     @property
     def draft_cost(self) -> float | None:
@@ -177,14 +192,18 @@ class AutoSteps:
     decide), skipping a k that cannot win even at the cost of a smaller one (`_dominated`), then takes
     `best_steps`; it tries a neighbour of the best k every `explore_every` steps so the estimates stay fresh,
     doubling the interval (up to `max_explore_every`) while the best k does not change: each probe of a losing k
-    costs a step, and after a run of plain steps the MTP drafter's catch-up too. The per-token accept rate is the
+    costs a step, and after a run of plain steps the MTP drafter's catch-up too. Two bounds hold after the
+    warm-up: probes are at most one step in `explore_every`, and a probe waits while what probes have cost beyond
+    the best k's estimated step cost (catch-ups included) exceeds `explore_budget` of the bucket's measured time,
+    so a draft that never pays costs at most that share. The per-token accept rate is the
     geometric MLE over all rows, accepted drafts / (accepted + rejections), from counts decayed by 1 - alpha per
     step with one pseudo-count each (a step of 32 rows is 32 times the evidence of a step of one).
     """
 
     def __init__(self, max_k: int, alpha: float = 0.2, explore_every: int = 32, prior_accept_rate: float = 0.5,
-                 max_explore_every: int = 512):
+                 max_explore_every: int = 512, explore_budget: float = EXPLORE_BUDGET):
         self.max_k, self.alpha, self.explore_every = max_k, alpha, explore_every
+        self.explore_budget = explore_budget
         self.max_explore_every = max(max_explore_every, explore_every)
         self.accept_rate = prior_accept_rate
         self._hits = self._misses = 0.0  # decayed counts of accepted / rejected drafts, one pseudo-count each
@@ -201,13 +220,15 @@ class AutoSteps:
         best = best_steps(self.accept_rate, b.draft_cost or 0.0, b.verify_cost)
         if not b.next_explore:
             b.interval, b.next_explore, b.last_best = self.explore_every, b.steps + self.explore_every, best
-        if b.steps < b.next_explore:
-            return best
+        if b.steps < b.next_explore or b.explore_s > self.explore_budget * b.total_s:
+            return best  # a probe over budget waits until the bucket's time has grown enough to afford it
         stable = best == b.last_best
         b.interval = min(2 * b.interval, self.max_explore_every) if stable else self.explore_every
         b.next_explore, b.last_best = b.steps + b.interval, best
         b.explores += 1
-        return min(best + 1, self.max_k) if b.explores % 2 or best == 0 else best - 1
+        probe = min(best + 1, self.max_k) if b.explores % 2 or best == 0 else best - 1
+        b.probing = best if probe != best else None
+        return probe
 
     def _dominated(self, b: "_Bucket", k: int) -> bool:
         """Whether measuring k is pointless: even at the cost of the dearest smaller k measured so far (a verify
@@ -222,8 +243,14 @@ class AutoSteps:
         optimistic = expected_tokens(self.accept_rate, k) / max(k * draft + max(measured[j] for j in smaller), 1e-12)
         return optimistic < best
 
-    def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float) -> None:
+    def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float,
+                switch_s: float = 0.0) -> None:
         b = self.buckets.setdefault(bucket_of(batch_size), _Bucket())
+        cost = draft_s + verify_s + switch_s
+        b.total_s += cost
+        if b.probing is not None:
+            b.explore_s += max(0.0, cost - b.step_cost(b.probing))
+            b.probing = None
         b.verify_samples.setdefault(k, deque(maxlen=COST_WINDOW)).append(verify_s)
         if k == 0 or not accepted:
             return

@@ -11,11 +11,29 @@ With eagle_topk > 1 a step drafts and verifies a tree instead (`tree_step`, math
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, dataclass
 
 import torch
 
 from slime_spec.engine import sampling, tree
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick
+
+
+@dataclass
+class StepTimes:
+    """Seconds the speculative engine's steps spent per phase since start, for the time shares the rollout reports:
+    draft (the drafter proposing, its catch-up after plain steps and its update after each verify), verify (the
+    target forward and lm_head over every drafted position), sampling (acceptance, sampling, appending tokens) and
+    plain (whole k = 0 steps that adaptive or auto speculation chose). On CUDA the phases are synchronized only
+    under --spec-auto, so elsewhere they are host-side times."""
+
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    sampling_s: float = 0.0
+    plain_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
 
 
 def draft_pick(rows, params, generator: torch.Generator, draft_sampling: bool) -> DraftPick:
@@ -25,6 +43,13 @@ def draft_pick(rows, params, generator: torch.Generator, draft_sampling: bool) -
     sampled = ~greedy
     if not draft_sampling or not bool(sampled.any()):
         return argmax_pick
+
+    if bool(sampled.all()):  # the RL case: every row sampled, no per-row copies
+        def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q = sampling.filtered_probs(logits.float(), temps, top_ks, top_ps, min_ps)
+            return sampling.sample(q, generator), q
+
+        return pick
 
     def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = logits.argmax(-1)
@@ -57,14 +82,59 @@ def plain_step(engine, rows: list, t0: float) -> None:
     step's hidden states to keep in sync, and the policy the step's cost."""
     hidden = engine._decode(rows)
     for row in rows:
-        _count_verify(engine, row, 0, 0)
+        row.verify_ct += 1
+    engine._accept_tokens += len(rows)
+    engine._verify_passes += len(rows)
     alive = [i for i, r in enumerate(rows) if r.finish is None]
-    if alive:
-        idx = torch.tensor(alive, device=engine.device)
-        engine.drafter.on_verify([rows[i] for i in alive], hidden[idx], [0] * len(alive))
+    if len(alive) == len(rows):
+        engine.drafter.on_verify(rows, hidden, [0] * len(rows))
+    elif alive:
+        engine.drafter.on_verify([rows[i] for i in alive], hidden[torch.tensor(alive, device=engine.device)],
+                                 [0] * len(alive))
     if engine.timed:
         _sync(engine.device)
-    engine.policy.observe(len(rows), 0, [0] * len(rows), 0.0, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    engine.step_times.plain_s += seconds
+    engine.policy.observe(len(rows), 0, [0] * len(rows), 0.0, seconds)
+
+
+def catch_up(engine, rows: list) -> float:
+    """Run a drafter's deferred work of earlier plain steps (MTP's extends) before drafting; its seconds are the
+    price of switching from k = 0 back to drafting, which the policy keeps apart from the draft step's cost."""
+    deferred = getattr(engine.drafter, "catch_up_deferred", None)
+    if deferred is None:
+        return 0.0
+    t0 = time.perf_counter()
+    deferred(rows)
+    if engine.timed:
+        _sync(engine.device)
+    return time.perf_counter() - t0
+
+
+def accept_drafts(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None, params,
+                  generator: torch.Generator, kinds: tuple[bool, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted drafts [n], the token after them [n]) per row: greedy rows by argmax equality, sampled rows by
+    the lossless rule. A batch of one kind (the usual case: all sampled in RL) skips the per-kind row copies.
+    kinds: (any greedy row, every row greedy) when the caller knows them on the host (no device read)."""
+    greedy, temps, top_ks, top_ps, min_ps = params
+    n, k1, vocab = logits.shape
+    any_greedy, all_greedy = kinds if kinds is not None else (bool(greedy.any()), bool(greedy.all()))
+    if all_greedy:
+        return sampling.greedy_accept(logits, drafts)
+    sampled = None if not any_greedy else ~greedy
+    pick = (lambda t: t) if sampled is None else (lambda t: t[sampled])  # noqa: E731
+    reps = lambda t: pick(t).repeat_interleave(k1)  # noqa: E731 (one value per position)
+    probs = sampling.filtered_probs(pick(logits).flatten(0, 1), reps(temps), reps(top_ks), reps(top_ps),
+                                    reps(min_ps)).view(-1, k1, vocab)
+    q = None if draft_probs is None else pick(draft_probs)
+    sampled_accept = sampling.speculative_accept(probs, q, pick(drafts), generator)
+    if sampled is None:
+        return sampled_accept
+    accept = torch.zeros(n, dtype=torch.long, device=logits.device)
+    next_token = torch.zeros(n, dtype=torch.long, device=logits.device)
+    accept[greedy], next_token[greedy] = sampling.greedy_accept(logits[greedy], drafts[greedy])
+    accept[sampled], next_token[sampled] = sampled_accept
+    return accept, next_token
 
 
 def spec_step(engine, rows: list) -> None:
@@ -77,12 +147,12 @@ def spec_step(engine, rows: list) -> None:
     n = len(rows)
     k = engine.policy.choose(n)
     engine.drafter.k = k
-    t0 = time.perf_counter()
     if k == 0:
-        plain_step(engine, rows, t0)
+        plain_step(engine, rows, time.perf_counter())
         return
+    switch_s = catch_up(engine, rows)
+    t0 = time.perf_counter()
     params = engine._params(rows)  # after the k = 0 branch: the plain step builds its own
-    greedy, temps, top_ks, top_ps, min_ps = params
     draft_probs = None
     pick = draft_pick(rows, params, engine.generator, engine.draft_sampling)
     sample_draft = getattr(engine.drafter, "sample_draft", None)
@@ -93,30 +163,24 @@ def spec_step(engine, rows: list) -> None:
     if engine.timed:
         _sync(dev)
     t1 = time.perf_counter()
-    ids = torch.cat((torch.tensor([[r.tokens[-1]] for r in rows], device=dev), drafts), dim=1)
-    start = torch.tensor([r.kv_len for r in rows], device=dev)
-    positions = start[:, None] + torch.arange(k + 1, device=dev)[None]
-    slots = torch.tensor([r.slot for r in rows], device=dev)
+    meta = engine.to_device([(r.tokens[-1], r.kv_len, r.slot) for r in rows])  # one host-to-device copy
+    ids = torch.cat((meta[:, :1], drafts), dim=1)
+    positions = meta[:, 1:2] + torch.arange(k + 1, device=dev)[None]
     aux_ids = getattr(engine.drafter, "aux_layer_ids", None)  # EAGLE3 drafts from the target's aux states
-    out = engine.model(ids, positions, engine.cache, slots, max(r.kv_len for r in rows) + k + 1, aux_layer_ids=aux_ids)
+    out = engine.model(ids, positions, engine.cache, meta[:, 2], max(r.kv_len for r in rows) + k + 1,
+                       aux_layer_ids=aux_ids)
     hidden, features = out if aux_ids else (out, out)
     logits, broken = engine._non_finite_rows(engine.model.logits(hidden.flatten(0, 1)).view(n, k + 1, -1))
-    accept = torch.zeros(n, dtype=torch.long, device=dev)
-    next_token = torch.zeros(n, dtype=torch.long, device=dev)
-    if bool(greedy.any()):
-        accept[greedy], next_token[greedy] = sampling.greedy_accept(logits[greedy], drafts[greedy])
-    sampled = ~greedy
-    if bool(sampled.any()):
-        reps = lambda t: t[sampled].repeat_interleave(k + 1)  # noqa: E731 (one value per position)
-        probs = sampling.filtered_probs(logits[sampled].flatten(0, 1), reps(temps), reps(top_ks), reps(top_ps),
-                                        reps(min_ps)).view(-1, k + 1, logits.shape[-1])
-        q = None if draft_probs is None else draft_probs[sampled]
-        accept[sampled], next_token[sampled] = sampling.speculative_accept(probs, q, drafts[sampled],
-                                                                           engine.generator)
+    if engine.timed:
+        _sync(dev)
+    t2 = time.perf_counter()
+    kinds = (not engine._params_all_sampled, engine._params_all_greedy)  # known on the host since _params
+    accept, next_token = accept_drafts(logits, drafts, draft_probs, params, engine.generator, kinds)
     chosen = torch.cat((drafts, drafts.new_zeros(n, 1)), dim=1)
     chosen[torch.arange(n, device=dev), accept] = next_token
     logprobs = None
     if any(r.req.return_logprob for r in rows):
+        greedy, temps = params[0], params[1]
         lp = sampling.token_logprobs(logits.flatten(0, 1), temps.repeat_interleave(k + 1),
                                      greedy.repeat_interleave(k + 1), chosen.flatten())
         logprobs = lp.view(n, k + 1).tolist()
@@ -131,12 +195,20 @@ def spec_step(engine, rows: list) -> None:
             row.finish = dict(engine.nan_finish)
         if row.finish is None:
             alive.append(i)
-    if alive:
-        idx = torch.tensor(alive, device=dev)
-        engine.drafter.on_verify([rows[i] for i in alive], features[idx], [accept_list[i] for i in alive])
+    t3 = time.perf_counter()
+    if len(alive) == n:
+        engine.drafter.on_verify(rows, features, accept_list)
+    elif alive:
+        engine.drafter.on_verify([rows[i] for i in alive], features[torch.tensor(alive, device=dev)],
+                                 [accept_list[i] for i in alive])
     if engine.timed:
         _sync(dev)
-    engine.policy.observe(n, k, accept_list, t1 - t0, time.perf_counter() - t1)
+    t4 = time.perf_counter()
+    times = engine.step_times
+    times.draft_s += switch_s + (t1 - t0) + (t4 - t3)
+    times.verify_s += t2 - t1
+    times.sampling_s += t3 - t2
+    engine.policy.observe(n, k, accept_list, t1 - t0, t4 - t1, switch_s)
 
 
 def tree_step(engine, rows: list, shape: tree.TreeShape) -> None:
@@ -204,4 +276,7 @@ def tree_step(engine, rows: list, shape: tree.TreeShape) -> None:
         on_verify([rows[i] for i in alive], path_features, [accepted[i] for i in alive])
     if engine.timed:
         _sync(dev)
-    engine.policy.observe(n, width - 1, accepted, t1 - t0, time.perf_counter() - t1)
+    t2 = time.perf_counter()
+    engine.step_times.draft_s += t1 - t0
+    engine.step_times.verify_s += t2 - t1  # the tree's accept walk included
+    engine.policy.observe(n, width - 1, accepted, t1 - t0, t2 - t1)

@@ -35,7 +35,8 @@ from slime_spec.rollout.data import PromptDataset
 from slime_spec.rollout.debug_data import load_rollout, save_rollout
 from slime_spec.rollout.generate import GenerateFn, RolloutEngineClient, default_generate
 from slime_spec.rollout.history_sync import make_history_sync
-from slime_spec.rollout.metrics import WandbLogger, format_metrics_line, rollout_metrics, write_metrics_line
+from slime_spec.rollout.metrics import (WandbLogger, format_metrics_line, rollout_metrics, time_shares,
+                                        write_metrics_line)
 from slime_spec.rollout.rewards import assign_reward, load_function, make_reward_fn
 from slime_spec.rollout.sample import Sample, Status
 from slime_spec.rollout.sampling_params import sampling_params
@@ -209,6 +210,7 @@ class RolloutManager:
             self._session = self._session or async_session(self.request_timeout_s)
             clients = [RolloutEngineClient(u, self._session, self.auth) for u in self.fleet.urls]
             await self.history.before_rollout(clients, samples, rollout_id, self.tokenizer)
+        states_before = await self._server_states()
         samples, elapsed = await self._run(samples, f"rollout {rollout_id}")
         check_not_all_failed(samples, f"rollout {rollout_id}")
         if self.history is not None:
@@ -220,7 +222,9 @@ class RolloutManager:
         if stale:
             print(f"[rollout] {stale} sample(s) of rollout {rollout_id} were generated with stale weights and are "
                   "excluded from training (see their error)", flush=True)
-        metrics.update(await self._server_spec_info())
+        states = await self._server_states()
+        metrics.update(server_spec_info(states))
+        metrics.update(time_shares(states_before, states, elapsed))
         self.last_metrics = metrics
         if self.report_metrics:  # else the training loop prints and writes one merged line per step
             print(f"[rollout] {format_metrics_line(metrics)}", flush=True)
@@ -342,8 +346,9 @@ class RolloutManager:
         sample.error = f"request failed {attempts} times: " + " | ".join(errors)
         return sample
 
-    async def _server_spec_info(self) -> dict:
-        """The engines' own running average accept length (GET /server_info), for cross-checking."""
+    async def _server_states(self) -> dict[int, dict]:
+        """Each live engine's internal state from GET /server_info (accept length, step-time counters)."""
+        self._session = self._session or async_session(self.request_timeout_s)
         out = {}
         for i in self.fleet.live():
             client = RolloutEngineClient(self.fleet.urls[i], self._session, self.auth, engine_index=i)
@@ -352,10 +357,14 @@ class RolloutManager:
             except EngineError as e:
                 print(f"[rollout] engine {i}: {e}", flush=True)
                 continue
-            states = info.get("internal_states") or [{}]
-            if states[0].get("avg_spec_accept_length") is not None:
-                out[f"engine_{i}/server_avg_spec_accept_length"] = float(states[0]["avg_spec_accept_length"])
+            out[i] = (info.get("internal_states") or [{}])[0]
         return out
+
+
+def server_spec_info(states: dict[int, dict]) -> dict:
+    """The engines' own running average accept length, for cross-checking."""
+    return {f"engine_{i}/server_avg_spec_accept_length": float(state["avg_spec_accept_length"])
+            for i, state in states.items() if state.get("avg_spec_accept_length") is not None}
 
 
 # The router's health check: SGLang answers /health (and /health_generate) by generating one token, which

@@ -79,6 +79,31 @@ def rollout_metrics(rollout_id: int, samples: list[Sample], rollout_time_s: floa
     return m
 
 
+SPEC_PHASES = ("draft", "verify", "sampling", "plain")  # the embedded engine's StepTimes, in seconds as `{phase}_s`
+
+
+def time_shares(before: Mapping[int, dict], after: Mapping[int, dict], rollout_time_s: float) -> dict:
+    """Where a rollout's wall time went, from the engines' cumulative counters (GET /server_info internal state,
+    embedded engine) read before and after it. `time_share_engine`: seconds inside engine steps over engines x
+    rollout seconds; the rest, `time_share_outside_engine`, is HTTP, JSON, tokenization, queues and engines idle
+    at the tail. `time_share_{draft,verify,sampling,plain}`: each speculative phase's share of the engine-step
+    seconds (speculative.StepTimes). Engines without the counters (real SGLang) or whose counters went back
+    (restarted) are left out; no engine left, no keys."""
+    pairs = [(before[i], after[i]) for i in after if i in before and "engine_step_s" in after[i]
+             and after[i]["engine_step_s"] >= before[i].get("engine_step_s", float("inf"))]
+    if not pairs or rollout_time_s <= 0:
+        return {}
+    engine_s = sum(a["engine_step_s"] - b["engine_step_s"] for b, a in pairs)
+    out = {"time_share_engine": engine_s / (len(pairs) * rollout_time_s)}
+    out["time_share_outside_engine"] = 1.0 - out["time_share_engine"]
+    timed = [(b["spec_step_times"], a["spec_step_times"]) for b, a in pairs
+             if "spec_step_times" in a and "spec_step_times" in b]
+    if timed and engine_s > 0:
+        for phase in SPEC_PHASES:
+            out[f"time_share_{phase}"] = sum(a[f"{phase}_s"] - b[f"{phase}_s"] for b, a in timed) / engine_s
+    return out
+
+
 def _fmt(v) -> str:
     return "n/a" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
@@ -93,6 +118,10 @@ def format_metrics_line(m: dict) -> str:
              f"restarts {m['engine_restarts']}"]
     if m["aborted"]:
         parts.append(f"ABORTED {m['aborted']}")
+    if m.get("time_share_engine") is not None:
+        phases = " ".join(f"{p} {m[f'time_share_{p}']:.0%}" for p in SPEC_PHASES if f"time_share_{p}" in m)
+        parts.append(f"time: engine {m['time_share_engine']:.0%}" + (f" ({phases})" if phases else "")
+                     + f", outside (HTTP, queues) {m['time_share_outside_engine']:.0%}")
     engines = sorted({k.split("/")[0] for k in m if k.startswith("engine_") and "/" in k})
     if engines:
         parts.append("per engine accept_len " + " ".join(

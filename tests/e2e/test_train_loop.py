@@ -111,3 +111,8 @@ def test_demo_smoke_writes_sane_outputs(tmp_path):
         assert summary["spec_speedup"][run] > 0 and summary[run]["spec_speedup_measurements"] == 1
     assert "spec_speedup" in proc.stdout and "did NOT rise" not in proc.stdout
     assert "smoke run: too few steps to learn" in proc.stdout
+    # where the rollout's time went (engine phases, outside the engine) and accept length both ways
+    assert all(0 < m["time_share_engine"] <= 1 and m["time_share_verify"] > 0 for m in steps)
+    shares = summary["time_and_accept"]["mtp_trained"]
+    assert shares["accept_length_token_weighted"] >= 1.0 and shares["time_share_draft"] > 0
+    assert "rollout time: engine steps" in proc.stdout and "token-weighted" in proc.stdout

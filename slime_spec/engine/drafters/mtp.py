@@ -18,7 +18,8 @@ class MTPDrafter:
 
     Plain steps (k = 0, chosen by adaptive or auto speculation) draft nothing, so their extend is deferred: the
     committed token and the target's hidden state wait in `pending` per slot, and the next draft runs one
-    batched extend over all of them (one MTP call instead of one per plain step).
+    batched extend over all of them (one MTP call instead of one per plain step); the engine runs it
+    through `catch_up_deferred` before drafting, so its cost is measured apart from the draft step's.
     """
 
     def __init__(self, target: CausalLM, k: int, slots: int, max_seq: int):
@@ -59,7 +60,7 @@ class MTPDrafter:
             self.pending.pop(r.slot, None)
         self._extend(rows, tokens, hidden[:, : tokens.shape[1]], positions, last)
 
-    def _catch_up(self, rows) -> None:
+    def catch_up_deferred(self, rows) -> None:
         """The deferred extends of plain steps, one batched MTP call over every waiting position."""
         behind = [r for r in rows if r.slot in self.pending]
         if not behind:
@@ -87,7 +88,7 @@ class MTPDrafter:
         """k draft tokens per row, each picked from the MTP layer's logits: one batched MTP + lm_head call per
         step for all rows. The first reads the hidden state the last extend left; each further one runs the layer
         on its own output."""
-        self._catch_up(rows)
+        self.catch_up_deferred(rows)
         device = self.next_hidden.device
         slots = slots_of(rows, device)
         pos = torch.tensor([r.kv_len for r in rows], device=device)
@@ -107,7 +108,7 @@ class MTPDrafter:
         """A draft tree per row (eagle_topk > 1): the root's children from the hidden state the last extend left;
         each further step runs the layer once over every row's top-k frontier, node j of step i at cache location
         kv_len + i * topk + j (past the context, overwritten by the next extend) and RoPE position kv_len + i."""
-        self._catch_up(rows)
+        self.catch_up_deferred(rows)
         device = self.next_hidden.device
         slots = slots_of(rows, device)
         pos = torch.tensor([r.kv_len for r in rows], device=device)
@@ -126,7 +127,7 @@ class MTPDrafter:
         return tree.draft_tree(root, self.target.logits(first), first, step, shape)
 
     def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
-        if self.k == 0:  # a plain step: defer its extend to the next draft (see _catch_up)
+        if self.k == 0:  # a plain step: defer its extend to the next draft (see catch_up_deferred)
             self._step_id += 1
             self.pending_steps[self._step_id] = (hidden[:, 0], {r.slot: i for i, r in enumerate(rows)})
             for r in rows:

@@ -1,0 +1,31 @@
+"""The demo's summary of where rollout time went and of accept length (pure functions of the run's metrics)."""
+
+import pytest
+
+from slime_spec.demo import format_time_and_accept, run_time_and_accept
+
+
+def test_time_shares_are_weighted_by_rollout_time_and_accept_length_reported_both_ways():
+    rollouts = [
+        {"rollout_time_s": 1.0, "time_share_engine": 0.9, "time_share_outside_engine": 0.1, "time_share_draft": 0.2,
+         "time_share_verify": 0.5, "time_share_sampling": 0.1, "time_share_plain": 0.1, "spec_completion_tokens": 300,
+         "spec_verify_ct": 100, "spec_accept_length": 3.5},
+        {"rollout_time_s": 3.0, "time_share_engine": 0.5, "time_share_outside_engine": 0.5, "time_share_draft": 0.4,
+         "time_share_verify": 0.3, "time_share_sampling": 0.1, "time_share_plain": 0.0, "spec_completion_tokens": 100,
+         "spec_verify_ct": 100, "spec_accept_length": 1.5},
+    ]
+    m = run_time_and_accept(rollouts)
+    assert m["time_share_engine"] == pytest.approx((0.9 + 3 * 0.5) / 4)
+    assert m["time_share_draft"] == pytest.approx((0.2 + 3 * 0.4) / 4)
+    assert m["accept_length_token_weighted"] == pytest.approx(2.0) and m["accept_length_per_sample"] == 2.5
+    line = format_time_and_accept(m)
+    assert "accept length 2.00 token-weighted, 2.50 per sample" in line
+    assert "engine steps 60% (draft 35%, verify 35%, sampling 10%, plain 2% of them)" in line
+    assert "outside the engine (HTTP, queues) 40%" in line
+
+
+def test_a_run_without_counters_reports_accept_length_only():
+    m = run_time_and_accept([{"rollout_time_s": 1.0, "spec_completion_tokens": 10, "spec_verify_ct": 5,
+                              "spec_accept_length": 2.0}])
+    assert m["time_share_engine"] is None
+    assert format_time_and_accept(m) == "accept length 2.00 token-weighted, 2.00 per sample"
