@@ -16,7 +16,7 @@ import torch
 from slime_spec.dtypes import canonical_dtype
 from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model
 from slime_spec.engine import sampling, spec_policy, tree, weight_updater
-from slime_spec.engine.drafters import make_drafter
+from slime_spec.engine.drafters import HybridDrafter, MTPDrafter, make_drafter
 from slime_spec.engine.model import CausalLM, load_model
 from slime_spec.engine.overlap import OverlapDecode
 from slime_spec.engine.request import NAN_FINISH, Output, Request, SamplingParams, Row
@@ -420,7 +420,8 @@ class EngineCore:
         """On CUDA (unless --disable-cuda-graph), capture decode, verify and MTP draft forwards (cuda_graph.py)."""
         if self.device.type != "cuda" or self.cuda_graph.disable:
             return
-        mtp_cache = getattr(self.drafter, "cache", None) if getattr(self.drafter, "target", None) is self.model else None
+        mtp = self.drafter.mtp if isinstance(self.drafter, HybridDrafter) else self.drafter
+        mtp_cache = mtp.cache if isinstance(mtp, MTPDrafter) else None  # EAGLE3 drafts eagerly (its own layer)
         widest = self.policy.max_k if self.policy is not None else 0
         shape = tree.tree_shape(self.spec)
         if shape is not None:  # a tree verifies eagerly (its mask is per step); the MTP catch-up spans <= steps + 1
