@@ -251,6 +251,23 @@ def eagle3_regime(a: argparse.Namespace, quick: bool, params: SamplingParams) ->
     return Regime(name, target, eval_prompts, params, servable(rows, config, name), config)
 
 
+def describe(a: argparse.Namespace) -> list[str]:
+    """The models and workloads of the regimes run, for the table's header."""
+    parts = []
+    if {"exact", "floor", "ngram"} & set(a.regimes):
+        parts.append(f"random targets hidden {a.hidden_size}, {a.num_layers} layers, greedy, "
+                     f"{a.max_new_tokens} new tokens")
+    if "mtp" in a.regimes:
+        parts.append(f"trained MTP target hidden {a.mtp_hidden_size}, {a.mtp_num_layers} layers ({a.sft_steps} SFT "
+                     f"steps, {a.mtp_steps} MTP steps)")
+    if "eagle3" in a.regimes:
+        parts.append(f"trained EAGLE3 target (Llama) hidden {a.eagle3_hidden_size}, {a.eagle3_num_layers} layers "
+                     f"({a.sft_steps} SFT steps, {a.eagle3_draft_steps} EAGLE3 draft steps)")
+    if {"mtp", "eagle3"} & set(a.regimes):
+        parts.append("trained targets: held-out 2-digit scratchpad prompts, temperature 1, up to 128 new tokens")
+    return parts
+
+
 def to_markdown(rows: list[Row]) -> str:
     lines = ["| regime | method | batch | tokens/s (median) | accept length | vs plain |",
              "| --- | --- | ---: | ---: | ---: | ---: |"]
@@ -302,13 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     for regime in regimes(tmp, a, a.quick):
         rows += measure(regime, batches, repeats, a.device, dtype)
     header = (f"Embedded engine, speculative vs plain: {a.device} {dtype}, torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads, vocab {full_vocab_size()}; random targets hidden {a.hidden_size}, "
-              f"{a.num_layers} layers, greedy, {a.max_new_tokens} new tokens; trained MTP target hidden "
-              f"{a.mtp_hidden_size}, {a.mtp_num_layers} layers ({a.sft_steps} SFT steps, {a.mtp_steps} MTP steps), "
-              f"trained EAGLE3 target (Llama) hidden {a.eagle3_hidden_size}, {a.eagle3_num_layers} layers "
-              f"({a.sft_steps} SFT steps, {a.eagle3_draft_steps} draft steps); "
-              f"2-digit scratchpad prompts, temperature 1, up to 128 new tokens; regimes {' '.join(a.regimes)}; "
-              f"median of {repeats} interleaved runs.")
+              f"{torch.get_num_threads()} threads, vocab {full_vocab_size()}; " + "; ".join(describe(a)) +
+              f"; median of {repeats} interleaved runs.")
     table = header + "\n\n" + to_markdown(rows)
     print("\n" + table)
     if a.out:
