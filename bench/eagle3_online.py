@@ -1,6 +1,6 @@
 """Online vs frozen EAGLE3 draft over GRPO on CPU: does training the draft with the policy keep its acceptance?
 
-    python bench/eagle3_online.py [--smoke] [--out DIR] [--seed N]
+    python bench/eagle3_online.py [--smoke] [--out DIR] [--seed N] [--policy-lr LR] [--reuse-models]
 
 The demo's structure (slime_spec/demo.py) on a Llama-shaped policy:
 1. A tiny Llama (llama3 RoPE scaling) and the demo's task (scratchpad addition, `--rm-type scratchpad`).
@@ -44,9 +44,11 @@ ONLINE, FROZEN = "EAGLE3 draft trained online", "EAGLE3 draft frozen"
 
 
 def eagle3_argv(model: Path, draft: Path, train_data: Path, eval_data: Path, run_dir: Path, size: dict, seed: int,
-                online: bool) -> list[str]:
+                online: bool, policy_lr: str | None = None) -> list[str]:
+    """The demo's GRPO run with EAGLE3 chain drafting; policy_lr overrides the demo's --lr (last one wins)."""
     argv = demo.grpo_task_argv(model, train_data, eval_data, run_dir, size, seed)
     argv += [*SPEC_FLAGS, "--sglang-speculative-draft-model-path", str(draft)]
+    argv += ["--lr", policy_lr] if policy_lr else []
     return argv + (["--enable-draft-training", "--draft-lr", DRAFT_LR, "--draft-ttt-steps", TTT_STEPS] if online else [])
 
 
@@ -118,24 +120,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="a tiny run through every stage (no verdict)")
     p.add_argument("--out", default="outputs/bench_eagle3_online")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy-lr", default=None, help="GRPO's --lr for the policy (default the demo's, 3e-4): a "
+                   "larger one moves the policy further from the draft's training data in 20 steps")
+    p.add_argument("--reuse-models", action="store_true",
+                   help="keep the SFT'd policy and the offline draft already under --out (same size and seed): "
+                        "only the two GRPO runs run again")
     a = p.parse_args(argv)
     size = SIZES["smoke" if a.smoke else "full"]
     out = Path(a.out)
-    if out.exists():
-        shutil.rmtree(out)
+    reuse = a.reuse_models and (out / "draft_offline" / "config.json").exists()
+    if a.reuse_models and not reuse:
+        p.error(f"--reuse-models: no earlier run under --out {out} (no draft_offline/); run once without it")
+    for name in ([] if not out.exists() else ["run_online", "run_frozen"] if reuse else [""]):
+        shutil.rmtree(out / name, ignore_errors=True)
     t0 = time.perf_counter()
-    model, train_data, eval_data, rows = demo.make_model_and_data(out, size, a.seed, arch="llama")
-    print(f"[eagle3-online] SFT warm-up of a tiny Llama: {size['sft_steps']} steps", flush=True)
-    policy = demo.sft_warmup(model, rows, out, size, a.seed, mtp=False)
-    print(f"[eagle3-online] EAGLE3 draft: {size['draft_steps']} steps on the policy's own outputs", flush=True)
-    draft = offline_draft(policy, rows, out, size, a.seed)
+    if reuse:
+        policy, draft = out / "model_sft", out / "draft_offline"
+        train_data, eval_data = out / "data" / "train.jsonl", out / "data" / "eval.jsonl"
+        print(f"[eagle3-online] reusing the policy {policy} and the draft {draft}", flush=True)
+    else:
+        model, train_data, eval_data, rows = demo.make_model_and_data(out, size, a.seed, arch="llama")
+        print(f"[eagle3-online] SFT warm-up of a tiny Llama: {size['sft_steps']} steps", flush=True)
+        policy = demo.sft_warmup(model, rows, out, size, a.seed, mtp=False)
+        print(f"[eagle3-online] EAGLE3 draft: {size['draft_steps']} steps on the policy's own outputs", flush=True)
+        draft = offline_draft(policy, rows, out, size, a.seed)
     runs = {}
     for name, online in ((ONLINE, True), (FROZEN, False)):
         print(f"[eagle3-online] GRPO, {name}", flush=True)
         run_dir = out / ("run_online" if online else "run_frozen")
-        runs[name] = demo.grpo(eagle3_argv(policy, draft, train_data, eval_data, run_dir, size, a.seed, online))
+        runs[name] = demo.grpo(eagle3_argv(policy, draft, train_data, eval_data, run_dir, size, a.seed, online,
+                                           a.policy_lr))
     title = (f"tiny Llama ({size['layers']} layers, hidden {size['hidden']}, llama3 RoPE) on {size['digits']}-digit "
-             "scratchpad addition: GRPO, EAGLE3 chain (3 steps)")
+             f"scratchpad addition: GRPO (policy lr {a.policy_lr or '3e-4'}), EAGLE3 chain (3 steps)")
     finish(out, runs[ONLINE], runs[FROZEN], title, time.perf_counter() - t0, a.smoke)
     return 0
 

@@ -74,3 +74,11 @@ def test_the_two_runs_differ_only_in_online_draft_training(bench, tmp_path):
         assert "--spec-auto" not in argv  # a fixed chain: accept length is what the draft earns
         assert argv[argv.index("--sglang-speculative-algorithm") + 1] == "EAGLE3"
         assert argv[argv.index("--sglang-speculative-draft-model-path") + 1] == str(draft)
+
+
+def test_policy_lr_overrides_the_demos(bench, tmp_path):
+    size = bench.SIZES["smoke"]
+    argv = bench.eagle3_argv(tmp_path / "m", tmp_path / "d", tmp_path / "t", tmp_path / "e", tmp_path / "r", size, 0,
+                             online=True, policy_lr="3e-3")
+    parsed = parse(argv)
+    assert parsed.namespace.lr == 3e-3 and argv.count("--lr") == 2  # the demo's, then the override (last wins)
