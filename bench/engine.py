@@ -1,10 +1,11 @@
 """Embedded engine throughput: does speculation pay? Plain decoding vs speculative settings, side by side.
 
-    python bench/engine.py [--quick] [--device cpu|cuda] [--repeats N] [--model-cache DIR] [--out FILE]
+    python bench/engine.py [--quick] [--regimes NAME ...] [--eagle3-topk K ...] [--device cpu|cuda] [--repeats N]
+                           [--batches 1,8,32] [--model-cache DIR] [--out FILE]
     python bench/engine.py --step-costs --mtp-model outputs/demo/model_sft --mtp-prompts outputs/demo/data/eval.jsonl
 
 `--mtp-model` measures the trained-MTP rows on an existing checkpoint (the demo's) instead of training one;
-`--step-costs` prints only what one step of fixed k = 1..3 costs over a plain step per batch size, and where a k = 3
+`--step-costs` prints only what one step of fixed k = 1..3 over a plain step costs per batch size, and where a k = 3
 step's time goes (draft / verify / sampling).
 
 Regimes (each with its own target, its own plain row, and the ratio to it per batch size):
@@ -16,6 +17,11 @@ Regimes (each with its own target, its own plain row, and the ratio to it per ba
   its MTP layer then trained on the target's own sampled outputs with the trunk frozen; held-out prompts,
   temperature 1 (RL rollout), EOS on. NEXTN with SGLang's greedy drafting at 1-3 steps, with drafting by
   sampling (`--spec-draft-sampling`), with SGLang's `--speculative-adaptive` and with our `--spec-auto`.
+- trained EAGLE3: a Llama target (llama3 RoPE) SFT-trained the same way, then an EAGLE3 draft head trained on
+  the target's own sampled outputs (the training-time-test loss online training uses); held-out prompts,
+  temperature 1. EAGLE3 chains (eagle-topk 1) at 1-3 steps, and trees for each `--eagle3-topk` entry > 1
+  (5 steps, 4 * topk draft tokens: 16 at topk 4, 32 at topk 8); a row the embedded engine refuses (trees, for
+  now) is skipped with the doctor's reason printed.
 - never accepted (the floor): a random MiMo target with its random MTP layer, and STANDALONE with an
   "anti-draft" (the target with its lm_head negated drafts the target's argmin); fixed, adaptive and auto k.
 - NGRAM on repetitive text.
@@ -29,6 +35,7 @@ drafts + 1; plain steps that adaptive/auto chose are not verify passes).
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import tempfile
@@ -38,9 +45,10 @@ from pathlib import Path
 
 import torch
 
-from engine_models import make_anti_draft, make_exact_pair, trained_mtp_model  # run as `python bench/engine.py`
+from engine_models import (make_anti_draft, make_exact_pair, trained_eagle3_model,  # run as `python bench/engine.py`
+                           trained_mtp_model)
 from slime_spec.engine.core import EngineCore, Request, SamplingParams
-from slime_spec.spec import resolve_or_raise
+from slime_spec.spec import resolve, resolve_or_raise
 from slime_spec.tiny_model import CHARACTERS, full_vocab_size, make_tiny_model
 
 REPETITIVE = ["the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat",
@@ -48,6 +56,9 @@ REPETITIVE = ["the cat sat on the mat. the cat sat on the mat. the cat sat on th
               "abc def abc def abc def abc def abc def abc",
               "to be or not to be, to be or not to be, to be or"]
 MIMO = {"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1}
+REGIMES = ("exact", "mtp", "eagle3", "floor", "ngram")  # --regimes: exact draft, trained MTP, trained EAGLE3, ...
+QUICK_REGIMES = ("exact", "mtp", "eagle3")
+EAGLE3_TREE_STEPS = 5  # the seeds' EAGLE3 configuration drafts 5 steps (topk 8, 32 draft tokens)
 
 
 @dataclass
@@ -94,6 +105,34 @@ def nextn(steps: int, **extra) -> dict:
 def standalone(draft: Path, steps: int = 3) -> dict:
     return {"speculative_algorithm": "STANDALONE", "speculative_num_steps": steps, "speculative_eagle_topk": 1,
             "speculative_num_draft_tokens": steps + 1, "speculative_draft_model_path": str(draft)}
+
+
+def eagle3(draft: Path, steps: int, topk: int = 1) -> dict:
+    """EAGLE3 server args: a chain of `steps` drafts (topk 1), or a tree of 4 * topk draft tokens."""
+    tokens = steps + 1 if topk == 1 else 4 * topk
+    return {"speculative_algorithm": "EAGLE3", "speculative_num_steps": steps, "speculative_eagle_topk": topk,
+            "speculative_num_draft_tokens": tokens, "speculative_draft_model_path": str(draft)}
+
+
+def refusal(s: Setting, target_config: dict | None) -> str | None:
+    """Why the embedded engine would refuse this row (the doctor's errors), or None when it serves it."""
+    if s.server_args is None:
+        return None
+    _, findings = resolve(s.server_args, target_config=target_config, backend="embedded")
+    errors = [str(f) for f in findings if f.level == "error"]
+    return "; ".join(errors) or None
+
+
+def servable(settings: list[Setting], target_config: dict | None, regime: str) -> list[Setting]:
+    """The rows the engine serves; each refused one is named with the reason (e.g. trees before they land)."""
+    kept = []
+    for s in settings:
+        why = refusal(s, target_config)
+        if why:
+            print(f"[bench] {regime}: skipping '{s.method}': {why}", flush=True)
+        else:
+            kept.append(s)
+    return kept
 
 
 def make_engine(regime: Regime, s: Setting, batch: int, device: str, dtype: str) -> EngineCore:
@@ -163,33 +202,41 @@ def jsonl_prompts(model: Path, path: Path) -> list[list[int]]:
 
 
 def regimes(tmp: Path, a: argparse.Namespace, quick: bool) -> list[Regime]:
+    """The regimes named by --regimes, in REGIMES order (each builds or loads its own models)."""
     from transformers import AutoTokenizer
 
     hidden, layers = a.hidden_size, a.num_layers
     shape = dict(hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2, intermediate_size=hidden * 3,
                  max_position_embeddings=512)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=a.max_new_tokens, ignore_eos=True)
+    rollout = SamplingParams(temperature=1.0, max_new_tokens=128)
     exact_target, exact_draft = make_exact_pair(tmp, shape, a.draft_layers)
     tok = AutoTokenizer.from_pretrained(str(exact_target))
     randoms = random_prompts(tok, 32, 48, seed=0)
-    out = [Regime(f"exact draft ({a.draft_layers} of {layers} layers)", exact_target, randoms, greedy,
-                  [Setting("plain"), Setting("STANDALONE k=3", standalone(exact_draft))])]
-    demo_shape = dict(hidden_size=a.mtp_hidden_size, num_layers=a.mtp_num_layers, num_heads=4, num_kv_heads=2,
-                      intermediate_size=a.mtp_hidden_size * 3, max_position_embeddings=512)
-    if a.mtp_model:  # an existing checkpoint, e.g. the demo's outputs/demo/model_sft, on its own eval prompts
-        trained, eval_prompts = Path(a.mtp_model), jsonl_prompts(Path(a.mtp_model), Path(a.mtp_prompts))
-    else:
-        trained, eval_prompts = trained_mtp_model(Path(a.model_cache), demo_shape, digits=2, sft_steps=a.sft_steps,
-                                                  mtp_steps=a.mtp_steps)
-    rollout = SamplingParams(temperature=1.0, max_new_tokens=128)
-    mtp_rows = [Setting("plain")] + [Setting(f"NEXTN k={k}", nextn(k)) for k in ([2] if quick else [1, 2, 3])]
-    mtp_rows += [Setting(f"NEXTN k={k} draft sampling", nextn(k), draft_sampling=True) for k in ([2] if quick else [2, 3])]
-    mtp_rows += [Setting("NEXTN adaptive, draft sampling", nextn(3, speculative_adaptive=True), draft_sampling=True),
-                 Setting("NEXTN auto k<=3", nextn(3), spec_auto=True),
-                 Setting("NEXTN auto k<=3, draft sampling", nextn(3), draft_sampling=True, spec_auto=True)]
-    out.append(Regime("trained MTP, temperature 1", trained, eval_prompts, rollout, mtp_rows, MIMO))
-    if not quick:
+    out = []
+    if "exact" in a.regimes:
+        out.append(Regime(f"exact draft ({a.draft_layers} of {layers} layers)", exact_target, randoms, greedy,
+                          [Setting("plain"), Setting("STANDALONE k=3", standalone(exact_draft))]))
+    if "mtp" in a.regimes:
+        demo_shape = dict(hidden_size=a.mtp_hidden_size, num_layers=a.mtp_num_layers, num_heads=4, num_kv_heads=2,
+                          intermediate_size=a.mtp_hidden_size * 3, max_position_embeddings=512)
+        if a.mtp_model:  # an existing checkpoint, e.g. the demo's outputs/demo/model_sft, on its own eval prompts
+            trained, eval_prompts = Path(a.mtp_model), jsonl_prompts(Path(a.mtp_model), Path(a.mtp_prompts))
+        else:
+            trained, eval_prompts = trained_mtp_model(Path(a.model_cache), demo_shape, digits=2,
+                                                      sft_steps=a.sft_steps, mtp_steps=a.mtp_steps)
+        mtp_rows = [Setting("plain")] + [Setting(f"NEXTN k={k}", nextn(k)) for k in ([2] if quick else [1, 2, 3])]
+        mtp_rows += [Setting(f"NEXTN k={k} draft sampling", nextn(k), draft_sampling=True)
+                     for k in ([2] if quick else [2, 3])]
+        mtp_rows += [Setting("NEXTN adaptive, draft sampling", nextn(3, speculative_adaptive=True), draft_sampling=True),
+                     Setting("NEXTN auto k<=3", nextn(3), spec_auto=True),
+                     Setting("NEXTN auto k<=3, draft sampling", nextn(3), draft_sampling=True, spec_auto=True)]
+        out.append(Regime("trained MTP, temperature 1", trained, eval_prompts, rollout, mtp_rows, MIMO))
+    if "eagle3" in a.regimes:
+        out.append(eagle3_regime(a, quick, rollout))
+    if "floor" in a.regimes or "ngram" in a.regimes:
         target = make_tiny_model(tmp / "target", arch="qwen2", seed=0, **shape)
+    if "floor" in a.regimes:
         mimo = make_tiny_model(tmp / "mimo", arch="mimo", seed=1, init_from=str(target), **shape)
         anti = make_anti_draft(target, tmp / "anti", shape)
         out.append(Regime("never accepted", mimo, randoms, greedy, [
@@ -197,6 +244,7 @@ def regimes(tmp: Path, a: argparse.Namespace, quick: bool) -> list[Regime]:
             Setting("NEXTN random MTP k=3", nextn(3)),
             Setting("NEXTN random MTP adaptive", nextn(3, speculative_adaptive=True)),
             Setting("NEXTN random MTP auto k<=3", nextn(3), spec_auto=True)], MIMO))
+    if "ngram" in a.regimes:
         repetitive = [tok.encode(t, add_special_tokens=False) for t in REPETITIVE]
         out.append(Regime("ngram, repetitive text", target, repetitive, greedy, [
             Setting("plain"), Setting("NGRAM 3 drafts", {"speculative_algorithm": "NGRAM",
@@ -245,6 +293,42 @@ def step_costs(model: Path, prompts: list[list[int]], batches: list[int], device
     return "\n".join(lines)
 
 
+def eagle3_regime(a: argparse.Namespace, quick: bool, params: SamplingParams) -> Regime:
+    """A trained Llama + its EAGLE3 draft: plain, chains (topk 1) at 1-3 steps, then one tree per --eagle3-topk > 1."""
+    shape = dict(hidden_size=a.eagle3_hidden_size, num_layers=a.eagle3_num_layers, num_heads=4, num_kv_heads=2,
+                 intermediate_size=a.eagle3_hidden_size * 3, max_position_embeddings=512)
+    target, draft, eval_prompts = trained_eagle3_model(Path(a.model_cache), shape, digits=2, sft_steps=a.sft_steps,
+                                                       draft_steps=a.eagle3_draft_steps)
+    rows = [Setting("plain")]
+    for topk in a.eagle3_topk:
+        if topk == 1:
+            rows += [Setting(f"EAGLE3 chain k={k}", eagle3(draft, k)) for k in ([3] if quick else [1, 2, 3])]
+        else:
+            args = eagle3(draft, EAGLE3_TREE_STEPS, topk)
+            rows.append(Setting(f"EAGLE3 tree topk={topk}, {args['speculative_num_draft_tokens']} draft tokens", args))
+    config = json.loads((target / "config.json").read_text())
+    name = "trained EAGLE3, temperature 1"
+    return Regime(name, target, eval_prompts, params, servable(rows, config, name), config)
+
+
+def describe(a: argparse.Namespace) -> list[str]:
+    """The models and workloads of the regimes run, for the table's header."""
+    parts = []
+    if {"exact", "floor", "ngram"} & set(a.regimes):
+        parts.append(f"random targets hidden {a.hidden_size}, {a.num_layers} layers, greedy, "
+                     f"{a.max_new_tokens} new tokens")
+    if "mtp" in a.regimes:
+        parts.append(f"trained MTP target {a.mtp_model}" if a.mtp_model else
+                     f"trained MTP target hidden {a.mtp_hidden_size}, {a.mtp_num_layers} layers ({a.sft_steps} SFT "
+                     f"steps, {a.mtp_steps} MTP steps)")
+    if "eagle3" in a.regimes:
+        parts.append(f"trained EAGLE3 target (Llama) hidden {a.eagle3_hidden_size}, {a.eagle3_num_layers} layers "
+                     f"({a.sft_steps} SFT steps, {a.eagle3_draft_steps} EAGLE3 draft steps)")
+    if {"mtp", "eagle3"} & set(a.regimes):
+        parts.append("trained targets: held-out 2-digit scratchpad prompts, temperature 1, up to 128 new tokens")
+    return parts
+
+
 def to_markdown(rows: list[Row]) -> str:
     lines = ["| regime | method | batch | tokens/s (median) | accept length | vs plain |",
              "| --- | --- | ---: | ---: | ---: | ---: |"]
@@ -258,7 +342,8 @@ def to_markdown(rows: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
-                   help="exact-draft and trained-MTP regimes only, fewer rows, batches 1 and 8, one repeat")
+                   help="exact-draft, trained-MTP and trained-EAGLE3 regimes only, fewer rows, batches 1 and 8, "
+                        "one repeat")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16")
     p.add_argument("--hidden-size", type=int, default=256, help="random targets (exact draft, floor, ngram)")
@@ -274,8 +359,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtp-prompts", default=None, help="JSONL with a `prompt` field per line (outputs/demo/data/eval.jsonl)")
     p.add_argument("--step-costs", action="store_true",
                    help="only the per-step cost of k = 1..3 over plain on the trained-MTP target (and its phases)")
-    p.add_argument("--regime", default=None, help="only the regimes whose name contains this (e.g. 'trained MTP')")
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32; --quick 1,8)")
+    p.add_argument("--eagle3-hidden-size", type=int, default=256, help="the trained EAGLE3 target (a Llama)")
+    p.add_argument("--eagle3-num-layers", type=int, default=8, help="the trained EAGLE3 target (a Llama)")
+    p.add_argument("--eagle3-draft-steps", type=int, default=100, help="EAGLE3 draft steps on the target's outputs")
+    p.add_argument("--eagle3-topk", type=int, nargs="+", default=[1, 4, 8],
+                   help="EAGLE3 rows: 1 = chains at 1-3 steps; K > 1 = a tree of 4K draft tokens over 5 steps "
+                        "(skipped, with the reason, while the engine refuses trees)")
+    p.add_argument("--regimes", nargs="+", choices=REGIMES, default=None,
+                   help=f"which regimes to run (default all; --quick: {' '.join(QUICK_REGIMES)})")
     p.add_argument("--model-cache", default="outputs/bench_engine_models",
                    help="trained checkpoints are kept here by their settings; reruns skip training")
     p.add_argument("--max-new-tokens", type=int, default=None, help="greedy regimes (default 64, --quick 32)")
@@ -285,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     a.max_new_tokens = a.max_new_tokens or (32 if a.quick else 64)
     if a.mtp_model and not a.mtp_prompts:
         p.error("--mtp-model needs --mtp-prompts (a JSONL file with a `prompt` field per line)")
+    a.regimes = a.regimes or list(QUICK_REGIMES if a.quick else REGIMES)
+    if a.step_costs:
+        a.regimes = ["mtp"]
+    if any(k < 1 for k in a.eagle3_topk):
+        p.error(f"--eagle3-topk {a.eagle3_topk}: each entry is 1 (a chain) or more (a tree)")
     batches = [int(b) for b in a.batches.split(",")] if a.batches else ([1, 8] if a.quick else [1, 8, 32])
     repeats = a.repeats or (1 if a.quick else 3)
     dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
@@ -296,15 +393,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     for regime in regimes(tmp, a, a.quick):
-        if a.regime is None or a.regime in regime.name:
-            rows += measure(regime, batches, repeats, a.device, dtype)
-    trained = (f"trained MTP target {a.mtp_model}" if a.mtp_model else
-               f"trained MTP target hidden {a.mtp_hidden_size}, {a.mtp_num_layers} layers ({a.sft_steps} SFT steps, "
-               f"{a.mtp_steps} MTP steps), 2-digit scratchpad prompts")
+        rows += measure(regime, batches, repeats, a.device, dtype)
     header = (f"Embedded engine, speculative vs plain: {a.device} {dtype}, torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads, vocab {full_vocab_size()}; random targets hidden {a.hidden_size}, "
-              f"{a.num_layers} layers, greedy, {a.max_new_tokens} new tokens; {trained}, temperature 1, up to 128 new "
-              f"tokens; median of {repeats} interleaved runs.")
+              f"{torch.get_num_threads()} threads, vocab {full_vocab_size()}; " + "; ".join(describe(a)) +
+              f"; median of {repeats} interleaved runs.")
     table = header + "\n\n" + to_markdown(rows)
     print("\n" + table)
     if a.out:

@@ -1,5 +1,6 @@
-"""The checkpoints bench/engine.py measures: random ones for the bounds, and a briefly trained target with an MTP
-layer trained on the target's own outputs (the regime where speculation should pay).
+"""The checkpoints bench/engine.py measures: random ones for the bounds, and briefly trained targets whose drafts
+learn from the target's own outputs (the regime where speculation should pay): a MiMo with its MTP layer, and a
+Llama (llama3 RoPE) with an EAGLE3 draft head.
 
 Training runs the engine's own model (slime_spec.engine.model) with autograd: a fresh KV cache per batch is just
 scratch space. Trained checkpoints are cached under `--model-cache` by their settings, so reruns only measure.
@@ -20,9 +21,14 @@ from safetensors.torch import load_file, save_file
 
 from slime_spec.demo_task import split_problems
 from slime_spec.engine.model import CausalLM, hf_weight_names, load_model
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_eagle3_draft, make_tiny_model
+from slime_spec.trainer import eagle3_draft
+from slime_spec.trainer.eagle3_ttt import ttt_loss
 
 TRAIN_BATCH = 16  # sequences per training step: small, so a CPU trains the bench's model in minutes
+# The EAGLE3 draft's vocabulary: every character the scratchpad task writes ('+' and '=' included) and EOS, fewer
+# than the target's ids, so the d2t / t2d maps are real.
+EAGLE3_DRAFT_VOCAB = 90
 
 
 def make_exact_pair(out: Path, shape: dict, draft_layers: int) -> tuple[Path, Path]:
@@ -70,11 +76,12 @@ def batch_tensors(seqs: list[tuple[list[int], int]]) -> tuple[torch.Tensor, torc
     return ids, ((pos >= starts) & (pos < lengths)).float()
 
 
-def trunk_hidden(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
+def trunk_hidden(model: CausalLM, ids: torch.Tensor, aux_layer_ids: list[int] | None = None):
+    """Final-normed hidden states [B, T, H]; with aux_layer_ids, (hidden, aux states [B, T, n * H])."""
     B, T = ids.shape
     cache = model.new_cache(B, T)
     positions = torch.arange(T)[None].expand(B, T)
-    return model(ids, positions, cache, torch.arange(B), num_keys=T)
+    return model(ids, positions, cache, torch.arange(B), num_keys=T, aux_layer_ids=aux_layer_ids)
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -97,6 +104,20 @@ def mtp_loss(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Te
     positions = torch.arange(T - 1)[None].expand(B, T - 1)
     out = model.mtp_forward(ids[:, 1:], hidden[:, :-1], positions, cache, torch.arange(B), num_keys=T - 1)
     return next_token_loss(model.logits(out[:, :-1]), ids[:, 2:], mask[:, 2:])
+
+
+def eagle3_loss(draft: eagle3_draft.Eagle3Draft, aux_layer_ids: list[int], ttt_steps: int):
+    """The EAGLE3 draft's training-time-test loss (trainer/eagle3_ttt.py, what online training runs) on the frozen
+    target's features: its embeddings, aux states and logits, as the policy's forward exposes them."""
+
+    def loss(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            hidden, aux = trunk_hidden(model, ids, aux_layer_ids)
+            logits, embeds = model.logits(hidden), model.model.embed_tokens(ids)
+        positions = torch.arange(ids.shape[1])[None].expand_as(ids)
+        return ttt_loss(draft, embeds, aux, logits, positions, mask, ttt_steps).loss
+
+    return loss
 
 
 def train(model: CausalLM, params: list[torch.nn.Parameter], loss_fn, data: list, steps: int, batch: int, lr: float,
@@ -166,10 +187,7 @@ def trained_mtp_model(cache_dir: Path, shape: dict, digits: int, sft_steps: int,
     done = root / "model"
     if (done / "model.safetensors").exists():
         return done, eval_prompts
-    model, _ = load_model(init)
-    model.train()
-    trunk = [p for n, p in model.named_parameters() if not n.startswith("model.mtp_layers.")]
-    train(model, trunk, sft_loss, encode_problems(tokenizer, train_rows), sft_steps, TRAIN_BATCH, 3e-3, seed, "target SFT")
+    model, _ = sft_target(init, train_rows, sft_steps, seed)
     sft = save_checkpoint(model, init, root / "sft")
     prompts = [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in train_rows[:256]]
     own = sample_outputs(sft, prompts, max_new=120, seed=seed)
@@ -177,3 +195,53 @@ def trained_mtp_model(cache_dir: Path, shape: dict, digits: int, sft_steps: int,
     train(model, mtp, mtp_loss, own, mtp_steps, TRAIN_BATCH, 3e-3, seed + 1, "MTP on the target's outputs")
     save_checkpoint(model.eval(), init, done)
     return done, eval_prompts
+
+
+def sft_target(init: Path, rows: list[dict], steps: int, seed: int) -> tuple[CausalLM, list]:
+    """The checkpoint at `init` SFT-trained (trunk only) on the scratchpad task; also the encoded problems."""
+    from transformers import AutoTokenizer
+
+    model, _ = load_model(init)
+    model.train()
+    trunk = [p for n, p in model.named_parameters() if not n.startswith("model.mtp_layers.")]
+    data = encode_problems(AutoTokenizer.from_pretrained(str(init)), rows)
+    train(model, trunk, sft_loss, data, steps, TRAIN_BATCH, 3e-3, seed, "target SFT")
+    return model, data
+
+
+def train_eagle3_draft(target: Path, own: list[tuple[list[int], int]], out: Path, steps: int, ttt_steps: int = 3,
+                       lr: float = 3e-3, seed: int = 0, draft_vocab: int = EAGLE3_DRAFT_VOCAB) -> Path:
+    """An EAGLE3 draft for the Llama at `target` (random init, `make_tiny_eagle3_draft`), trained with the target
+    frozen on `own` (prompt + output, prompt length: the target's own outputs); written to `out`."""
+    init = make_tiny_eagle3_draft(out.parent / f"{out.name}_init", target, draft_vocab_size=draft_vocab, seed=seed + 1)
+    model, _ = load_model(target)
+    draft = eagle3_draft.load_draft(init, model.args.num_layers)
+    ids = eagle3_draft.aux_layer_ids(draft.config, model.args.num_layers)
+    train(model, list(draft.parameters()), eagle3_loss(draft, ids, ttt_steps), own, steps, TRAIN_BATCH, lr,
+          seed + 1, "EAGLE3 draft on the target's outputs")
+    return eagle3_draft.save_draft(draft.eval(), out)
+
+
+def trained_eagle3_model(cache_dir: Path, shape: dict, digits: int, sft_steps: int, draft_steps: int,
+                         seed: int = 0) -> tuple[Path, Path, list[list[int]]]:
+    """A Llama target (llama3 RoPE scaling) SFT-trained on the scratchpad task, then an EAGLE3 draft trained on the
+    target's own sampled outputs. Returns (target, draft, held-out prompts as token ids)."""
+    from transformers import AutoTokenizer
+
+    settings = dict(shape=shape, digits=digits, sft_steps=sft_steps, draft_steps=draft_steps, seed=seed,
+                    draft_vocab=EAGLE3_DRAFT_VOCAB, version=1)
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    root = cache_dir / f"trained_eagle3_{key}"
+    train_rows, eval_rows = split_problems(2000, 64, seed, digits)
+    init = make_tiny_model(root / "init", arch="llama", seed=seed, rope_scaling=LLAMA31_ROPE_SCALING, **shape)
+    tokenizer = AutoTokenizer.from_pretrained(str(init))
+    eval_prompts = [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in eval_rows]
+    target, draft = root / "target", root / "draft"
+    if (draft / eagle3_draft.CHECKPOINT_FILE).exists():
+        return target, draft, eval_prompts
+    model, _ = sft_target(init, train_rows, sft_steps, seed)
+    save_checkpoint(model.eval(), init, target)
+    prompts = [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in train_rows[:256]]
+    own = sample_outputs(target, prompts, max_new=120, seed=seed)
+    train_eagle3_draft(target, own, draft, draft_steps, seed=seed)
+    return target, draft, eval_prompts

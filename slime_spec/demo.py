@@ -34,12 +34,15 @@ SPEC_FLAGS = ["--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-n
               "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "4", "--spec-auto"]
 
 
-def make_model_and_data(out: Path, size: dict, seed: int) -> tuple[Path, Path, Path, list[dict]]:
-    from slime_spec.tiny_model import make_tiny_model
+def make_model_and_data(out: Path, size: dict, seed: int, arch: str = "mimo") -> tuple[Path, Path, Path, list[dict]]:
+    """arch "mimo": the demo's model with one MTP layer; "llama": a Llama-3.1-shaped one (llama3 RoPE scaling)
+    for an external draft (bench/eagle3_online.py)."""
+    from slime_spec.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_model
 
-    model = make_tiny_model(out / "model_init", arch="mimo", mtp_layers=1, hidden_size=size["hidden"],
-                            num_layers=size["layers"], num_heads=4, num_kv_heads=2,
-                            intermediate_size=size["ffn"], max_position_embeddings=256, seed=seed)
+    family = dict(mtp_layers=1) if arch == "mimo" else dict(rope_scaling=LLAMA31_ROPE_SCALING)
+    model = make_tiny_model(out / "model_init", arch=arch, hidden_size=size["hidden"], num_layers=size["layers"],
+                            num_heads=4, num_kv_heads=2, intermediate_size=size["ffn"], max_position_embeddings=256,
+                            seed=seed, **family)
     train, evals = split_problems(size["n_train"], size["n_eval"], seed, size["digits"])
     return model, write_jsonl(train, out / "data" / "train.jsonl"), write_jsonl(evals, out / "data" / "eval.jsonl"), train
 
@@ -57,8 +60,8 @@ def sft_samples(rows: list[dict], tokenizer) -> list:
     return out
 
 
-def sft_warmup(model: Path, rows: list[dict], out: Path, size: dict, seed: int) -> Path:
-    """A short SFT of the policy and its MTP layer; the result is written as an HF checkpoint."""
+def sft_warmup(model: Path, rows: list[dict], out: Path, size: dict, seed: int, mtp: bool = True) -> Path:
+    """A short SFT of the policy (and its MTP layer when `mtp`); the result is written as an HF checkpoint."""
     import ray
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -70,8 +73,9 @@ def sft_warmup(model: Path, rows: list[dict], out: Path, size: dict, seed: int) 
 
     config, _ = parse_config(["--hf-checkpoint", str(model), "--loss-type", "sft", "--lr", "3e-3",
                               "--global-batch-size", str(size["sft_batch"]), "--micro-batch-size", str(size["sft_batch"]),
-                              "--mtp-num-layers", "1", "--enable-mtp-training", "--mtp-loss-scaling-factor", "1.0",
-                              "--rollout-backend", "embedded", "--output-dir", str(out), "--seed", str(seed)])
+                              "--rollout-backend", "embedded", "--output-dir", str(out), "--seed", str(seed),
+                              *(["--mtp-num-layers", "1", "--enable-mtp-training", "--mtp-loss-scaling-factor", "1.0"]
+                                if mtp else [])])
     tokenizer = AutoTokenizer.from_pretrained(model)
     samples = sft_samples(rows, tokenizer)
     rng = random.Random(seed)
@@ -97,6 +101,13 @@ def sft_warmup(model: Path, rows: list[dict], out: Path, size: dict, seed: int) 
 
 def grpo_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path, size: dict, seed: int,
               train_mtp: bool) -> list[str]:
+    argv = grpo_task_argv(model, train_data, eval_data, run_dir, size, seed)
+    return argv + ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "1.0", *SPEC_FLAGS] + (
+        ["--enable-mtp-training"] if train_mtp else [])
+
+
+def grpo_task_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path, size: dict, seed: int) -> list[str]:
+    """The GRPO run on the demo's task, without speculative flags: model, data, batch sizes, eval, speed-up."""
     n = size["prompts"] * size["samples"] // size["updates_per_rollout"]  # PPO minibatches per rollout
     argv = ["--hf-checkpoint", str(model), "--rollout-backend", "embedded", "--rollout-num-engines", "1",
             "--prompt-data", str(train_data), "--input-key", "prompt", "--label-key", "label",
@@ -106,14 +117,13 @@ def grpo_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path, siz
             "--rollout-temperature", "1.0", "--global-batch-size", str(n), "--micro-batch-size", str(n),
             "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
             "--lr", "3e-4", "--seed", str(seed), "--rollout-seed", str(seed),
-            "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "1.0",
-            "--output-dir", str(run_dir), "--metrics-jsonl", str(run_dir / "metrics.jsonl"), *SPEC_FLAGS,
+            "--output-dir", str(run_dir), "--metrics-jsonl", str(run_dir / "metrics.jsonl"),
             # held-out greedy accuracy before training and after the last step: the clean measure of progress
             "--eval-prompt-data", "addition", str(eval_data), "--eval-interval", str(max(1, size["grpo_steps"] // 2)),
             "--eval-temperature", "0",
             # every few steps the same prompts are also timed without speculation: the honest speed-up
             "--spec-speedup-interval", str(size["speedup_interval"])]
-    return argv + (["--enable-mtp-training"] if train_mtp else [])
+    return argv
 
 
 def grpo(argv: list[str]) -> dict:

@@ -1,0 +1,43 @@
+"""bench/engine.py's row list: rows the embedded engine refuses are skipped with the doctor's reason, the rest run."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_engine", BENCH / "engine.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_engine"] = module  # its dataclasses look their module up
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("bench_engine", None)
+        sys.path.remove(str(BENCH))
+
+
+def test_refused_rows_are_skipped_with_the_reason(bench, tmp_path, capsys):
+    draft = tmp_path / "draft"
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 4}
+    chain = bench.Setting("EAGLE3 chain k=3", bench.eagle3(draft, 3))
+    # EAGLE (NEXTN) with an external draft path: the embedded engine refuses it (it drafts with MTP layers)
+    refused = bench.Setting("EAGLE with a draft path", {**bench.nextn(2), "speculative_algorithm": "EAGLE",
+                                                         "speculative_draft_model_path": str(draft)})
+    kept = bench.servable([bench.Setting("plain"), chain, refused], llama, "r")
+    assert [s.method for s in kept] == ["plain", "EAGLE3 chain k=3"]
+    assert "r: skipping 'EAGLE with a draft path': SPEC_UNSUPPORTED_BY_BACKEND" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("topk, tokens", [(1, 4), (4, 16), (8, 32)])
+def test_eagle3_rows_have_the_documented_shapes(bench, topk, tokens):
+    steps = 3 if topk == 1 else bench.EAGLE3_TREE_STEPS
+    args = bench.eagle3(Path("d"), steps, topk)
+    assert (args["speculative_eagle_topk"], args["speculative_num_draft_tokens"]) == (topk, tokens)
+    assert tokens <= topk * steps + 1  # SGLang's tree-size rule
