@@ -346,16 +346,19 @@ def main(argv=None) -> None:
                                                       "max_position_embeddings": 1024}, a.draft_layers)
     rows = speculative_rows(mimo, trained_draft, exact_target, exact_draft, a.draft_layers)
     cores = {}
+    spec_graphs = compiled_graphs if a.torch_compile else graphs  # every row alike, plain included
     for name, (path, spec, kw, _) in rows.items():
-        cores[name] = engine(path, spec, **kw)
+        cores[name] = engine(path, spec, cuda_graph=spec_graphs, **kw)
         if getattr(cores[name].drafter, "target", None) is cores[name].model:  # the MTP drafter
             cores[name].load_weights(mtp_weights, selector="all")
     results = {name: {} for name in rows}
     for b in spec_b:
-        batch = prompts(b, a.prompt_len, a.vocab, seed=100 + b)
         for core in cores.values():
-            run(core, batch, 8)
+            run(core, prompts(b, a.prompt_len, a.vocab, seed=100 + b), 8)
         for r in range(a.repeats):
+            # New prompts per repeat (the same for every row of it): NGRAM's cache keeps what it saw, and the same
+            # greedy prompt a second time would be drafted from its own earlier continuation.
+            batch = prompts(b, a.prompt_len, a.vocab, seed=100 + b + 1000 * (r + 1))
             order = list(cores.items()) if r % 2 == 0 else list(reversed(cores.items()))
             for name, core in order:
                 tps, acc = run(core, batch, a.new_tokens)
@@ -386,11 +389,11 @@ def main(argv=None) -> None:
                  f"STANDALONE trained {a.draft_layers}-layer k=3"):
         path, spec, kw, _ = rows[name]
         core = EngineCore(str(path), spec, dtype="bfloat16", device=a.device, max_running_requests=max(spec_b),
-                          context_length=tail_ctx, cuda_graph=compiled_graphs if a.torch_compile and spec else graphs,
+                          context_length=tail_ctx, cuda_graph=spec_graphs,
                           **kw)
         if getattr(core.drafter, "target", None) is core.model:
             core.load_weights(mtp_weights, selector="all")
-        run(core, batch[:4], 8)
+        run(core, prompts(4, a.prompt_len, a.vocab, seed=778), 8)
         tail[name] = run_long_tail(core, batch, lengths)
         del core
         print(f"| {name} | {tail[name][0]:.2f} | {tail['plain'][0] / tail[name][0]:.2f}x | {tail[name][1]:.0%} |",

@@ -300,6 +300,10 @@ class CausalLM(nn.Module):
         dynamic): the elementwise ops fuse into a few kernels, which a captured graph then replays. Compiling
         one layer rather than the whole forward keeps the compile to seconds."""
         if self._compiled_layer is None:
+            # Every layer, model and shape class (batch or tokens of 1 specialise) shares this function's compiled
+            # code; several engines in one process (the benches) pass dynamo's default of 8 variants, after which
+            # it would silently run eagerly.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self._compiled_layer = torch.compile(DecoderLayer.forward, dynamic=True)
         return self._compiled_layer
 
