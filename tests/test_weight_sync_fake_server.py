@@ -313,7 +313,7 @@ def servers():
 
 def test_protocol_detected_from_new_and_old_server(servers):
     from slime_spec.engines.client import EngineClient
-    from slime_spec.weight_sync.sync import detect_engine_protocol
+    from slime_spec.weight_sync.protocol import detect_engine_protocol
 
     state, config = _tiny_state()
     new = detect_engine_protocol(EngineClient(servers(state, config).url))

@@ -268,3 +268,12 @@ ROUTE_STRUCTS = {
     "/pause_generation": "PauseGenerationReqInput",
     "/continue_generation": "ContinueGenerationReqInput",
 }
+
+
+def detect_engine_protocol(client) -> Protocol:
+    """Ask the engine: `version` from /server_info, and whether /begin_weight_update exists (404 or not).
+
+    The probe is a GET: a POST-only route answers 405 without running, a missing one 404.
+    """
+    version = client.server_info().get("version")
+    return detect_protocol(version, client.status("GET", "/begin_weight_update"))

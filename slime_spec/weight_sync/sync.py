@@ -137,7 +137,7 @@ class WeightSyncer:
     def prepare(self) -> None:
         if self.plan is not None:
             return
-        protocols = {c.url: detect_engine_protocol(c) for c in self.clients}
+        protocols = {c.url: protocol.detect_engine_protocol(c) for c in self.clients}
         sessions = {p.session for p in protocols.values()}
         if len(sessions) != 1:
             raise ValueError(f"engines speak different weight-update protocols: {protocols}; run one SGLang version")
@@ -507,12 +507,3 @@ class WeightSyncer:
 
 def _draft_only(served: dict[str, dict[str, str]]) -> dict[str, str]:
     return {f"{role}.{name}": c for role, names in served.items() if role != "target" for name, c in names.items()}
-
-
-def detect_engine_protocol(client: EngineClient) -> protocol.Protocol:
-    """Ask the engine: `version` from /server_info, and whether /begin_weight_update exists (404 or not).
-
-    The probe is a GET: a POST-only route answers 405 without running, a missing one 404.
-    """
-    version = client.server_info().get("version")
-    return protocol.detect_protocol(version, client.status("GET", "/begin_weight_update"))
