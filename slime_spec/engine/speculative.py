@@ -112,7 +112,8 @@ def catch_up(engine, rows: list) -> float:
 
 
 def accept_drafts(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None, params,
-                  generator: torch.Generator, kinds: tuple[bool, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  generator: torch.Generator,
+                  kinds: tuple[bool, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted drafts [n], the token after them [n]) per row: greedy rows by argmax equality, sampled rows by
     the lossless rule. A batch of one kind (the usual case: all sampled in RL) skips the per-kind row copies.
     kinds: (any greedy row, every row greedy) when the caller knows them on the host (no device read)."""
