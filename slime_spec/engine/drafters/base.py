@@ -81,3 +81,10 @@ def pad(seqs: list[list[int]], device) -> torch.Tensor:
 
 def slots_of(rows, device) -> torch.Tensor:
     return torch.tensor([r.slot for r in rows], dtype=torch.long, device=device)
+
+
+def tree_frame(rows, draft_region: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(slots [B], context lengths [B], keys to read) of a draft tree over `rows` whose frontier nodes take
+    `draft_region` cache locations past each row's context (tree.TreeShape.draft_region)."""
+    pos = torch.tensor([r.kv_len for r in rows], device=device)
+    return slots_of(rows, device), pos, max(r.kv_len for r in rows) + draft_region

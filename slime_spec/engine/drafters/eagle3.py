@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from slime_spec.engine import tree
-from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of
+from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of, tree_frame
 from slime_spec.engine.model import CausalLM, KVCache, causal_mask
 from slime_spec.trainer import eagle3_draft
 
@@ -99,9 +99,7 @@ class Eagle3Drafter:
     def tree_draft(self, rows, shape: tree.TreeShape) -> tree.DraftTree:
         """A draft tree per row (eagle_topk > 1), laid out as MTPDrafter.tree_draft lays out its own."""
         device = self.next_hidden.device
-        slots = slots_of(rows, device)
-        pos = torch.tensor([r.kv_len for r in rows], device=device)
-        num_keys = max(r.kv_len for r in rows) + shape.draft_region
+        slots, pos, num_keys = tree_frame(rows, shape.draft_region, device)
         first = self.next_hidden[slots]
 
         def step(i: int, tokens: torch.Tensor, hidden: torch.Tensor, visible: torch.Tensor):

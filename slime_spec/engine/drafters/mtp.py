@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from slime_spec.engine import tree
-from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of
+from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of, tree_frame
 from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names
 
 
@@ -110,9 +110,7 @@ class MTPDrafter:
         kv_len + i * topk + j (past the context, overwritten by the next extend) and RoPE position kv_len + i."""
         self.catch_up_deferred(rows)
         device = self.next_hidden.device
-        slots = slots_of(rows, device)
-        pos = torch.tensor([r.kv_len for r in rows], device=device)
-        num_keys = max(r.kv_len for r in rows) + shape.draft_region
+        slots, pos, num_keys = tree_frame(rows, shape.draft_region, device)
         first = self.next_hidden[slots]
 
         def step(i: int, tokens: torch.Tensor, hidden: torch.Tensor, visible: torch.Tensor):
