@@ -82,3 +82,12 @@ def test_policy_lr_overrides_the_demos(bench, tmp_path):
                              online=True, policy_lr="3e-3")
     parsed = parse(argv)
     assert parsed.namespace.lr == 3e-3 and argv.count("--lr") == 2  # the demo's, then the override (last wins)
+
+
+def test_draft_lr_reaches_the_online_run_only(bench, tmp_path):
+    size = bench.SIZES["smoke"]
+    paths = [tmp_path / n for n in "mdter"]
+    online = parse(bench.eagle3_argv(*paths, size, 0, online=True, draft_lr="3e-3")).namespace
+    frozen = parse(bench.eagle3_argv(*paths, size, 0, online=False, draft_lr="3e-3")).namespace
+    assert online.draft_lr == 3e-3 and online.enable_draft_training
+    assert not frozen.enable_draft_training
