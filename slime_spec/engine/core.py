@@ -100,10 +100,7 @@ class EngineCore:
         self._released: set[str] = set()
         self._weight_backup: dict[int, torch.Tensor] = {}
         self._params_key: tuple = ()           # the rows `_params_value` was built for
-        self._params_value: tuple = ()
-        self._params_all_greedy = True
-        self._params_all_sampled = False
-        self._params_filtered = False
+        self._params_value: sampling.BatchParams | None = None
         if overlap_schedule and self.drafter is not None:
             raise ValueError("overlap_schedule=True: the overlap schedule runs plain decoding only (speculative "
                              "decoding steps read each verify's result before drafting the next)")
@@ -217,23 +214,20 @@ class EngineCore:
             self._rows.pop(r.req.rid, None)
         return [self._output(r) for r in done]
 
-    def _params(self, rows: list[Row]):
-        """(greedy, temperatures, top_ks, top_ps, min_ps) per row, on the device. Built once per batch
-        composition: between admissions and finishes every step reuses them (on a GPU each rebuild is five
-        host-to-device copies on the decode step's critical path)."""
+    def _params(self, rows: list[Row]) -> sampling.BatchParams:
+        """The rows' sampling parameters (sampling.BatchParams). Built once per batch composition: between
+        admissions and finishes every step reuses them (on a GPU each rebuild is host-to-device copies on the decode
+        step's critical path)."""
         key = tuple(rows)  # rows compare by identity, and the tuple keeps them alive, so no id is reused
         if self._params_key != key:
             p = [r.req.params for r in rows]
             flags = [sampling.is_greedy(x.temperature, x.top_k) for x in p]
             values = torch.tensor([[x.temperature, x.top_k if x.top_k > 0 else self.vocab_size, x.top_p, x.min_p]
                                    for x in p], dtype=torch.float64).to(self.device)
-            greedy = torch.tensor(flags).to(self.device)
-            self._params_value = (greedy, values[:, 0].float(), values[:, 1].long(), values[:, 2].float(),
-                                  values[:, 3].float())
-            self._params_all_greedy = all(flags)
-            self._params_all_sampled = not any(flags)
-            self._params_filtered = any((x.top_k > 0 and x.top_k < self.vocab_size) or x.top_p < 1.0 or x.min_p > 0
-                                        for x in p)
+            filtered = any(0 < x.top_k < self.vocab_size or x.top_p < 1.0 or x.min_p > 0 for x in p)
+            self._params_value = sampling.BatchParams(
+                torch.tensor(flags).to(self.device), values[:, 0].float(), values[:, 1].long(), values[:, 2].float(),
+                values[:, 3].float(), all_greedy=all(flags), all_sampled=not any(flags), filtered=filtered)
             self._params_key = key
         return self._params_value
 
@@ -262,18 +256,18 @@ class EngineCore:
 
     def _pick_on_device(self, rows: list[Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`_pick` without reading back: tokens [B] and logprobs [B] (or None) stay on the device."""
-        greedy, temps, top_ks, top_ps, min_ps = self._params(rows)
+        p = self._params(rows)
         tokens = logits.argmax(-1)
-        if self._params_all_sampled and not self._params_filtered:  # the RL default: no mask, no host read
-            tokens = sampling.sample(torch.softmax(logits / temps[:, None], dim=-1), self.generator)
-        elif not self._params_all_greedy:
-            sampled = ~greedy
-            probs = sampling.filtered_probs(logits[sampled], temps[sampled], top_ks[sampled], top_ps[sampled],
-                                            min_ps[sampled])
+        if p.all_sampled:  # the RL case: no per-row copies
+            tokens = sampling.sample(sampling.filtered_probs(logits, p.temps, p.top_ks, p.top_ps, p.min_ps,
+                                                             filtered=p.filtered), self.generator)
+        elif not p.all_greedy:
+            sampled = ~p.greedy
+            probs = sampling.filtered_probs(logits[sampled], *p.of_rows(sampled), filtered=p.filtered)
             tokens[sampled] = sampling.sample(probs, self.generator)
         logprobs = None
         if any(r.req.return_logprob for r in rows):
-            logprobs = sampling.token_logprobs(logits, temps, greedy, tokens)
+            logprobs = sampling.token_logprobs(logits, p.temps, p.greedy, tokens)
         return tokens, logprobs
 
     def _prefill(self, rows: list[Row]) -> None:

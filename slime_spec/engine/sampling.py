@@ -13,9 +13,29 @@ applied but top-k / top-p / min-p not (SGLang takes the log of the probabilities
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 SAMPLING_EPS = 1e-6
+
+
+class BatchParams(NamedTuple):
+    """A batch's sampling parameters, one per row on the device, and what is known of them on the host (so that
+    no step reads the device to find out which rows are greedy or filtered)."""
+
+    greedy: torch.Tensor
+    temps: torch.Tensor
+    top_ks: torch.Tensor   # the vocabulary size where top-k is off
+    top_ps: torch.Tensor
+    min_ps: torch.Tensor
+    all_greedy: bool
+    all_sampled: bool
+    filtered: bool         # some row has an active top-k, top-p or min-p filter
+
+    def of_rows(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(temps, top_ks, top_ps, min_ps) of the rows `mask` selects, for filtered_probs."""
+        return self.temps[mask], self.top_ks[mask], self.top_ps[mask], self.min_ps[mask]
 
 
 def is_greedy(temperature: float, top_k: int) -> bool:
@@ -23,14 +43,17 @@ def is_greedy(temperature: float, top_k: int) -> bool:
 
 
 def filtered_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-                   min_ps: torch.Tensor) -> torch.Tensor:
+                   min_ps: torch.Tensor, filtered: bool | None = None) -> torch.Tensor:
     """logits [N, V] float32, params [N] -> normalized sampling distribution [N, V] after SGLang's filters.
 
     top_ks uses the vocabulary size (or more) for "off". Greedy rows should not be passed here.
     Only rows with an active top-k or top-p filter pay for the full-vocabulary sort (the RL default, top_p 1,
     top_k -1, is a plain softmax); min-p needs only each row's max, which no other filter removes.
+    filtered=False: the caller knows no row filters (BatchParams.filtered), so not even the check runs.
     """
     probs = torch.softmax(logits / temperatures[:, None], dim=-1)
+    if filtered is False:  # known on the host (BatchParams.filtered): no filter, and no device read to find out
+        return probs
     needs_sort = (top_ks < probs.shape[-1]) | (top_ps < 1.0)
     if bool(needs_sort.any()):
         probs[needs_sort] = _top_k_top_p(probs[needs_sort], top_ks[needs_sort], top_ps[needs_sort])

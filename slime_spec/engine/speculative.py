@@ -36,26 +36,26 @@ class StepTimes:
         return asdict(self)
 
 
-def draft_pick(rows, params, generator: torch.Generator, draft_sampling: bool) -> DraftPick:
+def draft_pick(params: sampling.BatchParams, generator: torch.Generator, draft_sampling: bool) -> DraftPick:
     """Greedy rows (and every row without draft sampling) take the draft's argmax; with draft sampling a sampled
     row draws from the draft's own temperature/filter-adjusted distribution q, returned for verification."""
-    greedy, temps, top_ks, top_ps, min_ps = params
-    sampled = ~greedy
-    if not draft_sampling or not bool(sampled.any()):
+    p = params
+    if not draft_sampling or p.all_greedy:
         return argmax_pick
 
-    if bool(sampled.all()):  # the RL case: every row sampled, no per-row copies
+    if p.all_sampled:  # the RL case: every row sampled, no per-row copies
         def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            q = sampling.filtered_probs(logits.float(), temps, top_ks, top_ps, min_ps)
+            q = sampling.filtered_probs(logits.float(), p.temps, p.top_ks, p.top_ps, p.min_ps, filtered=p.filtered)
             return sampling.sample(q, generator), q
 
         return pick
 
+    sampled = ~p.greedy
+
     def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = logits.argmax(-1)
         q = torch.zeros_like(logits)
-        q[sampled] = sampling.filtered_probs(logits[sampled].float(), temps[sampled], top_ks[sampled],
-                                             top_ps[sampled], min_ps[sampled])
+        q[sampled] = sampling.filtered_probs(logits[sampled].float(), *p.of_rows(sampled), filtered=p.filtered)
         tokens[sampled] = sampling.sample(q[sampled], generator)
         return tokens, q
 
@@ -111,22 +111,20 @@ def catch_up(engine, rows: list) -> float:
     return time.perf_counter() - t0
 
 
-def accept_drafts(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None, params,
-                  generator: torch.Generator,
-                  kinds: tuple[bool, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_drafts(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
+                  params: sampling.BatchParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted drafts [n], the token after them [n]) per row: greedy rows by argmax equality, sampled rows by
-    the lossless rule. A batch of one kind (the usual case: all sampled in RL) skips the per-kind row copies.
-    kinds: (any greedy row, every row greedy) when the caller knows them on the host (no device read)."""
-    greedy, temps, top_ks, top_ps, min_ps = params
+    the lossless rule. A batch of one kind (the usual case: all sampled in RL) skips the per-kind row copies."""
+    p = params
+    greedy = p.greedy
     n, k1, vocab = logits.shape
-    any_greedy, all_greedy = kinds if kinds is not None else (bool(greedy.any()), bool(greedy.all()))
-    if all_greedy:
+    if p.all_greedy:
         return sampling.greedy_accept(logits, drafts)
-    sampled = None if not any_greedy else ~greedy
+    sampled = None if p.all_sampled else ~greedy
     pick = (lambda t: t) if sampled is None else (lambda t: t[sampled])  # noqa: E731
     reps = lambda t: pick(t).repeat_interleave(k1)  # noqa: E731 (one value per position)
-    probs = sampling.filtered_probs(pick(logits).flatten(0, 1), reps(temps), reps(top_ks), reps(top_ps),
-                                    reps(min_ps)).view(-1, k1, vocab)
+    probs = sampling.filtered_probs(pick(logits).flatten(0, 1), reps(p.temps), reps(p.top_ks), reps(p.top_ps),
+                                    reps(p.min_ps), filtered=p.filtered).view(-1, k1, vocab)
     q = None if draft_probs is None else pick(draft_probs)
     sampled_accept = sampling.speculative_accept(probs, q, pick(drafts), generator)
     if sampled is None:
@@ -155,7 +153,7 @@ def spec_step(engine, rows: list) -> None:
     t0 = time.perf_counter()
     params = engine._params(rows)  # after the k = 0 branch: the plain step builds its own
     draft_probs = None
-    pick = draft_pick(rows, params, engine.generator, engine.draft_sampling)
+    pick = draft_pick(params, engine.generator, engine.draft_sampling)
     sample_draft = getattr(engine.drafter, "sample_draft", None)
     if pick is not argmax_pick and sample_draft is not None:
         drafts, draft_probs = sample_draft(rows, pick)
@@ -175,13 +173,12 @@ def spec_step(engine, rows: list) -> None:
     if engine.timed:
         _sync(dev)
     t2 = time.perf_counter()
-    kinds = (not engine._params_all_sampled, engine._params_all_greedy)  # known on the host since _params
-    accept, next_token = accept_drafts(logits, drafts, draft_probs, params, engine.generator, kinds)
+    accept, next_token = accept_drafts(logits, drafts, draft_probs, params, engine.generator)
     chosen = torch.cat((drafts, drafts.new_zeros(n, 1)), dim=1)
     chosen[torch.arange(n, device=dev), accept] = next_token
     logprobs = None
     if any(r.req.return_logprob for r in rows):
-        greedy, temps = params[0], params[1]
+        greedy, temps = params.greedy, params.temps
         lp = sampling.token_logprobs(logits.flatten(0, 1), temps.repeat_interleave(k + 1),
                                      greedy.repeat_interleave(k + 1), chosen.flatten())
         logprobs = lp.view(n, k + 1).tolist()
@@ -220,7 +217,8 @@ def tree_step(engine, rows: list, shape: tree.TreeShape) -> None:
     dev = engine.device
     n, width = len(rows), shape.num_draft_tokens
     t0 = time.perf_counter()
-    greedy, temps, top_ks, top_ps, min_ps = engine._params(rows)
+    params = engine._params(rows)
+    greedy, temps = params.greedy, params.temps
     drafted = engine.drafter.tree_draft(rows, shape)
     if engine.timed:
         _sync(dev)
@@ -236,12 +234,13 @@ def tree_step(engine, rows: list, shape: tree.TreeShape) -> None:
                                      attn_mask=tree.region_mask(start, drafted.mask, num_keys))
     hidden, features = out if aux_ids else (out, out)
     logits, broken = engine._non_finite_rows(engine.model.logits(hidden.flatten(0, 1)).view(n, width, -1))
-    sampled = ~greedy
     probs = None
-    if bool(sampled.any()):
+    if not params.all_greedy:
+        sampled = ~greedy
         reps = lambda t: t[sampled].repeat_interleave(width)  # noqa: E731 (one value per node)
-        probs = sampling.filtered_probs(logits[sampled].flatten(0, 1), reps(temps), reps(top_ks), reps(top_ps),
-                                        reps(min_ps)).view(-1, width, logits.shape[-1])
+        probs = sampling.filtered_probs(logits[sampled].flatten(0, 1), reps(temps), reps(params.top_ks),
+                                        reps(params.top_ps), reps(params.min_ps),
+                                        filtered=params.filtered).view(-1, width, logits.shape[-1])
     paths, next_tokens = tree.accept(drafted, logits, greedy, probs, engine.generator)
     tokens = drafted.tokens.tolist()
     chosen = [[tokens[i][node] for node in paths[i][1:]] + [next_tokens[i]] for i in range(n)]
