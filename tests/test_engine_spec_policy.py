@@ -115,7 +115,7 @@ def test_mtp_catch_up_after_plain_steps_equals_an_extend_over_the_whole_sequence
                             target_config={"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1})
     engine = EngineCore(str(mimo), spec, max_running_requests=3)
     engine.policy = ScriptedSteps([2, 0, 0, 0, 2, 0, 0])
-    drafter = engine.drafter
+    drafter = engine.drafter.mtp  # NEXTN/EAGLE: the MTP drafter inside the history hybrid
     tok = engine.tokenizer
     for i in range(3):
         engine.add_request(Request(f"r{i}", tok(f"q {i} " * (i + 2))["input_ids"],

@@ -41,10 +41,14 @@ class HybridDrafter:
         self.history_rows = 0                # rows drafted from history / by MTP (for benchmarks)
         self.mtp_rows = 0
 
-    def __getattr__(self, name: str):
-        if name in ("mtp", "history"):
-            raise AttributeError(name)
-        return getattr(self.mtp, name)
+    @property
+    def target(self):
+        """The model whose MTP layer drafts (as MTPDrafter.target)."""
+        return self.mtp.target
+
+    def catch_up_deferred(self, rows) -> None:
+        """The MTP layer's deferred extends of plain steps (MTPDrafter.catch_up_deferred)."""
+        self.mtp.catch_up_deferred(rows)
 
     @property
     def k(self) -> int:
