@@ -297,22 +297,34 @@ class EngineCore:
         """One plain step for every row; returns the target's hidden states [B, 1, H] (for a drafter to keep).
         One host-to-device copy in (token, position, slot per row) and one read back (tokens, the non-finite
         flags, logprobs): on a GPU every extra copy or sync is time the device sits idle."""
-        dev = self.device
         inputs = self.to_device([[r.tokens[-1], r.kv_len, r.slot] for r in rows])
-        num_keys = max(r.kv_len for r in rows) + 1
-        hidden = self.model(inputs[:, 0:1], inputs[:, 1:2], self.cache, inputs[:, 2], num_keys)
+        hidden, _, values = self.decode_forward(rows, inputs[:, 0:1], inputs[:, 1:2], inputs[:, 2])
+        self.append_decoded(rows, values.tolist())
+        return hidden
+
+    def decode_forward(self, rows: list[Row], ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode step on the device, nothing read back: (hidden [B, 1, H], tokens [B], values [2 or 3, B]: the
+        token, its non-finite flag and, when asked, its logprob per row). Each row's kv_len counts the step."""
+        hidden = self.model(ids, positions, self.cache, slots, max(r.kv_len for r in rows) + 1)
         logits = self.model.logits(hidden[:, 0])
         broken = ~torch.isfinite(logits).all(-1)
-        logits = logits.masked_fill(broken[:, None], 0.0)  # so sampling runs; the row is finished below
+        logits = logits.masked_fill(broken[:, None], 0.0)  # so sampling runs; the row is finished on append
         tokens, logprobs = self._pick_on_device(rows, logits)
-        readback = [tokens.double(), broken.double()] + ([] if logprobs is None else [logprobs.double()])
-        values = torch.stack(readback).tolist()
-        for i, row in enumerate(rows):
+        for row in rows:
             row.kv_len += 1
-            self._append(row, [int(values[0][i])], None if logprobs is None else [values[2][i]])
+        values = torch.stack([tokens.double(), broken.double()] + ([] if logprobs is None else [logprobs.double()]))
+        return hidden, tokens, values
+
+    def append_decoded(self, rows: list[Row], values: list[list[float]]) -> None:
+        """Append a decode step's read-back `values` (decode_forward's) to rows still running; a row that finished
+        or was aborted after the step was launched (the overlap schedule) drops its token."""
+        for i, row in enumerate(rows):
+            if row.finish is not None:
+                continue
+            self._append(row, [int(values[0][i])], [values[2][i]] if len(values) == 3 else None)
             if values[1][i]:
                 row.finish = dict(NAN_FINISH)
-        return hidden
 
     def _spec_step(self, rows: list[Row]) -> None:
         spec_step(self, rows)

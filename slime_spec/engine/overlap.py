@@ -18,13 +18,12 @@ import torch
 
 @dataclass
 class InFlight:
-    """A launched decode step whose results are not yet read: `host` [2 or 3, n] (token, non-finite flag and,
-    when asked, logprob per row) fills asynchronously; `event` marks when it is complete."""
+    """A launched decode step whose results are not yet read: `host` [2 or 3, n] (EngineCore.decode_forward's values)
+    fills asynchronously; `event` marks when it is complete."""
 
     rows: list
     host: torch.Tensor
     event: torch.cuda.Event | None
-    with_logprobs: bool
 
 
 class OverlapDecode:
@@ -68,31 +67,17 @@ class OverlapDecode:
         host_in.copy_(torch.tensor([[r.kv_len, r.slot] for r in rows]))
         inputs = host_in.to(e.device, non_blocking=self.pinned) if self.pinned else host_in.clone()
         positions, slots = inputs[:, 0:1], inputs[:, 1]
-        num_keys = max(r.kv_len for r in rows) + 1
-        hidden = e.model(self.last_token[slots][:, None], positions, e.cache, slots, num_keys)
-        logits = e.model.logits(hidden[:, 0])
-        broken = ~torch.isfinite(logits).all(-1)
-        tokens, logprobs = e._pick_on_device(rows, logits.masked_fill(broken[:, None], 0.0))
+        _, tokens, values = e.decode_forward(rows, self.last_token[slots][:, None], positions, slots)
         self.last_token[slots] = tokens
-        for row in rows:
-            row.kv_len += 1
-        values = torch.stack([tokens.double(), broken.double()] + ([] if logprobs is None else [logprobs.double()]))
         host = self.outputs[buffer][: values.numel()].view(values.shape)  # contiguous: a strided target would
         host.copy_(values, non_blocking=self.pinned)                         # make the copy synchronous
         event = None
         if self.pinned:
             event = torch.cuda.Event()
             event.record()
-        return InFlight(rows, host, event, logprobs is not None)
+        return InFlight(rows, host, event)
 
     def _append(self, batch: InFlight) -> None:
         if batch.event is not None:
             batch.event.synchronize()
-        values = batch.host.tolist()
-        e = self.engine
-        for i, row in enumerate(batch.rows):
-            if row.finish is not None:  # finished or aborted after this step was launched: its token is dropped
-                continue
-            e._append(row, [int(values[0][i])], [values[2][i]] if batch.with_logprobs else None)
-            if values[1][i]:
-                row.finish = dict(e.nan_finish)
+        self.engine.append_decoded(batch.rows, batch.host.tolist())
