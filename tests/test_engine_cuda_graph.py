@@ -115,3 +115,27 @@ def test_standalone_draft_steps_replay_graphs_and_keep_greedy_output(tmp_path):
             done.update({o.rid: o.output_ids for o in core.step()})
         outputs.append(done)
     assert outputs[0] == outputs[1]
+
+
+def test_capture_runs_with_garbage_collected_and_the_collector_frozen():
+    """SGLang's freeze_gc: a dead cycle (a dropped engine holding graphs or pinned buffers) is collected before
+    capture, not during it; --enable-cudagraph-gc leaves the collector alone."""
+    import gc
+    import weakref
+
+    from slime_spec.engine.cuda_graph import CudaGraphSettings, freeze_gc
+
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    dead = weakref.ref(a)
+    del a, b
+    frozen_before = gc.get_freeze_count()
+    with freeze_gc(False):
+        assert dead() is None and gc.get_freeze_count() > frozen_before
+    assert gc.get_freeze_count() == frozen_before
+    with freeze_gc(True):
+        assert gc.get_freeze_count() == frozen_before
+    assert CudaGraphSettings.from_values({"enable_cudagraph_gc": True}).enable_cudagraph_gc

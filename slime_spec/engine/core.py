@@ -20,6 +20,7 @@ from slime_spec.engine.drafters import HybridDrafter, MTPDrafter, make_drafter
 from slime_spec.engine.model import CausalLM, load_model
 from slime_spec.engine.overlap import OverlapDecode
 from slime_spec.engine.request import NAN_FINISH, Output, Request, SamplingParams, Row
+from slime_spec.engine.transfer import device_tensor
 from slime_spec.engine.speculative import StepTimes, spec_step
 from slime_spec.spec import SpecConfig, check_resolved
 from slime_spec.threads import intra_op_threads
@@ -234,8 +235,7 @@ class EngineCore:
     def to_device(self, values: list) -> torch.Tensor:
         """Host ints to the device without blocking: a copy from pageable memory waits for the whole stream
         (so a step launched from it could not overlap the previous one); from pinned memory it is queued."""
-        t = torch.tensor(values)
-        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        return device_tensor(values, self.device)
 
     @staticmethod
     def _non_finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
@@ -436,9 +436,11 @@ class EngineCore:
                                         max_running_requests=self.max_running_requests,
                                         max_draft_tokens=widest, max_seq=self.max_seq)
         draft = self._causal_lms()[1:]
-        if draft and shape is None:  # a STANDALONE draft's one-token chain steps (its catch-up runs eagerly)
+        if draft and shape is None:
+            # A STANDALONE draft's one-token chain steps, and its catch-up before each chain: 1 or 2 tokens after a
+            # verify, up to k + 1 after plain steps (longer ones, and the prefill, run eagerly).
             draft[0].graphs = graph_model(draft[0], self.drafter.cache, None, self.cuda_graph,
-                                          max_running_requests=self.max_running_requests, max_draft_tokens=0,
+                                          max_running_requests=self.max_running_requests, max_draft_tokens=widest,
                                           max_seq=self.max_seq)
         self.graph_capture_seconds = sum(g.capture_seconds for m in self._causal_lms() for g in m.graphs.values())
 

@@ -18,8 +18,10 @@ they are captured again on the next forward.
 
 from __future__ import annotations
 
+import gc
 import time
 from bisect import bisect_left
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,6 +38,7 @@ class CudaGraphSettings:
     disable_padding: bool = False              # --disable-cuda-graph-padding: capture every size up to max_bs
     torch_compile: bool = False                # --enable-torch-compile: fuse kernels before capture
     torch_compile_max_bs: int = 32             # --torch-compile-max-bs
+    enable_cudagraph_gc: bool = False          # --enable-cudagraph-gc: let the garbage collector run during capture
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> "CudaGraphSettings":
@@ -44,7 +47,8 @@ class CudaGraphSettings:
                    max_bs=values.get("cuda_graph_max_bs_decode"),
                    disable_padding=bool(values.get("disable_cuda_graph_padding")),
                    torch_compile=bool(values.get("enable_torch_compile")),
-                   torch_compile_max_bs=int(values.get("torch_compile_max_bs") or 32))
+                   torch_compile_max_bs=int(values.get("torch_compile_max_bs") or 32),
+                   enable_cudagraph_gc=bool(values.get("enable_cudagraph_gc")))
 
     def capture_sizes(self, max_running_requests: int, speculative: bool) -> list[int]:
         """The batch sizes to capture, clamped to the running-request limit as SGLang clamps to its pool."""
@@ -200,7 +204,7 @@ def graph_model(model, cache, mtp_cache, settings: CudaGraphSettings, *, max_run
     compile_args = dict(compile_max_bs=settings.torch_compile_max_bs) if settings.torch_compile else {}
 
     def target(ids, positions, slots, num_keys, compiled=False):
-        return model.eager_forward(ids, positions, cache, slots, num_keys, compiled=compiled)
+        return model.eager_forward(ids, positions, cache, slots, num_keys, compiled=compiled, graphed=True)
 
     def compiled_target(ids, positions, slots, num_keys):
         return target(ids, positions, slots, num_keys, compiled=True)
@@ -210,7 +214,7 @@ def graph_model(model, cache, mtp_cache, settings: CudaGraphSettings, *, max_run
     if mtp_cache is not None:
         def mtp(ids, positions, slots, num_keys, prev_hidden, compiled=False):
             return model.eager_mtp_forward(ids, prev_hidden, positions, mtp_cache, slots, num_keys=num_keys,
-                                           compiled=compiled)
+                                           compiled=compiled, graphed=True)
 
         def compiled_mtp(ids, positions, slots, num_keys, prev_hidden):
             return mtp(ids, positions, slots, num_keys, prev_hidden, compiled=True)
@@ -219,8 +223,26 @@ def graph_model(model, cache, mtp_cache, settings: CudaGraphSettings, *, max_run
         graphs["mtp"] = GraphedForward(mtp, cache=mtp_cache, extra={"prev_hidden": hidden}, **common, **compile_args,
                                        compiled_fn=compiled_mtp if compile_args else None)
     pool = None
-    for g in graphs.values():
-        g.pool = pool
-        g.capture()
-        pool = g.pool
+    with freeze_gc(settings.enable_cudagraph_gc):
+        for g in graphs.values():
+            g.pool = pool
+            g.capture()
+            pool = g.pool
     return graphs
+
+
+@contextmanager
+def freeze_gc(enable_cudagraph_gc: bool):
+    """SGLang's capture guard: collect garbage first, then freeze what is left, so no collection during capture
+    frees a dead engine's graphs, streams or pinned buffers: CUDA calls that invalidate a capture in progress
+    (seen as CUBLAS_STATUS_EXECUTION_FAILED inside a captured matmul when a collection happened to run there)."""
+    gc.collect()
+    if enable_cudagraph_gc:
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.collect()

@@ -13,6 +13,7 @@ overwritten before any query can see them.
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,11 +21,22 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from slime_spec.dtypes import torch_dtype
 from slime_spec.trainer import rope as rope_math
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM")
+# Attention backends for eager calls on CUDA: all but cuDNN's, which builds an execution plan for every new shape
+# (about 35 ms on an H100), while eager steps (prefill, a draft's catch-up, a tree verify, an EAGLE3 draft step)
+# read a new key count nearly every step. Captured graphs have static shapes and keep cuDNN.
+EAGER_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_backends(device: torch.device, graphed: bool = False):
+    """The context an attention call runs in: cuDNN left out on CUDA unless the call is (the warm-up of) a captured
+    graph, whose shapes are fixed."""
+    return sdpa_kernel(EAGER_SDPA_BACKENDS) if device.type == "cuda" and not graphed else nullcontext()
 
 
 @dataclass(frozen=True)
@@ -275,8 +287,9 @@ class CausalLM(nn.Module):
     def eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                       slots: torch.Tensor, num_keys: int | None = None, compiled: bool = False,
                       aux_layer_ids: list[int] | None = None, cache_positions: torch.Tensor | None = None,
-                      attn_mask: torch.Tensor | None = None):
+                      attn_mask: torch.Tensor | None = None, graphed: bool = False):
         """compiled: run each decoder layer through `compiled_layer` (--enable-torch-compile; CUDA graphs).
+        graphed: the call is (a warm-up of) a captured graph, so attention may use cuDNN (attention_backends).
         aux_layer_ids: also return the outputs of those layers, concatenated [B, T, n * H] (an EAGLE3 draft's
         input: SGLang captures them as the inputs of layers id + 1), as (hidden, aux).
         cache_positions / attn_mask (tree verification, engine/tree.py): where the keys/values are written when
@@ -287,10 +300,11 @@ class CausalLM(nn.Module):
         write = positions if cache_positions is None else cache_positions
         run_layer = self.compiled_layer() if compiled else DecoderLayer.forward
         aux = []
-        for i, layer in enumerate(self.model.layers):
-            x = run_layer(layer, x, cos, sin, cache.k[i], cache.v[i], slots, write, mask)
-            if aux_layer_ids and i in aux_layer_ids:
-                aux.append(x)
+        with attention_backends(x.device, graphed):
+            for i, layer in enumerate(self.model.layers):
+                x = run_layer(layer, x, cos, sin, cache.k[i], cache.v[i], slots, write, mask)
+                if aux_layer_ids and i in aux_layer_ids:
+                    aux.append(x)
         if aux_layer_ids:
             return self.model.norm(x), torch.cat(aux, dim=-1)
         return self.model.norm(x)
@@ -328,9 +342,9 @@ class CausalLM(nn.Module):
                           cache: KVCache, slots: torch.Tensor, layer: int = 0,
                           num_keys: int | None = None, compiled: bool = False,
                           cache_positions: torch.Tensor | None = None,
-                          attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """cache_positions / attn_mask: as in `eager_forward` (tree drafting: each draft-tree node at a cache
-        location of its own, seeing its ancestors)."""
+                          attn_mask: torch.Tensor | None = None, graphed: bool = False) -> torch.Tensor:
+        """cache_positions / attn_mask / graphed: as in `eager_forward` (tree drafting: each draft-tree node at a
+        cache location of its own, seeing its ancestors)."""
         mtp = self.model.mtp_layers[layer]
         embeds = self.model.embed_tokens(input_ids)
         embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)
@@ -339,7 +353,8 @@ class CausalLM(nn.Module):
         mask = attn_mask if attn_mask is not None else causal_mask(positions, num_keys or int(positions.max()) + 1)
         write = positions if cache_positions is None else cache_positions
         run_layer = self.compiled_layer() if compiled else DecoderLayer.forward
-        x = run_layer(mtp, x, cos, sin, cache.k[0], cache.v[0], slots, write, mask)
+        with attention_backends(x.device, graphed):
+            x = run_layer(mtp, x, cos, sin, cache.k[0], cache.v[0], slots, write, mask)
         return mtp.final_layernorm(x)
 
 

@@ -40,7 +40,7 @@ IMPLEMENTED = frozenset({
     "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_ngram_max_trie_depth",
     "speculative_adaptive", "speculative_adaptive_config",
     "disable_cuda_graph", "cuda_graph_bs_decode", "cuda_graph_max_bs_decode", "disable_cuda_graph_padding",
-    "enable_torch_compile", "torch_compile_max_bs", "disable_overlap_schedule",
+    "enable_torch_compile", "torch_compile_max_bs", "disable_overlap_schedule", "enable_cudagraph_gc",
 })
 
 # Speed, memory, scheduling, logging and serving knobs: they cannot change a generated token of the
@@ -65,7 +65,7 @@ PERFORMANCE_ONLY = frozenset({
     "grammar_backend", "mm_attention_backend", "fp8_gemm_runner_backend", "fp4_gemm_runner_backend",
     "bf16_gemm_backend", "moe_runner_backend",
     "disable_prefill_cuda_graph", "disable_decode_cuda_graph", "enable_profile_cuda_graph",
-    "enable_cudagraph_gc", "debug_cuda_graph",
+    "debug_cuda_graph",
     "triton_attention_reduce_in_fp32", "triton_attention_num_kv_splits", "triton_attention_split_tile_size",
     "disable_custom_all_reduce", "enable_nccl_nvls", "enable_symm_mem", "enable_memory_saver",
     "enable_weights_cpu_backup", "enable_draft_weights_cpu_backup", "enable_hierarchical_cache",

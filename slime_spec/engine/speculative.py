@@ -17,6 +17,7 @@ import torch
 
 from slime_spec.engine import sampling, tree
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick
+from slime_spec.engine.transfer import device_tensor
 
 
 @dataclass
@@ -89,7 +90,7 @@ def plain_step(engine, rows: list, t0: float) -> None:
     if len(alive) == len(rows):
         engine.drafter.on_verify(rows, hidden, [0] * len(rows))
     elif alive:
-        engine.drafter.on_verify([rows[i] for i in alive], hidden[torch.tensor(alive, device=engine.device)],
+        engine.drafter.on_verify([rows[i] for i in alive], hidden[device_tensor(alive, engine.device)],
                                  [0] * len(alive))
     if engine.timed:
         _sync(engine.device)
@@ -169,27 +170,29 @@ def spec_step(engine, rows: list) -> None:
     out = engine.model(ids, positions, engine.cache, meta[:, 2], max(r.kv_len for r in rows) + k + 1,
                        aux_layer_ids=aux_ids)
     hidden, features = out if aux_ids else (out, out)
-    logits, broken = engine._non_finite_rows(engine.model.logits(hidden.flatten(0, 1)).view(n, k + 1, -1))
+    logits = engine.model.logits(hidden.flatten(0, 1)).view(n, k + 1, -1)
+    broken = ~torch.isfinite(logits).flatten(1).all(-1)  # read back with the result, not synced on here
+    logits = logits.masked_fill(broken[:, None, None], 0.0)  # so sampling runs; the row is finished below
     if engine.timed:
         _sync(dev)
     t2 = time.perf_counter()
     accept, next_token = accept_drafts(logits, drafts, draft_probs, params, engine.generator)
     chosen = torch.cat((drafts, drafts.new_zeros(n, 1)), dim=1)
     chosen[torch.arange(n, device=dev), accept] = next_token
-    logprobs = None
+    columns = [accept[:, None], broken[:, None], chosen]
     if any(r.req.return_logprob for r in rows):
-        greedy, temps = params.greedy, params.temps
-        lp = sampling.token_logprobs(logits.flatten(0, 1), temps.repeat_interleave(k + 1),
-                                     greedy.repeat_interleave(k + 1), chosen.flatten())
-        logprobs = lp.view(n, k + 1).tolist()
-    accept_list, chosen_list = accept.tolist(), chosen.tolist()
+        columns.append(sampling.token_logprobs(logits.flatten(0, 1), params.temps.repeat_interleave(k + 1),
+                                               params.greedy.repeat_interleave(k + 1), chosen.flatten()).view(n, k + 1))
+    result = torch.cat([c.double() for c in columns], dim=1).tolist()  # the step's one read-back
+    accept_list = [int(v[0]) for v in result]
     alive = []
     for i, row in enumerate(rows):
-        a = accept_list[i]
+        a, values = accept_list[i], result[i]
         _count_verify(engine, row, a, k)
         row.kv_len += a + 1
-        engine._append(row, chosen_list[i][: a + 1], None if logprobs is None else logprobs[i][: a + 1])
-        if i in broken:
+        engine._append(row, [int(t) for t in values[2: a + 3]],
+                       values[k + 3: k + 4 + a] if len(columns) == 4 else None)
+        if values[1]:
             row.finish = dict(engine.nan_finish)
         if row.finish is None:
             alive.append(i)
@@ -197,7 +200,7 @@ def spec_step(engine, rows: list) -> None:
     if len(alive) == n:
         engine.drafter.on_verify(rows, features, accept_list)
     elif alive:
-        engine.drafter.on_verify([rows[i] for i in alive], features[torch.tensor(alive, device=dev)],
+        engine.drafter.on_verify([rows[i] for i in alive], features[device_tensor(alive, dev)],
                                  [accept_list[i] for i in alive])
     if engine.timed:
         _sync(dev)
@@ -224,8 +227,8 @@ def tree_step(engine, rows: list, shape: tree.TreeShape) -> None:
         _sync(dev)
     t1 = time.perf_counter()
     base = [r.kv_len for r in rows]
-    start = torch.tensor(base, device=dev)
-    slots = torch.tensor([r.slot for r in rows], device=dev)
+    start = device_tensor(base, dev)
+    slots = device_tensor([r.slot for r in rows], dev)
     num_keys = max(base) + width
     aux_ids = getattr(engine.drafter, "aux_layer_ids", None)  # EAGLE3 drafts from the target's aux states
     out = engine.model.eager_forward(drafted.tokens, start[:, None] + drafted.depth, engine.cache, slots, num_keys,
@@ -246,11 +249,11 @@ def tree_step(engine, rows: list, shape: tree.TreeShape) -> None:
     chosen = [[tokens[i][node] for node in paths[i][1:]] + [next_tokens[i]] for i in range(n)]
     logprobs = None
     if any(r.req.return_logprob for r in rows):
-        at = torch.tensor([i * width + node for i in range(n) for node in paths[i]], device=dev)
-        lens = torch.tensor([len(p) for p in paths], device=dev)
+        at = device_tensor([i * width + node for i in range(n) for node in paths[i]], dev)
+        lens = device_tensor([len(p) for p in paths], dev)
         lp = sampling.token_logprobs(logits.flatten(0, 1)[at], temps.repeat_interleave(lens),
                                      greedy.repeat_interleave(lens),
-                                     torch.tensor([t for c in chosen for t in c], device=dev)).tolist()
+                                     device_tensor([t for c in chosen for t in c], dev)).tolist()
         logprobs, offset = [], 0
         for p in paths:
             logprobs.append(lp[offset: offset + len(p)])
@@ -269,8 +272,8 @@ def tree_step(engine, rows: list, shape: tree.TreeShape) -> None:
     if alive:
         # The accepted path's target states, contiguous from the root (padded with the root), as a chain verify
         # hands them to the drafter.
-        path_nodes = torch.tensor([paths[i] + [0] * (width - len(paths[i])) for i in alive], device=dev)
-        idx = torch.tensor(alive, device=dev)
+        path_nodes = device_tensor([paths[i] + [0] * (width - len(paths[i])) for i in alive], dev)
+        idx = device_tensor(alive, dev)
         path_features = features[idx[:, None], path_nodes]
         on_verify = getattr(engine.drafter, "on_tree_verify", engine.drafter.on_verify)
         on_verify([rows[i] for i in alive], path_features, [accepted[i] for i in alive])

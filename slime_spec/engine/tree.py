@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from slime_spec.engine import sampling
+from slime_spec.engine.transfer import device_tensor
 from slime_spec.spec import SpecConfig
 
 
@@ -130,9 +131,9 @@ def build_tree(root: torch.Tensor, parent_list: torch.Tensor, selected: torch.Te
             if p >= 0:
                 next_sibling[r][i], first_child[r][p] = first_child[r][p], i
     dev = selected.device
-    as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+    as_tensor = lambda x: device_tensor(x, dev, torch.long)  # noqa: E731
     return DraftTree(torch.cat((root[:, None], draft_tokens), dim=1), as_tensor(parent), as_tensor(depth),
-                     torch.tensor(mask, dtype=torch.bool, device=dev), as_tensor(first_child), as_tensor(next_sibling))
+                     device_tensor(mask, dev, torch.bool), as_tensor(first_child), as_tensor(next_sibling))
 
 
 # step(i, frontier tokens [B, k], input state [B, k, ...], visible [B, k, region]) -> (logits [B, k, V], state)
@@ -235,7 +236,7 @@ def move_accepted_kv(caches: list[torch.Tensor], slots: list[int], base: list[in
              for j, node in enumerate(path) if node != j]
     if not moves:
         return
-    slot, src, dst = (torch.tensor(col, device=caches[0].device) for col in zip(*moves))
+    slot, src, dst = (device_tensor(col, caches[0].device) for col in zip(*moves))
     for cache in caches:
         cache[slot, dst] = cache[slot, src]
 
@@ -264,7 +265,7 @@ def accept(tree: DraftTree, logits: torch.Tensor, greedy: torch.Tensor, probs: t
             paths[r], nxt[r] = greedy_walk(first[r], sib[r], toks[r], target[i])
     sampled_rows = (~greedy).nonzero().flatten().tolist()
     if sampled_rows:
-        idx = torch.tensor(sampled_rows, device=logits.device)
+        idx = device_tensor(sampled_rows, logits.device)
         parent = tree.parent[idx].clamp_min(0)
         # The target's probability of each node's token at its parent.
         child_p = probs.gather(1, parent[..., None].expand(-1, -1, probs.shape[-1])) \
@@ -274,8 +275,7 @@ def accept(tree: DraftTree, logits: torch.Tensor, greedy: torch.Tensor, probs: t
         for i, r in enumerate(sampled_rows):
             paths[r] = sampled_walk(first[r], sib[r], toks[r], child_p[i], coins[i])
             cur = paths[r][-1]
-            tried = torch.tensor([toks[r][c] for c in children(first[r], sib[r], cur)], dtype=torch.long,
-                                 device=logits.device)
+            tried = device_tensor([toks[r][c] for c in children(first[r], sib[r], cur)], logits.device, torch.long)
             residuals.append(residual_probs(probs[i, cur], tried))
         bonus = sampling.sample(torch.stack(residuals), generator).tolist()
         for i, r in enumerate(sampled_rows):

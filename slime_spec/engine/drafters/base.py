@@ -34,6 +34,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from slime_spec.engine.transfer import device_tensor
+
 
 class Drafter(Protocol):
     """What EngineCore calls on a drafter (see the module docstring for when)."""
@@ -76,15 +78,15 @@ def chain(k: int, step: Callable[[int, torch.Tensor | None], torch.Tensor],
 
 def pad(seqs: list[list[int]], device) -> torch.Tensor:
     width = max(len(s) for s in seqs)
-    return torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.long, device=device)
+    return device_tensor([s + [0] * (width - len(s)) for s in seqs], device, torch.long)
 
 
 def slots_of(rows, device) -> torch.Tensor:
-    return torch.tensor([r.slot for r in rows], dtype=torch.long, device=device)
+    return device_tensor([r.slot for r in rows], device, torch.long)
 
 
 def tree_frame(rows, draft_region: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(slots [B], context lengths [B], keys to read) of a draft tree over `rows` whose frontier nodes take
     `draft_region` cache locations past each row's context (tree.TreeShape.draft_region)."""
-    pos = torch.tensor([r.kv_len for r in rows], device=device)
+    pos = device_tensor([r.kv_len for r in rows], device)
     return slots_of(rows, device), pos, max(r.kv_len for r in rows) + draft_region

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from slime_spec.engine import tree
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of, tree_frame
-from slime_spec.engine.model import CausalLM, KVCache, causal_mask
+from slime_spec.engine.model import CausalLM, KVCache, attention_backends, causal_mask
+from slime_spec.engine.transfer import device_tensor
 from slime_spec.trainer import eagle3_draft
 
 
@@ -55,7 +56,8 @@ class Eagle3Drafter:
         keys = self.cache.k[0][slots, :S].transpose(1, 2)
         values = self.cache.v[0][slots, :S].transpose(1, 2)
         mask = attn_mask if attn_mask is not None else causal_mask(positions, S)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=d.heads != d.kv_heads)
+        with attention_backends(q.device):  # eager on CUDA: no cuDNN plan per shape
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=d.heads != d.kv_heads)
         out = d.finish(hidden, attn)
         return d.logits(out).float(), out
 
@@ -73,7 +75,7 @@ class Eagle3Drafter:
         device = aux.device
         tokens = pad([r.tokens[1:] for r in rows], device)
         positions = torch.arange(tokens.shape[1], device=device)[None].expand_as(tokens)
-        last = torch.tensor([len(r.tokens) - 2 for r in rows], device=device)
+        last = device_tensor([len(r.tokens) - 2 for r in rows], device)
         self._extend(rows, tokens, aux[:, : tokens.shape[1]], positions, last)
 
     def propose(self, rows) -> torch.Tensor:
@@ -82,7 +84,7 @@ class Eagle3Drafter:
     def sample_draft(self, rows, pick: DraftPick) -> tuple[torch.Tensor, torch.Tensor | None]:
         device = self.next_hidden.device
         slots = slots_of(rows, device)
-        pos = torch.tensor([r.kv_len for r in rows], device=device)
+        pos = device_tensor([r.kv_len for r in rows], device)
         max_kv = max(r.kv_len for r in rows)
         hidden = self.next_hidden[slots]
 
@@ -109,7 +111,7 @@ class Eagle3Drafter:
                                     attn_mask=tree.region_mask(pos, visible, num_keys))
             return self.target_vocab_logits(logits.flatten(0, 1)).view(b, k, -1), out
 
-        root = torch.tensor([r.tokens[-1] for r in rows], device=device)
+        root = device_tensor([r.tokens[-1] for r in rows], device)
         return tree.draft_tree(root, self.target_vocab_logits(self.draft.logits(first).float()), first, step, shape)
 
     def on_verify(self, rows, aux: torch.Tensor, accepted: list[int]) -> None:
@@ -117,10 +119,10 @@ class Eagle3Drafter:
         k1 = aux.shape[1]
         tokens = pad([r.tokens[len(r.tokens) - a - 1:] for r, a in zip(rows, accepted)], device)
         tokens = F.pad(tokens, (0, k1 - tokens.shape[1]))
-        start = torch.tensor([r.kv_len - a - 1 for r, a in zip(rows, accepted)], device=device)
+        start = device_tensor([r.kv_len - a - 1 for r, a in zip(rows, accepted)], device)
         positions = start[:, None] + torch.arange(k1, device=device)[None]
         num_keys = max(r.kv_len - a - 1 for r, a in zip(rows, accepted)) + k1
-        self._extend(rows, tokens, aux, positions, torch.tensor(accepted, device=device), num_keys)
+        self._extend(rows, tokens, aux, positions, device_tensor(accepted, device), num_keys)
 
     def weight_runner(self) -> dict[str, torch.nn.Parameter]:
         """The draft's own parameters by checkpoint name (what selector `draft` updates); the embedding is

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from slime_spec.engine.drafters.ngram import NgramDrafter
+from slime_spec.engine.transfer import device_tensor
 
 SEPARATOR = -(2**31)  # between documents of one corpus (SGLang 0.5.23's SEPARATOR_TOKEN); no match crosses it
 MAX_GROUPS = 64  # groups whose sibling automata are kept (least recently drafted dropped first; bounds memory)
@@ -307,7 +308,7 @@ class HistoryDrafter:
 
     def propose(self, rows) -> torch.Tensor:
         self.catch_up(rows)
-        return torch.tensor([self.draft_for(r) for r in rows], dtype=torch.long, device=self.device)
+        return device_tensor([self.draft_for(r) for r in rows], self.device, torch.long)
 
     def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
         return None

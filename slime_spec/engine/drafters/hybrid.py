@@ -18,6 +18,7 @@ import torch
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick
 from slime_spec.engine.drafters.history import HistoryDrafter
 from slime_spec.engine.drafters.mtp import MTPDrafter
+from slime_spec.engine.transfer import device_tensor
 
 EMA_ALPHA = 0.1
 BUCKETS = 8  # match lengths 1, 2-3, 4-7, ..., 64+ (bucket = bit length - 1)
@@ -131,7 +132,7 @@ class HybridDrafter:
             q = None
         else:
             tokens, q = self.mtp.sample_draft(rows, pick)
-        tokens[hist_idx] = torch.tensor([history[i] for i in hist_idx], dtype=torch.long, device=device)
+        tokens[hist_idx] = device_tensor([history[i] for i in hist_idx], device, torch.long)
         if q is not None:
             q[hist_idx] = torch.nn.functional.one_hot(tokens[hist_idx], q.shape[-1]).to(q.dtype)
         return tokens, q

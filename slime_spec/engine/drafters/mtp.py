@@ -7,6 +7,7 @@ import torch
 from slime_spec.engine import tree
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of, tree_frame
 from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names
+from slime_spec.engine.transfer import device_tensor
 
 
 class MTPDrafter:
@@ -55,7 +56,7 @@ class MTPDrafter:
         device = hidden.device
         tokens = pad([r.tokens[1:] for r in rows], device)  # x_1..x_n: prompt shifted, plus the first output
         positions = torch.arange(tokens.shape[1], device=device)[None].expand_as(tokens)
-        last = torch.tensor([len(r.tokens) - 2 for r in rows], device=device)
+        last = device_tensor([len(r.tokens) - 2 for r in rows], device)
         for r in rows:
             self.pending.pop(r.slot, None)
         self._extend(rows, tokens, hidden[:, : tokens.shape[1]], positions, last)
@@ -77,9 +78,9 @@ class MTPDrafter:
         waiting = {step for q in self.pending.values() for _, step, _ in q}
         for step in [s for s in self.pending_steps if s not in waiting]:
             del self.pending_steps[step]
-        start = torch.tensor([q[0][2] for q in queued], device=device)
+        start = device_tensor([q[0][2] for q in queued], device)
         positions = start[:, None] + torch.arange(width, device=device)[None]
-        self._extend(behind, tokens, hidden, positions, torch.tensor([len(q) - 1 for q in queued], device=device))
+        self._extend(behind, tokens, hidden, positions, device_tensor([len(q) - 1 for q in queued], device))
 
     def propose(self, rows) -> torch.Tensor:
         return self.sample_draft(rows, argmax_pick)[0]
@@ -91,7 +92,7 @@ class MTPDrafter:
         self.catch_up_deferred(rows)
         device = self.next_hidden.device
         slots = slots_of(rows, device)
-        pos = torch.tensor([r.kv_len for r in rows], device=device)
+        pos = device_tensor([r.kv_len for r in rows], device)
         max_kv = max(r.kv_len for r in rows)  # host-side key count: a captured graph cannot read positions back
         hidden = self.next_hidden[slots]
 
@@ -121,7 +122,7 @@ class MTPDrafter:
                 attn_mask=tree.region_mask(pos, visible, num_keys))
             return self.target.logits(out), out
 
-        root = torch.tensor([r.tokens[-1] for r in rows], device=device)
+        root = device_tensor([r.tokens[-1] for r in rows], device)
         return tree.draft_tree(root, self.target.logits(first), first, step, shape)
 
     def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
@@ -136,10 +137,10 @@ class MTPDrafter:
         # Row i verified positions n..n+k; its newly committed tokens x_{n+1}..x_{n+a+1} are tokens[-(a+1):].
         tokens = pad([r.tokens[len(r.tokens) - a - 1:] for r, a in zip(rows, accepted)], device)
         tokens = torch.nn.functional.pad(tokens, (0, k1 - tokens.shape[1]))
-        start = torch.tensor([r.kv_len - a - 1 for r, a in zip(rows, accepted)], device=device)
+        start = device_tensor([r.kv_len - a - 1 for r, a in zip(rows, accepted)], device)
         positions = start[:, None] + torch.arange(k1, device=device)[None]
         num_keys = max(r.kv_len - a - 1 for r, a in zip(rows, accepted)) + k1
-        self._extend(rows, tokens, hidden, positions, torch.tensor(accepted, device=device), num_keys)
+        self._extend(rows, tokens, hidden, positions, device_tensor(accepted, device), num_keys)
 
     def weight_runner(self) -> dict[str, torch.nn.Parameter]:
         """SGLang's MiMoMTP draft runner loads the MTP layers plus the embedding and lm_head it shares."""

@@ -6,6 +6,8 @@ import itertools
 
 import torch
 
+from slime_spec.engine.transfer import device_tensor
+
 DEFAULT_CAPACITY = 262_144  # n-gram entries; past it the oldest quarter goes (SGLang: --speculative-ngram-capacity)
 MOD = (1 << 61) - 1  # rolling-hash modulus (a Mersenne prime: collisions are ~1 in 2**61 per pair)
 BASE = 1_000_003
@@ -115,7 +117,7 @@ class NgramDrafter:
     def propose(self, rows) -> torch.Tensor:
         for r in rows:  # every row's tokens are in the shared cache before any row drafts
             self._index(r)
-        return torch.tensor([self.draft_for(r) for r in rows], dtype=torch.long, device=self.device)
+        return device_tensor([self.draft_for(r) for r in rows], self.device, torch.long)
 
     def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
         return None

@@ -7,6 +7,7 @@ import torch
 from slime_spec.engine import tree
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of
 from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names
+from slime_spec.engine.transfer import device_tensor
 
 
 class StandaloneDrafter:
@@ -31,9 +32,10 @@ class StandaloneDrafter:
         """Run the draft over seqs[i] at positions starts[i]...; return the logits at each row's last token."""
         device = self.draft.lm_head.weight.device
         tokens = pad(seqs, device)
-        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(tokens.shape[1], device=device)
-        hidden = self.draft(tokens, positions, self.cache, slots_of(rows, device))
-        last = torch.tensor([len(s) - 1 for s in seqs], device=device)
+        positions = device_tensor(starts, device)[:, None] + torch.arange(tokens.shape[1], device=device)
+        num_keys = max(start + len(s) for start, s in zip(starts, seqs))  # from the host: no read-back
+        hidden = self.draft(tokens, positions, self.cache, slots_of(rows, device), num_keys)
+        last = device_tensor([len(s) - 1 for s in seqs], device)
         return self.draft.logits(hidden[torch.arange(len(rows), device=device), last])
 
     def on_prefill(self, rows, hidden: torch.Tensor) -> None:
@@ -48,7 +50,7 @@ class StandaloneDrafter:
         """Catch the draft cache up on each row's unseen tokens, then k batched one-token draft steps."""
         device = self.draft.lm_head.weight.device
         slots = slots_of(rows, device)
-        pos = torch.tensor([len(r.tokens) for r in rows], device=device)
+        pos = device_tensor([len(r.tokens) for r in rows], device)
         longest = max(len(r.tokens) for r in rows)
 
         def step(j: int, token: torch.Tensor | None) -> torch.Tensor:
@@ -69,7 +71,7 @@ class StandaloneDrafter:
         first = self._feed(rows, [r.tokens[r.draft_cached_len:] for r in rows], [r.draft_cached_len for r in rows])
         for r in rows:
             r.draft_cached_len = len(r.tokens)
-        base = torch.tensor([len(r.tokens) for r in rows], device=device)
+        base = device_tensor([len(r.tokens) for r in rows], device)
         num_keys = max(len(r.tokens) for r in rows) + shape.draft_region
 
         def step(i: int, tokens: torch.Tensor, _state: torch.Tensor, visible: torch.Tensor):
@@ -79,7 +81,7 @@ class StandaloneDrafter:
                                               attn_mask=tree.region_mask(base, visible, num_keys))
             return self.draft.logits(hidden), _state
 
-        root = torch.tensor([r.tokens[-1] for r in rows], device=device)
+        root = device_tensor([r.tokens[-1] for r in rows], device)
         no_state = torch.zeros(len(rows), 1, device=device)  # the draft reads tokens only
         return tree.draft_tree(root, first, no_state, step, shape)
 
