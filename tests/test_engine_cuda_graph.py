@@ -4,7 +4,7 @@ and on a GPU the engine's greedy output with graphs equals its output without th
 import pytest
 import torch
 
-from slime_spec.engine.cuda_graph import GraphedForward, key_buckets
+from slime_spec.engine.cuda_graph import CudaGraphSettings, GraphedForward, key_buckets
 from slime_spec.engine.model import CausalLM, ModelArgs
 
 CONFIG = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -139,3 +139,23 @@ def test_capture_runs_with_garbage_collected_and_the_collector_frozen():
     with freeze_gc(True):
         assert gc.get_freeze_count() == frozen_before
     assert CudaGraphSettings.from_values({"enable_cudagraph_gc": True}).enable_cudagraph_gc
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_llama31_rope_target_captures_graphs(tmp_path):
+    """Llama-3.1's rescaled RoPE frequencies are computed once on the device: a forward that copied them from the
+    host could not be captured (and stalled the stream eagerly)."""
+    from slime_spec.engine.core import EngineCore, Request, SamplingParams
+    from slime_spec.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", hidden_size=64, num_layers=2, rope_scaling=LLAMA31_ROPE_SCALING)
+    outputs = []
+    for settings in (CudaGraphSettings(disable=True), CudaGraphSettings()):
+        core = EngineCore(str(model), None, dtype="float32", device="cuda", max_running_requests=4,
+                          cuda_graph=settings)
+        assert bool(core.model.graphs) == (not settings.disable)
+        core.add_request(Request(rid="r", input_ids=[5, 6, 7, 8],
+                                 params=SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)))
+        while core.has_work():
+            outputs += [o.output_ids for o in core.step()]
+    assert outputs[0] == outputs[1]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -96,17 +97,20 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+@lru_cache(maxsize=None)
+def inv_freq_on(device: torch.device, head_dim: int, theta: float,
+                llama3: tuple[tuple[str, float], ...] | None = None) -> torch.Tensor:
+    """RoPE's float32 inverse frequencies on `device`, computed once: a forward must not copy from the host (a
+    pageable copy stalls the stream, and is refused while a CUDA graph is being captured)."""
+    spec = rope_math.RopeSpec(theta, "llama3", dict(llama3)) if llama3 else rope_math.RopeSpec(theta, "default")
+    return rope_math.inv_freq(spec, head_dim).to(device)
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
                  llama3: tuple[tuple[str, float], ...] | None = None):
     """cos/sin `[B, T, head_dim]` for HF's rotate-half RoPE, computed in float32 like transformers;
     `llama3`: Llama-3.1's rescaled frequencies (the trainer's math, trainer/rope.py)."""
-    if llama3:
-        spec = rope_math.RopeSpec(theta, "llama3", dict(llama3))
-        inv_freq = rope_math.inv_freq(spec, head_dim).to(positions.device)
-    else:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64)
-                                    .float() / head_dim))
-    freqs = positions.float()[..., None] * inv_freq
+    freqs = positions.float()[..., None] * inv_freq_on(positions.device, head_dim, theta, llama3)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
