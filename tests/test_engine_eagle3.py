@@ -127,3 +127,44 @@ def test_sampled_output_follows_the_target_distribution(ckpts):
     t3 = torch.bincount(torch.tensor([o.output_ids[2] for o in outs]), minlength=16)
     assert chi_square_pvalue(t2, p2) > 1e-3
     assert chi_square_pvalue(t3, p3) > 1e-3
+
+
+def _chain_outputs_with_graphs(ckpts, device, capture):
+    """EAGLE3 chain k=3 greedy outputs with the aux-returning target forward and the draft head's steps and
+    extend served by GraphedForward (captured on CUDA; capture=False runs the same padded shapes eagerly)."""
+    from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model
+
+    spec = SpecConfig("EAGLE3", 3, 1, 4, str(ckpts["llama_draft"]))
+    engine = EngineCore(str(ckpts["llama"]), spec, max_running_requests=4, device=device)
+    if not capture:
+        settings = CudaGraphSettings(batch_sizes=(1, 2, 4))
+        engine.model.graphs = graph_model(engine.model, engine.cache, None, settings, max_running_requests=4,
+                                          max_draft_tokens=3, max_seq=engine.max_seq, capture=False,
+                                          aux_layer_ids=engine.drafter.aux_layer_ids)
+        engine.drafter.capture_graphs(settings, 4, capture=False)
+    assert set(engine.drafter.graphs) == {"step", "extend"} and "target_aux" in engine.model.graphs
+    graphs = {"target_aux": engine.model.graphs["target_aux"], **engine.drafter.graphs}
+    outs = generate(engine, make_requests(engine.tokenizer, temps=[0.0, 0.0, 0.9]), join_every=3)
+    assert all(g.calls > 0 for g in graphs.values()), {n: g.calls for n, g in graphs.items()}
+    return outs
+
+
+def test_graphed_eagle3_chain_equals_plain_decoding(ckpts):
+    """The graph dispatch (padding to captured batch sizes, the aux split, the draft's hidden input) keeps greedy
+    output plain decoding's; on CPU the padded shapes run eagerly."""
+    base = generate(EngineCore(str(ckpts["llama"]), None, max_running_requests=4),
+                    make_requests(EngineCore(str(ckpts["llama"]), None).tokenizer))
+    outs = _chain_outputs_with_graphs(ckpts, "cpu", capture=False)
+    for rid, o in base.items():
+        if int(rid[1:]) % 3 != 2:
+            assert o.output_ids == outs[rid].output_ids, rid
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU machine)")
+def test_cuda_graphed_eagle3_chain_equals_plain_decoding(ckpts):
+    base = generate(EngineCore(str(ckpts["llama"]), None, max_running_requests=4, device="cuda"),
+                    make_requests(EngineCore(str(ckpts["llama"]), None).tokenizer))
+    outs = _chain_outputs_with_graphs(ckpts, "cuda", capture=True)
+    for rid, o in base.items():
+        if int(rid[1:]) % 3 != 2:
+            assert o.output_ids == outs[rid].output_ids, rid

@@ -17,6 +17,7 @@ from slime_spec.dtypes import canonical_dtype
 from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model
 from slime_spec.engine import sampling, spec_policy, tree, weight_updater
 from slime_spec.engine.drafters import HybridDrafter, MTPDrafter, make_drafter
+from slime_spec.engine.drafters.eagle3 import Eagle3Drafter
 from slime_spec.engine.model import CausalLM, load_model
 from slime_spec.engine.overlap import OverlapDecode
 from slime_spec.engine.request import NAN_FINISH, Output, Request, SamplingParams, Row
@@ -392,6 +393,8 @@ class EngineCore:
         if tags & {"kv_cache", "weights", "cuda_graph"}:
             for model in self._causal_lms():
                 model.graphs = {}  # they captured the storage being freed; captured again on resume
+            if isinstance(self.drafter, Eagle3Drafter):
+                self.drafter.graphs = {}
         if "kv_cache" in tags and "kv_cache" not in self._released:
             self.cache = None
             if self.drafter is not None:
@@ -423,18 +426,20 @@ class EngineCore:
             self._capture_graphs()
 
     def _capture_graphs(self) -> None:
-        """On CUDA (unless --disable-cuda-graph), capture decode, verify and MTP draft forwards (cuda_graph.py)."""
+        """On CUDA (unless --disable-cuda-graph), capture decode, verify and draft forwards (cuda_graph.py): MTP
+        steps, a STANDALONE draft's steps and catch-up, an EAGLE3 chain's aux-returning verify and draft-head steps."""
         if self.device.type != "cuda" or self.cuda_graph.disable:
             return
         mtp = self.drafter.mtp if isinstance(self.drafter, HybridDrafter) else self.drafter
-        mtp_cache = mtp.cache if isinstance(mtp, MTPDrafter) else None  # EAGLE3 drafts eagerly (its own layer)
+        mtp_cache = mtp.cache if isinstance(mtp, MTPDrafter) else None  # an EAGLE3 head captures its own, below
         widest = self.policy.max_k if self.policy is not None else 0
         shape = tree.tree_shape(self.spec)
         if shape is not None:  # a tree verifies eagerly (its mask is per step); the MTP catch-up spans <= steps + 1
             widest = shape.steps
         self.model.graphs = graph_model(self.model, self.cache, mtp_cache, self.cuda_graph,
                                         max_running_requests=self.max_running_requests,
-                                        max_draft_tokens=widest, max_seq=self.max_seq)
+                                        max_draft_tokens=widest, max_seq=self.max_seq,
+                                        aux_layer_ids=None if shape else getattr(self.drafter, "aux_layer_ids", None))
         draft = self._causal_lms()[1:]
         if draft and shape is None:
             # A STANDALONE draft's one-token chain steps, and its catch-up before each chain: 1 or 2 tokens after a
@@ -443,6 +448,8 @@ class EngineCore:
                                           max_running_requests=self.max_running_requests, max_draft_tokens=widest,
                                           max_seq=self.max_seq)
         self.graph_capture_seconds = sum(g.capture_seconds for m in self._causal_lms() for g in m.graphs.values())
+        if isinstance(self.drafter, Eagle3Drafter) and shape is None:  # its chain steps and extend
+            self.graph_capture_seconds += self.drafter.capture_graphs(self.cuda_graph, self.max_running_requests)
 
     def _causal_lms(self) -> list:
         """The target, and a STANDALONE draft model: what fuses projections and captures graphs on CUDA."""

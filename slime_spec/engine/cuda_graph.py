@@ -121,6 +121,7 @@ class GraphedForward:
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = pool
         self.capture_seconds = 0.0
+        self.calls = 0  # forwards served (padded and replayed), so tests and benches see which path ran
 
     def shape_for(self, batch: int, tokens: int, num_keys: int) -> tuple[int, int, int] | None:
         """The captured (batch, tokens, keys) a call pads up to, or None when it does not fit any graph."""
@@ -175,6 +176,7 @@ class GraphedForward:
             raise ValueError(f"no captured graph for batch {n}, {t} tokens per row, {num_keys} keys "
                              f"(batch sizes {self.batch_sizes}, tokens {self.token_counts}, keys {self.key_counts})")
         bs, t, keys = shape
+        self.calls += 1
         self.input_ids[:n, :t].copy_(input_ids)
         self.positions[:n, :t].copy_(positions)
         self.slots[:n].copy_(slots)
@@ -194,10 +196,13 @@ class GraphedForward:
 
 
 def graph_model(model, cache, mtp_cache, settings: CudaGraphSettings, *, max_running_requests: int,
-                max_draft_tokens: int, max_seq: int, capture: bool = True) -> dict[str, GraphedForward]:
+                max_draft_tokens: int, max_seq: int, capture: bool = True,
+                aux_layer_ids: list[int] | None = None) -> dict[str, GraphedForward]:
     """Captured decode/verify forwards of `model` (and of its MTP layer when `mtp_cache` is given), on one
     memory pool. The caches hold one slot more than `max_running_requests`: the scratch slot of padded rows.
-    Token counts cover every verify width up to k+1, since adaptive and auto speculation change k per step."""
+    Token counts cover every verify width up to k+1, since adaptive and auto speculation change k per step.
+    aux_layer_ids (EAGLE3): also the verify forward that returns those layers' outputs, as "target_aux", its
+    output the final hidden states and the aux states concatenated on the last dimension."""
     sizes = settings.capture_sizes(max_running_requests, speculative=max_draft_tokens > 0)
     common = dict(batch_sizes=sizes, token_counts=list(range(1, max_draft_tokens + 2)), key_counts=key_buckets(max_seq),
                   scratch_slot=max_running_requests, device=model.lm_head.weight.device, capture=capture)
@@ -211,6 +216,14 @@ def graph_model(model, cache, mtp_cache, settings: CudaGraphSettings, *, max_run
 
     graphs = {"target": GraphedForward(target, cache=cache, **common, **compile_args,
                                        compiled_fn=compiled_target if compile_args else None)}
+    if aux_layer_ids:
+        def target_aux(ids, positions, slots, num_keys):
+            hidden, aux = model.eager_forward(ids, positions, cache, slots, num_keys, graphed=True,
+                                              aux_layer_ids=aux_layer_ids)
+            return torch.cat((hidden, aux), dim=-1)
+
+        graphs["target_aux"] = GraphedForward(target_aux, cache=cache, **common)
+        graphs["target_aux"].aux_layer_ids = list(aux_layer_ids)
     if mtp_cache is not None:
         def mtp(ids, positions, slots, num_keys, prev_hidden, compiled=False):
             return model.eager_mtp_forward(ids, prev_hidden, positions, mtp_cache, slots, num_keys=num_keys,

@@ -279,9 +279,15 @@ class CausalLM(nn.Module):
         num_keys: keys attention reads per row (at least the longest row's last position + 1); None reads
         the positions back from the device, which a captured CUDA graph cannot do. With a captured graph for
         this cache and shape (`self.graphs`, set by the engine on CUDA), the graph replays instead.
-        aux_layer_ids: (hidden, aux) as `eager_forward` returns them, always eager (EAGLE3's target forward).
+        aux_layer_ids: (hidden, aux) as `eager_forward` returns them (EAGLE3's target forward), from the
+        "target_aux" graph when one was captured for those layers.
         """
         if aux_layer_ids:
+            graph = self.graphs.get("target_aux")
+            if graph is not None and graph.aux_layer_ids == list(aux_layer_ids) \
+                    and graph.serves(cache, input_ids, num_keys):
+                out = graph(input_ids, positions, slots, num_keys)
+                return out[..., : self.args.hidden_size], out[..., self.args.hidden_size:]
             return self.eager_forward(input_ids, positions, cache, slots, num_keys, aux_layer_ids=aux_layer_ids)
         graph = self.graphs.get("target")
         if graph is not None and graph.serves(cache, input_ids, num_keys):

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from slime_spec.engine import tree
+from slime_spec.engine.cuda_graph import CudaGraphSettings, GraphedForward, freeze_gc, key_buckets
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of, tree_frame
 from slime_spec.engine.model import CausalLM, KVCache, attention_backends, causal_mask
 from slime_spec.engine.transfer import device_tensor
@@ -30,14 +31,49 @@ class Eagle3Drafter:
         self.hot_ids = draft.draft_to_target().to(weight.device)  # [Vd] target id of each draft id
         self.next_hidden = torch.zeros(slots, draft.config["hidden_size"], dtype=weight.dtype, device=weight.device)
         self.cache: KVCache | None = None
+        self.graphs: dict[str, GraphedForward] = {}  # on CUDA: "step" and "extend" (capture_graphs)
         self.new_cache()
 
     def new_cache(self) -> None:
         w = self.target.lm_head.weight
         self.cache = KVCache(1, self.slots, self.max_seq, self.draft.kv_heads, self.draft.head_dim, w.dtype, w.device)
+        self.graphs = {}  # captured on the old cache's storage; the engine captures again
 
     def drop_cache(self) -> None:
         self.cache = None
+        self.graphs = {}
+
+    def capture_graphs(self, settings: CudaGraphSettings, max_running_requests: int,
+                       capture: bool | None = None) -> float:
+        """On CUDA, the chain's one-token draft steps ("step": the previous output as hidden input) and the extend
+        over a verify's 1..k + 1 positions ("extend": the target's aux states as input) as CUDA graphs, as the
+        target's forwards are; returns the capture seconds. Tree steps and the prefill extend stay eager.
+        capture=False runs the same padded shapes eagerly (to test the dispatch where no GPU is)."""
+        w = self.target.lm_head.weight
+        common = dict(batch_sizes=settings.capture_sizes(max_running_requests, speculative=True),
+                      key_counts=key_buckets(self.max_seq), scratch_slot=max_running_requests, device=w.device,
+                      cache=self.cache, capture=capture)
+
+        def run(ids, positions, slots, num_keys, hidden):
+            return self.step(ids, hidden, positions, slots, num_keys)[1]
+
+        aux_width = len(self.aux_layer_ids) * self.target.args.hidden_size
+        self.graphs = {
+            "step": GraphedForward(run, token_counts=[1], extra={"hidden": ((self.draft.config["hidden_size"],),
+                                                                            w.dtype)}, **common),
+            "extend": GraphedForward(run, token_counts=list(range(1, self.k + 2)),
+                                     extra={"hidden": ((aux_width,), w.dtype)}, **common)}
+        with freeze_gc(settings.enable_cudagraph_gc):
+            return sum(g.capture() for g in self.graphs.values())
+
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                num_keys: int | None) -> torch.Tensor:
+        """A chain step's or an extend's pre-norm output [B, T, H]: from a captured graph when one serves the
+        shape, else `step` eagerly."""
+        graph = self.graphs.get("extend" if hidden.shape[-1] != self.draft.config["hidden_size"] else "step")
+        if graph is not None and graph.serves(self.cache, tokens, num_keys):
+            return graph(tokens, positions, slots, num_keys, hidden=hidden)
+        return self.step(tokens, hidden, positions, slots, num_keys)[1]
 
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
              num_keys: int | None = None, cache_positions: torch.Tensor | None = None,
@@ -68,7 +104,7 @@ class Eagle3Drafter:
 
     def _extend(self, rows, tokens, aux, positions, last, num_keys=None) -> None:
         slots = slots_of(rows, tokens.device)
-        _, out = self.step(tokens, aux, positions, slots, num_keys)
+        out = self.forward(tokens, aux, positions, slots, num_keys)
         self.next_hidden[slots] = out[torch.arange(len(rows), device=out.device), last]
 
     def on_prefill(self, rows, aux: torch.Tensor) -> None:
@@ -92,9 +128,8 @@ class Eagle3Drafter:
             nonlocal hidden
             if j == 0:
                 return self.target_vocab_logits(self.draft.logits(hidden).float())
-            logits, out = self.step(token[:, None], hidden[:, None], (pos + j - 1)[:, None], slots, max_kv + j)
-            hidden = out[:, 0]
-            return self.target_vocab_logits(logits[:, 0])
+            hidden = self.forward(token[:, None], hidden[:, None], (pos + j - 1)[:, None], slots, max_kv + j)[:, 0]
+            return self.target_vocab_logits(self.draft.logits(hidden).float())
 
         return chain(self.k, step, pick)
 
