@@ -6,10 +6,12 @@ tests/test_engine_cuda_graph.py covers it with real asynchrony.
 """
 
 import pytest
+import torch
 
 from slime_spec.engine.core import EngineCore, Request, SamplingParams
 from slime_spec.spec import resolve_or_raise
 from slime_spec.tiny_model import make_tiny_model
+from tests.test_engine_drafters import _copy_target_into_mtp
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +109,77 @@ def test_release_memory_reads_the_step_in_flight_first(llama):
     assert run(overlap, [Request("b", ids, SamplingParams(temperature=0.0, max_new_tokens=3))])["b"].output_ids
 
 
-def test_speculative_decoding_refuses_the_overlap_schedule(tmp_path):
-    mimo = make_tiny_model(tmp_path / "mimo", arch="mimo", hidden_size=32, num_layers=1, seed=5)
-    spec = resolve_or_raise({"speculative_algorithm": "NEXTN", "speculative_num_steps": 2,
-                             "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 3})
+class CyclingSteps:
+    """Test double for a step policy: k from a fixed cycle (0 = a plain step), so a run mixes plain runs of several
+    lengths with speculative steps, as adaptive or auto speculation does."""
+
+    CYCLE = [0, 0, 2, 0, 3, 1, 0, 0, 0, 2, 3, 0]
+
+    def __init__(self):
+        self.max_k, self.i = 3, 0
+
+    def choose(self, batch_size: int) -> int:
+        self.i += 1
+        return self.CYCLE[self.i % len(self.CYCLE)]
+
+    def observe(self, *args, **kwargs) -> None:
+        return None
+
+
+@pytest.mark.parametrize("algorithm", ["NEXTN", "STANDALONE"])
+def test_plain_steps_of_speculative_engines_overlap_without_changing_output_or_drafts(tmp_path, llama, algorithm):
+    """The k = 0 steps of a chain engine run through the overlap schedule: greedy outputs, finishes and logprobs
+    equal the schedule without overlap, and so do verify and accept counts, which pins the drafter's bookkeeping of
+    overlapped steps (MTP's deferred extend at read-back, STANDALONE's catch-up): a wrong position or hidden state
+    would change the drafts."""
+    if algorithm == "NEXTN":
+        target = make_tiny_model(tmp_path / "mimo", arch="mimo", hidden_size=32, num_layers=1, seed=5)
+        spec = resolve_or_raise({"speculative_algorithm": "NEXTN", "speculative_num_steps": 3,
+                                 "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4})
+    else:
+        target = llama
+        spec = resolve_or_raise({"speculative_algorithm": "STANDALONE", "speculative_num_steps": 3,
+                                 "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4,
+                                 "speculative_draft_model_path": str(llama)})
+    outs, caches = [], []
+    for overlap in (False, True):
+        # Every request admitted at once: a step choice is then never spent on rows that all finish in the drain
+        # before it (with overlap), so both runs take the same k at the same step.
+        engine = EngineCore(str(target), spec, max_running_requests=7, context_length=96, overlap_schedule=overlap)
+        assert (engine.overlap is not None) == overlap
+        engine.policy = CyclingSteps()
+        if algorithm == "NEXTN":
+            _copy_target_into_mtp(engine)  # a draft that is often right: its drafts depend on its KV cache
+        outs.append(run(engine, requests(engine)))
+        caches.append(engine.drafter.mtp.cache.k[0] if algorithm == "NEXTN" else engine.drafter.cache.k[0])
+    a, b = outs
+    assert torch.equal(caches[0], caches[1])  # the draft's keys: every deferred extend at its own position
+    assert a.keys() == b.keys() == {f"r{i}" for i in range(7)}
+    for rid in a:
+        assert b[rid].output_ids == a[rid].output_ids, rid
+        assert b[rid].finish_reason == a[rid].finish_reason, rid
+        assert (b[rid].spec_verify_ct, b[rid].spec_accept_token_num) == \
+            (a[rid].spec_verify_ct, a[rid].spec_accept_token_num), rid
+        if a[rid].output_logprobs is not None:
+            assert b[rid].output_logprobs == pytest.approx(a[rid].output_logprobs, abs=1e-5), rid
+    assert sum(o.spec_accept_token_num for o in b.values()) > 20
+    if algorithm == "STANDALONE":  # a draft equal to the target: every draft is accepted while it stays in sync
+        assert all(o.spec_accept_token_num == o.spec_draft_token_num > 0 for o in b.values() if o.completion_tokens > 8)
+
+
+def test_overlap_schedule_refuses_drafters_that_need_every_step(tmp_path, llama):
+    """NGRAM (its trie learns from every step) and trees (their steps never run plain) do not overlap; chain
+    drafters on CPU default to no overlap (it is on by default on CUDA)."""
+    ngram = resolve_or_raise({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 3})
     with pytest.raises(ValueError, match="overlap_schedule=True"):
-        EngineCore(str(mimo), spec, overlap_schedule=True)
-    assert EngineCore(str(mimo), spec).overlap is None  # the default: plain decoding only, and CUDA only
+        EngineCore(str(llama), ngram, overlap_schedule=True)
+    assert EngineCore(str(llama), ngram).overlap is None
+    mimo = make_tiny_model(tmp_path / "mimo", arch="mimo", hidden_size=32, num_layers=1, seed=5)
+    chain = resolve_or_raise({"speculative_algorithm": "NEXTN", "speculative_num_steps": 2,
+                              "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 3})
+    assert EngineCore(str(mimo), chain).overlap is None
+    assert EngineCore(str(mimo), chain, overlap_schedule=True).overlap is not None
+    tree = resolve_or_raise({"speculative_algorithm": "NEXTN", "speculative_num_steps": 2,
+                             "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 4})
+    with pytest.raises(ValueError, match="overlap_schedule=True"):
+        EngineCore(str(mimo), tree, overlap_schedule=True)

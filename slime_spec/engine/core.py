@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -17,12 +18,13 @@ from slime_spec.dtypes import canonical_dtype
 from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model
 from slime_spec.engine import sampling, spec_policy, tree, weight_updater
 from slime_spec.engine.drafters import HybridDrafter, MTPDrafter, make_drafter
+from slime_spec.engine.drafters.standalone import StandaloneDrafter
 from slime_spec.engine.drafters.eagle3 import Eagle3Drafter
 from slime_spec.engine.model import CausalLM, load_model
 from slime_spec.engine.overlap import OverlapDecode
 from slime_spec.engine.request import NAN_FINISH, Output, Request, SamplingParams, Row
 from slime_spec.engine.transfer import device_tensor
-from slime_spec.engine.speculative import StepTimes, spec_step
+from slime_spec.engine.speculative import StepTimes, after_overlapped_step, spec_step
 from slime_spec.spec import SpecConfig, check_resolved
 from slime_spec.threads import intra_op_threads
 
@@ -103,12 +105,18 @@ class EngineCore:
         self._weight_backup: dict[int, torch.Tensor] = {}
         self._params_key: tuple = ()           # the rows `_params_value` was built for
         self._params_value: sampling.BatchParams | None = None
-        if overlap_schedule and self.drafter is not None:
-            raise ValueError("overlap_schedule=True: the overlap schedule runs plain decoding only (speculative "
-                             "decoding steps read each verify's result before drafting the next)")
+        # Speculative engines overlap the plain steps (k = 0) adaptive or auto speculation chooses, with drafters
+        # whose bookkeeping of such a step can wait for its read-back: MTP defers its extend, STANDALONE catches up.
+        overlaps_plain_steps = self.drafter is None or (
+            isinstance(self.drafter, (MTPDrafter, HybridDrafter, StandaloneDrafter)) and tree.tree_shape(spec) is None)
+        if overlap_schedule and not overlaps_plain_steps:
+            raise ValueError(f"overlap_schedule=True with {spec.speculative_algorithm} (eagle_topk "
+                             f"{spec.speculative_eagle_topk}): the overlap schedule runs plain decoding, and the plain "
+                             "steps of EAGLE/NEXTN or STANDALONE chains; set --disable-overlap-schedule")
         if overlap_schedule is None:
-            overlap_schedule = self.device.type == "cuda" and self.drafter is None
-        self.overlap = OverlapDecode(self) if overlap_schedule else None
+            overlap_schedule = self.device.type == "cuda" and overlaps_plain_steps
+        on_appended = None if self.drafter is None else partial(after_overlapped_step, self)
+        self.overlap = OverlapDecode(self, on_appended) if overlap_schedule else None
         small = self.model.args.hidden_size <= 1024
         self.cpu_threads = cpu_threads or (1 if self.device.type == "cpu" and small else None)
 
@@ -190,11 +198,10 @@ class EngineCore:
             if self.overlap is not None:
                 self.overlap.after_prefill([r for r in new_rows if r.finish is None])
         active = [r for r in self.running if r.finish is None]
-        if self.drafter is not None:
-            if active:
-                self._spec_step(active)
+        if self.drafter is not None and active:
+            self._spec_step(active)
         elif self.overlap is not None:
-            self.overlap.step(active)  # with no active row: only the step in flight is read back
+            self.overlap.step(active if self.drafter is None else [])  # with no row: the step in flight is read back
         elif active:
             self._decode(active)
         return self._collect()

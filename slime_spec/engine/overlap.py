@@ -5,13 +5,16 @@ the device idles through that host work (appending tokens, finish checks, the ne
 of a batch-1 step of a 0.7B model. With the overlap schedule each row's last token stays on the device (a buffer
 indexed by cache slot), so step t + 1 is launched from it first and step t's results are read back after, while
 t + 1 runs. A row that finished at step t has also run step t + 1; that token is dropped, as SGLang's overlap
-schedule drops it. It is on by default on CUDA for plain decoding (SGLang's default); `--disable-overlap-schedule`
-turns it off, and speculative decoding never overlaps here (SGLang 0.5.23 overlaps it only with its spec v2).
+schedule drops it. It is on by default on CUDA (SGLang's default; `--disable-overlap-schedule` turns it off) for
+plain decoding, and for the plain steps (k = 0) that adaptive or auto speculation chooses: a run of them overlaps like
+plain decoding, and the drafter's bookkeeping of each (MTP's deferred extend) happens when the step is read back.
+Speculative steps themselves never overlap here (SGLang 0.5.23 overlaps them only with its spec v2).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -24,11 +27,16 @@ class InFlight:
     rows: list
     host: torch.Tensor
     event: torch.cuda.Event | None
+    hidden: torch.Tensor      # the step's target hidden states [n, 1, H] (what a drafter keeps)
+    positions: list[int]      # each row's position the step read (its kv_len before the step)
 
 
 class OverlapDecode:
-    def __init__(self, engine):
+    def __init__(self, engine, on_appended: Callable[[InFlight, list[int]], None] | None = None):
+        """on_appended(step, live): called after a step's tokens were appended, with the indices of the rows that
+        received one (a speculative engine's per-step bookkeeping, speculative.after_overlapped_step)."""
         self.engine = engine
+        self.on_appended = on_appended
         self.last_token = torch.zeros(engine.max_running_requests + 1, dtype=torch.long, device=engine.device)
         self.in_flight: InFlight | None = None
         self.pinned = engine.device.type == "cuda"
@@ -64,10 +72,11 @@ class OverlapDecode:
         n, buffer = len(rows), self.flip
         self.flip ^= 1
         host_in = self.inputs[buffer][:n]
-        host_in.copy_(torch.tensor([[r.kv_len, r.slot] for r in rows]))
+        positions = [r.kv_len for r in rows]
+        host_in.copy_(torch.tensor([[p, r.slot] for p, r in zip(positions, rows)]))
         inputs = host_in.to(e.device, non_blocking=self.pinned) if self.pinned else host_in.clone()
-        positions, slots = inputs[:, 0:1], inputs[:, 1]
-        _, tokens, values = e.decode_forward(rows, self.last_token[slots][:, None], positions, slots)
+        slots = inputs[:, 1]
+        hidden, tokens, values = e.decode_forward(rows, self.last_token[slots][:, None], inputs[:, 0:1], slots)
         self.last_token[slots] = tokens
         host = self.outputs[buffer][: values.numel()].view(values.shape)  # contiguous: a strided target would
         host.copy_(values, non_blocking=self.pinned)                         # make the copy synchronous
@@ -75,9 +84,12 @@ class OverlapDecode:
         if self.pinned:
             event = torch.cuda.Event()
             event.record()
-        return InFlight(rows, host, event)
+        return InFlight(rows, host, event, hidden, positions)
 
     def _append(self, batch: InFlight) -> None:
         if batch.event is not None:
             batch.event.synchronize()
+        live = [i for i, r in enumerate(batch.rows) if r.finish is None]
         self.engine.append_decoded(batch.rows, batch.host.tolist())
+        if self.on_appended is not None:
+            self.on_appended(batch, live)

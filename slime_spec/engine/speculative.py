@@ -80,7 +80,11 @@ def _count_verify(engine, row, accepted: int, k: int) -> None:
 
 def plain_step(engine, rows: list, t0: float) -> None:
     """k = 0: the engine's plain decode step (no speculative bookkeeping on the hot path); the drafter gets the
-    step's hidden states to keep in sync, and the policy the step's cost."""
+    step's hidden states to keep in sync, and the policy the step's cost. With the overlap schedule (CUDA) a run
+    of plain steps overlaps as plain decoding does (`overlapped_plain_step`)."""
+    if engine.overlap is not None:
+        overlapped_plain_step(engine, rows, t0)
+        return
     hidden = engine._decode(rows)
     for row in rows:
         row.verify_ct += 1
@@ -97,6 +101,37 @@ def plain_step(engine, rows: list, t0: float) -> None:
     seconds = time.perf_counter() - t0
     engine.step_times.plain_s += seconds
     engine.policy.observe(len(rows), 0, [0] * len(rows), 0.0, seconds)
+
+
+def overlapped_plain_step(engine, rows: list, t0: float) -> None:
+    """Launch this plain step, then read the previous one back (engine/overlap.py). A run's first step puts the
+    rows' last tokens, known on the host after a speculative step, where the launch reads them. Its cost for the
+    policy is the whole call once a step was in flight (then launch to launch: one step of the run's rhythm), so
+    no sync is needed to measure it."""
+    overlap = engine.overlap
+    steady = overlap.in_flight is not None
+    if not steady:
+        overlap.after_prefill(rows)
+    overlap.step(rows)
+    seconds = time.perf_counter() - t0
+    engine.step_times.plain_s += seconds
+    if steady:
+        engine.policy.observe(len(rows), 0, [0] * len(rows), 0.0, seconds)
+
+
+def after_overlapped_step(engine, step, live: list[int]) -> None:
+    """A plain step read back by the overlap schedule (its on_appended): count it as a verify pass of no drafts
+    for the rows that got a token, and hand the rows still running to the drafter's deferred extend (MTP's
+    `defer`; a STANDALONE draft catches up from the tokens at its next draft)."""
+    for i in live:
+        step.rows[i].verify_ct += 1
+    engine._accept_tokens += len(live)
+    engine._verify_passes += len(live)
+    alive = [i for i in live if step.rows[i].finish is None]
+    defer = getattr(engine.drafter, "defer", None)
+    if defer is not None and alive:
+        hidden = step.hidden if len(alive) == len(step.rows) else step.hidden[device_tensor(alive, engine.device)]
+        defer([step.rows[i] for i in alive], hidden, [step.positions[i] for i in alive])
 
 
 def catch_up(engine, rows: list) -> float:
@@ -150,6 +185,12 @@ def spec_step(engine, rows: list) -> None:
     if k == 0:
         plain_step(engine, rows, time.perf_counter())
         return
+    if engine.overlap is not None and engine.overlap.in_flight is not None:
+        engine.overlap.drain()  # the plain step in flight: its tokens decide what is drafted from
+        rows = [r for r in rows if r.finish is None]
+        if not rows:
+            return
+        n = len(rows)
     switch_s = catch_up(engine, rows)
     t0 = time.perf_counter()
     params = engine._params(rows)  # after the k = 0 branch: the plain step builds its own

@@ -141,6 +141,10 @@ class HybridDrafter:
         """Tree drafting (eagle_topk > 1) is MTP's for every row: history drafts are chains."""
         return self.mtp.tree_draft(rows, shape)
 
+    def defer(self, rows, hidden: torch.Tensor, positions: list[int]) -> None:
+        """A plain step read back by the overlap schedule: the MTP layer's deferred extend (MTPDrafter.defer)."""
+        self.mtp.defer(rows, hidden, positions)
+
     def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
         """The MTP layer extends over the verified positions of every row (history rows too: its KV cache must
         hold them); each row's acceptance updates the rate of the source it drafted from."""

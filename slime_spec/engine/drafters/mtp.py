@@ -127,10 +127,7 @@ class MTPDrafter:
 
     def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
         if self.k == 0:  # a plain step: defer its extend to the next draft (see catch_up_deferred)
-            self._step_id += 1
-            self.pending_steps[self._step_id] = (hidden[:, 0], {r.slot: i for i, r in enumerate(rows)})
-            for r in rows:
-                self.pending.setdefault(r.slot, []).append((r.tokens[-1], self._step_id, r.kv_len - 1))
+            self.defer(rows, hidden, [r.kv_len - 1 for r in rows])
             return
         device = hidden.device
         k1 = hidden.shape[1]  # the verify pass's k + 1 positions
@@ -141,6 +138,15 @@ class MTPDrafter:
         positions = start[:, None] + torch.arange(k1, device=device)[None]
         num_keys = max(r.kv_len - a - 1 for r, a in zip(rows, accepted)) + k1
         self._extend(rows, tokens, hidden, positions, device_tensor(accepted, device), num_keys)
+
+    def defer(self, rows, hidden: torch.Tensor, positions: list[int]) -> None:
+        """Queue a plain step for the next draft's batched extend: row i's step read position positions[i], whose
+        target hidden state is hidden[i, 0], and committed rows[i].tokens[-1]. The overlap schedule calls this
+        when it reads a step back, by which time the row's kv_len already counts the next step in flight."""
+        self._step_id += 1
+        self.pending_steps[self._step_id] = (hidden[:, 0], {r.slot: i for i, r in enumerate(rows)})
+        for r, position in zip(rows, positions):
+            self.pending.setdefault(r.slot, []).append((r.tokens[-1], self._step_id, position))
 
     def weight_runner(self) -> dict[str, torch.nn.Parameter]:
         """SGLang's MiMoMTP draft runner loads the MTP layers plus the embedding and lm_head it shares."""
