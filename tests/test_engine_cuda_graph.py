@@ -57,7 +57,7 @@ def test_engine_greedy_output_is_the_same_with_and_without_cuda_graphs(tmp_path)
         core = EngineCore(str(model), s, dtype="float32", device="cuda", max_running_requests=4, cuda_graph=settings,
                           overlap_schedule=overlap)
         assert bool(core.model.graphs) == (not settings.disable)
-        assert (core.overlap is not None) == (s is None and overlap is None)  # on by default for plain decoding
+        assert (core.overlap is not None) == (overlap is None)  # on by default: plain decoding, a chain's plain steps
         for i, text in enumerate(["abc", "hello world", "1+1=", "zz", "a longer prompt than the others"]):
             core.add_request(Request(rid=str(i), input_ids=core.tokenizer.encode(text),
                                      params=SamplingParams(temperature=0.0, max_new_tokens=8 + 5 * i, ignore_eos=True)))
