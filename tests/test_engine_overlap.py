@@ -126,8 +126,14 @@ class CyclingSteps:
         return None
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                               reason="needs a CUDA device (runs on the GPU machine)"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("algorithm", ["NEXTN", "STANDALONE"])
-def test_plain_steps_of_speculative_engines_overlap_without_changing_output_or_drafts(tmp_path, llama, algorithm):
+def test_plain_steps_of_speculative_engines_overlap_without_changing_output_or_drafts(tmp_path, llama, algorithm,
+                                                                                     device):
     """The k = 0 steps of a chain engine run through the overlap schedule: greedy outputs, finishes and logprobs
     equal the schedule without overlap, and so do verify and accept counts, which pins the drafter's bookkeeping of
     overlapped steps (MTP's deferred extend at read-back, STANDALONE's catch-up): a wrong position or hidden state
@@ -145,7 +151,8 @@ def test_plain_steps_of_speculative_engines_overlap_without_changing_output_or_d
     for overlap in (False, True):
         # Every request admitted at once: a step choice is then never spent on rows that all finish in the drain
         # before it (with overlap), so both runs take the same k at the same step.
-        engine = EngineCore(str(target), spec, max_running_requests=7, context_length=96, overlap_schedule=overlap)
+        engine = EngineCore(str(target), spec, max_running_requests=7, context_length=96, overlap_schedule=overlap,
+                            device=device)
         assert (engine.overlap is not None) == overlap
         engine.policy = CyclingSteps()
         if algorithm == "NEXTN":
