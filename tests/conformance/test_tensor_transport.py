@@ -32,6 +32,7 @@ class RecordingClient:
         self.bodies.append(body)
         return {"success": True, "message": "Success"}
 
+
 # On CUDA, SGLang's worker loads weights through modules that import sgl_kernel (its CUDA kernels, built for its own
 # torch and CUDA): the lent GPU machine cannot install it, so these run only where SGLang runs on the GPU.
 SGL_KERNEL = "SGLang's CUDA weight loading imports sgl_kernel, which is not installed here"
