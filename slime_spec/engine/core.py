@@ -105,8 +105,7 @@ class EngineCore:
         self._weight_backup: dict[int, torch.Tensor] = {}
         self._params_key: tuple = ()           # the rows `_params_value` was built for
         self._params_value: sampling.BatchParams | None = None
-        # Speculative engines overlap the plain steps (k = 0) adaptive or auto speculation chooses, with drafters
-        # whose bookkeeping of such a step can wait for its read-back: MTP defers its extend, STANDALONE catches up.
+        # A chain's plain steps (k = 0) overlap where the drafter can wait for the read-back (MTP, STANDALONE)
         overlaps_plain_steps = self.drafter is None or (
             isinstance(self.drafter, (MTPDrafter, HybridDrafter, StandaloneDrafter)) and tree.tree_shape(spec) is None)
         if overlap_schedule and not overlaps_plain_steps:
