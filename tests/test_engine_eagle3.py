@@ -168,3 +168,30 @@ def test_cuda_graphed_eagle3_chain_equals_plain_decoding(ckpts):
     for rid, o in base.items():
         if int(rid[1:]) % 3 != 2:
             assert o.output_ids == outs[rid].output_ids, rid
+
+
+def test_plain_steps_extend_the_draft_from_the_aux_states(ckpts):
+    """Adaptive or auto speculation may take plain steps (k = 0): the draft head then extends over each step's
+    position from the target's aux states, as after a verify, so its KV cache holds what one extend over the whole
+    sequence writes (a plain step that handed the draft the final hidden state instead would differ)."""
+    from tests.test_engine_overlap import CyclingSteps
+
+    spec = SpecConfig("EAGLE3", 3, 1, 4, str(ckpts["llama_draft"]))
+    engine = EngineCore(str(ckpts["llama"]), spec, max_running_requests=2)
+    engine.policy = CyclingSteps()
+    prompt = engine.tokenizer("the plain steps")["input_ids"]
+    engine.add_request(Request("r", prompt, SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)))
+    done = []
+    while engine.has_work():
+        done += engine.step()
+    seq = prompt + done[0].output_ids
+    slot = 1  # free_slots pops from the end: the first request takes the last slot
+    n = len(seq) - 4  # positions every step has extended (the last steps may have finished the row first)
+    ids = torch.tensor([seq])
+    pos = torch.arange(len(seq))[None]
+    _, aux = engine.model(ids, pos, engine.model.new_cache(1, len(seq)), torch.tensor([0]),
+                          aux_layer_ids=engine.drafter.aux_layer_ids)
+    with torch.no_grad():  # the reference extend, into the drafter's spare slot
+        engine.drafter.step(ids[:, 1:], aux[:, :-1], pos[:, :-1], torch.tensor([2]))
+    cache = engine.drafter.cache.k[0]
+    torch.testing.assert_close(cache[slot, :n], cache[2, :n], atol=1e-5, rtol=1e-5)

@@ -7,7 +7,6 @@ Called from a single thread (the server's engine thread); nothing here locks.
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from functools import partial
 from pathlib import Path
@@ -22,28 +21,13 @@ from slime_spec.engine.drafters.standalone import StandaloneDrafter
 from slime_spec.engine.drafters.eagle3 import Eagle3Drafter
 from slime_spec.engine.model import CausalLM, load_model
 from slime_spec.engine.overlap import OverlapDecode
-from slime_spec.engine.request import NAN_FINISH, Output, Request, SamplingParams, Row
+from slime_spec.engine.request import NAN_FINISH, Output, Request, SamplingParams, Row, eos_ids
 from slime_spec.engine.transfer import device_tensor
 from slime_spec.engine.speculative import StepTimes, after_overlapped_step, spec_step
 from slime_spec.spec import SpecConfig, check_resolved
 from slime_spec.threads import intra_op_threads
 
 __all__ = ["EngineCore", "Output", "Request", "SamplingParams", "SpecConfig"]
-
-
-def _eos_ids(model_path: Path, config: dict, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    sources = [config.get("eos_token_id")]
-    gen = model_path / "generation_config.json"
-    if gen.exists():
-        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
-    sources.append(tokenizer.eos_token_id)
-    for s in sources:
-        if isinstance(s, int):
-            ids.add(s)
-        elif isinstance(s, list):
-            ids.update(int(x) for x in s)
-    return ids
 
 
 class EngineCore:
@@ -79,7 +63,7 @@ class EngineCore:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.vocab_size = self.model.args.vocab_size
         self.context_length = int(context_length or self.model.args.max_position_embeddings)
-        self.eos_token_ids = _eos_ids(Path(model_path), self.model_config, self.tokenizer)
+        self.eos_token_ids = eos_ids(Path(model_path), self.model_config, self.tokenizer)
         self.max_running_requests = max_running_requests
         k = self.policy.max_k if self.policy is not None else 0
         self.max_seq = self.context_length + k + 1  # a verify pass writes k positions past the last token
@@ -301,7 +285,7 @@ class EngineCore:
             self.drafter.on_prefill([rows[i] for i in alive], features[torch.tensor(alive, device=dev)])
 
     def _decode(self, rows: list[Row]) -> torch.Tensor:
-        """One plain step for every row; returns the target's hidden states [B, 1, H] (for a drafter to keep).
+        """One plain step for every row; returns what a drafter keeps of it (decode_forward's features).
         One host-to-device copy in (token, position, slot per row) and one read back (tokens, the non-finite
         flags, logprobs): on a GPU every extra copy or sync is time the device sits idle."""
         inputs = self.to_device([[r.tokens[-1], r.kv_len, r.slot] for r in rows])
@@ -311,9 +295,12 @@ class EngineCore:
 
     def decode_forward(self, rows: list[Row], ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A decode step on the device, nothing read back: (hidden [B, 1, H], tokens [B], values [2 or 3, B]: the
-        token, its non-finite flag and, when asked, its logprob per row). Each row's kv_len counts the step."""
-        hidden = self.model(ids, positions, self.cache, slots, max(r.kv_len for r in rows) + 1)
+        """A decode step on the device, nothing read back: (features [B, 1, ...], tokens [B], values [2 or 3, B]:
+        the token, its non-finite flag and, when asked, its logprob per row). Each row's kv_len counts the step.
+        features: what a drafter keeps of the step, the target's hidden states, or an EAGLE3 draft's aux states."""
+        aux_ids = getattr(self.drafter, "aux_layer_ids", None)
+        out = self.model(ids, positions, self.cache, slots, max(r.kv_len for r in rows) + 1, aux_layer_ids=aux_ids)
+        hidden, features = out if aux_ids else (out, out)
         logits = self.model.logits(hidden[:, 0])
         broken = ~torch.isfinite(logits).all(-1)
         logits = logits.masked_fill(broken[:, None], 0.0)  # so sampling runs; the row is finished on append
@@ -321,7 +308,7 @@ class EngineCore:
         for row in rows:
             row.kv_len += 1
         values = torch.stack([tokens.double(), broken.double()] + ([] if logprobs is None else [logprobs.double()]))
-        return hidden, tokens, values
+        return features, tokens, values
 
     def append_decoded(self, rows: list[Row], values: list[list[float]]) -> None:
         """Append a decode step's read-back `values` (decode_forward's) to rows still running; a row that finished

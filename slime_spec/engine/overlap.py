@@ -27,7 +27,7 @@ class InFlight:
     rows: list
     host: torch.Tensor
     event: torch.cuda.Event | None
-    hidden: torch.Tensor      # the step's target hidden states [n, 1, H] (what a drafter keeps)
+    hidden: torch.Tensor      # what a drafter keeps of the step [n, 1, ...] (decode_forward's features)
     positions: list[int]      # each row's position the step read (its kv_len before the step)
 
 

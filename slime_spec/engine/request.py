@@ -1,9 +1,11 @@
 """What a request is inside the embedded engine: its sampling parameters (SGLang's names and defaults), the request,
-the row the scheduler keeps for it while it runs, and the output it returns."""
+the row the scheduler keeps for it while it runs, the output it returns, and the eos ids it stops at."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 NAN_FINISH = {"type": "stop", "matched": "NaN happened"}  # SGLang's FINISH_MATCHED_STR for non-finite logits
 
@@ -85,3 +87,19 @@ class Row:
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.prompt_len:]
+
+
+def eos_ids(model_path: Path, config: dict, tokenizer) -> set[int]:
+    """The token ids a request stops at: config.json's, generation_config.json's and the tokenizer's eos ids."""
+    ids: set[int] = set()
+    sources = [config.get("eos_token_id")]
+    gen = model_path / "generation_config.json"
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    sources.append(tokenizer.eos_token_id)
+    for s in sources:
+        if isinstance(s, int):
+            ids.add(s)
+        elif isinstance(s, list):
+            ids.update(int(x) for x in s)
+    return ids
