@@ -74,8 +74,9 @@ def test_engine_draft_steps_equal_the_trainer_reference(ckpts):
         ref_logits, ref_out = ref(embeds[:, 1:], aux[:, :-1], pos[:, :-1])
     slots = torch.tensor([1])
     with torch.no_grad():  # prefix by extend, the last position by a one-token cached step
-        logits_a, out_a = drafter.step(tokens[:, 1:-1], aux[:, :-2], pos[:, :-2], slots)
-        logits_b, out_b = drafter.step(tokens[:, -1:], aux[:, -2:-1], pos[:, -2:-1], slots, num_keys=n - 1)
+        out_a = drafter.step(tokens[:, 1:-1], aux[:, :-2], pos[:, :-2], slots)
+        out_b = drafter.step(tokens[:, -1:], aux[:, -2:-1], pos[:, -2:-1], slots, num_keys=n - 1)
+        logits_a, logits_b = drafter.logits(out_a), drafter.logits(out_b)
     torch.testing.assert_close(torch.cat([logits_a, logits_b], 1), ref_logits, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat([out_a, out_b], 1), ref_out, atol=1e-5, rtol=1e-5)
     full = drafter.target_vocab_logits(logits_b[:, 0])

@@ -190,11 +190,11 @@ def _reference_eagle3_logits(engine, ckpts, tokens, path):
     d = load_eagle3_drafter(target, str(ckpts["llama_eagle3"]), k=1, slots=1, max_seq=n + len(path) + 2)
     ids, pos, slot = torch.tensor([tokens[:n]]), torch.arange(n)[None], torch.tensor([0])
     _, aux = target(ids, pos, target.new_cache(1, n + 1), slot, aux_layer_ids=d.aux_layer_ids)
-    logits, out = d.step(torch.tensor([tokens[1:]]), aux, pos, slot)
-    logits, hidden = logits[:, -1], out[:, -1]
+    out = d.step(torch.tensor([tokens[1:]]), aux, pos, slot)
+    logits, hidden = d.logits(out)[:, -1], out[:, -1]
     for j, t in enumerate(path):
-        logits, out = d.step(torch.tensor([[t]]), hidden[:, None], torch.tensor([[n + j]]), slot, num_keys=n + j + 1)
-        logits, hidden = logits[:, 0], out[:, 0]
+        out = d.step(torch.tensor([[t]]), hidden[:, None], torch.tensor([[n + j]]), slot, num_keys=n + j + 1)
+        logits, hidden = d.logits(out)[:, 0], out[:, 0]
     return d.target_vocab_logits(logits)[0]
 
 

@@ -184,7 +184,7 @@ class EngineCore:
         if self.drafter is not None and active:
             self._spec_step(active)
         elif self.overlap is not None:
-            self.overlap.step(active if self.drafter is None else [])  # with no row: the step in flight is read back
+            self.overlap.step(active)  # with no row (always, for a speculative engine): the step in flight is read
         elif active:
             self._decode(active)
         return self._collect()
@@ -208,37 +208,25 @@ class EngineCore:
 
     def _params(self, rows: list[Row]) -> sampling.BatchParams:
         """The rows' sampling parameters (sampling.BatchParams). Built once per batch composition: between
-        admissions and finishes every step reuses them (on a GPU each rebuild is host-to-device copies on the decode
-        step's critical path)."""
+        admissions and finishes every step reuses them; a rebuild is one pinned, non-blocking copy."""
         key = tuple(rows)  # rows compare by identity, and the tuple keeps them alive, so no id is reused
         if self._params_key != key:
             p = [r.req.params for r in rows]
             flags = [sampling.is_greedy(x.temperature, x.top_k) for x in p]
-            values = torch.tensor([[x.temperature, x.top_k if x.top_k > 0 else self.vocab_size, x.top_p, x.min_p]
-                                   for x in p], dtype=torch.float64).to(self.device)
+            values = device_tensor([[x.temperature, x.top_k if x.top_k > 0 else self.vocab_size, x.top_p, x.min_p,
+                                     float(f)] for x, f in zip(p, flags)], self.device, torch.float64)
             filtered = any(0 < x.top_k < self.vocab_size or x.top_p < 1.0 or x.min_p > 0 for x in p)
             self._params_value = sampling.BatchParams(
-                torch.tensor(flags).to(self.device), values[:, 0].float(), values[:, 1].long(), values[:, 2].float(),
+                values[:, 4].bool(), values[:, 0].float(), values[:, 1].long(), values[:, 2].float(),
                 values[:, 3].float(), all_greedy=all(flags), all_sampled=not any(flags), filtered=filtered)
             self._params_key = key
         return self._params_value
 
-    def to_device(self, values: list) -> torch.Tensor:
-        """Host ints to the device without blocking: a copy from pageable memory waits for the whole stream
-        (so a step launched from it could not overlap the previous one); from pinned memory it is queued."""
-        return device_tensor(values, self.device)
-
     @staticmethod
     def _non_finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
-        """Rows whose logits hold NaN/inf get zero logits (so sampling runs) and are finished by the caller, as
-        SGLang finishes them ("NaN happened"), instead of one broken row crashing the whole batch."""
-        if bool(torch.isfinite(logits.sum())):  # a finite sum means every entry is finite: one cheap check
-            return logits, set()
-        bad = ~torch.isfinite(logits).flatten(1).all(-1)
-        if not bool(bad.any()):
-            return logits, set()
-        mask = bad.view(-1, *([1] * (logits.dim() - 1)))
-        return logits.masked_fill(mask, 0.0), set(bad.nonzero().flatten().tolist())
+        """sampling.mask_non_finite with the broken rows read back as indices (prefill, tree verify)."""
+        logits, broken = sampling.mask_non_finite(logits)
+        return logits, set(broken.nonzero().flatten().tolist())
 
     def _pick(self, rows: list[Row], logits: torch.Tensor) -> tuple[list[int], list[float] | None]:
         """Next token per row from logits [B, V] (greedy or SGLang-filtered sampling), plus logprobs if asked."""
@@ -288,7 +276,7 @@ class EngineCore:
         """One plain step for every row; returns what a drafter keeps of it (decode_forward's features).
         One host-to-device copy in (token, position, slot per row) and one read back (tokens, the non-finite
         flags, logprobs): on a GPU every extra copy or sync is time the device sits idle."""
-        inputs = self.to_device([[r.tokens[-1], r.kv_len, r.slot] for r in rows])
+        inputs = device_tensor([[r.tokens[-1], r.kv_len, r.slot] for r in rows], self.device)
         hidden, _, values = self.decode_forward(rows, inputs[:, 0:1], inputs[:, 1:2], inputs[:, 2])
         self.append_decoded(rows, values.tolist())
         return hidden
@@ -301,9 +289,7 @@ class EngineCore:
         aux_ids = getattr(self.drafter, "aux_layer_ids", None)
         out = self.model(ids, positions, self.cache, slots, max(r.kv_len for r in rows) + 1, aux_layer_ids=aux_ids)
         hidden, features = out if aux_ids else (out, out)
-        logits = self.model.logits(hidden[:, 0])
-        broken = ~torch.isfinite(logits).all(-1)
-        logits = logits.masked_fill(broken[:, None], 0.0)  # so sampling runs; the row is finished on append
+        logits, broken = sampling.mask_non_finite(self.model.logits(hidden[:, 0]))  # a broken row ends on append
         tokens, logprobs = self._pick_on_device(rows, logits)
         for row in rows:
             row.kv_len += 1
@@ -482,6 +468,8 @@ class EngineCore:
         """Load HF-named tensors into every selected runner that has the name; all or nothing: every name, shape
         and dtype is checked before the first copy, and a bad one raises ValueError with the old weights intact."""
         plan = self.plan_weights(named, selector)
+        if self.overlap is not None:
+            self.overlap.drain()  # the step in flight was launched with the old weights: its tokens come first
         with torch.no_grad():
             for param, tensor in plan:
                 param.copy_(tensor.to(device=param.device, dtype=param.dtype))

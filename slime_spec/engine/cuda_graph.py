@@ -201,7 +201,7 @@ def graph_model(model, cache, mtp_cache, settings: CudaGraphSettings, *, max_run
     """Captured decode/verify forwards of `model` (and of its MTP layer when `mtp_cache` is given), on one
     memory pool. The caches hold one slot more than `max_running_requests`: the scratch slot of padded rows.
     Token counts cover every verify width up to k+1, since adaptive and auto speculation change k per step.
-    aux_layer_ids (EAGLE3): also the verify forward that returns those layers' outputs, as "target_aux", its
+    aux_layer_ids (EAGLE3): instead, the forward that also returns those layers' outputs, as "target_aux", its
     output the final hidden states and the aux states concatenated on the last dimension."""
     sizes = settings.capture_sizes(max_running_requests, speculative=max_draft_tokens > 0)
     common = dict(batch_sizes=sizes, token_counts=list(range(1, max_draft_tokens + 2)), key_counts=key_buckets(max_seq),
@@ -214,16 +214,16 @@ def graph_model(model, cache, mtp_cache, settings: CudaGraphSettings, *, max_run
     def compiled_target(ids, positions, slots, num_keys):
         return target(ids, positions, slots, num_keys, compiled=True)
 
-    graphs = {"target": GraphedForward(target, cache=cache, **common, **compile_args,
-                                       compiled_fn=compiled_target if compile_args else None)}
-    if aux_layer_ids:
+    if aux_layer_ids:  # every target forward of an EAGLE3 engine asks for the aux states: no plain "target"
         def target_aux(ids, positions, slots, num_keys):
             hidden, aux = model.eager_forward(ids, positions, cache, slots, num_keys, graphed=True,
                                               aux_layer_ids=aux_layer_ids)
             return torch.cat((hidden, aux), dim=-1)
 
-        graphs["target_aux"] = GraphedForward(target_aux, cache=cache, **common)
-        graphs["target_aux"].aux_layer_ids = list(aux_layer_ids)
+        graphs = {"target_aux": GraphedForward(target_aux, cache=cache, **common)}
+    else:
+        graphs = {"target": GraphedForward(target, cache=cache, **common, **compile_args,
+                                           compiled_fn=compiled_target if compile_args else None)}
     if mtp_cache is not None:
         def mtp(ids, positions, slots, num_keys, prev_hidden, compiled=False):
             return model.eager_mtp_forward(ids, prev_hidden, positions, mtp_cache, slots, num_keys=num_keys,

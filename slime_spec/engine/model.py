@@ -283,9 +283,8 @@ class CausalLM(nn.Module):
         "target_aux" graph when one was captured for those layers.
         """
         if aux_layer_ids:
-            graph = self.graphs.get("target_aux")
-            if graph is not None and graph.aux_layer_ids == list(aux_layer_ids) \
-                    and graph.serves(cache, input_ids, num_keys):
+            graph = self.graphs.get("target_aux")  # captured for the engine's drafter's aux layers
+            if graph is not None and graph.serves(cache, input_ids, num_keys):
                 out = graph(input_ids, positions, slots, num_keys)
                 return out[..., : self.args.hidden_size], out[..., self.args.hidden_size:]
             return self.eager_forward(input_ids, positions, cache, slots, num_keys, aux_layer_ids=aux_layer_ids)

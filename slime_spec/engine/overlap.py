@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from slime_spec.engine.transfer import device_tensor
+
 
 @dataclass
 class InFlight:
@@ -51,7 +53,7 @@ class OverlapDecode:
     def after_prefill(self, rows: list) -> None:
         """Rows just prefilled have their first token on the host: put it where the next launch reads it."""
         if rows:
-            pairs = self.engine.to_device([[r.slot, r.tokens[-1]] for r in rows])
+            pairs = device_tensor([[r.slot, r.tokens[-1]] for r in rows], self.engine.device)
             self.last_token[pairs[:, 0]] = pairs[:, 1]
 
     def step(self, rows: list) -> None:

@@ -38,6 +38,14 @@ class BatchParams(NamedTuple):
         return self.temps[mask], self.top_ks[mask], self.top_ps[mask], self.min_ps[mask]
 
 
+def mask_non_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits with every row that holds NaN/inf zeroed in place, so sampling still runs; broken [rows]), rows
+    over the first dimension. Nothing is read back: the caller finishes broken rows from its one read-back, as
+    SGLang finishes them ("NaN happened") instead of crashing the batch. `logits` must be a fresh tensor."""
+    broken = ~torch.isfinite(logits).flatten(1).all(-1)
+    return logits.masked_fill_(broken.view(-1, *([1] * (logits.dim() - 1))), 0.0), broken
+
+
 def is_greedy(temperature: float, top_k: int) -> bool:
     return temperature < SAMPLING_EPS or top_k == 1
 

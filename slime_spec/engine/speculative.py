@@ -78,6 +78,12 @@ def _count_verify(engine, row, accepted: int, k: int) -> None:
     engine._verify_passes += 1
 
 
+def _count_plain(engine, rows: list) -> None:
+    """A plain step's rows: each a verify pass of no drafts that committed one token."""
+    for row in rows:
+        _count_verify(engine, row, 0, 0)
+
+
 def plain_step(engine, rows: list, t0: float) -> None:
     """k = 0: the engine's plain decode step (no speculative bookkeeping on the hot path); the drafter gets the
     step's hidden states to keep in sync, and the policy the step's cost. With the overlap schedule (CUDA) a run
@@ -86,10 +92,7 @@ def plain_step(engine, rows: list, t0: float) -> None:
         overlapped_plain_step(engine, rows, t0)
         return
     hidden = engine._decode(rows)
-    for row in rows:
-        row.verify_ct += 1
-    engine._accept_tokens += len(rows)
-    engine._verify_passes += len(rows)
+    _count_plain(engine, rows)
     alive = [i for i, r in enumerate(rows) if r.finish is None]
     if len(alive) == len(rows):
         engine.drafter.on_verify(rows, hidden, [0] * len(rows))
@@ -123,10 +126,7 @@ def after_overlapped_step(engine, step, live: list[int]) -> None:
     """A plain step read back by the overlap schedule (its on_appended): count it as a verify pass of no drafts
     for the rows that got a token, and hand the rows still running to the drafter's deferred extend (MTP's
     `defer`; a STANDALONE draft catches up from the tokens at its next draft)."""
-    for i in live:
-        step.rows[i].verify_ct += 1
-    engine._accept_tokens += len(live)
-    engine._verify_passes += len(live)
+    _count_plain(engine, [step.rows[i] for i in live])
     alive = [i for i in live if step.rows[i].finish is None]
     defer = getattr(engine.drafter, "defer", None)
     if defer is not None and alive:
@@ -193,7 +193,7 @@ def spec_step(engine, rows: list) -> None:
         n = len(rows)
     switch_s = catch_up(engine, rows)
     t0 = time.perf_counter()
-    params = engine._params(rows)  # after the k = 0 branch: the plain step builds its own
+    params = engine._params(rows)
     draft_probs = None
     pick = draft_pick(params, engine.generator, engine.draft_sampling)
     sample_draft = getattr(engine.drafter, "sample_draft", None)
@@ -204,16 +204,15 @@ def spec_step(engine, rows: list) -> None:
     if engine.timed:
         _sync(dev)
     t1 = time.perf_counter()
-    meta = engine.to_device([(r.tokens[-1], r.kv_len, r.slot) for r in rows])  # one host-to-device copy
+    meta = device_tensor([(r.tokens[-1], r.kv_len, r.slot) for r in rows], dev)  # one host-to-device copy
     ids = torch.cat((meta[:, :1], drafts), dim=1)
     positions = meta[:, 1:2] + torch.arange(k + 1, device=dev)[None]
     aux_ids = getattr(engine.drafter, "aux_layer_ids", None)  # EAGLE3 drafts from the target's aux states
     out = engine.model(ids, positions, engine.cache, meta[:, 2], max(r.kv_len for r in rows) + k + 1,
                        aux_layer_ids=aux_ids)
     hidden, features = out if aux_ids else (out, out)
-    logits = engine.model.logits(hidden.flatten(0, 1)).view(n, k + 1, -1)
-    broken = ~torch.isfinite(logits).flatten(1).all(-1)  # read back with the result, not synced on here
-    logits = logits.masked_fill(broken[:, None, None], 0.0)  # so sampling runs; the row is finished below
+    # broken: read back with the result, not synced on here; such a row is finished below
+    logits, broken = sampling.mask_non_finite(engine.model.logits(hidden.flatten(0, 1)).view(n, k + 1, -1))
     if engine.timed:
         _sync(dev)
     t2 = time.perf_counter()

@@ -26,6 +26,7 @@ class Eagle3Drafter:
     def __init__(self, target: CausalLM, draft: eagle3_draft.Eagle3Draft, aux_layer_ids: list[int], k: int,
                  slots: int, max_seq: int):
         self.target, self.draft, self.k, self.slots, self.max_seq = target, draft, k, slots, max_seq
+        self.max_k = k  # the engine sets `k` per step (adaptive, auto); graphs cover every verify up to max_k
         self.aux_layer_ids = aux_layer_ids  # the engine's target forward returns these layers' outputs
         weight = target.lm_head.weight
         self.hot_ids = draft.draft_to_target().to(weight.device)  # [Vd] target id of each draft id
@@ -55,13 +56,13 @@ class Eagle3Drafter:
                       cache=self.cache, capture=capture)
 
         def run(ids, positions, slots, num_keys, hidden):
-            return self.step(ids, hidden, positions, slots, num_keys)[1]
+            return self.step(ids, hidden, positions, slots, num_keys)
 
         aux_width = len(self.aux_layer_ids) * self.target.args.hidden_size
         self.graphs = {
             "step": GraphedForward(run, token_counts=[1], extra={"hidden": ((self.draft.config["hidden_size"],),
                                                                             w.dtype)}, **common),
-            "extend": GraphedForward(run, token_counts=list(range(1, self.k + 2)),
+            "extend": GraphedForward(run, token_counts=list(range(1, self.max_k + 2)),
                                      extra={"hidden": ((aux_width,), w.dtype)}, **common)}
         with freeze_gc(settings.enable_cudagraph_gc):
             return sum(g.capture() for g in self.graphs.values())
@@ -73,13 +74,14 @@ class Eagle3Drafter:
         graph = self.graphs.get("extend" if hidden.shape[-1] != self.draft.config["hidden_size"] else "step")
         if graph is not None and graph.serves(self.cache, tokens, num_keys):
             return graph(tokens, positions, slots, num_keys, hidden=hidden)
-        return self.step(tokens, hidden, positions, slots, num_keys)[1]
+        return self.step(tokens, hidden, positions, slots, num_keys)
 
     def step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
              num_keys: int | None = None, cache_positions: torch.Tensor | None = None,
-             attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One cached draft step over tokens/positions [B, T]: (draft-vocab logits [B, T, Vd] float32,
-        pre-norm output [B, T, H]); hidden is aux states [B, T, n * Ht] (through fc) or a previous output.
+             attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One cached draft step over tokens/positions [B, T]: its pre-norm output [B, T, H] (the draft-vocab
+        logits are `logits(out)`, taken only where a step drafts); hidden is aux states [B, T, n * Ht] (through
+        fc) or a previous output.
         cache_positions / attn_mask: a draft-tree node's own cache location and mask (model.eager_forward)."""
         d = self.draft
         if hidden.shape[-1] != d.config["hidden_size"]:
@@ -94,8 +96,11 @@ class Eagle3Drafter:
         mask = attn_mask if attn_mask is not None else causal_mask(positions, S)
         with attention_backends(q.device):  # eager on CUDA: no cuDNN plan per shape
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=d.heads != d.kv_heads)
-        out = d.finish(hidden, attn)
-        return d.logits(out).float(), out
+        return d.finish(hidden, attn)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits [..., Vd] float32 of a step's output."""
+        return self.draft.logits(out).float()
 
     def target_vocab_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[B, Vd] -> [B, V]: -inf outside the draft vocabulary, so picks and q are over target ids."""
@@ -127,9 +132,9 @@ class Eagle3Drafter:
         def step(j: int, token: torch.Tensor | None) -> torch.Tensor:
             nonlocal hidden
             if j == 0:
-                return self.target_vocab_logits(self.draft.logits(hidden).float())
+                return self.target_vocab_logits(self.logits(hidden))
             hidden = self.forward(token[:, None], hidden[:, None], (pos + j - 1)[:, None], slots, max_kv + j)[:, 0]
-            return self.target_vocab_logits(self.draft.logits(hidden).float())
+            return self.target_vocab_logits(self.logits(hidden))
 
         return chain(self.k, step, pick)
 
@@ -141,13 +146,13 @@ class Eagle3Drafter:
 
         def step(i: int, tokens: torch.Tensor, hidden: torch.Tensor, visible: torch.Tensor):
             b, k = tokens.shape
-            logits, out = self.step(tokens, hidden, (pos + i)[:, None].expand(-1, k), slots,
-                                    cache_positions=pos[:, None] + i * k + torch.arange(k, device=device)[None],
-                                    attn_mask=tree.region_mask(pos, visible, num_keys))
-            return self.target_vocab_logits(logits.flatten(0, 1)).view(b, k, -1), out
+            out = self.step(tokens, hidden, (pos + i)[:, None].expand(-1, k), slots,
+                            cache_positions=pos[:, None] + i * k + torch.arange(k, device=device)[None],
+                            attn_mask=tree.region_mask(pos, visible, num_keys))
+            return self.target_vocab_logits(self.logits(out).flatten(0, 1)).view(b, k, -1), out
 
         root = device_tensor([r.tokens[-1] for r in rows], device)
-        return tree.draft_tree(root, self.target_vocab_logits(self.draft.logits(first).float()), first, step, shape)
+        return tree.draft_tree(root, self.target_vocab_logits(self.logits(first)), first, step, shape)
 
     def on_verify(self, rows, aux: torch.Tensor, accepted: list[int]) -> None:
         device = aux.device

@@ -30,9 +30,7 @@ def length_bucket(length: int) -> int:
 
 class HybridDrafter:
     """MTP for every row, history for rows whose history match is expected to accept more (module docstring).
-
-    Attributes it does not define (target, cache, next_hidden, ...) are the MTP drafter's, so the engine's CUDA
-    graphs and weight updates see the MTP layer as with MTPDrafter alone."""
+    The engine reaches the MTP layer itself (CUDA graphs, weight updates) through `mtp`."""
 
     def __init__(self, mtp: MTPDrafter, history: HistoryDrafter):
         self.mtp, self.history = mtp, history
@@ -41,11 +39,6 @@ class HybridDrafter:
         self.chosen: dict[int, int] = {}     # id(row) -> bucket of the history draft it verifies, this step
         self.history_rows = 0                # rows drafted from history / by MTP (for benchmarks)
         self.mtp_rows = 0
-
-    @property
-    def target(self):
-        """The model whose MTP layer drafts (as MTPDrafter.target)."""
-        return self.mtp.target
 
     def catch_up_deferred(self, rows) -> None:
         """The MTP layer's deferred extends of plain steps (MTPDrafter.catch_up_deferred)."""
