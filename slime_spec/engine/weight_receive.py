@@ -89,22 +89,25 @@ class SnapshotStore:
     def end_session(self) -> None:
         """Drop the session's device copies; on CUDA hand their memory back to the driver, since a colocated
         trainer on the same GPU needs it once the sync is over."""
-        had_device = bool(self._device_copies)
         cuda = any(t.is_cuda for t in self._device_copies)
         self._device_copies.clear()
         self.device_budget = self.device_bytes = self.host_bytes = 0
-        if had_device and cuda:
+        if cuda:
             torch.cuda.empty_cache()
 
     def copy_of(self, role: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes <= self.device_budget:
-            buf = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-            buf.copy_(tensor.detach())
-            self._device_copies.append(buf)
-            self.device_budget -= nbytes
-            self.device_bytes += nbytes
-            return buf
+            try:
+                buf = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+            except torch.OutOfMemoryError:  # the budget was measured at begin; a colocated trainer took memory since
+                self.device_budget = 0
+            else:
+                buf.copy_(tensor.detach())
+                self._device_copies.append(buf)
+                self.device_budget -= nbytes
+                self.device_bytes += nbytes
+                return buf
         buf = self.buffers.get((role, name))
         if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
             pin = tensor.is_cuda and torch.cuda.is_available()

@@ -66,7 +66,7 @@ class WeightSession:
         def snapshot(names: set[str]) -> None:
             for role, weights in served.items():
                 saved = self.backup.setdefault(role, {})
-                for name in names & weights.keys() - saved.keys():
+                for name in (names & weights.keys()) - saved.keys():  # one update's names, not every served one
                     tensor = weights[name]
                     key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
                     if key not in copies:

@@ -248,8 +248,8 @@ class WeightUpdater:
         """A failed update inside a session: restore everything the session wrote, refuse the rest of it."""
         if not self.session.open:
             return _result(False, message)
+        self.session.error = message  # refused from here on, even if the rollback itself fails
         restored = self._rollback(core)
-        self.session.error = message
         return _result(False, f"{message} This session's {restored} earlier tensor write(s) were rolled back: the "
                               "weights from before begin_weight_update() keep serving.")
 
