@@ -48,6 +48,7 @@ import torch
 from engine_models import (make_anti_draft, make_exact_pair, trained_eagle3_model,  # run as `python bench/engine.py`
                            trained_mtp_model)
 from slime_spec.engine.core import EngineCore, Request, SamplingParams
+from slime_spec.rollout.data import read_jsonl
 from slime_spec.spec import resolve, resolve_or_raise
 from slime_spec.tiny_model import CHARACTERS, full_vocab_size, make_tiny_model
 
@@ -192,13 +193,10 @@ def random_prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]
 
 def jsonl_prompts(model: Path, path: Path) -> list[list[int]]:
     """The `prompt` field of every line of a JSONL file (the demo's data), tokenized as the rollout does."""
-    import json
-
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model))
-    return [tok.encode(json.loads(line)["prompt"], add_special_tokens=False) for line in path.read_text().splitlines()
-            if line.strip()]
+    return [tok.encode(row["prompt"], add_special_tokens=False) for row in read_jsonl(path)]
 
 
 def regimes(tmp: Path, a: argparse.Namespace, quick: bool) -> list[Regime]:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from slime_spec.demo_task import split_problems, write_jsonl
+from slime_spec.rollout.metrics import SPEC_PHASES
 
 SIZES = {  # name: model, data and loop sizes
     "full": dict(hidden=128, layers=6, ffn=384, sft_steps=150, sft_batch=32, n_train=2000, n_eval=32,
@@ -181,7 +182,7 @@ def reward_verdict(r0: float, r1: float, smoke: bool) -> str:
     return "rose" if r1 > r0 else "did NOT rise"
 
 
-TIME_SHARES = ("engine", "draft", "verify", "sampling", "plain", "outside_engine")
+TIME_SHARES = ("engine", *SPEC_PHASES, "outside_engine")
 
 
 def run_time_and_accept(rollouts: list[dict]) -> dict:
@@ -206,7 +207,7 @@ def format_time_and_accept(m: dict) -> str:
               f"{m['accept_length_per_sample']:.2f} per sample" if m["accept_length_token_weighted"] else "")
     if m["time_share_engine"] is None:
         return accept
-    phases = ", ".join(f"{p} {m[f'time_share_{p}']:.0%}" for p in ("draft", "verify", "sampling", "plain")
+    phases = ", ".join(f"{p} {m[f'time_share_{p}']:.0%}" for p in SPEC_PHASES
                        if m[f"time_share_{p}"] is not None)
     return (f"{accept}; rollout time: engine steps {m['time_share_engine']:.0%} ({phases} of them), "
             f"outside the engine (HTTP, queues) {m['time_share_outside_engine']:.0%}")
@@ -237,9 +238,9 @@ def finish(out: Path, trained: dict, frozen: dict | None, elapsed_s: float, titl
         if run and run.get("spec_speedup") is not None:
             print(f"  spec_speedup  {run['spec_speedup']:.2f}x over the run (first {run['spec_speedup_first']:.2f}x, "
                   f"last {run['spec_speedup_last']:.2f}x; plain time / speculative time, same prompts) ({name})")
-    for name, run in (("MTP trained online", trained), ("draft frozen", frozen)):
-        if run:
-            print(f"  {format_time_and_accept(run_time_and_accept(run['rollouts']))} ({name})")
+    for name, key in (("MTP trained online", "mtp_trained"), ("draft frozen", "draft_frozen")):
+        if key in summary["time_and_accept"]:
+            print(f"  {format_time_and_accept(summary['time_and_accept'][key])} ({name})")
     print(f"  outputs: {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'plot.png'}")
     return 0
 
