@@ -80,8 +80,8 @@ def trunk_hidden(model: CausalLM, ids: torch.Tensor, aux_layer_ids: list[int] | 
     """Final-normed hidden states [B, T, H]; with aux_layer_ids, (hidden, aux states [B, T, n * H])."""
     B, T = ids.shape
     cache = model.new_cache(B, T)
-    positions = torch.arange(T)[None].expand(B, T)
-    return model(ids, positions, cache, torch.arange(B), num_keys=T, aux_layer_ids=aux_layer_ids)
+    positions = torch.arange(T, device=ids.device)[None].expand(B, T)
+    return model(ids, positions, cache, torch.arange(B, device=ids.device), num_keys=T, aux_layer_ids=aux_layer_ids)
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -101,8 +101,9 @@ def mtp_loss(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Te
     with torch.no_grad():
         hidden = trunk_hidden(model, ids)
     cache = model.new_mtp_cache(B, T)
-    positions = torch.arange(T - 1)[None].expand(B, T - 1)
-    out = model.mtp_forward(ids[:, 1:], hidden[:, :-1], positions, cache, torch.arange(B), num_keys=T - 1)
+    positions = torch.arange(T - 1, device=ids.device)[None].expand(B, T - 1)
+    out = model.mtp_forward(ids[:, 1:], hidden[:, :-1], positions, cache, torch.arange(B, device=ids.device),
+                            num_keys=T - 1)
     return next_token_loss(model.logits(out[:, :-1]), ids[:, 2:], mask[:, 2:])
 
 
@@ -114,7 +115,7 @@ def eagle3_loss(draft: eagle3_draft.Eagle3Draft, aux_layer_ids: list[int], ttt_s
         with torch.no_grad():
             hidden, aux = trunk_hidden(model, ids, aux_layer_ids)
             logits, embeds = model.logits(hidden), model.model.embed_tokens(ids)
-        positions = torch.arange(ids.shape[1])[None].expand_as(ids)
+        positions = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
         return ttt_loss(draft, embeds, aux, logits, positions, mask, ttt_steps).loss
 
     return loss
@@ -131,8 +132,9 @@ def train(model: CausalLM, params: list[torch.nn.Parameter], loss_fn, data: list
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / steps))
     rng = random.Random(seed)
     start, loss = time.perf_counter(), torch.tensor(float("nan"))
+    device = model.lm_head.weight.device
     for step in range(steps):
-        ids, mask = batch_tensors(rng.sample(data, batch))
+        ids, mask = (t.to(device) for t in batch_tensors(rng.sample(data, batch)))
         loss = loss_fn(model, ids, mask)
         opt.zero_grad()
         loss.backward()
@@ -197,15 +199,17 @@ def trained_mtp_model(cache_dir: Path, shape: dict, digits: int, sft_steps: int,
     return done, eval_prompts
 
 
-def sft_target(init: Path, rows: list[dict], steps: int, seed: int) -> tuple[CausalLM, list]:
-    """The checkpoint at `init` SFT-trained (trunk only) on the scratchpad task; also the encoded problems."""
+def sft_target(init: Path, rows: list[dict], steps: int, seed: int, device: str = "cpu", lr: float = 3e-3,
+               batch: int = TRAIN_BATCH) -> tuple[CausalLM, list]:
+    """The checkpoint at `init` SFT-trained (trunk only, float32 weights) on the scratchpad task; also the encoded
+    problems."""
     from transformers import AutoTokenizer
 
-    model, _ = load_model(init)
+    model, _ = load_model(init, device=device)
     model.train()
     trunk = [p for n, p in model.named_parameters() if not n.startswith("model.mtp_layers.")]
     data = encode_problems(AutoTokenizer.from_pretrained(str(init)), rows)
-    train(model, trunk, sft_loss, data, steps, TRAIN_BATCH, 3e-3, seed, "target SFT")
+    train(model, trunk, sft_loss, data, steps, batch, lr, seed, "target SFT")
     return model, data
 
 
