@@ -234,3 +234,22 @@ def test_auto_comes_back_to_drafting_when_drafts_start_paying():
     back = next(i for i in range(3000, 6000) if ks[i] == 3)
     assert back - 3000 <= 2 * auto.max_explore_every  # the next probe sees the hits, with the budget allowing it
     assert ks[-100:].count(3) >= 95
+
+
+def test_a_new_bucket_starts_from_its_warmed_neighbour_instead_of_measuring_every_k():
+    """A rollout's batch shrinks through every bucket as its requests finish. The first bucket measures each k
+    twice; the next ones start from its estimates, scaled by their own measurements, and draft at the best k from
+    their first step. Their own costs still decide once measured: where a verify of more tokens is dear (a large
+    batch on CPU) the borrowed shape is corrected by the bucket's own samples."""
+    auto = AutoSteps(max_k=3, explore_every=8)
+    cheap = {0: 1.0, 1: 1.05, 2: 1.1, 3: 1.15}
+    ks, _ = simulate(auto, 40, lambda step: True, cheap, draft_s=0.05, catch_up_s=0.0, batch=32)
+    assert ks[:4] == [0, 1, 2, 3] and ks[-1] == 3
+    for batch, scale in ((16, 0.6), (8, 0.4), (4, 0.3)):
+        ks, _ = simulate(auto, 3, lambda step: True, {k: c * scale for k, c in cheap.items()}, draft_s=0.05 * scale,
+                         catch_up_s=0.0, batch=batch)
+        assert ks == [3, 3, 3], (batch, ks)  # no warm-up of k = 0, 1, 2
+        assert not auto.buckets[batch].measured_all
+    dear = {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}  # at 64 rows every verified token costs a step: drafting never pays
+    ks, _ = simulate(auto, 400, lambda step: step % 2 == 0, dear, draft_s=0.3, catch_up_s=0.0, batch=64)
+    assert ks[0] == 3 and ks[-50:].count(0) >= 45

@@ -168,13 +168,10 @@ class _Bucket:
     next_explore: int = 0          # the step of the next exploration (0 = not scheduled yet)
     interval: int = 0              # steps between explorations; doubles while the best k stays the same
     last_best: int | None = None
-    probing: int | None = None     # the best k when the step in flight is a probe of another k
+    probing: float | None = None   # the best k's estimated step cost when the step in flight probes another k
+    measured_all: bool = False     # warmed up on its own measurements: a donor of estimates to new buckets
     total_s: float = 0.0           # every observed step's seconds (draft + verify + switch)
     explore_s: float = 0.0         # what probes cost beyond the best k's estimated step cost
-
-    def step_cost(self, k: int) -> float:
-        """Estimated seconds of one step at a measured k."""
-        return k * (self.draft_cost or 0.0) + self.verify_cost[k]
 
     @property
     def draft_cost(self) -> float | None:
@@ -188,9 +185,11 @@ class _Bucket:
 class AutoSteps:
     """Our `--spec-auto`: k in 0..max_k per step, maximising expected tokens per second from online estimates.
 
-    Each batch-size bucket first measures every k twice (cheapest first, two passes, so one cold call cannot
+    The first batch-size bucket measures every k twice (cheapest first, two passes, so one cold call cannot
     decide), skipping a k that cannot win even at the cost of a smaller one (`_dominated`), then takes
-    `best_steps`; it tries a neighbour of the best k every `explore_every` steps so the estimates stay fresh,
+    `best_steps`. A later bucket starts from the nearest warmed bucket's estimates, scaled by what it has
+    measured itself (`_estimates`): a rollout's batch shrinks through every bucket as requests finish, and
+    re-measuring every k in each would spend its short life probing. Each bucket tries a neighbour of the best k every `explore_every` steps so the estimates stay fresh,
     doubling the interval (up to `max_explore_every`) while the best k does not change: each probe of a losing k
     costs a step, and after a run of plain steps the MTP drafter's catch-up too. Two bounds hold after the
     warm-up: probes are at most one step in `explore_every`, and a probe waits while what probes have cost beyond
@@ -210,14 +209,19 @@ class AutoSteps:
         self.buckets: dict[int, _Bucket] = {}
 
     def choose(self, batch_size: int) -> int:
-        b = self.buckets.setdefault(bucket_of(batch_size), _Bucket())
+        key = bucket_of(batch_size)
+        b = self.buckets.setdefault(key, _Bucket())
         b.steps += 1
-        for passes in (1, 2):
-            unmeasured = [k for k in range(self.max_k + 1) if len(b.verify_samples.get(k, ())) < passes
-                          and not self._dominated(b, k)]
-            if unmeasured:
-                return unmeasured[0]
-        best = best_steps(self.accept_rate, b.draft_cost or 0.0, b.verify_cost)
+        donor = None if b.measured_all else self._donor(key)
+        if donor is None:
+            for passes in (1, 2):
+                unmeasured = [k for k in range(self.max_k + 1) if len(b.verify_samples.get(k, ())) < passes
+                              and not self._dominated(b, k)]
+                if unmeasured:
+                    return unmeasured[0]
+            b.measured_all = True
+        draft, verify = self._estimates(b, donor)
+        best = best_steps(self.accept_rate, draft, verify)
         if not b.next_explore:
             b.interval, b.next_explore, b.last_best = self.explore_every, b.steps + self.explore_every, best
         if b.steps < b.next_explore or b.explore_s > self.explore_budget * b.total_s:
@@ -227,8 +231,30 @@ class AutoSteps:
         b.next_explore, b.last_best = b.steps + b.interval, best
         b.explores += 1
         probe = min(best + 1, self.max_k) if b.explores % 2 or best == 0 else best - 1
-        b.probing = best if probe != best else None
+        b.probing = best * draft + verify[best] if probe != best else None
         return probe
+
+    def _donor(self, key: int) -> "_Bucket | None":
+        """The warmed bucket nearest to `key` (in powers of two; the larger on a tie), None if there is none."""
+        warmed = [k for k, b in self.buckets.items() if b.measured_all and k != key]
+        if not warmed:
+            return None
+        return self.buckets[min(warmed, key=lambda k: (abs(k.bit_length() - key.bit_length()), -k))]
+
+    def _estimates(self, b: "_Bucket", donor: "_Bucket | None") -> tuple[float, dict[int, float]]:
+        """(seconds per draft step, verify seconds per k) for bucket b: its own estimates where it has them, and
+        for the rest the donor's, scaled by the median ratio of b's to the donor's costs over the k both measured
+        (1.0 before b has measured anything): the shape of cost against k carries over between neighbouring batch
+        sizes better than its level."""
+        own = b.verify_cost
+        if donor is None:
+            return b.draft_cost or 0.0, own
+        theirs = donor.verify_cost
+        ratios = sorted(own[k] / theirs[k] for k in own if k in theirs and theirs[k] > 0)
+        scale = ratios[len(ratios) // 2] if ratios else 1.0
+        verify = {k: own.get(k, theirs.get(k, 0.0) * scale) for k in sorted(set(own) | set(theirs))}
+        draft = b.draft_cost if b.draft_cost is not None else (donor.draft_cost or 0.0) * scale
+        return draft, verify
 
     def _dominated(self, b: "_Bucket", k: int) -> bool:
         """Whether measuring k is pointless: even at the cost of the dearest smaller k measured so far (a verify
@@ -249,7 +275,7 @@ class AutoSteps:
         cost = draft_s + verify_s + switch_s
         b.total_s += cost
         if b.probing is not None:
-            b.explore_s += max(0.0, cost - b.step_cost(b.probing))
+            b.explore_s += max(0.0, cost - b.probing)
             b.probing = None
         b.verify_samples.setdefault(k, deque(maxlen=COST_WINDOW)).append(verify_s)
         if k == 0 or not accepted:

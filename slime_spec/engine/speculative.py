@@ -25,8 +25,11 @@ class StepTimes:
     """Seconds the speculative engine's steps spent per phase since start, for the time shares the rollout reports:
     draft (the drafter proposing, its catch-up after plain steps and its update after each verify), verify (the
     target forward and lm_head over every drafted position), sampling (acceptance, sampling, appending tokens) and
-    plain (whole k = 0 steps that adaptive or auto speculation chose). On CUDA the phases are synchronized only
-    under --spec-auto, so elsewhere they are host-side times."""
+    plain (whole k = 0 steps that adaptive or auto speculation chose). On CUDA these are host-side times: a chain
+    step waits for the device only at its one read-back, so the device's drafting lands in verify. Under
+    --spec-auto a step also syncs once at its end, so each step's total (what the policy compares per k) holds
+    its own device work and no other step's (a sync between phases would leave the device idle while the host
+    launches the next phase)."""
 
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -201,8 +204,6 @@ def spec_step(engine, rows: list) -> None:
         drafts, draft_probs = sample_draft(rows, pick)
     else:  # SGLang's greedy drafting, or a drafter without a distribution (NGRAM)
         drafts = engine.drafter.propose(rows)
-    if engine.timed:
-        _sync(dev)
     t1 = time.perf_counter()
     meta = device_tensor([(r.tokens[-1], r.kv_len, r.slot) for r in rows], dev)  # one host-to-device copy
     ids = torch.cat((meta[:, :1], drafts), dim=1)
@@ -213,8 +214,6 @@ def spec_step(engine, rows: list) -> None:
     hidden, features = out if aux_ids else (out, out)
     # broken: read back with the result, not synced on here; such a row is finished below
     logits, broken = sampling.mask_non_finite(engine.model.logits(hidden.flatten(0, 1)).view(n, k + 1, -1))
-    if engine.timed:
-        _sync(dev)
     t2 = time.perf_counter()
     accept, next_token = accept_drafts(logits, drafts, draft_probs, params, engine.generator)
     chosen = torch.cat((drafts, drafts.new_zeros(n, 1)), dim=1)
