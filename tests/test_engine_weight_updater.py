@@ -420,7 +420,7 @@ def test_a_failure_after_buckets_landed_restores_every_old_byte_from_either_snap
     assert after.keys() == before.keys()
     assert all(torch.equal(after[k], before[k]) for k in before), [k for k in before if not torch.equal(after[k],
                                                                                                      before[k])]
-    assert updater.session.snapshots.device_bytes == 0  # the device copies are dropped once restored
+    assert updater.session.snapshots.device_bytes_held == 0  # the device copies are dropped once restored
     assert updater.end(core, {})["rolled_back"] is True
 
 
@@ -431,12 +431,13 @@ def test_device_snapshot_budget_is_free_memory_less_headroom():
     store = SnapshotStore()
     store.begin_session(100 * 4)
     a, b = torch.arange(60.0), torch.arange(60.0) + 1
-    copy_a, copy_b = store.copy_of("target", "a", a), store.copy_of("target", "b", b)
-    assert (store.device_bytes, store.host_bytes) == (240, 240)  # a fits the budget, b goes to the host tier
+    (copy_a, a_on_device), (copy_b, b_on_device) = store.copy_of("target", "a", a), store.copy_of("target", "b", b)
+    assert (a_on_device, b_on_device) == (True, False)  # a fits the budget, b goes to the host tier
+    assert (store.device_bytes_held, store.host_bytes_held) == (240, 240)
     a.zero_(), b.zero_()
     assert torch.equal(copy_a, torch.arange(60.0)) and torch.equal(copy_b, torch.arange(60.0) + 1)
     store.end_session()
-    assert (store.device_bytes, store.device_budget, store.nbytes) == (0, 0, 240)  # the host tier stays for reuse
+    assert (store.device_bytes_held, store.device_budget, store.host_bytes_held) == (0, 0, 240)  # host tier stays
 
 
 def test_a_tensor_both_runners_serve_is_snapshotted_once(model):
@@ -461,3 +462,101 @@ def test_a_tensor_both_runners_serve_is_snapshotted_once(model):
         [(NORM, torch.zeros(3))])], "selector": "all"})
     assert not bad["success"] and "were rolled back" in bad["message"], bad
     assert torch.equal(core.named_weights("draft")[embed], before)
+
+
+def _tensor_update(updater, core, selector, named):
+    return updater.update_from_tensor(core, {"serialized_named_tensors": [serialize_named_tensors(named)],
+                                             "selector": selector})
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 40])  # host tier, device tier
+def test_a_shared_tensor_reached_by_two_selectors_is_copied_once_and_restored_to_its_value_before_begin(
+        model, budget):
+    """MiMo's embedding is served by the target and the MTP runner. Update 1 (selector target) writes it, update 2
+    (selector draft) writes it again: the session keeps the one copy taken before update 1, so the rollback
+    restores the value from before begin (a second copy, taken of update 1's value, was restored last), and
+    the snapshot bytes the replies report equal the memory the copies hold."""
+    from slime_spec.engine import weight_updater as wu
+    from slime_spec.engine.core import EngineCore
+    from slime_spec.spec import SpecConfig
+
+    core = EngineCore(str(model), SpecConfig("EAGLE", 2, 1, 3), max_running_requests=2)
+    embed = "model.embed_tokens.weight"
+    before = core.named_weights("target")[embed].clone()
+    updater = wu.WeightUpdater("v0", str(model), "cpu", has_draft=True)
+    updater.session.snapshot_budget = lambda device: budget
+    assert updater.begin(core, {"selector": "all"})["success"]
+    replies = [_tensor_update(updater, core, selector, [(embed, torch.full_like(before, value))])
+               for selector, value in (("target", 0.0), ("draft", 1.0))]
+    assert all(r["success"] for r in replies), replies
+    timings = [r["slime_spec_engine_timing"] for r in replies]
+    reported = [t["snapshot_device_bytes"] + t["snapshot_host_bytes"] for t in timings]
+    assert reported == [before.numel() * before.element_size(), 0]  # the second update found its copy
+    store = updater.session.snapshots
+    assert sum(t["snapshot_device_bytes"] for t in timings) == store.device_bytes_held
+    assert torch.equal(core.named_weights("draft")[embed], torch.ones_like(before))
+    aborted = updater.abort(core, {})
+    assert aborted["rolled_back"] is True, aborted
+    assert torch.equal(core.named_weights("target")[embed], before)
+    assert torch.equal(core.named_weights("draft")[embed], before)
+
+
+def test_an_in_place_update_decides_its_copies_once_and_counts_their_bytes_once(model, monkeypatch):
+    """The in-place receive copies each tensor just before its broadcast lands, but which tensors the update
+    must copy is decided once for all its names (one WeightSession.snapshot_for per update), and the bytes are
+    counted where the copy is made, once."""
+    from slime_spec.engine import weight_session
+    from slime_spec.engine.core import EngineCore
+    from slime_spec.engine.weight_receive import EngineTiming, receive_in_place
+
+    core = EngineCore(str(model), None, max_running_requests=2)
+    target = core.named_weights("target")
+    names = [n for n in target if n.startswith("model.layers.")][:3]
+    session = weight_session.WeightSession("cpu", snapshot_budget=lambda device: 0)
+    session.begin("target", "v0")
+    decided = []
+    real = session.snapshot_for
+    monkeypatch.setattr(session, "snapshot_for", lambda *a: decided.append(a[2]) or real(*a))
+
+    class Group:  # rank 0's broadcast, as the receiving rank sees it
+        def broadcast(self, buf, src):
+            buf.fill_(3.0)
+
+    timing = EngineTiming()
+    specs = [(n, target[n].dtype, list(target[n].shape)) for n in names]
+    metas = [torch.empty(shape, dtype=dtype, device="meta") for _, dtype, shape in specs]
+    plan = core.plan_weights([(n, m) for (n, _, _), m in zip(specs, metas)], "target")
+    snapshot = session.snapshot_for(core, "target", names, timing)
+    receive_in_place(Group(), specs, "cpu", plan, metas, snapshot.take, timing)
+    receive_in_place(Group(), specs[:1], "cpu", plan[:1], metas[:1], snapshot.take, timing)  # a repeated name
+    assert decided == [names]
+    assert timing.snapshot_host_bytes == sum(target[n].numel() * target[n].element_size() for n in names)
+    assert session.snapshots.host_bytes_held == timing.snapshot_host_bytes
+    assert session.rollback(core) == len(names)
+    assert all(not torch.all(core.named_weights("target")[n] == 3.0) for n in names)
+
+
+def test_rollback_and_close_are_one_idempotent_path(model):
+    """A failed update rolls the session back; the abort that follows (the syncer's) restores nothing twice,
+    says how many tensors the session restored, and a second abort or end finds no session."""
+    from slime_spec.engine import weight_updater as wu
+    from slime_spec.engine.core import EngineCore
+
+    core = EngineCore(str(model), None, max_running_requests=2)
+    target = core.named_weights("target")
+    name = next(n for n in target if n.startswith("model.layers."))
+    before = target[name].clone()
+    updater = wu.WeightUpdater("v0", str(model), "cpu", has_draft=False)
+    assert updater.begin(core, {"selector": "target"})["success"]
+    assert _tensor_update(updater, core, "target", [(name, torch.zeros_like(before))])["success"]
+    bad = _tensor_update(updater, core, "target", [(NORM, torch.zeros(3))])
+    # the refused update's own tensor was copied before its load was refused: restored too, unchanged
+    assert not bad["success"] and "2 earlier tensor write(s) were rolled back" in bad["message"], bad
+    assert torch.equal(core.named_weights("target")[name], before)
+    assert updater.session.rollback(core) == 2  # nothing left to restore: the count stays the session's
+    aborted = updater.abort(core, {})
+    assert aborted["rolled_back"] is True and "rolled back 2 tensor(s)" in aborted["message"], aborted
+    assert updater.abort(core, {})["rolled_back"] is False
+    assert not updater.end(core, {})["success"]
+    assert updater.session.close(core) == 2 and not updater.session.open
+    assert torch.equal(core.named_weights("target")[name], before)

@@ -98,6 +98,8 @@ def run_case(rank: int, world: int, case: dict) -> dict:
                 raise
             finally:
                 result["loaded"] = [e.loaded for e in engines]
+                result["seconds"] = {"flatten": transport.flatten_s, "serialize": transport.serialize_s,
+                                     "wait": channel.wait_s}
     except Exception as e:
         result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     return result
@@ -171,6 +173,16 @@ def test_each_engine_tp_rank_loads_the_bucket_of_the_trainer_rank_on_its_gpu(res
             want = {t.name: t.tensor for t in rank_tensors(trainer_rank) if t.kind == "target"}
             assert got.keys() == want.keys()  # the MTP tensor was not wanted, on any rank
             assert all(got[n].dtype == want[n].dtype and torch.equal(got[n], want[n]) for n in want), trainer_rank
+
+
+@pytest.mark.parametrize("case,flatten", [("tp2_flat", True), ("tp2_direct", False)])
+def test_rank_0_makes_its_entry_as_the_transport_does_and_reports_its_wait(results, case, flatten):
+    """Rank 0's own entry is staged and serialized by the tensor transport's one path (transports.stage_bucket,
+    serialize_bucket, as follow_sync does on the other ranks), so its flatten counts as flatten (it counted as
+    serialize); the time it waited for the other ranks' entries is measured (weight_sync_ranks_wait_s)."""
+    seconds = results[case][0]["seconds"]
+    assert (seconds["flatten"] > 0) == flatten and seconds["serialize"] > 0
+    assert seconds["wait"] > 0
 
 
 def test_a_refused_bucket_fails_the_sync_on_every_rank(results):

@@ -9,7 +9,7 @@ import torch
 
 from slime_spec.config import WeightSyncConfig
 from slime_spec.tiny_model import make_config, make_weights
-from slime_spec.engines.client import EngineClient
+from slime_spec.engines.client import EngineClient, EngineError
 from slime_spec.weight_sync.gather import iter_hf_state
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer, WeightSyncError
@@ -465,3 +465,158 @@ def test_draft_tensors_to_a_frozen_draft_are_refused(make_server):
         syncer.sync(itertools.chain(iter_hf_state(make_weights(MIMO, seed=3), MIMO),
                                     iter_draft_tensors(eagle3_state(1).items())))
     assert all(torch.equal(before[n], t) for n, t in server.draft.weights.items())
+
+
+# ---- a failure undoes first (other trainer ranks, engine sessions), then reports what it read back ----
+
+class OneRankBuckets:
+    """colocated.RankBuckets of a group with rank 0 alone: its own state machine, its messages recorded
+    (`on_message`) instead of broadcast, so the syncer's per-rank path runs without other processes."""
+
+    def __new__(cls, on_message):
+        from slime_spec.weight_sync.colocated import ENDED, ColocatedLayout, RankBuckets
+
+        class Channel(RankBuckets):
+            def __init__(self):
+                self.group, self.layout, self.rank, self.state, self.wait_s = None, ColocatedLayout(1, 1), 0, ENDED, 0.0
+
+            def _broadcast(self, message):
+                on_message(message)
+                return message
+
+            def _gather(self, entry):
+                return [entry]
+
+        return Channel()
+
+
+def failing_at(tensors, at: int):
+    for i, t in enumerate(tensors):
+        if i == at:
+            raise RuntimeError("rank 0's conversion failed (injected)")
+        yield t
+
+
+def test_a_failure_ends_the_sync_on_the_other_trainer_ranks_before_the_engines_are_rolled_back(make_server):
+    """The other colocated trainer ranks wait in the bucket exchange: they are told the sync is over before the
+    engines' sessions are closed and read back (which take an HTTP round trip per engine and a checksum of
+    every served tensor), not after."""
+    server = make_server(draft="mtp")
+    messages, paths_at_abort = [], []
+
+    def on_message(message):
+        messages.append(message[0] if isinstance(message, tuple) else message)
+        if isinstance(message, tuple) and message[0] == "abort":
+            paths_at_abort.extend(server.paths())
+
+    channel = OneRankBuckets(on_message)
+    clients = [EngineClient(server.url)]
+    config = WeightSyncConfig(weight_sync_transport="tensor", update_weight_buffer_size=2048,
+                              weight_sync_check_interval=1)
+    syncer = WeightSyncer(clients, config, hf_config=MIMO, hf_checkpoint="/nonexistent", spec=NATIVE,
+                          has_mtp_layers=True, transport="tensor", rank_buckets=channel)
+    with pytest.raises(WeightSyncError, match="injected") as err:
+        syncer.sync(failing_at(iter_hf_state(make_weights(MIMO, seed=5), MIMO), 6), weight_version="5")
+    assert messages[0] == "start" and messages[-1] == "abort" and messages.count("abort") == 1
+    assert "/update_weights_from_tensor" in paths_at_abort  # a bucket landed before the failure
+    assert "/abort_weight_update" not in paths_at_abort and "/end_weight_update" not in paths_at_abort
+    assert paths_at_abort.count("/weights_checker") == 1  # the baseline only, not yet the read-back
+    assert server.paths()[-3:] == ["/abort_weight_update", "/end_weight_update", "/weights_checker"]
+    assert not err.value.engines_serve_previous_weights and server.session is None
+
+
+def test_per_rank_bucket_wait_is_reported_in_the_split(make_server):
+    """colocated.RankBuckets.wait_s (rank 0 waiting for the other ranks' entries) is the sync's
+    weight_sync_ranks_wait_s, inside send_s, and left out of the HTTP share."""
+    server = make_server(draft="mtp")
+    channel = OneRankBuckets(lambda message: None)
+    config = WeightSyncConfig(weight_sync_transport="tensor", update_weight_buffer_size=2048,
+                              weight_sync_check_interval=1)
+    syncer = WeightSyncer([EngineClient(server.url)], config, hf_config=MIMO, hf_checkpoint="/nonexistent",
+                          spec=NATIVE, has_mtp_layers=True, transport="tensor", rank_buckets=channel)
+    new = make_weights(MIMO, seed=7)
+    report = syncer.sync_report(iter_hf_state(new, MIMO), weight_version="7")
+    assert_serves(server, new, "target")
+    assert report.split.ranks_wait_s == channel.wait_s <= report.split.send_s
+    assert report.metrics()["weight_sync_ranks_wait_s"] == channel.wait_s
+    split = report.split
+    assert split.http_s == max(0.0, split.send_s - split.engine_receive_s - split.engine_load_s - channel.wait_s)
+    plain = make_syncer([make_server(draft="mtp")], "tensor").sync(iter_hf_state(new, MIMO))
+    assert plain["weight_sync_ranks_wait_s"] == 0.0
+
+
+class EndFailsOnce(EngineClient):
+    """A client whose next `/end_weight_update` (once armed) fails without reaching the engine: a lost reply."""
+
+    armed = False
+
+    def post(self, path, payload=None, read_timeout_s=None):
+        if path == "/end_weight_update" and self.armed:
+            self.armed = False
+            raise EngineError(self.url, path, 503, "injected: end_weight_update lost")
+        return super().post(path, payload, read_timeout_s)
+
+
+def test_a_failed_end_weight_update_is_rolled_back_and_verified_on_the_previous_weights(tmp_path):
+    """Every bucket landed, then /end_weight_update failed: the session is still open on the engine, so it is
+    rolled back (not left open with the new weights loaded, refusing the next begin), read back on the previous
+    weights, and generation continues; the next sync lands."""
+    served, new, engine = _embedded(tmp_path)
+    try:
+        client = EndFailsOnce(engine.url)
+        syncer = _embedded_syncer([client], served)
+        syncer.sync(iter(_new_state(new)), weight_version="1")
+        sums_after_first = _checksums(engine)
+        client.armed = True
+        with pytest.raises(WeightSyncError, match="injected: end_weight_update lost") as err:
+            syncer.sync(iter(_new_state(served)), weight_version="2")
+        verdict, = err.value.engines
+        assert (verdict.serves, verdict.weight_version) == ("previous", "1")
+        assert err.value.engines_serve_previous_weights and not engine.loop.paused
+        assert "1 of 1 engine(s) rolled the session back" in str(err.value)
+        assert _checksums(engine) == sums_after_first
+        syncer.sync(iter(_new_state(served)), weight_version="3")  # the session was closed: begin is accepted
+        assert engine.generate([5, 6, 7])["meta_info"]["weight_version"] == "3"
+    finally:
+        engine.close()
+
+
+def test_an_engine_that_took_begin_is_closed_when_another_refused_it(make_server):
+    """/begin_weight_update lands on one engine and fails on the other: the one that took it has an open session,
+    which the failure closes (else its next begin is refused); neither loaded anything, so both serve the
+    previous weights and generation continues."""
+    good, bad = make_server(draft="mtp"), make_server(draft="mtp")
+    real_handle = bad.handle
+    bad.handle = lambda m, p, b: ((500, {"detail": "injected"}) if p == "/begin_weight_update"
+                                  else real_handle(m, p, b))
+    syncer = make_syncer([good, bad], "tensor")
+    with pytest.raises(WeightSyncError, match="previous weights") as err:
+        syncer.sync(iter_hf_state(make_weights(MIMO, seed=3), MIMO), weight_version="3")
+    assert err.value.engines_serve_previous_weights
+    assert good.session is None and not good.paused and not bad.paused
+    bad.handle = real_handle
+    new = make_weights(MIMO, seed=4)
+    syncer.sync(iter_hf_state(new, MIMO), weight_version="4")
+    assert_serves(good, new) and assert_serves(bad, new)
+
+
+def test_a_read_back_that_fails_after_a_failure_claims_nothing(make_server):
+    """The sync fails, then reading the engine back fails too: the sync's own error is raised (not the
+    read-back's), the engine is `unverified`, naming why, and generation stays paused."""
+    server = make_server(draft="mtp", fail_on_name="model.layers.1.mlp.up_proj.weight")
+    real_handle, checks = server.handle, []
+
+    def handle(method, path, body):
+        if path == "/weights_checker":
+            checks.append(path)
+            if len(checks) > 1:  # the baseline read succeeds, the read-back after the failure does not
+                return 500, {"detail": "injected: checksum kernel failed"}
+        return real_handle(method, path, body)
+
+    server.handle = handle
+    with pytest.raises(WeightSyncError, match="injected failure while loading") as err:
+        make_syncer([server], "tensor", buffer=2048).sync(iter_hf_state(make_weights(MIMO, seed=2), MIMO))
+    verdict, = err.value.engines
+    assert verdict.serves == "unverified" and "reading back what it serves failed" in verdict.reason
+    assert "checksum kernel failed" in str(err.value) and "PAUSED" in str(err.value)
+    assert not err.value.engines_serve_previous_weights and server.paused and server.session is None

@@ -45,8 +45,8 @@ class EngineTiming:
     # the in-place distributed receive counts queueing them only; their device time lands in receive_s)
     direct: int = 0  # tensors received straight into parameter memory
     buffered: int = 0  # tensors received into a buffer and copied
-    snapshot_device_bytes: int = 0  # this update's rollback copies kept on the device (SnapshotStore)
-    snapshot_host_bytes: int = 0  # and those copied to host buffers
+    snapshot_device_bytes: int = 0  # this update's rollback copies kept on the device (counted by the
+    snapshot_host_bytes: int = 0  # update's weight_session.UpdateSnapshot alone) and those copied to host buffers
 
     def reply_field(self) -> dict:
         return {"slime_spec_engine_timing": {"receive_s": self.receive_s, "load_s": self.load_s,
@@ -74,12 +74,11 @@ def device_snapshot_budget(device: str | torch.device, headroom: int = DEVICE_SN
 class SnapshotStore:
     """Rollback copies of served tensors: on their own device within the session's budget, else in host buffers
     (one reusable buffer per (role, name)). `begin_session(budget)` opens a session, `end_session()` drops its
-    device copies."""
+    device copies. It keeps the budget, not a count of bytes: the update that asks for a copy counts it
+    (weight_session.UpdateSnapshot), once."""
 
     buffers: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)  # host tier, kept across sessions
     device_budget: int = 0  # bytes the open session may still take on the device
-    device_bytes: int = 0  # bytes the open session holds on the device
-    host_bytes: int = 0  # bytes the open session copied to the host tier
     _device_copies: list[torch.Tensor] = field(default_factory=list)
 
     def begin_session(self, device_budget: int) -> None:
@@ -88,14 +87,25 @@ class SnapshotStore:
 
     def end_session(self) -> None:
         """Drop the session's device copies; on CUDA hand their memory back to the driver, since a colocated
-        trainer on the same GPU needs it once the sync is over."""
+        trainer on the same GPU needs it once the sync is over. Idempotent."""
         cuda = any(t.is_cuda for t in self._device_copies)
         self._device_copies.clear()
-        self.device_budget = self.device_bytes = self.host_bytes = 0
+        self.device_budget = 0
         if cuda:
             torch.cuda.empty_cache()
 
-    def copy_of(self, role: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    @property
+    def device_bytes_held(self) -> int:
+        """Device memory the open session's copies hold (what end_session hands back)."""
+        return sum(t.numel() * t.element_size() for t in self._device_copies)
+
+    @property
+    def host_bytes_held(self) -> int:
+        """Host memory of the host tier (kept for the engine's life)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    def copy_of(self, role: str, name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """A copy of `tensor`, and whether it went to the device tier."""
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes <= self.device_budget:
             try:
@@ -106,21 +116,14 @@ class SnapshotStore:
                 buf.copy_(tensor.detach())
                 self._device_copies.append(buf)
                 self.device_budget -= nbytes
-                self.device_bytes += nbytes
-                return buf
+                return buf, True
         buf = self.buffers.get((role, name))
         if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
             pin = tensor.is_cuda and torch.cuda.is_available()
             buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
             self.buffers[(role, name)] = buf
         buf.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
-        self.host_bytes += nbytes
-        return buf
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the host tier (kept for the engine's life)."""
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+        return buf, False
 
 
 @contextlib.contextmanager

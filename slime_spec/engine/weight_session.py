@@ -4,8 +4,14 @@ its rollback snapshot, and the first error that failed it.
 Before an update overwrites a served tensor, the session keeps a copy of it (once per session, in a
 weight_receive.SnapshotStore: on the device while its free memory allows, else in reused host buffers). If any
 update of the session fails, every tensor the session wrote is restored at once and the rest of the session is
-refused, so the weights from before `begin` keep serving. SGLang 0.5.23 keeps no such copy (its loaders write
-the parameters in place and a failure answers "partially updated"); the copy is the embedded engine's own price.
+refused, so the weights from before `begin` keep serving. A tensor several runners serve (MiMo's shared
+embedding) is copied once per session, whichever selector reaches it first, so its rollback restores the value
+from before `begin` for every runner. SGLang 0.5.23 keeps no such copy (its loaders write the parameters in
+place and a failure answers "partially updated"); the copy is the embedded engine's own price.
+
+Which tensors an update copies is decided once per update (`snapshot_for`, over all its names); each copy is
+taken just before that tensor's first write (`UpdateSnapshot.take`), which counts its bytes, the one place
+snapshot bytes are counted. Rollback and close share one cleanup and are idempotent.
 
 Why no update skips the copy: a session spans many update requests (one per bucket), and a later bucket can be
 refused (a wrong name, a lost trainer mid-broadcast) after earlier ones landed; only a copy taken before the first
@@ -15,11 +21,11 @@ validated in full before its first copy.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
-from slime_spec.engine.weight_receive import SnapshotStore, device_snapshot_budget
+from slime_spec.engine.weight_receive import EngineTiming, SnapshotStore, device_snapshot_budget
 
 Backup = dict[str, dict[str, torch.Tensor]]  # role -> name -> the tensor as it was before the session
 
@@ -32,6 +38,11 @@ def roles_of(selector: str) -> list[str]:
     raise ValueError(f"invalid selector {selector!r}; expected 'target', 'draft', or 'all'")
 
 
+def storage_key(tensor: torch.Tensor) -> tuple:
+    """One key for one served tensor, however many runners serve it (MiMo's MTP runner shares the embedding)."""
+    return tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype
+
+
 class WeightSession:
     """The open session, if any. `snapshot_budget(device)` says how many snapshot bytes may stay on the device."""
 
@@ -41,8 +52,10 @@ class WeightSession:
         self.selector: str | None = None  # None: no session is open
         self.error: str | None = None
         self.version_before: str | None = None
+        self.restored = 0  # tensors this session's rollbacks restored
         self.backup: Backup = {}
         self.snapshots = SnapshotStore()  # the buffers `backup` points into
+        self._copies: dict[tuple, torch.Tensor] = {}  # storage_key -> its copy: a shared tensor is copied once
 
     @property
     def open(self) -> bool:
@@ -50,41 +63,67 @@ class WeightSession:
 
     def begin(self, selector: str, weight_version: str) -> None:
         roles_of(selector)
-        self.selector, self.error, self.version_before, self.backup = selector, None, weight_version, {}
+        self.selector, self.error, self.version_before, self.restored = selector, None, weight_version, 0
         self.snapshots.begin_session(self.snapshot_budget(self.device))
 
-    def close(self) -> None:
-        self.selector, self.error, self.backup = None, None, {}
-        self.snapshots.end_session()
-
-    def snapshotter(self, core, selector: str) -> Callable[[set[str]], None]:
-        """Keep, once per session, a copy of every served tensor named that `selector` reaches (the served
-        tensors are looked up once per update, not once per tensor)."""
-        served = {role: core.named_weights(role) for role in roles_of(selector)}
-        copies: dict[tuple, torch.Tensor] = {}  # one copy of a tensor several runners serve (MiMo's embedding)
-
-        def snapshot(names: set[str]) -> None:
-            for role, weights in served.items():
-                saved = self.backup.setdefault(role, {})
-                for name in (names & weights.keys()) - saved.keys():  # one update's names, not every served one
-                    tensor = weights[name]
-                    key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
-                    if key not in copies:
-                        copies[key] = self.snapshots.copy_of(role, name, tensor)
-                    saved[name] = copies[key]
-        return snapshot
-
-    def snapshot_bytes(self) -> tuple[int, int]:
-        """(device, host) bytes this session has copied so far."""
-        return self.snapshots.device_bytes, self.snapshots.host_bytes
+    def snapshot_for(self, core, selector: str, names: Iterable[str], timing: EngineTiming) -> "UpdateSnapshot":
+        """One update's part of the snapshot, decided once for all its names: the served tensors they reach
+        that the session has not copied yet (the served tensors are looked up once per update too)."""
+        wanted, pending = set(names), {}
+        for role in roles_of(selector):
+            weights, saved = core.named_weights(role), self.backup.get(role, {})
+            for name in (wanted & weights.keys()) - saved.keys():
+                pending.setdefault(name, []).append((role, weights[name]))
+        return UpdateSnapshot(self, pending, timing)
 
     def rollback(self, core) -> int:
-        """Restore every tensor the session wrote; returns how many. The device copies are dropped after."""
-        restored = 0
+        """Restore every tensor the session wrote and drop the snapshot at once (its device copies go back to
+        the driver now, not at end); returns the tensors the session's rollbacks restored. The session stays
+        open: a failed one refuses the rest until it is closed. Idempotent: what was restored is not restored
+        again."""
         for role, saved in self.backup.items():
             if saved:
                 core.load_weights(list(saved.items()), selector=role)
-                restored += len(saved)
-        self.backup = {}
+                self.restored += len(saved)
+        self._drop_snapshot()
+        return self.restored
+
+    def close(self, core=None) -> int:
+        """End the session, the one way every session ends: `end_weight_update` (no `core`: what landed stays),
+        `abort_weight_update` (with `core`: rolled back first). Returns the tensors the session's rollbacks
+        restored, a failed update's included. Idempotent."""
+        if core is not None:
+            self.rollback(core)
+        self._drop_snapshot()
+        self.selector, self.error = None, None
+        return self.restored
+
+    def _drop_snapshot(self) -> None:
+        self.backup, self._copies = {}, {}
         self.snapshots.end_session()
-        return restored
+
+
+class UpdateSnapshot:
+    """The copies one update must take (`WeightSession.snapshot_for`), each taken by `take(name)` before that
+    tensor's first write. The one place snapshot bytes are counted: into the update's EngineTiming, by tier."""
+
+    def __init__(self, session: WeightSession, pending: dict[str, list[tuple[str, torch.Tensor]]],
+                 timing: EngineTiming):
+        self.session, self.pending, self.timing = session, pending, timing
+
+    def take(self, name: str) -> None:
+        for role, tensor in self.pending.pop(name, ()):
+            key = storage_key(tensor)
+            if key not in self.session._copies:
+                copy, on_device = self.session.snapshots.copy_of(role, name, tensor)
+                self.session._copies[key] = copy
+                nbytes = tensor.numel() * tensor.element_size()
+                if on_device:
+                    self.timing.snapshot_device_bytes += nbytes
+                else:
+                    self.timing.snapshot_host_bytes += nbytes
+            self.session.backup.setdefault(role, {})[name] = self.session._copies[key]
+
+    def take_all(self) -> None:
+        for name in list(self.pending):
+            self.take(name)

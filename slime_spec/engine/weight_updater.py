@@ -219,37 +219,23 @@ class WeightUpdater:
         if not self.session.open:
             return {**_result(True, "no weight-update session is open; nothing to roll back"), "rolled_back": False}
         with copy_threads(self.device):
-            restored = self._rollback(core)
-        self.session.close()
+            restored = self._roll_back(core, close=True)
         return {**_result(True, f"rolled back {restored} tensor(s); the weights from before "
                                 "begin_weight_update() keep serving"), "rolled_back": True}
 
-    def _snapshot(self, core, names: set[str], selector: str, timing: EngineTiming) -> None:
-        """Keep, once per session, a copy of every tensor this update is about to overwrite."""
-        self._timed_snapshotter(core, selector, timing)(names)
-
-    def _timed_snapshotter(self, core, selector: str, timing: EngineTiming):
-        """The session's snapshotter for one update; the bytes it copies count into `timing`."""
-        snapshot = self.session.snapshotter(core, selector)
-
-        def timed(names: set[str]) -> None:
-            device0, host0 = self.session.snapshot_bytes()
-            snapshot(names)
-            device1, host1 = self.session.snapshot_bytes()
-            timing.snapshot_device_bytes += device1 - device0
-            timing.snapshot_host_bytes += host1 - host0
-        return timed
-
-    def _rollback(self, core) -> int:
+    def _roll_back(self, core, close: bool) -> int:
+        """Restore what the session wrote and the weight version from before begin; `close` ends the session too
+        (abort), else it stays open and refuses the rest (a failed update). Returns the tensors the session's
+        rollbacks restored."""
         self.weight_version = self.session.version_before
-        return self.session.rollback(core)
+        return self.session.close(core) if close else self.session.rollback(core)
 
     def _fail_session(self, core, message: str) -> dict:
         """A failed update inside a session: restore everything the session wrote, refuse the rest of it."""
         if not self.session.open:
             return _result(False, message)
         self.session.error = message  # refused from here on, even if the rollback itself fails
-        restored = self._rollback(core)
+        restored = self._roll_back(core, close=False)
         return _result(False, f"{message} This session's {restored} earlier tensor write(s) were rolled back: the "
                               "weights from before begin_weight_update() keep serving.")
 
@@ -323,10 +309,10 @@ class WeightUpdater:
             except (RuntimeError, ValueError, AssertionError) as recv_error:
                 e = f"{e}; draining the broadcast failed too: {recv_error}"
             return self._fail_session(core, f"Failed to update parameter online: {e}. This update was not applied.")
-        snapshot = self._timed_snapshotter(core, selector, timing)
+        snapshot = self.session.snapshot_for(core, selector, [n for n, _, _ in specs], timing)
         timing.load_s += time.perf_counter() - t0
         try:
-            receive_in_place(group, specs, recv_device, plan, metas, lambda name: snapshot({name}), timing)
+            receive_in_place(group, specs, recv_device, plan, metas, snapshot.take, timing)
             t0 = time.perf_counter()
             settle(recv_device)  # on CUDA the broadcasts and copies are queued: wait for them here
             timing.receive_s += time.perf_counter() - t0
@@ -417,7 +403,7 @@ class WeightUpdater:
         t0 = time.perf_counter()
         snapshot = DeviceSpan(self.device)
         if self.session.open:
-            self._snapshot(core, {n for n, _ in named}, selector, timing)
+            self.session.snapshot_for(core, selector, [n for n, _ in named], timing).take_all()
         snapshot.stop()
         try:
             core.load_weights(named, selector=selector)

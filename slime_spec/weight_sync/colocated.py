@@ -19,6 +19,14 @@ outcome: every rank keeps its bucket alive until the engines have replied (the e
 is done), then drops it. A sync ends with `done`, or `abort` when rank 0 failed between buckets; a failed bucket
 ends it on every rank at once. The other ranks run `follow_sync`; a failure of their own tensor stream is handed
 to rank 0 in the next exchange. The train actor (trainer/actor.py) wires this up with `colocated_rank_buckets`.
+
+Why the group is gloo, on the host, with no host round trip of the weights: on GPU each rank's bucket is made and
+kept on its own device (transports.stage_bucket flattens it there) and its entry is a base64 string naming a
+CUDA IPC handle, with the bucket's metadata (KiB, not the bucket's bytes). What the group carries (bucket names,
+entries, outcomes) is host objects the HTTP body is made of: gloo moves them as they are, where an NCCL object
+collective would copy each pickle to the device and back and queue on the trainer's stream. Only a CPU bucket
+travels inline in its entry (bytes in the pickle): a CPU tensor has no handle another process can open
+(transports.serialize_named_tensors), and it is in host memory already.
 """
 
 from __future__ import annotations
@@ -28,10 +36,10 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
-import torch
 import torch.distributed as dist
 
 from slime_spec.weight_sync.gather import Bucket, NamedTensor, make_buckets, only_wanted_kinds
+from slime_spec.weight_sync.transports import serialize_bucket, stage_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -70,19 +78,6 @@ class RankFailure:
     message: str
 
 
-def rank_entry(named: list[tuple[str, torch.Tensor]], flatten: bool) -> tuple[str, object]:
-    """This rank's entry of `serialized_named_tensors` (one serialization, its own IPC handles on CUDA) and the
-    object whose memory the engine reads, which must stay alive until the engine has replied."""
-    from slime_spec.weight_sync.transports import flatten_bucket, serialize_flattened, serialize_named_tensors
-
-    keep = flatten_bucket(named) if flatten else named
-    cuda = next((t.device for _, t in named if t.is_cuda), None)
-    if cuda is not None:  # the engine reads these bytes from another process: they must be written first
-        torch.cuda.synchronize(cuda)
-    entry = serialize_flattened(keep, 1)[0] if flatten else serialize_named_tensors(named)
-    return entry, keep
-
-
 class RankBuckets:
     """One colocated trainer rank's end of the per-rank bucket exchange (see the module docstring)."""
 
@@ -94,21 +89,19 @@ class RankBuckets:
                              f"{layout.num_engines} engine(s) of --tp-size {layout.engine_tp_size} need "
                              f"{layout.world_size}: build it over every colocated trainer rank")
         self.state = ENDED
-        self.wait_s = 0.0  # rank 0: seconds in the gather and broadcasts of this sync (waiting for the other ranks)
+        # rank 0: seconds of this sync in `exchange`, waiting for the other ranks to make their entries (their
+        # gather, conversion and flatten); the syncer reports it as weight_sync_ranks_wait_s, inside send_s
+        self.wait_s = 0.0
 
     # ---- the messages: rank 0 broadcasts, every rank receives
     def _broadcast(self, message):
         box = [message]
-        t0 = time.perf_counter()
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
-        self.wait_s += time.perf_counter() - t0
         return box[0]
 
     def _gather(self, entry) -> list | None:
         out = [None] * self.layout.world_size if self.rank == 0 else None
-        t0 = time.perf_counter()
         dist.gather_object(entry, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
-        self.wait_s += time.perf_counter() - t0
         return out
 
     # ---- rank 0: next_sync, start, (exchange, release) per bucket, finish; abort on a failure in between
@@ -130,8 +123,10 @@ class RankBuckets:
         if self.state != OPEN:
             raise RuntimeError("RankBuckets.exchange outside an open sync: call start first")
         self.state = ENDED
+        t0 = time.perf_counter()
         self._broadcast(("bucket", bucket.names))
         entries = self._gather(own)
+        self.wait_s += time.perf_counter() - t0
         self.state = OPEN
         return next((e for e in entries if isinstance(e, RankFailure)), entries)
 
@@ -204,7 +199,8 @@ def follow_sync(channel: RankBuckets, tensors: Iterable[NamedTensor]) -> int:
             if header[1] != bucket.names:
                 raise ValueError(f"bucket {sent}: rank 0 sends {len(header[1])} tensors, this rank made "
                                  f"{len(bucket.names)}; the ranks' tensor streams differ")
-            own, keep = rank_entry([(t.name, t.tensor) for t in bucket.tensors], flatten)
+            keep = stage_bucket([(t.name, t.tensor) for t in bucket.tensors], flatten)
+            own = serialize_bucket(keep, flatten, 1)[0]
         except Exception as e:  # handed to rank 0 through the gather, which fails the bucket on every rank
             own = RankFailure(channel.rank, repr(e))
         channel._gather(own)

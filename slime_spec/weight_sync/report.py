@@ -28,18 +28,22 @@ class SyncSplit:
     engine_receive_s: float = 0.0
     engine_load_s: float = 0.0
     engine_snapshot_s: float = 0.0  # inside engine_load_s: the rollback snapshot, which SGLang does not make
+    # inside send_s, on the trainer's side: rank 0 waiting in the per-rank bucket exchange for the other colocated
+    # trainer ranks' entries (colocated.RankBuckets.wait_s); 0 without per-rank buckets
+    ranks_wait_s: float = 0.0
 
     @property
     def http_s(self) -> float:
-        """send_s the engine does not account for: HTTP, queueing on the engine thread, the sender's own work."""
-        return max(0.0, self.send_s - self.engine_receive_s - self.engine_load_s)
+        """send_s the engine and the other trainer ranks do not account for: HTTP, queueing on the engine thread,
+        the sender's own work."""
+        return max(0.0, self.send_s - self.engine_receive_s - self.engine_load_s - self.ranks_wait_s)
 
     def metrics(self) -> dict:
         return {"weight_sync_gather_convert_s": self.gather_convert_s, "weight_sync_control_s": self.control_s,
                 "weight_sync_send_s": self.send_s, "weight_sync_flush_s": self.flush_s,
                 "weight_sync_check_s": self.check_s, "weight_sync_engine_receive_s": self.engine_receive_s,
                 "weight_sync_engine_load_s": self.engine_load_s,
-                "weight_sync_engine_snapshot_s": self.engine_snapshot_s}
+                "weight_sync_engine_snapshot_s": self.engine_snapshot_s, "weight_sync_ranks_wait_s": self.ranks_wait_s}
 
 
 @dataclass(frozen=True)
@@ -81,13 +85,17 @@ class Clock:
 
     def __init__(self):
         self.totals = {"gather_convert": 0.0, "control": 0.0, "send": 0.0, "flush": 0.0, "check": 0.0,
-                       "engine_receive": 0.0, "engine_load": 0.0, "engine_snapshot": 0.0}
+                       "engine_receive": 0.0, "engine_load": 0.0, "engine_snapshot": 0.0, "ranks_wait": 0.0}
 
     def add_engine(self, receive_s: float, load_s: float, snapshot_s: float = 0.0) -> None:
         """The engine's own seconds of one update (inside `send`; the snapshot inside the load)."""
         self.totals["engine_receive"] += receive_s
         self.totals["engine_load"] += load_s
         self.totals["engine_snapshot"] += snapshot_s
+
+    def add(self, phase: str, seconds: float) -> None:
+        """Seconds measured elsewhere (colocated.RankBuckets.wait_s: inside `send`)."""
+        self.totals[phase] += seconds
 
     @contextlib.contextmanager
     def __call__(self, phase: str):

@@ -10,7 +10,8 @@ the engine's own hash, and its `weight_version` from `/model_info`) and compares
 - every checksum equal to the last verified state: serves the previous weights;
 - every checksum equal to the checkpoint baseline: serves the checkpoint;
 - anything else: a mix (the count of checksums that agree with the last verified state is reported);
-- no answer: unreachable (it serves nothing); no `/weights_checker`, or no baseline: unverified.
+- no answer: unreachable (it serves nothing); no `/weights_checker`, no baseline, or a read-back that failed:
+  unverified (nothing is claimed about it).
 
 Pure functions except `read_served`; the decision (continue generation or not) is the syncer's.
 """
@@ -123,3 +124,8 @@ def judge(url: str, now: ServedState | None, previous: ServedState | None,
 
 def unreachable(url: str, error: BaseException) -> EngineVerdict:
     return EngineVerdict(url, "unreachable", reason=str(error)[:300])
+
+
+def unread(url: str, error: BaseException) -> EngineVerdict:
+    """The engine answers, but reading back what it serves failed: nothing is claimed about it."""
+    return EngineVerdict(url, "unverified", reason=f"reading back what it serves failed: {str(error)[:300]}")

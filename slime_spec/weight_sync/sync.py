@@ -14,10 +14,13 @@ One sync:
 
 Failure and engine state. A reply is not proof of what an engine serves (an engine restarted mid-sync
 has no session and serves its checkpoint; a stray /end_weight_update keeps the buckets that landed), so
-after a failure the syncer closes the session on every engine (`/abort_weight_update`, a slime-spec
-extension that restores every tensor the session wrote, where the engine has it; `/end_weight_update`
-on SGLang, which cannot roll back), then reads every engine back (served_state.py: its own
-`/weights_checker` checksums and weight_version) and compares with the last state it verified:
+after a failure the syncer undoes first and reports after: it ends the sync on the other colocated trainer
+ranks (per-rank buckets), closes the session on every engine that may hold it open (from the first
+`/begin_weight_update` until every engine took `/end_weight_update`) with `/abort_weight_update` (a slime-spec
+extension that restores every tensor the session wrote, where the engine has it; `/end_weight_update` on
+SGLang, which cannot roll back), then reads every engine back (served_state.py: its own `/weights_checker`
+checksums and weight_version; an engine whose read-back fails is `unverified`) and compares with the last
+state it verified:
 - generation continues only when every engine that answers was verified to serve the previous weights
   (`WeightSyncError.engines_serve_previous_weights`); an unreachable engine serves nothing and is named
   (the fleet restarts it and re-syncs it before it serves);
@@ -188,9 +191,9 @@ class WeightSyncer:
         try:
             with one_intra_op_thread():
                 return self._sync_report(tensors, weight_version)
-        except BaseException as e:
-            if self.rank_buckets is not None:  # the other trainer ranks wait for this sync's next message
-                self.rank_buckets.abort(repr(e))
+        except BaseException as e:  # a failure outside the transfer (prepare, an interrupt): _failed did not run
+            if self.rank_buckets is not None:
+                self.rank_buckets.abort(repr(e))  # a no-op where _failed or finish already ended the sync
             raise
 
     def _sync_report(self, tensors: Iterable[NamedTensor], weight_version: str | None) -> SyncReport:
@@ -215,10 +218,10 @@ class WeightSyncer:
                     self.rank_buckets.start(plan.mtp is not None, plan.draft is not None,
                                             self.config.update_weight_buffer_size,
                                             flatten=self.transport.load_format is not None)
-                if use_session:
+                if use_session:  # open on the engines that took begin, even if another refused it
+                    session_open = True
                     post_all(self.clients, "/begin_weight_update",
                              protocol.begin_payload(protocol.session_selector(plan)))
-                    session_open = True
             stream = clock.timed_iter("gather_convert", make_buckets(only_wanted(tensors, plan),
                                                                      self.config.update_weight_buffer_size))
             for bucket in stream:
@@ -235,10 +238,12 @@ class WeightSyncer:
                     recorded.add(bucket)
             with clock("send"):
                 self.transport.finish(weight_version)
+            if self.rank_buckets is not None:
+                clock.add("ranks_wait", self.rank_buckets.wait_s)
             with clock("control"):
-                if use_session:
-                    session_open = False
+                if use_session:  # open until every engine has ended it: _failed rolls back where end failed
                     post_all(self.clients, "/end_weight_update", protocol.end_payload())
+                    session_open = False
             with clock("flush"):
                 post_all(self.clients, "/flush_cache", {})
         except Exception as e:
@@ -289,9 +294,12 @@ class WeightSyncer:
 
     def _failed(self, error: Exception, buckets_applied: int, session_open: bool,
                 weight_version: str | None) -> WeightSyncError:
-        """Close the session (rolled back where the engine can), then read back what every engine serves and
-        continue generation only if each engine that answers was verified to serve the previous weights."""
+        """Undo first, then report what was verified: end the sync on the other trainer ranks (they wait in the
+        bucket exchange), close the session on every engine (rolled back where the engine can), read every engine
+        back, and continue generation only if each engine that answers was verified, by its own checksums, to
+        serve the previous weights. No step's failure skips the ones after it; each is named in the error."""
         notes: list[str] = []
+        self._end_other_ranks(error, notes)
         if session_open:
             rolled_back = self._close_session(notes)
             notes.insert(0, f"{len(rolled_back)} of {len(self.clients)} engine(s) rolled the session back "
@@ -299,25 +307,38 @@ class WeightSyncer:
         verdicts = self._judge_engines()
         serving = [v for v in verdicts if v.serves != "unreachable"]
         previous = bool(serving) and all(v.serves == "previous" for v in serving)
-        if previous:
-            try:
-                post_all([c for c in self.clients if c.url in {v.url for v in serving}], "/continue_generation",
-                         protocol.continue_payload())
-                state = "generation continues on every engine that answers, all verified on the previous weights"
-            except Exception as cont_error:
-                state = ("every engine that answers serves the previous weights, but continuing generation "
-                         f"failed: {cont_error}")
-            if len(serving) < len(verdicts):
-                state += ("; an unreachable engine serves nothing, and a restarted one must get the current weights "
-                          "before it serves (the fleet's re-sync)")
-        else:
-            state = ("generation stays PAUSED on every engine: not every engine was verified to serve the previous "
-                     "weights; sync again (a full sync is idempotent) or restart the engines")
+        state = self._resume_on_previous(serving, len(verdicts)) if previous else (
+            "generation stays PAUSED on every engine: not every engine was verified to serve the previous "
+            "weights; sync again (a full sync is idempotent) or restart the engines")
         message = (f"weight sync (version {weight_version}, transport {self.transport_name}) failed after "
                    f"{buckets_applied} applied bucket(s): {error}. Per engine: "
                    + "; ".join(v.describe() for v in verdicts) + f". {state}."
-                   + (f" Session: {'; '.join(notes)}." if notes else ""))
+                   + (f" Undo: {'; '.join(notes)}." if notes else ""))
         return WeightSyncError(message, engines_serve_previous_weights=previous, engines=verdicts)
+
+    def _end_other_ranks(self, error: Exception, notes: list[str]) -> None:
+        """The other colocated trainer ranks wait in the bucket exchange for this sync's next message: end it
+        there first, so they do not wait through the rollback and read-back (a no-op once the sync has ended)."""
+        if self.rank_buckets is None:
+            return
+        try:
+            self.rank_buckets.abort(repr(error))
+        except Exception as e:  # the engines are rolled back and read back all the same
+            notes.append(f"ending the sync on the other trainer ranks failed: {e!r}")
+
+    def _resume_on_previous(self, serving: list[served_state.EngineVerdict], engines: int) -> str:
+        """Continue generation on the engines verified on the previous weights; says what happened."""
+        try:
+            post_all([c for c in self.clients if c.url in {v.url for v in serving}], "/continue_generation",
+                     protocol.continue_payload())
+            state = "generation continues on every engine that answers, all verified on the previous weights"
+        except Exception as cont_error:
+            state = ("every engine that answers serves the previous weights, but continuing generation "
+                     f"failed: {cont_error}")
+        if len(serving) < engines:
+            state += ("; an unreachable engine serves nothing, and a restarted one must get the current weights "
+                      "before it serves (the fleet's re-sync)")
+        return state
 
     def _read_baseline(self) -> None:
         """What every engine serves before this syncer's first update (the checkpoint, for a fresh engine)."""
@@ -333,10 +354,11 @@ class WeightSyncer:
         for client in self.clients:
             try:
                 reply = client.post("/abort_weight_update", {})
-                if reply.get("rolled_back") is True:
+                if isinstance(reply, dict) and reply.get("rolled_back") is True:
                     rolled_back.append(client.url)
                 else:
-                    notes.append(f"{client.url} had no open session to roll back ({reply.get('message')!r})")
+                    notes.append(f"{client.url} had no open session to roll back "
+                                 f"({reply.get('message') if isinstance(reply, dict) else reply!r})")
                 continue
             except EngineError as e:
                 if e.unreachable:
@@ -351,14 +373,18 @@ class WeightSyncer:
         return rolled_back
 
     def _judge_engines(self) -> list[served_state.EngineVerdict]:
+        """What every engine serves, read back. An engine whose read-back fails is `unverified`, naming why:
+        the report claims nothing it did not read, and the sync's own error is not replaced by this one."""
         verdicts = []
         for client in self.clients:
             try:
                 now = served_state.read_served(client, self.protocol.session)
             except EngineError as e:
-                if not e.unreachable:
-                    raise
-                verdicts.append(served_state.unreachable(client.url, e))
+                verdicts.append(served_state.unreachable(client.url, e) if e.unreachable
+                                else served_state.unread(client.url, e))
+                continue
+            except Exception as e:  # a malformed /weights_checker reply (no checksums)
+                verdicts.append(served_state.unread(client.url, e))
                 continue
             verdicts.append(served_state.judge(client.url, now, self._verified.get(client.url),
                                                (self._checkpoint or {}).get(client.url)))

@@ -205,6 +205,23 @@ def serialize_flattened(obj: dict, tp_size: int) -> list[str]:
     return [_serialize(obj, obj["flattened_tensor"].is_cuda) for _ in range(tp_size)]
 
 
+def stage_bucket(named: list[tuple[str, torch.Tensor]], flatten: bool):
+    """What an engine reads out of this process for one bucket: the bucket flattened into one tensor (one device
+    copy here, one IPC handle there) or the tensors as they are. The engine reads from another process, so on
+    CUDA the bytes are written (device sync) before this returns. Keep it alive until the engines have replied."""
+    staged = flatten_bucket(named) if flatten else named
+    cuda = next((t.device for _, t in named if t.is_cuda), None)
+    if cuda is not None:
+        torch.cuda.synchronize(cuda)
+    return staged
+
+
+def serialize_bucket(staged, flatten: bool, count: int) -> list[str]:
+    """`count` entries of `serialized_named_tensors` of a staged bucket, each serialized on its own (a CUDA IPC
+    handle is opened by one reader only): one per engine TP rank, or one for this trainer rank's own entry."""
+    return serialize_flattened(staged, count) if flatten else serialize_for_tp_ranks(staged, count)
+
+
 def _serialize(obj, cuda: bool) -> str:
     buf = io.BytesIO()
     if cuda:
@@ -249,54 +266,55 @@ class TensorTransport:
         engine/weight_receive.settle), so the bucket may be freed or reused once every engine has replied."""
         if self.rank_buckets is not None:
             return self._send_rank_buckets(bucket, selector, weight_version)
-        named = [(t.name, t.tensor) for t in bucket.tensors]
-        t0 = time.perf_counter()
-        flat = flatten_bucket(named) if self.load_format else None
-        cuda = next((t.device for _, t in named if t.is_cuda), None)
-        if cuda is not None:  # the engine reads these bytes from another process: they must be written first
-            torch.cuda.synchronize(cuda)
-        if flat is not None:
-            self.flatten_s += time.perf_counter() - t0
-        if cuda is not None:  # each engine gets its own handles, as each rank does
-            replies = post_all(self.clients, "/update_weights_from_tensor",
-                               lambda _: self._payload(named, flat, selector, weight_version))
-        else:  # inline bytes: one serialization serves every engine
-            replies = post_all(self.clients, "/update_weights_from_tensor",
-                               self._payload(named, flat, selector, weight_version))
-        return replies
+        staged = self._stage(bucket)
+        if any(t.tensor.is_cuda for t in bucket.tensors):  # each engine gets its own handles, as each rank does
+            return post_all(self.clients, "/update_weights_from_tensor",
+                            lambda _: self._payload(self._entries(staged, self.engine_tp_size), selector,
+                                                    weight_version))
+        # inline bytes: one serialization serves every engine
+        return post_all(self.clients, "/update_weights_from_tensor",
+                        self._payload(self._entries(staged, self.engine_tp_size), selector, weight_version))
 
     def _send_rank_buckets(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None) -> list[dict]:
         """Engine e's entries come from its own GPUs' trainer ranks (colocated.py); every rank keeps its bucket
-        until the engines have replied, then `release` lets them drop it. Rank 0's flatten counts in serialize_s."""
-        from slime_spec.weight_sync.colocated import RankFailure, rank_entry
+        until the engines have replied, then `release` lets them drop it. Rank 0 makes its entry as every other
+        rank does (stage_bucket, serialize_bucket: colocated.follow_sync)."""
+        from slime_spec.weight_sync.colocated import RankFailure
 
-        channel, keep = self.rank_buckets, None
-        t0 = time.perf_counter()
+        channel, staged = self.rank_buckets, None
         try:
-            own, keep = rank_entry([(t.name, t.tensor) for t in bucket.tensors], self.load_format is not None)
+            staged = self._stage(bucket)
+            own = self._entries(staged, 1)[0]
         except Exception as e:  # the other ranks wait in the exchange: fail the bucket there, on every rank
             own = RankFailure(0, repr(e))
-        self.serialize_s += time.perf_counter() - t0
         entries = channel.exchange(bucket, own)
         if isinstance(entries, RankFailure):
             channel.release(f"trainer rank {entries.rank}: {entries.message}")
             raise RuntimeError(f"trainer rank {entries.rank} could not hand over its bucket: {entries.message}")
         try:
-            replies = post_all(self.clients, "/update_weights_from_tensor", lambda e: protocol.tensor_payload(
-                channel.layout.entries_of(e, entries), selector=selector, weight_version=weight_version,
-                flush_cache=False, session=self.session, load_format=self.load_format))
+            replies = post_all(self.clients, "/update_weights_from_tensor", lambda e: self._payload(
+                channel.layout.entries_of(e, entries), selector, weight_version))
         except Exception as e:
             channel.release(repr(e))
             raise
         channel.release(None)
-        del keep  # every engine replied after its copy: this rank's bucket may go
+        del staged  # every engine replied after its copy: this rank's bucket may go
         return replies
 
-    def _payload(self, named, flat: dict | None, selector: protocol.Selector, weight_version: str | None) -> dict:
+    def _stage(self, bucket: Bucket):
         t0 = time.perf_counter()
-        entries = (serialize_for_tp_ranks(named, self.engine_tp_size) if flat is None
-                   else serialize_flattened(flat, self.engine_tp_size))
+        staged = stage_bucket([(t.name, t.tensor) for t in bucket.tensors], self.load_format is not None)
+        if self.load_format is not None:
+            self.flatten_s += time.perf_counter() - t0
+        return staged
+
+    def _entries(self, staged, count: int) -> list[str]:
+        t0 = time.perf_counter()
+        entries = serialize_bucket(staged, self.load_format is not None, count)
         self.serialize_s += time.perf_counter() - t0
+        return entries
+
+    def _payload(self, entries: list[str], selector: protocol.Selector, weight_version: str | None) -> dict:
         return protocol.tensor_payload(entries, selector=selector, weight_version=weight_version, flush_cache=False,
                                        session=self.session, load_format=self.load_format)
 

@@ -115,6 +115,7 @@ def test_each_colocated_engine_serves_its_own_trainer_ranks_trained_weights(tmp_
         assert [r["colocated_ranks"] for r in ranks] == [2, 2]
         first = ranks[0]["sync"]
         assert first["weight_sync_params"] > 0 and first["weight_sync_mtp_params"] > 0 and first["weight_sync_buckets"] > 1
+        assert 0 < first["weight_sync_ranks_wait_s"] <= first["weight_sync_send_s"]  # rank 0 waited for rank 1
         assert ranks[1]["sync"] == {}  # rank 0 reports the sync
 
         # engine e serves trainer rank e's trained tensors: the embedding both ranks trained alike, the norm rank 1
