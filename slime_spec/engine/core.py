@@ -211,14 +211,7 @@ class EngineCore:
         admissions and finishes every step reuses them; a rebuild is one pinned, non-blocking copy."""
         key = tuple(rows)  # rows compare by identity, and the tuple keeps them alive, so no id is reused
         if self._params_key != key:
-            p = [r.req.params for r in rows]
-            flags = [sampling.is_greedy(x.temperature, x.top_k) for x in p]
-            values = device_tensor([[x.temperature, x.top_k if x.top_k > 0 else self.vocab_size, x.top_p, x.min_p,
-                                     float(f)] for x, f in zip(p, flags)], self.device, torch.float64)
-            filtered = any(0 < x.top_k < self.vocab_size or x.top_p < 1.0 or x.min_p > 0 for x in p)
-            self._params_value = sampling.BatchParams(
-                values[:, 4].bool(), values[:, 0].float(), values[:, 1].long(), values[:, 2].float(),
-                values[:, 3].float(), all_greedy=all(flags), all_sampled=not any(flags), filtered=filtered)
+            self._params_value = sampling.batch_params([r.req.params for r in rows], self.vocab_size, self.device)
             self._params_key = key
         return self._params_value
 
@@ -236,14 +229,13 @@ class EngineCore:
     def _pick_on_device(self, rows: list[Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`_pick` without reading back: tokens [B] and logprobs [B] (or None) stay on the device."""
         p = self._params(rows)
-        tokens = logits.argmax(-1)
         if p.all_sampled:  # the RL case: no per-row copies
-            tokens = sampling.sample(sampling.filtered_probs(logits, p.temps, p.top_ks, p.top_ps, p.min_ps,
-                                                             filtered=p.filtered), self.generator)
-        elif not p.all_greedy:
-            sampled = ~p.greedy
-            probs = sampling.filtered_probs(logits[sampled], *p.of_rows(sampled), filtered=p.filtered)
-            tokens[sampled] = sampling.sample(probs, self.generator)
+            tokens = sampling.sample(p.sampled_probs(logits), self.generator)
+        else:
+            tokens = logits.argmax(-1)
+            if not p.all_greedy:
+                drawn = sampling.sample(p.sampled_probs(p.of_sampled(logits)), self.generator)
+                tokens.index_copy_(0, p.sampled, drawn)
         logprobs = None
         if any(r.req.return_logprob for r in rows):
             logprobs = sampling.token_logprobs(logits, p.temps, p.greedy, tokens)

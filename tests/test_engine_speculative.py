@@ -1,0 +1,82 @@
+"""One speculative step (engine/speculative.py): sampling mixed batches without reading the device."""
+
+import pytest
+import torch
+
+from slime_spec.engine import sampling
+from slime_spec.engine.core import EngineCore, Request, SamplingParams
+from slime_spec.engine.cuda_graph import CudaGraphSettings
+from slime_spec.engine.request import Row
+from slime_spec.engine.speculative import accept_drafts, draft_pick
+from slime_spec.tiny_model import make_tiny_model
+from tests.test_engine_sampling import MIXED, mask_reference, no_device_reads
+
+V = 50
+
+
+def masked_pick(logits, p, generator):
+    """Draft sampling with the sampled rows picked by boolean masks: tokens [B] and q [B, V]."""
+    sampled = ~p.greedy
+    tokens, q = logits.argmax(-1), torch.zeros_like(logits)
+    q[sampled] = mask_reference(logits[sampled], p.temps[sampled], p.top_ks[sampled], p.top_ps[sampled],
+                                p.min_ps[sampled])
+    tokens[sampled] = sampling.sample(q[sampled], generator)
+    return tokens, q
+
+
+def masked_accept(logits, drafts, draft_probs, p, generator):
+    """accept_drafts with the greedy and sampled rows picked by boolean masks."""
+    greedy, sampled, k1 = p.greedy, ~p.greedy, logits.shape[1]
+    reps = [t[sampled].repeat_interleave(k1) for t in (p.temps, p.top_ks, p.top_ps, p.min_ps)]
+    probs = mask_reference(logits[sampled].flatten(0, 1), *reps).view(-1, k1, logits.shape[-1])
+    q = None if draft_probs is None else draft_probs[sampled]
+    accept, next_token = torch.zeros_like(drafts[:, 0]), torch.zeros_like(drafts[:, 0])
+    accept[sampled], next_token[sampled] = sampling.speculative_accept(probs, q, drafts[sampled], generator)
+    accept[greedy], next_token[greedy] = sampling.greedy_accept(logits[greedy], drafts[greedy])
+    return accept, next_token
+
+
+def test_mixed_batches_draft_and_accept_from_host_known_rows_as_boolean_masks_would(monkeypatch):
+    """Greedy and sampled rows, filtered and not: draft picks and acceptance take the sampled rows by index (no
+    boolean mask, no device read) and give bitwise the tokens, q and generator state of the masked form."""
+    gen = torch.Generator().manual_seed(8)
+    logits, drafts = torch.randn(6, 4, V, generator=gen) * 3, torch.randint(V, (6, 3), generator=gen)
+    for params in (MIXED, MIXED[1:3]):
+        p = sampling.batch_params(params, V, "cpu")
+        n = len(params)
+        ours, ref = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+        with no_device_reads(monkeypatch):
+            tokens, q = draft_pick(p, ours, draft_sampling=True)(logits[:n, 0])
+            chains = [q[:, None].expand(-1, 3, -1).contiguous(), None]
+            accepted = [accept_drafts(logits[:n], drafts[:n], c, p, ours) for c in chains]
+        ref_tokens, ref_q = masked_pick(logits[:n, 0], p, ref)
+        assert torch.equal(tokens, ref_tokens) and torch.equal(q, ref_q)
+        for (accept, next_token), chain in zip(accepted, chains):
+            ref_accept, ref_next = masked_accept(logits[:n], drafts[:n], chain, p, ref)
+            assert torch.equal(accept, ref_accept) and torch.equal(next_token, ref_next)
+        assert torch.equal(ours.get_state(), ref.get_state())  # the same draws, in the same order
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU machine)")
+def test_mixed_batch_sampling_issues_no_stream_sync_on_cuda(tmp_path):
+    """On CUDA a step over greedy and sampled rows with top-p / top-k / min-p filters (pick, draft pick,
+    acceptance with and without q, logprobs) queues its work without waiting for the stream; the batch's
+    parameters are built once before (one pinned copy per batch composition)."""
+    target = make_tiny_model(tmp_path / "t", hidden_size=32, num_layers=1, seed=3)
+    engine = EngineCore(str(target), None, device="cuda", cuda_graph=CudaGraphSettings(disable=True))
+    vocab = engine.vocab_size
+    rows = [Row(Request(f"r{i}", [5, 6], params, return_logprob=i == 1)) for i, params in enumerate(MIXED)]
+    p = engine._params(rows)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(len(rows), 4, vocab, device="cuda") * 3
+    drafts = torch.randint(vocab, (len(rows), 3), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine._pick_on_device(rows, logits[:, 0].clone())
+        _, q = draft_pick(p, gen, draft_sampling=True)(logits[:, 0])
+        accept_drafts(logits, drafts, q[:, None].expand(-1, 3, -1), p, gen)
+        accept_drafts(logits, drafts, None, p, gen)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
