@@ -190,3 +190,21 @@ def test_overlap_schedule_refuses_drafters_that_need_every_step(tmp_path, llama)
                              "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 4})
     with pytest.raises(ValueError, match="overlap_schedule=True"):
         EngineCore(str(mimo), tree, overlap_schedule=True)
+
+
+def test_overlap_eligibility_is_the_drafters_capability(llama, monkeypatch):
+    """Which chains' plain steps overlap is each drafter's `defers_plain_steps`, not a list in the engine."""
+    from slime_spec.engine.drafters import (Eagle3Drafter, HistoryDrafter, HybridDrafter, MTPDrafter, NgramDrafter,
+                                            StandaloneDrafter)
+
+    expected = {MTPDrafter: True, HybridDrafter: True, StandaloneDrafter: True, Eagle3Drafter: False,
+                NgramDrafter: False, HistoryDrafter: False}
+    assert {cls: cls.defers_plain_steps for cls in expected} == expected
+    spec = resolve_or_raise({"speculative_algorithm": "STANDALONE", "speculative_num_steps": 2,
+                             "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 3,
+                             "speculative_draft_model_path": str(llama)})
+    assert EngineCore(str(llama), spec, overlap_schedule=True).overlap is not None
+    monkeypatch.setattr(StandaloneDrafter, "defers_plain_steps", False)
+    with pytest.raises(ValueError, match="overlap_schedule=True"):
+        EngineCore(str(llama), spec, overlap_schedule=True)
+

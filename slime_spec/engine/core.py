@@ -17,7 +17,6 @@ from slime_spec.dtypes import canonical_dtype
 from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model
 from slime_spec.engine import sampling, spec_policy, tree, weight_updater
 from slime_spec.engine.drafters import HybridDrafter, MTPDrafter, make_drafter
-from slime_spec.engine.drafters.standalone import StandaloneDrafter
 from slime_spec.engine.drafters.eagle3 import Eagle3Drafter
 from slime_spec.engine.model import CausalLM, load_model
 from slime_spec.engine.overlap import OverlapDecode
@@ -89,9 +88,10 @@ class EngineCore:
         self._weight_backup: dict[int, torch.Tensor] = {}
         self._params_key: tuple = ()           # the rows `_params_value` was built for
         self._params_value: sampling.BatchParams | None = None
-        # A chain's plain steps (k = 0) overlap where the drafter can wait for the read-back (MTP, STANDALONE)
+        # A chain's plain steps (k = 0) overlap where the drafter can wait for their read-back (base.py); a tree
+        # never runs one.
         overlaps_plain_steps = self.drafter is None or (
-            isinstance(self.drafter, (MTPDrafter, HybridDrafter, StandaloneDrafter)) and tree.tree_shape(spec) is None)
+            self.drafter.defers_plain_steps and tree.tree_shape(spec) is None)
         if overlap_schedule and not overlaps_plain_steps:
             raise ValueError(f"overlap_schedule=True with {spec.speculative_algorithm} (eagle_topk "
                              f"{spec.speculative_eagle_topk}): the overlap schedule runs plain decoding, and the plain "

@@ -23,6 +23,8 @@ class MTPDrafter:
     through `catch_up_deferred` before drafting, so its cost is measured apart from the draft step's.
     """
 
+    defers_plain_steps = True  # a plain step's extend waits in `pending` anyway (base.py)
+
     def __init__(self, target: CausalLM, k: int, slots: int, max_seq: int):
         self.target, self.k, self.slots, self.max_seq = target, k, slots, max_seq
         device = target.lm_head.weight.device

@@ -17,6 +17,8 @@ class StandaloneDrafter:
     accepted prefix of what the draft consumed stays, and the next propose first catches up on the rest.
     """
 
+    defers_plain_steps = True  # a plain step only adds tokens, fed at the next catch-up (base.py)
+
     def __init__(self, draft: CausalLM, k: int, slots: int, max_seq: int):
         self.draft, self.k, self.slots, self.max_seq = draft, k, slots, max_seq
         self.cache: KVCache | None = None
