@@ -208,3 +208,25 @@ def test_overlap_eligibility_is_the_drafters_capability(llama, monkeypatch):
     with pytest.raises(ValueError, match="overlap_schedule=True"):
         EngineCore(str(llama), spec, overlap_schedule=True)
 
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_rows_just_prefilled_are_put_on_the_device_once(tmp_path, llama, speculative):
+    """A prefilled row's first token goes to the device buffer once in the step that admits it: by the engine
+    when a plain step is in flight (or without speculation), else by the speculative engine's next plain step,
+    which puts every row's token after a speculative step."""
+    engine = engines(llama)[1]
+    if speculative:
+        spec = resolve_or_raise({"speculative_algorithm": "STANDALONE", "speculative_num_steps": 2,
+                                 "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 3,
+                                 "speculative_draft_model_path": str(llama)})
+        engine = EngineCore(str(llama), spec, max_running_requests=3, context_length=96, overlap_schedule=True)
+        engine.policy = CyclingSteps()
+    put, step = [], [0]
+    after_prefill = engine.overlap.after_prefill
+    engine.overlap.after_prefill = lambda rows: put.extend((step[0], r.req.rid) for r in rows) or after_prefill(rows)
+    for r in requests(engine):
+        engine.add_request(r)
+    while engine.has_work():
+        step[0] += 1
+        engine.step()
+    assert put and len(put) == len(set(put))

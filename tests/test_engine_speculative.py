@@ -1,4 +1,5 @@
-"""One speculative step (engine/speculative.py): sampling mixed batches without reading the device."""
+"""One speculative step (engine/speculative.py): sampling mixed batches without reading the device, and what the
+step policy and the drafters are told of each step (drained plain steps, catch-ups), once."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from slime_spec.engine.core import EngineCore, Request, SamplingParams
 from slime_spec.engine.cuda_graph import CudaGraphSettings
 from slime_spec.engine.request import Row
 from slime_spec.engine.speculative import accept_drafts, draft_pick
+from slime_spec.spec import resolve_or_raise
 from slime_spec.tiny_model import make_tiny_model
 from tests.test_engine_sampling import MIXED, mask_reference, no_device_reads
 
@@ -80,3 +82,55 @@ def test_mixed_batch_sampling_issues_no_stream_sync_on_cuda(tmp_path):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+class RecordingSteps:
+    """A step policy that plays a fixed sequence of draft lengths (then repeats the last) and records every
+    observation as (batch size, k, draft seconds, verify seconds, switch seconds)."""
+
+    def __init__(self, ks: list[int]):
+        self.ks, self.max_k, self.i, self.seen = ks, max(ks), 0, []
+
+    def choose(self, batch_size: int) -> int:
+        self.i += 1
+        return self.ks[min(self.i - 1, len(self.ks) - 1)]
+
+    def observe(self, batch_size, k, accepted, draft_s, verify_s, switch_s=0.0) -> None:
+        self.seen.append((batch_size, k, draft_s, verify_s, switch_s))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("speculative")
+    llama = make_tiny_model(root / "llama", hidden_size=32, num_layers=2, seed=11)
+    return {"llama": llama, "draft": make_tiny_model(root / "draft", hidden_size=32, num_layers=1, seed=12,
+                                                     init_from=str(llama)),
+            "mimo": make_tiny_model(root / "mimo", arch="mimo", hidden_size=32, num_layers=1, seed=13)}
+
+
+def engine_for(models, algorithm: str, ks: list[int], **kw) -> EngineCore:
+    if algorithm == "STANDALONE":
+        spec = resolve_or_raise({"speculative_algorithm": "STANDALONE", "speculative_num_steps": 3,
+                                 "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4,
+                                 "speculative_draft_model_path": str(models["draft"])})
+        engine = EngineCore(str(models["llama"]), spec, max_running_requests=4, **kw)
+    else:
+        spec = resolve_or_raise({"speculative_algorithm": "NEXTN", "speculative_num_steps": 3,
+                                 "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4})
+        engine = EngineCore(str(models["mimo"]), spec, max_running_requests=4, **kw)
+    engine.policy = RecordingSteps(ks)
+    for i in range(3):
+        engine.add_request(Request(f"r{i}", engine.tokenizer(f"prompt {i} " * (i + 2))["input_ids"],
+                                   SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True)))
+    return engine
+
+
+def test_deferred_work_is_caught_up_once_per_speculative_step(models, monkeypatch):
+    """The engine runs the MTP layer's catch-up once before drafting; drafting does not scan for it again."""
+    engine = engine_for(models, "NEXTN", [2, 0, 0, 2, 2])
+    calls = []
+    catch_up = engine.drafter.mtp.catch_up_deferred
+    monkeypatch.setattr(engine.drafter.mtp, "catch_up_deferred", lambda rows: calls.append(len(rows)) or catch_up(rows))
+    for _ in range(5):
+        engine.step()
+    assert calls == [3, 3, 3]  # the three speculative steps

@@ -178,7 +178,9 @@ class EngineCore:
                 new_rows.append(row)
         if new_rows:
             self._prefill(new_rows)
-            if self.overlap is not None:
+            # With nothing in flight, a speculative engine's next plain step puts every row's last token itself
+            # (speculative.overlapped_plain_step), and a speculative step reads them on the host.
+            if self.overlap is not None and (self.drafter is None or self.overlap.in_flight is not None):
                 self.overlap.after_prefill([r for r in new_rows if r.finish is None])
         active = [r for r in self.running if r.finish is None]
         if self.drafter is not None and active:

@@ -90,8 +90,7 @@ class MTPDrafter:
     def sample_draft(self, rows, pick: DraftPick) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k draft tokens per row, each picked from the MTP layer's logits: one batched MTP + lm_head call per
         step for all rows. The first reads the hidden state the last extend left; each further one runs the layer
-        on its own output."""
-        self.catch_up_deferred(rows)
+        on its own output. The engine runs `catch_up_deferred` first (speculative.catch_up)."""
         device = self.next_hidden.device
         slots = slots_of(rows, device)
         pos = device_tensor([r.kv_len for r in rows], device)
