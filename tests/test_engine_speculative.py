@@ -125,6 +125,18 @@ def engine_for(models, algorithm: str, ks: list[int], **kw) -> EngineCore:
     return engine
 
 
+@pytest.mark.parametrize("algorithm", ["NEXTN", "STANDALONE"])
+def test_every_plain_step_under_the_overlap_schedule_is_observed_once_in_order(models, algorithm):
+    """A plain step that a speculative step reads back (a run's last, or a lone probe of k = 0) is observed there,
+    as k = 0 over the rows it ran, before the speculative step itself: every chosen step is observed once."""
+    ks = [2, 0, 2, 0, 0, 0, 3, 1, 0, 2]
+    engine = engine_for(models, algorithm, ks, overlap_schedule=True)
+    for _ in ks:
+        engine.step()
+    seen = engine.policy.seen
+    assert [k for _, k, *_ in seen] == ks and all(batch == 3 for batch, *_ in seen)
+
+
 def test_deferred_work_is_caught_up_once_per_speculative_step(models, monkeypatch):
     """The engine runs the MTP layer's catch-up once before drafting; drafting does not scan for it again."""
     engine = engine_for(models, "NEXTN", [2, 0, 0, 2, 2])

@@ -23,10 +23,11 @@ from slime_spec.engine.transfer import device_tensor
 @dataclass
 class StepTimes:
     """Seconds the speculative engine's steps spent per phase since start, for the time shares the rollout reports:
-    draft (the drafter proposing, its catch-up after plain steps and its update after each verify), verify (the
-    target forward and lm_head over every drafted position), sampling (acceptance, sampling, appending tokens) and
-    plain (whole k = 0 steps that adaptive or auto speculation chose). On CUDA the phases are synchronized only
-    under --spec-auto, so elsewhere they are host-side times."""
+    draft (the drafter proposing, its catch-up after plain steps (`catch_up`) and its update after each verify),
+    verify (the target forward and lm_head over every drafted position), sampling (acceptance, sampling, appending
+    tokens) and plain (whole k = 0 steps that adaptive or auto speculation chose, an overlapped one's read-back at
+    the next speculative step included). On CUDA the phases are synchronized only under --spec-auto, so elsewhere
+    they are host-side times."""
 
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -130,6 +131,20 @@ def after_overlapped_step(engine, step, live: list[int]) -> None:
         defer([step.rows[i] for i in alive], hidden, [step.positions[i] for i in alive])
 
 
+def drain_plain_step(engine) -> None:
+    """Read back the plain step in flight before a speculative step (its tokens decide what is drafted from), and
+    observe it as a k = 0 step: from when the device turned to it (overlap.InFlight.since) to its read-back, one
+    step of the run's rhythm as `overlapped_plain_step` measures the others. A run's last plain step, or a lone
+    one (a probe of k = 0), is read back here, so without this the policy's k = 0 cost went stale."""
+    step = engine.overlap.in_flight
+    t0 = time.perf_counter()
+    engine.overlap.drain()
+    t1 = time.perf_counter()
+    engine.step_times.plain_s += t1 - t0
+    n = len(step.rows)
+    engine.policy.observe(n, 0, [0] * n, 0.0, t1 - step.since)
+
+
 def catch_up(engine, rows: list) -> float:
     """Run a drafter's deferred work of earlier plain steps (MTP's extends) before drafting; its seconds are the
     price of switching from k = 0 back to drafting, which the policy keeps apart from the draft step's cost."""
@@ -174,7 +189,7 @@ def spec_step(engine, rows: list) -> None:
         plain_step(engine, rows, time.perf_counter())
         return
     if engine.overlap is not None and engine.overlap.in_flight is not None:
-        engine.overlap.drain()  # the plain step in flight: its tokens decide what is drafted from
+        drain_plain_step(engine)
         rows = [r for r in rows if r.finish is None]
         if not rows:
             return
