@@ -1,6 +1,8 @@
 """One speculative step (engine/speculative.py): sampling mixed batches without reading the device, and what the
 step policy and the drafters are told of each step (drained plain steps, catch-ups), once."""
 
+import time
+
 import pytest
 import torch
 
@@ -135,6 +137,23 @@ def test_every_plain_step_under_the_overlap_schedule_is_observed_once_in_order(m
         engine.step()
     seen = engine.policy.seen
     assert [k for _, k, *_ in seen] == ks and all(batch == 3 for batch, *_ in seen)
+
+
+def test_standalone_catch_up_after_plain_steps_is_switch_time_not_draft_time(models, monkeypatch):
+    """After plain steps the draft model has more than a verify's one or two tokens to feed: that backlog is fed
+    by catch_up_deferred (the policy's switch seconds), and each draft step feeds one token. The clock here
+    advances by the tokens each draft forward feeds, so the seconds count draft tokens."""
+    engine = engine_for(models, "STANDALONE", [2, 0, 0, 0, 2])
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    fed = lambda module, args: clock.__setitem__(0, clock[0] + args[0].shape[1])  # noqa: E731 (tokens [B, T])
+    engine.drafter.draft.register_forward_pre_hook(fed)
+    for _ in range(5):
+        engine.step()
+    (_, k, draft_s, _, switch_s) = engine.policy.seen[-1]
+    assert (k, draft_s) == (2, 2.0)  # two draft steps of one token each
+    assert switch_s >= 3  # the three plain steps' tokens (and the last accepted draft's, for some rows)
+    assert engine.policy.seen[0][4] == 0.0  # after a prefill nothing is behind: no catch-up
 
 
 def test_deferred_work_is_caught_up_once_per_speculative_step(models, monkeypatch):

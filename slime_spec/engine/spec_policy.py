@@ -12,10 +12,10 @@ did through `observe(...)` after it. `max_k` sizes the caches.
   expected tokens per second; probes of other k are bounded in steps and in time (see AutoSteps).
 
 `observe` takes the step's draft seconds, verify seconds (target forward, acceptance, sampling, bookkeeping) and
-switch seconds: a drafter's one-off catch-up after plain steps (MTP's deferred extends), the price of leaving
-k = 0 rather than of drafting, so it is kept out of the per-draft-step cost. A plain step that the overlap
-schedule launched is observed when it is read back, at the latest by the next speculative step
-(speculative.drain_plain_step).
+switch seconds: a drafter's one-off catch-up after plain steps (MTP's deferred extends, the tokens a STANDALONE
+draft has not seen), the price of leaving k = 0 rather than of drafting, so it is kept out of the per-draft-step
+cost. A plain step that the overlap schedule launched is observed when it is read back, at the latest by the next
+speculative step (speculative.drain_plain_step).
 """
 
 from __future__ import annotations

@@ -146,8 +146,9 @@ def drain_plain_step(engine) -> None:
 
 
 def catch_up(engine, rows: list) -> float:
-    """Run a drafter's deferred work of earlier plain steps (MTP's extends) before drafting; its seconds are the
-    price of switching from k = 0 back to drafting, which the policy keeps apart from the draft step's cost."""
+    """Run a drafter's deferred work of earlier plain steps (MTP's extends, the tokens a STANDALONE draft has not
+    seen) before drafting; its seconds are the price of switching from k = 0 back to drafting, which the policy
+    keeps apart from the draft step's cost (StepTimes counts them as draft time)."""
     deferred = getattr(engine.drafter, "catch_up_deferred", None)
     if deferred is None:
         return 0.0
