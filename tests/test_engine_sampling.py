@@ -17,20 +17,23 @@ MIXED = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=
 
 @contextlib.contextmanager
 def no_device_reads(monkeypatch):
-    """Fail on what waits for the stream on CUDA: a boolean mask as an index (the selected row count is read back)
-    and bool() / item() / tolist() of a tensor. On CPU nothing waits, so this is how a CPU test pins it."""
+    """Fail on what waits for the stream on CUDA: a boolean mask as an index (the selected row count is read back),
+    a Python number written at tensor indices (index_put_ copies it to the device, synchronously) and bool() /
+    item() / tolist() of a tensor. On CPU nothing waits, so this is how a CPU test pins it."""
     getitem, setitem = torch.Tensor.__getitem__, torch.Tensor.__setitem__
 
-    def check(index) -> None:
+    def check(index, value=None) -> None:
         for i in index if isinstance(index, tuple) else (index,):
             assert not (isinstance(i, torch.Tensor) and i.dtype == torch.bool), "boolean-mask indexing"
+            assert not (isinstance(i, torch.Tensor) and isinstance(value, (int, float))), "a number put at indices"
 
     def read(self, *args, **kwargs):
         raise AssertionError("a read of device values")
 
     with monkeypatch.context() as m:
         m.setattr(torch.Tensor, "__getitem__", lambda self, index: check(index) or getitem(self, index))
-        m.setattr(torch.Tensor, "__setitem__", lambda self, index, value: check(index) or setitem(self, index, value))
+        m.setattr(torch.Tensor, "__setitem__",
+                  lambda self, index, value: check(index, value) or setitem(self, index, value))
         for name in ("__bool__", "item", "tolist"):
             m.setattr(torch.Tensor, name, read)
         yield
@@ -229,3 +232,16 @@ def test_sampled_probs_read_nothing_back_and_equal_the_masked_filters(monkeypatc
         assert torch.equal(chained, mask_reference(per_position[: len(params)][sampled].flatten(0, 1), *reps))
     with pytest.raises(AssertionError, match="boolean-mask"), no_device_reads(monkeypatch):
         logits[p.greedy]  # the guard itself catches what it is meant to
+
+
+def test_a_deterministic_draft_is_verified_as_its_one_hot_q_without_device_reads(monkeypatch):
+    """q None (greedy drafts, NGRAM) means q one-hot at each drafted token: the same acceptance and residual
+    tokens, bit for bit, as passing that q, built without writing a number at indices (a host-to-device copy)."""
+    gen = torch.Generator().manual_seed(7)
+    target = torch.softmax(torch.randn(5, 4, 12, generator=gen), -1)
+    drafts = torch.randint(12, (5, 3), generator=gen)
+    one_hot = torch.nn.functional.one_hot(drafts, 12).float()
+    with no_device_reads(monkeypatch):
+        accept, token = sampling.speculative_accept(target, None, drafts, torch.Generator().manual_seed(1))
+    ref_accept, ref_token = sampling.speculative_accept(target, one_hot, drafts, torch.Generator().manual_seed(1))
+    assert torch.equal(accept, ref_accept) and torch.equal(token, ref_token)

@@ -169,10 +169,10 @@ def speculative_accept(target_probs: torch.Tensor, draft_probs: torch.Tensor | N
     p_stop = target_probs[rows, accept_len]
     rejected = accept_len < k
     at = accept_len.clamp_max(max(k - 1, 0))
-    if draft_probs is None:
+    if draft_probs is None:  # one-hot at the stopping draft (a scatter_ of a number copies nothing to the device)
         q_stop = torch.zeros_like(p_stop)
         if k:
-            q_stop[rows, draft_tokens[rows, at]] = 1.0
+            q_stop.scatter_(-1, draft_tokens.gather(1, at[:, None]), 1.0)
     else:
         q_stop = draft_probs[rows, at] if k else torch.zeros_like(p_stop)
     # Position k has no draft: the bonus distribution is p itself.
