@@ -236,3 +236,24 @@ def test_admission_and_abort_are_linear_in_the_number_of_requests(engine):
         outs += engine.step()
     assert len(outs) == n and all(o.finish_reason["type"] == "abort" for o in outs)
     assert engine.flush_cache()
+
+
+def test_a_mixed_batch_picks_its_sampled_rows_by_index_as_boolean_masks_would(ckpts, monkeypatch):
+    """Greedy and sampled rows, some filtered: the pick reads nothing back (no boolean mask, no bool() of a device
+    test) and draws bitwise the tokens, from the same generator draws, that picking rows by boolean masks does."""
+    from slime_spec.engine import sampling
+    from slime_spec.engine.request import Row
+    from tests.test_engine_sampling import MIXED, mask_reference, no_device_reads
+
+    engine = EngineCore(str(ckpts["llama"]), None, seed=4)
+    rows = [Row(Request(f"r{i}", [5, 6], params, return_logprob=i == 2)) for i, params in enumerate(MIXED)]
+    logits = torch.randn(len(rows), engine.vocab_size, generator=torch.Generator().manual_seed(9)) * 3
+    reference = torch.Generator().set_state(engine.generator.get_state())
+    with no_device_reads(monkeypatch):
+        tokens, logprobs = engine._pick_on_device(rows, logits)
+    p, sampled = engine._params(rows), torch.tensor([not sampling.is_greedy(x.temperature, x.top_k) for x in MIXED])
+    expected = logits.argmax(-1)
+    expected[sampled] = sampling.sample(mask_reference(logits[sampled], p.temps[sampled], p.top_ks[sampled],
+                                                       p.top_ps[sampled], p.min_ps[sampled]), reference)
+    assert torch.equal(tokens, expected) and torch.equal(engine.generator.get_state(), reference.get_state())
+    assert torch.equal(logprobs, sampling.token_logprobs(logits, p.temps, p.greedy, expected))

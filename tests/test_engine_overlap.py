@@ -190,3 +190,43 @@ def test_overlap_schedule_refuses_drafters_that_need_every_step(tmp_path, llama)
                              "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 4})
     with pytest.raises(ValueError, match="overlap_schedule=True"):
         EngineCore(str(mimo), tree, overlap_schedule=True)
+
+
+def test_overlap_eligibility_is_the_drafters_capability(llama, monkeypatch):
+    """Which chains' plain steps overlap is each drafter's `defers_plain_steps`, not a list in the engine."""
+    from slime_spec.engine.drafters import (Eagle3Drafter, HistoryDrafter, HybridDrafter, MTPDrafter, NgramDrafter,
+                                            StandaloneDrafter)
+
+    expected = {MTPDrafter: True, HybridDrafter: True, StandaloneDrafter: True, Eagle3Drafter: False,
+                NgramDrafter: False, HistoryDrafter: False}
+    assert {cls: cls.defers_plain_steps for cls in expected} == expected
+    spec = resolve_or_raise({"speculative_algorithm": "STANDALONE", "speculative_num_steps": 2,
+                             "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 3,
+                             "speculative_draft_model_path": str(llama)})
+    assert EngineCore(str(llama), spec, overlap_schedule=True).overlap is not None
+    monkeypatch.setattr(StandaloneDrafter, "defers_plain_steps", False)
+    with pytest.raises(ValueError, match="overlap_schedule=True"):
+        EngineCore(str(llama), spec, overlap_schedule=True)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_rows_just_prefilled_are_put_on_the_device_once(tmp_path, llama, speculative):
+    """A prefilled row's first token goes to the device buffer once in the step that admits it: by the engine
+    when a plain step is in flight (or without speculation), else by the speculative engine's next plain step,
+    which puts every row's token after a speculative step."""
+    engine = engines(llama)[1]
+    if speculative:
+        spec = resolve_or_raise({"speculative_algorithm": "STANDALONE", "speculative_num_steps": 2,
+                                 "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 3,
+                                 "speculative_draft_model_path": str(llama)})
+        engine = EngineCore(str(llama), spec, max_running_requests=3, context_length=96, overlap_schedule=True)
+        engine.policy = CyclingSteps()
+    put, step = [], [0]
+    after_prefill = engine.overlap.after_prefill
+    engine.overlap.after_prefill = lambda rows: put.extend((step[0], r.req.rid) for r in rows) or after_prefill(rows)
+    for r in requests(engine):
+        engine.add_request(r)
+    while engine.has_work():
+        step[0] += 1
+        engine.step()
+    assert put and len(put) == len(set(put))

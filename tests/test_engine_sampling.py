@@ -1,9 +1,55 @@
 """Sampling filters as SGLang applies them, and speculative acceptance that preserves the target distribution."""
 
+import contextlib
+
+import pytest
 import torch
 
 from slime_spec.engine import sampling
+from slime_spec.engine.request import SamplingParams
 from slime_spec.engine.sampling import chi_square_pvalue
+
+# Greedy (temperature 0, and top_k 1 with its filter) and sampled rows, with top-p, top-k and min-p on some rows.
+MIXED = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8), SamplingParams(temperature=1.0),
+         SamplingParams(temperature=0.7, top_k=1), SamplingParams(temperature=1.3, top_k=5, min_p=0.05),
+         SamplingParams(temperature=0.5, min_p=0.2)]
+
+
+@contextlib.contextmanager
+def no_device_reads(monkeypatch):
+    """Fail on what waits for the stream on CUDA: a boolean mask as an index (the selected row count is read back),
+    a Python number written at tensor indices (index_put_ copies it to the device, synchronously) and bool() /
+    item() / tolist() of a tensor. On CPU nothing waits, so this is how a CPU test pins it."""
+    getitem, setitem = torch.Tensor.__getitem__, torch.Tensor.__setitem__
+
+    def check(index, value=None) -> None:
+        for i in index if isinstance(index, tuple) else (index,):
+            assert not (isinstance(i, torch.Tensor) and i.dtype == torch.bool), "boolean-mask indexing"
+            assert not (isinstance(i, torch.Tensor) and isinstance(value, (int, float))), "a number put at indices"
+
+    def read(self, *args, **kwargs):
+        raise AssertionError("a read of device values")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "__getitem__", lambda self, index: check(index) or getitem(self, index))
+        m.setattr(torch.Tensor, "__setitem__",
+                  lambda self, index, value: check(index, value) or setitem(self, index, value))
+        for name in ("__bool__", "item", "tolist"):
+            m.setattr(torch.Tensor, name, read)
+        yield
+
+
+def mask_reference(logits, temps, top_ks, top_ps, min_ps):
+    """SGLang's filters with the filtered rows picked by boolean masks (which wait for the stream on CUDA): what
+    filtered_probs computes, bit for bit, from what the host knows (a plain softmax when no row filters)."""
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    rows = (top_ks < probs.shape[-1]) | (top_ps < 1.0)
+    if not (rows.any() or (min_ps > 0).any()):
+        return probs
+    probs[rows] = sampling._top_k_top_p(probs[rows], top_ks[rows], top_ps[rows])
+    if (min_ps > 0).any():
+        probs = probs.masked_fill(probs < probs.amax(-1, keepdim=True) * min_ps[:, None], 0.0)
+    return probs / probs.sum(-1, keepdim=True)
 
 
 def test_filters_mirror_sglang_top_k_top_p_min_p():
@@ -149,3 +195,53 @@ def test_sampled_drafts_verified_with_q_follow_p_and_a_biased_rule_is_caught():
     keep = torch.rand(n, generator=gen) < ratio
     biased = torch.where(keep, drafts[:, 0], torch.multinomial(p.expand(n, V), 1, generator=gen)[:, 0])
     assert chi_square_pvalue(torch.bincount(biased, minlength=V), p) < 1e-6
+
+
+def test_batch_params_know_on_the_host_which_rows_sample_and_filter():
+    p = sampling.batch_params(MIXED, 50, "cpu")
+    assert p.greedy.tolist() == [True, False, False, True, False, False] and p.sampled.tolist() == [1, 2, 4, 5]
+    assert not p.all_greedy and not p.all_sampled and p.sorting.tolist() == [0, 2] and p.min_p
+    for column, values in zip(p.sampled_params, (p.temps, p.top_ks, p.top_ps, p.min_ps)):
+        assert torch.equal(column, values[[1, 2, 4, 5]])
+    assert p.top_ks.tolist() == [50, 50, 50, 1, 5, 50]
+    # Only the sampled rows' filters count: a greedy row's top_p takes no sampled row through the sort.
+    plain = sampling.batch_params([SamplingParams(temperature=0.0, top_p=0.5), SamplingParams()], 50, "cpu")
+    assert plain.sampled.tolist() == [1] and plain.sorting.numel() == 0 and not plain.min_p
+    every = sampling.batch_params([SamplingParams(top_k=60), SamplingParams(top_k=50), SamplingParams(top_k=3)],
+                                  50, "cpu")
+    assert every.all_sampled and every.sampled.tolist() == [0, 1, 2] and every.sorting.tolist() == [2]
+    assert sampling.batch_params([SamplingParams(temperature=0.0)] * 2, 50, "cpu").all_greedy
+
+
+def test_sampled_probs_read_nothing_back_and_equal_the_masked_filters(monkeypatch):
+    """The sampled rows' filtered distribution from host flags and row indices: no boolean mask, no read of the
+    device, and bitwise what picking the filtered rows by boolean masks gives."""
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(6, 50, generator=gen) * 3
+    per_position = torch.randn(6, 3, 50, generator=gen) * 3
+    for params in (MIXED, MIXED[1:3], MIXED[4:], [MIXED[1], MIXED[4]], [MIXED[0], MIXED[2]]):
+        p = sampling.batch_params(params, 50, "cpu")
+        with no_device_reads(monkeypatch):
+            probs = p.sampled_probs(p.of_sampled(logits[: len(params)]))
+            chained = p.sampled_probs(p.of_sampled(per_position[: len(params)]).flatten(0, 1), reps=3)
+        sampled = ~p.greedy
+        ref = mask_reference(logits[: len(params)][sampled], p.temps[sampled], p.top_ks[sampled],
+                             p.top_ps[sampled], p.min_ps[sampled])
+        assert torch.equal(probs, ref)
+        reps = [t[sampled].repeat_interleave(3) for t in (p.temps, p.top_ks, p.top_ps, p.min_ps)]
+        assert torch.equal(chained, mask_reference(per_position[: len(params)][sampled].flatten(0, 1), *reps))
+    with pytest.raises(AssertionError, match="boolean-mask"), no_device_reads(monkeypatch):
+        logits[p.greedy]  # the guard itself catches what it is meant to
+
+
+def test_a_deterministic_draft_is_verified_as_its_one_hot_q_without_device_reads(monkeypatch):
+    """q None (greedy drafts, NGRAM) means q one-hot at each drafted token: the same acceptance and residual
+    tokens, bit for bit, as passing that q, built without writing a number at indices (a host-to-device copy)."""
+    gen = torch.Generator().manual_seed(7)
+    target = torch.softmax(torch.randn(5, 4, 12, generator=gen), -1)
+    drafts = torch.randint(12, (5, 3), generator=gen)
+    one_hot = torch.nn.functional.one_hot(drafts, 12).float()
+    with no_device_reads(monkeypatch):
+        accept, token = sampling.speculative_accept(target, None, drafts, torch.Generator().manual_seed(1))
+    ref_accept, ref_token = sampling.speculative_accept(target, one_hot, drafts, torch.Generator().manual_seed(1))
+    assert torch.equal(accept, ref_accept) and torch.equal(token, ref_token)

@@ -253,3 +253,33 @@ def test_a_new_bucket_starts_from_its_warmed_neighbour_instead_of_measuring_ever
     dear = {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}  # at 64 rows every verified token costs a step: drafting never pays
     ks, _ = simulate(auto, 400, lambda step: step % 2 == 0, dear, draft_s=0.3, catch_up_s=0.0, batch=64)
     assert ks[0] == 3 and ks[-50:].count(0) >= 45
+
+
+def test_auto_charges_a_probe_when_its_own_step_is_observed():
+    """Under the overlap schedule a speculative step first observes the plain step it reads back (k = 0): a probe
+    of k = 1 chosen for that step is still charged to the probe budget when the probe itself is observed."""
+    auto = AutoSteps(max_k=1, explore_every=4)
+    for _ in range(8):  # warm-up and settling: plain steps win (drafts never accepted)
+        k = auto.choose(4)
+        auto.observe(4, k, [0] * 4, draft_s=0.5 * k, verify_s={0: 1.0, 1: 1.5}[k])
+    b = auto.buckets[4]
+    while (k := auto.choose(4)) == 0:
+        auto.observe(4, 0, [0] * 4, draft_s=0.0, verify_s=1.0)
+    spent = b.explore_s
+    auto.observe(4, 0, [0] * 4, draft_s=0.0, verify_s=1.0)  # the plain step in flight, read back by the probe
+    auto.observe(4, 1, [0] * 4, draft_s=0.5, verify_s=1.5)  # the probe: 2 s where the best k costs 1 s
+    assert b.explore_s == pytest.approx(spent + 1.0) and b.probing is None
+
+
+def test_adaptive_acceptance_moves_only_with_drafting_steps():
+    """A plain step observed after the tier moved to k > 0 (read back by the first speculative step under the
+    overlap schedule) counts as a batch, not as zero accepted drafts."""
+    from slime_spec.engine.spec_policy import AdaptiveSteps
+
+    adaptive = AdaptiveSteps(3)
+    tier = adaptive.tier(1)
+    ema, batches = tier.ema, tier.batches
+    adaptive.observe(1, 0, [0], 0.0, 0.0)
+    assert tier.current == 3 and tier.ema == ema and tier.batches == batches + 1
+    adaptive.observe(1, 3, [1], 0.0, 0.0)
+    assert tier.ema < ema

@@ -17,7 +17,6 @@ from slime_spec.dtypes import canonical_dtype
 from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model
 from slime_spec.engine import sampling, spec_policy, tree, weight_updater
 from slime_spec.engine.drafters import HybridDrafter, MTPDrafter, make_drafter
-from slime_spec.engine.drafters.standalone import StandaloneDrafter
 from slime_spec.engine.drafters.eagle3 import Eagle3Drafter
 from slime_spec.engine.model import CausalLM, load_model
 from slime_spec.engine.overlap import OverlapDecode
@@ -89,9 +88,10 @@ class EngineCore:
         self._weight_backup: dict[int, torch.Tensor] = {}
         self._params_key: tuple = ()           # the rows `_params_value` was built for
         self._params_value: sampling.BatchParams | None = None
-        # A chain's plain steps (k = 0) overlap where the drafter can wait for the read-back (MTP, STANDALONE)
+        # A chain's plain steps (k = 0) overlap where the drafter can wait for their read-back (base.py); a tree
+        # never runs one.
         overlaps_plain_steps = self.drafter is None or (
-            isinstance(self.drafter, (MTPDrafter, HybridDrafter, StandaloneDrafter)) and tree.tree_shape(spec) is None)
+            self.drafter.defers_plain_steps and tree.tree_shape(spec) is None)
         if overlap_schedule and not overlaps_plain_steps:
             raise ValueError(f"overlap_schedule=True with {spec.speculative_algorithm} (eagle_topk "
                              f"{spec.speculative_eagle_topk}): the overlap schedule runs plain decoding, and the plain "
@@ -178,7 +178,9 @@ class EngineCore:
                 new_rows.append(row)
         if new_rows:
             self._prefill(new_rows)
-            if self.overlap is not None:
+            # With nothing in flight, a speculative engine's next plain step puts every row's last token itself
+            # (speculative.overlapped_plain_step), and a speculative step reads them on the host.
+            if self.overlap is not None and (self.drafter is None or self.overlap.in_flight is not None):
                 self.overlap.after_prefill([r for r in new_rows if r.finish is None])
         active = [r for r in self.running if r.finish is None]
         if self.drafter is not None and active:
@@ -211,14 +213,7 @@ class EngineCore:
         admissions and finishes every step reuses them; a rebuild is one pinned, non-blocking copy."""
         key = tuple(rows)  # rows compare by identity, and the tuple keeps them alive, so no id is reused
         if self._params_key != key:
-            p = [r.req.params for r in rows]
-            flags = [sampling.is_greedy(x.temperature, x.top_k) for x in p]
-            values = device_tensor([[x.temperature, x.top_k if x.top_k > 0 else self.vocab_size, x.top_p, x.min_p,
-                                     float(f)] for x, f in zip(p, flags)], self.device, torch.float64)
-            filtered = any(0 < x.top_k < self.vocab_size or x.top_p < 1.0 or x.min_p > 0 for x in p)
-            self._params_value = sampling.BatchParams(
-                values[:, 4].bool(), values[:, 0].float(), values[:, 1].long(), values[:, 2].float(),
-                values[:, 3].float(), all_greedy=all(flags), all_sampled=not any(flags), filtered=filtered)
+            self._params_value = sampling.batch_params([r.req.params for r in rows], self.vocab_size, self.device)
             self._params_key = key
         return self._params_value
 
@@ -236,14 +231,13 @@ class EngineCore:
     def _pick_on_device(self, rows: list[Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`_pick` without reading back: tokens [B] and logprobs [B] (or None) stay on the device."""
         p = self._params(rows)
-        tokens = logits.argmax(-1)
         if p.all_sampled:  # the RL case: no per-row copies
-            tokens = sampling.sample(sampling.filtered_probs(logits, p.temps, p.top_ks, p.top_ps, p.min_ps,
-                                                             filtered=p.filtered), self.generator)
-        elif not p.all_greedy:
-            sampled = ~p.greedy
-            probs = sampling.filtered_probs(logits[sampled], *p.of_rows(sampled), filtered=p.filtered)
-            tokens[sampled] = sampling.sample(probs, self.generator)
+            tokens = sampling.sample(p.sampled_probs(logits), self.generator)
+        else:
+            tokens = logits.argmax(-1)
+            if not p.all_greedy:
+                drawn = sampling.sample(p.sampled_probs(p.of_sampled(logits)), self.generator)
+                tokens.index_copy_(0, p.sampled, drawn)
         logprobs = None
         if any(r.req.return_logprob for r in rows):
             logprobs = sampling.token_logprobs(logits, p.temps, p.greedy, tokens)

@@ -13,6 +13,7 @@ Speculative steps themselves never overlap here (SGLang 0.5.23 overlaps them onl
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,6 +32,8 @@ class InFlight:
     event: torch.cuda.Event | None
     hidden: torch.Tensor      # what a drafter keeps of the step [n, 1, ...] (decode_forward's features)
     positions: list[int]      # each row's position the step read (its kv_len before the step)
+    since: float              # perf_counter when its device time began: its launch, or the read-back of the step
+                              # it was queued behind (what a speculative step's drain measures it from)
 
 
 class OverlapDecode:
@@ -62,6 +65,8 @@ class OverlapDecode:
         self.in_flight = self._launch(rows) if rows else None
         if previous is not None:
             self._append(previous)
+            if self.in_flight is not None:
+                self.in_flight.since = time.perf_counter()
 
     def drain(self) -> None:
         """Append the results of the step in flight (before memory is released or when the engine goes idle)."""
@@ -70,6 +75,7 @@ class OverlapDecode:
             self._append(previous)
 
     def _launch(self, rows: list) -> InFlight:
+        since = time.perf_counter()
         e = self.engine
         n, buffer = len(rows), self.flip
         self.flip ^= 1
@@ -86,7 +92,7 @@ class OverlapDecode:
         if self.pinned:
             event = torch.cuda.Event()
             event.record()
-        return InFlight(rows, host, event, hidden, positions)
+        return InFlight(rows, host, event, hidden, positions, since)
 
     def _append(self, batch: InFlight) -> None:
         if batch.event is not None:

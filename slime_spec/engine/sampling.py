@@ -17,25 +17,61 @@ from typing import NamedTuple
 
 import torch
 
+from slime_spec.engine.transfer import device_tensor
+
 SAMPLING_EPS = 1e-6
 
 
 class BatchParams(NamedTuple):
-    """A batch's sampling parameters, one per row on the device, and what is known of them on the host (so that
-    no step reads the device to find out which rows are greedy or filtered)."""
+    """A batch's sampling parameters, one per row on the device, and what is known of them on the host, so that
+    no step reads the device to find out which rows are sampled or filtered (a boolean mask over device rows, or a
+    bool() of a device test, waits for the stream). Built by `batch_params`, once per batch composition; how many
+    rows an index tensor holds is known on the host (its shape)."""
 
     greedy: torch.Tensor
     temps: torch.Tensor
     top_ks: torch.Tensor   # the vocabulary size where top-k is off
     top_ps: torch.Tensor
     min_ps: torch.Tensor
+    sampled: torch.Tensor  # indices of the sampled rows, ascending (all rows when all_sampled)
+    sampled_params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # (temps, top_ks, top_ps, min_ps)
+    sorting: torch.Tensor  # indices among the sampled rows of those with an active top-k or top-p filter
     all_greedy: bool
     all_sampled: bool
-    filtered: bool         # some row has an active top-k, top-p or min-p filter
+    min_p: bool            # some sampled row has an active min-p filter
 
-    def of_rows(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(temps, top_ks, top_ps, min_ps) of the rows `mask` selects, for filtered_probs."""
-        return self.temps[mask], self.top_ks[mask], self.top_ps[mask], self.min_ps[mask]
+    def of_sampled(self, t: torch.Tensor) -> torch.Tensor:
+        """The sampled rows of `t` (one row per batch row), in row order; `t` itself when every row is sampled."""
+        return t if self.all_sampled else t.index_select(0, self.sampled)
+
+    def sampled_probs(self, logits: torch.Tensor, reps: int = 1) -> torch.Tensor:
+        """filtered_probs of the sampled rows' logits [S * reps, V], each row's `reps` positions consecutive."""
+        params, sorting = self.sampled_params, self.sorting
+        if reps > 1:
+            params = [x.repeat_interleave(reps) for x in params]
+            if sorting.numel():
+                sorting = (sorting[:, None] * reps + torch.arange(reps, device=sorting.device)).flatten()
+        return filtered_probs(logits, *params, sort_rows=sorting, min_p=self.min_p)
+
+
+def batch_params(params: list, vocab_size: int, device) -> BatchParams:
+    """BatchParams of the rows' SamplingParams (temperature, top_k, top_p, min_p): the host flags from the values,
+    the device tensors (the index tensors included) through one pinned, non-blocking copy."""
+    greedy = [is_greedy(x.temperature, x.top_k) for x in params]
+    top_ks = [x.top_k if x.top_k > 0 else vocab_size for x in params]
+    sampled = [i for i, g in enumerate(greedy) if not g]
+    sorting = [j for j, i in enumerate(sampled) if top_ks[i] < vocab_size or params[i].top_p < 1.0]
+    pad = lambda index: index + [0] * (len(params) - len(index))  # noqa: E731 (index lists ride as columns)
+    columns = [[x.temperature for x in params], top_ks, [x.top_p for x in params], [x.min_p for x in params],
+               [float(g) for g in greedy], pad(sampled), pad(sorting)]
+    values = device_tensor(list(zip(*columns)), device, torch.float64)
+    rows = values[: len(sampled), 5].long()
+    per_row = values[:, 0].float(), values[:, 1].long(), values[:, 2].float(), values[:, 3].float()
+    all_sampled = len(sampled) == len(params)
+    return BatchParams(values[:, 4].bool(), *per_row, rows,
+                       per_row if all_sampled else tuple(t.index_select(0, rows) for t in per_row),
+                       values[: len(sorting), 6].long(), all_greedy=not sampled, all_sampled=all_sampled,
+                       min_p=any(params[i].min_p > 0 for i in sampled))
 
 
 def mask_non_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,21 +87,30 @@ def is_greedy(temperature: float, top_k: int) -> bool:
 
 
 def filtered_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-                   min_ps: torch.Tensor, filtered: bool | None = None) -> torch.Tensor:
+                   min_ps: torch.Tensor, sort_rows: torch.Tensor | None = None,
+                   min_p: bool | None = None) -> torch.Tensor:
     """logits [N, V] float32, params [N] -> normalized sampling distribution [N, V] after SGLang's filters.
 
     top_ks uses the vocabulary size (or more) for "off". Greedy rows should not be passed here.
-    Only rows with an active top-k or top-p filter pay for the full-vocabulary sort (the RL default, top_p 1,
-    top_k -1, is a plain softmax); min-p needs only each row's max, which no other filter removes.
-    filtered=False: the caller knows no row filters (BatchParams.filtered), so not even the check runs.
+    sort_rows (the rows with an active top-k or top-p filter) and min_p (whether some row has an active min-p
+    filter) as the host knows them (BatchParams); None reads them from the device, which waits for the stream.
+    Only the sort_rows pay for the full-vocabulary sort (the RL default, top_p 1, top_k -1, is a plain softmax);
+    min-p needs only each row's max, which no other filter removes.
     """
     probs = torch.softmax(logits / temperatures[:, None], dim=-1)
-    if filtered is False:  # known on the host (BatchParams.filtered): no filter, and no device read to find out
+    if sort_rows is None:
+        sort_rows = ((top_ks < probs.shape[-1]) | (top_ps < 1.0)).nonzero().flatten()
+    if min_p is None:
+        min_p = bool((min_ps > 0).any())
+    sorts = sort_rows.numel()
+    if not (sorts or min_p):
         return probs
-    needs_sort = (top_ks < probs.shape[-1]) | (top_ps < 1.0)
-    if bool(needs_sort.any()):
-        probs[needs_sort] = _top_k_top_p(probs[needs_sort], top_ks[needs_sort], top_ps[needs_sort])
-    if bool((min_ps > 0).any()):
+    if sorts == len(probs):
+        probs = _top_k_top_p(probs, top_ks, top_ps)
+    elif sorts:
+        rows = [t.index_select(0, sort_rows) for t in (probs, top_ks, top_ps)]
+        probs.index_copy_(0, sort_rows, _top_k_top_p(*rows))
+    if min_p:
         probs = probs.masked_fill(probs < probs.amax(-1, keepdim=True) * min_ps[:, None], 0.0)
     return probs / probs.sum(-1, keepdim=True)
 
@@ -124,10 +169,10 @@ def speculative_accept(target_probs: torch.Tensor, draft_probs: torch.Tensor | N
     p_stop = target_probs[rows, accept_len]
     rejected = accept_len < k
     at = accept_len.clamp_max(max(k - 1, 0))
-    if draft_probs is None:
+    if draft_probs is None:  # one-hot at the stopping draft (a scatter_ of a number copies nothing to the device)
         q_stop = torch.zeros_like(p_stop)
         if k:
-            q_stop[rows, draft_tokens[rows, at]] = 1.0
+            q_stop.scatter_(-1, draft_tokens.gather(1, at[:, None]), 1.0)
     else:
         q_stop = draft_probs[rows, at] if k else torch.zeros_like(p_stop)
     # Position k has no draft: the bonus distribution is p itself.

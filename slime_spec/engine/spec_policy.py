@@ -12,8 +12,10 @@ did through `observe(...)` after it. `max_k` sizes the caches.
   expected tokens per second; probes of other k are bounded in steps and in time (see AutoSteps).
 
 `observe` takes the step's draft seconds, verify seconds (target forward, acceptance, sampling, bookkeeping) and
-switch seconds: a drafter's one-off catch-up after plain steps (MTP's deferred extends), the price of leaving
-k = 0 rather than of drafting, so it is kept out of the per-draft-step cost.
+switch seconds: a drafter's one-off catch-up after plain steps (MTP's deferred extends, the tokens a STANDALONE
+draft has not seen), the price of leaving k = 0 rather than of drafting, so it is kept out of the per-draft-step
+cost. A plain step that the overlap schedule launched is observed when it is read back, at the latest by the next
+speculative step (speculative.drain_plain_step).
 """
 
 from __future__ import annotations
@@ -64,10 +66,11 @@ class AdaptiveTier:
     ceiling_coeff: float = 0
     batches: int = 0
 
-    def observe(self, accepted: list[int]) -> None:
+    def observe(self, k: int, accepted: list[int]) -> None:
+        """One batch's accepted drafts per request; a plain step (k = 0) counts as a batch, not as acceptance."""
         if not accepted:
             return
-        if self.current > 0:
+        if k > 0:
             self.ema += self.ema_alpha * (sum(accepted) / len(accepted) - self.ema)
         self.batches += 1
         after_warmup = self.batches - self.warmup_batches
@@ -126,7 +129,7 @@ class AdaptiveSteps:
 
     def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float,
                 switch_s: float = 0.0) -> None:
-        self.tier(batch_size).observe(accepted)
+        self.tier(batch_size).observe(k, accepted)
 
 
 def expected_tokens(accept_rate: float, k: int) -> float:
@@ -168,7 +171,7 @@ class _Bucket:
     next_explore: int = 0          # the step of the next exploration (0 = not scheduled yet)
     interval: int = 0              # steps between explorations; doubles while the best k stays the same
     last_best: int | None = None
-    probing: float | None = None   # the best k's estimated step cost when the step in flight probes another k
+    probing: tuple[int, float] | None = None  # (probed k, the best k's estimated step cost) until the probe is observed
     measured_all: bool = False     # warmed up on its own measurements: a donor of estimates to new buckets
     total_s: float = 0.0           # every observed step's seconds (draft + verify + switch)
     explore_s: float = 0.0         # what probes cost beyond the best k's estimated step cost
@@ -231,7 +234,7 @@ class AutoSteps:
         b.next_explore, b.last_best = b.steps + b.interval, best
         b.explores += 1
         probe = min(best + 1, self.max_k) if b.explores % 2 or best == 0 else best - 1
-        b.probing = best * draft + verify[best] if probe != best else None
+        b.probing = (probe, best * draft + verify[best]) if probe != best else None
         return probe
 
     def _donor(self, key: int) -> "_Bucket | None":
@@ -274,8 +277,8 @@ class AutoSteps:
         b = self.buckets.setdefault(bucket_of(batch_size), _Bucket())
         cost = draft_s + verify_s + switch_s
         b.total_s += cost
-        if b.probing is not None:
-            b.explore_s += max(0.0, cost - b.probing)
+        if b.probing is not None and b.probing[0] == k:  # not a plain step read back late, at the probe's start
+            b.explore_s += max(0.0, cost - b.probing[1])
             b.probing = None
         b.verify_samples.setdefault(k, deque(maxlen=COST_WINDOW)).append(verify_s)
         if k == 0 or not accepted:

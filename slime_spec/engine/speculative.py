@@ -23,13 +23,13 @@ from slime_spec.engine.transfer import device_tensor
 @dataclass
 class StepTimes:
     """Seconds the speculative engine's steps spent per phase since start, for the time shares the rollout reports:
-    draft (the drafter proposing, its catch-up after plain steps and its update after each verify), verify (the
-    target forward and lm_head over every drafted position), sampling (acceptance, sampling, appending tokens) and
-    plain (whole k = 0 steps that adaptive or auto speculation chose). On CUDA these are host-side times: a chain
-    step waits for the device only at its one read-back, so the device's drafting lands in verify. Under
-    --spec-auto a step also syncs once at its end, so each step's total (what the policy compares per k) holds
-    its own device work and no other step's (a sync between phases would leave the device idle while the host
-    launches the next phase)."""
+    draft (the drafter proposing, its catch-up after plain steps (`catch_up`) and its update after each verify),
+    verify (the target forward and lm_head over every drafted position), sampling (acceptance, sampling, appending
+    tokens) and plain (whole k = 0 steps that adaptive or auto speculation chose, an overlapped one's read-back at
+    the next speculative step included). On CUDA these are host-side times: a chain step waits for the device
+    only at its one read-back, so the device's drafting lands in verify. Under --spec-auto a step also syncs once
+    at its end, so each step's total (what the policy compares per k) holds its own device work and no other
+    step's (a sync between phases would leave the device idle while the host launches the next phase)."""
 
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -49,19 +49,15 @@ def draft_pick(params: sampling.BatchParams, generator: torch.Generator, draft_s
 
     if p.all_sampled:  # the RL case: every row sampled, no per-row copies
         def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            q = sampling.filtered_probs(logits.float(), p.temps, p.top_ks, p.top_ps, p.min_ps, filtered=p.filtered)
+            q = p.sampled_probs(logits.float())
             return sampling.sample(q, generator), q
 
         return pick
 
-    sampled = ~p.greedy
-
     def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = logits.argmax(-1)
-        q = torch.zeros_like(logits)
-        q[sampled] = sampling.filtered_probs(logits[sampled].float(), *p.of_rows(sampled), filtered=p.filtered)
-        tokens[sampled] = sampling.sample(q[sampled], generator)
-        return tokens, q
+        q_sampled = p.sampled_probs(p.of_sampled(logits).float())
+        tokens = logits.argmax(-1).index_copy_(0, p.sampled, sampling.sample(q_sampled, generator))
+        return tokens, q_sampled.new_zeros(logits.shape).index_copy_(0, p.sampled, q_sampled)
 
     return pick
 
@@ -137,9 +133,24 @@ def after_overlapped_step(engine, step, live: list[int]) -> None:
         defer([step.rows[i] for i in alive], hidden, [step.positions[i] for i in alive])
 
 
+def drain_plain_step(engine) -> None:
+    """Read back the plain step in flight before a speculative step (its tokens decide what is drafted from), and
+    observe it as a k = 0 step: from when the device turned to it (overlap.InFlight.since) to its read-back, one
+    step of the run's rhythm as `overlapped_plain_step` measures the others. A run's last plain step, or a lone
+    one (a probe of k = 0), is read back here, so without this the policy's k = 0 cost went stale."""
+    step = engine.overlap.in_flight
+    t0 = time.perf_counter()
+    engine.overlap.drain()
+    t1 = time.perf_counter()
+    engine.step_times.plain_s += t1 - t0
+    n = len(step.rows)
+    engine.policy.observe(n, 0, [0] * n, 0.0, t1 - step.since)
+
+
 def catch_up(engine, rows: list) -> float:
-    """Run a drafter's deferred work of earlier plain steps (MTP's extends) before drafting; its seconds are the
-    price of switching from k = 0 back to drafting, which the policy keeps apart from the draft step's cost."""
+    """Run a drafter's deferred work of earlier plain steps (MTP's extends, the tokens a STANDALONE draft has not
+    seen) before drafting; its seconds are the price of switching from k = 0 back to drafting, which the policy
+    keeps apart from the draft step's cost (StepTimes counts them as draft time)."""
     deferred = getattr(engine.drafter, "catch_up_deferred", None)
     if deferred is None:
         return 0.0
@@ -155,24 +166,16 @@ def accept_drafts(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch
     """(accepted drafts [n], the token after them [n]) per row: greedy rows by argmax equality, sampled rows by
     the lossless rule. A batch of one kind (the usual case: all sampled in RL) skips the per-kind row copies."""
     p = params
-    greedy = p.greedy
-    n, k1, vocab = logits.shape
     if p.all_greedy:
         return sampling.greedy_accept(logits, drafts)
-    sampled = None if p.all_sampled else ~greedy
-    pick = (lambda t: t) if sampled is None else (lambda t: t[sampled])  # noqa: E731
-    reps = lambda t: pick(t).repeat_interleave(k1)  # noqa: E731 (one value per position)
-    probs = sampling.filtered_probs(pick(logits).flatten(0, 1), reps(p.temps), reps(p.top_ks), reps(p.top_ps),
-                                    reps(p.min_ps), filtered=p.filtered).view(-1, k1, vocab)
-    q = None if draft_probs is None else pick(draft_probs)
-    sampled_accept = sampling.speculative_accept(probs, q, pick(drafts), generator)
-    if sampled is None:
+    k1, vocab = logits.shape[1:]
+    probs = p.sampled_probs(p.of_sampled(logits).flatten(0, 1), reps=k1).view(-1, k1, vocab)
+    q = None if draft_probs is None else p.of_sampled(draft_probs)
+    sampled_accept = sampling.speculative_accept(probs, q, p.of_sampled(drafts), generator)
+    if p.all_sampled:
         return sampled_accept
-    accept = torch.zeros(n, dtype=torch.long, device=logits.device)
-    next_token = torch.zeros(n, dtype=torch.long, device=logits.device)
-    accept[greedy], next_token[greedy] = sampling.greedy_accept(logits[greedy], drafts[greedy])
-    accept[sampled], next_token[sampled] = sampled_accept
-    return accept, next_token
+    accept, next_token = sampling.greedy_accept(logits, drafts)  # every row; the sampled rows' are replaced
+    return accept.index_copy_(0, p.sampled, sampled_accept[0]), next_token.index_copy_(0, p.sampled, sampled_accept[1])
 
 
 def spec_step(engine, rows: list) -> None:
@@ -189,7 +192,7 @@ def spec_step(engine, rows: list) -> None:
         plain_step(engine, rows, time.perf_counter())
         return
     if engine.overlap is not None and engine.overlap.in_flight is not None:
-        engine.overlap.drain()  # the plain step in flight: its tokens decide what is drafted from
+        drain_plain_step(engine)
         rows = [r for r in rows if r.finish is None]
         if not rows:
             return
@@ -278,11 +281,8 @@ def tree_step(engine, rows: list, shape: tree.TreeShape) -> None:
     logits, broken = engine._non_finite_rows(engine.model.logits(hidden.flatten(0, 1)).view(n, width, -1))
     probs = None
     if not params.all_greedy:
-        sampled = ~greedy
-        reps = lambda t: t[sampled].repeat_interleave(width)  # noqa: E731 (one value per node)
-        probs = sampling.filtered_probs(logits[sampled].flatten(0, 1), reps(temps), reps(params.top_ks),
-                                        reps(params.top_ps), reps(params.min_ps),
-                                        filtered=params.filtered).view(-1, width, logits.shape[-1])
+        probs = params.sampled_probs(params.of_sampled(logits).flatten(0, 1), reps=width) \
+            .view(-1, width, logits.shape[-1])
     paths, next_tokens = tree.accept(drafted, logits, greedy, probs, engine.generator)
     tokens = drafted.tokens.tolist()
     chosen = [[tokens[i][node] for node in paths[i][1:]] + [next_tokens[i]] for i in range(n)]

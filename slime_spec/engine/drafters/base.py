@@ -21,6 +21,12 @@ Drafter protocol:
   on_verify(rows, hidden, accepted)   after the verify pass appended accepted[i] + 1 tokens to rows[i]
   weight_runner() -> {hf name: param} the draft's weights, as SGLang's draft runner loads them (or None)
   new_cache() / drop_cache()          (re)allocate or free the drafter's KV cache
+  defers_plain_steps                  whether a plain step (k = 0) needs nothing from the drafter until the step is
+                                      read back, a step late: then the overlap schedule (engine/overlap.py) may run
+                                      a chain's plain steps, handing each read-back step to the optional
+                                      `defer(rows, hidden, positions)`; the engine then calls the optional
+                                      `catch_up_deferred(rows)` before the next chain draft, timed as the switch
+                                      back from k = 0 (see speculative.catch_up)
 Optional:
   sample_draft(rows, pick) -> (LongTensor [B, k], q [B, k, V] or None)   see above
   tree_draft(rows, shape) -> tree.DraftTree   eagle_topk > 1 (MTP, EAGLE3, STANDALONE): a draft tree per row
@@ -41,6 +47,7 @@ class Drafter(Protocol):
     """What EngineCore calls on a drafter (see the module docstring for when)."""
 
     k: int
+    defers_plain_steps: bool
 
     def on_prefill(self, rows, hidden: torch.Tensor) -> None: ...
 

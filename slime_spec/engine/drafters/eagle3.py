@@ -23,6 +23,8 @@ from slime_spec.trainer import eagle3_draft
 
 
 class Eagle3Drafter:
+    defers_plain_steps = False  # on_verify extends the head from each plain step's aux states, when it runs (base.py)
+
     def __init__(self, target: CausalLM, draft: eagle3_draft.Eagle3Draft, aux_layer_ids: list[int], k: int,
                  slots: int, max_seq: int):
         self.target, self.draft, self.k, self.slots, self.max_seq = target, draft, k, slots, max_seq

@@ -183,6 +183,8 @@ class HistoryDrafter:
     O(new tokens + k) per source instead of re-matching the context.
     """
 
+    defers_plain_steps = False  # as NgramDrafter: NGRAM does not run under the overlap schedule
+
     def __init__(self, ngram: NgramDrafter | None, max_depth: int, k: int | None = None, device=None):
         self.ngram, self.max_depth = ngram, max_depth
         self.device = ngram.device if ngram is not None else device

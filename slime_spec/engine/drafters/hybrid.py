@@ -32,6 +32,8 @@ class HybridDrafter:
     """MTP for every row, history for rows whose history match is expected to accept more (module docstring).
     The engine reaches the MTP layer itself (CUDA graphs, weight updates) through `mtp`."""
 
+    defers_plain_steps = True  # the MTP layer defers its extend; history reads the tokens when it drafts (base.py)
+
     def __init__(self, mtp: MTPDrafter, history: HistoryDrafter):
         self.mtp, self.history = mtp, history
         self.history_rate = [1.0] * BUCKETS  # accepted / drafted of history drafts, per match-length bucket

@@ -23,6 +23,8 @@ class MTPDrafter:
     through `catch_up_deferred` before drafting, so its cost is measured apart from the draft step's.
     """
 
+    defers_plain_steps = True  # a plain step's extend waits in `pending` anyway (base.py)
+
     def __init__(self, target: CausalLM, k: int, slots: int, max_seq: int):
         self.target, self.k, self.slots, self.max_seq = target, k, slots, max_seq
         device = target.lm_head.weight.device
@@ -88,8 +90,7 @@ class MTPDrafter:
     def sample_draft(self, rows, pick: DraftPick) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k draft tokens per row, each picked from the MTP layer's logits: one batched MTP + lm_head call per
         step for all rows. The first reads the hidden state the last extend left; each further one runs the layer
-        on its own output."""
-        self.catch_up_deferred(rows)
+        on its own output. The engine runs `catch_up_deferred` first (speculative.catch_up)."""
         device = self.next_hidden.device
         slots = slots_of(rows, device)
         pos = device_tensor([r.kv_len for r in rows], device)

@@ -53,6 +53,8 @@ class NgramDrafter:
     search over suffix lengths (log2 max_window lookups): every suffix of an indexed n-gram is indexed too.
     """
 
+    defers_plain_steps = False  # NGRAM does not run under the overlap schedule (base.py; docs/en/speculative.md)
+
     def __init__(self, k: int, max_window: int, min_window: int, device, capacity: int = DEFAULT_CAPACITY):
         self.k, self.max_window, self.min_window, self.device = k, max_window, min_window, device
         self.capacity = capacity

@@ -9,13 +9,19 @@ from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, 
 from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names
 from slime_spec.engine.transfer import device_tensor
 
+VERIFY_UNSEEN = 2  # tokens a chain verify leaves the draft to feed: the new pending one, and d_k if all k passed
+
 
 class StandaloneDrafter:
     """STANDALONE: a separate small causal LM with its own KV cache, drafting greedily k tokens per verify.
 
     `r.draft_cached_len` counts the tokens of row r whose keys/values the draft cache holds; after a verify only the
-    accepted prefix of what the draft consumed stays, and the next propose first catches up on the rest.
+    accepted prefix of what the draft consumed stays, and the next propose first catches up on the rest (one or
+    two tokens, in its first draft step). Plain steps (k = 0) leave more behind: the engine feeds that backlog
+    through `catch_up_deferred` before drafting, so it is timed as the switch from k = 0, not as drafting.
     """
+
+    defers_plain_steps = True  # a plain step only adds tokens, fed at the next catch-up (base.py)
 
     def __init__(self, draft: CausalLM, k: int, slots: int, max_seq: int):
         self.draft, self.k, self.slots, self.max_seq = draft, k, slots, max_seq
@@ -28,19 +34,35 @@ class StandaloneDrafter:
     def drop_cache(self) -> None:
         self.cache = None
 
-    def _feed(self, rows, seqs: list[list[int]], starts: list[int]) -> torch.Tensor:
-        """Run the draft over seqs[i] at positions starts[i]...; return the logits at each row's last token."""
+    def _forward(self, rows, seqs: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Run the draft over seqs[i] at positions starts[i]... (into its cache); its hidden states [B, T, H]."""
         device = self.draft.lm_head.weight.device
         tokens = pad(seqs, device)
         positions = device_tensor(starts, device)[:, None] + torch.arange(tokens.shape[1], device=device)
         num_keys = max(start + len(s) for start, s in zip(starts, seqs))  # from the host: no read-back
-        hidden = self.draft(tokens, positions, self.cache, slots_of(rows, device), num_keys)
-        last = device_tensor([len(s) - 1 for s in seqs], device)
-        return self.draft.logits(hidden[torch.arange(len(rows), device=device), last])
+        return self.draft(tokens, positions, self.cache, slots_of(rows, device), num_keys)
+
+    def _feed(self, rows, seqs: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """_forward, and the logits at each row's last token."""
+        hidden = self._forward(rows, seqs, starts)
+        last = device_tensor([len(s) - 1 for s in seqs], hidden.device)
+        return self.draft.logits(hidden[torch.arange(len(rows), device=hidden.device), last])
 
     def on_prefill(self, rows, hidden: torch.Tensor) -> None:
-        self._feed(rows, [r.tokens[:-1] for r in rows], [0] * len(rows))
+        self._forward(rows, [r.tokens[:-1] for r in rows], [0] * len(rows))
         for r in rows:
+            r.draft_cached_len = len(r.tokens) - 1
+
+    def catch_up_deferred(self, rows) -> None:
+        """Feed the tokens plain steps committed since the last draft, in one batched call: every unseen token but
+        the pending one, for the rows more than VERIFY_UNSEEN behind, so that the first draft step feeds what it
+        feeds after a verify. A row one plain step behind a verify that rejected a draft (two unseen) is left to
+        the first draft step, which then feeds two tokens, as after a verify that accepted every draft."""
+        behind = [r for r in rows if len(r.tokens) - r.draft_cached_len > VERIFY_UNSEEN]
+        if not behind:
+            return
+        self._forward(behind, [r.tokens[r.draft_cached_len:-1] for r in behind], [r.draft_cached_len for r in behind])
+        for r in behind:
             r.draft_cached_len = len(r.tokens) - 1
 
     def propose(self, rows) -> torch.Tensor:
