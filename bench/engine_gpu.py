@@ -360,11 +360,10 @@ def main(argv=None) -> None:
                                         torch_compile_max_bs=max(spec_b))
     ctx = a.prompt_len + a.new_tokens + 8
 
-    def engine(path, spec=None, cuda_graph=None, **kw):
-        cuda_graph = cuda_graph or (compiled_graphs if a.torch_compile and spec is not None else graphs)
-        core = EngineCore(str(path), spec, dtype="bfloat16", device=a.device, max_running_requests=max(spec_b),
-                          context_length=ctx, cuda_graph=cuda_graph, **kw)
-        return core
+    def engine(path, cuda_graph=graphs):
+        """A plain engine (the plain table's, and the one writing the drafts' training corpus)."""
+        return EngineCore(str(path), None, dtype="bfloat16", device=a.device, max_running_requests=max(spec_b),
+                          context_length=ctx, cuda_graph=cuda_graph)
 
     plain = engine(llama)
     nbytes = sum(t.numel() * t.element_size() for t in plain.model.state_dict().values())

@@ -27,7 +27,8 @@ class StepTimes:
     verify (the target forward and lm_head over every drafted position), sampling (acceptance, sampling, appending
     tokens) and plain (whole k = 0 steps that adaptive or auto speculation chose, an overlapped one's read-back at
     the next speculative step included). On CUDA these are host-side times: a chain step waits for the device
-    only at its one read-back, so the device's drafting lands in verify. Under --spec-auto a step also syncs once
+    only at its one read-back, in the sampling phase, so the device time of drafting and of the verify forward
+    lands in sampling. Under --spec-auto a step also syncs once
     at its end, so each step's total (what the policy compares per k) holds its own device work and no other
     step's (a sync between phases would leave the device idle while the host launches the next phase)."""
 
@@ -265,8 +266,6 @@ def tree_step(engine, rows: list, shape: tree.TreeShape) -> None:
     params = engine._params(rows)
     greedy, temps = params.greedy, params.temps
     drafted = engine.drafter.tree_draft(rows, shape)
-    if engine.timed:
-        _sync(dev)
     t1 = time.perf_counter()
     base = [r.kv_len for r in rows]
     start = device_tensor(base, dev)
@@ -316,8 +315,6 @@ def tree_step(engine, rows: list, shape: tree.TreeShape) -> None:
         path_features = features[idx[:, None], path_nodes]
         on_verify = getattr(engine.drafter, "on_tree_verify", engine.drafter.on_verify)
         on_verify([rows[i] for i in alive], path_features, [accepted[i] for i in alive])
-    if engine.timed:
-        _sync(dev)
     t2 = time.perf_counter()
     engine.step_times.draft_s += t1 - t0
     engine.step_times.verify_s += t2 - t1  # the tree's accept walk included
