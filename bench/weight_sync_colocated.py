@@ -195,7 +195,7 @@ def print_table(a, config: dict, rows: dict, copy_s: list[float], nbytes: int) -
         report, flatten_s, serialize_s, device_bytes, host_bytes = sorted(
             reports, key=lambda r: r[0].transfer_seconds)[len(reports) // 2]
         sp = report.split
-        http = max(0.0, sp.send_s - flatten_s - serialize_s - sp.engine_receive_s - sp.engine_load_s)
+        http = max(0.0, sp.http_s - flatten_s - serialize_s)  # SyncSplit's, less the sender's own work
         print(f"| {fmt} | {mb} | {report.buckets} | {report.bytes / 1e9:.2f} | {report.transfer_seconds:.3f} | "
               f"{report.gbps:.2f} | {report.gbps / copy_gbps:.3f} | {sp.gather_convert_s:.3f} | {flatten_s:.3f} | "
               f"{serialize_s:.3f} | {http:.3f} | {sp.engine_receive_s:.3f} | "

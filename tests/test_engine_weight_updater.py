@@ -358,6 +358,19 @@ def test_a_corrupt_checkpoint_is_a_400_naming_the_file(server, tmp_path):
     assert r.json()["num_paused_requests"] == 0 and checksums(server) == base_sums
 
 
+def test_a_disk_update_in_a_failed_session_is_refused(server, model, tmp_path):
+    """Every route loads through one place, and there a session whose earlier update failed refuses the rest: a
+    good checkpoint after a corrupt one used to load, and end_weight_update then said the old weights served."""
+    base_sums = checksums(server)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file" * 4)
+    ok(server, "/begin_weight_update", {})
+    assert post(server, "/update_weights_from_disk", {"model_path": str(tmp_path)}).status_code == 400
+    r = post(server, "/update_weights_from_disk", {"model_path": str(model)})
+    assert r.status_code == 400 and "an earlier update of this session failed" in r.json()["message"]
+    end_rolled_back(server)
+    assert checksums(server) == base_sums
+
+
 
 
 def test_the_reply_comes_after_the_device_has_finished_the_copies(model, monkeypatch):

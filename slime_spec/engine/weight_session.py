@@ -81,10 +81,12 @@ class WeightSession:
         the driver now, not at end); returns the tensors the session's rollbacks restored. The session stays
         open: a failed one refuses the rest until it is closed. Idempotent: what was restored is not restored
         again."""
-        for role, saved in self.backup.items():
+        for role in list(self.backup):
+            saved = self.backup[role]
             if saved:
                 core.load_weights(list(saved.items()), selector=role)
                 self.restored += len(saved)
+            del self.backup[role]  # restored: not again if a later role raises and the rollback is retried
         self._drop_snapshot()
         return self.restored
 
@@ -94,7 +96,8 @@ class WeightSession:
         restored, a failed update's included. Idempotent."""
         if core is not None:
             self.rollback(core)
-        self._drop_snapshot()
+        else:
+            self._drop_snapshot()
         self.selector, self.error = None, None
         return self.restored
 

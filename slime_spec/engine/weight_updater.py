@@ -288,8 +288,6 @@ class WeightUpdater:
         except (RuntimeError, ValueError, AssertionError) as e:
             return self._fail_session(core, f"Failed to receive weights: {e}")
         timing.receive_s = time.perf_counter() - t0
-        if (refused := self._session_refused()) is not None:
-            return refused  # received (the broadcast must complete on every rank), but not loaded
         return self._load(core, named, selector, req, "Succeeded to update parameter online.", timing)
 
     def _update_in_place(self, core, req: dict, selector: str, timing: EngineTiming) -> dict:
@@ -398,7 +396,11 @@ class WeightUpdater:
 
     def _load(self, core, named: list[tuple[str, torch.Tensor]], selector: str, req: dict, ok: str,
               timing: EngineTiming | None = None) -> dict:
-        """Load received tensors all or nothing; the reply waits until the copies are done (see settle)."""
+        """Load received tensors all or nothing; the reply waits until the copies are done (see settle). Every
+        route loads here, so here a session whose earlier update failed refuses the rest (a broadcast was still
+        received first: it must complete on every rank)."""
+        if (refused := self._session_refused()) is not None:
+            return refused
         timing = timing or EngineTiming()
         t0 = time.perf_counter()
         snapshot = DeviceSpan(self.device)
