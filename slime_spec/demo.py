@@ -22,7 +22,7 @@ from slime_spec.demo_task import split_problems, write_jsonl
 from slime_spec.rollout.metrics import SPEC_PHASES
 
 SIZES = {  # name: model, data and loop sizes
-    "full": dict(hidden=128, layers=6, ffn=384, sft_steps=150, sft_batch=32, n_train=2000, n_eval=32,
+    "full": dict(hidden=128, layers=12, ffn=384, sft_steps=150, sft_batch=32, n_train=2000, n_eval=32,
                  grpo_steps=20, prompts=8, samples=8, updates_per_rollout=2, digits=3, max_response_len=128,
                  speedup_interval=4),
     "smoke": dict(hidden=64, layers=2, ffn=128, sft_steps=20, sft_batch=16, n_train=80, n_eval=8,
