@@ -283,3 +283,24 @@ def test_adaptive_acceptance_moves_only_with_drafting_steps():
     assert tier.current == 3 and tier.ema == ema and tier.batches == batches + 1
     adaptive.observe(1, 3, [1], 0.0, 0.0)
     assert tier.ema < ema
+
+
+def test_a_one_row_tail_of_bad_luck_does_not_send_the_next_full_batch_to_plain_steps():
+    """A rollout drafts at 32 rows with 3 of 4 drafts accepted, then its last request drafts alone and is
+    rejected 30 times in a row. The rate is evidence per row: those 30 drafts weigh against the ~1,500 behind
+    them, so the next rollout's full batch drafts at once. (Decayed per step, the one-row tail wiped the full
+    batches' evidence, the rate fell below 0.1 and the next rollout ran plain until a probe: the demo's
+    rollouts with 30-40% of their engine time in plain steps.)"""
+    auto = AutoSteps(max_k=3, explore_every=1000)
+    costs = {0: 5.0, 1: 6.0, 2: 7.0, 3: 8.0}
+
+    def step(batch: int, hit) -> int:
+        k = auto.choose(batch)
+        auto.observe(batch, k, [k if hit(row) else 0 for row in range(batch)], draft_s=0.2 * k, verify_s=costs[k])
+        return k
+
+    ks = [step(32, lambda row: row % 4 != 0) for _ in range(60)]
+    assert ks[-10:] == [3] * 10
+    tail = [step(1, lambda row: False) for _ in range(30)]
+    assert auto.accept_rate > 0.6, auto.accept_rate
+    assert step(32, lambda row: row % 4 != 0) == 3 and tail[0] == 3

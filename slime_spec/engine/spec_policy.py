@@ -198,8 +198,11 @@ class AutoSteps:
     warm-up: probes are at most one step in `explore_every`, and a probe waits while what probes have cost beyond
     the best k's estimated step cost (catch-ups included) exceeds `explore_budget` of the bucket's measured time,
     so a draft that never pays costs at most that share. The per-token accept rate is the
-    geometric MLE over all rows, accepted drafts / (accepted + rejections), from counts decayed by 1 - alpha per
-    step with one pseudo-count each (a step of 32 rows is 32 times the evidence of a step of one).
+    geometric MLE over all rows, accepted drafts / (accepted + rejections), from counts with one pseudo-count each,
+    decayed by 1 - alpha per step of the largest batch seen so far, and by (1 - alpha) ** (rows / largest) for a
+    step of fewer rows: the rate is evidence per row, so the one-row tail of a rollout (a few unlucky drafts of
+    its last request) cannot overwrite what full batches measured and send the next rollout's first full batches
+    to plain steps, where the rate is not measured again until a probe.
     """
 
     def __init__(self, max_k: int, alpha: float = 0.2, explore_every: int = 32, prior_accept_rate: float = 0.5,
@@ -209,6 +212,7 @@ class AutoSteps:
         self.max_explore_every = max(max_explore_every, explore_every)
         self.accept_rate = prior_accept_rate
         self._hits = self._misses = 0.0  # decayed counts of accepted / rejected drafts, one pseudo-count each
+        self._widest = 1  # the most rows a drafting step has had: a step of that many decays the counts by 1 - alpha
         self.buckets: dict[int, _Bucket] = {}
 
     def choose(self, batch_size: int) -> int:
@@ -286,7 +290,8 @@ class AutoSteps:
         b.draft_samples.append(draft_s / k)
         hits = sum(accepted)
         misses = sum(1 for a in accepted if a < k)
-        decay = 1.0 - self.alpha  # decayed counts: a step of many rows weighs as much evidence as it holds
+        self._widest = max(self._widest, len(accepted))
+        decay = (1.0 - self.alpha) ** (len(accepted) / self._widest)  # the evidence per row, not per step
         self._hits, self._misses = decay * self._hits + hits, decay * self._misses + misses
         self.accept_rate = (self._hits + 1.0) / (self._hits + self._misses + 2.0)
 
