@@ -1,7 +1,8 @@
 """`make demo`: the whole loop on a CPU machine, on the embedded engine, in about five minutes.
 
-1. A tiny MiMo-style model (6 layers and one MTP layer, so the target costs several times its draft) with a
-   character-level tokenizer, and 3-digit addition worked column by column (~100-token responses, demo_task.py).
+1. A tiny MiMo-style model, deep and narrow (12 layers and one MTP layer, hidden 128: twelve decoder layers per
+   draft layer, where MiMo-7B has 36, so the target costs several times its draft), a character-level tokenizer,
+   and 3-digit addition worked column by column (~100-token responses, demo_task.py).
 2. A short SFT warm-up (policy and MTP layer), exported as an HF checkpoint.
 3. GRPO with speculative rollout (NEXTN: the MTP layer drafts) and online MTP training.
 4. The same GRPO run with the draft frozen (MTP layer neither trained nor changed), for comparison.
@@ -22,7 +23,7 @@ from slime_spec.demo_task import split_problems, write_jsonl
 from slime_spec.rollout.metrics import SPEC_PHASES
 
 SIZES = {  # name: model, data and loop sizes
-    "full": dict(hidden=128, layers=12, ffn=384, sft_steps=150, sft_batch=32, n_train=2000, n_eval=32,
+    "full": dict(hidden=128, layers=12, ffn=256, sft_steps=200, sft_batch=32, n_train=2000, n_eval=32,
                  grpo_steps=20, prompts=8, samples=8, updates_per_rollout=2, digits=3, max_response_len=128,
                  speedup_interval=4),
     "smoke": dict(hidden=64, layers=2, ffn=128, sft_steps=20, sft_batch=16, n_train=80, n_eval=8,
@@ -117,7 +118,7 @@ def grpo_task_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path
             "--n-samples-per-prompt", str(size["samples"]), "--rollout-max-response-len", str(size["max_response_len"]),
             "--rollout-temperature", "1.0", "--global-batch-size", str(n), "--micro-batch-size", str(n),
             "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
-            "--lr", "3e-4", "--seed", str(seed), "--rollout-seed", str(seed),
+            "--lr", "1e-4", "--seed", str(seed), "--rollout-seed", str(seed),
             "--output-dir", str(run_dir), "--metrics-jsonl", str(run_dir / "metrics.jsonl"),
             # held-out greedy accuracy before training and after the last step: the clean measure of progress
             "--eval-prompt-data", "addition", str(eval_data), "--eval-interval", str(max(1, size["grpo_steps"] // 2)),
