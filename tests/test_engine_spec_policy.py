@@ -286,11 +286,11 @@ def test_adaptive_acceptance_moves_only_with_drafting_steps():
 
 
 def test_a_one_row_tail_of_bad_luck_does_not_send_the_next_full_batch_to_plain_steps():
-    """A rollout drafts at 32 rows with 3 of 4 drafts accepted, then its last request drafts alone and is
-    rejected 30 times in a row. The rate is evidence per row: those 30 drafts weigh against the ~1,500 behind
-    them, so the next rollout's full batch drafts at once. (Decayed per step, the one-row tail wiped the full
-    batches' evidence, the rate fell below 0.1 and the next rollout ran plain until a probe: the demo's
-    rollouts with 30-40% of their engine time in plain steps.)"""
+    """A rollout drafts at 32 rows, three rows in four accepting every draft, then its last request drafts alone
+    and is rejected 30 times in a row. The rate is evidence per row: those 30 drafts weigh little against the
+    full batches' evidence, so the next rollout's full batch drafts at once. (Decayed per step, the one-row tail
+    wiped the full batches' evidence, the rate fell to 0.24 and the next full batch ran plain until a probe: the
+    demo's rollouts with 30-40% of their engine time in plain steps.)"""
     auto = AutoSteps(max_k=3, explore_every=1000)
     costs = {0: 5.0, 1: 6.0, 2: 7.0, 3: 8.0}
 
