@@ -101,6 +101,15 @@ class WeightSession:
         self.selector, self.error = None, None
         return self.restored
 
+    def keep(self, role: str, name: str, tensor: torch.Tensor) -> bool | None:
+        """Back up `name` of `role` before its first write: a storage already copied this session is shared, not
+        copied again. Returns None when no new copy was made, else whether the new copy is on the device."""
+        key, made = storage_key(tensor), None
+        if key not in self._copies:
+            self._copies[key], made = self.snapshots.copy_of(role, name, tensor)
+        self.backup.setdefault(role, {})[name] = self._copies[key]
+        return made
+
     def _drop_snapshot(self) -> None:
         self.backup, self._copies = {}, {}
         self.snapshots.end_session()
@@ -116,16 +125,14 @@ class UpdateSnapshot:
 
     def take(self, name: str) -> None:
         for role, tensor in self.pending.pop(name, ()):
-            key = storage_key(tensor)
-            if key not in self.session._copies:
-                copy, on_device = self.session.snapshots.copy_of(role, name, tensor)
-                self.session._copies[key] = copy
-                nbytes = tensor.numel() * tensor.element_size()
-                if on_device:
-                    self.timing.snapshot_device_bytes += nbytes
-                else:
-                    self.timing.snapshot_host_bytes += nbytes
-            self.session.backup.setdefault(role, {})[name] = self.session._copies[key]
+            on_device = self.session.keep(role, name, tensor)
+            if on_device is None:
+                continue
+            nbytes = tensor.numel() * tensor.element_size()
+            if on_device:
+                self.timing.snapshot_device_bytes += nbytes
+            else:
+                self.timing.snapshot_host_bytes += nbytes
 
     def take_all(self) -> None:
         for name in list(self.pending):

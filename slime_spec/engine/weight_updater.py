@@ -218,24 +218,19 @@ class WeightUpdater:
         """slime-spec extension: roll back and close the open session (another engine's update failed)."""
         if not self.session.open:
             return {**_result(True, "no weight-update session is open; nothing to roll back"), "rolled_back": False}
+        self.weight_version = self.session.version_before
         with copy_threads(self.device):
-            restored = self._roll_back(core, close=True)
+            restored = self.session.close(core)  # rolled back, then ended
         return {**_result(True, f"rolled back {restored} tensor(s); the weights from before "
                                 "begin_weight_update() keep serving"), "rolled_back": True}
-
-    def _roll_back(self, core, close: bool) -> int:
-        """Restore what the session wrote and the weight version from before begin; `close` ends the session too
-        (abort), else it stays open and refuses the rest (a failed update). Returns the tensors the session's
-        rollbacks restored."""
-        self.weight_version = self.session.version_before
-        return self.session.close(core) if close else self.session.rollback(core)
 
     def _fail_session(self, core, message: str) -> dict:
         """A failed update inside a session: restore everything the session wrote, refuse the rest of it."""
         if not self.session.open:
             return _result(False, message)
         self.session.error = message  # refused from here on, even if the rollback itself fails
-        restored = self._roll_back(core, close=False)
+        self.weight_version = self.session.version_before
+        restored = self.session.rollback(core)  # the session stays open and refuses the rest
         return _result(False, f"{message} This session's {restored} earlier tensor write(s) were rolled back: the "
                               "weights from before begin_weight_update() keep serving.")
 
