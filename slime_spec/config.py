@@ -167,6 +167,7 @@ class TrainConfig:
     mtp_num_layers: int = flag_default("mtp_num_layers")
     enable_mtp_training: bool = flag_default("enable_mtp_training")
     mtp_loss_scaling_factor: float = flag_default("mtp_loss_scaling_factor")
+    mtp_unroll_steps: int = flag_default("mtp_unroll_steps")  # ours: the last MTP layer trained on its own outputs
     enable_draft_training: bool = flag_default("enable_draft_training")  # online EAGLE3 draft (eagle3_online.py)
     draft_lr: float | None = flag_default("draft_lr")
     draft_ttt_steps: int = flag_default("draft_ttt_steps")

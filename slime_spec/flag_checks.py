@@ -81,6 +81,8 @@ BOUNDS: tuple[Bound, ...] = (
     Bound("global_batch_size", _at_least(1), "must be >= 1", "drop it (one step per rollout) or a positive size",
           True),
     Bound("micro_batch_size", _at_least(1), "must be >= 1", "--micro-batch-size 1", True),
+    Bound("mtp_unroll_steps", _at_least(1), "must be >= 1 (1: each MTP layer trained one step ahead)",
+          "--mtp-unroll-steps N, N = --sglang-speculative-num-steps", True),
     Bound("lr", _at_least(0), "must be >= 0", "--lr 1e-6", True),
     Bound("weight_decay", _at_least(0), "must be >= 0", "--weight-decay 0.0", True),
     Bound("clip_grad", _at_least(0), "must be >= 0 (0: no clipping)", "--clip-grad 1.0", True),

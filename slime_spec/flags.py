@@ -137,6 +137,9 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--mtp-num-layers", {**_I, "default": 0}),
         ("--enable-mtp-training", _ON),
         ("--mtp-loss-scaling-factor", {**_F, "default": 0.2}),
+        ("--mtp-unroll-steps", {**_I, "default": 1, "help": "ours: train the last MTP layer also on its own outputs, "
+                                "this many steps ahead in all (NEXTN drafts --sglang-speculative-num-steps tokens by "
+                                "feeding one MTP layer its own hidden states); 1: Megatron's one step per layer"}),
         ("--enable-draft-training", {**_ON, "help": "train the EAGLE3 draft (--sglang-speculative-draft-model-path) "
                                                   "online on the policy's rollouts; off: the draft stays frozen"}),
         ("--draft-lr", {**_F, "default": None, "help": "the draft's AdamW learning rate (default: --lr)"}),
@@ -316,7 +319,7 @@ ACTED_ON = {
     "use_wandb", "wandb_project", "wandb_group", "wandb_key", "wandb_dir", "wandb_host", "wandb_team", "wandb_mode",
     "wandb_run_id",
     "debug_rollout_only", "debug_train_only", "save_debug_rollout_data", "load_debug_rollout_data",
-    "mtp_num_layers", "enable_mtp_training", "mtp_loss_scaling_factor",
+    "mtp_num_layers", "enable_mtp_training", "mtp_loss_scaling_factor", "mtp_unroll_steps",
     "enable_draft_training", "draft_lr", "draft_ttt_steps",
     "tensor_model_parallel_size", "max_tokens_per_gpu", "use_dynamic_batch_size", "bf16",
     "config", "rollout_backend", "rollout_num_engines", "metrics_jsonl", "output_dir", "update_weight_buffer_size",

@@ -30,6 +30,7 @@ class CheckInput:
     enable_mtp_training: bool = False
     enable_draft_training: bool = False  # online EAGLE3 draft (trainer/eagle3_online.py)
     mtp_num_layers: int = 0
+    mtp_unroll_steps: int = 1
     longest_prompt_tokens: int | None = None
     max_response_len: int | None = None
     model_flags: dict = field(default_factory=dict)  # Megatron model-shape flags the user set
@@ -163,6 +164,13 @@ def check_mtp_training(inp: CheckInput) -> list[Finding]:
         return [Rule.SPEC_MTP_TRAINING_NO_MTP.finding()]
     if inp.target_config is not None and inp.mtp_num_layers > native:
         return [Rule.SPEC_MTP_TRAINING_TOO_MANY.finding(layers=inp.mtp_num_layers, native=native)]
+    config = inp.resolved[0]
+    trained_steps = inp.mtp_num_layers + inp.mtp_unroll_steps - 1  # the last layer repeats past the others
+    if config is not None and config.speculative_algorithm is Algorithm.EAGLE \
+            and config.speculative_draft_model_path is None and (config.speculative_num_steps or 0) > trained_steps:
+        return [Rule.SPEC_MTP_UNROLL_RECOMMENDED.finding(steps=config.speculative_num_steps,
+                                                          layers=inp.mtp_num_layers, unroll=inp.mtp_unroll_steps,
+                                                          need=config.speculative_num_steps - inp.mtp_num_layers + 1)]
     return []
 
 

@@ -24,6 +24,7 @@ BAD = [
     (["--rollout-num-gpus-per-engine", "2"], "FLAG_CONFLICT"),
     (["--tensor-model-parallel-size", "2"], "FLAG_CONFLICT"),
     (["--actor-num-gpus-per-node", "2", "--global-batch-size", "6", "--micro-batch-size", "2"], "FLAG_CONFLICT"),
+    (["--mtp-unroll-steps", "0"], "FLAG_OUT_OF_RANGE"),
     (["--rm-type", "dapo"], "RM_TYPE_UNKNOWN"),
     (["--rollout-batch-sise", "4"], "UNKNOWN_FLAG"),
     (["--rollout-function-path", "my.rollout.fn"], "FLAG_NOT_SUPPORTED"),

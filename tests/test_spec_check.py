@@ -32,7 +32,7 @@ def mtp(**sg):
 def test_good_configurations_are_silent():
     assert codes(sglang=eagle3(), target_config=LLAMA, draft_config=EAGLE3) == {}
     assert codes(sglang=mtp()) == {}
-    assert codes(sglang=mtp(), enable_mtp_training=True, mtp_num_layers=1) == {}
+    assert codes(sglang=mtp(), enable_mtp_training=True, mtp_num_layers=1, mtp_unroll_steps=3) == {}
     assert codes(sglang={"speculative_algorithm": "NGRAM"}, backend="embedded") == {
         "SGLANG_ONLY_CHECKS_SKIPPED": codes(sglang={"speculative_algorithm": "NGRAM"}, backend="embedded")["SGLANG_ONLY_CHECKS_SKIPPED"]}
     assert codes(sglang={}) == {}
@@ -99,6 +99,18 @@ def test_old_sglang_with_external_draft():
 def test_mtp_training():
     assert "--mtp-num-layers 1" in codes(enable_mtp_training=True, mtp_num_layers=0)["SPEC_MTP_TRAINING"].fix
     assert "no MTP layers" in codes(enable_mtp_training=True, mtp_num_layers=1, target_config=LLAMA)["SPEC_MTP_TRAINING"].message
+
+
+def test_mtp_unroll_recommended_when_one_layer_drafts_several_steps():
+    """NEXTN feeds the one MTP layer its own hidden states after the first step: trained one step ahead only, those
+    later drafts are accepted less often; doctor says so (info) and names the unroll that covers the steps."""
+    f = codes(sglang=mtp(), enable_mtp_training=True, mtp_num_layers=1)["SPEC_MTP_UNROLL_RECOMMENDED"]
+    assert f.level == "info" and "--sglang-speculative-num-steps 3" in f.message and f.fix == "--mtp-unroll-steps 3"
+    assert "SPEC_MTP_UNROLL_RECOMMENDED" not in codes(sglang=mtp(speculative_num_steps=1), enable_mtp_training=True,
+                                                      mtp_num_layers=1)
+    assert "SPEC_MTP_UNROLL_RECOMMENDED" not in codes(sglang=mtp(), mtp_num_layers=1)  # the draft is not trained
+    assert "SPEC_MTP_UNROLL_RECOMMENDED" not in codes(sglang=eagle3(), enable_mtp_training=True, mtp_num_layers=1,
+                                                      target_config=LLAMA, draft_config=EAGLE3)
 
 
 def test_unsupported_by_embedded_backend():

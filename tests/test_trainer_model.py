@@ -57,20 +57,19 @@ def test_logits_equal_hf(arch, tmp_path):
     torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
 
 
-def mimo_mtp_reference(hf_config: dict, hf_state: dict, ids: torch.Tensor) -> torch.Tensor:
-    """MiMo's MTP recurrence from the HF weights (sglang mimo_mtp.py):
-    logits[i] = lm_head(final_ln(layer(input_proj(cat[hidden_ln(h[i]), token_ln(embed(ids[i + 1]))]))))
-    with h the trunk's final (normed) hidden states; it predicts ids[i + 2]."""
-    trunk = hf_model(hf_config, hf_state)
-    h = trunk.model(ids).last_hidden_state[:, :-1]
+def mimo_mtp_step(hf_config: dict, hf_state: dict, h: torch.Tensor, next_ids: torch.Tensor,
+                  zero_first: bool) -> torch.Tensor:
+    """One application of MiMo's MTP layer from the HF weights (sglang mimo_mtp.py), over a whole sequence:
+    final_ln(layer(input_proj(cat[hidden_ln(h[i]), token_ln(embed(next_ids[i]))]))), the normed hidden states."""
     eps = hf_config["rms_norm_eps"]
     p = "model.mtp_layers.0."
 
     def rms(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
-    emb = hf_state["model.embed_tokens.weight"][ids[:, 1:]].clone()
-    emb[:, 0] = 0  # SGLang zeroes the MTP token embedding at position 0
+    emb = hf_state["model.embed_tokens.weight"][next_ids].clone()
+    if zero_first:
+        emb[:, 0] = 0  # SGLang zeroes the MTP token embedding at position 0
     x = torch.cat([rms(h, hf_state[p + "hidden_layernorm.weight"]), rms(emb, hf_state[p + "token_layernorm.weight"])], -1)
     x = x @ hf_state[p + "input_proj.weight"].T
     # One Qwen2 decoder layer = a one-layer Qwen2 model fed with inputs_embeds (its norm = MTP final_layernorm).
@@ -79,9 +78,19 @@ def mimo_mtp_reference(hf_config: dict, hf_state: dict, ids: torch.Tensor) -> to
                                                               "post_attention_layernorm")}
     layer_state["model.norm.weight"] = hf_state[p + "final_layernorm.weight"]
     layer_state["model.embed_tokens.weight"] = hf_state["model.embed_tokens.weight"]  # unused: inputs_embeds
-    layer = hf_model(hf_config, layer_state, num_layers=1)
-    out = layer.model(inputs_embeds=x).last_hidden_state
-    return out @ hf_state["lm_head.weight"].T
+    return hf_model(hf_config, layer_state, num_layers=1).model(inputs_embeds=x).last_hidden_state
+
+
+def mimo_mtp_reference(hf_config: dict, hf_state: dict, ids: torch.Tensor, steps: int = 1) -> list[torch.Tensor]:
+    """MiMo's MTP recurrence as NEXTN drafts with it: step 1 reads the trunk's final (normed) hidden state h[i] and
+    token ids[i + 1] and predicts ids[i + 2]; step k + 1 reads step k's output at i and token ids[i + k + 1].
+    Logits per step, over the positions that have their input tokens."""
+    h = hf_model(hf_config, hf_state).model(ids).last_hidden_state
+    out = []
+    for k in range(steps):
+        h = mimo_mtp_step(hf_config, hf_state, h[:, :ids.shape[1] - 1 - k], ids[:, k + 1:], zero_first=k == 0)
+        out.append(h @ hf_state["lm_head.weight"].T)
+    return out
 
 
 def test_mimo_trunk_and_mtp_logits_equal_hf_reference(tmp_path):
@@ -91,9 +100,39 @@ def test_mimo_trunk_and_mtp_logits_equal_hf_reference(tmp_path):
         out = M.forward(model, ids, hf_config["vocab_size"], mtp_zero_first_token=True)
         torch.testing.assert_close(out.logits, hf_model(hf_config, hf_state)(ids).logits, atol=ATOL, rtol=0)
         assert len(out.mtp_logits) == 1
-        ref = mimo_mtp_reference(hf_config, hf_state, ids)
+        ref = mimo_mtp_reference(hf_config, hf_state, ids)[0]
     # Megatron's last position sees a rolled-in token: only positions 0..s-2 have a next token.
     torch.testing.assert_close(out.mtp_logits[0][:, :-1], ref, atol=ATOL, rtol=0)
+
+
+def test_unrolled_mtp_steps_feed_the_layer_its_own_output_as_nextn_drafts(tmp_path):
+    """--mtp-unroll-steps 3: the one MTP layer applied three times in a chain, each step reading the previous
+    step's normed output and the next token, the position-0 embedding zeroed only in the first step (later draft
+    steps are at positions >= 1); step 1 is the un-unrolled MTP output, unchanged."""
+    model, hf_config, hf_state = build(make_tiny_model(tmp_path, arch="mimo", seed=5), mtp_num_layers=1)
+    ids = torch.randint(0, hf_config["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = M.forward(model, ids, hf_config["vocab_size"], mtp_zero_first_token=True, mtp_unroll_steps=3)
+        single = M.forward(model, ids, hf_config["vocab_size"], mtp_zero_first_token=True)
+        ref = mimo_mtp_reference(hf_config, hf_state, ids, steps=3)
+    assert len(out.mtp_logits) == 3
+    torch.testing.assert_close(out.mtp_logits[0], single.mtp_logits[0], atol=0, rtol=0)
+    for k in range(3):  # step k + 1 has its input tokens at positions 0..s-2-k
+        torch.testing.assert_close(out.mtp_logits[k][:, :ids.shape[1] - 1 - k], ref[k], atol=ATOL, rtol=0)
+
+
+def test_one_step_mtp_loop_is_megatrons_block(tmp_path):
+    """mtp_hidden_states runs the MTP layers itself (to repeat the last one); unrolled once it is exactly
+    Megatron's MultiTokenPredictionBlock.forward."""
+    model, hf_config, _ = build(make_tiny_model(tmp_path, arch="mimo", seed=6), mtp_num_layers=1)
+    ids = torch.randint(0, hf_config["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        trunk = M.trunk_forward(model, ids, hf_config["vocab_size"])
+        ours = M.mtp_hidden_states(model, ids, trunk)
+        embedding = lambda input_ids, position_ids: model.embedding(input_ids=input_ids, position_ids=position_ids)  # noqa: E731
+        block = model.mtp(input_ids=ids, position_ids=trunk.position_ids, hidden_states=trunk.hidden,
+                          attention_mask=trunk.mask, rotary_pos_emb=trunk.rope, embedding=embedding)
+    torch.testing.assert_close(ours[0], torch.chunk(block, 2, dim=0)[1], atol=0, rtol=0)
 
 
 def test_bad_configs_are_clear_errors(tmp_path):

@@ -235,38 +235,54 @@ def trunk_forward(model, input_ids: torch.Tensor, vocab_size: int, position_ids:
 
 
 def mtp_hidden_states(model, input_ids: torch.Tensor, trunk: TrunkOutput,
-                      mtp_zero_first_token: bool = False) -> list[torch.Tensor]:
-    """Every MTP layer's final hidden states [s, b, h] (before the shared output layer).
+                      mtp_zero_first_token: bool = False, unroll_steps: int = 1) -> list[torch.Tensor]:
+    """Every MTP layer's final hidden states [s, b, h] (before the shared output layer), then `unroll_steps` - 1
+    more of the last layer fed its own output: entry k at position i predicts token i + k + 2.
 
     The MTP block sees the decoder output and the embedding *detached*: MTP training moves only the MTP
     layers, the draft follows the policy and never pulls it.
     `mtp_zero_first_token`: zero the MTP token embedding at each sample's position 0, as SGLang serves
     MiMo's MTP layer (sglang models/mimo_mtp.py), so the draft is trained on exactly the inputs it is served with.
+    `unroll_steps` (--mtp-unroll-steps): NEXTN drafts k tokens with one MTP layer by feeding it its own hidden
+    states, which Megatron's loss never trains (each layer is trained one step ahead). The unrolled steps chain as
+    Megatron chains its layers (layer k + 1 reads layer k's output at the same position and the next token), with
+    the last layer's weights: what the drafter computes at draft step k, except that attention there also sees the
+    context's keys of the first step (here every step attends within its own step).
     """
     sample_start = (trunk.position_ids == 0).t()[:, :, None]  # [s, b, 1]; Megatron rolls position_ids, not this
 
     def detached_embedding(input_ids, position_ids):
-        emb = model.embedding(input_ids=input_ids, position_ids=position_ids).detach()  # [s, b, h]
-        return emb.masked_fill(sample_start, 0.0) if mtp_zero_first_token else emb
+        return model.embedding(input_ids=input_ids, position_ids=position_ids).detach()  # [s, b, h]
 
-    stacked = model.mtp(input_ids=input_ids, position_ids=trunk.position_ids, hidden_states=trunk.hidden.detach(),
-                        attention_mask=trunk.mask, rotary_pos_emb=trunk.rope, embedding=detached_embedding)
-    return list(torch.chunk(stacked, 1 + model.config.mtp_num_layers, dim=0)[1:])
+    def first_step_embedding(input_ids, position_ids):  # later steps draft at positions >= 1: nothing zeroed
+        return detached_embedding(input_ids, position_ids).masked_fill(sample_start, 0.0)
+
+    layers = list(model.mtp.layers)
+    layers += layers[-1:] * (unroll_steps - 1)
+    hidden, ids, positions, out = trunk.hidden.detach(), input_ids, trunk.position_ids, []
+    for k, layer in enumerate(layers):  # MultiTokenPredictionBlock.forward's loop, over the unrolled layer list
+        embedding = first_step_embedding if mtp_zero_first_token and k == 0 else detached_embedding
+        hidden, ids, positions = layer(input_ids=ids, position_ids=positions, hidden_states=hidden,
+                                       attention_mask=trunk.mask, rotary_pos_emb=trunk.rope, embedding=embedding)
+        out.append(hidden)
+    return out
 
 
 def forward(model, input_ids: torch.Tensor, vocab_size: int, with_mtp: bool = True,
             mtp_zero_first_token: bool = False, position_ids: torch.Tensor | None = None,
-            attention_mask: torch.Tensor | None = None, aux_layer_ids: list[int] | None = None) -> ModelOutput:
+            attention_mask: torch.Tensor | None = None, aux_layer_ids: list[int] | None = None,
+            mtp_unroll_steps: int = 1) -> ModelOutput:
     """The policy's and the MTP layers' full logits for `input_ids` [rows, seq] (checks against HF and the
     engines; training reads the MTP layers' hidden states through `mtp_loss` instead of their logits).
 
     Not GPTModel.forward: with MTP it returns only losses (no logits for PPO), and it lets the MTP loss
-    reach the trunk (`mtp_hidden_states` detaches it). `aux_layer_ids`: as in `trunk_forward`.
+    reach the trunk (`mtp_hidden_states` detaches it). `aux_layer_ids`: as in `trunk_forward`; `mtp_unroll_steps`:
+    as in `mtp_hidden_states`.
     """
     trunk = trunk_forward(model, input_ids, vocab_size, position_ids, attention_mask, aux_layer_ids)
     mtp_logits: list[torch.Tensor] = []
     if with_mtp and getattr(model, "mtp_process", False):
         weight = output_weight(model).detach()
         mtp_logits = [logits_of(model, h, weight, vocab_size)
-                      for h in mtp_hidden_states(model, input_ids, trunk, mtp_zero_first_token)]
+                      for h in mtp_hidden_states(model, input_ids, trunk, mtp_zero_first_token, mtp_unroll_steps)]
     return ModelOutput(trunk.logits, mtp_logits, trunk.aux_hidden, trunk.embeds)

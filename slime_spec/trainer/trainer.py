@@ -205,7 +205,8 @@ class Trainer:
 
         with torch.set_grad_enabled(self.train.enable_mtp_training and torch.is_grad_enabled()):
             with self.timer("MTP forward"):
-                hidden = M.mtp_hidden_states(self.model, rows.input_ids, trunk, self.mtp_zero_first_token)
+                hidden = M.mtp_hidden_states(self.model, rows.input_ids, trunk, self.mtp_zero_first_token,
+                                              self.train.mtp_unroll_steps)
             with self.timer("MTP loss"):
                 weight = M.output_weight(self.model)
                 group = ps.get_tensor_model_parallel_group() if self.tp.tp_size > 1 else None
