@@ -7,7 +7,8 @@ adaptive/auto draft lengths and the exact-draft ceiling, side by side in one run
 
 1. Roofline: bytes of weights (+ KV read per token) / the measured device-to-device copy bandwidth.
 2. Plain decode tokens/s at batch 1/8/32, CUDA graphs on and off, and transformers' generate on the same
-   checkpoint (eager, dynamic cache).
+   checkpoint: eager with its dynamic cache, and with a static cache (generate then compiles the decode step with
+   torch.compile and CUDA graphs; CUDA only).
 3. Speculative rows at batch 1/8/32/128 on a MiMo target (one MTP layer). --target scratchpad (the default): the
    target of the plain table's shape is first SFT-trained on the device on worked addition (the demo's task,
    1- to 5-digit operands), so its outputs carry structure a draft can learn, as an RL policy's do; the table
@@ -336,6 +337,7 @@ def main(argv=None) -> None:
                    help="also time plain decoding with --enable-torch-compile, and run the speculative rows with it")
     p.add_argument("--tail-requests", type=int, default=None, help="requests in the long-tailed rollout")
     p.add_argument("--skip-plain", action="store_true", help="skip the plain-decode table (speculative rows only)")
+    p.add_argument("--skip-speculative", action="store_true", help="the plain-decode table only")
     p.add_argument("--target", choices=("scratchpad", "random"), default="scratchpad",
                    help="the speculative rows' target: SFT-trained on worked addition inside the bench (outputs a "
                         "draft can learn), or random (drafts that are almost never accepted: their cost)")
@@ -395,31 +397,43 @@ def main(argv=None) -> None:
             if compiled is not None:
                 c.append(run(compiled, batch, a.new_tokens)[0])
         rows.append((b, max(g), max(e), max(c) if c else None))
-    hf = {}
+    hf = {}  # (batch, cache) -> tok/s; cache "dynamic" (eager generate) or "static" (static cache, auto-compiled)
     if a.transformers and plain_b:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(llama), dtype=torch.bfloat16).to(dev).eval()
         for b in (1, max(plain_b)):
             ids = torch.tensor(prompts(b, a.prompt_len, a.vocab, seed=b), device=dev)
-            gen = dict(max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False, pad_token_id=0)
-            model.generate(ids, **{**gen, "max_new_tokens": 8, "min_new_tokens": 8})
-            sync()
-            t = time.perf_counter()
-            model.generate(ids, **gen)
-            sync()
-            hf[b] = b * a.new_tokens / (time.perf_counter() - t)
+            for cache in ("dynamic", "static") if dev.type == "cuda" else ("dynamic",):
+                # a static cache makes generate compile the decode step (torch.compile, CUDA graphs); the first
+                # call at the full length compiles and warms up, the timed ones reuse it
+                gen = dict(max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False, pad_token_id=0,
+                           **({"cache_implementation": "static"} if cache == "static" else {}))
+                model.generate(ids, **gen)
+                best = 0.0
+                for _ in range(a.repeats):
+                    sync()
+                    t = time.perf_counter()
+                    model.generate(ids, **gen)
+                    sync()
+                    best = max(best, b * a.new_tokens / (time.perf_counter() - t))
+                hf[b, cache] = best
         del model
     print("\n| batch | engine eager tok/s | CUDA graphs tok/s | graphs + torch.compile tok/s | best ms/step "
-          "| best x roofline (batch 1) | transformers generate tok/s | best / transformers |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| best x roofline (batch 1) | transformers generate tok/s | transformers static cache + compile tok/s "
+          "| best / transformers (best of its two) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for b, g, e, c in rows:
         best = max(g, c or 0.0)
         share = f"{(1 / best) / roofline_s:.2f}x" if b == 1 else ""
-        ref = hf.get(b)
-        print(f"| {b} | {e:,.0f} | {g:,.0f} | {'' if c is None else f'{c:,.0f}'} | {1e3 * b / best:.3f} | {share} | "
-              f"{'' if ref is None else f'{ref:,.0f}'} | {'' if ref is None else f'{best / ref:.1f}x'} |")
+        dyn, static = hf.get((b, "dynamic")), hf.get((b, "static"))
+        ref = max(dyn or 0.0, static or 0.0)
+        cell = lambda v: "" if v is None else f"{v:,.0f}"  # noqa: E731
+        print(f"| {b} | {e:,.0f} | {g:,.0f} | {cell(c)} | {1e3 * b / best:.3f} | {share} | {cell(dyn)} | "
+              f"{cell(static)} | {f'{best / ref:.1f}x' if ref else ''} |")
     del eager, compiled
+    if a.skip_speculative:
+        return
 
     # ---- speculative rows: drafts trained on the target's own outputs, NGRAM, and the exact-draft ceiling
     if a.target == "scratchpad":
