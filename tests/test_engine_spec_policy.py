@@ -133,8 +133,32 @@ def test_mtp_catch_up_after_plain_steps_equals_an_extend_over_the_whole_sequence
         ids = torch.tensor([r.tokens])
         hidden = engine.model(ids, torch.arange(len(r.tokens))[None], engine.model.new_cache(1, engine.max_seq),
                               torch.tensor([0]))
-        fresh.on_prefill([r], hidden)
+        fresh.on_prefill([r], hidden)  # queued, as every prefill's extend is: run it as one catch-up
+        fresh.catch_up_deferred([r])
         torch.testing.assert_close(drafter.next_hidden[r.slot], fresh.next_hidden[r.slot], atol=1e-4, rtol=1e-4)
+
+
+def test_a_request_that_never_drafts_never_runs_the_mtp_layer(mimo):
+    """The prefill's MTP extend waits with the plain steps' (MTPDrafter.on_prefill): under auto or adaptive
+    speculation at k = 0 the draft costs nothing, the prompt included; the first draft runs it in its catch-up."""
+    spec = resolve_or_raise({"speculative_algorithm": "EAGLE", "speculative_num_steps": 2,
+                             "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 3},
+                            target_config={"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1})
+    engine = EngineCore(str(mimo), spec, max_running_requests=2)
+    engine.policy = ScriptedSteps([0])
+    calls = []
+    original = engine.model.mtp_forward
+    engine.model.mtp_forward = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    engine.add_request(Request("r", engine.tokenizer("1+2=")["input_ids"],
+                               SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)))
+    while engine.has_work():
+        engine.step()
+    assert calls == []
+    engine.policy = ScriptedSteps([2])
+    engine.add_request(Request("s", engine.tokenizer("1+2=")["input_ids"],
+                               SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)))
+    engine.step()  # prefill, then a draft: the catch-up runs the prompt's extend first
+    assert calls and not engine.drafter.mtp.pending
 
 
 def test_auto_is_not_fooled_by_one_slow_sample():

@@ -220,7 +220,7 @@ class AutoSteps:
         b = self.buckets.setdefault(key, _Bucket())
         b.steps += 1
         donor = None if b.measured_all else self._donor(key)
-        if donor is None:
+        if donor is None and not b.measured_all:  # warming up on its own measurements
             for passes in (1, 2):
                 unmeasured = [k for k in range(self.max_k + 1) if len(b.verify_samples.get(k, ())) < passes
                               and not self._dominated(b, k)]

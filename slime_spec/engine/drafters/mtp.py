@@ -20,7 +20,9 @@ class MTPDrafter:
     Plain steps (k = 0, chosen by adaptive or auto speculation) draft nothing, so their extend is deferred: the
     committed token and the target's hidden state wait in `pending` per slot, and the next draft runs one
     batched extend over all of them (one MTP call instead of one per plain step); the engine runs it
-    through `catch_up_deferred` before drafting, so its cost is measured apart from the draft step's.
+    through `catch_up_deferred` before drafting, so its cost is measured apart from the draft step's. The prefill's
+    extend over the prompt waits the same way: a request that never drafts (auto or adaptive speculation at k = 0
+    all its life) never pays for its MTP prefill, and one that does pays it in the same batched call.
     """
 
     defers_plain_steps = True  # a plain step's extend waits in `pending` anyway (base.py)
@@ -31,9 +33,10 @@ class MTPDrafter:
         self.next_hidden = torch.zeros(slots, target.args.hidden_size, dtype=target.lm_head.weight.dtype,
                                        device=device)
         self.cache: KVCache | None = None
-        # Deferred plain steps: per step (hidden [B, H], {slot: row}) and per slot [(token, step, position)], so a
-        # plain step costs one list append per row, no tensor op per row.
-        self.pending: dict[int, list[tuple[int, int, int]]] = {}
+        # Deferred extends: per step (hidden [B, T, H], {slot: row}) and per slot [(token, step, position, column)],
+        # the hidden state of a waiting position at [row, column] of its step's (column 0 for a plain step, the
+        # position for the prefill), so a plain step costs one list append per row, no tensor op per row.
+        self.pending: dict[int, list[tuple[int, int, int, int]]] = {}
         self.pending_steps: dict[int, tuple[torch.Tensor, dict[int, int]]] = {}
         self._step_id = 0
         self.new_cache()
@@ -55,29 +58,34 @@ class MTPDrafter:
         self.next_hidden[slots] = out[torch.arange(len(rows), device=out.device), last]
 
     def on_prefill(self, rows, hidden: torch.Tensor) -> None:
-        device = hidden.device
-        tokens = pad([r.tokens[1:] for r in rows], device)  # x_1..x_n: prompt shifted, plus the first output
-        positions = torch.arange(tokens.shape[1], device=device)[None].expand_as(tokens)
-        last = device_tensor([len(r.tokens) - 2 for r in rows], device)
+        """Queue the extend over each prompt: position p reads token x_{p+1} (the prompt shifted, plus the first
+        output) and the target's hidden state at p; `catch_up_deferred` runs it before the row's first draft."""
+        self._step_id += 1
+        self.pending_steps[self._step_id] = (hidden, {r.slot: i for i, r in enumerate(rows)})
         for r in rows:
-            self.pending.pop(r.slot, None)
-        self._extend(rows, tokens, hidden[:, : tokens.shape[1]], positions, last)
+            self.pending[r.slot] = [(t, self._step_id, p, p) for p, t in enumerate(r.tokens[1:])]
 
     def catch_up_deferred(self, rows) -> None:
-        """The deferred extends of plain steps, one batched MTP call over every waiting position."""
+        """The deferred extends (prefills, plain steps), one batched MTP call over every waiting position."""
         behind = [r for r in rows if r.slot in self.pending]
         if not behind:
             return
         queued = [self.pending.pop(r.slot) for r in behind]
         device = self.next_hidden.device
-        tokens = pad([[t for t, _, _ in q] for q in queued], device)
+        tokens = pad([[t for t, _, _, _ in q] for q in queued], device)
         width = tokens.shape[1]
         hidden = torch.zeros(len(behind), width, self.next_hidden.shape[1], dtype=self.next_hidden.dtype,
                              device=device)
         for i, (r, q) in enumerate(zip(behind, queued)):
-            hidden[i, : len(q)] = torch.stack([self.pending_steps[step][0][self.pending_steps[step][1][r.slot]]
-                                               for _, step, _ in q])
-        waiting = {step for q in self.pending.values() for _, step, _ in q}
+            runs: list[list[int]] = []  # [step, first column, end column]: a prefill's positions are one slice
+            for _, step, _, col in q:
+                if runs and runs[-1][0] == step and runs[-1][2] == col:
+                    runs[-1][2] += 1
+                else:
+                    runs.append([step, col, col + 1])
+            hidden[i, : len(q)] = torch.cat([self.pending_steps[step][0][self.pending_steps[step][1][r.slot], c0:c1]
+                                             for step, c0, c1 in runs])
+        waiting = {step for q in self.pending.values() for _, step, _, _ in q}
         for step in [s for s in self.pending_steps if s not in waiting]:
             del self.pending_steps[step]
         start = device_tensor([q[0][2] for q in queued], device)
@@ -145,9 +153,9 @@ class MTPDrafter:
         target hidden state is hidden[i, 0], and committed rows[i].tokens[-1]. The overlap schedule calls this
         when it reads a step back, by which time the row's kv_len already counts the next step in flight."""
         self._step_id += 1
-        self.pending_steps[self._step_id] = (hidden[:, 0], {r.slot: i for i, r in enumerate(rows)})
+        self.pending_steps[self._step_id] = (hidden[:, :1], {r.slot: i for i, r in enumerate(rows)})
         for r, position in zip(rows, positions):
-            self.pending.setdefault(r.slot, []).append((r.tokens[-1], self._step_id, position))
+            self.pending.setdefault(r.slot, []).append((r.tokens[-1], self._step_id, position, 0))
 
     def weight_runner(self) -> dict[str, torch.nn.Parameter]:
         """SGLang's MiMoMTP draft runner loads the MTP layers plus the embedding and lm_head it shares."""
