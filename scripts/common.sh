@@ -181,6 +181,15 @@ slime_spec_cleanup() {
       done
       kill -KILL -- "-$SLIME_SPEC_HEAD_PID" 2>/dev/null || true  # what SIGTERM left in the head's group
       wait "$SLIME_SPEC_HEAD_PID" 2>/dev/null || true
+      # A killed process lives on while the kernel tears it down (unmapping a large heap takes a moment):
+      # return only once the group has no live member, so nothing of the head outlives the script.
+      for i in $(seq 1 50); do
+         slime_spec_group_running "$SLIME_SPEC_HEAD_PID" || break
+         sleep 0.2
+      done
+      if slime_spec_group_running "$SLIME_SPEC_HEAD_PID"; then
+         echo "[slime-spec] the Ray head's process group $SLIME_SPEC_HEAD_PID still has live processes; see ps -g $SLIME_SPEC_HEAD_PID" >&2
+      fi
    fi
    return $rc
 }
