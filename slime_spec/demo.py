@@ -34,8 +34,9 @@ SIZES = {  # name: model, data and loop sizes
 # that does not pay (the frozen one drifting, a large batch on CPU) falls back to plain steps (docs/en/benchmarks.md).
 SPEC_FLAGS = ["--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-num-steps", "3",
               "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "4", "--spec-auto"]
-# The one MTP layer drafts all 3 steps, fed its own hidden states after the first: train it that way, in SFT and online
-# (trained one step ahead only, as Megatron trains MTP layers, its second draft was accepted 0.73 of the time, not 0.96).
+# The one MTP layer drafts all 3 steps, fed its own hidden states after the first: train it that way, in SFT and
+# online (trained one step ahead only, as Megatron trains MTP layers, its second draft was accepted 0.73 of the time,
+# not 0.96).
 MTP_FLAGS = ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "1.0", "--mtp-unroll-steps", "3"]
 
 

@@ -193,8 +193,8 @@ class Rule(Enum):
         "--mtp-num-layers {native}")
     SPEC_MTP_UNROLL_RECOMMENDED = _Entry(
         "SPEC_MTP_UNROLL_RECOMMENDED", "info",
-        "{sg}speculative-num-steps {steps} drafts with {layers} MTP layer(s): steps past the last layer feed it its own "
-        "hidden states, which --mtp-unroll-steps {unroll} does not train, and such steps are accepted less often",
+        "{sg}speculative-num-steps {steps} drafts with {layers} MTP layer(s): steps past the last layer feed it its "
+        "own hidden states, which --mtp-unroll-steps {unroll} does not train, and such steps are accepted less often",
         "--mtp-unroll-steps {need}")
     SPEC_DRAFT_TRAINING_NOT_EAGLE3 = _Entry(
         "SPEC_DRAFT_TRAINING", "error",

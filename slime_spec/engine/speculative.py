@@ -24,9 +24,9 @@ from slime_spec.engine.transfer import device_tensor
 class StepTimes:
     """Seconds the speculative engine's steps spent per phase since start, for the time shares the rollout reports:
     draft (the drafter proposing, its catch-up after plain steps and the prefill (`catch_up`) and its update after
-    each verify), verify (the target forward and lm_head over every drafted position), sampling (acceptance, sampling, appending
-    tokens) and plain (whole k = 0 steps that adaptive or auto speculation chose, an overlapped one's read-back at
-    the next speculative step included). On CUDA these are host-side times: a chain step waits for the device
+    each verify), verify (the target forward and lm_head over every drafted position), sampling (acceptance,
+    sampling, appending tokens) and plain (whole k = 0 steps that adaptive or auto speculation chose, an overlapped
+    one's read-back at the next speculative step included). On CUDA these are host-side times: a chain step waits for the device
     only at its one read-back, in the sampling phase, so the device time of drafting and of the verify forward
     lands in sampling. Under --spec-auto a step also syncs once
     at its end, so each step's total (what the policy compares per k) holds its own device work and no other
