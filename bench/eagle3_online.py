@@ -45,11 +45,10 @@ ONLINE, FROZEN = "EAGLE3 draft trained online", "EAGLE3 draft frozen"
 
 
 def eagle3_argv(model: Path, draft: Path, train_data: Path, eval_data: Path, run_dir: Path, size: dict, seed: int,
-                online: bool, policy_lr: str | None = None, draft_lr: str = DRAFT_LR) -> list[str]:
-    """The demo's GRPO run with EAGLE3 chain drafting; policy_lr overrides the demo's --lr (last one wins)."""
-    argv = demo.grpo_task_argv(model, train_data, eval_data, run_dir, size, seed)
+                online: bool, policy_lr: str = POLICY_LR, draft_lr: str = DRAFT_LR) -> list[str]:
+    """The demo's GRPO run with EAGLE3 chain drafting, at this bench's policy lr."""
+    argv = demo.grpo_task_argv(model, train_data, eval_data, run_dir, size, seed, lr=policy_lr)
     argv += [*SPEC_FLAGS, "--sglang-speculative-draft-model-path", str(draft)]
-    argv += ["--lr", policy_lr] if policy_lr else []
     return argv + (["--enable-draft-training", "--draft-lr", draft_lr, "--draft-ttt-steps", TTT_STEPS] if online else [])
 
 

@@ -81,7 +81,7 @@ def test_policy_lr_overrides_the_demos(bench, tmp_path):
     argv = bench.eagle3_argv(tmp_path / "m", tmp_path / "d", tmp_path / "t", tmp_path / "e", tmp_path / "r", size, 0,
                              online=True, policy_lr="3e-3")
     parsed = parse(argv)
-    assert parsed.namespace.lr == 3e-3 and argv.count("--lr") == 2  # the demo's, then the override (last wins)
+    assert parsed.namespace.lr == 3e-3 and argv.count("--lr") == 1
 
 
 def test_draft_lr_reaches_the_online_run_only(bench, tmp_path):

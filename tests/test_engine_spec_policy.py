@@ -124,8 +124,9 @@ def test_mtp_catch_up_after_plain_steps_equals_an_extend_over_the_whole_sequence
         engine.step()
     assert drafter.pending and all(len(q) == 2 for q in drafter.pending.values())  # two plain steps deferred
     rows = list(engine.running)
-    drafter.catch_up_deferred(rows)
+    assert drafter.catch_up_deferred(rows)
     assert not drafter.pending
+    assert not drafter.catch_up_deferred(rows)  # nothing left: nothing runs (speculative.catch_up then skips its sync)
     from slime_spec.engine.drafters.mtp import MTPDrafter
 
     fresh = MTPDrafter(engine.model, 2, 3, engine.max_seq)

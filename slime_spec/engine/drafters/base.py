@@ -25,8 +25,8 @@ Drafter protocol:
                                       read back, a step late: then the overlap schedule (engine/overlap.py) may run
                                       a chain's plain steps, handing each read-back step to the optional
                                       `defer(rows, hidden, positions)`; the engine then calls the optional
-                                      `catch_up_deferred(rows)` before the next chain draft, timed as the switch
-                                      back from k = 0 (see speculative.catch_up)
+                                      `catch_up_deferred(rows) -> bool` (whether it ran anything) before the next
+                                      chain draft, timed as the switch back from k = 0 (see speculative.catch_up)
 Optional:
   sample_draft(rows, pick) -> (LongTensor [B, k], q [B, k, V] or None)   see above
   tree_draft(rows, shape) -> tree.DraftTree   eagle_topk > 1 (MTP, EAGLE3, STANDALONE): a draft tree per row

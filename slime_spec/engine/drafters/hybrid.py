@@ -42,9 +42,9 @@ class HybridDrafter:
         self.history_rows = 0                # rows drafted from history / by MTP (for benchmarks)
         self.mtp_rows = 0
 
-    def catch_up_deferred(self, rows) -> None:
-        """The MTP layer's deferred extends of plain steps (MTPDrafter.catch_up_deferred)."""
-        self.mtp.catch_up_deferred(rows)
+    def catch_up_deferred(self, rows) -> bool:
+        """The MTP layer's deferred extends (MTPDrafter.catch_up_deferred)."""
+        return self.mtp.catch_up_deferred(rows)
 
     @property
     def k(self) -> int:

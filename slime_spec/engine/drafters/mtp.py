@@ -65,11 +65,12 @@ class MTPDrafter:
         for r in rows:
             self.pending[r.slot] = [(t, self._step_id, p, p) for p, t in enumerate(r.tokens[1:])]
 
-    def catch_up_deferred(self, rows) -> None:
-        """The deferred extends (prefills, plain steps), one batched MTP call over every waiting position."""
+    def catch_up_deferred(self, rows) -> bool:
+        """The deferred extends (prefills, plain steps), one batched MTP call over every waiting position; whether
+        there was any."""
         behind = [r for r in rows if r.slot in self.pending]
         if not behind:
-            return
+            return False
         queued = [self.pending.pop(r.slot) for r in behind]
         device = self.next_hidden.device
         tokens = pad([[t for t, _, _, _ in q] for q in queued], device)
@@ -91,6 +92,7 @@ class MTPDrafter:
         start = device_tensor([q[0][2] for q in queued], device)
         positions = start[:, None] + torch.arange(width, device=device)[None]
         self._extend(behind, tokens, hidden, positions, device_tensor([len(q) - 1 for q in queued], device))
+        return True
 
     def propose(self, rows) -> torch.Tensor:
         return self.sample_draft(rows, argmax_pick)[0]

@@ -53,17 +53,19 @@ class StandaloneDrafter:
         for r in rows:
             r.draft_cached_len = len(r.tokens) - 1
 
-    def catch_up_deferred(self, rows) -> None:
+    def catch_up_deferred(self, rows) -> bool:
         """Feed the tokens plain steps committed since the last draft, in one batched call: every unseen token but
         the pending one, for the rows more than VERIFY_UNSEEN behind, so that the first draft step feeds what it
         feeds after a verify. A row one plain step behind a verify that rejected a draft (two unseen) is left to
-        the first draft step, which then feeds two tokens, as after a verify that accepted every draft."""
+        the first draft step, which then feeds two tokens, as after a verify that accepted every draft. Returns
+        whether any row was fed."""
         behind = [r for r in rows if len(r.tokens) - r.draft_cached_len > VERIFY_UNSEEN]
         if not behind:
-            return
+            return False
         self._forward(behind, [r.tokens[r.draft_cached_len:-1] for r in behind], [r.draft_cached_len for r in behind])
         for r in behind:
             r.draft_cached_len = len(r.tokens) - 1
+        return True
 
     def propose(self, rows) -> torch.Tensor:
         return self.sample_draft(rows, argmax_pick)[0]
