@@ -95,16 +95,29 @@ def sft_loss(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Te
     return next_token_loss(logits, ids[:, 1:], mask[:, 1:])
 
 
-def mtp_loss(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """MTP layer 0's loss with the trunk frozen: at position p it reads (x_{p+1}, h_p) and predicts x_{p+2}."""
+MTP_UNROLL_STEPS = 3  # the product's --mtp-unroll-steps for NEXTN's 3 draft steps (trainer/model.py)
+
+
+def mtp_loss(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor, unroll_steps: int = MTP_UNROLL_STEPS
+             ) -> torch.Tensor:
+    """MTP layer 0's loss with the trunk frozen: at position p it reads (x_{p+1}, h_p) and predicts x_{p+2}; then
+    unroll_steps - 1 more steps fed its own output, step d at p reading (x_{p+d+1}, its step d - 1 output at p) and
+    predicting x_{p+d+2}, as the trainer's --mtp-unroll-steps does (each step attends within itself). The mean
+    over the steps."""
     B, T = ids.shape
     with torch.no_grad():
         hidden = trunk_hidden(model, ids)
-    cache = model.new_mtp_cache(B, T)
-    positions = torch.arange(T - 1, device=ids.device)[None].expand(B, T - 1)
-    out = model.mtp_forward(ids[:, 1:], hidden[:, :-1], positions, cache, torch.arange(B, device=ids.device),
-                            num_keys=T - 1)
-    return next_token_loss(model.logits(out[:, :-1]), ids[:, 2:], mask[:, 2:])
+    slots = torch.arange(B, device=ids.device)
+    out, total = hidden, 0.0
+    for d in range(unroll_steps):
+        width = T - 1 - d
+        if width < 2:
+            break
+        positions = torch.arange(d, d + width, device=ids.device)[None].expand(B, width)  # step d drafts at p + d
+        out = model.mtp_forward(ids[:, 1 + d:], out[:, :width], positions, model.new_mtp_cache(B, T), slots,
+                                num_keys=width)
+        total = total + next_token_loss(model.logits(out[:, :-1]), ids[:, 2 + d:], mask[:, 2 + d:])
+    return total / unroll_steps
 
 
 def eagle3_loss(draft: eagle3_draft.Eagle3Draft, aux_layer_ids: list[int], ttt_steps: int):
@@ -179,7 +192,8 @@ def trained_mtp_model(cache_dir: Path, shape: dict, digits: int, sft_steps: int,
     outputs (trunk frozen). Returns the checkpoint and held-out prompts (token ids) to benchmark on."""
     from transformers import AutoTokenizer
 
-    settings = dict(shape=shape, digits=digits, sft_steps=sft_steps, mtp_steps=mtp_steps, seed=seed, version=1)
+    settings = dict(shape=shape, digits=digits, sft_steps=sft_steps, mtp_steps=mtp_steps, seed=seed, version=1,
+                    mtp_unroll_steps=MTP_UNROLL_STEPS)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     root = cache_dir / f"trained_mtp_{key}"
     train_rows, eval_rows = split_problems(2000, 64, seed, digits)
