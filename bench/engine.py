@@ -12,9 +12,9 @@ Regimes (each with its own target, its own plain row, and the ratio to it per ba
 - exact draft (the ceiling): a random Qwen2 target whose last layers are identity, drafted by STANDALONE with a
   model made of its first layers (bench/engine_models.make_exact_pair): every draft is accepted, at a fraction
   of the target's cost. Greedy, random prompts.
-- trained MTP (the realistic case): a MiMo target (hidden 256, 8 layers; the demo's is 128, 6), SFT-trained on
-  the scratchpad task inside the bench,
-  its MTP layer then trained on the target's own sampled outputs with the trunk frozen; held-out prompts,
+- trained MTP (the realistic case): a MiMo target (hidden 256, 8 layers; the demo's is 128 wide, 12 deep),
+  SFT-trained on the scratchpad task inside the bench, its MTP layer then trained on the target's own sampled
+  outputs with the trunk frozen, unrolled over the 3 steps it drafts (as --mtp-unroll-steps 3); held-out prompts,
   temperature 1 (RL rollout), EOS on. NEXTN with SGLang's greedy drafting at 1-3 steps, with drafting by
   sampling (`--spec-draft-sampling`), with SGLang's `--speculative-adaptive` and with our `--spec-auto`.
 - trained EAGLE3: a Llama target (llama3 RoPE) SFT-trained the same way, then an EAGLE3 draft head trained on
