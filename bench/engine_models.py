@@ -108,16 +108,14 @@ def mtp_loss(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor, unroll_step
     with torch.no_grad():
         hidden = trunk_hidden(model, ids)
     slots = torch.arange(B, device=ids.device)
-    out, total = hidden, 0.0
-    for d in range(unroll_steps):
+    out, losses = hidden, []
+    for d in range(min(unroll_steps, T - 2)):  # step d needs a target at p + d + 2 for some p
         width = T - 1 - d
-        if width < 2:
-            break
         positions = torch.arange(d, d + width, device=ids.device)[None].expand(B, width)  # step d drafts at p + d
         out = model.mtp_forward(ids[:, 1 + d:], out[:, :width], positions, model.new_mtp_cache(B, T), slots,
                                 num_keys=width)
-        total = total + next_token_loss(model.logits(out[:, :-1]), ids[:, 2 + d:], mask[:, 2 + d:])
-    return total / unroll_steps
+        losses.append(next_token_loss(model.logits(out[:, :-1]), ids[:, 2 + d:], mask[:, 2 + d:]))
+    return torch.stack(losses).mean()
 
 
 def eagle3_loss(draft: eagle3_draft.Eagle3Draft, aux_layer_ids: list[int], ttt_steps: int):

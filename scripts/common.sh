@@ -163,6 +163,16 @@ slime_spec_group_running() {
    ps -eo pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ { found = 1 } END { exit !found }'
 }
 
+# Poll (every 0.2 s, up to $2 seconds) until process group $1 has no live member; never fails.
+slime_spec_wait_group_gone() {
+   local i
+   for i in $(seq 1 $(( $2 * 5 ))); do
+      slime_spec_group_running "$1" || return 0
+      sleep 0.2
+   done
+   return 0
+}
+
 # The EXIT trap; the scripts run under `set -e`, so nothing here may fail.
 slime_spec_cleanup() {
    local rc=$?
@@ -174,19 +184,12 @@ slime_spec_cleanup() {
    if [ -n "$SLIME_SPEC_HEAD_PID" ]; then
       echo "[slime-spec] stopping the Ray head this script started (process group $SLIME_SPEC_HEAD_PID)" >&2
       kill -TERM -- "-$SLIME_SPEC_HEAD_PID" 2>/dev/null || true
-      local i
-      for i in $(seq 1 10); do
-         slime_spec_group_running "$SLIME_SPEC_HEAD_PID" || break
-         sleep 1
-      done
+      slime_spec_wait_group_gone "$SLIME_SPEC_HEAD_PID" 10
       kill -KILL -- "-$SLIME_SPEC_HEAD_PID" 2>/dev/null || true  # what SIGTERM left in the head's group
       wait "$SLIME_SPEC_HEAD_PID" 2>/dev/null || true
       # A killed process lives on while the kernel tears it down (unmapping a large heap takes a moment):
       # return only once the group has no live member, so nothing of the head outlives the script.
-      for i in $(seq 1 50); do
-         slime_spec_group_running "$SLIME_SPEC_HEAD_PID" || break
-         sleep 0.2
-      done
+      slime_spec_wait_group_gone "$SLIME_SPEC_HEAD_PID" 10
       if slime_spec_group_running "$SLIME_SPEC_HEAD_PID"; then
          echo "[slime-spec] the Ray head's process group $SLIME_SPEC_HEAD_PID still has live processes; see ps -g $SLIME_SPEC_HEAD_PID" >&2
       fi

@@ -219,14 +219,16 @@ class AutoSteps:
         key = bucket_of(batch_size)
         b = self.buckets.setdefault(key, _Bucket())
         b.steps += 1
-        donor = None if b.measured_all else self._donor(key)
-        if donor is None and not b.measured_all:  # warming up on its own measurements
-            for passes in (1, 2):
-                unmeasured = [k for k in range(self.max_k + 1) if len(b.verify_samples.get(k, ())) < passes
-                              and not self._dominated(b, k)]
-                if unmeasured:
-                    return unmeasured[0]
-            b.measured_all = True
+        donor = None
+        if not b.measured_all:
+            donor = self._donor(key)
+            if donor is None:  # nothing warmed to borrow from: warm up on its own measurements
+                for passes in (1, 2):
+                    unmeasured = [k for k in range(self.max_k + 1) if len(b.verify_samples.get(k, ())) < passes
+                                  and not self._dominated(b, k)]
+                    if unmeasured:
+                        return unmeasured[0]
+                b.measured_all = True
         draft, verify = self._estimates(b, donor)
         best = best_steps(self.accept_rate, draft, verify)
         if not b.next_explore:

@@ -33,10 +33,11 @@ class MTPDrafter:
         self.next_hidden = torch.zeros(slots, target.args.hidden_size, dtype=target.lm_head.weight.dtype,
                                        device=device)
         self.cache: KVCache | None = None
-        # Deferred extends: per step (hidden [B, T, H], {slot: row}) and per slot [(token, step, position, column)],
-        # the hidden state of a waiting position at [row, column] of its step's (column 0 for a plain step, the
-        # position for the prefill), so a plain step costs one list append per row, no tensor op per row.
-        self.pending: dict[int, list[tuple[int, int, int, int]]] = {}
+        # Deferred extends: per step (hidden [B, T, H], {slot: row}) and per slot its waiting segments
+        # (tokens, step, first position): segment j's hidden states are [row, :len(tokens)] of its step's (a prefill
+        # is one segment of the whole prompt, a plain step one of a token), so queueing costs one list append per
+        # row, no tensor op and nothing per prompt token.
+        self.pending: dict[int, list[tuple[list[int], int, int]]] = {}
         self.pending_steps: dict[int, tuple[torch.Tensor, dict[int, int]]] = {}
         self._step_id = 0
         self.new_cache()
@@ -63,7 +64,7 @@ class MTPDrafter:
         self._step_id += 1
         self.pending_steps[self._step_id] = (hidden, {r.slot: i for i, r in enumerate(rows)})
         for r in rows:
-            self.pending[r.slot] = [(t, self._step_id, p, p) for p, t in enumerate(r.tokens[1:])]
+            self.pending[r.slot] = [(r.tokens[1:], self._step_id, 0)]
 
     def catch_up_deferred(self, rows) -> bool:
         """The deferred extends (prefills, plain steps), one batched MTP call over every waiting position; whether
@@ -73,25 +74,20 @@ class MTPDrafter:
             return False
         queued = [self.pending.pop(r.slot) for r in behind]
         device = self.next_hidden.device
-        tokens = pad([[t for t, _, _, _ in q] for q in queued], device)
-        width = tokens.shape[1]
-        hidden = torch.zeros(len(behind), width, self.next_hidden.shape[1], dtype=self.next_hidden.dtype,
+        tokens = pad([[t for seg_tokens, _, _ in q for t in seg_tokens] for q in queued], device)
+        lengths = [sum(len(seg_tokens) for seg_tokens, _, _ in q) for q in queued]
+        hidden = torch.zeros(len(behind), tokens.shape[1], self.next_hidden.shape[1], dtype=self.next_hidden.dtype,
                              device=device)
         for i, (r, q) in enumerate(zip(behind, queued)):
-            runs: list[list[int]] = []  # [step, first column, end column]: a prefill's positions are one slice
-            for _, step, _, col in q:
-                if runs and runs[-1][0] == step and runs[-1][2] == col:
-                    runs[-1][2] += 1
-                else:
-                    runs.append([step, col, col + 1])
-            hidden[i, : len(q)] = torch.cat([self.pending_steps[step][0][self.pending_steps[step][1][r.slot], c0:c1]
-                                             for step, c0, c1 in runs])
-        waiting = {step for q in self.pending.values() for _, step, _, _ in q}
+            hidden[i, : lengths[i]] = torch.cat([self.pending_steps[step][0][self.pending_steps[step][1][r.slot],
+                                                                             : len(seg_tokens)]
+                                                 for seg_tokens, step, _ in q])
+        waiting = {step for q in self.pending.values() for _, step, _ in q}
         for step in [s for s in self.pending_steps if s not in waiting]:
             del self.pending_steps[step]
         start = device_tensor([q[0][2] for q in queued], device)
-        positions = start[:, None] + torch.arange(width, device=device)[None]
-        self._extend(behind, tokens, hidden, positions, device_tensor([len(q) - 1 for q in queued], device))
+        positions = start[:, None] + torch.arange(tokens.shape[1], device=device)[None]
+        self._extend(behind, tokens, hidden, positions, device_tensor([n - 1 for n in lengths], device))
         return True
 
     def propose(self, rows) -> torch.Tensor:
@@ -157,7 +153,7 @@ class MTPDrafter:
         self._step_id += 1
         self.pending_steps[self._step_id] = (hidden[:, :1], {r.slot: i for i, r in enumerate(rows)})
         for r, position in zip(rows, positions):
-            self.pending.setdefault(r.slot, []).append((r.tokens[-1], self._step_id, position, 0))
+            self.pending.setdefault(r.slot, []).append(([r.tokens[-1]], self._step_id, position))
 
     def weight_runner(self) -> dict[str, torch.nn.Parameter]:
         """SGLang's MiMoMTP draft runner loads the MTP layers plus the embedding and lm_head it shares."""
