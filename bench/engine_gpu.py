@@ -44,6 +44,7 @@ from engine_models import make_exact_pair, save_checkpoint, sft_target  # run as
 from slime_spec.engine.core import EngineCore, Request, SamplingParams
 from slime_spec.demo_task import split_problems
 from slime_spec.engine.cuda_graph import CudaGraphSettings
+from slime_spec.engine.kernels.ops import Kernels
 from slime_spec.engine.model import CausalLM, load_model
 from slime_spec.spec import SpecConfig, resolve_or_raise
 from slime_spec.tiny_model import make_tiny_model
@@ -362,10 +363,11 @@ def main(argv=None) -> None:
                                         torch_compile_max_bs=max(spec_b))
     ctx = a.prompt_len + a.new_tokens + 8
 
-    def engine(path, cuda_graph=graphs):
-        """A plain engine (the plain table's, and the one writing the drafts' training corpus)."""
+    def engine(path, cuda_graph=graphs, kernels=None):
+        """A plain engine (the plain table's, and the one writing the drafts' training corpus); kernels None: the
+        engine's default (its Triton gemv and decode attention on CUDA)."""
         return EngineCore(str(path), None, dtype="bfloat16", device=a.device, max_running_requests=max(spec_b),
-                          context_length=ctx, cuda_graph=cuda_graph)
+                          context_length=ctx, cuda_graph=cuda_graph, kernels=kernels)
 
     plain = engine(llama)
     nbytes = sum(t.numel() * t.element_size() for t in plain.model.state_dict().values())
@@ -379,24 +381,26 @@ def main(argv=None) -> None:
           f"graph capture {plain.graph_capture_seconds:.1f} s")
     if a.skip_plain:
         plain_b = []
-    eager = engine(llama, cuda_graph=CudaGraphSettings(disable=True))
-    compiled = engine(llama, cuda_graph=compiled_graphs) if a.torch_compile else None
-    if compiled is not None:
+    # cuBLAS matmuls and SDPA attention (--bf16-gemm-backend torch --attention-backend torch_native), the engine's
+    # path before its Triton kernels, beside the default
+    torch_kernels = Kernels()
+    cores = {"eager": engine(llama, cuda_graph=CudaGraphSettings(disable=True)), "graphs": plain,
+             "graphs_torch": engine(llama, kernels=torch_kernels)}
+    if a.torch_compile:
+        cores["compiled"] = engine(llama, cuda_graph=compiled_graphs)
+        cores["compiled_torch"] = engine(llama, cuda_graph=compiled_graphs, kernels=torch_kernels)
         print(f"graph capture with --enable-torch-compile (one decoder layer compiled): "
-              f"{compiled.graph_capture_seconds:.1f} s")
+              f"{cores['compiled'].graph_capture_seconds:.1f} s")
     rows = []
     for b in plain_b:
         batch = prompts(b, a.prompt_len, a.vocab, seed=b)
-        for core in (plain, eager, compiled):
-            if core is not None:
-                run(core, batch, 8)  # warm-up
-        g, e, c = [], [], []
+        for core in cores.values():
+            run(core, batch, 8)  # warm-up
+        speeds = {name: [] for name in cores}
         for _ in range(a.repeats):
-            g.append(run(plain, batch, a.new_tokens)[0])
-            e.append(run(eager, batch, min(a.new_tokens, 32))[0])
-            if compiled is not None:
-                c.append(run(compiled, batch, a.new_tokens)[0])
-        rows.append((b, max(g), max(e), max(c) if c else None))
+            for name, core in cores.items():
+                speeds[name].append(run(core, batch, min(a.new_tokens, 32) if name == "eager" else a.new_tokens)[0])
+        rows.append((b, {name: max(v) for name, v in speeds.items()}))
     hf = {}  # (batch, cache) -> tok/s; cache "dynamic" (eager generate) or "static" (static cache, auto-compiled)
     if a.transformers and plain_b:
         from transformers import AutoModelForCausalLM
@@ -419,19 +423,22 @@ def main(argv=None) -> None:
                     best = max(best, b * a.new_tokens / (time.perf_counter() - t))
                 hf[b, cache] = best
         del model
-    print("\n| batch | engine eager tok/s | CUDA graphs tok/s | graphs + torch.compile tok/s | best ms/step "
+    print("\n| batch | engine eager tok/s | CUDA graphs, cuBLAS + SDPA tok/s | CUDA graphs tok/s | graphs + compile, "
+          "cuBLAS + SDPA tok/s | graphs + compile tok/s | kernels / cuBLAS + SDPA (best of each) | best ms/step "
           "| best x roofline (batch 1) | transformers generate tok/s | transformers static cache + compile tok/s "
           "| best / transformers (best of its two) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for b, g, e, c in rows:
-        best = max(g, c or 0.0)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    cell = lambda v: "" if v is None else f"{v:,.0f}"  # noqa: E731
+    for b, s in rows:
+        best = max(s["graphs"], s.get("compiled", 0.0))
+        before = max(s["graphs_torch"], s.get("compiled_torch", 0.0))
         share = f"{(1 / best) / roofline_s:.2f}x" if b == 1 else ""
         dyn, static = hf.get((b, "dynamic")), hf.get((b, "static"))
         ref = max(dyn or 0.0, static or 0.0)
-        cell = lambda v: "" if v is None else f"{v:,.0f}"  # noqa: E731
-        print(f"| {b} | {e:,.0f} | {g:,.0f} | {cell(c)} | {1e3 * b / best:.3f} | {share} | {cell(dyn)} | "
-              f"{cell(static)} | {f'{best / ref:.1f}x' if ref else ''} |")
-    del eager, compiled
+        print(f"| {b} | {s['eager']:,.0f} | {s['graphs_torch']:,.0f} | {s['graphs']:,.0f} | "
+              f"{cell(s.get('compiled_torch'))} | {cell(s.get('compiled'))} | {best / before:.2f}x | "
+              f"{1e3 * b / best:.3f} | {share} | {cell(dyn)} | {cell(static)} | {f'{best / ref:.1f}x' if ref else ''} |")
+    del cores
     if a.skip_speculative:
         return
 

@@ -20,7 +20,8 @@ def make_core_factory(args: EngineServerArgs):
         return EngineCore(args.model_path, args.spec, dtype=args.dtype, device=args.device,
                           max_running_requests=args.max_running_requests, context_length=args.context_length,
                           seed=args.random_seed, draft_sampling=args.spec_draft_sampling, spec_auto=args.spec_auto,
-                          cuda_graph=args.cuda_graph, overlap_schedule=args.overlap_schedule)
+                          cuda_graph=args.cuda_graph, overlap_schedule=args.overlap_schedule,
+                          kernels=args.kernels)
     return make_core
 
 

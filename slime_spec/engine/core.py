@@ -15,6 +15,7 @@ import torch
 
 from slime_spec.dtypes import canonical_dtype
 from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model
+from slime_spec.engine.kernels.ops import Kernels
 from slime_spec.engine import sampling, spec_policy, tree, weight_updater
 from slime_spec.engine.drafters import HybridDrafter, MTPDrafter, make_drafter
 from slime_spec.engine.drafters.eagle3 import Eagle3Drafter
@@ -35,7 +36,8 @@ class EngineCore:
     def __init__(self, model_path: str, spec: SpecConfig | None, *, dtype: str = "float32", device: str = "cpu",
                  max_running_requests: int = 32, context_length: int | None = None, seed: int = 0,
                  cpu_threads: int | None = None, draft_sampling: bool = False, spec_auto: bool = False,
-                 cuda_graph: CudaGraphSettings | None = None, overlap_schedule: bool | None = None):
+                 cuda_graph: CudaGraphSettings | None = None, overlap_schedule: bool | None = None,
+                 kernels: Kernels | None = None):
         """spec: resolved speculative settings (slime_spec.spec.resolve), None without speculation.
         cpu_threads: intra-op threads while stepping on CPU; None = 1 for small models (hidden <= 1024), where
         thread hand-off costs more than the tiny matmuls gain, else torch's default.
@@ -44,7 +46,9 @@ class EngineCore:
         cost (spec_policy.AutoSteps). cuda_graph: SGLang's graph flags; on CUDA decode, verify and MTP draft
         steps replay captured graphs (cuda_graph.py), and the KV caches keep one scratch slot for padded rows.
         overlap_schedule: launch each plain decode step before reading the previous one (overlap.py); None = on for
-        plain decoding on CUDA (SGLang's default; off with --disable-overlap-schedule)."""
+        plain decoding on CUDA (SGLang's default; off with --disable-overlap-schedule).
+        kernels: the Triton kernels CUDA forwards use (engine/kernels; None: all of them, as SGLang's defaults pick
+        its fast kernels); none on CPU."""
         from transformers import AutoTokenizer
 
         dtype = canonical_dtype(dtype)  # refuses an unknown name before loading anything
@@ -71,6 +75,7 @@ class EngineCore:
         if self.device.type == "cuda":
             for model in self._causal_lms():
                 model.fuse_projections()
+                model.use_kernels(kernels or Kernels.from_values({}))
         self.cuda_graph = cuda_graph or CudaGraphSettings()
         self.graph_capture_seconds = 0.0
         self._capture_graphs()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -25,6 +25,9 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from slime_spec.dtypes import torch_dtype
+from slime_spec.engine.kernels.decode_attention import MAX_QUERY_TOKENS
+from slime_spec.engine.kernels.decode_attention import supports as attention_kernel_supports
+from slime_spec.engine.kernels.ops import Kernels, decode_attention_op, linear
 from slime_spec.trainer import rope as rope_math
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM")
@@ -153,16 +156,18 @@ class Attention(nn.Module):
         super().__init__()
         self.a = a
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused q/k/v (CausalLM.fuse_projections)
+        self.kernels = Kernels()  # CausalLM.use_kernels
         self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.qkv_bias)
         self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, mask):
+    def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, mask, num_keys: int):
+        """mask None: causal by position over the first `num_keys` keys, read in place (kernels.decode_attention)."""
         B, T, _ = x.shape
         a = self.a
         if self.qkv is not None:
-            q, k, v = F.linear(x, *self.qkv).split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim,
+            q, k, v = linear(x, *self.qkv, self.kernels).split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim,
                                                     a.num_kv_heads * a.head_dim], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -171,12 +176,16 @@ class Attention(nn.Module):
         v = v.reshape(B, T, a.num_kv_heads, a.head_dim)
         cache_k[slots[:, None], positions] = k
         cache_v[slots[:, None], positions] = v
+        if mask is None:
+            out = decode_attention_op(q, cache_k, cache_v, slots, positions, num_keys)
+            return linear(out.reshape(B, T, a.num_heads * a.head_dim), self.o_proj.weight, None, self.kernels)
         S = mask.shape[-1]
         keys = cache_k[slots, :S].transpose(1, 2)
         values = cache_v[slots, :S].transpose(1, 2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                              enable_gqa=a.num_heads != a.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim))
+        return linear(out.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim), self.o_proj.weight, None,
+                      self.kernels)
 
 
 class MLP(nn.Module):
@@ -186,11 +195,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
         self.gate_up: torch.Tensor | None = None  # fused gate/up weight (CausalLM.fuse_projections)
+        self.kernels = Kernels()  # CausalLM.use_kernels
 
     def forward(self, x):
         if self.gate_up is not None:
-            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            gate, up = linear(x, self.gate_up, None, self.kernels).chunk(2, dim=-1)
+            return linear(F.silu(gate) * up, self.down_proj.weight, None, self.kernels)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -202,8 +212,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a)
 
-    def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, slots, positions, mask)
+    def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, mask, num_keys: int):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, slots, positions, mask, num_keys)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -240,6 +250,7 @@ class CausalLM(nn.Module):
         self.args = a
         self.graphs: dict = {}  # "target"/"mtp" -> cuda_graph.GraphedForward, set by the engine on CUDA
         self._compiled_layer = None
+        self.kernels = Kernels()  # use_kernels
         self.model = Backbone(a)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
@@ -256,6 +267,14 @@ class CausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
             mlp.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])[0]
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Route this model's one-row matmuls and causal attention through the Triton kernels (engine/kernels); the
+        attention kernel only where it runs this head size."""
+        kernels = replace(kernels, attention=kernels.attention and attention_kernel_supports(self.args.head_dim))
+        self.kernels = kernels
+        for layer in self._decoder_layers():
+            layer.self_attn.kernels = layer.mlp.kernels = kernels
 
     def unfuse_projections(self) -> None:
         """Drop the fused tensors (before weights are released, so their memory goes with the parameters')."""
@@ -305,18 +324,28 @@ class CausalLM(nn.Module):
         not at `positions` (which then only rotate), and the [B, 1, T, S] mask replacing the causal one."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.args.cos_sin(positions, x.dtype)
-        mask = attn_mask if attn_mask is not None else causal_mask(positions, num_keys or int(positions.max()) + 1)
+        num_keys, mask = self._attention_keys(positions, num_keys, attn_mask)
         write = positions if cache_positions is None else cache_positions
         run_layer = self.compiled_layer() if compiled else DecoderLayer.forward
         aux = []
         with attention_backends(x.device, graphed):
             for i, layer in enumerate(self.model.layers):
-                x = run_layer(layer, x, cos, sin, cache.k[i], cache.v[i], slots, write, mask)
+                x = run_layer(layer, x, cos, sin, cache.k[i], cache.v[i], slots, write, mask, num_keys)
                 if aux_layer_ids and i in aux_layer_ids:
                     aux.append(x)
         if aux_layer_ids:
             return self.model.norm(x), torch.cat(aux, dim=-1)
         return self.model.norm(x)
+
+    def _attention_keys(self, positions: torch.Tensor, num_keys: int | None, attn_mask: torch.Tensor | None
+                        ) -> tuple[int, torch.Tensor | None]:
+        """(keys attention reads, the mask): the given mask (a tree), None where the decode-attention kernel reads
+        the cache causally in place (decode and verify: a few tokens per row), else the causal mask."""
+        num_keys = num_keys or int(positions.max()) + 1
+        if attn_mask is not None:
+            return num_keys, attn_mask
+        in_place = self.kernels.attention and positions.shape[1] <= MAX_QUERY_TOKENS
+        return num_keys, None if in_place else causal_mask(positions, num_keys)
 
     def compiled_layer(self):
         """One decoder layer's forward under torch.compile, shared by every layer (parameters are inputs, shapes
@@ -331,7 +360,7 @@ class CausalLM(nn.Module):
         return self._compiled_layer
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight, None, self.kernels).float()
 
     def mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
                     cache: KVCache, slots: torch.Tensor, layer: int = 0, num_keys: int | None = None) -> torch.Tensor:
@@ -357,13 +386,14 @@ class CausalLM(nn.Module):
         mtp = self.model.mtp_layers[layer]
         embeds = self.model.embed_tokens(input_ids)
         embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)
-        x = mtp.input_proj(torch.cat((mtp.hidden_layernorm(prev_hidden), mtp.token_layernorm(embeds)), dim=-1))
+        x = linear(torch.cat((mtp.hidden_layernorm(prev_hidden), mtp.token_layernorm(embeds)), dim=-1),
+                   mtp.input_proj.weight, None, self.kernels)
         cos, sin = self.args.cos_sin(positions, x.dtype)
-        mask = attn_mask if attn_mask is not None else causal_mask(positions, num_keys or int(positions.max()) + 1)
+        num_keys, mask = self._attention_keys(positions, num_keys, attn_mask)
         write = positions if cache_positions is None else cache_positions
         run_layer = self.compiled_layer() if compiled else DecoderLayer.forward
         with attention_backends(x.device, graphed):
-            x = run_layer(mtp, x, cos, sin, cache.k[0], cache.v[0], slots, write, mask)
+            x = run_layer(mtp, x, cos, sin, cache.k[0], cache.v[0], slots, write, mask, num_keys)
         return mtp.final_layernorm(x)
 
 

@@ -27,6 +27,7 @@ from typing import Any
 from slime_spec import spec
 from slime_spec.args import sglang_parser
 from slime_spec.engine.cuda_graph import CudaGraphSettings
+from slime_spec.engine.kernels.ops import Kernels
 from slime_spec.engine.spec_policy import check_spec_options
 from slime_spec.dtypes import canonical_dtype, config_dtype
 from slime_spec.doctor_codes import SERVER_PREFIX, Rule, errors
@@ -41,6 +42,7 @@ IMPLEMENTED = frozenset({
     "speculative_adaptive", "speculative_adaptive_config",
     "disable_cuda_graph", "cuda_graph_bs_decode", "cuda_graph_max_bs_decode", "disable_cuda_graph_padding",
     "enable_torch_compile", "torch_compile_max_bs", "disable_overlap_schedule", "enable_cudagraph_gc",
+    "attention_backend", "decode_attention_backend", "bf16_gemm_backend",
 })
 
 # Speed, memory, scheduling, logging and serving knobs: they cannot change a generated token of the
@@ -61,9 +63,9 @@ PERFORMANCE_ONLY = frozenset({
     "export_metrics_to_file", "export_metrics_to_file_dir", "bucket_time_to_first_token",
     "bucket_inter_token_latency", "bucket_e2e_request_latency", "prompt_tokens_buckets",
     "generation_tokens_buckets", "load_snapshot_publish_interval",
-    "attention_backend", "decode_attention_backend", "prefill_attention_backend", "sampling_backend",
+    "prefill_attention_backend", "sampling_backend",
     "grammar_backend", "mm_attention_backend", "fp8_gemm_runner_backend", "fp4_gemm_runner_backend",
-    "bf16_gemm_backend", "moe_runner_backend",
+    "moe_runner_backend",
     "disable_prefill_cuda_graph", "disable_decode_cuda_graph", "enable_profile_cuda_graph",
     "debug_cuda_graph",
     "triton_attention_reduce_in_fp32", "triton_attention_num_kv_splits", "triton_attention_split_tile_size",
@@ -152,6 +154,7 @@ class EngineServerArgs:
     spec_draft_sampling: bool = False    # ours: --spec-draft-sampling
     spec_auto: bool = False              # ours: --spec-auto
     cuda_graph: CudaGraphSettings = field(default_factory=CudaGraphSettings)
+    kernels: Kernels = field(default_factory=Kernels)  # --bf16-gemm-backend, --attention-backend (CUDA only)
     overlap_schedule: bool | None = None  # False with --disable-overlap-schedule; None: the engine's default
     ignored_flags: tuple[str, ...] = ()
     sglang_args: dict = field(default_factory=dict)  # every SGLang flag's value, for /server_info
@@ -298,6 +301,7 @@ def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> En
         spec_warnings=tuple(map(str, findings)),
         spec_draft_sampling=bool(values.get("spec_draft_sampling")), spec_auto=bool(values.get("spec_auto")),
         cuda_graph=CudaGraphSettings.from_values(values),
+        kernels=Kernels.from_values(values),
         overlap_schedule=False if values.get("disable_overlap_schedule") else None,
         ignored_flags=report.ignored,
         sglang_args={k: v for k, v in values.items() if k not in ("api_key", "admin_api_key")},

@@ -1,0 +1,141 @@
+"""The engine's Triton kernels against what they replace, on one GPU: correctness, then time inside CUDA graphs.
+
+    python bench/kernels_gpu.py            # the 0.7B shape of bench/engine_gpu.py (hidden 1536, 24 layers)
+    python bench/kernels_gpu.py --sweep    # also every gemv tile configuration, per shape
+
+gemv: each decoder matmul of the shape at 1 and 4 rows, as the 24 layers run it (24 distinct weight matrices in
+one graph, so weights stream from HBM as in a step, not from L2), cuBLAS (F.linear) against the gemv kernel;
+GB/s is weight bytes over time. decode_attention: a decode (1 token) and a k=3 verify (4 tokens) over the static
+cache, SDPA's path (gather the rows' keys, mask, cuDNN as in a captured graph) against the kernel, for 24 layers.
+Times are the median of graph replays (CUDA events); every kernel output is first checked against float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from slime_spec.engine.kernels.decode_attention import decode_attention
+from slime_spec.engine.kernels.gemv import GemvConfig, gemv, gemv_config
+from slime_spec.engine.model import causal_mask
+
+SHAPE = dict(hidden=1536, layers=24, heads=12, kv_heads=2, head_dim=128, ffn=4096, vocab=32000)
+
+
+def graph_ms(fn, replays: int = 50) -> float:
+    """Median ms of one replay of `fn` captured as a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def matmul_rows(s: dict, sweep: bool) -> list[str]:
+    shapes = {"qkv": ((s["heads"] + 2 * s["kv_heads"]) * s["head_dim"], s["hidden"]),
+              "o_proj": (s["hidden"], s["heads"] * s["head_dim"]), "gate_up": (2 * s["ffn"], s["hidden"]),
+              "down": (s["hidden"], s["ffn"]), "lm_head": (s["vocab"], s["hidden"])}
+    out = []
+    for (name, (n, k)), rows in itertools.product(shapes.items(), (1, 4)):
+        copies = 1 if name == "lm_head" else s["layers"]
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        ref = F.linear(x.double(), ws[0].double()).float()
+        err = rel_err(gemv(x, ws[0]), ref)
+        assert err < 1e-2, f"gemv {name} rows {rows}: relative error {err}"
+        nbytes = copies * n * k * 2
+        cublas = graph_ms(lambda: [F.linear(x, w) for w in ws])
+        best = graph_ms(lambda: [gemv(x, w) for w in ws])
+        chosen = gemv_config(rows, n, k)
+        line = (f"| {name} {n}x{k} | {rows} | {cublas * 1e3 / copies:.1f} | {nbytes / cublas / 1e6:,.0f} | "
+                f"{best * 1e3 / copies:.1f} | {nbytes / best / 1e6:,.0f} | {cublas / best:.2f}x | {err:.1e} |")
+        if sweep:
+            trials = {}
+            for bn, bk, warps in itertools.product((1, 2, 4, 8, 16), (512, 1024, 2048), (4, 8)):
+                if bn * bk * rows > 32768 or rows > 1:
+                    continue
+                c = GemvConfig(bn, bk, warps)
+                trials[c] = graph_ms(lambda: [gemv(x, w, config=c) for w in ws], replays=20)
+            top = sorted(trials.items(), key=lambda kv: kv[1])[:3] if trials else []
+            line += " " + ", ".join(f"{c.block_n}/{c.block_k}/{c.num_warps}: {nbytes / t / 1e6:,.0f}" for c, t in top)
+            line += f" (chosen {chosen.block_n}/{chosen.block_k}/{chosen.num_warps}) |"
+        out.append(line)
+        del ws
+    return out
+
+
+def attention_rows(s: dict) -> list[str]:
+    out = []
+    for batch, tokens, keys in itertools.product((1, 8, 32), (1, 4), (256, 2048)):
+        max_seq = keys + 8
+        caches = [(torch.randn(batch + 1, max_seq, s["kv_heads"], s["head_dim"], device="cuda", dtype=torch.bfloat16),
+                   torch.randn(batch + 1, max_seq, s["kv_heads"], s["head_dim"], device="cuda", dtype=torch.bfloat16))
+                  for _ in range(s["layers"])]
+        q = torch.randn(batch, tokens, s["heads"], s["head_dim"], device="cuda", dtype=torch.bfloat16)
+        slots = torch.arange(batch, device="cuda")
+        lengths = torch.randint(keys // 2, keys - tokens + 1, (batch,), device="cuda")
+        positions = lengths[:, None] + torch.arange(tokens, device="cuda")[None]
+        mask = causal_mask(positions, keys)
+
+        def sdpa(ck, cv):
+            k, v = ck[slots, :keys].transpose(1, 2), cv[slots, :keys].transpose(1, 2)
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=True)
+
+        ck, cv = caches[0]
+        ref = F.scaled_dot_product_attention(
+            q.transpose(1, 2).double(), ck[slots, :keys].transpose(1, 2).double(),
+            cv[slots, :keys].transpose(1, 2).double(), attn_mask=mask, enable_gqa=True).transpose(1, 2).float()
+        err = rel_err(decode_attention(q, ck, cv, slots, positions, keys), ref)
+        assert err < 1e-2, f"decode_attention batch {batch} tokens {tokens} keys {keys}: relative error {err}"
+        t_sdpa = graph_ms(lambda: [sdpa(ck, cv) for ck, cv in caches])
+        t_kernel = graph_ms(lambda: [decode_attention(q, ck, cv, slots, positions, keys) for ck, cv in caches])
+        n = s["layers"]
+        out.append(f"| {batch} | {tokens} | {keys} | {t_sdpa * 1e3 / n:.1f} | {t_kernel * 1e3 / n:.1f} | "
+                   f"{t_sdpa / t_kernel:.2f}x | {err:.1e} |")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sweep", action="store_true", help="time every gemv tile configuration per shape")
+    a = p.parse_args(argv)
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("\n| matmul (N x K) | rows | cuBLAS us | cuBLAS GB/s | gemv us | gemv GB/s | cuBLAS / gemv | gemv rel. err |"
+          + (" sweep: best block_n/block_k/warps: GB/s |" if a.sweep else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if a.sweep else ""))
+    for line in matmul_rows(SHAPE, a.sweep):
+        print(line, flush=True)
+    print("\n| batch | tokens per row | keys | SDPA path us per layer | kernel us per layer | SDPA / kernel | rel. err |")
+    print("|---|---|---|---|---|---|---|")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                      SDPBackend.MATH]):
+        for line in attention_rows(SHAPE):
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

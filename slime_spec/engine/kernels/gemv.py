@@ -1,0 +1,94 @@
+"""y = x @ W.T (+ b) for a few rows of x: SGLang's `--bf16-gemm-backend gemv`, in Triton.
+
+A decode step multiplies one row (or k + 1 rows in a verify) by each weight matrix, so the step's time is the
+time to read the weights. cuBLAS picks GEMM tiles for this shape that leave most of the memory bandwidth unused
+on matrices 1536 wide (0.25-1.2 TB/s measured on an H100 against a 3 TB/s copy). This kernel gives each program
+`block_n` output columns: it streams those rows of W once, in `block_k`-wide chunks, and multiplies them with
+every row of x held in registers, accumulating in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+MAX_ROWS = 4  # the kernel's limit: x's rows live in registers
+SERVED_MAX_N = 4096  # the engine routes one-row matmuls with at most this many outputs here (`serves`)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def gemv_config(rows: int, n: int, k: int) -> GemvConfig:
+    """Tiles for (rows, N, K), from a sweep on an H200 (bench/kernels_gpu.py --sweep): few columns per program and
+    the whole row of K (up to 2048) in one chunk, so each program has many 16-byte loads in flight; fewer columns
+    on wide K. Registers hold rows x block_n x block_k products."""
+    block_k = min(2048 // _pow2(rows), max(64, _pow2(k)))
+    return GemvConfig(block_n=2 if k >= 4096 else 4, block_k=block_k, num_warps=4)
+
+
+def serves(rows: int, n: int, k: int) -> bool:
+    """Where the engine uses the kernel: one row into at most SERVED_MAX_N outputs (q/k/v, o_proj, down_proj of a 0.7B
+    model), where cuBLAS's one-row kernels are latency-bound (1.3-1.8x slower on an H200). On wider outputs
+    (gate_up, lm_head) the two tie, and at 4 rows cuBLAS is faster (bench/kernels_gpu.py)."""
+    return rows == 1 and n <= SERVED_MAX_N
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@lru_cache(maxsize=None)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        n_ok, m_ok = rn < N, rm < M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + rk) < K
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+    return gemv_kernel
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x with at most MAX_ROWS rows (all leading dimensions flattened)."""
+    import triton
+
+    k = x.shape[-1]
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    if rows > MAX_ROWS or weight.stride(-1) != 1 or weight.shape[1] != k:
+        raise ValueError(f"gemv: x {tuple(x.shape)} weight {tuple(weight.shape)} stride {weight.stride()}: needs at "
+                         f"most {MAX_ROWS} rows and a row-major weight of matching width")
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    c = config or gemv_config(rows, n, k)
+    _kernel()[(triton.cdiv(n, c.block_n),)](
+        x2, weight, bias if bias is not None else weight, y, rows, n, k, x2.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=_pow2(rows), BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps)
+    return y.view(*x.shape[:-1], n)

@@ -1,0 +1,163 @@
+"""The engine's Triton kernels (engine/kernels): their math against torch's on CPU in Triton's interpreter, the flags
+that pick them, and on CUDA the engine's greedy output with and without them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from slime_spec.engine.kernels.decode_attention import num_splits, supports
+from slime_spec.engine.kernels.gemv import serves
+from slime_spec.engine.kernels.ops import Kernels
+
+
+def run_interpreted(code: str) -> str:
+    """Run `code` in a fresh process with TRITON_INTERPRET=1 (read when the kernels are defined): the kernels run on
+    CPU tensors there."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_gemv_equals_linear_for_every_row_count_with_and_without_bias():
+    out = run_interpreted("""
+        import torch, torch.nn.functional as F
+        from slime_spec.engine.kernels.gemv import gemv, GemvConfig
+        torch.manual_seed(0)
+        for rows in (1, 2, 3, 4):
+            for n, k in ((40, 96), (33, 200)):   # widths that are not multiples of the tiles
+                x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
+                for bias in (None, b):
+                    got = gemv(x, w, bias, config=GemvConfig(8, 64, 4))
+                    ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+                    assert got.shape == (rows, n), got.shape
+                    assert torch.allclose(got.double(), ref, atol=1e-4), (rows, n, k, (got - ref).abs().max())
+        x3 = torch.randn(2, 1, 96)   # leading dimensions are kept
+        assert gemv(x3, torch.randn(40, 96)).shape == (2, 1, 40)
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_gemv_refuses_more_rows_than_it_holds():
+    from slime_spec.engine.kernels.gemv import gemv
+
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        gemv(torch.randn(5, 8), torch.randn(4, 8))
+
+
+def test_decode_attention_equals_masked_sdpa_over_the_cache_rows():
+    out = run_interpreted("""
+        import torch, torch.nn.functional as F
+        from slime_spec.engine.kernels.decode_attention import decode_attention
+        torch.manual_seed(0)
+        B, T, H, KVH, D, max_seq = 3, 2, 6, 2, 16, 700
+        ck, cv = torch.randn(5, max_seq, KVH, D), torch.randn(5, max_seq, KVH, D)
+        q = torch.randn(B, T, H, D)
+        # slots and positions as strided views of one [B, 3] input tensor, as the engine's decode step passes them
+        inputs = torch.tensor([[5, 6, 4], [600, 601, 0], [0, 1, 2]])
+        slots, pos = inputs[:, 2], inputs[:, :2]
+        keys = ck[slots].repeat_interleave(H // KVH, 2).transpose(1, 2)
+        vals = cv[slots].repeat_interleave(H // KVH, 2).transpose(1, 2)
+        for num_keys, splits in ((602, None), (602, 3), (602, 1), (700, 8)):
+            mask = (torch.arange(max_seq)[None, None, :] <= pos[:, :, None])[:, None] & (torch.arange(max_seq) < num_keys)
+            ref = F.scaled_dot_product_attention(q.transpose(1, 2).double(), keys.double(), vals.double(),
+                                                 attn_mask=mask).transpose(1, 2)
+            got = decode_attention(q, ck, cv, slots, pos, num_keys, splits=splits)
+            assert torch.allclose(got.double(), ref, atol=1e-5), (num_keys, splits, (got - ref).abs().max())
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_the_model_with_kernels_equals_the_model_without():
+    """Decode, a 4-token verify (in-place attention) and a prefill (SDPA, too many tokens) through CausalLM with the
+    kernels on, against the same model with them off."""
+    out = run_interpreted("""
+        import tempfile, torch
+        from slime_spec.tiny_model import make_tiny_model
+        from slime_spec.engine.model import load_model
+        from slime_spec.engine.kernels.ops import Kernels
+        path = make_tiny_model(tempfile.mkdtemp() + "/m", arch="mimo", mtp_layers=1, hidden_size=64, num_layers=2,
+                               num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=97)
+        model, _ = load_model(path)
+        model.fuse_projections()
+        slots = torch.tensor([1, 0])
+        ids = torch.randint(0, 97, (2, 40))
+        outs = []
+        for kernels in (Kernels(), Kernels(gemv=True, attention=True)):
+            model.use_kernels(kernels)
+            cache = model.new_cache(3, 64)
+            pos = torch.arange(40)[None].expand(2, 40)
+            got = [model.eager_forward(ids[:, :36], pos[:, :36], cache, slots)]
+            got.append(model.eager_forward(ids[:, 36:37], pos[:, 36:37], cache, slots, num_keys=37))
+            got.append(model.eager_forward(ids[:, 36:40], pos[:, 36:40], cache, slots, num_keys=40))
+            got.append(model.eager_mtp_forward(ids[:, 36:40], got[-1], pos[:, 36:40], model.new_mtp_cache(3, 64),
+                                               slots, num_keys=40))
+            got.append(model.logits(got[1]))
+            outs.append(got)
+        for a, b in zip(*outs):
+            assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_flags_pick_the_kernels_and_cpu_uses_none():
+    assert Kernels.from_values({}) == Kernels(gemv=True, attention=True)
+    assert Kernels.from_values({"bf16_gemm_backend": "torch"}) == Kernels(gemv=False, attention=True)
+    assert Kernels.from_values({"attention_backend": "torch_native"}) == Kernels(gemv=True, attention=False)
+    assert Kernels.from_values({"attention_backend": "fa3", "decode_attention_backend": "torch_native"}).attention \
+        is False
+    assert Kernels.from_values({"attention_backend": "fa3"}).attention is True  # no fa3 here: the Triton kernel
+    assert Kernels(gemv=True, attention=True).on(torch.device("cpu")) == Kernels()
+
+
+def test_engine_flags_reach_the_kernels(tmp_path):
+    from slime_spec.engine.server_args import parse_server_args
+    from slime_spec.tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", arch="llama", mtp_layers=0, hidden_size=32, num_layers=1, num_heads=2,
+                           num_kv_heads=1, intermediate_size=64, vocab_size=64)
+    args = parse_server_args(["--model-path", str(path), "--bf16-gemm-backend", "torch", "--attention-backend",
+                              "torch_native"], cuda_available=False)
+    assert args.kernels == Kernels() and not args.ignored_flags
+    assert parse_server_args(["--model-path", str(path)], cuda_available=False).kernels == Kernels(True, True)
+
+
+def test_gemv_serves_one_row_of_small_matrices_and_splits_depend_on_rows_not_tokens():
+    assert serves(1, 2048, 1536) and serves(1, 1536, 1536)
+    assert serves(1, 1536, 4096) and not serves(4, 2048, 1536) and not serves(1, 8192, 1536)
+    assert supports(16) and supports(128) and not supports(8) and not supports(96)
+    assert num_splits(1, 2, 256) == 1 and num_splits(1, 2, 2048) == 8 and num_splits(64, 2, 2048) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU machine)")
+def test_cuda_engine_with_kernels_decodes_as_without(tmp_path):
+    """Greedy decoding through captured graphs, the kernels on against cuBLAS + SDPA, float32 (IEEE dot products in
+    the kernels, TF32 off): the same tokens."""
+    from slime_spec.engine.core import EngineCore, Request, SamplingParams
+    from slime_spec.tiny_model import make_tiny_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = make_tiny_model(tmp_path / "m", arch="llama", mtp_layers=0, hidden_size=256, num_layers=4, num_heads=8,
+                           num_kv_heads=2, intermediate_size=512, vocab_size=512, max_position_embeddings=1024)
+    prompts = torch.randint(3, 512, (4, 24), generator=torch.Generator().manual_seed(0)).tolist()
+    outputs = []
+    for kernels in (Kernels(), Kernels(gemv=True, attention=True)):
+        core = EngineCore(str(path), None, device="cuda", max_running_requests=4, kernels=kernels)
+        for i, ids in enumerate(prompts):
+            core.add_request(Request(rid=str(i), input_ids=ids, params=SamplingParams(
+                temperature=0.0, max_new_tokens=300, ignore_eos=True)))
+        done = {}
+        while core.has_work():
+            done.update({o.rid: o.output_ids for o in core.step()})
+        outputs.append(done)
+    assert outputs[0] == outputs[1]
