@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from slime_spec.engine import tree, tree_graphs
 from slime_spec.engine.drafters.eagle3 import load_eagle3_drafter
@@ -350,7 +351,7 @@ def test_graphed_tree_verify_equals_the_eager_verify(ckpts, target, algorithm, d
 @pytest.mark.parametrize("target,algorithm,draft", GRAPHED)
 def test_graphed_tree_greedy_equals_plain_decoding(ckpts, target, algorithm, draft):
     """Tree steps through the graphs (verify, draft steps, the drafter's extend or catch-up; padded batches, key
-    buckets) keep greedy output plain decoding's, logprobs included, and every graph served calls."""
+    buckets) keep greedy output plain decoding's, logprobs included; every graph was called."""
     graphs = {}
 
     def prepare(engine):
@@ -361,6 +362,37 @@ def test_graphed_tree_greedy_equals_plain_decoding(ckpts, target, algorithm, dra
     _check_lossless(ckpts, target, _tree_spec(algorithm, 3, 4, 8, draft and ckpts[draft]), prepare=prepare)
     assert set(graphs) == GRAPH_NAMES[algorithm]
     assert all(g.calls > 0 for g in graphs.values()), {n: g.calls for n, g in graphs.items()}
+
+
+class HostReads(TorchDispatchMode):
+    """Records the ops a CUDA graph capture refuses: reading a value back (.item(), int(t), bool masks, which
+    count their rows on the host) and making a tensor from host data (torch.tensor(list))."""
+
+    REFUSED = {"aten._local_scalar_dense.default", "aten.lift_fresh.default", "aten.nonzero.default",
+               "aten.masked_select.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        indices = args[1] if str(func).startswith(("aten.index.", "aten.index_put")) else ()
+        if str(func) in self.REFUSED or any(i is not None and i.dtype == torch.bool for i in indices):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("target,algorithm,draft", GRAPHED)
+def test_tree_graph_forwards_read_nothing_back_to_the_host(ckpts, target, algorithm, draft, monkeypatch):
+    """What each tree graph captures (its padded static call, as `GraphedForward.capture` runs it) is device work
+    only, so the capture on CUDA cannot fail on a sync or a host copy; checked here on CPU."""
+    engine = _tree_engine(ckpts, target, algorithm, draft)
+    graphs = _install_tree_graphs(engine)
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("tolist() in a captured forward"))
+    for name, graph in graphs.items():
+        with torch.no_grad(), HostReads() as reads:
+            graph._static_call(4, graph.token_counts[-1], graph.key_counts[0])
+        assert not reads.seen, (name, reads.seen)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU machine)")
