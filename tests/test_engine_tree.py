@@ -1,16 +1,18 @@
 """Tree drafting (eagle_topk > 1): the tree math of engine/tree.py on hand-checked trees, and the embedded
 engine's tree steps for MTP, EAGLE3 and STANDALONE (greedy equal to plain decoding, sampled output following
-the target distribution, logprobs the target's). SGLang's own selection code is compared in
-tests/conformance/test_tree_draft.py."""
+the target distribution, logprobs the target's), and those steps through the tree graphs (tree_graphs.py: on CPU
+their padded shapes run eagerly). SGLang's own selection code is compared in tests/conformance/test_tree_draft.py."""
 
 import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from slime_spec.engine import tree
+from slime_spec.engine import tree, tree_graphs
 from slime_spec.engine.drafters.eagle3 import load_eagle3_drafter
 from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
+from slime_spec.engine.cuda_graph import CudaGraphSettings, key_buckets
 from slime_spec.engine.sampling import chi_square_pvalue
 from slime_spec.tiny_model import make_tiny_eagle3_draft, make_tiny_model
 from tests.test_engine_drafters import _copy_target_into_mtp, _exact_marginals, generate, make_requests
@@ -80,6 +82,13 @@ def test_region_mask_sees_the_context_and_the_visible_region():
     assert mask.shape == (2, 1, 1, 8)
     assert mask[0, 0, 0].tolist() == [True, True, True, False, True, False, False, False]
     assert mask[1, 0, 0].tolist() == [True, True, True, True, False, True, False, False]
+
+
+def test_node_attention_places_nodes_from_start_and_masks_by_region():
+    visible = torch.tensor([[[True, False, False], [True, True, False]]])
+    where, mask = tree.node_attention(torch.tensor([2]), torch.tensor([3]), visible, 6)
+    assert where.tolist() == [[3, 4]]
+    assert torch.equal(mask, tree.region_mask(torch.tensor([2]), visible, 6))
 
 
 def test_move_accepted_kv_makes_the_path_contiguous():
@@ -276,17 +285,135 @@ def test_standalone_tree_sampling_follows_the_target_distribution(ckpts):
     _check_sampling(ckpts, "v16", _tree_spec("STANDALONE", 2, 4, 6, ckpts["v16_small"]), min_accept=0.02)
 
 
+# ------------------------------------------------------------------ the tree graphs (tree_graphs.py)
+GRAPHED = [("mimo", "EAGLE", None), ("llama", "EAGLE3", "llama_eagle3"), ("llama", "STANDALONE", "llama_small")]
+# What each tree engine replays: the target's verify, and its drafter's tree step and extend (or catch-up).
+GRAPH_NAMES = {"EAGLE": {"target.tree", "target.mtp", "target.mtp_tree"},
+               "EAGLE3": {"target.tree", "drafter.tree", "drafter.extend"},
+               "STANDALONE": {"target.tree", "draft.tree", "draft.target"}}
+
+
+def _tree_graphs_of(engine) -> dict:
+    """Every graph a tree engine holds, as "owner.name": the target's, an EAGLE3 head's, a STANDALONE draft's."""
+    drafter = engine.drafter
+    owners = {"target": engine.model.graphs, "drafter": getattr(drafter, "graphs", {}),
+              "draft": getattr(getattr(drafter, "draft", None), "graphs", {})}
+    return {f"{owner}.{name}": g for owner, graphs in owners.items() for name, g in graphs.items()}
+
+
+def _install_tree_graphs(engine) -> dict:
+    """The engine's tree graphs over batch sizes 1, 2, 4 (a batch of 3 is padded to 4), run eagerly (CPU)."""
+    engine.cuda_graph = CudaGraphSettings(batch_sizes=(1, 2, 4))
+    tree_graphs.capture_tree_graphs(engine, tree.tree_shape(engine.spec), capture=False)
+    return _tree_graphs_of(engine)
+
+
+def _tree_engine(ckpts, target, algorithm, draft, shape=(3, 4, 8), **kwargs):
+    engine = EngineCore(str(ckpts[target]), _tree_spec(algorithm, *shape, draft and ckpts[draft]),
+                        max_running_requests=4, **kwargs)
+    if algorithm == "EAGLE":
+        _copy_target_into_mtp(engine)  # a good draft: accepted paths of every length
+    return engine
+
+
+@pytest.mark.parametrize("target,algorithm,draft", GRAPHED[:2])
+def test_graphed_tree_verify_equals_the_eager_verify(ckpts, target, algorithm, draft):
+    """The verify graph (3 rows padded to 4, keys to a bucket, node locations and mask computed from its inputs)
+    gives the eager verify's outputs: bit for bit at the same key count, and the same accepted paths at the
+    row's own; the padded row writes only into the scratch slot."""
+    engine = _tree_engine(ckpts, target, algorithm, draft)
+    for r in make_requests(engine.tokenizer)[:3]:
+        engine.add_request(r)
+    engine.step()  # the prefill
+    engine.step()  # a tree step
+    rows, aux = engine.running, getattr(engine.drafter, "aux_layer_ids", None)
+    base, slots = torch.tensor([r.kv_len for r in rows]), torch.tensor([r.slot for r in rows])
+    num_keys = int(base.max()) + 8
+    with torch.no_grad():
+        drafted = engine.drafter.tree_draft(rows, tree.tree_shape(engine.spec))
+        eager = tree_graphs.verify_tree(engine.model, engine.cache, drafted, base, slots, num_keys, aux)
+        bucket = min(b for b in key_buckets(engine.cache.max_seq) if b >= num_keys)
+        eager_at_bucket = tree_graphs.verify_tree(engine.model, engine.cache, drafted, base, slots, bucket, aux)
+        graph = _install_tree_graphs(engine)["target.tree"]
+        free = next(s for s in range(4) if s not in slots.tolist())
+        untouched = engine.cache.k[0][free].clone()
+        graphed = tree_graphs.verify_tree(engine.model, engine.cache, drafted, base, slots, num_keys, aux)
+    assert graph.calls == 1 and graph.shape_for(len(rows), 8, num_keys) == (4, 8, bucket)
+    assert torch.equal(engine.cache.k[0][free], untouched)
+    assert all(torch.equal(g, e) for g, e in zip(graphed, eager_at_bucket))
+    for g, e in zip(graphed, eager):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+    greedy, gen = torch.ones(len(rows), dtype=torch.bool), torch.Generator()
+    accepted = [tree.accept(drafted, engine.model.logits(h), greedy, None, gen) for h in (graphed[0], eager[0])]
+    assert accepted[0] == accepted[1]
+
+
+@pytest.mark.parametrize("target,algorithm,draft", GRAPHED)
+def test_graphed_tree_greedy_equals_plain_decoding(ckpts, target, algorithm, draft):
+    """Tree steps through the graphs (verify, draft steps, the drafter's extend or catch-up; padded batches, key
+    buckets) keep greedy output plain decoding's, logprobs included; every graph was called."""
+    graphs = {}
+
+    def prepare(engine):
+        if algorithm == "EAGLE":
+            _copy_target_into_mtp(engine)
+        graphs.update(_install_tree_graphs(engine))
+
+    _check_lossless(ckpts, target, _tree_spec(algorithm, 3, 4, 8, draft and ckpts[draft]), prepare=prepare)
+    assert set(graphs) == GRAPH_NAMES[algorithm]
+    assert all(g.calls > 0 for g in graphs.values()), {n: g.calls for n, g in graphs.items()}
+
+
+class HostReads(TorchDispatchMode):
+    """Records the ops a CUDA graph capture refuses: reading a value back (.item(), int(t), bool masks, which
+    count their rows on the host) and making a tensor from host data (torch.tensor(list))."""
+
+    REFUSED = {"aten._local_scalar_dense.default", "aten.lift_fresh.default", "aten.nonzero.default",
+               "aten.masked_select.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        indices = args[1] if str(func).startswith(("aten.index.", "aten.index_put")) else ()
+        if str(func) in self.REFUSED or any(i is not None and i.dtype == torch.bool for i in indices):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("target,algorithm,draft", GRAPHED)
+def test_tree_graph_forwards_read_nothing_back_to_the_host(ckpts, target, algorithm, draft, monkeypatch):
+    """What each tree graph captures (its padded static call, as `GraphedForward.capture` runs it) is device work
+    only, so the capture on CUDA cannot fail on a sync or a host copy; checked here on CPU."""
+    engine = _tree_engine(ckpts, target, algorithm, draft)
+    graphs = _install_tree_graphs(engine)
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("tolist() in a captured forward"))
+    for name, graph in graphs.items():
+        with torch.no_grad(), HostReads() as reads:
+            graph._static_call(4, graph.token_counts[-1], graph.key_counts[0])
+        assert not reads.seen, (name, reads.seen)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU machine)")
-@pytest.mark.parametrize("target,algorithm,draft", [("mimo", "EAGLE", None), ("llama", "EAGLE3", "llama_eagle3"),
-                                                    ("llama", "STANDALONE", "llama_small")])
-def test_cuda_tree_greedy_equals_plain_decoding(ckpts, target, algorithm, draft):
-    """On CUDA the tree steps run eagerly beside the captured chain/decode graphs; greedy output equals plain decoding
-    on the same device (CPU and CUDA kernels may round differently, so the reference runs on CUDA too)."""
+@pytest.mark.parametrize("target,algorithm,draft", GRAPHED)
+def test_cuda_graphed_tree_equals_eager_tree_and_plain_decoding(ckpts, target, algorithm, draft):
+    """On CUDA a tree engine captures its verify and draft graphs: greedy output equals the eager tree's
+    (--disable-cuda-graph) and plain decoding's on the same device (CPU and CUDA kernels may round differently),
+    every graph replayed, and the accept length is the eager tree's (an MTP layer updated in place after capture,
+    as `_copy_target_into_mtp` does, is read by the graphs)."""
     plain = EngineCore(str(ckpts[target]), None, device="cuda", max_running_requests=4)
     base = generate(plain, make_requests(plain.tokenizer))
-    for steps, topk, tokens in TREES:
-        engine = EngineCore(str(ckpts[target]), _tree_spec(algorithm, steps, topk, tokens, draft and ckpts[draft]),
-                            device="cuda", max_running_requests=4)
-        outs = generate(engine, make_requests(engine.tokenizer, logprob=True))
+    for shape in TREES:
+        outs, accept = {}, {}
+        for settings in (CudaGraphSettings(disable=True), CudaGraphSettings(batch_sizes=(1, 2, 4))):
+            engine = _tree_engine(ckpts, target, algorithm, draft, shape, device="cuda", cuda_graph=settings)
+            graphs = _tree_graphs_of(engine)
+            assert set(graphs) == (set() if settings.disable else GRAPH_NAMES[algorithm])
+            outs[settings.disable] = generate(engine, make_requests(engine.tokenizer, logprob=True))
+            accept[settings.disable] = engine.avg_spec_accept_length
+            assert all(g.calls > 0 for g in graphs.values()), (shape, {n: g.calls for n, g in graphs.items()})
         for rid, o in base.items():
-            assert outs[rid].output_ids == o.output_ids, (algorithm, steps, topk, rid)
+            assert outs[True][rid].output_ids == o.output_ids, (algorithm, shape, rid)
+            assert outs[False][rid].output_ids == o.output_ids, (algorithm, shape, rid)
+        assert accept[False] == pytest.approx(accept[True], rel=0.05), (algorithm, shape)

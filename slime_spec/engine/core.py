@@ -24,6 +24,7 @@ from slime_spec.engine.overlap import OverlapDecode
 from slime_spec.engine.request import NAN_FINISH, Output, Request, SamplingParams, Row, eos_ids
 from slime_spec.engine.transfer import device_tensor
 from slime_spec.engine.speculative import StepTimes, after_overlapped_step, spec_step
+from slime_spec.engine.tree_graphs import capture_tree_graphs
 from slime_spec.spec import SpecConfig, check_resolved
 from slime_spec.threads import intra_op_threads
 
@@ -405,28 +406,30 @@ class EngineCore:
 
     def _capture_graphs(self) -> None:
         """On CUDA (unless --disable-cuda-graph), capture decode, verify and draft forwards (cuda_graph.py): MTP
-        steps, a STANDALONE draft's steps and catch-up, an EAGLE3 chain's aux-returning verify and draft-head steps."""
+        steps, a STANDALONE draft's steps and catch-up, an EAGLE3 chain's aux-returning verify and draft-head steps;
+        with eagle_topk > 1 the tree's verify, draft steps and draft extend or catch-up (tree_graphs.py)."""
         if self.device.type != "cuda" or self.cuda_graph.disable:
+            return
+        shape = tree.tree_shape(self.spec)
+        if shape is not None:
+            self.graph_capture_seconds = capture_tree_graphs(self, shape)
             return
         mtp = self.drafter.mtp if isinstance(self.drafter, HybridDrafter) else self.drafter
         mtp_cache = mtp.cache if isinstance(mtp, MTPDrafter) else None  # an EAGLE3 head captures its own, below
         widest = self.policy.max_k if self.policy is not None else 0
-        shape = tree.tree_shape(self.spec)
-        if shape is not None:  # a tree verifies eagerly (its mask is per step); the MTP catch-up spans <= steps + 1
-            widest = shape.steps
         self.model.graphs = graph_model(self.model, self.cache, mtp_cache, self.cuda_graph,
                                         max_running_requests=self.max_running_requests,
                                         max_draft_tokens=widest, max_seq=self.max_seq,
-                                        aux_layer_ids=None if shape else getattr(self.drafter, "aux_layer_ids", None))
+                                        aux_layer_ids=getattr(self.drafter, "aux_layer_ids", None))
         draft = self._causal_lms()[1:]
-        if draft and shape is None:
+        if draft:
             # A STANDALONE draft's one-token chain steps, and its catch-up before each chain: 1 or 2 tokens after a
             # verify, up to k + 1 after plain steps (longer ones, and the prefill, run eagerly).
             draft[0].graphs = graph_model(draft[0], self.drafter.cache, None, self.cuda_graph,
                                           max_running_requests=self.max_running_requests, max_draft_tokens=widest,
                                           max_seq=self.max_seq)
         self.graph_capture_seconds = sum(g.capture_seconds for m in self._causal_lms() for g in m.graphs.values())
-        if isinstance(self.drafter, Eagle3Drafter) and shape is None:  # its chain steps and extend
+        if isinstance(self.drafter, Eagle3Drafter):  # its chain steps and extend
             self.graph_capture_seconds += self.drafter.capture_graphs(self.cuda_graph, self.max_running_requests)
 
     def _causal_lms(self) -> list:

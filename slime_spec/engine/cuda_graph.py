@@ -9,7 +9,8 @@ removes that cost (gpt-fast's and SGLang's cure). A graph replays fixed shapes, 
   `generate_decode_cuda_graph_batch_sizes`); padded rows write into a scratch KV slot no request owns;
 - attention reads a fixed number of keys, the next bucket above the longest row (`key_buckets`), so one
   graph serves every sequence length in its bucket;
-- tokens per row are fixed per graph: 1 for decode and draft steps, k+1 for verify and draft extend.
+- tokens per row are fixed per graph: 1 for decode and draft steps, k+1 for verify and draft extend (a tree's
+  graphs, engine/tree_graphs.py: num_draft_tokens for its verify, topk for its draft steps).
 
 Weights and the KV cache are read from their tensors' storage: weight updates copy into parameters in
 place, so a sync needs no re-capture; releasing memory (which frees that storage) drops the graphs, and
@@ -90,20 +91,22 @@ def _bucket(sizes: list[int], n: int) -> int | None:
 
 
 ForwardFn = Callable[..., torch.Tensor]  # (input_ids, positions, slots, num_keys, **extra) -> [B, T, H]
+InputSpecs = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (trailing shape, dtype)
 
 
 class GraphedForward:
     """One forward captured over (batch size, tokens per row, key count) shapes, replayed with padding.
 
     `fn(input_ids [B, T], positions [B, T], slots [B], num_keys, **extra)` must run only tensor ops on its
-    inputs and return a [B, T, ...] tensor; `extra` names further per-token inputs (the MTP layer's hidden
-    states) as {name: (trailing shape, dtype)}. With `capture=False` (CPU) the same padding runs eagerly,
-    so the shape logic is tested where no GPU is.
+    inputs and return a [B, T, ...] tensor; `extra` names further per-token inputs [B, T, ...] (the MTP layer's
+    hidden states, a tree's visible region) and `row_extra` per-row ones [B, ...] (a tree's base), each as
+    {name: (trailing shape, dtype)}. Padded rows keep the extra inputs the buffers last held. With
+    `capture=False` (CPU) the same padding runs eagerly, so the shape logic is tested where no GPU is.
     """
 
     def __init__(self, fn: ForwardFn, *, batch_sizes: list[int], token_counts: list[int], key_counts: list[int],
-                 scratch_slot: int, device: torch.device, extra: dict[str, tuple[tuple[int, ...], torch.dtype]]
-                 | None = None, capture: bool | None = None, pool=None, cache: Any = None,
+                 scratch_slot: int, device: torch.device, extra: InputSpecs | None = None,
+                 row_extra: InputSpecs | None = None, capture: bool | None = None, pool=None, cache: Any = None,
                  compiled_fn: ForwardFn | None = None, compile_max_bs: int = 0):
         self.fn, self.cache = fn, cache  # calls with another KV cache object run eagerly (see `serves`)
         self.compiled_fn, self.compile_max_bs = compiled_fn, compile_max_bs
@@ -118,6 +121,8 @@ class GraphedForward:
         self.pad_positions = torch.arange(t, device=self.device).expand(bs, t)
         self.extra = {name: torch.zeros(bs, t, *shape, dtype=dtype, device=self.device)
                       for name, (shape, dtype) in (extra or {}).items()}
+        self.row_extra = {name: torch.zeros(bs, *shape, dtype=dtype, device=self.device)
+                          for name, (shape, dtype) in (row_extra or {}).items()}
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = pool
         self.capture_seconds = 0.0
@@ -137,6 +142,7 @@ class GraphedForward:
 
     def _static_call(self, bs: int, t: int, keys: int) -> torch.Tensor:
         extra = {name: buf[:bs, :t] for name, buf in self.extra.items()}
+        extra.update((name, buf[:bs]) for name, buf in self.row_extra.items())
         fn = self.compiled_fn if self.compiled_fn is not None and bs <= self.compile_max_bs else self.fn
         return fn(self.input_ids[:bs, :t], self.positions[:bs, :t], self.slots[:bs], keys, **extra)
 
@@ -184,7 +190,10 @@ class GraphedForward:
             self.slots[n:bs].fill_(self.scratch_slot)
             self.positions[n:bs, :t].copy_(self.pad_positions[: bs - n, :t])
         for name, value in extra.items():
-            self.extra[name][:n, :t].copy_(value)
+            if name in self.row_extra:
+                self.row_extra[name][:n].copy_(value)
+            else:
+                self.extra[name][:n, :t].copy_(value)
         if not self.capture_graphs:
             with torch.no_grad():
                 return self._static_call(bs, t, keys)[:n].clone()
@@ -235,13 +244,20 @@ def graph_model(model, cache, mtp_cache, settings: CudaGraphSettings, *, max_run
         hidden = ((model.args.hidden_size,), model.lm_head.weight.dtype)
         graphs["mtp"] = GraphedForward(mtp, cache=mtp_cache, extra={"prev_hidden": hidden}, **common, **compile_args,
                                        compiled_fn=compiled_mtp if compile_args else None)
-    pool = None
-    with freeze_gc(settings.enable_cudagraph_gc):
-        for g in graphs.values():
-            g.pool = pool
-            g.capture()
-            pool = g.pool
+    capture_on_one_pool(list(graphs.values()), settings.enable_cudagraph_gc)
     return graphs
+
+
+def capture_on_one_pool(graphs: list[GraphedForward], enable_cudagraph_gc: bool) -> float:
+    """Capture `graphs` on one memory pool (their replays never overlap: each output is cloned before the next),
+    the collector frozen (`freeze_gc`); returns the seconds."""
+    pool, seconds = None, 0.0
+    with freeze_gc(enable_cudagraph_gc):
+        for g in graphs:
+            g.pool = pool
+            seconds += g.capture()
+            pool = g.pool
+    return seconds
 
 
 @contextmanager

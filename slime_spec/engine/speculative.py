@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from slime_spec.engine import sampling, tree
+from slime_spec.engine import sampling, tree, tree_graphs
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick
 from slime_spec.engine.transfer import device_tensor
 
@@ -256,9 +256,10 @@ def spec_step(engine, rows: list) -> None:
 
 def tree_step(engine, rows: list, shape: tree.TreeShape) -> None:
     """eagle_topk > 1: the drafter drafts a tree per row (engine/tree.py), the target verifies the root and its
-    num_draft_tokens - 1 nodes in one eager forward (each node at its own cache location, RoPE position = row
-    length + depth, attending to the context and its ancestors), the longest accepted path is taken, and its
-    keys/values are moved to contiguous positions. A verify counts num_draft_tokens - 1 drafts, as SGLang's."""
+    num_draft_tokens - 1 nodes in one forward (each node at its own cache location, RoPE position = row length +
+    depth, attending to the context and its ancestors; a captured graph on CUDA, tree_graphs.py), the longest
+    accepted path is taken, and its keys/values are moved to contiguous positions. A verify counts
+    num_draft_tokens - 1 drafts, as SGLang's."""
     dev = engine.device
     n, width = len(rows), shape.num_draft_tokens
     t0 = time.perf_counter()
@@ -269,13 +270,9 @@ def tree_step(engine, rows: list, shape: tree.TreeShape) -> None:
     base = [r.kv_len for r in rows]
     start = device_tensor(base, dev)
     slots = device_tensor([r.slot for r in rows], dev)
-    num_keys = max(base) + width
     aux_ids = getattr(engine.drafter, "aux_layer_ids", None)  # EAGLE3 drafts from the target's aux states
-    out = engine.model.eager_forward(drafted.tokens, start[:, None] + drafted.depth, engine.cache, slots, num_keys,
-                                     aux_layer_ids=aux_ids,
-                                     cache_positions=start[:, None] + torch.arange(width, device=dev)[None],
-                                     attn_mask=tree.region_mask(start, drafted.mask, num_keys))
-    hidden, features = out if aux_ids else (out, out)
+    hidden, features = tree_graphs.verify_tree(engine.model, engine.cache, drafted, start, slots, max(base) + width,
+                                               aux_ids)
     logits, broken = engine._non_finite_rows(engine.model.logits(hidden.flatten(0, 1)).view(n, width, -1))
     probs = None
     if not params.all_greedy:
@@ -307,9 +304,10 @@ def tree_step(engine, rows: list, shape: tree.TreeShape) -> None:
         if row.finish is None:
             alive.append(i)
     if alive:
-        # The accepted path's target states, contiguous from the root (padded with the root), as a chain verify
-        # hands them to the drafter.
-        path_nodes = device_tensor([paths[i] + [0] * (width - len(paths[i])) for i in alive], dev)
+        # The accepted path's target states, contiguous from the root (padded with the root to the longest path,
+        # steps + 1 nodes: the drafter's extend graph has that width), as a chain verify hands them to the drafter.
+        longest = shape.steps + 1
+        path_nodes = device_tensor([paths[i] + [0] * (longest - len(paths[i])) for i in alive], dev)
         idx = device_tensor(alive, dev)
         path_features = features[idx[:, None], path_nodes]
         on_verify = getattr(engine.drafter, "on_tree_verify", engine.drafter.on_verify)

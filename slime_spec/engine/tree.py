@@ -186,6 +186,15 @@ def region_mask(base: torch.Tensor, visible: torch.Tensor, num_keys: int) -> tor
     return (context | (region & inside[:, None, :]))[:, None]
 
 
+def node_attention(base: torch.Tensor, start: torch.Tensor, visible: torch.Tensor,
+                   num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cache locations [B, T], attention mask [B, 1, T, S]) of T tree nodes per row: node t at start[b] + t (a
+    verify: start = base; draft step i: base + i * topk), seeing the context and what `visible` marks
+    (`region_mask`). Tensor ops only, so a captured graph computes both from its static inputs (tree_graphs.py)."""
+    nodes = torch.arange(visible.shape[1], device=start.device)
+    return start[:, None] + nodes, region_mask(base, visible, num_keys)
+
+
 # ------------------------------------------------------------------ verification
 def greedy_walk(first_child: list[int], next_sibling: list[int], tokens: list[int],
                 target: list[int]) -> tuple[list[int], int]:

@@ -32,6 +32,8 @@ Optional:
   tree_draft(rows, shape) -> tree.DraftTree   eagle_topk > 1 (MTP, EAGLE3, STANDALONE): a draft tree per row
                                               (engine/tree.py); on_verify then gets the accepted path's states
   on_tree_verify(rows, hidden, accepted)      after a tree verify, where on_verify's chain bookkeeping differs
+  tree_graphs(shape, common) -> [GraphedForward]   on CUDA, the tree draft steps and extend as graphs, installed
+                                              where the drafter replays them (engine/tree_graphs.py)
 """
 
 from __future__ import annotations

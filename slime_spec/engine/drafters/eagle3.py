@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slime_spec.engine import tree
-from slime_spec.engine.cuda_graph import CudaGraphSettings, GraphedForward, freeze_gc, key_buckets
+from slime_spec.engine import tree, tree_graphs
+from slime_spec.engine.cuda_graph import CudaGraphSettings, GraphedForward, capture_on_one_pool, key_buckets
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of, tree_frame
 from slime_spec.engine.model import CausalLM, KVCache, attention_backends, causal_mask
 from slime_spec.engine.transfer import device_tensor
@@ -34,7 +34,8 @@ class Eagle3Drafter:
         self.hot_ids = draft.draft_to_target().to(weight.device)  # [Vd] target id of each draft id
         self.next_hidden = torch.zeros(slots, draft.config["hidden_size"], dtype=weight.dtype, device=weight.device)
         self.cache: KVCache | None = None
-        self.graphs: dict[str, GraphedForward] = {}  # on CUDA: "step" and "extend" (capture_graphs)
+        # On CUDA: a chain's "step" and "extend" (capture_graphs), or a tree's "tree" and "extend" (tree_graphs).
+        self.graphs: dict[str, GraphedForward] = {}
         self.new_cache()
 
     def new_cache(self) -> None:
@@ -50,24 +51,41 @@ class Eagle3Drafter:
                        capture: bool | None = None) -> float:
         """On CUDA, the chain's one-token draft steps ("step": the previous output as hidden input) and the extend
         over a verify's 1..k + 1 positions ("extend": the target's aux states as input) as CUDA graphs, as the
-        target's forwards are; returns the capture seconds. Tree steps and the prefill extend stay eager.
-        capture=False runs the same padded shapes eagerly (to test the dispatch where no GPU is)."""
+        target's forwards are; returns the capture seconds. The prefill extend stays eager. capture=False runs
+        the same padded shapes eagerly (to test the dispatch where no GPU is). A tree's graphs: `tree_graphs`."""
         w = self.target.lm_head.weight
         common = dict(batch_sizes=settings.capture_sizes(max_running_requests, speculative=True),
-                      key_counts=key_buckets(self.max_seq), scratch_slot=max_running_requests, device=w.device,
-                      cache=self.cache, capture=capture)
+                      scratch_slot=max_running_requests, device=w.device, capture=capture)
+        hidden = {"hidden": ((self.draft.config["hidden_size"],), w.dtype)}
+        self.graphs = {"step": GraphedForward(self._run, token_counts=[1], extra=hidden, **self._graph_args(common)),
+                       "extend": self._extend_graph(list(range(1, self.max_k + 2)), common)}
+        return capture_on_one_pool(list(self.graphs.values()), settings.enable_cudagraph_gc)
 
-        def run(ids, positions, slots, num_keys, hidden):
-            return self.step(ids, hidden, positions, slots, num_keys)
+    def tree_graphs(self, shape: tree.TreeShape, common: dict) -> list[GraphedForward]:
+        """A tree's graphs (tree_graphs.capture_tree_graphs captures them): its draft steps over each row's topk
+        frontier ("tree") and the extend over an accepted path, padded to steps + 1 positions ("extend")."""
+        hidden = {"hidden": ((self.draft.config["hidden_size"],), self.target.lm_head.weight.dtype)}
+        self.graphs = {"tree": tree_graphs.tree_graph(self._tree_step, nodes=shape.topk, region=shape.draft_region,
+                                                      cache=self.cache, common=common, extra=hidden),
+                       "extend": self._extend_graph([shape.steps + 1], common)}
+        return list(self.graphs.values())
 
+    def _graph_args(self, common: dict) -> dict:
+        """The shared GraphedForward arguments, with this head's KV cache and its key buckets."""
+        return dict(common, key_counts=key_buckets(self.max_seq), cache=self.cache)
+
+    def _extend_graph(self, token_counts: list[int], common: dict) -> GraphedForward:
         aux_width = len(self.aux_layer_ids) * self.target.args.hidden_size
-        self.graphs = {
-            "step": GraphedForward(run, token_counts=[1], extra={"hidden": ((self.draft.config["hidden_size"],),
-                                                                            w.dtype)}, **common),
-            "extend": GraphedForward(run, token_counts=list(range(1, self.max_k + 2)),
-                                     extra={"hidden": ((aux_width,), w.dtype)}, **common)}
-        with freeze_gc(settings.enable_cudagraph_gc):
-            return sum(g.capture() for g in self.graphs.values())
+        return GraphedForward(self._run, token_counts=token_counts, **self._graph_args(common),
+                              extra={"hidden": ((aux_width,), self.target.lm_head.weight.dtype)})
+
+    def _run(self, ids, positions, slots, num_keys, hidden):
+        return self.step(ids, hidden, positions, slots, num_keys)
+
+    def _tree_step(self, ids, positions, slots, num_keys, base, start, visible, hidden):
+        """A draft-tree step as tree_graphs runs it: node locations and mask from the tree's inputs."""
+        cache_positions, mask = tree.node_attention(base, start, visible, num_keys)
+        return self.step(ids, hidden, positions, slots, num_keys, cache_positions=cache_positions, attn_mask=mask)
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 num_keys: int | None) -> torch.Tensor:
@@ -148,9 +166,9 @@ class Eagle3Drafter:
 
         def step(i: int, tokens: torch.Tensor, hidden: torch.Tensor, visible: torch.Tensor):
             b, k = tokens.shape
-            out = self.step(tokens, hidden, (pos + i)[:, None].expand(-1, k), slots,
-                            cache_positions=pos[:, None] + i * k + torch.arange(k, device=device)[None],
-                            attn_mask=tree.region_mask(pos, visible, num_keys))
+            out = tree_graphs.run_tree(self.graphs.get("tree"), self._tree_step, self.cache, tokens,
+                                       (pos + i)[:, None].expand(-1, k), slots, num_keys, base=pos, start=pos + i * k,
+                                       visible=visible, hidden=hidden)
             return self.target_vocab_logits(self.logits(out).flatten(0, 1)).view(b, k, -1), out
 
         root = device_tensor([r.tokens[-1] for r in rows], device)

@@ -136,6 +136,10 @@ class HybridDrafter:
         """Tree drafting (eagle_topk > 1) is MTP's for every row: history drafts are chains."""
         return self.mtp.tree_draft(rows, shape)
 
+    def tree_graphs(self, shape, common: dict) -> list:
+        """The MTP layer's tree graphs (MTPDrafter.tree_graphs)."""
+        return self.mtp.tree_graphs(shape, common)
+
     def defer(self, rows, hidden: torch.Tensor, positions: list[int]) -> None:
         """A plain step read back by the overlap schedule: the MTP layer's deferred extend (MTPDrafter.defer)."""
         self.mtp.defer(rows, hidden, positions)

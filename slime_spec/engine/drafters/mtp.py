@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from slime_spec.engine import tree
+from slime_spec.engine import tree, tree_graphs
+from slime_spec.engine.cuda_graph import GraphedForward, key_buckets
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of, tree_frame
 from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names
 from slime_spec.engine.transfer import device_tensor
@@ -120,17 +121,34 @@ class MTPDrafter:
         device = self.next_hidden.device
         slots, pos, num_keys = tree_frame(rows, shape.draft_region, device)
         first = self.next_hidden[slots]
+        graph, eager = self.target.graphs.get("mtp_tree"), tree_graphs.mtp_tree_fn(self.target, self.cache)
 
         def step(i: int, tokens: torch.Tensor, hidden: torch.Tensor, visible: torch.Tensor):
             k = tokens.shape[1]
-            out = self.target.eager_mtp_forward(
-                tokens, hidden, (pos + i)[:, None].expand(-1, k), self.cache, slots, num_keys=num_keys,
-                cache_positions=pos[:, None] + i * k + torch.arange(k, device=device)[None],
-                attn_mask=tree.region_mask(pos, visible, num_keys))
+            out = tree_graphs.run_tree(graph, eager, self.cache, tokens, (pos + i)[:, None].expand(-1, k), slots,
+                                       num_keys, base=pos, start=pos + i * k, visible=visible, prev_hidden=hidden)
             return self.target.logits(out), out
 
         root = device_tensor([r.tokens[-1] for r in rows], device)
         return tree.draft_tree(root, self.target.logits(first), first, step, shape)
+
+    def tree_graphs(self, shape: tree.TreeShape, common: dict) -> list[GraphedForward]:
+        """A tree's graphs of the MTP layer, kept with the target's (tree_graphs.capture_tree_graphs captures them):
+        its draft steps over each row's topk frontier ("mtp_tree") and the extend over an accepted path, padded to
+        steps + 1 positions ("mtp", which `mtp_forward` replays)."""
+        model, cache = self.target, self.cache
+        hidden = {"prev_hidden": ((model.args.hidden_size,), model.lm_head.weight.dtype)}
+
+        def extend(ids, positions, slots, num_keys, prev_hidden):
+            return model.eager_mtp_forward(ids, prev_hidden, positions, cache, slots, num_keys=num_keys, graphed=True)
+
+        graphs = {"mtp": GraphedForward(extend, token_counts=[shape.steps + 1], key_counts=key_buckets(cache.max_seq),
+                                        cache=cache, extra=hidden, **common),
+                  "mtp_tree": tree_graphs.tree_graph(tree_graphs.mtp_tree_fn(model, cache, graphed=True),
+                                                     nodes=shape.topk, region=shape.draft_region, cache=cache,
+                                                     common=common, extra=hidden)}
+        model.graphs.update(graphs)
+        return list(graphs.values())
 
     def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
         if self.k == 0:  # a plain step: defer its extend to the next draft (see catch_up_deferred)

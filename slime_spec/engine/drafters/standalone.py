@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from slime_spec.engine import tree
+from slime_spec.engine import tree, tree_graphs
+from slime_spec.engine.cuda_graph import GraphedForward, key_buckets
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of
 from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names
 from slime_spec.engine.transfer import device_tensor
@@ -97,17 +98,33 @@ class StandaloneDrafter:
             r.draft_cached_len = len(r.tokens)
         base = device_tensor([len(r.tokens) for r in rows], device)
         num_keys = max(len(r.tokens) for r in rows) + shape.draft_region
+        graph, eager = self.draft.graphs.get("tree"), tree_graphs.tree_forward_fn(self.draft, self.cache)
 
         def step(i: int, tokens: torch.Tensor, _state: torch.Tensor, visible: torch.Tensor):
             k = tokens.shape[1]
-            hidden = self.draft.eager_forward(tokens, (base + i)[:, None].expand(-1, k), self.cache, slots, num_keys,
-                                              cache_positions=base[:, None] + i * k + torch.arange(k, device=device),
-                                              attn_mask=tree.region_mask(base, visible, num_keys))
+            hidden = tree_graphs.run_tree(graph, eager, self.cache, tokens, (base + i)[:, None].expand(-1, k), slots,
+                                          num_keys, base=base, start=base + i * k, visible=visible)
             return self.draft.logits(hidden), _state
 
         root = device_tensor([r.tokens[-1] for r in rows], device)
         no_state = torch.zeros(len(rows), 1, device=device)  # the draft reads tokens only
         return tree.draft_tree(root, first, no_state, step, shape)
+
+    def tree_graphs(self, shape: tree.TreeShape, common: dict) -> list[GraphedForward]:
+        """A tree's graphs of the draft model (tree_graphs.capture_tree_graphs captures them): its draft steps over
+        each row's topk frontier ("tree") and its catch-up on the 1..steps + 1 tokens a tree verify commits
+        ("target", which the draft's forward replays)."""
+        draft, cache = self.draft, self.cache
+
+        def catch_up(ids, positions, slots, num_keys):
+            return draft.eager_forward(ids, positions, cache, slots, num_keys, graphed=True)
+
+        draft.graphs = {"target": GraphedForward(catch_up, token_counts=list(range(1, shape.steps + 2)),
+                                                 key_counts=key_buckets(cache.max_seq), cache=cache, **common),
+                        "tree": tree_graphs.tree_graph(tree_graphs.tree_forward_fn(draft, cache, graphed=True),
+                                                       nodes=shape.topk, region=shape.draft_region, cache=cache,
+                                                       common=common)}
+        return list(draft.graphs.values())
 
     def on_tree_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
         """After a tree verify the draft cache keeps the context and the old pending token; the accepted tokens
