@@ -6,7 +6,8 @@
 gemv: each decoder matmul of the shape at 1 and 4 rows, as the 24 layers run it (24 distinct weight matrices in
 one graph, so weights stream from HBM as in a step, not from L2), cuBLAS (F.linear) against the gemv kernel;
 GB/s is weight bytes over time. decode_attention: a decode (1 token) and a k=3 verify (4 tokens) over the static
-cache, SDPA's path (gather the rows' keys, mask, cuDNN as in a captured graph) against the kernel, for 24 layers.
+cache, SDPA's path (rotate q and k, write the cache, gather the rows' keys, mask, cuDNN as in a captured graph)
+against the fused kernel, for 24 layers.
 Times are the median of graph replays (CUDA events); every kernel output is first checked against float32.
 """
 
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from slime_spec.engine.kernels.decode_attention import decode_attention
 from slime_spec.engine.kernels.gemv import GemvConfig, gemv, gemv_config
-from slime_spec.engine.model import causal_mask
+from slime_spec.engine.model import apply_rope, causal_mask, rope_cos_sin
 
 SHAPE = dict(hidden=1536, layers=24, heads=12, kv_heads=2, head_dim=128, ffn=4096, vocab=32000)
 
@@ -86,30 +87,38 @@ def matmul_rows(s: dict, sweep: bool) -> list[str]:
 
 
 def attention_rows(s: dict) -> list[str]:
+    """RoPE + cache write + attention per layer: the SDPA path (rotate q and k, scatter k and v into the cache, gather
+    the rows' keys back, mask, cuDNN) against the fused kernel."""
+    h, kvh, d = s["heads"], s["kv_heads"], s["head_dim"]
     out = []
     for batch, tokens, keys in itertools.product((1, 8, 32), (1, 4), (256, 2048)):
         max_seq = keys + 8
-        caches = [(torch.randn(batch + 1, max_seq, s["kv_heads"], s["head_dim"], device="cuda", dtype=torch.bfloat16),
-                   torch.randn(batch + 1, max_seq, s["kv_heads"], s["head_dim"], device="cuda", dtype=torch.bfloat16))
+        caches = [(torch.randn(batch + 1, max_seq, kvh, d, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(batch + 1, max_seq, kvh, d, device="cuda", dtype=torch.bfloat16))
                   for _ in range(s["layers"])]
-        q = torch.randn(batch, tokens, s["heads"], s["head_dim"], device="cuda", dtype=torch.bfloat16)
+        qkv = torch.randn(batch, tokens, (h + 2 * kvh) * d, device="cuda", dtype=torch.bfloat16)
         slots = torch.arange(batch, device="cuda")
         lengths = torch.randint(keys // 2, keys - tokens + 1, (batch,), device="cuda")
         positions = lengths[:, None] + torch.arange(tokens, device="cuda")[None]
+        cos, sin = rope_cos_sin(positions, d, 10000.0, torch.bfloat16)
         mask = causal_mask(positions, keys)
 
-        def sdpa(ck, cv):
-            k, v = ck[slots, :keys].transpose(1, 2), cv[slots, :keys].transpose(1, 2)
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=True)
+        def sdpa(ck, cv, dtype=torch.bfloat16):
+            q, k, v = qkv.to(dtype).split([h * d, kvh * d, kvh * d], dim=-1)
+            q = apply_rope(q.reshape(batch, tokens, h, d), cos.to(dtype), sin.to(dtype))
+            ck[slots[:, None], positions] = apply_rope(k.reshape(batch, tokens, kvh, d), cos.to(dtype), sin.to(dtype))
+            cv[slots[:, None], positions] = v.reshape(batch, tokens, kvh, d)
+            keys_, values = ck[slots, :keys].transpose(1, 2), cv[slots, :keys].transpose(1, 2)
+            return F.scaled_dot_product_attention(q.transpose(1, 2), keys_, values, attn_mask=mask,
+                                                  enable_gqa=True).transpose(1, 2)
 
         ck, cv = caches[0]
-        ref = F.scaled_dot_product_attention(
-            q.transpose(1, 2).double(), ck[slots, :keys].transpose(1, 2).double(),
-            cv[slots, :keys].transpose(1, 2).double(), attn_mask=mask, enable_gqa=True).transpose(1, 2).float()
-        err = rel_err(decode_attention(q, ck, cv, slots, positions, keys), ref)
+        ref = sdpa(ck.double(), cv.double(), torch.float64).float()
+        err = rel_err(decode_attention(qkv, cos, sin, ck, cv, slots, positions, keys, h, kvh), ref)
         assert err < 1e-2, f"decode_attention batch {batch} tokens {tokens} keys {keys}: relative error {err}"
         t_sdpa = graph_ms(lambda: [sdpa(ck, cv) for ck, cv in caches])
-        t_kernel = graph_ms(lambda: [decode_attention(q, ck, cv, slots, positions, keys) for ck, cv in caches])
+        t_kernel = graph_ms(lambda: [decode_attention(qkv, cos, sin, ck, cv, slots, positions, keys, h, kvh)
+                                     for ck, cv in caches])
         n = s["layers"]
         out.append(f"| {batch} | {tokens} | {keys} | {t_sdpa * 1e3 / n:.1f} | {t_kernel * 1e3 / n:.1f} | "
                    f"{t_sdpa / t_kernel:.2f}x | {err:.1e} |")
@@ -127,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|---|---|" + ("---|" if a.sweep else ""))
     for line in matmul_rows(SHAPE, a.sweep):
         print(line, flush=True)
-    print("\n| batch | tokens per row | keys | SDPA path us per layer | kernel us per layer | SDPA / kernel | rel. err |")
+    print("\n| batch | tokens per row | keys | RoPE + cache write + SDPA us per layer | fused kernel us per layer "
+          "| SDPA path / kernel | rel. err |")
     print("|---|---|---|---|---|---|---|")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

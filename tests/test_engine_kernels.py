@@ -53,39 +53,64 @@ def test_gemv_refuses_more_rows_than_it_holds():
         gemv(torch.randn(5, 8), torch.randn(4, 8))
 
 
-def test_decode_attention_equals_masked_sdpa_over_the_cache_rows():
+def test_decode_attention_writes_rotated_keys_and_equals_masked_sdpa_over_the_cache_rows():
     out = run_interpreted("""
         import torch, torch.nn.functional as F
         from slime_spec.engine.kernels.decode_attention import decode_attention
+        from slime_spec.engine.model import apply_rope, rope_cos_sin
         torch.manual_seed(0)
-        B, T, H, KVH, D, max_seq = 3, 2, 6, 2, 16, 700
-        ck, cv = torch.randn(5, max_seq, KVH, D), torch.randn(5, max_seq, KVH, D)
-        q = torch.randn(B, T, H, D)
+        B, T, H, KVH, D, max_seq = 3, 2, 6, 2, 32, 700
+        qkv = torch.randn(B, T, (H + 2 * KVH) * D)
         # slots and positions as strided views of one [B, 3] input tensor, as the engine's decode step passes them
         inputs = torch.tensor([[5, 6, 4], [600, 601, 0], [0, 1, 2]])
         slots, pos = inputs[:, 2], inputs[:, :2]
-        keys = ck[slots].repeat_interleave(H // KVH, 2).transpose(1, 2)
-        vals = cv[slots].repeat_interleave(H // KVH, 2).transpose(1, 2)
+        cos, sin = rope_cos_sin(pos, D, 10000.0, torch.float32)
+        q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+        q = apply_rope(q.reshape(B, T, H, D), cos, sin)
+        k = apply_rope(k.reshape(B, T, KVH, D), cos, sin)
         for num_keys, splits in ((602, None), (602, 3), (602, 1), (700, 8)):
+            ck, cv = torch.randn(5, max_seq, KVH, D), torch.randn(5, max_seq, KVH, D)
+            ref_k, ref_v = ck.clone(), cv.clone()
+            ref_k[slots[:, None], pos] = k
+            ref_v[slots[:, None], pos] = v.reshape(B, T, KVH, D)
+            keys = ref_k[slots].repeat_interleave(H // KVH, 2).transpose(1, 2)
+            vals = ref_v[slots].repeat_interleave(H // KVH, 2).transpose(1, 2)
             mask = (torch.arange(max_seq)[None, None, :] <= pos[:, :, None])[:, None] & (torch.arange(max_seq) < num_keys)
             ref = F.scaled_dot_product_attention(q.transpose(1, 2).double(), keys.double(), vals.double(),
                                                  attn_mask=mask).transpose(1, 2)
-            got = decode_attention(q, ck, cv, slots, pos, num_keys, splits=splits)
+            got = decode_attention(qkv, cos, sin, ck, cv, slots, pos, num_keys, H, KVH, splits=splits)
             assert torch.allclose(got.double(), ref, atol=1e-5), (num_keys, splits, (got - ref).abs().max())
+            assert torch.allclose(ck, ref_k, atol=1e-6) and torch.equal(cv, ref_v)  # the cache holds what SDPA read
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+def test_gated_gemv_applies_silu_times_up_as_it_loads():
+    out = run_interpreted("""
+        import torch, torch.nn.functional as F
+        from slime_spec.engine.kernels.gemv import gemv
+        torch.manual_seed(0)
+        gate_up, w = torch.randn(1, 2 * 96), torch.randn(40, 96)
+        gate, up = gate_up.chunk(2, dim=-1)
+        ref = F.linear((F.silu(gate) * up).double(), w.double())
+        got = gemv(gate_up, w, gated=True)
+        assert torch.allclose(got.double(), ref, atol=1e-4), (got - ref).abs().max()
         print("ok")
     """)
     assert out.strip() == "ok"
 
 
 def test_the_model_with_kernels_equals_the_model_without():
-    """Decode, a 4-token verify (in-place attention) and a prefill (SDPA, too many tokens) through CausalLM with the
-    kernels on, against the same model with them off."""
+    """A prefill (SDPA: too many tokens), a 2-row decode, a 4-token verify (the fused attention), a 1-row decode (the
+    gemv kernels too), the MTP layer and the logits through CausalLM with the kernels on, against the same model
+    with them off."""
     out = run_interpreted("""
         import tempfile, torch
         from slime_spec.tiny_model import make_tiny_model
         from slime_spec.engine.model import load_model
         from slime_spec.engine.kernels.ops import Kernels
-        path = make_tiny_model(tempfile.mkdtemp() + "/m", arch="mimo", mtp_layers=1, hidden_size=64, num_layers=2,
+        path = make_tiny_model(tempfile.mkdtemp() + "/m", arch="mimo", mtp_layers=1, hidden_size=128, num_layers=2,
                                num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=97)
         model, _ = load_model(path)
         model.fuse_projections()
@@ -101,7 +126,9 @@ def test_the_model_with_kernels_equals_the_model_without():
             got.append(model.eager_forward(ids[:, 36:40], pos[:, 36:40], cache, slots, num_keys=40))
             got.append(model.eager_mtp_forward(ids[:, 36:40], got[-1], pos[:, 36:40], model.new_mtp_cache(3, 64),
                                                slots, num_keys=40))
+            got.append(model.eager_forward(ids[:1, 40:41], pos[:1, 40:41], cache, slots[:1], num_keys=41))  # gemv
             got.append(model.logits(got[1]))
+            got.append(model.logits(got[-2]))
             outs.append(got)
         for a, b in zip(*outs):
             assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
@@ -135,7 +162,7 @@ def test_engine_flags_reach_the_kernels(tmp_path):
 def test_gemv_serves_one_row_of_small_matrices_and_splits_depend_on_rows_not_tokens():
     assert serves(1, 2048, 1536) and serves(1, 1536, 1536)
     assert serves(1, 1536, 4096) and not serves(4, 2048, 1536) and not serves(1, 8192, 1536)
-    assert supports(16) and supports(128) and not supports(8) and not supports(96)
+    assert supports(32) and supports(128) and not supports(16) and not supports(96)
     assert num_splits(1, 2, 256) == 1 and num_splits(1, 2, 2048) == 8 and num_splits(64, 2, 2048) == 1
 
 

@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from slime_spec.dtypes import torch_dtype
 from slime_spec.engine.kernels.decode_attention import MAX_QUERY_TOKENS
 from slime_spec.engine.kernels.decode_attention import supports as attention_kernel_supports
-from slime_spec.engine.kernels.ops import Kernels, decode_attention_op, linear
+from slime_spec.engine.kernels.ops import Kernels, decode_attention, gated_linear, linear
 from slime_spec.trainer import rope as rope_math
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM")
@@ -163,22 +163,25 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, mask, num_keys: int):
-        """mask None: causal by position over the first `num_keys` keys, read in place (kernels.decode_attention)."""
+        """mask None: RoPE, the cache write and causal attention over the first `num_keys` keys in one kernel
+        (kernels.decode_attention)."""
         B, T, _ = x.shape
         a = self.a
         if self.qkv is not None:
-            q, k, v = linear(x, *self.qkv, self.kernels).split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim,
-                                                    a.num_kv_heads * a.head_dim], dim=-1)
+            qkv = linear(x, *self.qkv, self.kernels)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        if mask is None:
+            out = decode_attention(qkv, cos, sin, cache_k, cache_v, slots, positions, num_keys, a.num_heads,
+                                   a.num_kv_heads)
+            return linear(out.reshape(B, T, a.num_heads * a.head_dim), self.o_proj.weight, None, self.kernels)
+        q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim],
+                            dim=-1)
         q = apply_rope(q.reshape(B, T, a.num_heads, a.head_dim), cos, sin)
         k = apply_rope(k.reshape(B, T, a.num_kv_heads, a.head_dim), cos, sin)
         v = v.reshape(B, T, a.num_kv_heads, a.head_dim)
         cache_k[slots[:, None], positions] = k
         cache_v[slots[:, None], positions] = v
-        if mask is None:
-            out = decode_attention_op(q, cache_k, cache_v, slots, positions, num_keys)
-            return linear(out.reshape(B, T, a.num_heads * a.head_dim), self.o_proj.weight, None, self.kernels)
         S = mask.shape[-1]
         keys = cache_k[slots, :S].transpose(1, 2)
         values = cache_v[slots, :S].transpose(1, 2)
@@ -199,8 +202,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.gate_up is not None:
-            gate, up = linear(x, self.gate_up, None, self.kernels).chunk(2, dim=-1)
-            return linear(F.silu(gate) * up, self.down_proj.weight, None, self.kernels)
+            return gated_linear(linear(x, self.gate_up, None, self.kernels), self.down_proj.weight, self.kernels)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -50,8 +50,8 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
@@ -61,9 +61,12 @@ def _kernel():
             k_ok = (k0 + rk) < K
             w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :],
                         other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
+            xs = x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :]
+            x_ok = m_ok[:, None] & k_ok[None, :]
+            x = tl.load(xs, mask=x_ok, other=0.0).to(tl.float32)
+            if GATED:  # x holds [gate | up]: the input is silu(gate) * up
+                x = x / (1.0 + tl.exp(-x)) * tl.load(xs + K, mask=x_ok, other=0.0).to(tl.float32)
+            acc += tl.sum(x[:, None, :] * w[None, :, :].to(tl.float32), axis=2)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -73,13 +76,15 @@ def _kernel():
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x with at most MAX_ROWS rows (all leading dimensions flattened)."""
+         config: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x with at most MAX_ROWS rows (all leading dimensions flattened).
+    gated: x is [..., 2K], gate then up (a fused gate/up projection's output), and the input is silu(gate) * up:
+    the MLP's activation read in the down projection's loads, not a kernel of its own."""
     import triton
 
-    k = x.shape[-1]
+    k = x.shape[-1] // 2 if gated else x.shape[-1]
     n = weight.shape[0]
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
@@ -90,5 +95,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     c = config or gemv_config(rows, n, k)
     _kernel()[(triton.cdiv(n, c.block_n),)](
         x2, weight, bias if bias is not None else weight, y, rows, n, k, x2.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=_pow2(rows), BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps)
+        HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=_pow2(rows), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        num_warps=c.num_warps)
     return y.view(*x.shape[:-1], n)

@@ -1,7 +1,8 @@
 """The kernels as torch custom ops, and which of them a forward uses (`Kernels`, resolved once from SGLang's flags).
 
-As custom ops they are opaque to torch.compile (`--enable-torch-compile` compiles the decoder layer around them)
-and captured like any other kernel in a CUDA graph. Registering them imports no Triton.
+The gemv is a custom op, opaque to torch.compile (`--enable-torch-compile` compiles the decoder layer around it);
+the attention kernel writes the KV cache, so compile breaks the graph around it instead. CUDA graphs capture both
+like any kernel. Nothing here imports Triton until a kernel runs.
 """
 
 from __future__ import annotations
@@ -42,24 +43,23 @@ class Kernels:
 
 
 @torch.library.custom_op("slime_spec::gemv", mutates_args=())
-def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _gemv(x, weight, bias)
+def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+    return _gemv(x, weight, bias, gated=gated)
 
 
 @gemv_op.register_fake
-def _(x, weight, bias):
+def _(x, weight, bias, gated=False):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-@torch.library.custom_op("slime_spec::decode_attention", mutates_args=())
-def decode_attention_op(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor,
-                        positions: torch.Tensor, num_keys: int) -> torch.Tensor:
-    return _decode_attention(q, cache_k, cache_v, slots, positions, num_keys)
-
-
-@decode_attention_op.register_fake
-def _(q, cache_k, cache_v, slots, positions, num_keys):
-    return torch.empty_like(q)
+@torch.compiler.disable
+def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
+                     cache_v: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, num_keys: int, heads: int,
+                     kv_heads: int) -> torch.Tensor:
+    """The fused RoPE + cache write + attention kernel, outside torch.compile: it writes the KV cache, a mutation of
+    the compiled layer's inputs that a graph break keeps plain (no functionalised copy of the cache); a captured CUDA
+    graph records it like any kernel."""
+    return _decode_attention(qkv, cos, sin, cache_k, cache_v, slots, positions, num_keys, heads, kv_heads)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Kernels) -> torch.Tensor:
@@ -67,3 +67,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ker
     if kernels.gemv and gemv_serves(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1]):
         return gemv_op(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+    """F.linear(silu(gate) * up, weight) of a fused gate/up output [..., 2I] (the MLP's down projection); the gemv
+    kernel applies the activation as it loads, where it serves the shape."""
+    if kernels.gemv and gemv_serves(gate_up.numel() // gate_up.shape[-1], weight.shape[0], weight.shape[1]):
+        return gemv_op(gate_up, weight, None, gated=True)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, weight)
