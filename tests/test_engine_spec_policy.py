@@ -329,3 +329,22 @@ def test_a_one_row_tail_of_bad_luck_does_not_send_the_next_full_batch_to_plain_s
     tail = [step(1, lambda row: False) for _ in range(30)]
     assert auto.accept_rate > 0.6, auto.accept_rate
     assert step(32, lambda row: row % 4 != 0) == 3 and tail[0] == 3
+
+
+def test_auto_reaches_a_long_draft_the_warm_up_skipped_once_acceptance_says_it_can_win():
+    """The GPU case after the engine's kernels made its plain step cheap: one draft barely pays (k = 1 ties plain)
+    while three pay well (verify cost nearly flat in tokens). The warm-up's first steps miss, so k = 2 and 3 are
+    skipped as dominated; once drafts are accepted, the policy must try them (optimistically costed until measured)
+    and settle on 3, not stay between 0 and 1 probing only neighbours."""
+    auto = AutoSteps(max_k=3)
+    costs = {0: 1.0, 1: 1.9, 2: 2.0, 3: 2.1}
+    ks, _ = simulate(auto, 400, lambda step: step >= 2, costs, draft_s=0.05, catch_up_s=0.0, batch=1)
+    assert 2 not in ks[:4] and 3 not in ks[:4]  # skipped by the warm-up
+    assert ks[-100:].count(3) >= 95
+
+
+def test_auto_does_not_try_unmeasured_long_drafts_that_are_never_accepted():
+    auto = AutoSteps(max_k=3)
+    costs = {0: 1.0, 1: 1.9, 2: 2.0, 3: 2.1}
+    ks, _ = simulate(auto, 400, lambda step: False, costs, draft_s=0.05, catch_up_s=0.0, batch=1)
+    assert 2 not in ks and 3 not in ks and ks[-100:].count(0) >= 95

@@ -230,7 +230,7 @@ class AutoSteps:
                         return unmeasured[0]
                 b.measured_all = True
         draft, verify = self._estimates(b, donor)
-        best = best_steps(self.accept_rate, draft, verify)
+        best = best_steps(self.accept_rate, draft, self._with_unmeasured(verify, draft))
         if not b.next_explore:
             b.interval, b.next_explore, b.last_best = self.explore_every, b.steps + self.explore_every, best
         if b.steps < b.next_explore or b.explore_s > self.explore_budget * b.total_s:
@@ -264,6 +264,20 @@ class AutoSteps:
         verify = {k: own.get(k, theirs.get(k, 0.0) * scale) for k in sorted(set(own) | set(theirs))}
         draft = b.draft_cost if b.draft_cost is not None else (donor.draft_cost or 0.0) * scale
         return draft, verify
+
+    def _with_unmeasured(self, verify: dict[int, float], draft: float) -> dict[int, float]:
+        """`verify` with each unmeasured k up to max_k at the optimistic cost of the dearest smaller k measured (a
+        verify of more tokens never costs less), once a draft step's cost is known. A k the warm-up skipped as
+        dominated (`_dominated`, judged on the early accept rate) is chosen, and so measured, once the accept rate
+        says it could win; without this only neighbours of the best k were ever tried, so a best k of 0, where one
+        draft barely pays (a GPU whose plain step is cheap), never reached the k = 3 that pays well."""
+        if not draft or not any(k > 0 for k in verify):
+            return verify
+        filled = dict(verify)
+        for k in range(1, self.max_k + 1):
+            if k not in filled:
+                filled[k] = max(c for j, c in filled.items() if j < k)
+        return filled
 
     def _dominated(self, b: "_Bucket", k: int) -> bool:
         """Whether measuring k is pointless: even at the cost of the dearest smaller k measured so far (a verify
