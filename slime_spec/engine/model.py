@@ -343,9 +343,9 @@ class CausalLM(nn.Module):
                         ) -> tuple[int, torch.Tensor | None]:
         """(keys attention reads, the mask): the given mask (a tree), None where the decode-attention kernel reads
         the cache causally in place (decode and verify: a few tokens per row), else the causal mask."""
-        num_keys = num_keys or int(positions.max()) + 1
         if attn_mask is not None:
-            return num_keys, attn_mask
+            return num_keys or attn_mask.shape[-1], attn_mask
+        num_keys = num_keys or int(positions.max()) + 1  # a read-back: captured graphs always pass num_keys
         in_place = self.kernels.attention and positions.shape[1] <= MAX_QUERY_TOKENS
         return num_keys, None if in_place else causal_mask(positions, num_keys)
 
