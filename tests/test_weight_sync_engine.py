@@ -97,7 +97,7 @@ def engine_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor 
         x = mtp.input_proj(torch.cat((mtp.hidden_layernorm(hidden[:, :-1]), mtp.token_layernorm(embeds)), -1))
         cos, sin = rope_cos_sin(pos, model.args.head_dim, model.args.rope_theta, x.dtype)
         cache = model.new_mtp_cache(B, T)
-        x = DecoderLayer.forward(mtp, x, cos, sin, cache.k[0], cache.v[0], slots, pos, causal_mask(pos, T - 1))
+        x = DecoderLayer.forward(mtp, x, cos, sin, cache.k[0], cache.v[0], slots, pos, causal_mask(pos, T - 1), T - 1)
         return logits, model.logits(mtp.final_layernorm(x))
 
 

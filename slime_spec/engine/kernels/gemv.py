@@ -26,8 +26,8 @@ class GemvConfig:
 
 
 def gemv_config(rows: int, n: int, k: int) -> GemvConfig:
-    """Tiles for (rows, N, K), from a sweep on an H200 (bench/kernels_gpu.py --sweep): few columns per program and
-    the whole row of K (up to 2048) in one chunk, so each program has many 16-byte loads in flight; fewer columns
+    """Tiles for (rows, N, K), from a tile sweep on an H200 (bench/kernels_gpu.py): few columns per program and the
+    whole row of K (up to 2048) in one chunk, so each program has many 16-byte loads in flight; fewer columns
     on wide K. Registers hold rows x block_n x block_k products."""
     block_k = min(2048 // _pow2(rows), max(64, _pow2(k)))
     return GemvConfig(block_n=2 if k >= 4096 else 4, block_k=block_k, num_warps=4)
