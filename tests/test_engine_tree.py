@@ -42,6 +42,50 @@ def test_build_tree_links_parents_depths_masks_and_siblings():
     assert orphan.parent.tolist() == [[-1, 0, -1]] and orphan.first_child.tolist() == [[1, -1, -1]]
 
 
+def reference_tree(parent_list: list[int], selected: list[int], topk: int):
+    """build_tree's structure for one row, node by node: (parent, depth, ancestor-or-self sets, first child, next
+    sibling), children linked in ascending order."""
+    n = len(selected) + 1
+    where = {flat: i + 1 for i, flat in enumerate(selected)}
+    parent, depth, seen = [-1] * n, [0] * n, [{0}] + [set() for _ in range(n - 1)]
+    for i in range(1, n):
+        slot = selected[i - 1] // topk
+        p = 0 if slot == 0 else where.get(parent_list[slot], -1)
+        parent[i] = p
+        if p >= 0:
+            depth[i], seen[i] = depth[p] + 1, set(seen[p])
+        seen[i].add(i)
+    first, sibling = [-1] * n, [-1] * n
+    for i in range(n - 1, 0, -1):
+        if parent[i] >= 0:
+            sibling[i], first[parent[i]] = first[parent[i]], i
+    return parent, depth, seen, first, sibling
+
+
+@pytest.mark.parametrize("steps,topk,num_draft_tokens", [(1, 4, 5), (3, 2, 6), (5, 4, 16), (5, 8, 32)])
+def test_build_tree_on_the_device_equals_the_node_by_node_reference(steps, topk, num_draft_tokens):
+    """Random draft trees through the real drafting selection (first_level, next_level, organize), with tied
+    scores, built in tensor ops and checked row by row against the reference (an orphan: the hand tree above)."""
+    gen = torch.Generator().manual_seed(steps * 100 + topk)
+    b, vocab = 6, 50
+    for _ in range(5):
+        # coarse probabilities so ties occur
+        probs = lambda *shape: torch.randint(1, 4, shape, generator=gen).float().div(4)  # noqa: E731
+        tokens = lambda *shape: torch.randint(0, vocab, shape, generator=gen)  # noqa: E731
+        frontier, scores, level = tree.first_level(probs(b, topk), tokens(b, topk))
+        levels = [level]
+        for i in range(1, steps):
+            frontier, _, scores, level = tree.next_level(i, probs(b, topk, topk), tokens(b, topk, topk), scores)
+            levels.append(level)
+        parents, selected, draft_tokens = tree.organize(levels, num_draft_tokens)
+        t = tree.build_tree(tokens(b), parents, selected, draft_tokens, topk)
+        for r in range(b):
+            parent, depth, seen, first, sibling = reference_tree(parents[r].tolist(), selected[r].tolist(), topk)
+            assert t.parent[r].tolist() == parent and t.depth[r].tolist() == depth
+            assert t.first_child[r].tolist() == first and t.next_sibling[r].tolist() == sibling
+            assert [set(row.nonzero().flatten().tolist()) for row in t.mask[r]] == seen
+
+
 def test_greedy_walk_follows_the_target_argmax():
     t = hand_tree()
     first, sib, toks = t.first_child[0].tolist(), t.next_sibling[0].tolist(), t.tokens[0].tolist()

@@ -102,38 +102,35 @@ def organize(levels: list[tuple], num_draft_tokens: int):
 
 def build_tree(root: torch.Tensor, parent_list: torch.Tensor, selected: torch.Tensor, draft_tokens: torch.Tensor,
                topk: int) -> DraftTree:
-    """Verify-tree structure from `organize`'s output (root [B]: each row's pending token).
+    """Verify-tree structure from `organize`'s output (root [B]: each row's pending token), in tensor ops on the
+    drafts' device, as SGLang builds it on the GPU: nothing is read back, where a loop over rows and nodes on the host
+    cost O(B N^2) Python per step.
 
     A selected node's parent is the root when it is a first-level node, else the selected node holding its
     parent's flat id. A node whose parent was not selected (possible only through tied scores) is linked to no
-    parent, so the walk never reaches it (SGLang's kernel skips it the same way)."""
+    parent, so the walk never reaches it (SGLang's kernel skips it the same way). Children are linked in ascending
+    node order."""
     b, n1 = selected.shape
-    n = n1 + 1
-    sel, plist = selected.tolist(), parent_list.tolist()
-    parent = [[-1] * n for _ in range(b)]
-    depth = [[0] * n for _ in range(b)]
-    first_child = [[-1] * n for _ in range(b)]
-    next_sibling = [[-1] * n for _ in range(b)]
-    mask = [[[False] * n for _ in range(n)] for _ in range(b)]
-    for r in range(b):
-        where = {flat: i + 1 for i, flat in enumerate(sel[r])}
-        mask[r][0][0] = True
-        for i in range(1, n):
-            slot = sel[r][i - 1] // topk
-            p = 0 if slot == 0 else where.get(plist[r][slot], -1)
-            parent[r][i] = p
-            if p >= 0:  # nodes are in drafting order: a parent precedes its children
-                depth[r][i] = depth[r][p] + 1
-                mask[r][i] = list(mask[r][p])
-            mask[r][i][i] = True
-        for i in range(n - 1, 0, -1):  # children linked in ascending node order
-            p = parent[r][i]
-            if p >= 0:
-                next_sibling[r][i], first_child[r][p] = first_child[r][p], i
-    dev = selected.device
-    as_tensor = lambda x: device_tensor(x, dev, torch.long)  # noqa: E731
-    return DraftTree(torch.cat((root[:, None], draft_tokens), dim=1), as_tensor(parent), as_tensor(depth),
-                     device_tensor(mask, dev, torch.bool), as_tensor(first_child), as_tensor(next_sibling))
+    n, dev = n1 + 1, selected.device
+    slot = selected // topk  # 0: a child of the root; else its parent's entry in parent_list
+    parent_flat = (parent_list.gather(1, slot.clamp(0, parent_list.shape[1] - 1)) if parent_list.shape[1]
+                   else torch.full_like(slot, -1))
+    holds = selected[:, None, :] == parent_flat[:, :, None]  # [B, child, node]: that node is the child's parent
+    linked = torch.where(holds.any(-1), holds.long().argmax(-1) + 1, -1)
+    parent = torch.cat((torch.full((b, 1), -1, dtype=torch.long, device=dev),
+                        torch.where(slot == 0, 0, linked)), dim=1)
+    nodes = torch.arange(n, device=dev)
+    # mask[i, j]: j is i or an ancestor of i; pointer doubling over the parent links reaches every ancestor
+    mask = torch.eye(n, dtype=torch.bool, device=dev).expand(b, n, n) | (parent[:, :, None] == nodes)
+    for _ in range(max(1, (n - 1).bit_length())):
+        mask = mask | (torch.bmm(mask.float(), mask.float()) > 0)
+    depth = mask.sum(-1) - 1
+    is_child = parent[:, None, :] == nodes[None, :, None]  # [B, node, candidate child]
+    first_child = torch.where(is_child.any(-1), is_child.long().argmax(-1), -1)
+    later_sibling = ((parent[:, :, None] == parent[:, None, :]) & (nodes[None, :] > nodes[:, None])
+                     & (parent >= 0)[:, :, None])
+    next_sibling = torch.where(later_sibling.any(-1), later_sibling.long().argmax(-1), -1)
+    return DraftTree(torch.cat((root[:, None], draft_tokens), dim=1), parent, depth, mask, first_child, next_sibling)
 
 
 # step(i, frontier tokens [B, k], input state [B, k, ...], visible [B, k, region]) -> (logits [B, k, V], state)
