@@ -137,14 +137,13 @@ def test_the_model_with_kernels_equals_the_model_without():
     assert out.strip() == "ok"
 
 
-def test_flags_pick_the_kernels_and_cpu_uses_none():
+def test_flags_pick_the_kernels():
     assert Kernels.from_values({}) == Kernels(gemv=True, attention=True)
     assert Kernels.from_values({"bf16_gemm_backend": "torch"}) == Kernels(gemv=False, attention=True)
     assert Kernels.from_values({"attention_backend": "torch_native"}) == Kernels(gemv=True, attention=False)
     assert Kernels.from_values({"attention_backend": "fa3", "decode_attention_backend": "torch_native"}).attention \
         is False
     assert Kernels.from_values({"attention_backend": "fa3"}).attention is True  # no fa3 here: the Triton kernel
-    assert Kernels(gemv=True, attention=True).on(torch.device("cpu")) == Kernels()
 
 
 def test_engine_flags_reach_the_kernels(tmp_path):

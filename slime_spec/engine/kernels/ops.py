@@ -23,10 +23,10 @@ SDPA_BACKENDS = ("torch_native", "flex_attention")  # --attention-backend values
 
 @dataclass(frozen=True)
 class Kernels:
-    """Which Triton kernels a CUDA forward uses; the CPU path uses none."""
+    """Which Triton kernels a CUDA forward uses (the engine sets them on CUDA only; the CPU path uses none)."""
 
     gemv: bool = False       # one-row matmuls of small matrices (gemv.serves; --bf16-gemm-backend)
-    attention: bool = False  # causal attention read in place from the KV cache (--attention-backend)
+    attention: bool = False  # RoPE + cache write + causal attention of decode and verify (--attention-backend)
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> "Kernels":
@@ -36,10 +36,6 @@ class Kernels:
         decode = values.get("decode_attention_backend") or values.get("attention_backend")
         return cls(gemv=(values.get("bf16_gemm_backend") or "auto") in GEMV_BACKENDS,
                    attention=decode not in SDPA_BACKENDS)
-
-    def on(self, device: torch.device) -> "Kernels":
-        """The kernels that apply on `device` (none off CUDA)."""
-        return self if device.type == "cuda" else Kernels()
 
 
 @torch.library.custom_op("slime_spec::gemv", mutates_args=())
