@@ -167,16 +167,17 @@ class Attention(nn.Module):
         (kernels.decode_attention)."""
         B, T, _ = x.shape
         a = self.a
-        if self.qkv is not None:
-            qkv = linear(x, *self.qkv, self.kernels)
-        else:
-            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
-        if mask is None:
+        if mask is None:  # the kernel reads q, k and v from the fused projection's one tensor
+            qkv = linear(x, *self.qkv, self.kernels) if self.qkv is not None else torch.cat(
+                (self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
             out = decode_attention(qkv, cos, sin, cache_k, cache_v, slots, positions, num_keys, a.num_heads,
                                    a.num_kv_heads)
             return linear(out.reshape(B, T, a.num_heads * a.head_dim), self.o_proj.weight, None, self.kernels)
-        q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim],
-                            dim=-1)
+        if self.qkv is not None:
+            q, k, v = linear(x, *self.qkv, self.kernels).split(
+                [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = apply_rope(q.reshape(B, T, a.num_heads, a.head_dim), cos, sin)
         k = apply_rope(k.reshape(B, T, a.num_kv_heads, a.head_dim), cos, sin)
         v = v.reshape(B, T, a.num_kv_heads, a.head_dim)
