@@ -348,3 +348,12 @@ def test_auto_does_not_try_unmeasured_long_drafts_that_are_never_accepted():
     costs = {0: 1.0, 1: 1.9, 2: 2.0, 3: 2.1}
     ks, _ = simulate(auto, 400, lambda step: False, costs, draft_s=0.05, catch_up_s=0.0, batch=1)
     assert 2 not in ks and 3 not in ks and ks[-100:].count(0) >= 95
+
+
+def test_auto_probes_around_a_best_k_it_has_not_measured_yet():
+    """A best k costed optimistically (not yet measured) with a probe due: the probe is charged against that
+    estimate (a KeyError once, seen in an NGRAM run)."""
+    auto = AutoSteps(max_k=3, explore_every=1, max_explore_every=1, explore_budget=1.0)
+    costs = {0: 1.0, 1: 1.9, 2: 2.0, 3: 2.1}
+    ks, _ = simulate(auto, 50, lambda step: step >= 2, costs, draft_s=0.05, catch_up_s=0.0, batch=1)
+    assert 3 in ks

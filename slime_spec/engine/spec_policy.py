@@ -230,7 +230,8 @@ class AutoSteps:
                         return unmeasured[0]
                 b.measured_all = True
         draft, verify = self._estimates(b, donor)
-        best = best_steps(self.accept_rate, draft, self._with_unmeasured(verify, draft))
+        verify = self._with_unmeasured(verify, draft)
+        best = best_steps(self.accept_rate, draft, verify)
         if not b.next_explore:
             b.interval, b.next_explore, b.last_best = self.explore_every, b.steps + self.explore_every, best
         if b.steps < b.next_explore or b.explore_s > self.explore_budget * b.total_s:
