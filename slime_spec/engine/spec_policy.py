@@ -230,7 +230,6 @@ class AutoSteps:
                         return unmeasured[0]
                 b.measured_all = True
         draft, verify = self._estimates(b, donor)
-        verify = self._with_unmeasured(verify, draft)
         best = best_steps(self.accept_rate, draft, verify)
         if not b.next_explore:
             b.interval, b.next_explore, b.last_best = self.explore_every, b.steps + self.explore_every, best
@@ -255,16 +254,17 @@ class AutoSteps:
         """(seconds per draft step, verify seconds per k) for bucket b: its own estimates where it has them, and
         for the rest the donor's, scaled by the median ratio of b's to the donor's costs over the k both measured
         (1.0 before b has measured anything): the shape of cost against k carries over between neighbouring batch
-        sizes better than its level."""
+        sizes better than its level. A k neither has measured is costed optimistically (`_with_unmeasured`)."""
         own = b.verify_cost
         if donor is None:
-            return b.draft_cost or 0.0, own
+            draft = b.draft_cost or 0.0
+            return draft, self._with_unmeasured(own, draft)
         theirs = donor.verify_cost
         ratios = sorted(own[k] / theirs[k] for k in own if k in theirs and theirs[k] > 0)
         scale = ratios[len(ratios) // 2] if ratios else 1.0
         verify = {k: own.get(k, theirs.get(k, 0.0) * scale) for k in sorted(set(own) | set(theirs))}
         draft = b.draft_cost if b.draft_cost is not None else (donor.draft_cost or 0.0) * scale
-        return draft, verify
+        return draft, self._with_unmeasured(verify, draft)
 
     def _with_unmeasured(self, verify: dict[int, float], draft: float) -> dict[int, float]:
         """`verify` with each unmeasured k up to max_k at the optimistic cost of the dearest smaller k measured (a
