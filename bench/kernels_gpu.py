@@ -3,11 +3,12 @@
     python bench/kernels_gpu.py            # the 0.7B shape of bench/engine_gpu.py (hidden 1536, 24 layers)
     python bench/kernels_gpu.py --sweep    # also every gemv tile configuration, per shape
 
-gemv: each decoder matmul of the shape at 1 and 4 rows, as the 24 layers run it (24 distinct weight matrices in
+gemv: each decoder matmul of the shape at 1 to 8 rows (a decode, a verify of k + 1 tokens), as the 24 layers run it (24 distinct weight matrices in
 one graph, so weights stream from HBM as in a step, not from L2), cuBLAS (F.linear) against the gemv kernel;
 GB/s is weight bytes over time. decode_attention: a decode (1 token) and a k=3 verify (4 tokens) over the static
 cache, SDPA's path (rotate q and k, write the cache, gather the rows' keys, mask, cuDNN as in a captured graph)
-against the fused kernel, for 24 layers.
+against the fused kernel, for 24 layers. rms_norm: a layer's residual add and RMSNorm, eager (HF's module: upcast,
+normalise, downcast, weight) against the kernel, 48 per step as in 24 layers.
 Times are the median of graph replays (CUDA events); every kernel output is first checked against float32.
 """
 
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 
 from slime_spec.engine.kernels.decode_attention import decode_attention
 from slime_spec.engine.kernels.gemv import GemvConfig, gemv, gemv_config
-from slime_spec.engine.model import apply_rope, causal_mask, rope_cos_sin
+from slime_spec.engine.kernels.rms_norm import rms_norm
+from slime_spec.engine.model import RMSNorm, apply_rope, causal_mask, rope_cos_sin
 
 SHAPE = dict(hidden=1536, layers=24, heads=12, kv_heads=2, head_dim=128, ffn=4096, vocab=32000)
 
@@ -58,7 +60,7 @@ def matmul_rows(s: dict, sweep: bool) -> list[str]:
               "o_proj": (s["hidden"], s["heads"] * s["head_dim"]), "gate_up": (2 * s["ffn"], s["hidden"]),
               "down": (s["hidden"], s["ffn"]), "lm_head": (s["vocab"], s["hidden"])}
     out = []
-    for (name, (n, k)), rows in itertools.product(shapes.items(), (1, 4)):
+    for (name, (n, k)), rows in itertools.product(shapes.items(), (1, 2, 4, 6, 8)):
         copies = 1 if name == "lm_head" else s["layers"]
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -71,16 +73,16 @@ def matmul_rows(s: dict, sweep: bool) -> list[str]:
         chosen = gemv_config(rows, n, k)
         line = (f"| {name} {n}x{k} | {rows} | {cublas * 1e3 / copies:.1f} | {nbytes / cublas / 1e6:,.0f} | "
                 f"{best * 1e3 / copies:.1f} | {nbytes / best / 1e6:,.0f} | {cublas / best:.2f}x | {err:.1e} |")
-        if sweep:
+        if sweep and rows in (1, 2, 4, 8) and n <= 4096:  # the shapes the kernel may serve
             trials = {}
-            for bn, bk, warps in itertools.product((1, 2, 4, 8, 16), (512, 1024, 2048), (4, 8)):
-                if bn * bk * rows > 32768 or rows > 1:
-                    continue
+            for bn, bk, warps in itertools.product((1, 2, 4, 8), (1024, 2048), (4, 8)):
                 c = GemvConfig(bn, bk, warps)
                 trials[c] = graph_ms(lambda: [gemv(x, w, config=c) for w in ws], replays=20)
             top = sorted(trials.items(), key=lambda kv: kv[1])[:3] if trials else []
             line += " " + ", ".join(f"{c.block_n}/{c.block_k}/{c.num_warps}: {nbytes / t / 1e6:,.0f}" for c, t in top)
             line += f" (chosen {chosen.block_n}/{chosen.block_k}/{chosen.num_warps}) |"
+        elif sweep:
+            line += " - |"
         out.append(line)
         del ws
     return out
@@ -125,9 +127,25 @@ def attention_rows(s: dict) -> list[str]:
     return out
 
 
+def norm_rows(s: dict) -> list[str]:
+    """A residual add and RMSNorm, 2 per layer: eager torch (HF's module) against the kernel."""
+    out = []
+    n = 2 * s["layers"]
+    for rows in (1, 4, 32):
+        norms = [RMSNorm(s["hidden"], 1e-6).to("cuda", torch.bfloat16) for _ in range(n)]
+        x, delta = (torch.randn(rows, s["hidden"], device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        ref = norms[0](x + delta)
+        err = rel_err(rms_norm(x, norms[0].weight, 1e-6, delta)[0], ref.float())
+        assert err < 1e-2, f"rms_norm rows {rows}: relative error {err}"
+        eager = graph_ms(lambda: [norm(x + delta) for norm in norms])
+        fused = graph_ms(lambda: [rms_norm(x, norm.weight, 1e-6, delta) for norm in norms])
+        out.append(f"| {rows} | {eager * 1e3 / n:.1f} | {fused * 1e3 / n:.1f} | {eager / fused:.2f}x | {err:.1e} |")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sweep", action="store_true", help="time every gemv tile configuration per shape")
+    p.add_argument("--sweep", action="store_true", help="time gemv tile configurations at 1, 2, 4 and 8 rows")
     a = p.parse_args(argv)
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -135,6 +153,10 @@ def main(argv: list[str] | None = None) -> None:
           + (" sweep: best block_n/block_k/warps: GB/s |" if a.sweep else ""))
     print("|---|---|---|---|---|---|---|---|" + ("---|" if a.sweep else ""))
     for line in matmul_rows(SHAPE, a.sweep):
+        print(line, flush=True)
+    print("\n| rows | residual add + RMSNorm, eager us | fused kernel us | eager / kernel | rel. err |")
+    print("|---|---|---|---|---|")
+    for line in norm_rows(SHAPE):
         print(line, flush=True)
     print("\n| batch | tokens per row | keys | RoPE + cache write + SDPA us per layer | fused kernel us per layer "
           "| SDPA path / kernel | rel. err |")

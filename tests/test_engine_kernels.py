@@ -31,7 +31,7 @@ def test_gemv_equals_linear_for_every_row_count_with_and_without_bias():
         import torch, torch.nn.functional as F
         from slime_spec.engine.kernels.gemv import gemv, GemvConfig
         torch.manual_seed(0)
-        for rows in (1, 2, 3, 4):
+        for rows in (1, 2, 3, 4, 6, 8):
             for n, k in ((40, 96), (33, 200)):   # widths that are not multiples of the tiles
                 x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
                 for bias in (None, b):
@@ -49,8 +49,8 @@ def test_gemv_equals_linear_for_every_row_count_with_and_without_bias():
 def test_gemv_refuses_more_rows_than_it_holds():
     from slime_spec.engine.kernels.gemv import gemv
 
-    with pytest.raises(ValueError, match="at most 4 rows"):
-        gemv(torch.randn(5, 8), torch.randn(4, 8))
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        gemv(torch.randn(9, 8), torch.randn(4, 8))
 
 
 def test_decode_attention_writes_rotated_keys_and_equals_masked_sdpa_over_the_cache_rows():
@@ -91,14 +91,62 @@ def test_gated_gemv_applies_silu_times_up_as_it_loads():
         import torch, torch.nn.functional as F
         from slime_spec.engine.kernels.gemv import gemv
         torch.manual_seed(0)
-        gate_up, w = torch.randn(1, 2 * 96), torch.randn(40, 96)
-        gate, up = gate_up.chunk(2, dim=-1)
-        ref = F.linear((F.silu(gate) * up).double(), w.double())
-        got = gemv(gate_up, w, gated=True)
-        assert torch.allclose(got.double(), ref, atol=1e-4), (got - ref).abs().max()
+        for rows in (1, 5):
+            gate_up, w = torch.randn(rows, 2 * 96), torch.randn(40, 96)
+            gate, up = gate_up.chunk(2, dim=-1)
+            ref = F.linear((F.silu(gate) * up).double(), w.double())
+            got = gemv(gate_up, w, gated=True)
+            assert torch.allclose(got.double(), ref, atol=1e-4), (got - ref).abs().max()
         print("ok")
     """)
     assert out.strip() == "ok"
+
+
+def test_rms_norm_equals_hf_rmsnorm_with_and_without_the_residual_add():
+    """float32: the math, to float32 rounding; bf16: the sum and the rounding points (Triton's interpreter rounds
+    bf16 toward zero where the GPU rounds to nearest, so here within two bf16 steps; exact on CUDA below)."""
+    out = run_interpreted("""
+        import torch
+        from slime_spec.engine.kernels.rms_norm import rms_norm
+        from slime_spec.engine.model import RMSNorm
+        torch.manual_seed(0)
+        for dim, lead in ((96, (3,)), (200, (2, 5))):   # not powers of two; leading dimensions kept
+            for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -6)):
+                norm = RMSNorm(dim, 1e-6).to(dtype)
+                norm.weight.data = torch.randn(dim).to(dtype)
+                x, delta = torch.randn(*lead, dim).to(dtype), torch.randn(*lead, dim).to(dtype)
+                y, none = rms_norm(x, norm.weight, 1e-6)
+                assert none is None and y.dtype == dtype and y.shape == x.shape
+                assert torch.allclose(y.float(), norm(x).float(), rtol=tol, atol=tol), (y - norm(x)).abs().max()
+                y, h = rms_norm(x, norm.weight, 1e-6, delta)
+                assert torch.allclose(h.float(), (x + delta).float(), rtol=tol, atol=tol)
+                ref = norm(x + delta)
+                assert torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol), (y - ref).abs().max()
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU machine)")
+def test_cuda_rms_norm_rounds_where_hf_rmsnorm_and_the_add_round():
+    from slime_spec.engine.kernels.rms_norm import rms_norm
+    from slime_spec.engine.model import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(1536, 1e-6).to("cuda", torch.bfloat16)
+    norm.weight.data = torch.randn(1536, device="cuda").to(torch.bfloat16)
+    x, delta = (torch.randn(37, 1536, device="cuda").to(torch.bfloat16) for _ in range(2))
+    y, h = rms_norm(x, norm.weight, 1e-6, delta)
+    assert torch.equal(h, x + delta)
+    ref = norm(x + delta)
+    assert (y != ref).float().mean() < 0.01 and torch.allclose(y.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_rms_norm_refuses_a_weight_of_another_width():
+    from slime_spec.engine.kernels.rms_norm import rms_norm
+
+    with pytest.raises(ValueError, match="weight must be"):
+        rms_norm(torch.randn(2, 8), torch.randn(6), 1e-6)
 
 
 def test_the_model_with_kernels_equals_the_model_without():
@@ -117,7 +165,7 @@ def test_the_model_with_kernels_equals_the_model_without():
         slots = torch.tensor([1, 0])
         ids = torch.randint(0, 97, (2, 40))
         outs = []
-        for kernels in (Kernels(), Kernels(gemv=True, attention=True)):
+        for kernels in (Kernels(), Kernels(gemv=True, attention=True, norm=True)):
             model.use_kernels(kernels)
             cache = model.new_cache(3, 64)
             pos = torch.arange(40)[None].expand(2, 40)
@@ -138,9 +186,9 @@ def test_the_model_with_kernels_equals_the_model_without():
 
 
 def test_flags_pick_the_kernels():
-    assert Kernels.from_values({}) == Kernels(gemv=True, attention=True)
-    assert Kernels.from_values({"bf16_gemm_backend": "torch"}) == Kernels(gemv=False, attention=True)
-    assert Kernels.from_values({"attention_backend": "torch_native"}) == Kernels(gemv=True, attention=False)
+    assert Kernels.from_values({}) == Kernels(gemv=True, attention=True, norm=True)
+    assert Kernels.from_values({"bf16_gemm_backend": "torch"}) == Kernels(gemv=False, attention=True, norm=True)
+    assert Kernels.from_values({"attention_backend": "torch_native"}) == Kernels(gemv=True, attention=False, norm=True)
     assert Kernels.from_values({"attention_backend": "fa3", "decode_attention_backend": "torch_native"}).attention \
         is False
     assert Kernels.from_values({"attention_backend": "fa3"}).attention is True  # no fa3 here: the Triton kernel
@@ -154,13 +202,13 @@ def test_engine_flags_reach_the_kernels(tmp_path):
                            num_kv_heads=1, intermediate_size=64, vocab_size=64)
     args = parse_server_args(["--model-path", str(path), "--bf16-gemm-backend", "torch", "--attention-backend",
                               "torch_native"], cuda_available=False)
-    assert args.kernels == Kernels() and not args.ignored_flags
-    assert parse_server_args(["--model-path", str(path)], cuda_available=False).kernels == Kernels(True, True)
+    assert args.kernels == Kernels(norm=True) and not args.ignored_flags  # the norm kernel has no flag (as in SGLang)
+    assert parse_server_args(["--model-path", str(path)], cuda_available=False).kernels == Kernels(True, True, True)
 
 
-def test_gemv_serves_one_row_of_small_matrices_and_splits_depend_on_rows_not_tokens():
+def test_gemv_serves_one_or_two_rows_of_small_matrices_and_splits_depend_on_rows_not_tokens():
     assert serves(1, 2048, 1536) and serves(1, 1536, 1536)
-    assert serves(1, 1536, 4096) and not serves(4, 2048, 1536) and not serves(1, 8192, 1536)
+    assert serves(1, 1536, 4096) and serves(2, 1536, 1536) and not serves(4, 2048, 1536) and not serves(1, 8192, 1536)
     assert supports(32) and supports(128) and not supports(16) and not supports(96)
     assert num_splits(1, 2, 256) == 1 and num_splits(1, 2, 2048) == 8 and num_splits(64, 2, 2048) == 1
 

@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from slime_spec.dtypes import torch_dtype
 from slime_spec.engine.kernels.decode_attention import MAX_QUERY_TOKENS
 from slime_spec.engine.kernels.decode_attention import supports as attention_kernel_supports
-from slime_spec.engine.kernels.ops import Kernels, decode_attention, gated_linear, linear
+from slime_spec.engine.kernels.ops import Kernels, add_rms_norm_op, decode_attention, gated_linear, linear, rms_norm_op
 from slime_spec.trainer import rope as rope_math
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM")
@@ -94,10 +94,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernels = Kernels()  # CausalLM.use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """HF's Llama RMSNorm (float32 statistics, weight applied in the input dtype), as one fused op."""
+        """HF's Llama RMSNorm (float32 statistics, weight applied in the input dtype)."""
+        if self.kernels.norm:
+            return rms_norm_op(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, RMSNorm(h)) with h = x + delta: a residual add and this norm, one kernel where `kernels.norm`."""
+        if self.kernels.norm:
+            return add_rms_norm_op(x, delta, self.weight, self.eps)
+        h = x + delta
+        return h, self(h)
 
 
 @lru_cache(maxsize=None)
@@ -216,8 +226,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(a)
 
     def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, mask, num_keys: int):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, slots, positions, mask, num_keys)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        delta = self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, slots, positions, mask, num_keys)
+        x, normed = self.post_attention_layernorm.add_forward(x, delta)
+        return x + self.mlp(normed)
 
 
 class MTPLayer(DecoderLayer):
@@ -272,12 +283,15 @@ class CausalLM(nn.Module):
             mlp.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])[0]
 
     def use_kernels(self, kernels: Kernels) -> None:
-        """Route this model's one-row matmuls and causal attention through the Triton kernels (engine/kernels); the
-        attention kernel only where it runs this head size."""
+        """Route this model's few-row matmuls, causal attention and norms through the Triton kernels (engine/kernels);
+        the attention kernel only where it runs this head size."""
         kernels = replace(kernels, attention=kernels.attention and attention_kernel_supports(self.args.head_dim))
         self.kernels = kernels
         for layer in self._decoder_layers():
             layer.self_attn.kernels = layer.mlp.kernels = kernels
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernels = kernels
 
     def unfuse_projections(self) -> None:
         """Drop the fused tensors (before weights are released, so their memory goes with the parameters')."""

@@ -19,5 +19,5 @@ def test_the_sdpa_backends_are_sglang_attention_backends():
     assert set(SDPA_BACKENDS) <= choices_of("decode_attention_backend")
 
 
-def test_sglangs_defaults_select_both_kernels():
-    assert Kernels.from_values(defaults_of(engine_parser())) == Kernels(gemv=True, attention=True)
+def test_sglangs_defaults_select_every_kernel():
+    assert Kernels.from_values(defaults_of(engine_parser())) == Kernels(gemv=True, attention=True, norm=True)

@@ -1,7 +1,8 @@
 """The kernels as torch custom ops, and which of them a forward uses (`Kernels`, resolved once from SGLang's flags).
 
 The gemv is a custom op, opaque to torch.compile (`--enable-torch-compile` compiles the decoder layer around it);
-the attention kernel writes the KV cache, so compile breaks the graph around it instead. CUDA graphs capture both
+the attention kernel writes the KV cache, so compile breaks the graph around it instead. The RMSNorm kernel has no
+flag of its own: SGLang's RMSNorm always takes its fused kernel on CUDA. CUDA graphs capture both
 like any kernel. Nothing here imports Triton until a kernel runs.
 """
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from slime_spec.engine.kernels.decode_attention import decode_attention as _decode_attention
 from slime_spec.engine.kernels.gemv import gemv as _gemv
 from slime_spec.engine.kernels.gemv import serves as gemv_serves
+from slime_spec.engine.kernels.rms_norm import rms_norm as _rms_norm
 
 GEMV_BACKENDS = ("auto", "gemv", "cutedsl")  # --bf16-gemm-backend values served by the gemv kernel ("torch": cuBLAS)
 SDPA_BACKENDS = ("torch_native", "flex_attention")  # --attention-backend values that keep torch's SDPA
@@ -27,15 +29,17 @@ class Kernels:
 
     gemv: bool = False       # one-row matmuls of small matrices (gemv.serves; --bf16-gemm-backend)
     attention: bool = False  # RoPE + cache write + causal attention of decode and verify (--attention-backend)
+    norm: bool = False       # RMSNorm with the residual add before it (always, as SGLang's fused_add_rmsnorm)
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> "Kernels":
         """SGLang's flags -> kernels on a CUDA device: the gemv kernel unless `--bf16-gemm-backend torch`, the
         decode-attention kernel unless torch's SDPA is asked for (`--attention-backend torch_native`, or as the
-        decode backend). The embedded engine has no fa3 or flashinfer: those names get its Triton kernel."""
+        decode backend), and the RMSNorm kernel. The embedded engine has no fa3 or flashinfer: those names get its
+        Triton kernel."""
         decode = values.get("decode_attention_backend") or values.get("attention_backend")
         return cls(gemv=(values.get("bf16_gemm_backend") or "auto") in GEMV_BACKENDS,
-                   attention=decode not in SDPA_BACKENDS)
+                   attention=decode not in SDPA_BACKENDS, norm=True)
 
 
 @torch.library.custom_op("slime_spec::gemv", mutates_args=())
@@ -46,6 +50,29 @@ def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
 @gemv_op.register_fake
 def _(x, weight, bias, gated=False):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("slime_spec::rms_norm", mutates_args=())
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm(x, weight, eps)[0]
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("slime_spec::add_rms_norm", mutates_args=())
+def add_rms_norm_op(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta)): a decoder layer's residual add and the norm after it."""
+    normed, h = _rms_norm(x, weight, eps, delta)
+    return h, normed
+
+
+@add_rms_norm_op.register_fake
+def _(x, delta, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
 
 
 @torch.compiler.disable
