@@ -13,6 +13,9 @@ work the device waits for), and the kernels that take the most device time.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import tempfile
 import time
 from collections import defaultdict
@@ -61,7 +64,24 @@ def profile_engine(core: EngineCore, batch: int, tokens: int, top: int) -> list[
              f"({busy / 1e6 / wall:.0%}), idle {wall * 1e3 / steps - ms(busy):.3f} ms/step, {count / steps:.0f} kernels/step"]
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"  {ms(us):7.3f} ms/step  {name}")
+    ops = [e for e in prof.key_averages() if e.key.startswith(("aten::", "cuda")) and e.count >= steps]
+    lines.append("host: the ops launched most often (calls per step, host ms per step)")
+    for e in sorted(ops, key=lambda e: -e.count)[:top]:
+        lines.append(f"  {e.count / steps:6.1f}  {e.self_cpu_time_total / 1e3 / steps:7.3f} ms  {e.key}")
     return lines
+
+
+def host_profile(core: EngineCore, batch: int, tokens: int, top: int) -> list[str]:
+    """cProfile of the host's Python over a decode: the functions with the most time of their own."""
+    prof = cProfile.Profile()
+    prof.enable()
+    steps = decode(core, batch, tokens, seed=2)
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    lines = [f"cProfile over {steps} steps (tottime / cumtime are per run; divide by steps):"]
+    return lines + [line for line in out.getvalue().splitlines() if line.strip()][-top - 1:]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=5, help="the chain's draft steps k")
     p.add_argument("--tokens", type=int, default=96, help="new tokens per request")
-    p.add_argument("--top", type=int, default=12, help="kernels listed per engine")
+    p.add_argument("--top", type=int, default=12, help="kernels and host ops listed per engine")
+    p.add_argument("--cprofile", action="store_true", help="also profile the speculative engine's Python")
     a = p.parse_args(argv)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
                               context_length=32 + a.tokens + a.steps + 8, cuda_graph=graphs)
             print(f"\n{name}, batch {a.batch}:")
             print("\n".join(profile_engine(core, a.batch, a.tokens, a.top)), flush=True)
+            if spec is not None and a.cprofile:
+                print("\n".join(host_profile(core, a.batch, a.tokens, 3 * a.top)), flush=True)
             del core
 
 

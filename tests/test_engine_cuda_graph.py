@@ -159,3 +159,44 @@ def test_llama31_rope_target_captures_graphs(tmp_path):
         while core.has_work():
             outputs += [o.output_ids for o in core.step()]
     assert outputs[0] == outputs[1]
+
+
+def test_mtp_chain_graph_drafts_what_the_step_by_step_chain_drafts(tmp_path):
+    """The whole greedy MTP chain as one padded static forward (capture=False: the graph's shapes, run eagerly on
+    CPU) gives the tokens the step-by-step chain gives, for every k, on a batch padded to a captured size."""
+    from slime_spec.engine.cuda_graph import graph_model, mtp_chain_name
+    from slime_spec.engine.drafters.base import argmax_pick
+    from slime_spec.engine.drafters.mtp import MTPDrafter
+    from slime_spec.engine.model import load_model
+    from slime_spec.engine.request import Row
+    from slime_spec.tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", arch="mimo", mtp_layers=1, hidden_size=64, num_layers=2, vocab_size=128)
+    model, _ = load_model(path)
+    drafter = MTPDrafter(model, 4, slots=5, max_seq=64)
+    cache = model.new_cache(5, 64)
+    graphs = graph_model(model, cache, drafter.cache, CudaGraphSettings(batch_sizes=(1, 4)), max_running_requests=4,
+                         max_draft_tokens=4, max_seq=64, capture=False)
+    assert {mtp_chain_name(k) for k in range(1, 5)} <= set(graphs)
+    torch.manual_seed(0)
+    rows = [Row(req=None, slot=slot, tokens=torch.randint(0, 128, (n,)).tolist(), kv_len=n - 1)
+            for slot, n in zip((2, 0, 3), (7, 12, 9))]
+    drafter.next_hidden.copy_(torch.randn_like(drafter.next_hidden))
+    with torch.no_grad():
+        for c in drafter.cache.k + drafter.cache.v:  # context keys/values: a step at a wrong position reads others
+            c.normal_()
+        context = [c.clone() for c in drafter.cache.k + drafter.cache.v]
+        for k in (1, 2, 4):
+            drafter.k = k
+            model.graphs = {}
+            eager, _ = drafter.sample_draft(rows, argmax_pick)
+            written = [c.clone() for c in drafter.cache.k + drafter.cache.v]
+            for c, before in zip(drafter.cache.k + drafter.cache.v, context):
+                c.copy_(before)
+            model.graphs = graphs
+            calls = graphs[mtp_chain_name(k)].calls
+            whole, q = drafter.sample_draft(rows, argmax_pick)
+            assert graphs[mtp_chain_name(k)].calls == calls + 1 and q is None
+            assert whole.shape == (3, k) and torch.equal(whole, eager), (k, whole, eager)
+            for c, ref in zip(drafter.cache.k + drafter.cache.v, written):  # the same keys/values at the same places
+                torch.testing.assert_close(c[:4], ref[:4])

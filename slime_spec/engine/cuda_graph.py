@@ -24,6 +24,7 @@ import time
 from bisect import bisect_left
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -244,8 +245,32 @@ def graph_model(model, cache, mtp_cache, settings: CudaGraphSettings, *, max_run
         hidden = ((model.args.hidden_size,), model.lm_head.weight.dtype)
         graphs["mtp"] = GraphedForward(mtp, cache=mtp_cache, extra={"prev_hidden": hidden}, **common, **compile_args,
                                        compiled_fn=compiled_mtp if compile_args else None)
+        for k in range(1, max_draft_tokens + 1):
+            graphs[mtp_chain_name(k)] = GraphedForward(partial(mtp_chain, model, mtp_cache, k), cache=mtp_cache,
+                                                       extra={"prev_hidden": hidden}, **{**common, "token_counts": [1]})
     capture_on_one_pool(list(graphs.values()), settings.enable_cudagraph_gc)
     return graphs
+
+
+def mtp_chain_name(k: int) -> str:
+    return f"mtp_chain{k}"
+
+
+def mtp_chain(model, mtp_cache, k: int, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              num_keys: int, prev_hidden: torch.Tensor) -> torch.Tensor:
+    """A greedy MTP draft chain of k tokens [B, k] in one forward (captured as one graph, SGLang's EAGLE draft
+    runner captures its draft steps together): the first from the lm_head over the hidden state the last extend
+    left (prev_hidden [B, 1, H]), each further one from the MTP layer run on the previous token and its own output
+    hidden, at positions[:, 0] + j - 1. ids: unused, the chain's tokens come from the hidden states. Every step reads
+    num_keys keys (the last step's count): attention masks keys past each query's own position, so a step that
+    needs fewer reads the same ones."""
+    hidden, tokens = prev_hidden[:, 0], []
+    for j in range(k):
+        if j > 0:
+            hidden = model.eager_mtp_forward(tokens[-1][:, None], hidden[:, None], positions + (j - 1), mtp_cache,
+                                             slots, num_keys=num_keys, graphed=True)[:, 0]
+        tokens.append(model.logits(hidden).argmax(-1))
+    return torch.stack(tokens, dim=1)
 
 
 def capture_on_one_pool(graphs: list[GraphedForward], enable_cudagraph_gc: bool) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from slime_spec.engine import tree, tree_graphs
-from slime_spec.engine.cuda_graph import GraphedForward, key_buckets
+from slime_spec.engine.cuda_graph import GraphedForward, key_buckets, mtp_chain_name
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of, tree_frame
 from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names
 from slime_spec.engine.transfer import device_tensor
@@ -53,11 +53,10 @@ class MTPDrafter:
         self.pending.clear()
         self.pending_steps.clear()
 
-    def _extend(self, rows, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+    def _extend(self, slots: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 last: torch.Tensor, num_keys: int | None = None) -> None:
-        slots = slots_of(rows, tokens.device)
         out = self.target.mtp_forward(tokens, hidden, positions, self.cache, slots, num_keys=num_keys)
-        self.next_hidden[slots] = out[torch.arange(len(rows), device=out.device), last]
+        self.next_hidden[slots] = out[torch.arange(len(slots), device=out.device), last]
 
     def on_prefill(self, rows, hidden: torch.Tensor) -> None:
         """Queue the extend over each prompt: position p reads token x_{p+1} (the prompt shifted, plus the first
@@ -88,7 +87,8 @@ class MTPDrafter:
             del self.pending_steps[step]
         start = device_tensor([q[0][2] for q in queued], device)
         positions = start[:, None] + torch.arange(tokens.shape[1], device=device)[None]
-        self._extend(behind, tokens, hidden, positions, device_tensor([n - 1 for n in lengths], device))
+        last = device_tensor([n - 1 for n in lengths], device)
+        self._extend(slots_of(behind, device), tokens, hidden, positions, last)
         return True
 
     def propose(self, rows) -> torch.Tensor:
@@ -97,12 +97,15 @@ class MTPDrafter:
     def sample_draft(self, rows, pick: DraftPick) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k draft tokens per row, each picked from the MTP layer's logits: one batched MTP + lm_head call per
         step for all rows. The first reads the hidden state the last extend left; each further one runs the layer
-        on its own output. The engine runs `catch_up_deferred` first (speculative.catch_up)."""
+        on its own output. The engine runs `catch_up_deferred` first (speculative.catch_up). Greedy drafting (SGLang's)
+        replays the whole chain as one captured graph where there is one (cuda_graph.mtp_chain)."""
         device = self.next_hidden.device
-        slots = slots_of(rows, device)
-        pos = device_tensor([r.kv_len for r in rows], device)
+        slots, pos = device_tensor([(r.slot, r.kv_len) for r in rows], device).unbind(1)  # one host-to-device copy
         max_kv = max(r.kv_len for r in rows)  # host-side key count: a captured graph cannot read positions back
         hidden = self.next_hidden[slots]
+        whole = self.target.graphs.get(mtp_chain_name(self.k)) if pick is argmax_pick else None
+        if whole is not None and whole.serves(self.cache, pos[:, None], max_kv + self.k - 1):
+            return whole(pos[:, None], pos[:, None], slots, max_kv + self.k - 1, prev_hidden=hidden[:, None]), None
 
         def step(j: int, token: torch.Tensor | None) -> torch.Tensor:
             nonlocal hidden
@@ -156,13 +159,13 @@ class MTPDrafter:
             return
         device = hidden.device
         k1 = hidden.shape[1]  # the verify pass's k + 1 positions
-        # Row i verified positions n..n+k; its newly committed tokens x_{n+1}..x_{n+a+1} are tokens[-(a+1):].
-        tokens = pad([r.tokens[len(r.tokens) - a - 1:] for r, a in zip(rows, accepted)], device)
-        tokens = torch.nn.functional.pad(tokens, (0, k1 - tokens.shape[1]))
-        start = device_tensor([r.kv_len - a - 1 for r, a in zip(rows, accepted)], device)
-        positions = start[:, None] + torch.arange(k1, device=device)[None]
+        # Row i verified positions n..n+k; its newly committed tokens x_{n+1}..x_{n+a+1} are tokens[-(a+1):]. One
+        # host-to-device copy per row: those tokens padded to k + 1, the first position, the slot, a.
+        table = device_tensor([r.tokens[len(r.tokens) - a - 1:] + [0] * (k1 - a - 1) + [r.kv_len - a - 1, r.slot, a]
+                               for r, a in zip(rows, accepted)], device)
+        positions = table[:, k1, None] + torch.arange(k1, device=device)[None]
         num_keys = max(r.kv_len - a - 1 for r, a in zip(rows, accepted)) + k1
-        self._extend(rows, tokens, hidden, positions, device_tensor(accepted, device), num_keys)
+        self._extend(table[:, k1 + 1], table[:, :k1], hidden, positions, table[:, k1 + 2], num_keys)
 
     def defer(self, rows, hidden: torch.Tensor, positions: list[int]) -> None:
         """Queue a plain step for the next draft's batched extend: row i's step read position positions[i], whose
