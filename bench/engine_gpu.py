@@ -488,7 +488,6 @@ def main(argv=None) -> None:
                 best = results[name].get(b)
                 if best is None or tps > best[0]:
                     results[name][b] = (tps, acc)
-    del cores
     what = (f"target SFT-trained on {a.digits}-digit worked addition, greedy to EOS" if task is not None else
             f"random target, {a.new_tokens} tokens per request")
     print(f"\nspeculative rows ({what}); tokens/s counts generated tokens over wall time")
@@ -498,6 +497,10 @@ def main(argv=None) -> None:
         base = results[rows[name].baseline]
         cells = [f"{by_b[b][0]:,.0f} ({by_b[b][1]:.2f}) {by_b[b][0] / base[b][0]:.2f}x" for b in spec_b]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    for name, core in cores.items():
+        if hasattr(core.policy, "describe"):  # --spec-auto: what it measured and chose
+            print(f"\n{name}: {core.policy.describe()}")
+    del cores
 
     # ---- a rollout-shaped batch: most responses short, a few several times longer
     n = min(a.tail_requests, max(spec_b))

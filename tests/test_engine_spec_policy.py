@@ -357,3 +357,16 @@ def test_auto_probes_around_a_best_k_it_has_not_measured_yet():
     costs = {0: 1.0, 1: 1.9, 2: 2.0, 3: 2.1}
     ks, _ = simulate(auto, 50, lambda step: step >= 2, costs, draft_s=0.05, catch_up_s=0.0, batch=1)
     assert 3 in ks
+
+
+def test_auto_describes_its_estimates_per_bucket_and_the_k_it_would_choose():
+    from slime_spec.engine.spec_policy import AutoSteps
+
+    policy = AutoSteps(2)
+    verify = {0: 1.0e-3, 1: 1.1e-3, 2: 1.2e-3}
+    for _ in range(12):
+        k = policy.choose(1)
+        policy.observe(1, k, [k], 0.1e-3 * k, verify[k])  # every draft accepted: the longest chain wins
+    text = policy.describe()
+    assert text.startswith("accept rate 0.9") and "batch <= 1: 12 steps" in text
+    assert "verify ms by k {0: 1.00, 1: 1.10, 2: 1.20}" in text and text.endswith("best k 2")

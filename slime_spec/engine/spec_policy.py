@@ -243,6 +243,17 @@ class AutoSteps:
         b.probing = (probe, best * draft + verify[best]) if probe != best else None
         return probe
 
+    def describe(self) -> str:
+        """What the policy believes, per batch-size bucket: the accept rate, ms per draft step, ms per verify by k,
+        and the k it would choose now (for benchmarks and logs: why auto speculation drafts what it drafts)."""
+        parts = [f"accept rate {self.accept_rate:.3f}"]
+        for key, b in sorted(self.buckets.items()):
+            draft, verify = self._estimates(b, None if b.measured_all else self._donor(key))
+            costs = ", ".join(f"{k}: {1e3 * c:.2f}" + ("" if k in b.verify_cost else "*") for k, c in verify.items())
+            parts.append(f"batch <= {key}: {b.steps} steps, draft {1e3 * draft:.3f} ms/step, verify ms by k "
+                         f"{{{costs}}} (* not measured), best k {best_steps(self.accept_rate, draft, verify)}")
+        return "; ".join(parts)
+
     def _donor(self, key: int) -> "_Bucket | None":
         """The warmed bucket nearest to `key` (in powers of two; the larger on a tie), None if there is none."""
         warmed = [k for k, b in self.buckets.items() if b.measured_all and k != key]
