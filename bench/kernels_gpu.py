@@ -1,7 +1,7 @@
 """The engine's Triton kernels against what they replace, on one GPU: correctness, then time inside CUDA graphs.
 
     python bench/kernels_gpu.py            # the 0.7B shape of bench/engine_gpu.py (hidden 1536, 24 layers)
-    python bench/kernels_gpu.py --sweep    # also every gemv tile configuration, per shape
+    python bench/kernels_gpu.py --sweep    # also gemv tile configurations at 1, 2, 4 and 8 rows
 
 gemv: each decoder matmul of the shape at 1 to 8 rows (a decode, a verify of k + 1 tokens), as the 24 layers run it (24 distinct weight matrices in
 one graph, so weights stream from HBM as in a step, not from L2), cuBLAS (F.linear) against the gemv kernel;
