@@ -27,8 +27,8 @@ class GemvConfig:
 
 
 def gemv_config(rows: int, n: int, k: int) -> GemvConfig:
-    """Tiles for (rows, N, K), from a tile sweep on an H200 (bench/kernels_gpu.py --sweep): as few columns per program
-    as there are rows (1 or 2, up to 4), the whole row of K (up to 2048) in one chunk, so each program has many 16-byte
+    """Tiles for (rows, N, K), from the tile sweep of bench/kernels_gpu.py on an H200: as few columns per program as
+    there are rows (1 or 2, up to 4), the whole row of K (up to 2048) in one chunk, so each program has many 16-byte
     loads in flight. Registers hold the W tile (block_n x block_k) and one row of x at a time."""
     return GemvConfig(block_n=min(4, _pow2(rows)), block_k=min(2048, max(64, _pow2(k))), num_warps=4)
 
