@@ -176,7 +176,7 @@ def test_mtp_chain_graph_drafts_what_the_step_by_step_chain_drafts(tmp_path):
     drafter = MTPDrafter(model, 4, slots=5, max_seq=64)
     cache = model.new_cache(5, 64)
     graphs = graph_model(model, cache, drafter.cache, CudaGraphSettings(batch_sizes=(1, 4)), max_running_requests=4,
-                         max_draft_tokens=4, max_seq=64, capture=False)
+                         max_draft_tokens=4, max_seq=64, capture=False, chain_lengths=(1, 2, 3, 4))
     assert {mtp_chain_name(k) for k in range(1, 5)} <= set(graphs)
     torch.manual_seed(0)
     rows = [Row(req=None, slot=slot, tokens=torch.randint(0, 128, (n,)).tolist(), kv_len=n - 1)

@@ -370,3 +370,14 @@ def test_auto_describes_its_estimates_per_bucket_and_the_k_it_would_choose():
     text = policy.describe()
     assert text.startswith("accept rate 0.9") and "batch <= 1: 12 steps" in text
     assert "verify ms by k {0: 1.00, 1: 1.10, 2: 1.20}" in text and text.endswith("best k 2")
+
+
+def test_each_policy_names_the_draft_lengths_it_may_choose():
+    """What the engine captures a greedy draft-chain graph for: every k > 0 a step may ask for."""
+    from slime_spec.engine.spec_policy import AdaptiveSteps, AutoSteps, FixedSteps
+
+    assert FixedSteps(3).draft_lengths() == (3,) and FixedSteps(0).draft_lengths() == ()
+    assert AutoSteps(3).draft_lengths() == (1, 2, 3)
+    adaptive = AdaptiveSteps(3)
+    assert adaptive.draft_lengths() == tuple(sorted({c for t in adaptive.tiers.values() for c in t.candidates} - {0}))
+    assert adaptive.max_k in adaptive.draft_lengths()

@@ -420,7 +420,8 @@ class EngineCore:
         self.model.graphs = graph_model(self.model, self.cache, mtp_cache, self.cuda_graph,
                                         max_running_requests=self.max_running_requests,
                                         max_draft_tokens=widest, max_seq=self.max_seq,
-                                        aux_layer_ids=getattr(self.drafter, "aux_layer_ids", None))
+                                        aux_layer_ids=getattr(self.drafter, "aux_layer_ids", None),
+                                        chain_lengths=self.policy.draft_lengths() if self.policy is not None else ())
         draft = self._causal_lms()[1:]
         if draft:
             # A STANDALONE draft's one-token chain steps, and its catch-up before each chain: 1 or 2 tokens after a

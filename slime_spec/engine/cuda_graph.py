@@ -207,12 +207,15 @@ class GraphedForward:
 
 def graph_model(model, cache, mtp_cache, settings: CudaGraphSettings, *, max_running_requests: int,
                 max_draft_tokens: int, max_seq: int, capture: bool = True,
-                aux_layer_ids: list[int] | None = None) -> dict[str, GraphedForward]:
+                aux_layer_ids: list[int] | None = None, chain_lengths: tuple[int, ...] = ()
+                ) -> dict[str, GraphedForward]:
     """Captured decode/verify forwards of `model` (and of its MTP layer when `mtp_cache` is given), on one
     memory pool. The caches hold one slot more than `max_running_requests`: the scratch slot of padded rows.
     Token counts cover every verify width up to k+1, since adaptive and auto speculation change k per step.
     aux_layer_ids (EAGLE3): instead, the forward that also returns those layers' outputs, as "target_aux", its
-    output the final hidden states and the aux states concatenated on the last dimension."""
+    output the final hidden states and the aux states concatenated on the last dimension.
+    chain_lengths: the k a greedy MTP draft chain may have (the step policy's `draft_lengths`), one
+    `mtp_chain` graph each."""
     sizes = settings.capture_sizes(max_running_requests, speculative=max_draft_tokens > 0)
     common = dict(batch_sizes=sizes, token_counts=list(range(1, max_draft_tokens + 2)), key_counts=key_buckets(max_seq),
                   scratch_slot=max_running_requests, device=model.lm_head.weight.device, capture=capture)
@@ -245,7 +248,7 @@ def graph_model(model, cache, mtp_cache, settings: CudaGraphSettings, *, max_run
         hidden = ((model.args.hidden_size,), model.lm_head.weight.dtype)
         graphs["mtp"] = GraphedForward(mtp, cache=mtp_cache, extra={"prev_hidden": hidden}, **common, **compile_args,
                                        compiled_fn=compiled_mtp if compile_args else None)
-        for k in range(1, max_draft_tokens + 1):
+        for k in chain_lengths:
             graphs[mtp_chain_name(k)] = GraphedForward(partial(mtp_chain, model, mtp_cache, k), cache=mtp_cache,
                                                        extra={"prev_hidden": hidden}, **{**common, "token_counts": [1]})
     capture_on_one_pool(list(graphs.values()), settings.enable_cudagraph_gc)

@@ -46,6 +46,10 @@ class FixedSteps:
     def choose(self, batch_size: int) -> int:
         return self.max_k
 
+    def draft_lengths(self) -> tuple[int, ...]:
+        """Every k > 0 `choose` may return (what the engine captures a draft chain graph for)."""
+        return (self.max_k,) if self.max_k > 0 else ()
+
     def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float,
                 switch_s: float = 0.0) -> None:
         return None
@@ -126,6 +130,10 @@ class AdaptiveSteps:
 
     def choose(self, batch_size: int) -> int:
         return self.tier(batch_size).current
+
+    def draft_lengths(self) -> tuple[int, ...]:
+        """Every k > 0 `choose` may return: the tiers' candidates."""
+        return tuple(sorted({c for t in self.tiers.values() for c in t.candidates if c > 0}))
 
     def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float,
                 switch_s: float = 0.0) -> None:
@@ -242,6 +250,10 @@ class AutoSteps:
         probe = min(best + 1, self.max_k) if b.explores % 2 or best == 0 else best - 1
         b.probing = (probe, best * draft + verify[best]) if probe != best else None
         return probe
+
+    def draft_lengths(self) -> tuple[int, ...]:
+        """Every k > 0 `choose` may return: 1..max_k."""
+        return tuple(range(1, self.max_k + 1))
 
     def describe(self) -> str:
         """What the policy believes, per batch-size bucket: the accept rate, ms per draft step, ms per verify by k,
