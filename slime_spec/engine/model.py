@@ -103,11 +103,11 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, RMSNorm(h)) with h = x + delta: a residual add and this norm, one kernel where `kernels.norm`."""
+        """(RMSNorm(h), h) with h = x + delta: a residual add and this norm, one kernel where `kernels.norm`."""
         if self.kernels.norm:
             return add_rms_norm_op(x, delta, self.weight, self.eps)
         h = x + delta
-        return h, self(h)
+        return self(h), h
 
 
 @lru_cache(maxsize=None)
@@ -227,7 +227,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, mask, num_keys: int):
         delta = self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, slots, positions, mask, num_keys)
-        x, normed = self.post_attention_layernorm.add_forward(x, delta)
+        normed, x = self.post_attention_layernorm.add_forward(x, delta)
         return x + self.mlp(normed)
 
 

@@ -56,19 +56,22 @@ class Eagle3Drafter:
         w = self.target.lm_head.weight
         common = dict(batch_sizes=settings.capture_sizes(max_running_requests, speculative=True),
                       scratch_slot=max_running_requests, device=w.device, capture=capture)
-        hidden = {"hidden": ((self.draft.config["hidden_size"],), w.dtype)}
-        self.graphs = {"step": GraphedForward(self._run, token_counts=[1], extra=hidden, **self._graph_args(common)),
+        self.graphs = {"step": GraphedForward(self._run, token_counts=[1], extra=self._hidden_input(),
+                                              **self._graph_args(common)),
                        "extend": self._extend_graph(list(range(1, self.max_k + 2)), common)}
         return capture_on_one_pool(list(self.graphs.values()), settings.enable_cudagraph_gc)
 
     def tree_graphs(self, shape: tree.TreeShape, common: dict) -> list[GraphedForward]:
         """A tree's graphs (tree_graphs.capture_tree_graphs captures them): its draft steps over each row's topk
         frontier ("tree") and the extend over an accepted path, padded to steps + 1 positions ("extend")."""
-        hidden = {"hidden": ((self.draft.config["hidden_size"],), self.target.lm_head.weight.dtype)}
         self.graphs = {"tree": tree_graphs.tree_graph(self._tree_step, nodes=shape.topk, region=shape.draft_region,
-                                                      cache=self.cache, common=common, extra=hidden),
+                                                      cache=self.cache, common=common, extra=self._hidden_input()),
                        "extend": self._extend_graph([shape.steps + 1], common)}
         return list(self.graphs.values())
+
+    def _hidden_input(self) -> dict:
+        """A draft step's hidden-state input (the head's own previous output), as GraphedForward's `extra`."""
+        return {"hidden": ((self.draft.config["hidden_size"],), self.target.lm_head.weight.dtype)}
 
     def _graph_args(self, common: dict) -> dict:
         """The shared GraphedForward arguments, with this head's KV cache and its key buckets."""

@@ -14,6 +14,8 @@ from functools import lru_cache
 
 import torch
 
+from slime_spec.engine.kernels import as_rows
+
 MAX_ROWS = 8  # the kernel's limit: rows are unrolled, one accumulator each
 SERVED_MAX_N = 4096  # the engine routes matmuls of at most SERVED_MAX_ROWS rows and this many outputs here (`serves`)
 SERVED_MAX_ROWS = 2
@@ -87,9 +89,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
     k = x.shape[-1] // 2 if gated else x.shape[-1]
     n = weight.shape[0]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = as_rows(x)
     rows = x2.shape[0]
     if rows > MAX_ROWS or weight.stride(-1) != 1 or weight.shape[1] != k:
         raise ValueError(f"gemv: x {tuple(x.shape)} weight {tuple(weight.shape)} stride {weight.stride()}: needs at "

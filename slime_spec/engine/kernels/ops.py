@@ -65,9 +65,8 @@ def _(x, weight, eps):
 @torch.library.custom_op("slime_spec::add_rms_norm", mutates_args=())
 def add_rms_norm_op(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, RMSNorm(x + delta)): a decoder layer's residual add and the norm after it."""
-    normed, h = _rms_norm(x, weight, eps, delta)
-    return h, normed
+    """(RMSNorm(x + delta), x + delta): a decoder layer's residual add and the norm after it (kernels.rms_norm)."""
+    return _rms_norm(x, weight, eps, delta)
 
 
 @add_rms_norm_op.register_fake

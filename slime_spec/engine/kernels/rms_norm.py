@@ -13,6 +13,8 @@ from functools import lru_cache
 
 import torch
 
+from slime_spec.engine.kernels import as_rows
+
 
 @lru_cache(maxsize=None)
 def _kernel():
@@ -39,11 +41,6 @@ def _kernel():
     return rms_norm_kernel
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(RMSNorm(h), h) with h = x + delta, or (RMSNorm(x), None) without delta; HF Llama's RMSNorm (float32
@@ -54,8 +51,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
     if weight.shape != (n,) or (delta is not None and delta.shape != x.shape):
         raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, delta "
                          f"{None if delta is None else tuple(delta.shape)}: the weight must be [{n}] and delta x's shape")
-    x2 = _rows(x)
-    d2 = _rows(delta) if delta is not None else x2
+    x2 = as_rows(x)
+    d2 = as_rows(delta) if delta is not None else x2
     rows = x2.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     h = torch.empty_like(y) if delta is not None else y
