@@ -8,7 +8,9 @@ one graph, so weights stream from HBM as in a step, not from L2), cuBLAS (F.line
 GB/s is weight bytes over time. decode_attention: a decode (1 token) and a k=3 verify (4 tokens) over the static
 cache, SDPA's path (rotate q and k, write the cache, gather the rows' keys, mask, cuDNN as in a captured graph)
 against the fused kernel, for 24 layers. rms_norm: a layer's residual add and RMSNorm, eager (HF's module: upcast,
-normalise, downcast, weight) against the kernel, 48 per step as in 24 layers.
+normalise, downcast, weight) against the kernel, 48 per step as in 24 layers. Then the attention kernel's two grids
+for a verify (several tokens per row): one program per row for all its tokens in turn, against one per token (the
+engine's).
 Times are the median of graph replays (CUDA events); every kernel output is first checked against float32.
 """
 
@@ -127,6 +129,34 @@ def attention_rows(s: dict) -> list[str]:
     return out
 
 
+def attention_grid_rows(s: dict) -> list[str]:
+    """The attention kernel for a verify, one program per row (its tokens in turn) against one per token (side by
+    side), per layer over 24 layers' caches."""
+    h, kvh, d = s["heads"], s["kv_heads"], s["head_dim"]
+    out = []
+    for batch, tokens, keys in itertools.product((1, 8, 32, 64, 128), (2, 4, 6), (256, 2048)):
+        max_seq = keys + 8
+        caches = [(torch.randn(batch + 1, max_seq, kvh, d, device="cuda", dtype=torch.bfloat16),
+                   torch.randn(batch + 1, max_seq, kvh, d, device="cuda", dtype=torch.bfloat16))
+                  for _ in range(s["layers"])]
+        qkv = torch.randn(batch, tokens, (h + 2 * kvh) * d, device="cuda", dtype=torch.bfloat16)
+        slots = torch.arange(batch, device="cuda")
+        lengths = torch.randint(keys // 2, keys - tokens + 1, (batch,), device="cuda")
+        positions = lengths[:, None] + torch.arange(tokens, device="cuda")[None]
+        cos, sin = rope_cos_sin(positions, d, 10000.0, torch.bfloat16)
+        ck, cv = caches[0]
+        by_row, by_token = (decode_attention(qkv, cos, sin, ck, cv, slots, positions, keys, h, kvh, per_token=flag)
+                            for flag in (False, True))
+        assert torch.equal(by_row, by_token), f"batch {batch} tokens {tokens} keys {keys}: the grids disagree"
+        t_row, t_token = (graph_ms(lambda flag=flag: [decode_attention(qkv, cos, sin, ck, cv, slots, positions, keys, h,
+                                                                       kvh, per_token=flag) for ck, cv in caches])
+                          for flag in (False, True))
+        n = s["layers"]
+        out.append(f"| {batch} | {tokens} | {keys} | {t_row * 1e3 / n:.1f} | {t_token * 1e3 / n:.1f} | "
+                   f"{t_row / t_token:.2f}x |")
+    return out
+
+
 def norm_rows(s: dict) -> list[str]:
     """A residual add and RMSNorm, 2 per layer: eager torch (HF's module) against the kernel."""
     out = []
@@ -146,9 +176,17 @@ def norm_rows(s: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sweep", action="store_true", help="time gemv tile configurations at 1, 2, 4 and 8 rows")
+    p.add_argument("--attention-grids", action="store_true", help="only the attention kernel's two grids for a verify")
     a = p.parse_args(argv)
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("\n| batch | tokens per row | keys | a program per row us per layer | a program per token us per layer "
+          "| per row / per token |")
+    print("|---|---|---|---|---|---|")
+    for line in attention_grid_rows(SHAPE):
+        print(line, flush=True)
+    if a.attention_grids:
+        return
     print("\n| matmul (N x K) | rows | cuBLAS us | cuBLAS GB/s | gemv us | gemv GB/s | cuBLAS / gemv | gemv rel. err |"
           + (" sweep: best block_n/block_k/warps: GB/s |" if a.sweep else ""))
     print("|---|---|---|---|---|---|---|---|" + ("---|" if a.sweep else ""))

@@ -25,10 +25,10 @@ from slime_spec.rollout.metrics import SPEC_PHASES
 SIZES = {  # name: model, data and loop sizes
     "full": dict(hidden=128, layers=12, ffn=256, sft_steps=200, sft_batch=32, n_train=2000, n_eval=32,
                  grpo_steps=20, prompts=8, samples=8, updates_per_rollout=2, digits=3, max_response_len=128,
-                 speedup_interval=4),
+                 speedup_interval=4, terse_share=0.35, rm_type="scratchpad_concise"),
     "smoke": dict(hidden=64, layers=2, ffn=128, sft_steps=20, sft_batch=16, n_train=80, n_eval=8,
                   grpo_steps=2, prompts=4, samples=4, updates_per_rollout=2, digits=2, max_response_len=96,
-                  speedup_interval=2),
+                  speedup_interval=2, terse_share=0.35, rm_type="scratchpad_concise"),
 }
 # NEXTN with the MTP layer; --spec-auto picks k in 0..3 per step from measured costs and accept rate, so a draft
 # that does not pay (the frozen one drifting, a large batch on CPU) falls back to plain steps (docs/en/benchmarks.md).
@@ -50,7 +50,7 @@ def make_model_and_data(out: Path, size: dict, seed: int, arch: str = "mimo") ->
     model = make_tiny_model(out / "model_init", arch=arch, hidden_size=size["hidden"], num_layers=size["layers"],
                             num_heads=4, num_kv_heads=2, intermediate_size=size["ffn"], max_position_embeddings=256,
                             seed=seed, **family)
-    train, evals = split_problems(size["n_train"], size["n_eval"], seed, size["digits"])
+    train, evals = split_problems(size["n_train"], size["n_eval"], seed, size["digits"], size["terse_share"])
     return model, write_jsonl(train, out / "data" / "train.jsonl"), write_jsonl(evals, out / "data" / "eval.jsonl"), train
 
 
@@ -118,7 +118,7 @@ def grpo_task_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path
     n = size["prompts"] * size["samples"] // size["updates_per_rollout"]  # PPO minibatches per rollout
     argv = ["--hf-checkpoint", str(model), "--rollout-backend", "embedded", "--rollout-num-engines", "1",
             "--prompt-data", str(train_data), "--input-key", "prompt", "--label-key", "label",
-            "--rm-type", "scratchpad", "--rollout-skip-special-tokens", "--rollout-shuffle",
+            "--rm-type", size["rm_type"], "--rollout-skip-special-tokens", "--rollout-shuffle",
             "--num-rollout", str(size["grpo_steps"]), "--rollout-batch-size", str(size["prompts"]),
             "--n-samples-per-prompt", str(size["samples"]), "--rollout-max-response-len", str(size["max_response_len"]),
             "--rollout-temperature", "1.0", "--global-batch-size", str(n), "--micro-batch-size", str(n),
@@ -240,6 +240,10 @@ def finish(out: Path, trained: dict, frozen: dict | None, elapsed_s: float, titl
         if run:
             print(f"  accept length {run['accept_length_first_quarter_mean']:.3f} -> "
                   f"{run['accept_length_last_quarter_mean']:.3f} ({name})")
+    for name, run in (("MTP trained online", trained), ("draft frozen", frozen)):
+        if run and run.get("accept_rate_first_quarter_mean") is not None:
+            print(f"  accept rate   {run['accept_rate_first_quarter_mean']:.3f} -> "
+                  f"{run['accept_rate_last_quarter_mean']:.3f} (accepted / drafted tokens: the draft's quality) ({name})")
     for name, run in (("MTP trained online", trained), ("draft frozen", frozen)):
         if run and run.get("spec_speedup") is not None:
             print(f"  spec_speedup  {run['spec_speedup']:.2f}x over the run (first {run['spec_speedup_first']:.2f}x, "

@@ -60,6 +60,8 @@ def summarize(steps: list[dict]) -> dict:
             "accept_length_first": a0, "accept_length_last": a1,
             "accept_length_first_quarter_mean": quarter_mean(series("spec_accept_length"), first=True),
             "accept_length_last_quarter_mean": quarter_mean(series("spec_accept_length"), first=False),
+            "accept_rate_first_quarter_mean": quarter_mean(series("spec_accept_rate"), first=True),
+            "accept_rate_last_quarter_mean": quarter_mean(series("spec_accept_rate"), first=False),
             "weight_sync_s_mean": _mean(series("weight_sync_s")), "tokens_per_s_mean": _mean(series("tokens_per_s")),
             **speedup_summary(steps), "rollouts": steps}
 
@@ -130,14 +132,16 @@ PANELS = (  # (key, y label, baseline, range kept when the data fits in it)
     ("reward_mean", "reward (mean per rollout, range 0-1)", 0.0, 1.0),
     ("spec_accept_length", "accept length (tokens per verify; 1 = none accepted)", 1.0, None),
 )
+ACCEPT_RATE_PANEL = ("spec_accept_rate", "accept rate (accepted / drafted tokens: the draft's quality)", 0.0, 1.0)
 SPEEDUP_PANEL = ("spec_speedup", "spec_speedup (plain time / spec. time)", 0.0, None)
 
 
 def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[str, list[dict]] | None = None,
          label: str = "this run") -> None:
     """Reward and accept length over steps, each raw (faint) and smoothed; held-out eval and canary series
-    when present; the measured speed-up (`--spec-speedup-interval`) in a third panel when any run has it;
-    `extra` overlays other runs (e.g. a frozen draft).
+    when present; the accept rate per drafted token (the draft's quality, which accept length mixes with the k
+    an adaptive policy chose) and the measured speed-up (`--spec-speedup-interval`) in further panels when any
+    run has them; `extra` overlays other runs (e.g. a frozen draft).
 
     Axes start at their baselines (reward 0, accept length 1.0 = no token accepted, speed-up 0 with a line at
     1.0 = as fast as plain decoding) so a small change looks small; reward in [0, 1] keeps the [0, 1] range.
@@ -150,7 +154,11 @@ def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[s
     runs = {label: steps, **(extra or {})}
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     window = max(1, len(steps) // 8)
-    panels = PANELS + ((SPEEDUP_PANEL,) if any(_series(r, "spec_speedup")[1] for r in runs.values()) else ())
+    def measured(key: str) -> bool:
+        return any(_series(r, key)[1] for r in runs.values())
+
+    panels = (PANELS + ((ACCEPT_RATE_PANEL,) if measured("spec_accept_rate") else ())
+              + ((SPEEDUP_PANEL,) if measured("spec_speedup") else ()))
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.4))
     for ax, (key, ylabel, floor, ceiling) in zip(axes, panels):
         if key == "spec_speedup":

@@ -1,6 +1,9 @@
+import re
+
 import pytest
 
-from slime_spec.demo_task import ANSWER_PREFIX, split_problems, worked_addition
+from slime_spec.demo_task import (ANSWER_PREFIX, TERSE, VERBOSE, column_line, split_problems, terse_solution,
+                                  worked_addition)
 
 
 def test_worked_addition_carries_column_by_column_and_ends_with_the_answer():
@@ -12,6 +15,41 @@ def test_worked_addition_carries_column_by_column_and_ends_with_the_answer():
     ]
     assert worked_addition(999, 1).splitlines()[-1] == "answer: 1000"
     assert worked_addition(5, 0) == "ones: 5+0+0=5, write 5, carry 0\nanswer: 5"
+
+
+def test_each_part_of_a_column_can_be_written_tersely():
+    assert column_line("ones", 7, 9, 0) == "ones: 7+9+0=16, write 6, carry 1"
+    assert column_line("ones", 7, 9, 0, (True, False, False)) == "7+9+0=16, write 6, carry 1"
+    assert column_line("ones", 7, 9, 0, (False, True, False)) == "ones: 7+9+0=16 -> 6, carry 1"
+    assert column_line("ones", 7, 9, 0, (False, False, True)) == "ones: 7+9+0=16, write 6 c1"
+    assert worked_addition(347, 589, [TERSE, VERBOSE, (False, False, True)]).splitlines() == [
+        "7+9+0=16 -> 6 c1",
+        "tens: 4+8+1=13, write 3, carry 1",
+        "hundreds: 3+5+1=9, write 9 c0",
+        "answer: 936",
+    ]
+    with pytest.raises(ValueError, match="2 styles for 3 columns"):
+        worked_addition(347, 589, [TERSE] * 2)
+
+
+def test_terse_solution_rewrites_every_column_and_keeps_the_answer():
+    mixed = worked_addition(347, 589, [(True, False, True), VERBOSE, (False, True, False)])
+    assert terse_solution(mixed) == worked_addition(347, 589, [TERSE] * 3)
+    assert terse_solution("garbage\nanswer: 936") == "garbage\nanswer: 936"
+
+
+def test_terse_share_is_the_seeded_share_of_terse_parts():
+    train, _ = split_problems(600, 0, seed=0, digits=3, terse_share=0.35)
+    columns = [line for r in train for line in r["label"].splitlines()[:-1]]
+    for part, terse in (("place", lambda line: not line[0].isalpha()), ("write", lambda line: " -> " in line),
+                        ("carry", lambda line: re.search(r" c\d$", line) is not None)):
+        share = sum(map(terse, columns)) / len(columns)
+        assert 0.30 < share < 0.40, (part, share)
+    assert train == split_problems(600, 0, seed=0, digits=3, terse_share=0.35)[0]
+    assert all(line == column_line(*re.match(r"([a-z-]+): ", line).groups(), *map(int, re.findall(r"\d+", line)[:3]))
+               for r in split_problems(50, 0, seed=0, digits=3)[0] for line in r["label"].splitlines()[:-1])
+    with pytest.raises(ValueError, match="terse_share"):
+        split_problems(5, 0, seed=0, terse_share=1.5)
 
 
 def test_split_is_disjoint_deterministic_and_correct():

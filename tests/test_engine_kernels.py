@@ -68,7 +68,8 @@ def test_decode_attention_writes_rotated_keys_and_equals_masked_sdpa_over_the_ca
         q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
         q = apply_rope(q.reshape(B, T, H, D), cos, sin)
         k = apply_rope(k.reshape(B, T, KVH, D), cos, sin)
-        for num_keys, splits in ((602, None), (602, 3), (602, 1), (700, 8)):
+        for num_keys, splits, per_token in ((602, None, True), (602, 3, True), (602, 3, False), (602, 1, True),
+                                            (602, 1, False), (700, 8, False)):
             ck, cv = torch.randn(5, max_seq, KVH, D), torch.randn(5, max_seq, KVH, D)
             ref_k, ref_v = ck.clone(), cv.clone()
             ref_k[slots[:, None], pos] = k
@@ -78,8 +79,13 @@ def test_decode_attention_writes_rotated_keys_and_equals_masked_sdpa_over_the_ca
             mask = (torch.arange(max_seq)[None, None, :] <= pos[:, :, None])[:, None] & (torch.arange(max_seq) < num_keys)
             ref = F.scaled_dot_product_attention(q.transpose(1, 2).double(), keys.double(), vals.double(),
                                                  attn_mask=mask).transpose(1, 2)
-            got = decode_attention(qkv, cos, sin, ck, cv, slots, pos, num_keys, H, KVH, splits=splits)
+            got = decode_attention(qkv, cos, sin, ck, cv, slots, pos, num_keys, H, KVH, splits=splits,
+                                   per_token=per_token)
             assert torch.allclose(got.double(), ref, atol=1e-5), (num_keys, splits, (got - ref).abs().max())
+            if splits:  # a program per token or one per row: the same sums, the same bits
+                again = decode_attention(qkv, cos, sin, ck.clone(), cv.clone(), slots, pos, num_keys, H, KVH,
+                                         splits=splits, per_token=not per_token)
+                assert torch.equal(got, again), (num_keys, splits)
             assert torch.allclose(ck, ref_k, atol=1e-6) and torch.equal(cv, ref_v)  # the cache holds what SDPA read
         print("ok")
     """)

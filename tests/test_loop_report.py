@@ -108,3 +108,36 @@ def test_plot_has_a_speedup_panel_from_zero_with_the_plain_line(tmp_path):
     assert lines["plain decoding (1.0x)"] == [1.0, 1.0]
     assert lines["MTP trained online (measured every few steps)"] == [1.5] * 5
     assert lines["draft frozen (measured every few steps)"] == [0.8] * 5
+
+
+def test_the_accept_rate_gets_a_panel_and_quarter_means_when_measured(tmp_path):
+    """The accept rate is the draft's quality: under an adaptive k, accept length moves with the k chosen, so a
+    frozen draft falling behind its policy shows in the rate; the plot and the summary carry it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    def run(first: float, last: float) -> list[dict]:
+        return [{"rollout_id": i, "reward_mean": 0.5, "spec_accept_length": 3.5,
+                 "spec_accept_rate": first + (last - first) * i / 19} for i in range(20)]
+
+    s = summarize(run(0.88, 0.80))
+    assert s["accept_rate_first_quarter_mean"] == pytest.approx(0.88 - 0.08 * 2 / 19)
+    assert s["accept_rate_last_quarter_mean"] == pytest.approx(0.80 + 0.08 * 2 / 19)
+    seen = {}
+    real_savefig = plt.Figure.savefig
+
+    def capture(fig, path, **kw):
+        seen["labels"] = [ax.get_ylabel() for ax in fig.axes]
+        seen["ylim"] = fig.axes[2].get_ylim()
+        return real_savefig(fig, path, **kw)
+
+    plt.Figure.savefig = capture
+    try:
+        plot(run(0.88, 0.91), tmp_path / "plot.png", label="MTP trained online", extra={"draft frozen": run(0.88, 0.80)})
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert len(seen["labels"]) == 3 and seen["labels"][2].startswith("accept rate")
+    assert seen["ylim"] == (0.0, 1.0)
+    assert summarize([{"rollout_id": 0, "reward_mean": 0.5}])["accept_rate_first_quarter_mean"] is None

@@ -102,7 +102,41 @@ def test_scratchpad_reward_checks_the_last_line_and_gives_partial_credit_for_ste
         scratchpad_reward("x", None)
 
 
+def test_scratchpad_step_credit_is_the_same_in_either_wording():
+    from slime_spec.demo_task import worked_addition
+    from slime_spec.rollout.rewards import SCRATCHPAD_STEP_CREDIT, scratchpad_reward, step_facts
+
+    verbose = worked_addition(347, 589)
+    terse = worked_addition(347, 589, [(True, True, True), (False, True, False), (True, False, True)])
+    assert verbose != terse
+    for a, b in zip(verbose.splitlines(), terse.splitlines()):
+        assert step_facts(a) == step_facts(b)
+    assert step_facts("ones: 7+9+0=16 -> 6 c1") != step_facts("ones: 7+9+0=16 -> 6 c0")
+    wrong_answer = terse.replace("answer: 936", "answer: 935")
+    assert scratchpad_reward(wrong_answer, verbose) == pytest.approx(SCRATCHPAD_STEP_CREDIT)
+
+
+def test_scratchpad_concise_charges_for_length_past_the_terse_solution_but_never_prefers_a_wrong_answer():
+    from slime_spec.demo_task import terse_solution, worked_addition
+    from slime_spec.rollout.rewards import (SCRATCHPAD_CHAR_COST, SCRATCHPAD_MAX_LENGTH_COST,
+                                            SCRATCHPAD_STEP_CREDIT, scratchpad_concise_reward)
+
+    verbose = worked_addition(347, 589)
+    terse = worked_addition(347, 589, [(True, True, True)] * 3)
+    mixed = worked_addition(347, 589, [(True, False, False), (False, True, True), (True, True, True)])
+    assert terse_solution(verbose) == terse_solution(mixed) == terse
+    assert scratchpad_concise_reward(terse, mixed) == 1.0  # the label's own wording does not matter
+    assert scratchpad_concise_reward(verbose, terse) == pytest.approx(
+        1.0 - SCRATCHPAD_CHAR_COST * (len(verbose) - len(terse)))
+    assert scratchpad_concise_reward(terse, verbose) > scratchpad_concise_reward(mixed, verbose) \
+        > scratchpad_concise_reward(verbose, verbose)
+    long_and_right = "x" * 500 + "\n" + verbose
+    assert scratchpad_concise_reward(long_and_right, verbose) == 1.0 - SCRATCHPAD_MAX_LENGTH_COST
+    assert scratchpad_concise_reward(long_and_right, verbose) > SCRATCHPAD_STEP_CREDIT  # the best a wrong one gets
+    assert scratchpad_concise_reward("answer: 1", verbose) == 0.0
+
+
 def test_scratchpad_is_a_registered_rm_type():
     from slime_spec.rollout.rewards import RM_TYPES
 
-    assert "scratchpad" in RM_TYPES
+    assert "scratchpad" in RM_TYPES and "scratchpad_concise" in RM_TYPES

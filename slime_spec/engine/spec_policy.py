@@ -7,14 +7,14 @@ did through `observe(...)` after it. `max_k` sizes the caches.
 - AdaptiveSteps: SGLang 0.5.23's `--speculative-adaptive` (sglang/srt/speculative/adaptive_spec_params.py):
   batch-size tiers, each with candidate steps and an EMA of the accepted drafts per request; after a warm-up,
   every few batches a tier moves one candidate down when the EMA falls below it and up when it reaches it.
-- AutoSteps (`--spec-auto`, ours): measures the step's own costs online per batch-size bucket (draft step and
-  verify pass, the minimum of recent samples) and the per-token accept rate (EMA), and picks the k that maximises
-  expected tokens per second; probes of other k are bounded in steps and in time (see AutoSteps).
+- AutoSteps (`--spec-auto`, ours): measures the step's own cost online per batch-size bucket and per k (draft and
+  verify together, the minimum of recent samples) and the per-token accept rate (EMA), and picks the k that
+  maximises expected tokens per second; probes of other k are bounded in steps and in time (see AutoSteps).
 
 `observe` takes the step's draft seconds, verify seconds (target forward, acceptance, sampling, bookkeeping) and
 switch seconds: a drafter's one-off catch-up after plain steps (MTP's deferred extends, the tokens a STANDALONE
-draft has not seen), the price of leaving k = 0 rather than of drafting, so it is kept out of the per-draft-step
-cost. A plain step that the overlap schedule launched is observed when it is read back, at the latest by the next
+draft has not seen), the price of leaving k = 0 rather than of drafting, so it is kept out of the step's cost
+estimate. A plain step that the overlap schedule launched is observed when it is read back, at the latest by the next
 speculative step (speculative.drain_plain_step).
 """
 
@@ -148,13 +148,13 @@ def expected_tokens(accept_rate: float, k: int) -> float:
     return (1.0 - accept_rate ** (k + 1)) / (1.0 - accept_rate)
 
 
-def best_steps(accept_rate: float, draft_cost: float, verify_cost: dict[int, float]) -> int:
-    """The k (a key of verify_cost, 0 = plain) maximising expected tokens per second, with the step's cost
-    k * draft_cost + verify_cost[k]. Ties go to the smaller k."""
+def best_steps(accept_rate: float, step_cost: dict[int, float]) -> int:
+    """The k (a key of step_cost: seconds of a step drafting k tokens and verifying them, 0 = plain) maximising
+    expected tokens per second. Ties go to the smaller k."""
     def rate(k: int) -> float:
-        return expected_tokens(accept_rate, k) / max(k * draft_cost + verify_cost[k], 1e-12)
+        return expected_tokens(accept_rate, k) / max(step_cost[k], 1e-12)
 
-    return max(sorted(verify_cost), key=lambda k: (rate(k), -k))
+    return max(sorted(step_cost), key=lambda k: (rate(k), -k))
 
 
 def bucket_of(batch_size: int) -> int:
@@ -172,8 +172,7 @@ class _Bucket:
     shared machine noise only ever adds time (another process, a GC pause, a cold first call), so the minimum of
     recent samples tracks the true cost (which drifts slowly as sequences grow) where a mean would chase spikes."""
 
-    draft_samples: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))  # seconds per draft step
-    verify_samples: dict[int, deque] = field(default_factory=dict)  # k -> seconds of the verify pass + sampling
+    step_samples: dict[int, deque] = field(default_factory=dict)  # k -> seconds of drafting k tokens and verifying
     steps: int = 0
     explores: int = 0
     next_explore: int = 0          # the step of the next exploration (0 = not scheduled yet)
@@ -185,20 +184,21 @@ class _Bucket:
     explore_s: float = 0.0         # what probes cost beyond the best k's estimated step cost
 
     @property
-    def draft_cost(self) -> float | None:
-        return min(self.draft_samples) if self.draft_samples else None
-
-    @property
-    def verify_cost(self) -> dict[int, float]:
-        return {k: min(v) for k, v in self.verify_samples.items()}
+    def step_cost(self) -> dict[int, float]:
+        return {k: min(v) for k, v in self.step_samples.items()}
 
 
 class AutoSteps:
     """Our `--spec-auto`: k in 0..max_k per step, maximising expected tokens per second from online estimates.
 
+    A step's cost is measured per k, draft and verify together, not as k times a draft step's cost: where the
+    draft chain is one captured graph (MTP on CUDA) drafting 3 tokens costs about what drafting 1 does, and the
+    linear model kept the policy at plain steps on the GPU (a k = 3 step costed at twice what it took).
+
     The first batch-size bucket measures every k twice (cheapest first, two passes, so one cold call cannot
     decide), skipping a k that cannot win even at the cost of a smaller one (`_dominated`), then takes
-    `best_steps`. A later bucket starts from the nearest warmed bucket's estimates, scaled by what it has
+    `best_steps`. From plain steps a probe tries the most promising drafting k (`_best_draft`), from a drafting
+    best k its neighbours. A later bucket starts from the nearest warmed bucket's estimates, scaled by what it has
     measured itself (`_estimates`): a rollout's batch shrinks through every bucket as requests finish, and
     re-measuring every k in each would spend its short life probing. Each bucket tries a neighbour of the best k every `explore_every` steps so the estimates stay fresh,
     doubling the interval (up to `max_explore_every`) while the best k does not change: each probe of a losing k
@@ -210,10 +210,12 @@ class AutoSteps:
     decayed by 1 - alpha per step of the largest batch seen so far, and by (1 - alpha) ** (rows / largest) for a
     step of fewer rows: the rate is evidence per row, so the one-row tail of a rollout (a few unlucky drafts of
     its last request) cannot overwrite what full batches measured and send the next rollout's first full batches
-    to plain steps, where the rate is not measured again until a probe.
+    to plain steps, where the rate is not measured again until a probe. k is chosen by the rate plus one standard
+    error of that evidence (`planning_rate`): optimism while the evidence is thin, so an unlucky warm-up cannot park
+    the policy at plain steps.
     """
 
-    def __init__(self, max_k: int, alpha: float = 0.2, explore_every: int = 32, prior_accept_rate: float = 0.5,
+    def __init__(self, max_k: int, alpha: float = 0.05, explore_every: int = 32, prior_accept_rate: float = 0.5,
                  max_explore_every: int = 512, explore_budget: float = EXPLORE_BUDGET):
         self.max_k, self.alpha, self.explore_every = max_k, alpha, explore_every
         self.explore_budget = explore_budget
@@ -232,13 +234,13 @@ class AutoSteps:
             donor = self._donor(key)
             if donor is None:  # nothing warmed to borrow from: warm up on its own measurements
                 for passes in (1, 2):
-                    unmeasured = [k for k in range(self.max_k + 1) if len(b.verify_samples.get(k, ())) < passes
+                    unmeasured = [k for k in range(self.max_k + 1) if len(b.step_samples.get(k, ())) < passes
                                   and not self._dominated(b, k)]
                     if unmeasured:
                         return unmeasured[0]
                 b.measured_all = True
-        draft, verify = self._estimates(b, donor)
-        best = best_steps(self.accept_rate, draft, verify)
+        cost = self._estimates(b, donor)
+        best = best_steps(self.planning_rate, cost)
         if not b.next_explore:
             b.interval, b.next_explore, b.last_best = self.explore_every, b.steps + self.explore_every, best
         if b.steps < b.next_explore or b.explore_s > self.explore_budget * b.total_s:
@@ -247,23 +249,41 @@ class AutoSteps:
         b.interval = min(2 * b.interval, self.max_explore_every) if stable else self.explore_every
         b.next_explore, b.last_best = b.steps + b.interval, best
         b.explores += 1
-        probe = min(best + 1, self.max_k) if b.explores % 2 or best == 0 else best - 1
-        b.probing = (probe, best * draft + verify[best]) if probe != best else None
+        probe = self._best_draft(cost) if best == 0 else min(best + 1, self.max_k) if b.explores % 2 else best - 1
+        b.probing = (probe, cost[best]) if probe != best else None
         return probe
+
+    def _best_draft(self, cost: dict[int, float]) -> int:
+        """The drafting k (>= 1) with the best expected tokens per second: what a probe from plain steps tries.
+        A probe of k = 1 alone measured one token of acceptance per probe; where one draft does not pay but three
+        would (a GPU step whose host time dwarfs the tokens' cost), rare k = 1 probes could not lift a low
+        early estimate of the accept rate out of plain steps."""
+        drafting = [k for k in cost if k > 0] or [1]
+        return max(sorted(drafting), key=lambda k: (expected_tokens(self.planning_rate, k) / max(cost.get(k, 0.0), 1e-12),
+                                                    -k))
+
+    @property
+    def planning_rate(self) -> float:
+        """The accept rate k is chosen by: the estimate plus one standard error of its decayed evidence. While the
+        evidence is thin (a warm-up's few drafts, a run of plain steps measuring none) it leans towards drafting, so
+        an unlucky start cannot park the policy at plain steps where no evidence comes back; with plenty of
+        evidence it is the estimate."""
+        r, n = self.accept_rate, self._hits + self._misses + 2.0
+        return min(1.0, r + math.sqrt(r * (1.0 - r) / n))
 
     def draft_lengths(self) -> tuple[int, ...]:
         """Every k > 0 `choose` may return: 1..max_k."""
         return tuple(range(1, self.max_k + 1))
 
     def describe(self) -> str:
-        """What the policy believes, per batch-size bucket: the accept rate, ms per draft step, ms per verify by k,
+        """What the policy believes, per batch-size bucket: the accept rate, a step's ms by k (draft and verify),
         and the k it would choose now (for benchmarks and logs: why auto speculation drafts what it drafts)."""
         parts = [f"accept rate {self.accept_rate:.3f}"]
         for key, b in sorted(self.buckets.items()):
-            draft, verify = self._estimates(b, None if b.measured_all else self._donor(key))
-            costs = ", ".join(f"{k}: {1e3 * c:.2f}" + ("" if k in b.verify_cost else "*") for k, c in verify.items())
-            parts.append(f"batch <= {key}: {b.steps} steps, draft {1e3 * draft:.3f} ms/step, verify ms by k "
-                         f"{{{costs}}} (* not measured), best k {best_steps(self.accept_rate, draft, verify)}")
+            cost = self._estimates(b, None if b.measured_all else self._donor(key))
+            costs = ", ".join(f"{k}: {1e3 * c:.2f}" + ("" if k in b.step_cost else "*") for k, c in sorted(cost.items()))
+            parts.append(f"batch <= {key}: {b.steps} steps, step ms by k {{{costs}}} (* not measured), "
+                         f"best k {best_steps(self.planning_rate, cost)}")
         return "; ".join(parts)
 
     def _donor(self, key: int) -> "_Bucket | None":
@@ -273,47 +293,43 @@ class AutoSteps:
             return None
         return self.buckets[min(warmed, key=lambda k: (abs(k.bit_length() - key.bit_length()), -k))]
 
-    def _estimates(self, b: "_Bucket", donor: "_Bucket | None") -> tuple[float, dict[int, float]]:
-        """(seconds per draft step, verify seconds per k) for bucket b: its own estimates where it has them, and
-        for the rest the donor's, scaled by the median ratio of b's to the donor's costs over the k both measured
-        (1.0 before b has measured anything): the shape of cost against k carries over between neighbouring batch
-        sizes better than its level. A k neither has measured is costed optimistically (`_with_unmeasured`)."""
-        own = b.verify_cost
+    def _estimates(self, b: "_Bucket", donor: "_Bucket | None") -> dict[int, float]:
+        """Step seconds per k for bucket b: its own estimates where it has them, and for the rest the donor's,
+        scaled by the median ratio of b's to the donor's costs over the k both measured (1.0 before b has measured
+        anything): the shape of cost against k carries over between neighbouring batch sizes better than its level.
+        A k neither has measured is costed optimistically (`_with_unmeasured`)."""
+        own = b.step_cost
         if donor is None:
-            draft = b.draft_cost or 0.0
-            return draft, self._with_unmeasured(own, draft)
-        theirs = donor.verify_cost
+            return self._with_unmeasured(own)
+        theirs = donor.step_cost
         ratios = sorted(own[k] / theirs[k] for k in own if k in theirs and theirs[k] > 0)
         scale = ratios[len(ratios) // 2] if ratios else 1.0
-        verify = {k: own.get(k, theirs.get(k, 0.0) * scale) for k in sorted(set(own) | set(theirs))}
-        draft = b.draft_cost if b.draft_cost is not None else (donor.draft_cost or 0.0) * scale
-        return draft, self._with_unmeasured(verify, draft)
+        return self._with_unmeasured({k: own.get(k, theirs.get(k, 0.0) * scale) for k in set(own) | set(theirs)})
 
-    def _with_unmeasured(self, verify: dict[int, float], draft: float) -> dict[int, float]:
-        """`verify` with each unmeasured k up to max_k at the optimistic cost of the dearest smaller k measured (a
-        verify of more tokens never costs less), once a draft step's cost is known. A k the warm-up skipped as
-        dominated (`_dominated`, judged on the early accept rate) is chosen, and so measured, once the accept rate
-        says it could win; without this only neighbours of the best k were ever tried, so a best k of 0, where one
-        draft barely pays (a GPU whose plain step is cheap), never reached the k = 3 that pays well."""
-        if not draft or not any(k > 0 for k in verify):
-            return verify
-        filled = dict(verify)
+    def _with_unmeasured(self, cost: dict[int, float]) -> dict[int, float]:
+        """`cost` with each unmeasured k up to max_k at the optimistic cost of the dearest smaller k measured (a
+        longer draft and its verify never cost less), once a drafting step has been measured. A k the warm-up
+        skipped as dominated (`_dominated`, judged on the early accept rate) is chosen, and so measured, once the
+        accept rate says it could win; without this only neighbours of the best k were ever tried, so a best k of
+        0, where one draft barely pays (a GPU whose plain step is cheap), never reached the k = 3 that pays well."""
+        if not any(k > 0 for k in cost):
+            return cost
+        filled = dict(cost)
         for k in range(1, self.max_k + 1):
             if k not in filled:
                 filled[k] = max(c for j, c in filled.items() if j < k)
         return filled
 
     def _dominated(self, b: "_Bucket", k: int) -> bool:
-        """Whether measuring k is pointless: even at the cost of the dearest smaller k measured so far (a verify
-        of more tokens never costs less), its expected tokens per second lose to the best measured k. Saves the
+        """Whether measuring k is pointless: even at the cost of the dearest smaller drafting k measured so far (a
+        longer draft never costs less), its expected tokens per second lose to the best measured k. Saves the
         warm-up probes of long drafts that are never accepted."""
-        measured = b.verify_cost
-        smaller = [j for j in measured if j < k]
-        if k < 2 or not smaller or b.draft_cost is None:
+        measured = b.step_cost
+        smaller = [j for j in measured if 0 < j < k]
+        if not smaller:
             return False
-        draft = b.draft_cost
-        best = max(expected_tokens(self.accept_rate, j) / max(j * draft + c, 1e-12) for j, c in measured.items())
-        optimistic = expected_tokens(self.accept_rate, k) / max(k * draft + max(measured[j] for j in smaller), 1e-12)
+        best = max(expected_tokens(self.planning_rate, j) / max(c, 1e-12) for j, c in measured.items())
+        optimistic = expected_tokens(self.planning_rate, k) / max(max(measured[j] for j in smaller), 1e-12)
         return optimistic < best
 
     def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float,
@@ -324,10 +340,9 @@ class AutoSteps:
         if b.probing is not None and b.probing[0] == k:  # not a plain step read back late, at the probe's start
             b.explore_s += max(0.0, cost - b.probing[1])
             b.probing = None
-        b.verify_samples.setdefault(k, deque(maxlen=COST_WINDOW)).append(verify_s)
+        b.step_samples.setdefault(k, deque(maxlen=COST_WINDOW)).append(draft_s + verify_s)
         if k == 0 or not accepted:
             return
-        b.draft_samples.append(draft_s / k)
         hits = sum(accepted)
         misses = sum(1 for a in accepted if a < k)
         self._widest = max(self._widest, len(accepted))

@@ -1,4 +1,4 @@
-"""Rewards: `--rm-type exact_match | math | deepscaler | scratchpad` or a user function (`--custom-rm-path`).
+"""Rewards: `--rm-type exact_match | math | deepscaler | scratchpad | scratchpad_concise` or a user function (`--custom-rm-path`).
 
 A custom reward function is loaded by dotted path `package.module.function` and called once per
 sample, after generation, with the finished `Sample` (prompt, response, label, tokens, status,
@@ -115,14 +115,23 @@ def exact_match_reward(response: str, label: str | None) -> float:
 
 
 SCRATCHPAD_STEP_CREDIT = 0.2
+SCRATCHPAD_CHAR_COST = 0.008  # scratchpad_concise: per character past the shortest worked solution ...
+SCRATCHPAD_MAX_LENGTH_COST = 0.5  # ... up to this, so a right answer always beats a wrong one
+
+
+def step_facts(line: str) -> tuple[str, ...]:
+    """What a scratchpad line states, whatever its wording: its numbers, in order ("ones: 7+9+0=16, write 6,
+    carry 1" and "7+9+0=16 -> 6 c1" state the same; lines are compared at the same index, which names the place)."""
+    return tuple(re.findall(r"\d+", line))
 
 
 def scratchpad_reward(response: str, label: str | None) -> float:
     """A worked solution against the reference one (`label`: step lines, the answer on the last line).
 
     1.0 when the response's last line equals the label's (the final answer); otherwise partial credit,
-    up to SCRATCHPAD_STEP_CREDIT, for the share of the label's step lines the response reproduces at the
-    same line: a signal for GRPO while few answers are right, never worth as much as a right answer.
+    up to SCRATCHPAD_STEP_CREDIT, for the share of the label's step lines the response states at the
+    same line, in either wording (`step_facts`): a signal for GRPO while few answers are right, never
+    worth as much as a right answer.
     """
     if label is None:
         raise ValueError("--rm-type scratchpad needs the reference solution as label: set --label-key")
@@ -133,12 +142,23 @@ def scratchpad_reward(response: str, label: str | None) -> float:
     steps = want[:-1]
     if not steps:
         return 0.0
-    right = sum(i < len(got) and got[i].strip() == step.strip() for i, step in enumerate(steps))
+    right = sum(i < len(got) and step_facts(got[i]) == step_facts(step) for i, step in enumerate(steps))
     return SCRATCHPAD_STEP_CREDIT * right / len(steps)
 
 
+def scratchpad_concise_reward(response: str, label: str | None) -> float:
+    """`scratchpad_reward` less a length penalty, as RL runs that want concise reasoning add: SCRATCHPAD_CHAR_COST
+    per character past the shortest worked solution of the problem (demo_task.terse_solution), capped at
+    SCRATCHPAD_MAX_LENGTH_COST so that a right answer of any length beats a wrong one."""
+    from slime_spec.demo_task import terse_solution
+
+    base = scratchpad_reward(response, label)
+    extra = max(0, len(response.strip()) - len(terse_solution(label)))
+    return base - min(SCRATCHPAD_MAX_LENGTH_COST, SCRATCHPAD_CHAR_COST * extra)
+
+
 RULES = {"exact_match": exact_match_reward, "math": math_reward, "deepscaler": math_reward,
-         "scratchpad": scratchpad_reward}
+         "scratchpad": scratchpad_reward, "scratchpad_concise": scratchpad_concise_reward}
 RM_TYPES = tuple(RULES)
 
 
