@@ -90,21 +90,29 @@ def matmul_rows(s: dict, sweep: bool) -> list[str]:
     return out
 
 
+def attention_case(s: dict, batch: int, tokens: int, keys: int):
+    """24 layers' caches, the fused qkv input, slots, positions (each row's own length, ending below `keys`) and
+    their RoPE cos/sin, for one (batch, tokens per row, keys) case."""
+    kvh, d = s["kv_heads"], s["head_dim"]
+    max_seq = keys + 8
+    caches = [(torch.randn(batch + 1, max_seq, kvh, d, device="cuda", dtype=torch.bfloat16),
+               torch.randn(batch + 1, max_seq, kvh, d, device="cuda", dtype=torch.bfloat16))
+              for _ in range(s["layers"])]
+    qkv = torch.randn(batch, tokens, (s["heads"] + 2 * kvh) * d, device="cuda", dtype=torch.bfloat16)
+    slots = torch.arange(batch, device="cuda")
+    lengths = torch.randint(keys // 2, keys - tokens + 1, (batch,), device="cuda")
+    positions = lengths[:, None] + torch.arange(tokens, device="cuda")[None]
+    cos, sin = rope_cos_sin(positions, d, 10000.0, torch.bfloat16)
+    return caches, qkv, slots, positions, cos, sin
+
+
 def attention_rows(s: dict) -> list[str]:
     """RoPE + cache write + attention per layer: the SDPA path (rotate q and k, scatter k and v into the cache, gather
     the rows' keys back, mask, cuDNN) against the fused kernel."""
     h, kvh, d = s["heads"], s["kv_heads"], s["head_dim"]
     out = []
     for batch, tokens, keys in itertools.product((1, 8, 32), (1, 4), (256, 2048)):
-        max_seq = keys + 8
-        caches = [(torch.randn(batch + 1, max_seq, kvh, d, device="cuda", dtype=torch.bfloat16),
-                   torch.randn(batch + 1, max_seq, kvh, d, device="cuda", dtype=torch.bfloat16))
-                  for _ in range(s["layers"])]
-        qkv = torch.randn(batch, tokens, (h + 2 * kvh) * d, device="cuda", dtype=torch.bfloat16)
-        slots = torch.arange(batch, device="cuda")
-        lengths = torch.randint(keys // 2, keys - tokens + 1, (batch,), device="cuda")
-        positions = lengths[:, None] + torch.arange(tokens, device="cuda")[None]
-        cos, sin = rope_cos_sin(positions, d, 10000.0, torch.bfloat16)
+        caches, qkv, slots, positions, cos, sin = attention_case(s, batch, tokens, keys)
         mask = causal_mask(positions, keys)
 
         def sdpa(ck, cv, dtype=torch.bfloat16):
@@ -132,18 +140,10 @@ def attention_rows(s: dict) -> list[str]:
 def attention_grid_rows(s: dict) -> list[str]:
     """The attention kernel for a verify, one program per row (its tokens in turn) against one per token (side by
     side), per layer over 24 layers' caches."""
-    h, kvh, d = s["heads"], s["kv_heads"], s["head_dim"]
+    h, kvh = s["heads"], s["kv_heads"]
     out = []
     for batch, tokens, keys in itertools.product((1, 8, 32, 64, 128), (2, 4, 6), (256, 2048)):
-        max_seq = keys + 8
-        caches = [(torch.randn(batch + 1, max_seq, kvh, d, device="cuda", dtype=torch.bfloat16),
-                   torch.randn(batch + 1, max_seq, kvh, d, device="cuda", dtype=torch.bfloat16))
-                  for _ in range(s["layers"])]
-        qkv = torch.randn(batch, tokens, (h + 2 * kvh) * d, device="cuda", dtype=torch.bfloat16)
-        slots = torch.arange(batch, device="cuda")
-        lengths = torch.randint(keys // 2, keys - tokens + 1, (batch,), device="cuda")
-        positions = lengths[:, None] + torch.arange(tokens, device="cuda")[None]
-        cos, sin = rope_cos_sin(positions, d, 10000.0, torch.bfloat16)
+        caches, qkv, slots, positions, cos, sin = attention_case(s, batch, tokens, keys)
         ck, cv = caches[0]
         by_row, by_token = (decode_attention(qkv, cos, sin, ck, cv, slots, positions, keys, h, kvh, per_token=flag)
                             for flag in (False, True))

@@ -141,6 +141,59 @@ def test_mtp_catch_up_after_plain_steps_equals_an_extend_over_the_whole_sequence
         torch.testing.assert_close(drafter.next_hidden[r.slot], fresh.next_hidden[r.slot], atol=1e-4, rtol=1e-4)
 
 
+def test_the_extend_queued_before_the_read_back_leaves_the_mtp_layer_where_a_whole_extend_does(mimo):
+    """After each verify the MTP extend is launched from the verify's device tensors before the read-back
+    (MTPDrafter.verify_extend): over all k + 1 positions, the rejected drafts past the accepted ones included. With
+    drafts scripted to be accepted in part (the first one or two right, the next wrong), the next hidden state and
+    the cache at every committed position equal one extend over the whole committed sequence after every step: the
+    accepted count picks the right output, and the rejected drafts' keys never survive to be read."""
+    from slime_spec.engine.drafters.mtp import MTPDrafter
+
+    spec = resolve_or_raise({"speculative_algorithm": "EAGLE", "speculative_num_steps": 3,
+                             "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4},
+                            target_config={"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1})
+    plain, engine = EngineCore(str(mimo), None, max_running_requests=3), EngineCore(str(mimo), spec,
+                                                                                   max_running_requests=3)
+    engine.policy = ScriptedSteps([3])
+    truth = {rid: out.output_ids for rid, out in run(plain, n=3, max_new=40).items()}
+    real_draft, vocab = engine.drafter.sample_draft, engine.model.lm_head.weight.shape[0]
+
+    def partly_right(rows, pick):  # the MTP layer drafts as usual; then the tokens are replaced
+        tokens, q = real_draft(rows, pick)
+        tokens = tokens.clone()
+        for i, r in enumerate(rows):
+            done = len(r.tokens) - len(r.req.input_ids)
+            right = 1 + (len(r.tokens) % 2)  # one or two drafts right, then a wrong one
+            future = truth[r.req.rid][done: done + 3] + [0] * 3
+            tokens[i] = torch.tensor(future[:right] + [(future[right] + 1) % vocab] * (3 - right))
+        return tokens, q
+
+    engine.drafter.sample_draft = partly_right
+    drafter = engine.drafter.mtp
+    for i in range(3):  # the requests `run` gave the plain engine
+        engine.add_request(Request(f"r{i}", engine.tokenizer(f"prompt {i} " * (i + 1))["input_ids"],
+                                   SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)))
+    outs = {}
+    for _ in range(12):
+        outs.update({o.rid: o for o in engine.step()})
+        rows = list(engine.running)
+        fresh = MTPDrafter(engine.model, 3, 3, engine.max_seq)
+        for r in rows:
+            if r.verify_ct == 0:
+                continue
+            ids = torch.tensor([r.tokens])
+            hidden = engine.model(ids, torch.arange(len(r.tokens))[None], engine.model.new_cache(1, engine.max_seq),
+                                  torch.tensor([0]))
+            fresh.on_prefill([r], hidden)
+            fresh.catch_up_deferred([r])
+            torch.testing.assert_close(drafter.next_hidden[r.slot], fresh.next_hidden[r.slot], atol=1e-4, rtol=1e-4)
+            n = len(r.tokens) - 1  # MTP positions 0..n-1 read committed tokens 1..n
+            torch.testing.assert_close(drafter.cache.k[0][r.slot, :n], fresh.cache.k[0][r.slot, :n], atol=1e-4,
+                                       rtol=1e-4)
+    accepted = engine._accept_tokens - engine._verify_passes
+    assert 0 < accepted < 3 * engine._verify_passes  # drafts accepted in part
+
+
 def test_a_request_that_never_drafts_never_runs_the_mtp_layer(mimo):
     """The prefill's MTP extend waits with the plain steps' (MTPDrafter.on_prefill): under auto or adaptive
     speculation at k = 0 the draft costs nothing, the prompt included; the first draft runs it in its catch-up."""

@@ -221,6 +221,11 @@ def spec_step(engine, rows: list) -> None:
     accept, next_token = accept_drafts(logits, drafts, draft_probs, params, engine.generator)
     chosen = torch.cat((drafts, drafts.new_zeros(n, 1)), dim=1)
     chosen[torch.arange(n, device=dev), accept] = next_token
+    verify_extend = getattr(engine.drafter, "verify_extend", None)
+    t_extend = time.perf_counter()
+    if verify_extend is not None:  # the drafter's extend from device results, queued before the read-back
+        verify_extend(rows, features, chosen, accept, meta[:, 1], meta[:, 2])
+    t_extend = time.perf_counter() - t_extend
     columns = [accept[:, None], broken[:, None], chosen]
     if any(r.req.return_logprob for r in rows):
         columns.append(sampling.token_logprobs(logits.flatten(0, 1), params.temps.repeat_interleave(k + 1),
@@ -239,7 +244,11 @@ def spec_step(engine, rows: list) -> None:
         if row.finish is None:
             alive.append(i)
     t3 = time.perf_counter()
-    if len(alive) == n:
+    if verify_extend is not None:
+        after_verify = getattr(engine.drafter, "after_verify", None)
+        if after_verify is not None and alive:
+            after_verify([rows[i] for i in alive], [accept_list[i] for i in alive])
+    elif len(alive) == n:
         engine.drafter.on_verify(rows, features, accept_list)
     elif alive:
         engine.drafter.on_verify([rows[i] for i in alive], features[device_tensor(alive, dev)],
@@ -248,9 +257,9 @@ def spec_step(engine, rows: list) -> None:
         _sync(dev)
     t4 = time.perf_counter()
     times = engine.step_times
-    times.draft_s += switch_s + (t1 - t0) + (t4 - t3)
+    times.draft_s += switch_s + (t1 - t0) + (t4 - t3) + t_extend
     times.verify_s += t2 - t1
-    times.sampling_s += t3 - t2
+    times.sampling_s += t3 - t2 - t_extend
     engine.policy.observe(n, k, accept_list, t1 - t0, t4 - t1, switch_s)
 
 

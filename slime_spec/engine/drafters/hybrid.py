@@ -148,6 +148,15 @@ class HybridDrafter:
         """The MTP layer extends over the verified positions of every row (history rows too: its KV cache must
         hold them); each row's acceptance updates the rate of the source it drafted from."""
         self.mtp.on_verify(rows, hidden, accepted)
+        self.after_verify(rows, accepted)
+
+    def verify_extend(self, rows, hidden: torch.Tensor, chosen: torch.Tensor, accepted: torch.Tensor,
+                      start: torch.Tensor, slots: torch.Tensor) -> None:
+        """The MTP layer's extend from the verify's device tensors, before the read-back (MTPDrafter.verify_extend)."""
+        self.mtp.verify_extend(rows, hidden, chosen, accepted, start, slots)
+
+    def after_verify(self, rows, accepted: list[int]) -> None:
+        """Each row's acceptance updates the rate of the source it drafted from (after the read-back)."""
         k = self.k
         if k > 0:
             for r, a in zip(rows, accepted):

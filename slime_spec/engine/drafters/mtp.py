@@ -167,6 +167,19 @@ class MTPDrafter:
         num_keys = max(r.kv_len - a - 1 for r, a in zip(rows, accepted)) + k1
         self._extend(table[:, k1 + 1], table[:, :k1], hidden, positions, table[:, k1 + 2], num_keys)
 
+    def verify_extend(self, rows, hidden: torch.Tensor, chosen: torch.Tensor, accepted: torch.Tensor,
+                      start: torch.Tensor, slots: torch.Tensor) -> None:
+        """on_verify's extend, launched from the verify's device tensors before the step's read-back, so the host's
+        bookkeeping after the read-back does not hold the device up (SGLang's EAGLE worker also runs its draft
+        extend from the verify's device output). Row i verified positions start[i]..start[i]+k; its committed
+        tokens are chosen[i, :a+1] (a = accepted[i]); the positions past them get the rejected drafts, whose keys
+        the next draft chain overwrites before it reads them. Rows finished by this step are extended too: their
+        slot is rewritten from its next request's prefill."""
+        k1 = hidden.shape[1]
+        positions = start[:, None] + torch.arange(k1, device=hidden.device)[None]
+        num_keys = max(r.kv_len for r in rows) + k1  # the rows' lengths before this step's tokens
+        self._extend(slots, chosen, hidden, positions, accepted, num_keys)
+
     def defer(self, rows, hidden: torch.Tensor, positions: list[int]) -> None:
         """Queue a plain step for the next draft's batched extend: row i's step read position positions[i], whose
         target hidden state is hidden[i, 0], and committed rows[i].tokens[-1]. The overlap schedule calls this
