@@ -2,7 +2,8 @@
 
 1. A tiny MiMo-style model, deep and narrow (12 layers and one MTP layer, hidden 128: twelve decoder layers per
    draft layer, where MiMo-7B has 36, so the target costs several times its draft), a character-level tokenizer,
-   and 3-digit addition worked column by column (~100-token responses, demo_task.py).
+   and 3-digit addition worked column by column (65-115-token responses, some parts worded tersely; demo_task.py),
+   rewarded for the right answer less a length penalty, so RL moves the policy away from its SFT wording.
 2. A short SFT warm-up (policy and MTP layer), exported as an HF checkpoint.
 3. GRPO with speculative rollout (NEXTN: the MTP layer drafts) and online MTP training.
 4. The same GRPO run with the draft frozen (MTP layer neither trained nor changed), for comparison.
