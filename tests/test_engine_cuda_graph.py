@@ -200,3 +200,43 @@ def test_mtp_chain_graph_drafts_what_the_step_by_step_chain_drafts(tmp_path):
             assert whole.shape == (3, k) and torch.equal(whole, eager), (k, whole, eager)
             for c, ref in zip(drafter.cache.k + drafter.cache.v, written):  # the same keys/values at the same places
                 torch.testing.assert_close(c[:4], ref[:4])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_chain_drafted_ahead_of_the_read_back_is_the_chain_the_next_step_would_draft(tmp_path):
+    """MTPDrafter._draft_ahead queues the next step's greedy chain before the read-back; the next step takes it for
+    the rows it covers (a finished row dropped, new rows drafted afresh). Each time it is taken it must equal the
+    chain drafted then, and greedy output stays the plain engine's."""
+    from slime_spec.engine.core import EngineCore, Request, SamplingParams
+    from slime_spec.engine.drafters.base import argmax_pick
+    from slime_spec.spec import SpecConfig
+    from slime_spec.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", arch="mimo", mtp_layers=1, hidden_size=64, num_layers=2)
+    prompts = ["abc", "hello world", "1+1=", "zz", "a longer prompt than the others"]
+    outputs = []
+    for spec in (None, SpecConfig("EAGLE", 3, 1, 4)):
+        core = EngineCore(str(model), spec, dtype="float32", device="cuda", max_running_requests=4)
+        taken, same = [], []
+        if spec is not None:
+            mtp = core.drafter.mtp
+            take = mtp._take_ahead
+
+            def checked(rows, take=take, mtp=mtp):
+                got = take(rows)
+                if got is not None:
+                    taken.append(len(rows))
+                    same.append(torch.equal(got, mtp.sample_draft(rows, argmax_pick)[0]))
+                return got
+
+            mtp._take_ahead = checked
+        for i, text in enumerate(prompts):
+            core.add_request(Request(rid=str(i), input_ids=core.tokenizer.encode(text),
+                                     params=SamplingParams(temperature=0.0, max_new_tokens=8 + 5 * i, ignore_eos=True)))
+        done = {}
+        while core.has_work():
+            done.update({o.rid: o.output_ids for o in core.step()})
+        outputs.append(done)
+        if spec is not None:
+            assert len(taken) >= 5 and sum(same) >= 0.9 * len(same), (taken, same)
+    assert outputs[0] == outputs[1]

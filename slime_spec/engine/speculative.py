@@ -17,7 +17,7 @@ import torch
 
 from slime_spec.engine import sampling, tree, tree_graphs
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick
-from slime_spec.engine.transfer import device_tensor
+from slime_spec.engine.transfer import device_tensor, start_read_back
 
 
 @dataclass
@@ -221,16 +221,17 @@ def spec_step(engine, rows: list) -> None:
     accept, next_token = accept_drafts(logits, drafts, draft_probs, params, engine.generator)
     chosen = torch.cat((drafts, drafts.new_zeros(n, 1)), dim=1)
     chosen[torch.arange(n, device=dev), accept] = next_token
-    verify_extend = getattr(engine.drafter, "verify_extend", None)
-    t_extend = time.perf_counter()
-    if verify_extend is not None:  # the drafter's extend from device results, queued before the read-back
-        verify_extend(rows, features, chosen, accept, meta[:, 1], meta[:, 2])
-    t_extend = time.perf_counter() - t_extend
     columns = [accept[:, None], broken[:, None], chosen]
     if any(r.req.return_logprob for r in rows):
         columns.append(sampling.token_logprobs(logits.flatten(0, 1), params.temps.repeat_interleave(k + 1),
                                                params.greedy.repeat_interleave(k + 1), chosen.flatten()).view(n, k + 1))
-    result = torch.cat([c.double() for c in columns], dim=1).tolist()  # the step's one read-back
+    read_back = start_read_back(torch.cat([c.double() for c in columns], dim=1))  # the step's one read-back
+    verify_extend = getattr(engine.drafter, "verify_extend", None)
+    t_extend = time.perf_counter()
+    if verify_extend is not None:  # the drafter's extend from device results, queued behind the read-back's copy
+        verify_extend(rows, features, chosen, accept, meta[:, 1], meta[:, 2])
+    t_extend = time.perf_counter() - t_extend
+    result = read_back()
     accept_list = [int(v[0]) for v in result]
     alive = []
     for i, row in enumerate(rows):

@@ -41,17 +41,20 @@ class MTPDrafter:
         self.pending: dict[int, list[tuple[list[int], int, int]]] = {}
         self.pending_steps: dict[int, tuple[torch.Tensor, dict[int, int]]] = {}
         self._step_id = 0
+        self.ahead: tuple[list, int, torch.Tensor] | None = None  # (rows, k, drafts) drafted before a read-back
         self.new_cache()
 
     def new_cache(self) -> None:
         self.cache = self.target.new_mtp_cache(self.slots, self.max_seq)
         self.pending.clear()
         self.pending_steps.clear()
+        self.ahead = None
 
     def drop_cache(self) -> None:
         self.cache = None
         self.pending.clear()
         self.pending_steps.clear()
+        self.ahead = None
 
     def _extend(self, slots: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 last: torch.Tensor, num_keys: int | None = None) -> None:
@@ -62,6 +65,7 @@ class MTPDrafter:
         """Queue the extend over each prompt: position p reads token x_{p+1} (the prompt shifted, plus the first
         output) and the target's hidden state at p; `catch_up_deferred` runs it before the row's first draft."""
         self._step_id += 1
+        self.ahead = None
         self.pending_steps[self._step_id] = (hidden, {r.slot: i for i, r in enumerate(rows)})
         for r in rows:
             self.pending[r.slot] = [(r.tokens[1:], self._step_id, 0)]
@@ -72,6 +76,7 @@ class MTPDrafter:
         behind = [r for r in rows if r.slot in self.pending]
         if not behind:
             return False
+        self.ahead = None
         queued = [self.pending.pop(r.slot) for r in behind]
         device = self.next_hidden.device
         tokens = pad([[t for seg_tokens, _, _ in q for t in seg_tokens] for q in queued], device)
@@ -99,6 +104,10 @@ class MTPDrafter:
         step for all rows. The first reads the hidden state the last extend left; each further one runs the layer
         on its own output. The engine runs `catch_up_deferred` first (speculative.catch_up). Greedy drafting (SGLang's)
         replays the whole chain as one captured graph where there is one (cuda_graph.mtp_chain)."""
+        if pick is argmax_pick:
+            drafted = self._take_ahead(rows)
+            if drafted is not None:
+                return drafted, None
         device = self.next_hidden.device
         slots, pos = device_tensor([(r.slot, r.kv_len) for r in rows], device).unbind(1)  # one host-to-device copy
         max_kv = max(r.kv_len for r in rows)  # host-side key count: a captured graph cannot read positions back
@@ -179,12 +188,44 @@ class MTPDrafter:
         positions = start[:, None] + torch.arange(k1, device=hidden.device)[None]
         num_keys = max(r.kv_len for r in rows) + k1  # the rows' lengths before this step's tokens
         self._extend(slots, chosen, hidden, positions, accepted, num_keys)
+        self._draft_ahead(rows, slots, start + accepted + 1, num_keys)
+
+    def _draft_ahead(self, rows, slots: torch.Tensor, lengths: torch.Tensor, longest: int) -> None:
+        """The next step's greedy chain, queued right after the extend and before the read-back, from device
+        tensors alone (`lengths`: each row's length once this step's tokens are in; `longest` bounds them): the
+        device drafts while the host does the step's bookkeeping, as SGLang's overlap schedule drafts ahead. The
+        next `sample_draft` takes it if it asks for the same k for rows it covers (`_take_ahead`); anything that
+        changes a row's draft state first (a catch-up, a plain step's defer, a prefill, a new cache) drops it. Only
+        where the chain is one captured graph (CUDA): elsewhere drafting ahead saves nothing."""
+        self.ahead = None
+        whole = self.target.graphs.get(mtp_chain_name(self.k)) if self.k else None
+        if whole is None or not whole.capture_graphs or not whole.serves(self.cache, lengths[:, None],
+                                                                        longest + self.k - 1):
+            return
+        drafts = whole(lengths[:, None], lengths[:, None], slots, longest + self.k - 1,
+                       prev_hidden=self.next_hidden[slots][:, None])
+        self.ahead = (list(rows), self.k, drafts)
+
+    def _take_ahead(self, rows) -> torch.Tensor | None:
+        """The drafts `_draft_ahead` queued for these rows at this k, or None (then the caller drafts)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None or ahead[1] != self.k:
+            return None
+        drafted_rows, _, drafts = ahead
+        where = {id(r): i for i, r in enumerate(drafted_rows)}
+        index = [where.get(id(r)) for r in rows]
+        if None in index:
+            return None
+        if index == list(range(len(drafted_rows))):
+            return drafts
+        return drafts[device_tensor(index, drafts.device)]
 
     def defer(self, rows, hidden: torch.Tensor, positions: list[int]) -> None:
         """Queue a plain step for the next draft's batched extend: row i's step read position positions[i], whose
         target hidden state is hidden[i, 0], and committed rows[i].tokens[-1]. The overlap schedule calls this
         when it reads a step back, by which time the row's kv_len already counts the next step in flight."""
         self._step_id += 1
+        self.ahead = None
         self.pending_steps[self._step_id] = (hidden[:, :1], {r.slot: i for i, r in enumerate(rows)})
         for r, position in zip(rows, positions):
             self.pending.setdefault(r.slot, []).append(([r.tokens[-1]], self._step_id, position))

@@ -9,7 +9,7 @@ reads the cache rows in place up to each query's own position (query at position
 program serves one row's query heads of one KV head (GQA); a long context is split over several programs
 (flash-decoding) and a second kernel merges their partial softmaxes. Each query token of a verify gets its own
 programs, side by side, rather than following the row's other tokens in one program: the same arithmetic per
-token, 1.5-3.3x faster at batch 1 to 32 and no slower at 128 (bench/kernels_gpu.py --attention-grids).
+token, 1.5-3.3x faster at batch 1 to 32 and no slower at 128 (bench/kernels_gpu.py, its grid table).
 """
 
 from __future__ import annotations
