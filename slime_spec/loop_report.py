@@ -121,7 +121,9 @@ def eval_names(steps: list[dict]) -> list[str]:
 
 
 def axis_limits(values: list[float], floor: float, ceiling: float | None = None) -> tuple[float, float]:
-    """An honest y range: from a meaningful baseline (`floor`), never a zoom onto the noise."""
+    """An honest y range: from a meaningful baseline (`floor`, or below it when the data goes there: a reward with
+    a penalty can be negative), never a zoom onto the noise."""
+    floor = min([floor, *values])
     top = max(values, default=floor + 1.0)
     if ceiling is not None and top <= ceiling:
         return floor, ceiling
@@ -129,7 +131,7 @@ def axis_limits(values: list[float], floor: float, ceiling: float | None = None)
 
 
 PANELS = (  # (key, y label, baseline, range kept when the data fits in it)
-    ("reward_mean", "reward (mean per rollout, range 0-1)", 0.0, 1.0),
+    ("reward_mean", "reward (mean per rollout)", 0.0, 1.0),
     ("spec_accept_length", "accept length (tokens per verify; 1 = none accepted)", 1.0, None),
 )
 ACCEPT_RATE_PANEL = ("spec_accept_rate", "accept rate (accepted / drafted tokens: the draft's quality)", 0.0, 1.0)
@@ -144,7 +146,8 @@ def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[s
     run has them; `extra` overlays other runs (e.g. a frozen draft).
 
     Axes start at their baselines (reward 0, accept length 1.0 = no token accepted, speed-up 0 with a line at
-    1.0 = as fast as plain decoding) so a small change looks small; reward in [0, 1] keeps the [0, 1] range.
+    1.0 = as fast as plain decoding) so a small change looks small; a reward within [0, 1] keeps the [0, 1] range,
+    a negative one (a penalty) extends it below 0.
     """
     import matplotlib
 

@@ -41,9 +41,22 @@ def test_padded_static_forward_equals_eager_and_leaves_other_slots_alone():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def greedy_outputs(core) -> dict[str, list[int]]:
+    """Five prompts of different lengths decoded greedily to their own lengths: rid -> output ids."""
+    from slime_spec.engine.core import Request, SamplingParams
+
+    for i, text in enumerate(["abc", "hello world", "1+1=", "zz", "a longer prompt than the others"]):
+        core.add_request(Request(rid=str(i), input_ids=core.tokenizer.encode(text),
+                                 params=SamplingParams(temperature=0.0, max_new_tokens=8 + 5 * i, ignore_eos=True)))
+    done = {}
+    while core.has_work():
+        done.update({o.rid: o.output_ids for o in core.step()})
+    return done
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_engine_greedy_output_is_the_same_with_and_without_cuda_graphs(tmp_path):
-    from slime_spec.engine.core import EngineCore, Request, SamplingParams
+    from slime_spec.engine.core import EngineCore
     from slime_spec.engine.cuda_graph import CudaGraphSettings
     from slime_spec.spec import SpecConfig
     from slime_spec.tiny_model import make_tiny_model
@@ -58,13 +71,7 @@ def test_engine_greedy_output_is_the_same_with_and_without_cuda_graphs(tmp_path)
                           overlap_schedule=overlap)
         assert bool(core.model.graphs) == (not settings.disable)
         assert (core.overlap is not None) == (overlap is None)  # on by default: plain decoding, a chain's plain steps
-        for i, text in enumerate(["abc", "hello world", "1+1=", "zz", "a longer prompt than the others"]):
-            core.add_request(Request(rid=str(i), input_ids=core.tokenizer.encode(text),
-                                     params=SamplingParams(temperature=0.0, max_new_tokens=8 + 5 * i, ignore_eos=True)))
-        done = {}
-        while core.has_work():
-            done.update({o.rid: o.output_ids for o in core.step()})
-        outputs.append(done)
+        outputs.append(greedy_outputs(core))
     assert all(out == outputs[0] for out in outputs)
 
 
@@ -207,13 +214,12 @@ def test_the_chain_drafted_ahead_of_the_read_back_is_the_chain_the_next_step_wou
     """MTPDrafter._draft_ahead queues the next step's greedy chain before the read-back; the next step takes it for
     the rows it covers (a finished row dropped, new rows drafted afresh). Each time it is taken it must equal the
     chain drafted then, and greedy output stays the plain engine's."""
-    from slime_spec.engine.core import EngineCore, Request, SamplingParams
+    from slime_spec.engine.core import EngineCore
     from slime_spec.engine.drafters.base import argmax_pick
     from slime_spec.spec import SpecConfig
     from slime_spec.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "m", arch="mimo", mtp_layers=1, hidden_size=64, num_layers=2)
-    prompts = ["abc", "hello world", "1+1=", "zz", "a longer prompt than the others"]
     outputs = []
     for spec in (None, SpecConfig("EAGLE", 3, 1, 4)):
         core = EngineCore(str(model), spec, dtype="float32", device="cuda", max_running_requests=4)
@@ -230,13 +236,7 @@ def test_the_chain_drafted_ahead_of_the_read_back_is_the_chain_the_next_step_wou
                 return got
 
             mtp._take_ahead = checked
-        for i, text in enumerate(prompts):
-            core.add_request(Request(rid=str(i), input_ids=core.tokenizer.encode(text),
-                                     params=SamplingParams(temperature=0.0, max_new_tokens=8 + 5 * i, ignore_eos=True)))
-        done = {}
-        while core.has_work():
-            done.update({o.rid: o.output_ids for o in core.step()})
-        outputs.append(done)
+        outputs.append(greedy_outputs(core))
         if spec is not None:
             assert len(taken) >= 5 and sum(same) >= 0.9 * len(same), (taken, same)
     assert outputs[0] == outputs[1]

@@ -128,15 +128,15 @@ def test_scratchpad_concise_charges_for_length_past_the_terse_solution_but_never
     assert scratchpad_concise_reward(terse, mixed) == 1.0  # the label's own wording does not matter
     assert scratchpad_concise_reward(verbose, terse) == pytest.approx(
         1.0 - SCRATCHPAD_CHAR_COST * (len(verbose) - len(terse)))
-    wrong = verbose.replace("answer: 936", "answer: 935")  # every step right, the answer wrong: partial credit, shrunk
+    wrong = verbose.replace("answer: 936", "answer: 935")  # every step right, the answer wrong: partial credit, less
     assert scratchpad_concise_reward(wrong, verbose) == pytest.approx(
-        SCRATCHPAD_STEP_CREDIT * (1.0 - SCRATCHPAD_CHAR_COST * (len(wrong) - len(terse))))
+        SCRATCHPAD_STEP_CREDIT - SCRATCHPAD_CHAR_COST * (len(wrong) - len(terse)))
     assert scratchpad_concise_reward(terse, verbose) > scratchpad_concise_reward(mixed, verbose) \
         > scratchpad_concise_reward(verbose, verbose)
     long_and_right = "x" * 500 + "\n" + verbose
     assert scratchpad_concise_reward(long_and_right, verbose) == 1.0 - SCRATCHPAD_MAX_LENGTH_COST
     assert scratchpad_concise_reward(long_and_right, verbose) > SCRATCHPAD_STEP_CREDIT  # the best a wrong one gets
-    assert scratchpad_concise_reward("x" * 500 + "\nanswer: 1", verbose) == 0.0  # never below 0
+    assert scratchpad_concise_reward("x" * 500 + "\nanswer: 1", verbose) == -SCRATCHPAD_MAX_LENGTH_COST  # the floor
 
 
 def test_scratchpad_is_a_registered_rm_type():

@@ -115,8 +115,8 @@ def exact_match_reward(response: str, label: str | None) -> float:
 
 
 SCRATCHPAD_STEP_CREDIT = 0.2
-SCRATCHPAD_CHAR_COST = 0.008  # scratchpad_concise: the share taken off per character past the shortest solution ...
-SCRATCHPAD_MAX_LENGTH_COST = 0.5  # ... at most this share, so a right answer (>= 0.5) always beats a wrong one (<= 0.2)
+SCRATCHPAD_CHAR_COST = 0.008  # scratchpad_concise: per character past the shortest worked solution ...
+SCRATCHPAD_MAX_LENGTH_COST = 0.5  # ... up to this, so a right answer (>= 0.5) always beats a wrong one (<= 0.2)
 
 
 def step_facts(line: str) -> tuple[str, ...]:
@@ -147,14 +147,17 @@ def scratchpad_reward(response: str, label: str | None) -> float:
 
 
 def scratchpad_concise_reward(response: str, label: str | None) -> float:
-    """`scratchpad_reward` scaled down for length, as RL runs that want concise reasoning do: by SCRATCHPAD_CHAR_COST
-    per character past the shortest worked solution of the problem (demo_task.terse_solution), at most by
-    SCRATCHPAD_MAX_LENGTH_COST, so the reward stays in [0, 1] and a right answer of any length beats a wrong one."""
+    """`scratchpad_reward` less a length penalty, as RL runs that want concise reasoning add: SCRATCHPAD_CHAR_COST
+    per character past the shortest worked solution of the problem (demo_task.terse_solution), at most
+    SCRATCHPAD_MAX_LENGTH_COST, so a right answer of any length beats a wrong one. The reward lies in [-0.5, 1]:
+    a long wrong answer pays for its length too (scaling the reward down instead, so that it stayed in [0, 1],
+    left wrong answers, most samples early on, almost no length signal, and the policy's wording did not move
+    in the demo's 20 steps)."""
     from slime_spec.demo_task import terse_solution
 
     base = scratchpad_reward(response, label)
     extra = max(0, len(response.strip()) - len(terse_solution(label)))
-    return base * (1.0 - min(SCRATCHPAD_MAX_LENGTH_COST, SCRATCHPAD_CHAR_COST * extra))
+    return base - min(SCRATCHPAD_MAX_LENGTH_COST, SCRATCHPAD_CHAR_COST * extra)
 
 
 RULES = {"exact_match": exact_match_reward, "math": math_reward, "deepscaler": math_reward,
