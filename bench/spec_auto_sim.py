@@ -38,10 +38,12 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(a.steps):
             k = auto.choose(1)
             accepted = next((j for j in range(k) if rng.random() >= a.accept), k)
-            auto.observe(1, k, [accepted], draft_s=a.chain_ms if k else 0.0, verify_s=cost[k] - (a.chain_ms if k else 0))
+            draft_ms = a.chain_ms if k else 0.0
+            auto.observe(1, k, [accepted], draft_s=draft_ms, verify_s=cost[k] - draft_ms)
             ks.append(k)
         tail = ks[-200:]
-        print(f"| {seed} | {' / '.join(f'{tail.count(k) / len(tail):.2f}' for k in range(4))} | {auto.accept_rate:.3f} |")
+        shares = " / ".join(f"{tail.count(k) / len(tail):.2f}" for k in range(4))
+        print(f"| {seed} | {shares} | {auto.accept_rate:.3f} |")
 
 
 if __name__ == "__main__":

@@ -244,7 +244,8 @@ def finish(out: Path, trained: dict, frozen: dict | None, elapsed_s: float, titl
     for name, run in (("MTP trained online", trained), ("draft frozen", frozen)):
         if run and run.get("accept_rate_first_quarter_mean") is not None:
             print(f"  accept rate   {run['accept_rate_first_quarter_mean']:.3f} -> "
-                  f"{run['accept_rate_last_quarter_mean']:.3f} (accepted / drafted tokens: the draft's quality) ({name})")
+                  f"{run['accept_rate_last_quarter_mean']:.3f} (accepted / drafted tokens: the draft's quality) "
+                  f"({name})")
     for name, run in (("MTP trained online", trained), ("draft frozen", frozen)):
         if run and run.get("spec_speedup") is not None:
             print(f"  spec_speedup  {run['spec_speedup']:.2f}x over the run (first {run['spec_speedup_first']:.2f}x, "

@@ -258,9 +258,10 @@ class AutoSteps:
         A probe of k = 1 alone measured one token of acceptance per probe; where one draft does not pay but three
         would (a GPU step whose host time dwarfs the tokens' cost), rare k = 1 probes could not lift a low
         early estimate of the accept rate out of plain steps."""
-        drafting = [k for k in cost if k > 0] or [1]
-        return max(sorted(drafting), key=lambda k: (expected_tokens(self.planning_rate, k) / max(cost.get(k, 0.0), 1e-12),
-                                                    -k))
+        def rate(k: int) -> float:
+            return expected_tokens(self.planning_rate, k) / max(cost.get(k, 0.0), 1e-12)
+
+        return max(sorted([k for k in cost if k > 0] or [1]), key=lambda k: (rate(k), -k))
 
     @property
     def planning_rate(self) -> float:
@@ -281,7 +282,8 @@ class AutoSteps:
         parts = [f"accept rate {self.accept_rate:.3f}"]
         for key, b in sorted(self.buckets.items()):
             cost = self._estimates(b, None if b.measured_all else self._donor(key))
-            costs = ", ".join(f"{k}: {1e3 * c:.2f}" + ("" if k in b.step_cost else "*") for k, c in sorted(cost.items()))
+            costs = ", ".join(f"{k}: {1e3 * c:.2f}" + ("" if k in b.step_cost else "*")
+                              for k, c in sorted(cost.items()))
             parts.append(f"batch <= {key}: {b.steps} steps, step ms by k {{{costs}}} (* not measured), "
                          f"best k {best_steps(self.planning_rate, cost)}")
         return "; ".join(parts)
