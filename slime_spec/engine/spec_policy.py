@@ -258,10 +258,8 @@ class AutoSteps:
         A probe of k = 1 alone measured one token of acceptance per probe; where one draft does not pay but three
         would (a GPU step whose host time dwarfs the tokens' cost), rare k = 1 probes could not lift a low
         early estimate of the accept rate out of plain steps."""
-        def rate(k: int) -> float:
-            return expected_tokens(self.planning_rate, k) / max(cost.get(k, 0.0), 1e-12)
-
-        return max(sorted([k for k in cost if k > 0] or [1]), key=lambda k: (rate(k), -k))
+        drafting = {k: c for k, c in cost.items() if k > 0}
+        return best_steps(self.planning_rate, drafting) if drafting else 1
 
     @property
     def planning_rate(self) -> float:

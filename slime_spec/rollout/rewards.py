@@ -19,6 +19,7 @@ from fractions import Fraction
 from typing import Awaitable, Callable
 
 from slime_spec.config import RolloutConfig
+from slime_spec.demo_task import terse_solution
 from slime_spec.rollout.sample import Sample, Status
 
 def load_function(path: str, flag: str) -> Callable:
@@ -153,8 +154,6 @@ def scratchpad_concise_reward(response: str, label: str | None) -> float:
     a long wrong answer pays for its length too (scaling the reward down instead, so that it stayed in [0, 1],
     left wrong answers, most samples early on, almost no length signal, and the policy's wording did not move
     in the demo's 20 steps)."""
-    from slime_spec.demo_task import terse_solution
-
     base = scratchpad_reward(response, label)
     extra = max(0, len(response.strip()) - len(terse_solution(label)))
     return base - min(SCRATCHPAD_MAX_LENGTH_COST, SCRATCHPAD_CHAR_COST * extra)
