@@ -5,8 +5,10 @@
    and 3-digit addition worked column by column (65-115-token responses, some parts worded tersely; demo_task.py),
    rewarded for the right answer less a length penalty, so RL moves the policy away from its SFT wording.
 2. A short SFT warm-up (policy and MTP layer), exported as an HF checkpoint.
-3. GRPO with speculative rollout (NEXTN: the MTP layer drafts) and online MTP training.
-4. The same GRPO run with the draft frozen (MTP layer neither trained nor changed), for comparison.
+3. GRPO with speculative rollout (NEXTN: the MTP layer drafts) and online MTP training. Every few steps the
+   rollout's prompts are timed again on a plain engine and on an engine whose MTP layer stays as SFT left it
+   (`--spec-speedup-frozen-draft`), all three with the current target weights: what speculation and what online
+   draft training buy, side by side on one policy.
 Outputs under outputs/demo/: metrics.jsonl, summary.json, plot.png.
 """
 
@@ -31,10 +33,11 @@ SIZES = {  # name: model, data and loop sizes
                   grpo_steps=2, prompts=4, samples=4, updates_per_rollout=2, digits=2, max_response_len=96,
                   speedup_interval=2, terse_share=0.35, rm_type="scratchpad_concise"),
 }
-# NEXTN with the MTP layer; --spec-auto picks k in 0..3 per step from measured costs and accept rate, so a draft
-# that does not pay (the frozen one drifting, a large batch on CPU) falls back to plain steps (docs/en/benchmarks.md).
+# NEXTN with the MTP layer, 3 steps on every engine: the online and the frozen draft's speed-ups then differ only by
+# their drafts. With --spec-auto each engine chose its own k from its own cost history, and the frozen-draft engine,
+# which serves only the measurements, settled on a cheaper k than engine 0 (docs/en/benchmarks.md, the demo).
 SPEC_FLAGS = ["--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-num-steps", "3",
-              "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "4", "--spec-auto"]
+              "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "4"]
 # The one MTP layer drafts all 3 steps, fed its own hidden states after the first: train it that way, in SFT and
 # online (trained one step ahead only, as Megatron trains MTP layers, its second draft was accepted 0.73 of the time,
 # not 0.96).
@@ -106,11 +109,10 @@ def sft_warmup(model: Path, rows: list[dict], out: Path, size: dict, seed: int, 
     return dst
 
 
-def grpo_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path, size: dict, seed: int,
-              train_mtp: bool) -> list[str]:
+def grpo_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path, size: dict, seed: int) -> list[str]:
+    """The demo's GRPO run: MTP trained online, timed against plain and against its draft frozen at the start."""
     argv = grpo_task_argv(model, train_data, eval_data, run_dir, size, seed)
-    return argv + [*MTP_FLAGS, *SPEC_FLAGS] + (
-        ["--enable-mtp-training"] if train_mtp else [])
+    return argv + [*MTP_FLAGS, *SPEC_FLAGS, "--enable-mtp-training", "--spec-speedup-frozen-draft"]
 
 
 def grpo_task_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path, size: dict, seed: int,
@@ -154,7 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="a small run that still goes through every stage")
     p.add_argument("--out", default="outputs/demo")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-frozen-baseline", action="store_true", help="skip the frozen-draft comparison run")
     args = p.parse_args(argv)
     size = SIZES["smoke" if args.smoke else "full"]
     out = Path(args.out)
@@ -167,14 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     sft_model = sft_warmup(model, rows, out, size, args.seed)
     print("[demo] GRPO with NEXTN speculative rollout and online MTP training", flush=True)
     title = demo_title(size)
-    trained = grpo(grpo_argv(sft_model, train_data, eval_data, out / "run_mtp_trained", size, args.seed,
-                                 train_mtp=True))
-    frozen = None
-    if not args.no_frozen_baseline:
-        print("[demo] the same GRPO run with the draft frozen", flush=True)
-        frozen = grpo(grpo_argv(sft_model, train_data, eval_data, out / "run_frozen_draft", size, args.seed,
-                                    train_mtp=False))
-    return finish(out, trained, frozen, time.perf_counter() - t0, title, smoke=args.smoke)
+    run = grpo(grpo_argv(sft_model, train_data, eval_data, out / "run", size, args.seed))
+    return finish(out, run, time.perf_counter() - t0, title, smoke=args.smoke)
 
 
 def demo_title(size: dict) -> str:
@@ -220,39 +215,51 @@ def format_time_and_accept(m: dict) -> str:
             f"outside the engine (HTTP, queues) {m['time_share_outside_engine']:.0%}")
 
 
-def finish(out: Path, trained: dict, frozen: dict | None, elapsed_s: float, title: str, smoke: bool = False) -> int:
+def frozen_draft(run: dict) -> dict:
+    """The frozen draft's side of the run's speed-up measurements (`--spec-speedup-frozen-draft`), and the online
+    draft's accept rate at the same measurements, first and last (pure)."""
+    keys = ("spec_speedup_frozen", "spec_speedup_frozen_first", "spec_speedup_frozen_last",
+            "spec_speedup_frozen_accept_rate_first", "spec_speedup_frozen_accept_rate_last",
+            "spec_speedup_accept_rate_first", "spec_speedup_accept_rate_last")
+    return {k: run.get(k) for k in keys}
+
+
+def finish(out: Path, run: dict, elapsed_s: float, title: str, smoke: bool = False) -> int:
     from slime_spec.loop_report import plot
 
-    shutil.copy(out / "run_mtp_trained" / "metrics.jsonl", out / "metrics.jsonl")
-    extra = {"draft frozen": frozen["rollouts"]} if frozen else None
-    plot(trained["rollouts"], out / "plot.png", title, extra=extra, label="MTP trained online")
-    runs = {"mtp_trained": trained, "draft_frozen": frozen}
+    shutil.copy(out / "run" / "metrics.jsonl", out / "metrics.jsonl")
+    plot(run["rollouts"], out / "plot.png", title, label="MTP trained online")
+    frozen = frozen_draft(run)
     summary = {"elapsed_s": elapsed_s, "title": title, "smoke": smoke,
-               **{name: None if run is None else {k: v for k, v in run.items() if k != "rollouts"}
-                  for name, run in runs.items()}}
-    r0, r1 = trained["reward_first_quarter_mean"], trained["reward_last_quarter_mean"]
+               "mtp_trained": {k: v for k, v in run.items() if k != "rollouts"}, "draft_frozen": frozen}
+    r0, r1 = run["reward_first_quarter_mean"], run["reward_last_quarter_mean"]
     summary["reward_rose"] = None if smoke else r1 > r0
-    summary["spec_speedup"] = {name: run["spec_speedup"] for name, run in runs.items() if run}
-    summary["time_and_accept"] = {name: run_time_and_accept(run["rollouts"]) for name, run in runs.items() if run}
+    summary["spec_speedup"] = {"mtp_trained": run["spec_speedup"], "draft_frozen": frozen["spec_speedup_frozen"]}
+    summary["time_and_accept"] = {"mtp_trained": run_time_and_accept(run["rollouts"])}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     print(f"\n[demo] {title}\n[demo] done in {elapsed_s:.0f}s (first quarter of the steps -> last quarter, means)")
     print(f"  reward        {r0:.3f} -> {r1:.3f} ({reward_verdict(r0, r1, smoke)})")
-    for name, run in (("MTP trained online", trained), ("draft frozen", frozen)):
-        if run:
-            print(f"  accept length {run['accept_length_first_quarter_mean']:.3f} -> "
-                  f"{run['accept_length_last_quarter_mean']:.3f} ({name})")
-    for name, run in (("MTP trained online", trained), ("draft frozen", frozen)):
-        if run and run.get("accept_rate_first_quarter_mean") is not None:
-            print(f"  accept rate   {run['accept_rate_first_quarter_mean']:.3f} -> "
-                  f"{run['accept_rate_last_quarter_mean']:.3f} (accepted / drafted tokens: the draft's quality) "
-                  f"({name})")
-    for name, run in (("MTP trained online", trained), ("draft frozen", frozen)):
-        if run and run.get("spec_speedup") is not None:
-            print(f"  spec_speedup  {run['spec_speedup']:.2f}x over the run (first {run['spec_speedup_first']:.2f}x, "
-                  f"last {run['spec_speedup_last']:.2f}x; plain time / speculative time, same prompts) ({name})")
-    for name, key in (("MTP trained online", "mtp_trained"), ("draft frozen", "draft_frozen")):
-        if key in summary["time_and_accept"]:
-            print(f"  {format_time_and_accept(summary['time_and_accept'][key])} ({name})")
+    print(f"  accept length {run['accept_length_first_quarter_mean']:.3f} -> "
+          f"{run['accept_length_last_quarter_mean']:.3f} (MTP trained online, rollouts)")
+    if run.get("accept_rate_first_quarter_mean") is not None:
+        print(f"  accept rate   {run['accept_rate_first_quarter_mean']:.3f} -> "
+              f"{run['accept_rate_last_quarter_mean']:.3f} (accepted / drafted tokens: the draft's quality) "
+              "(MTP trained online, rollouts)")
+    n = run["spec_speedup_measurements"]
+    rates = [(name, frozen[f"spec_speedup{key}_accept_rate_first"], frozen[f"spec_speedup{key}_accept_rate_last"])
+             for name, key in (("MTP trained online", ""), ("draft frozen", "_frozen"))]
+    for name, a0, a1 in rates:
+        if a0 is not None and a1 is not None:
+            print(f"  accept rate   {a0:.3f} -> {a1:.3f} ({name}, first -> last of {n} speed-up measurements)")
+    if run.get("spec_speedup") is not None:
+        print(f"  spec_speedup  {run['spec_speedup']:.2f}x over the run (first {run['spec_speedup_first']:.2f}x, "
+              f"last {run['spec_speedup_last']:.2f}x; plain time / speculative time, same prompts) (MTP trained "
+              "online)")
+    if frozen["spec_speedup_frozen"] is not None:
+        print(f"  spec_speedup  {frozen['spec_speedup_frozen']:.2f}x over the run (first "
+              f"{frozen['spec_speedup_frozen_first']:.2f}x, last {frozen['spec_speedup_frozen_last']:.2f}x; the same "
+              "prompts and target weights, the MTP layer as SFT left it) (draft frozen)")
+    print(f"  {format_time_and_accept(summary['time_and_accept']['mtp_trained'])} (MTP trained online)")
     print(f"  outputs: {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'plot.png'}")
     return 0
 

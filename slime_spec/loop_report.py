@@ -23,6 +23,7 @@ TABLE_COLUMNS = [  # (key, header, format)
     ("weight_sync_s", "sync_s", "{:.2f}"),
     ("spec_canary_accept_length", "canary", "{:.2f}"),
     ("spec_speedup", "speedup", "{:.2f}x"),
+    ("spec_speedup_frozen", "frozen", "{:.2f}x"),  # --spec-speedup-frozen-draft
 ]
 
 
@@ -68,15 +69,25 @@ def summarize(steps: list[dict]) -> dict:
 
 def speedup_summary(steps: list[dict]) -> dict:
     """`--spec-speedup-interval`'s measurements over the run: plain seconds / speculative seconds, summed over
-    every measurement (the run's whole-run ratio), and the first and last measurement."""
+    every measurement (the run's whole-run ratio), and the first and last measurement; the same for the
+    frozen-draft engine (`--spec-speedup-frozen-draft`), with each draft's accept rate at the first and last."""
     measured = [s for s in steps if s.get("spec_speedup") is not None]
+    out = {"spec_speedup": None, "spec_speedup_first": None, "spec_speedup_last": None,
+           "spec_speedup_measurements": len(measured)}
     if not measured:
-        return {"spec_speedup": None, "spec_speedup_first": None, "spec_speedup_last": None,
-                "spec_speedup_measurements": 0}
+        return out
     plain = sum(s["spec_speedup_plain_s"] for s in measured)
-    spec = sum(s["spec_speedup_spec_s"] for s in measured)
-    return {"spec_speedup": plain / spec, "spec_speedup_first": measured[0]["spec_speedup"],
-            "spec_speedup_last": measured[-1]["spec_speedup"], "spec_speedup_measurements": len(measured)}
+    out.update(spec_speedup=plain / sum(s["spec_speedup_spec_s"] for s in measured),
+               spec_speedup_first=measured[0]["spec_speedup"], spec_speedup_last=measured[-1]["spec_speedup"],
+               spec_speedup_accept_rate_first=measured[0].get("spec_speedup_accept_rate"),
+               spec_speedup_accept_rate_last=measured[-1].get("spec_speedup_accept_rate"))
+    if all(s.get("spec_speedup_frozen") is not None for s in measured):
+        out.update(spec_speedup_frozen=plain / sum(s["spec_speedup_frozen_s"] for s in measured),
+                   spec_speedup_frozen_first=measured[0]["spec_speedup_frozen"],
+                   spec_speedup_frozen_last=measured[-1]["spec_speedup_frozen"],
+                   spec_speedup_frozen_accept_rate_first=measured[0].get("spec_speedup_frozen_accept_rate"),
+                   spec_speedup_frozen_accept_rate_last=measured[-1].get("spec_speedup_frozen_accept_rate"))
+    return out
 
 
 def quarter_mean(values, first: bool):
@@ -136,6 +147,9 @@ PANELS = (  # (key, y label, baseline, range kept when the data fits in it)
 )
 ACCEPT_RATE_PANEL = ("spec_accept_rate", "accept rate (accepted / drafted tokens: the draft's quality)", 0.0, 1.0)
 SPEEDUP_PANEL = ("spec_speedup", "spec_speedup (plain time / spec. time)", 0.0, None)
+FROZEN_SERIES = {"spec_speedup": "spec_speedup_frozen", "spec_accept_rate": "spec_speedup_frozen_accept_rate",
+                 "spec_accept_length": "spec_speedup_frozen_accept_length"}
+FROZEN_COLOR = "tab:red"
 
 
 def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[str, list[dict]] | None = None,
@@ -175,6 +189,12 @@ def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[s
             if key == "spec_speedup":  # one point per measurement: no smoothing over so few
                 ax.plot(xs, ys, color=color, marker="o", linewidth=2, label=f"{name} (measured every few steps)")
                 shown += ys
+            fxs, fys = _series(run_steps, FROZEN_SERIES.get(key, ""))
+            if fys:  # --spec-speedup-frozen-draft: the same prompts and policy, the draft as launched
+                ax.plot(fxs, fys, color=FROZEN_COLOR, marker="v", linewidth=2, linestyle="-.",
+                        label=f"{name}: draft frozen at its start (same prompts, measured)")
+                shown += fys
+            if key == "spec_speedup":
                 continue
             ax.plot(xs, ys, color=color, alpha=0.25, linewidth=1, marker="o" if len(xs) < 30 else None,
                     markersize=3)
@@ -264,6 +284,10 @@ class LoopReport:
             print(f"spec_speedup over the run: {summary['spec_speedup']:.2f}x (plain / speculative time, "
                   f"{summary['spec_speedup_measurements']} measurements; first {summary['spec_speedup_first']:.2f}x, "
                   f"last {summary['spec_speedup_last']:.2f}x)", flush=True)
+        if summary.get("spec_speedup_frozen") is not None:
+            print(f"spec_speedup with the draft frozen at its start: {summary['spec_speedup_frozen']:.2f}x (same "
+                  f"prompts and weights; first {summary['spec_speedup_frozen_first']:.2f}x, last "
+                  f"{summary['spec_speedup_frozen_last']:.2f}x)", flush=True)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
         if self.steps:

@@ -14,6 +14,11 @@ SGLang the plain engine would need GPUs of its own.
 
 Sampling is random, so the two halves do not produce identical tokens; both token counts are reported,
 and `spec_speedup_tokens_per_s` compares throughputs for readers who prefer that normalisation.
+
+`--spec-speedup-frozen-draft` (with a draft trained online) adds a third engine, speculative like engine 0, whose
+draft stays as launched while its target loads the same current weights: `spec_speedup_frozen` = plain seconds /
+its seconds on the same prompts. What training the draft online buys is then measured on one policy trajectory,
+side by side, instead of across two runs whose policies drift apart. The three halves rotate their order.
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ def check_config(config: Config) -> None:
     """Refuse a setting the measurement cannot honour, before anything starts."""
     n = config.spec_speedup_interval
     if n is None:
+        if config.spec_speedup_frozen_draft:
+            raise ValueError("--spec-speedup-frozen-draft is part of the speed-up measurement: set "
+                             "--spec-speedup-interval N too, or drop it")
         return
     if n < 1:
         raise ValueError(f"--spec-speedup-interval={n}: must be >= 1 (rollouts between measurements), or leave it out")
@@ -64,6 +72,11 @@ def check_config(config: Config) -> None:
     if config.debug_rollout_only or config.debug_train_only:
         raise ValueError("--spec-speedup-interval runs inside the training loop; drop it with --debug-rollout-only "
                          "or --debug-train-only")
+    if config.spec_speedup_frozen_draft and not (config.train.enable_mtp_training
+                                                 or config.train.enable_draft_training):
+        raise ValueError("--spec-speedup-frozen-draft compares the draft trained online with it frozen, but neither "
+                         "--enable-mtp-training nor --enable-draft-training is set: this run's draft is frozen "
+                         "already; add one of them or drop the flag")
 
 
 def due(interval: int | None, rollout_id: int, num_rollout: int) -> bool:
@@ -78,18 +91,35 @@ class TimedHalf:
     seconds: float
     response_tokens: int
     verify_ct: int
+    accepted: int = 0  # draft tokens accepted (meta_info spec_accept_token_num, summed)
+    drafted: int = 0  # draft tokens proposed (spec_draft_token_num)
 
     @property
     def accept_length(self) -> float:
         """Token-weighted (SGLang's meaning): tokens per verify pass; 1.0 without speculation."""
         return self.response_tokens / self.verify_ct if self.verify_ct else 1.0
 
+    @property
+    def accept_rate(self) -> float | None:
+        """Accepted over drafted tokens: the draft's quality, apart from the k a policy chose."""
+        return self.accepted / self.drafted if self.drafted else None
 
-def speedup_metrics(spec: TimedHalf, plain: TimedHalf, spec_first: bool) -> dict:
-    """The step keys of one measurement (pure)."""
+
+HALVES = ("spec", "plain", "frozen")
+
+
+def half_order(count: int, frozen: bool) -> tuple[str, ...]:
+    """The order of a measurement's halves, rotated each measurement so none always runs first (pure)."""
+    names = HALVES if frozen else HALVES[:2]
+    k = count % len(names)
+    return names[k:] + names[:k]
+
+
+def speedup_metrics(spec: TimedHalf, plain: TimedHalf, spec_first: bool, frozen: TimedHalf | None = None) -> dict:
+    """The step keys of one measurement (pure); `frozen`: the frozen-draft engine's half, if measured."""
     spec_tps = spec.response_tokens / spec.seconds if spec.seconds > 0 else 0.0
     plain_tps = plain.response_tokens / plain.seconds if plain.seconds > 0 else 0.0
-    return {
+    out = {
         "spec_speedup": plain.seconds / spec.seconds if spec.seconds > 0 else None,
         "spec_speedup_tokens_per_s": spec_tps / plain_tps if plain_tps > 0 else None,
         "spec_speedup_spec_s": spec.seconds,
@@ -97,8 +127,18 @@ def speedup_metrics(spec: TimedHalf, plain: TimedHalf, spec_first: bool) -> dict
         "spec_speedup_spec_tokens": spec.response_tokens,
         "spec_speedup_plain_tokens": plain.response_tokens,
         "spec_speedup_accept_length": spec.accept_length,
+        "spec_speedup_accept_rate": spec.accept_rate,
         "spec_speedup_spec_first": spec_first,
     }
+    if frozen is not None:
+        out.update({
+            "spec_speedup_frozen": plain.seconds / frozen.seconds if frozen.seconds > 0 else None,
+            "spec_speedup_frozen_s": frozen.seconds,
+            "spec_speedup_frozen_tokens": frozen.response_tokens,
+            "spec_speedup_frozen_accept_length": frozen.accept_length,
+            "spec_speedup_frozen_accept_rate": frozen.accept_rate,
+        })
+    return out
 
 
 async def time_generation(url: str, auth, prompts: list[list[int]], params: dict, concurrency: int,
@@ -119,34 +159,56 @@ async def time_generation(url: str, auth, prompts: list[list[int]], params: dict
         start = time.perf_counter()
         metas = await asyncio.gather(*(one(ids) for ids in prompts))
         seconds = time.perf_counter() - start
-    return TimedHalf(seconds, sum(int(m.get("completion_tokens", 0)) for m in metas),
-                     sum(int(m.get("spec_verify_ct", 0)) for m in metas))
+    def total(key: str) -> int:
+        return sum(int(m.get(key) or 0) for m in metas)
+
+    return TimedHalf(seconds, total("completion_tokens"), total("spec_verify_ct"), total("spec_accept_token_num"),
+                     total("spec_draft_token_num"))
 
 
 class SpeedupProbe:
-    """The plain engine and the measurement; `measure` is called by the driver after a weight sync."""
+    """The plain engine (and the frozen-draft one) and the measurement; `measure` is called by the driver after
+    a weight sync.
+
+    Its engines are launched as the fleet launches a CPU engine (an `EngineActor` with no CPU reserved), so each
+    runs in the environment engine 0 runs in: Ray's workers get `OMP_NUM_THREADS=1` and a raised niceness, and a
+    plain engine started from the driver instead ran two threads at normal priority against engine 0's one.
+    """
 
     def __init__(self, config: Config, spec_url: str):
+        import ray
+
+        from slime_spec.engines.actor import EngineActor
         from slime_spec.engines.client import EngineAuth, EngineClient
-        from slime_spec.engines.process import engine_server_process
         from slime_spec.rollout.sampling_params import sampling_params
 
         check_config(config)
         self.config, self.spec_url = config, spec_url
         self.dir = Path(config.output_dir) / "spec_speedup"
         self.weights_dir = self.dir / "weights"
-        engine = plain_engine_config(config.engine)
-        self.auth = EngineAuth.from_server_args(engine.server_args)
+        engines = {"plain": plain_engine_config(config.engine)}
+        if config.spec_speedup_frozen_draft:
+            engines["frozen"] = config.engine  # engine 0's flags; its draft is never sent weights
+        self.auth = EngineAuth.from_server_args(config.engine.server_args)
         self.params = sampling_params(config.rollout)
-        self.process = engine_server_process(engine, log_path=self.dir / "plain_engine.log")
-        self.process.start(config.rollout.engine_start_timeout)
-        self.client = EngineClient(self.process.url, self.auth)
+        self.actors = {name: EngineActor.options(num_cpus=0).remote(
+            engine, 0, log_dir=str(self.dir / f"{name}_engine"), start_timeout_s=config.rollout.engine_start_timeout)
+            for name, engine in engines.items()}  # the starts overlap
+        try:
+            self.urls = dict(zip(self.actors, ray.get([a.get_url.remote() for a in self.actors.values()])))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.clients = {name: EngineClient(url, self.auth) for name, url in self.urls.items()}
         self.count = 0
-        print(f"[spec_speedup] plain engine (no speculation) at {self.process.url} for the speed-up measurement "
-              f"every {config.spec_speedup_interval} rollout(s)", flush=True)
+        frozen = (f", and a frozen-draft engine (speculative, its draft as launched) at {self.urls['frozen']}"
+                  if "frozen" in self.urls else "")
+        print(f"[spec_speedup] plain engine (no speculation) at {self.urls['plain']}{frozen} for the speed-up "
+              f"measurement every {config.spec_speedup_interval} rollout(s)", flush=True)
 
     def load_weights(self, state_dict: dict, version: str) -> None:
-        """The trainer's current target weights into the plain engine (it has no MTP layer), through disk."""
+        """The trainer's current target weights into the plain engine (it has no MTP layer) and the frozen-draft
+        engine (its draft keeps what it launched with), through disk: no draft tensor is written."""
         from safetensors.torch import save_file
 
         from slime_spec.weight_sync.gather import hf_mtp_matcher
@@ -158,30 +220,43 @@ class SpeedupProbe:
         self.weights_dir.mkdir(parents=True)
         save_file({k: v.contiguous() for k, v in state_dict.items()}, str(self.weights_dir / "model.safetensors"),
                   metadata={"format": "pt"})
-        out = self.client.post("/update_weights_from_disk", {"model_path": str(self.weights_dir),
-                                                             "weight_version": version})
-        if not out.get("success"):
-            raise RuntimeError(f"--spec-speedup-interval: the plain engine did not load weights {version!r}: "
-                               f"{out.get('message')} (log {self.process.log_path})")
+        for name, client in self.clients.items():
+            out = client.post("/update_weights_from_disk", {"model_path": str(self.weights_dir),
+                                                            "weight_version": version})
+            if not out.get("success"):
+                raise RuntimeError(f"--spec-speedup-interval: the {name} engine did not load weights {version!r}: "
+                                   f"{out.get('message')} (log under {self.dir / f'{name}_engine'})")
 
     def measure(self, samples: list, state_dict: dict, version: str) -> dict:
-        """Time the samples' prompts on the speculative engine and on the plain one (same weights, `version`)."""
+        """Time the samples' prompts on the speculative engine, the plain one and the frozen-draft one if any (same
+        target weights, `version`), one after another in a rotating order."""
         self.load_weights(state_dict, version)
         prompts = [list(s.tokens[:s.prompt_length]) for s in samples]
-        spec_first = self.count % 2 == 0
+        order = half_order(self.count, "frozen" in self.urls)
         self.count += 1
         r = self.config.rollout
+        urls = {"spec": self.spec_url, **self.urls}
 
-        def half(url: str) -> TimedHalf:
-            return asyncio.run(time_generation(url, self.auth, prompts, self.params, r.sglang_server_concurrency,
-                                               r.engine_start_timeout))
+        def half(name: str) -> TimedHalf:
+            return asyncio.run(time_generation(urls[name], self.auth, prompts, self.params,
+                                               r.sglang_server_concurrency, r.engine_start_timeout))
 
-        if spec_first:
-            spec, plain = half(self.spec_url), half(self.process.url)
-        else:
-            plain, spec = half(self.process.url), half(self.spec_url)
-        return speedup_metrics(spec, plain, spec_first)
+        if self.count == 1:  # engine 0 is warm from the rollouts; the others get one untimed pass (first-call
+            # costs, and with --spec-auto its measured step costs)
+            for name in self.urls:
+                half(name)
+        halves = {name: half(name) for name in order}
+        return speedup_metrics(halves["spec"], halves["plain"], order[0] == "spec", halves.get("frozen"))
 
     def shutdown(self) -> None:
-        self.client.close()
-        self.process.stop()
+        import ray
+
+        for client in getattr(self, "clients", {}).values():
+            client.close()
+        for name, actor in self.actors.items():
+            try:
+                ray.get(actor.shutdown.remote(), timeout=60)
+            except (ray.exceptions.RayError, TimeoutError) as e:  # its server died with it (PR_SET_PDEATHSIG)
+                print(f"[spec_speedup] shutdown: the {name} engine's actor was already gone: {str(e)[:300]}",
+                      flush=True)
+            ray.kill(actor)

@@ -197,7 +197,7 @@ def test_demo_argv_parses_and_passes_doctor(tmp_path, mimo7b, size_name):
 
     data = tmp_path / "t.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')
-    argv = grpo_argv(mimo7b, data, data, tmp_path / "run", SIZES[size_name], 0, True)
+    argv = grpo_argv(mimo7b, data, data, tmp_path / "run", SIZES[size_name], 0)
     parsed = parse(argv)
     assert parsed.unknown_flags == []
     _, findings = diagnose(parsed, launching=False)

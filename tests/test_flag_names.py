@@ -21,7 +21,6 @@ OTHER_TOOL_FLAGS = {
     "--json": "doctor.py",  # slime-spec doctor
     "--smoke": "demo.py",  # python -m slime_spec.demo
     "--out": "demo.py",
-    "--no-frozen-baseline": "demo.py",
     "--arch": "tiny_model.py",  # slime-spec make-tiny-model
     "--mtp-layers": "tiny_model.py",
     "--vocab": "tiny_model.py",

@@ -141,3 +141,56 @@ def test_the_accept_rate_gets_a_panel_and_quarter_means_when_measured(tmp_path):
     assert len(seen["labels"]) == 3 and seen["labels"][2].startswith("accept rate")
     assert seen["ylim"] == (0.0, 1.0)
     assert summarize([{"rollout_id": 0, "reward_mean": 0.5}])["accept_rate_first_quarter_mean"] is None
+
+
+def with_frozen(n: int) -> list[dict]:
+    """A run whose speed-up measurements also timed the draft frozen at its start (--spec-speedup-frozen-draft):
+    plain 3.0 s, online 2.0 s, frozen 2.0 s then slower as the policy drifts from it."""
+    out = with_speedup(n, 3.0)
+    for j, s in enumerate(out[3::4]):
+        s.update(spec_speedup_frozen=3.0 / (2.0 + 0.25 * j), spec_speedup_frozen_s=2.0 + 0.25 * j,
+                 spec_speedup_accept_rate=0.9, spec_speedup_frozen_accept_rate=0.9 - 0.02 * j,
+                 spec_speedup_frozen_accept_length=3.6 - 0.1 * j)
+    return out
+
+
+def test_summary_states_the_frozen_drafts_speedup_beside_the_online_one():
+    s = summarize(with_frozen(12))  # measurements at steps 3, 7, 11
+    assert s["spec_speedup"] == pytest.approx(1.5)
+    assert s["spec_speedup_frozen"] == pytest.approx(9.0 / (2.0 + 2.25 + 2.5))  # summed times
+    assert (s["spec_speedup_frozen_first"], s["spec_speedup_frozen_last"]) == (1.5, pytest.approx(3.0 / 2.5))
+    assert (s["spec_speedup_frozen_accept_rate_first"], s["spec_speedup_frozen_accept_rate_last"]) == (
+        0.9, pytest.approx(0.86))
+    assert s["spec_speedup_accept_rate_last"] == 0.9
+    assert "spec_speedup_frozen" not in summarize(with_speedup(12, 3.0))  # not measured: no frozen keys
+
+
+def test_plot_draws_the_frozen_draft_in_the_speedup_and_accept_panels(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    run = with_frozen(20)
+    for s in run:
+        s["spec_accept_rate"] = 0.9
+    seen = {}
+    real_savefig = plt.Figure.savefig
+
+    def capture(fig, path, **kw):
+        seen["axes"] = [(ax.get_ylabel(), {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()})
+                        for ax in fig.axes]
+        return real_savefig(fig, path, **kw)
+
+    plt.Figure.savefig = capture
+    try:
+        plot(run, tmp_path / "plot.png", "tiny MiMo on addition", label="MTP trained online")
+    finally:
+        plt.Figure.savefig = real_savefig
+    frozen = "MTP trained online: draft frozen at its start (same prompts, measured)"
+    panels = {label.split(" ")[0] + " " + label.split(" ")[1]: lines for label, lines in seen["axes"]}
+    assert panels["spec_speedup (plain"][frozen] == pytest.approx([3.0 / (2.0 + 0.25 * j) for j in range(5)])
+    assert panels["spec_speedup (plain"]["MTP trained online (measured every few steps)"] == [1.5] * 5
+    assert panels["accept rate"][frozen] == pytest.approx([0.9 - 0.02 * j for j in range(5)])
+    assert panels["accept length"][frozen] == pytest.approx([3.6 - 0.1 * j for j in range(5)])
+    assert not any(frozen in lines for lines in (panels["reward (mean"],))

@@ -3,8 +3,8 @@
 import pytest
 
 from slime_spec.args import parse_config
-from slime_spec.spec_speedup import (TimedHalf, check_config, due, plain_engine_config, speedup_metrics,
-                                     without_speculative_flags)
+from slime_spec.spec_speedup import (TimedHalf, check_config, due, half_order, plain_engine_config,
+                                     speedup_metrics, without_speculative_flags)
 
 SPEC = ["--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-num-steps", "2",
         "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "3"]
@@ -43,12 +43,32 @@ def test_speedup_is_plain_time_over_speculative_time():
     assert m["spec_speedup_tokens_per_s"] == pytest.approx((400 / 2.0) / (420 / 3.0))
     assert m["spec_speedup_accept_length"] == pytest.approx(2.5)
     assert (m["spec_speedup_spec_tokens"], m["spec_speedup_plain_tokens"]) == (400, 420)
+    assert m["spec_speedup_accept_rate"] is None and "spec_speedup_frozen" not in m  # no counters, no frozen half
+
+
+def test_the_frozen_draft_is_timed_against_the_same_plain_half():
+    m = speedup_metrics(TimedHalf(2.0, 400, 160, accepted=216, drafted=240), TimedHalf(3.0, 420, 0), True,
+                        frozen=TimedHalf(2.5, 410, 205, accepted=190, drafted=250))
+    assert m["spec_speedup"] == pytest.approx(1.5) and m["spec_speedup_frozen"] == pytest.approx(1.2)
+    assert m["spec_speedup_accept_rate"] == pytest.approx(0.9) and m["spec_speedup_frozen_accept_rate"] == 0.76
+    assert m["spec_speedup_frozen_accept_length"] == pytest.approx(2.0)
+    assert (m["spec_speedup_frozen_s"], m["spec_speedup_frozen_tokens"]) == (2.5, 410)
+
+
+def test_halves_rotate_so_none_always_runs_first():
+    assert [half_order(i, frozen=True) for i in range(4)] == [
+        ("spec", "plain", "frozen"), ("plain", "frozen", "spec"), ("frozen", "spec", "plain"),
+        ("spec", "plain", "frozen")]
+    assert [half_order(i, frozen=False) for i in range(3)] == [("spec", "plain"), ("plain", "spec"),
+                                                               ("spec", "plain")]
 
 
 @pytest.mark.parametrize("extra, match", [
     (["--spec-speedup-interval", "0", *SPEC], "must be >= 1"),
     (["--spec-speedup-interval", "2"], "no --sglang-speculative-algorithm"),
     (["--spec-speedup-interval", "2", "--debug-rollout-only", *SPEC], "--debug-rollout-only"),
+    (["--spec-speedup-frozen-draft", "--enable-mtp-training", *SPEC], "set --spec-speedup-interval"),
+    (["--spec-speedup-interval", "2", "--spec-speedup-frozen-draft", *SPEC], "frozen already"),
 ])
 def test_refuses_what_it_cannot_measure(extra, match):
     with pytest.raises(ValueError, match=match):
@@ -60,4 +80,6 @@ def test_refuses_sglang_backend():
                       *SPEC])[0]
     with pytest.raises(ValueError, match="--rollout-backend embedded"):
         check_config(c)
-    check_config(config("--spec-speedup-interval", "2", *SPEC))  # the demo's setting passes
+    check_config(config("--spec-speedup-interval", "2", *SPEC))
+    check_config(config("--spec-speedup-interval", "2", "--spec-speedup-frozen-draft", "--enable-mtp-training",
+                        *SPEC))  # the demo's setting passes
