@@ -1,13 +1,20 @@
 """Where a decode step's time goes on one GPU: wall time per step against the device's busy time, for plain decoding
-and a speculative chain (NEXTN, the MTP layer drafting), from torch's profiler.
+and a speculative chain (NEXTN, the MTP layer drafting; adaptive, its plain steps), from torch's profiler.
 
     python bench/step_profile_gpu.py                   # the 0.7B shape of bench/engine_gpu.py, batch 1, k = 5
     python bench/step_profile_gpu.py --batch 8 --steps 3
+    python bench/step_profile_gpu.py --engines plain --cprofile --top 25   # plain decoding's host work
 
 The target is random (the MTP layer too), so drafts are rarely accepted: the point is each step's structure (k draft
 steps, one verify of k + 1 tokens, its read-back and the host's bookkeeping), not its yield. Per engine it prints
-wall ms per step, the sum of the kernels' durations per step (device busy), the difference (the device idle: host
-work the device waits for), and the kernels that take the most device time.
+wall ms per step, the sum of the kernels' durations per step (device busy), the difference (the device idle), and
+the kernels that take the most device time. The idle time is split by the gaps between consecutive kernels: short
+ones (under GAP_US, the device's own launch latency between kernels, inside a graph too) and long ones (the device
+waiting for the host, whose work the profiler itself slows). With programmatic dependent launch (kernels.pdl) kernels
+overlap, so the busy time can exceed the wall time. Plain decoding (and adaptive) also print, without the profiler,
+each step's wall time (the first holds the prefill) and how long the host waited for each read-back: a host that
+waits is hidden behind the device; plain decoding also times its captured step replayed alone, and checks its greedy
+tokens against the same engine's eager forwards.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import tempfile
 import time
 from collections import defaultdict
@@ -29,11 +37,13 @@ from slime_spec.engine.cuda_graph import CudaGraphSettings
 from slime_spec.spec import SpecConfig
 from slime_spec.tiny_model import make_tiny_model
 
+GAP_US = 4.0  # gaps between kernels at most this long count as launch latency, longer ones as waits for the host
 SHAPE = dict(hidden_size=1536, num_layers=24, num_heads=12, num_kv_heads=2, intermediate_size=4096, vocab_size=32000)
 
 
-def decode(core: EngineCore, batch: int, tokens: int, seed: int) -> int:
-    """Decode `batch` random prompts `tokens` tokens each; returns the engine steps taken."""
+def decode(core: EngineCore, batch: int, tokens: int, seed: int, times: list | None = None) -> int:
+    """Decode `batch` random prompts `tokens` tokens each; returns the engine steps taken (and appends each step's
+    end time, perf_counter, to `times`)."""
     g = torch.Generator().manual_seed(seed)
     for i, ids in enumerate(torch.randint(10, SHAPE["vocab_size"], (batch, 32), generator=g).tolist()):
         core.add_request(Request(rid=f"{seed}-{i}", input_ids=ids, params=SamplingParams(
@@ -42,6 +52,8 @@ def decode(core: EngineCore, batch: int, tokens: int, seed: int) -> int:
     while core.has_work():
         core.step()
         steps += 1
+        if times is not None:
+            times.append(time.perf_counter())
     return steps
 
 
@@ -53,15 +65,23 @@ def profile_engine(core: EngineCore, batch: int, tokens: int, top: int) -> list[
         steps = decode(core, batch, tokens, seed=1)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
-    busy, count, by_name = 0.0, 0, defaultdict(float)
+    busy, count, by_name, spans = 0.0, 0, defaultdict(float), []
     for e in prof.events():
         if e.device_type.name == "CUDA":
             busy += e.device_time
             count += 1
             by_name[e.name[:70]] += e.device_time
+            spans.append((e.time_range.start, e.time_range.end))
+    spans.sort()
+    short = long = 0.0
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        gap = max(0.0, start - end)
+        short, long = (short + gap, long) if gap <= GAP_US else (short, long + gap)
     ms = lambda us: us / 1e3 / steps  # noqa: E731
     lines = [f"{steps} steps: wall {wall * 1e3 / steps:.3f} ms/step, device busy {ms(busy):.3f} ms/step "
-             f"({busy / 1e6 / wall:.0%}), idle {wall * 1e3 / steps - ms(busy):.3f} ms/step, {count / steps:.0f} kernels/step"]
+             f"({busy / 1e6 / wall:.0%}), idle {wall * 1e3 / steps - ms(busy):.3f} ms/step, {count / steps:.0f} kernels/step",
+             f"  gaps between kernels: {ms(short):.3f} ms/step of at most {GAP_US:g} us (launch latency), "
+             f"{ms(long):.3f} ms/step longer (waiting for the host, or for the profiler)"]
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"  {ms(us):7.3f} ms/step  {name}")
     ops = [e for e in prof.key_averages() if e.key.startswith(("aten::", "cuda")) and e.count >= steps]
@@ -69,6 +89,59 @@ def profile_engine(core: EngineCore, batch: int, tokens: int, top: int) -> list[
     for e in sorted(ops, key=lambda e: -e.count)[:top]:
         lines.append(f"  {e.count / steps:6.1f}  {e.self_cpu_time_total / 1e3 / steps:7.3f} ms  {e.key}")
     return lines
+
+
+def timed(core: EngineCore, batch: int, tokens: int) -> str:
+    """Wall ms per step without the profiler, and the host's wait for read-backs (the overlap schedule's)."""
+    waits = getattr(core.overlap, "wait_s", None) is not None
+    waited = core.overlap.wait_s if waits else 0.0
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    ends = [t]
+    steps = decode(core, batch, tokens, seed=3, times=ends)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) * 1e3 / steps
+    each = [(b - a) * 1e3 for a, b in zip(ends, ends[1:])]
+    print(f"unprofiled steps: the first (prefill, first launch) {each[0]:.3f} ms, the second {each[1]:.3f}, median "
+          f"of the rest {statistics.median(each[2:]):.3f}, the last (the drain) {each[-1]:.3f}")
+    if not waits:
+        return f"unprofiled: wall {wall:.3f} ms/step"
+    wait = (core.overlap.wait_s - waited) * 1e3 / steps
+    return f"unprofiled: wall {wall:.3f} ms/step, host waiting for read-backs {wait:.3f} ms/step, host busy {wall - wait:.3f}"
+
+
+def graph_alone(core: EngineCore, replays: int = 200) -> str:
+    """ms per replay of the captured plain step with no host work between replays (padded rows only: the scratch
+    slot): the device's own time per step, launch latencies between its kernels included."""
+    step = core.model.graphs.get("decode")
+    if step is None or not step.graphs:
+        return "no captured plain step"
+    shape = max(step.graphs)
+    graph = step.graphs[shape][0]
+    step.meta[:, 0], step.meta[:, 1] = shape[2] - 1, step.scratch_slot  # attention over the whole key bucket
+    graph.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return f"the captured step {shape} replayed alone: {(time.perf_counter() - t) * 1e3 / replays:.3f} ms/step"
+
+
+def greedy_check(core: EngineCore, tokens: int = 24) -> str:
+    """The graphed decode's greedy tokens against the same engine's eager forwards (graphs set aside): the same
+    kernels without graphs or dependent launches, so the same bits are expected."""
+    outs = []
+    for graphs in (core.model.graphs, {}):
+        saved, core.model.graphs = core.model.graphs, graphs
+        core.add_request(Request(rid=f"check{len(outs)}", input_ids=list(range(100, 132)), params=SamplingParams(
+            temperature=0.0, max_new_tokens=tokens, ignore_eos=True)))
+        done = []
+        while core.has_work():
+            done += core.step()
+        core.model.graphs = saved
+        outs.append(done[0].output_ids)
+    return f"greedy tokens with graphs equal the eager forwards': {outs[0] == outs[1]}"
 
 
 def host_profile(core: EngineCore, batch: int, tokens: int, top: int) -> list[str]:
@@ -90,19 +163,31 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=5, help="the chain's draft steps k")
     p.add_argument("--tokens", type=int, default=96, help="new tokens per request")
     p.add_argument("--top", type=int, default=12, help="kernels and host ops listed per engine")
-    p.add_argument("--cprofile", action="store_true", help="also profile the speculative engine's Python")
+    p.add_argument("--cprofile", action="store_true", help="also profile each engine's Python")
+    p.add_argument("--engines", default="plain,spec", help="engines to profile, of plain, spec and adaptive")
     a = p.parse_args(argv)
+    engines = set(a.engines.split(","))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_model(Path(tmp) / "mimo", arch="mimo", mtp_layers=1, dtype="bfloat16",
                                max_position_embeddings=1024, **SHAPE)
         graphs = CudaGraphSettings(batch_sizes=(a.batch,))
-        for name, spec in (("plain", None), (f"NEXTN k={a.steps}", SpecConfig("EAGLE", a.steps, 1, a.steps + 1))):
+        for key, name, spec in (("plain", "plain", None),
+                                ("spec", f"NEXTN k={a.steps}", SpecConfig("EAGLE", a.steps, 1, a.steps + 1)),
+                                ("adaptive", "NEXTN k=3, adaptive (random drafts: it settles on plain steps)",
+                                 SpecConfig("EAGLE", 3, 1, 4, speculative_adaptive=True))):
+            if key not in engines:
+                continue
             core = EngineCore(str(path), spec, dtype="bfloat16", device="cuda", max_running_requests=a.batch,
-                              context_length=32 + a.tokens + a.steps + 8, cuda_graph=graphs)
+                              context_length=32 + a.tokens + max(a.steps, 3) + 8, cuda_graph=graphs)
             print(f"\n{name}, batch {a.batch}:")
             print("\n".join(profile_engine(core, a.batch, a.tokens, a.top)), flush=True)
-            if spec is not None and a.cprofile:
+            if key != "spec":
+                print(timed(core, a.batch, a.tokens), flush=True)
+            if spec is None:
+                print(graph_alone(core), flush=True)
+                print(greedy_check(core), flush=True)
+            if a.cprofile:
                 print("\n".join(host_profile(core, a.batch, a.tokens, 3 * a.top)), flush=True)
             del core
 

@@ -240,3 +240,33 @@ def test_the_chain_drafted_ahead_of_the_read_back_is_the_chain_the_next_step_wou
         if spec is not None:
             assert len(taken) >= 5 and sum(same) >= 0.9 * len(same), (taken, same)
     assert outputs[0] == outputs[1]
+
+
+def test_prefills_padded_to_a_captured_width_keep_greedy_output(tmp_path):
+    """Prefills through the captured widths (cuda_graph.prefill_graphs, run eagerly here with their padding: a
+    prompt padded to 16 or 32 tokens, a batch of 3 to 4 rows) give the eager prefill's outputs; a prompt wider than
+    every captured width runs eagerly."""
+    from slime_spec.engine.core import EngineCore, Request, SamplingParams
+    from slime_spec.engine.cuda_graph import graph_model
+    from slime_spec.tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", hidden_size=32, num_layers=2, max_position_embeddings=256)
+    outs = []
+    for graphed in (False, True):
+        core = EngineCore(str(path), None, max_running_requests=4, context_length=200)
+        if graphed:
+            graphs = graph_model(core.model, core.cache, None, CudaGraphSettings(batch_sizes=(1, 4)),
+                                 max_running_requests=4, max_draft_tokens=0, max_seq=core.max_seq, capture=False,
+                                 prefill=True)
+            core.model.graphs = {n: g for n, g in graphs.items() if n.startswith("prefill")}
+            assert sorted(core.model.graphs) == ["prefill128", "prefill16", "prefill32", "prefill64"]
+        out = greedy_outputs(core)
+        long = core.tokenizer.encode("x" * 150)
+        core.add_request(Request(rid="long", input_ids=long, params=SamplingParams(temperature=0.0, max_new_tokens=4)))
+        while core.has_work():
+            out.update({o.rid: o.output_ids for o in core.step()})
+        outs.append(out)
+        if graphed:
+            calls = {n: g.calls for n, g in core.model.graphs.items()}
+            assert calls["prefill16"] > 0 and calls["prefill32"] > 0 and calls["prefill128"] == 0, calls
+    assert outs[0] == outs[1]

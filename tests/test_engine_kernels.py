@@ -92,6 +92,32 @@ def test_decode_attention_writes_rotated_keys_and_equals_masked_sdpa_over_the_ca
     assert out.strip() == "ok"
 
 
+def test_decode_attention_serves_a_short_prompt_whole():
+    """A prefill of up to MAX_QUERY_TOKENS tokens per row takes the kernel: every token attends causally to the
+    prompt's keys written in the same call, as SDPA with the causal mask computes it."""
+    out = run_interpreted("""
+        import torch, torch.nn.functional as F
+        from slime_spec.engine.kernels.decode_attention import MAX_QUERY_TOKENS, decode_attention
+        from slime_spec.engine.model import apply_rope, causal_mask, rope_cos_sin
+        torch.manual_seed(0)
+        B, T, H, KVH, D = 2, 20, 4, 2, 32
+        assert T <= MAX_QUERY_TOKENS
+        qkv = torch.randn(B, T, (H + 2 * KVH) * D)
+        slots, pos = torch.tensor([2, 0]), torch.arange(T)[None].expand(B, T)
+        cos, sin = rope_cos_sin(pos, D, 10000.0, torch.float32)
+        q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+        q = apply_rope(q.reshape(B, T, H, D), cos, sin).transpose(1, 2)
+        k = apply_rope(k.reshape(B, T, KVH, D), cos, sin).repeat_interleave(H // KVH, 2).transpose(1, 2)
+        v = v.reshape(B, T, KVH, D).repeat_interleave(H // KVH, 2).transpose(1, 2)
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=causal_mask(pos, T))
+        ck, cv = torch.randn(3, 64, KVH, D), torch.randn(3, 64, KVH, D)
+        got = decode_attention(qkv, cos, sin, ck, cv, slots, pos, T, H, KVH)
+        assert torch.allclose(got.double(), ref.transpose(1, 2), atol=1e-5), (got - ref.transpose(1, 2)).abs().max()
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
 def test_gated_gemv_applies_silu_times_up_as_it_loads():
     out = run_interpreted("""
         import torch, torch.nn.functional as F

@@ -230,3 +230,62 @@ def test_rows_just_prefilled_are_put_on_the_device_once(tmp_path, llama, specula
         step[0] += 1
         engine.step()
     assert put and len(put) == len(set(put))
+
+
+def _install_decode_graph(engine, mtp_cache=None, max_draft_tokens: int = 0):
+    """The whole plain step as the engine captures it on CUDA ("decode", decode_graph.py), run eagerly
+    (capture=False) with its padding (batch 1 pads to 2); the engine's other graphs are left out."""
+    from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model
+
+    engine.model.graphs = graph_model(engine.model, engine.cache, mtp_cache, CudaGraphSettings(batch_sizes=(2, 3)),
+                                      max_running_requests=engine.max_running_requests,
+                                      max_draft_tokens=max_draft_tokens, max_seq=engine.max_seq, capture=False,
+                                      last_token=engine.overlap.last_token)
+    engine.model.graphs = {"decode": engine.model.graphs["decode"]}
+    return engine.model.graphs["decode"]
+
+
+def test_the_captured_plain_step_keeps_outputs_finishes_and_logprobs(llama):
+    """The overlap schedule's step through the captured whole step (its eager twin on CPU: padding, the token buffer
+    read and written inside, the packed read-back) gives the plain schedule's greedy outputs, finishes and logprobs;
+    sampled rows are picked from its logits and stay in the vocabulary."""
+    plain, overlap = engines(llama)
+    step = _install_decode_graph(overlap)
+    a, b = run(plain, requests(plain)), run(overlap, requests(overlap))
+    assert step.calls > 0
+    assert a.keys() == b.keys() == {f"r{i}" for i in range(7)}
+    for rid in a:
+        assert b[rid].output_ids == a[rid].output_ids, rid
+        assert b[rid].finish_reason == a[rid].finish_reason, rid
+        if a[rid].output_logprobs is not None:
+            assert b[rid].output_logprobs == pytest.approx(a[rid].output_logprobs, abs=1e-5), rid
+    _, sampled = engines(llama, seed=3)
+    calls = _install_decode_graph(sampled).calls
+    outs = run(sampled, requests(sampled, sampled=True))
+    assert sampled.model.graphs["decode"].calls > calls
+    assert all(0 <= t < sampled.vocab_size for o in outs.values() for t in o.output_ids)
+    assert sum(len(o.output_ids) for o in outs.values()) == sum(len(o.output_ids) for o in a.values())
+
+
+def test_plain_steps_of_a_chain_through_the_captured_step_keep_drafts(tmp_path):
+    """A NEXTN engine's plain steps through the captured step: the MTP layer's deferred extends read each step's
+    hidden states after the next step was launched (copied out of the graph's buffer), so its accept counts and
+    the draft's keys equal the run without overlap."""
+    target = make_tiny_model(tmp_path / "mimo", arch="mimo", hidden_size=32, num_layers=1, seed=5)
+    spec = resolve_or_raise({"speculative_algorithm": "NEXTN", "speculative_num_steps": 3,
+                             "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4})
+    outs, caches, calls = [], [], 0
+    for overlap in (False, True):
+        engine = EngineCore(str(target), spec, max_running_requests=7, context_length=96, overlap_schedule=overlap)
+        engine.policy = CyclingSteps()
+        _copy_target_into_mtp(engine)
+        if overlap:
+            step = _install_decode_graph(engine, engine.drafter.mtp.cache, max_draft_tokens=3)
+        outs.append(run(engine, requests(engine)))
+        caches.append(engine.drafter.mtp.cache.k[0])
+    assert step.calls > 0 and torch.equal(caches[0], caches[1])
+    a, b = outs
+    for rid in a:
+        assert b[rid].output_ids == a[rid].output_ids, rid
+        assert (b[rid].spec_verify_ct, b[rid].spec_accept_token_num) == \
+            (a[rid].spec_verify_ct, a[rid].spec_accept_token_num), rid

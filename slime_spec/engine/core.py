@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from slime_spec.dtypes import canonical_dtype
-from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model
+from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model, prefill_graph
 from slime_spec.engine.kernels.ops import Kernels
 from slime_spec.engine import sampling, spec_policy, tree, weight_updater
 from slime_spec.engine.drafters import HybridDrafter, MTPDrafter, make_drafter
@@ -77,6 +77,18 @@ class EngineCore:
             for model in self._causal_lms():
                 model.fuse_projections()
                 model.use_kernels(kernels or Kernels.from_values({}))
+        # A chain's plain steps (k = 0) overlap where the drafter can wait for their read-back (base.py); a tree
+        # never runs one.
+        overlaps_plain_steps = self.drafter is None or (
+            self.drafter.defers_plain_steps and tree.tree_shape(spec) is None)
+        if overlap_schedule and not overlaps_plain_steps:
+            raise ValueError(f"overlap_schedule=True with {spec.speculative_algorithm} (eagle_topk "
+                             f"{spec.speculative_eagle_topk}): the overlap schedule runs plain decoding, and the plain "
+                             "steps of EAGLE/NEXTN or STANDALONE chains; set --disable-overlap-schedule")
+        if overlap_schedule is None:
+            overlap_schedule = self.device.type == "cuda" and overlaps_plain_steps
+        on_appended = None if self.drafter is None else partial(after_overlapped_step, self)
+        self.overlap = OverlapDecode(self, on_appended) if overlap_schedule else None  # before capture: its buffer
         self.cuda_graph = cuda_graph or CudaGraphSettings()
         self.graph_capture_seconds = 0.0
         self._capture_graphs()
@@ -94,18 +106,6 @@ class EngineCore:
         self._weight_backup: dict[int, torch.Tensor] = {}
         self._params_key: tuple = ()           # the rows `_params_value` was built for
         self._params_value: sampling.BatchParams | None = None
-        # A chain's plain steps (k = 0) overlap where the drafter can wait for their read-back (base.py); a tree
-        # never runs one.
-        overlaps_plain_steps = self.drafter is None or (
-            self.drafter.defers_plain_steps and tree.tree_shape(spec) is None)
-        if overlap_schedule and not overlaps_plain_steps:
-            raise ValueError(f"overlap_schedule=True with {spec.speculative_algorithm} (eagle_topk "
-                             f"{spec.speculative_eagle_topk}): the overlap schedule runs plain decoding, and the plain "
-                             "steps of EAGLE/NEXTN or STANDALONE chains; set --disable-overlap-schedule")
-        if overlap_schedule is None:
-            overlap_schedule = self.device.type == "cuda" and overlaps_plain_steps
-        on_appended = None if self.drafter is None else partial(after_overlapped_step, self)
-        self.overlap = OverlapDecode(self, on_appended) if overlap_schedule else None
         small = self.model.args.hidden_size <= 1024
         self.cpu_threads = cpu_threads or (1 if self.device.type == "cpu" and small else None)
 
@@ -234,6 +234,10 @@ class EngineCore:
         tokens, logprobs = self._pick_on_device(rows, logits)
         return tokens.tolist(), None if logprobs is None else logprobs.tolist()
 
+    def plain_greedy(self, rows: list[Row]) -> bool:
+        """Whether every row takes the argmax and no row asks for logprobs (a captured step's own pick serves)."""
+        return self._params(rows).all_greedy and not any(r.req.return_logprob for r in rows)
+
     def _pick_on_device(self, rows: list[Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`_pick` without reading back: tokens [B] and logprobs [B] (or None) stay on the device."""
         p = self._params(rows)
@@ -252,11 +256,17 @@ class EngineCore:
     def _prefill(self, rows: list[Row]) -> None:
         dev = self.device
         width = max(len(r.tokens) for r in rows)
-        ids = torch.tensor([r.tokens + [0] * (width - len(r.tokens)) for r in rows], device=dev)
+        graph = prefill_graph(self.model.graphs, len(rows), width)  # captured on CUDA (cuda_graph.prefill_graphs)
+        if graph is not None:
+            width = graph.token_counts[0]
+        inputs = device_tensor([r.tokens + [0] * (width - len(r.tokens)) + [r.slot] for r in rows], dev)
+        ids, slots = inputs[:, :width], inputs[:, width]
         positions = torch.arange(width, device=dev)[None].expand(len(rows), width)
-        slots = torch.tensor([r.slot for r in rows], device=dev)
         aux_ids = getattr(self.drafter, "aux_layer_ids", None)  # EAGLE3 drafts from the target's aux states
-        out = self.model(ids, positions, self.cache, slots, aux_layer_ids=aux_ids)
+        if graph is not None:
+            out = graph(ids, positions, slots, width)
+        else:
+            out = self.model(ids, positions, self.cache, slots, aux_layer_ids=aux_ids)
         hidden, features = out if aux_ids else (out, out)
         last = torch.tensor([len(r.tokens) - 1 for r in rows], device=dev)
         logits, broken = self._non_finite_rows(self.model.logits(hidden[torch.arange(len(rows), device=dev), last]))
@@ -421,7 +431,9 @@ class EngineCore:
                                         max_running_requests=self.max_running_requests,
                                         max_draft_tokens=widest, max_seq=self.max_seq,
                                         aux_layer_ids=getattr(self.drafter, "aux_layer_ids", None),
-                                        chain_lengths=self.policy.draft_lengths() if self.policy is not None else ())
+                                        chain_lengths=self.policy.draft_lengths() if self.policy is not None else (),
+                                        last_token=self.overlap.last_token if self.overlap is not None else None,
+                                        prefill=True)
         draft = self._causal_lms()[1:]
         if draft:
             # A STANDALONE draft's one-token chain steps, and its catch-up before each chain: 1 or 2 tokens after a

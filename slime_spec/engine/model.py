@@ -13,7 +13,7 @@ overwritten before any query can see them.
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -25,9 +25,10 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from slime_spec.dtypes import torch_dtype
+from slime_spec.engine.kernels import dependent_launches
 from slime_spec.engine.kernels.decode_attention import MAX_QUERY_TOKENS
 from slime_spec.engine.kernels.decode_attention import supports as attention_kernel_supports
-from slime_spec.engine.kernels.ops import Kernels, add_rms_norm_op, decode_attention, gated_linear, linear, rms_norm_op
+from slime_spec.engine.kernels.ops import Kernels, add_rms_norm, decode_attention, gated_linear, linear, rms_norm
 from slime_spec.trainer import rope as rope_math
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM")
@@ -37,10 +38,13 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausa
 EAGER_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+@contextmanager
 def attention_backends(device: torch.device, graphed: bool = False):
-    """The context an attention call runs in: cuDNN left out on CUDA unless the call is (the warm-up of) a captured
-    graph, whose shapes are fixed."""
-    return sdpa_kernel(EAGER_SDPA_BACKENDS) if device.type == "cuda" and not graphed else nullcontext()
+    """The context a forward's layers run in: cuDNN left out on CUDA unless the call is (the warm-up of) a captured
+    graph, whose shapes are fixed; in a captured graph the kernels launch as programmatic dependents (kernels.pdl)."""
+    with sdpa_kernel(EAGER_SDPA_BACKENDS) if device.type == "cuda" and not graphed else nullcontext(), \
+            dependent_launches(graphed):
+        yield
 
 
 @dataclass(frozen=True)
@@ -99,13 +103,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """HF's Llama RMSNorm (float32 statistics, weight applied in the input dtype)."""
         if self.kernels.norm:
-            return rms_norm_op(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(h), h) with h = x + delta: a residual add and this norm, one kernel where `kernels.norm`."""
         if self.kernels.norm:
-            return add_rms_norm_op(x, delta, self.weight, self.eps)
+            return add_rms_norm(x, delta, self.weight, self.eps)
         h = x + delta
         return self(h), h
 
@@ -230,6 +234,18 @@ class DecoderLayer(nn.Module):
         normed, x = self.post_attention_layernorm.add_forward(x, delta)
         return x + self.mlp(normed)
 
+    def residual_forward(self, x, pending, cos, sin, cache_k, cache_v, slots, positions, mask, num_keys: int):
+        """`forward` of x + pending, returned as (h, delta) with the output h + delta: the residual add is left to
+        the next norm, which adds it in its own kernel (SGLang's residual passing), one kernel fewer per layer.
+        The sums round as `forward`'s do, so the output is the same bits."""
+        if pending is None:
+            normed = self.input_layernorm(x)
+        else:
+            normed, x = self.input_layernorm.add_forward(x, pending)
+        delta = self.self_attn(normed, cos, sin, cache_k, cache_v, slots, positions, mask, num_keys)
+        normed, x = self.post_attention_layernorm.add_forward(x, delta)
+        return x, self.mlp(normed)
+
 
 class MTPLayer(DecoderLayer):
     """MiMo's `model.mtp_layers.{i}`: norms + input_proj in front of a full decoder layer (see `mtp_forward`)."""
@@ -343,16 +359,20 @@ class CausalLM(nn.Module):
         cos, sin = self.args.cos_sin(positions, x.dtype)
         num_keys, mask = self._attention_keys(positions, num_keys, attn_mask)
         write = positions if cache_positions is None else cache_positions
-        run_layer = self.compiled_layer() if compiled else DecoderLayer.forward
-        aux = []
+        aux, pending = [], None  # pending: the last layer's residual delta, added by the next norm
         with attention_backends(x.device, graphed):
             for i, layer in enumerate(self.model.layers):
-                x = run_layer(layer, x, cos, sin, cache.k[i], cache.v[i], slots, write, mask, num_keys)
+                if compiled:
+                    x = self.compiled_layer()(layer, x, cos, sin, cache.k[i], cache.v[i], slots, write, mask, num_keys)
+                else:
+                    x, pending = layer.residual_forward(x, pending, cos, sin, cache.k[i], cache.v[i], slots, write,
+                                                        mask, num_keys)
                 if aux_layer_ids and i in aux_layer_ids:
-                    aux.append(x)
+                    aux.append(x if pending is None else x + pending)
+        normed = self.model.norm(x) if pending is None else self.model.norm.add_forward(x, pending)[0]
         if aux_layer_ids:
-            return self.model.norm(x), torch.cat(aux, dim=-1)
-        return self.model.norm(x)
+            return normed, torch.cat(aux, dim=-1)
+        return normed
 
     def _attention_keys(self, positions: torch.Tensor, num_keys: int | None, attn_mask: torch.Tensor | None
                         ) -> tuple[int, torch.Tensor | None]:
@@ -408,10 +428,12 @@ class CausalLM(nn.Module):
         cos, sin = self.args.cos_sin(positions, x.dtype)
         num_keys, mask = self._attention_keys(positions, num_keys, attn_mask)
         write = positions if cache_positions is None else cache_positions
-        run_layer = self.compiled_layer() if compiled else DecoderLayer.forward
         with attention_backends(x.device, graphed):
-            x = run_layer(mtp, x, cos, sin, cache.k[0], cache.v[0], slots, write, mask, num_keys)
-        return mtp.final_layernorm(x)
+            if compiled:
+                return mtp.final_layernorm(self.compiled_layer()(mtp, x, cos, sin, cache.k[0], cache.v[0], slots,
+                                                                 write, mask, num_keys))
+            x, pending = mtp.residual_forward(x, None, cos, sin, cache.k[0], cache.v[0], slots, write, mask, num_keys)
+        return mtp.final_layernorm.add_forward(x, pending)[0]
 
 
 def hf_weight_names(model: CausalLM) -> list[str]:

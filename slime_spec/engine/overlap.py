@@ -52,6 +52,7 @@ class OverlapDecode:
         self.inputs = [torch.zeros((rows, 2), dtype=torch.long, pin_memory=self.pinned) for _ in range(2)]
         self.outputs = [torch.zeros(3 * rows, dtype=torch.float64, pin_memory=self.pinned) for _ in range(2)]
         self.flip = 0
+        self.wait_s = 0.0  # seconds the host waited for read-backs: what is left of a step once the host is hidden
 
     def after_prefill(self, rows: list) -> None:
         """Rows just prefilled have their first token on the host: put it where the next launch reads it."""
@@ -79,24 +80,42 @@ class OverlapDecode:
         e = self.engine
         n, buffer = len(rows), self.flip
         self.flip ^= 1
-        host_in = self.inputs[buffer][:n]
         positions = [r.kv_len for r in rows]
-        host_in.copy_(torch.tensor([[p, r.slot] for p, r in zip(positions, rows)]))
-        inputs = host_in.to(e.device, non_blocking=self.pinned) if self.pinned else host_in.clone()
-        slots = inputs[:, 1]
-        hidden, tokens, values = e.decode_forward(rows, self.last_token[slots][:, None], inputs[:, 0:1], slots)
-        self.last_token[slots] = tokens
+        host_in = self.inputs[buffer]
+        host_in[:n].copy_(torch.tensor([[p, r.slot] for p, r in zip(positions, rows)]))
+        step = e.model.graphs.get("decode")  # the whole step captured (decode_graph.py)
+        shape = step.shape_for(n, 1, max(positions) + 1) if step is not None else None
+        if shape is not None:
+            step.pad_rows(host_in, n, shape[0])
+            hidden, logits, tokens, values = step.replay(host_in, n, shape)
+            for row in rows:
+                row.kv_len += 1
+            if e.drafter is not None:  # kept until this step's read-back, after the next replay
+                hidden = hidden.clone()
+            if not e.plain_greedy(rows):  # sampled rows, logprobs: picked from the graph's logits
+                tokens, logprobs = e._pick_on_device(rows, logits)
+                self.last_token[step.slots[:n]] = tokens
+                values = torch.stack([tokens.double(), values[1, :n]] + ([] if logprobs is None else
+                                                                          [logprobs.double()]))
+        else:
+            host_in = host_in[:n]
+            inputs = host_in.to(e.device, non_blocking=self.pinned) if self.pinned else host_in.clone()
+            slots = inputs[:, 1]
+            hidden, tokens, values = e.decode_forward(rows, self.last_token[slots][:, None], inputs[:, 0:1], slots)
+            self.last_token[slots] = tokens
         host = self.outputs[buffer][: values.numel()].view(values.shape)  # contiguous: a strided target would
         host.copy_(values, non_blocking=self.pinned)                         # make the copy synchronous
         event = None
         if self.pinned:
             event = torch.cuda.Event()
             event.record()
-        return InFlight(rows, host, event, hidden, positions, since)
+        return InFlight(rows, host[:, :n], event, hidden, positions, since)
 
     def _append(self, batch: InFlight) -> None:
         if batch.event is not None:
+            t = time.perf_counter()
             batch.event.synchronize()
+            self.wait_s += time.perf_counter() - t
         live = [i for i, r in enumerate(batch.rows) if r.finish is None]
         self.engine.append_decoded(batch.rows, batch.host.tolist())
         if self.on_appended is not None:

@@ -18,7 +18,13 @@ from functools import lru_cache
 
 import torch
 
-MAX_QUERY_TOKENS = 16  # decode and verify; a prefill's many tokens per row go to SDPA's flash kernels
+from slime_spec.engine.kernels import pdl_launch
+
+# Decode, verify and short prefills. Every program of a row writes all of the row's new keys (then reads only what it
+# wrote), so those writes grow as tokens squared: small up to here (a 32-token prefill ran 24 SDPA calls, the
+# mask, the RoPE and the cache scatter and gather eagerly: about 30 of a 0.7B model's 40 ms first step at batch 1 on
+# an H100). Longer prompts go to SDPA's flash kernels.
+MAX_QUERY_TOKENS = 128
 SPLIT_KEYS = 256   # keys per program before a context is split over several
 MAX_PROGRAMS = 128  # split only while the grid is smaller than about one program per SM
 MIN_HEAD_DIM = 32  # each half of a head (RoPE's rotate-half) is a dot of at least 16, Triton's smallest
@@ -46,7 +52,10 @@ def _kernels():
                          stride_ch, stride_sb, stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,
                          HEADS: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                          BLOCK_S: tl.constexpr, SPLITS: tl.constexpr, CHUNK, PRECISION: tl.constexpr,
-                         PER_TOKEN: tl.constexpr):
+                         PER_TOKEN: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # every operand comes from earlier kernels: wait for them first
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b, kvh = tl.program_id(0), tl.program_id(1)
         if PER_TOKEN:  # one program per query token: axis 2 is split * T + token
             split, first = tl.program_id(2) // T, tl.program_id(2) % T
@@ -165,7 +174,8 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ca
         cache_k.stride(2), slots.stride(0), positions.stride(0), positions.stride(1), out.stride(0), out.stride(1),
         out.stride(2), HEADS=heads, KV_HEADS=kv_heads, BLOCK_G=max(16, 1 << (group - 1).bit_length()), D=d,
         BLOCK_S=64, SPLITS=splits, CHUNK=-(-num_keys // splits),
-        PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32", PER_TOKEN=per_token, num_warps=4)
+        PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32", PER_TOKEN=per_token, num_warps=4,
+        **pdl_launch(qkv))
     if splits > 1:
         merge_kernel[(b * t * heads,)](part, stats, out, t, heads, out.stride(0), out.stride(1), out.stride(2), D=d,
                                        SPLITS=splits)

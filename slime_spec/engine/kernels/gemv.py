@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-from slime_spec.engine.kernels import as_rows
+from slime_spec.engine.kernels import as_rows, pdl_launch
 
 MAX_ROWS = 8  # the kernel's limit: rows are unrolled, one accumulator each
 SERVED_MAX_N = 4096  # the engine routes matmuls of at most SERVED_MAX_ROWS rows and this many outputs here (`serves`)
@@ -55,16 +55,24 @@ def _kernel():
     @triton.jit
     def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
                     GATED: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # row m's sums in acc[m]
+        # The first chunk of W is loaded before waiting for the previous kernel (PDL): no kernel writes weights.
+        w_first = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :],
+                          other=0.0, eviction_policy="evict_first")
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         for k0 in range(0, K, BLOCK_K):
             k_ok = (k0 + rk) < K
-            w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0, eviction_policy="evict_first").to(tl.float32)
+            w = w_first.to(tl.float32)
+            if k0 > 0:
+                w = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                            other=0.0, eviction_policy="evict_first").to(tl.float32)
             for m in tl.static_range(ROWS):
                 xs = x_ptr + m * stride_xm + k0 + rk
                 x = tl.load(xs, mask=k_ok, other=0.0).to(tl.float32)
@@ -99,5 +107,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _kernel()[(triton.cdiv(n, c.block_n),)](
         x2, weight, bias if bias is not None else weight, y, n, k, x2.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, ROWS=rows, BLOCK_M=_pow2(rows), BLOCK_N=c.block_n,
-        BLOCK_K=c.block_k, num_warps=c.num_warps)
+        BLOCK_K=c.block_k, num_warps=c.num_warps, **pdl_launch(x))
     return y.view(*x.shape[:-1], n)

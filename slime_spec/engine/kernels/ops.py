@@ -74,20 +74,48 @@ def _(x, delta, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
 
 
-@torch.compiler.disable
 def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor,
                      cache_v: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, num_keys: int, heads: int,
                      kv_heads: int) -> torch.Tensor:
     """The fused RoPE + cache write + attention kernel, outside torch.compile: it writes the KV cache, a mutation of
     the compiled layer's inputs that a graph break keeps plain (no functionalised copy of the cache); a captured CUDA
-    graph records it like any kernel."""
+    graph records it like any kernel. Eager calls skip the compiler's wrapper (host time, as `rms_norm`)."""
+    if torch.compiler.is_compiling():
+        return _compiled_graph_break(qkv, cos, sin, cache_k, cache_v, slots, positions, num_keys, heads, kv_heads)
     return _decode_attention(qkv, cos, sin, cache_k, cache_v, slots, positions, num_keys, heads, kv_heads)
+
+
+_compiled_graph_break = torch.compiler.disable(_decode_attention)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The RMSNorm kernel: its custom op under torch.compile, else the kernel itself. A custom op's dispatch (the
+    autograd and dispatcher layers) costs the host tens of microseconds a call, which eager forwards (a prefill, a
+    draft's catch-up) pay 49 times; a replayed graph pays nothing either way."""
+    if torch.compiler.is_compiling():
+        return rms_norm_op(x, weight, eps)
+    return _rms_norm(x, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm_op, called directly outside torch.compile (as `rms_norm`)."""
+    if torch.compiler.is_compiling():
+        return add_rms_norm_op(x, delta, weight, eps)
+    return _rms_norm(x, weight, eps, delta)
+
+
+def _gemv_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+    """gemv_op, called directly outside torch.compile (as `rms_norm`)."""
+    if torch.compiler.is_compiling():
+        return gemv_op(x, weight, bias, gated=gated)
+    return _gemv(x, weight, bias, gated=gated)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Kernels) -> torch.Tensor:
     """F.linear, through the gemv kernel where `kernels.gemv` and it serves the shape."""
     if kernels.gemv and gemv_serves(x.numel() // x.shape[-1], weight.shape[0], weight.shape[1]):
-        return gemv_op(x, weight, bias)
+        return _gemv_call(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -95,6 +123,6 @@ def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, kernels: Kernels) 
     """F.linear(silu(gate) * up, weight) of a fused gate/up output [..., 2I] (the MLP's down projection); the gemv
     kernel applies the activation as it loads, where it serves the shape."""
     if kernels.gemv and gemv_serves(gate_up.numel() // gate_up.shape[-1], weight.shape[0], weight.shape[1]):
-        return gemv_op(gate_up, weight, None, gated=True)
+        return _gemv_call(gate_up, weight, None, gated=True)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, weight)

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import torch
 
-from slime_spec.engine.kernels import as_rows
+from slime_spec.engine.kernels import as_rows, pdl_launch
 
 
 @lru_cache(maxsize=None)
@@ -23,10 +23,14 @@ def _kernel():
 
     @triton.jit
     def rms_norm_kernel(x_ptr, delta_ptr, w_ptr, y_ptr, sum_ptr, N, stride_x, stride_delta, stride_y, stride_sum, eps,
-                        ADD: tl.constexpr, BLOCK: tl.constexpr):
+                        ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < N
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)  # a weight: loaded before the PDL wait
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
         if ADD:  # h = x + delta, rounded to the input dtype as torch's add rounds it
             x = (x.to(tl.float32) + tl.load(delta_ptr + row * stride_delta + cols, mask=ok, other=0.0).to(tl.float32)
@@ -35,7 +39,6 @@ def _kernel():
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
         normed = (xf * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)  # HF: .to(input dtype), then * weight
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * stride_y + cols, (normed * w).to(y_ptr.dtype.element_ty), mask=ok)
 
     return rms_norm_kernel
@@ -58,7 +61,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
     h = torch.empty_like(y) if delta is not None else y
     block = triton.next_power_of_2(n)
     _kernel()[(rows,)](x2, d2, weight, y, h, n, x2.stride(0), d2.stride(0), y.stride(0), h.stride(0), eps,
-                       ADD=delta is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+                       ADD=delta is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4, **pdl_launch(x2))
     if delta is None:
         return y.view(x.shape), None
     return y.view(x.shape), h.view(x.shape)
