@@ -29,3 +29,13 @@ def test_a_run_without_counters_reports_accept_length_only():
                               "spec_accept_length": 2.0}])
     assert m["time_share_engine"] is None
     assert format_time_and_accept(m) == "accept length 2.00 token-weighted, 2.00 per sample"
+
+
+def test_bf16_sft_only_where_the_cpu_multiplies_bfloat16_natively():
+    from slime_spec.demo import cpu_has_bf16
+
+    zen4 = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n"
+    sapphire = "flags\t\t: avx2 avx512f amx_bf16 amx_tile\n"
+    older = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw\nbugs\t\t: avx512_bf16_lookalike\n"
+    assert cpu_has_bf16(zen4) and cpu_has_bf16(sapphire)
+    assert not cpu_has_bf16(older) and not cpu_has_bf16("")
