@@ -1,31 +1,18 @@
 """bench/eagle3_online.py's pieces that run in seconds: the trend verdict and the two GRPO runs' flags (the whole
 20-step comparison is the bench itself)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from slime_spec.args import parse
 from slime_spec.demo_task import split_problems, write_jsonl
 from slime_spec.tiny_model import make_tiny_eagle3_draft
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from tests.bench_scripts import bench_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))  # the bench imports its sibling engine_models as run from bench/
-    try:
-        spec = importlib.util.spec_from_file_location("bench_eagle3_online", BENCH / "eagle3_online.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_eagle3_online"] = module  # its dataclasses look their module up
-        spec.loader.exec_module(module)
+    with bench_script("eagle3_online") as module:
         yield module
-    finally:
-        sys.modules.pop("bench_eagle3_online", None)
-        sys.path.remove(str(BENCH))
 
 
 def run(first: float, last: float) -> dict:

@@ -1,26 +1,16 @@
 """bench/engine.py's row list: rows the embedded engine refuses are skipped with the doctor's reason, the rest run."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from tests.bench_scripts import bench_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_engine", BENCH / "engine.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_engine"] = module  # its dataclasses look their module up
-        spec.loader.exec_module(module)
+    with bench_script("engine") as module:
         yield module
-    finally:
-        sys.modules.pop("bench_engine", None)
-        sys.path.remove(str(BENCH))
 
 
 def test_refused_rows_are_skipped_with_the_reason(bench, tmp_path, capsys):

@@ -1,19 +1,18 @@
 """bench/spec_auto_sim.py: the scripted GPU case prints the right answer and the policy's shares per seed."""
 
-import importlib.util
-from pathlib import Path
+import pytest
+
+from tests.bench_scripts import bench_script
 
 
-def load_bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "spec_auto_sim.py"
-    spec = importlib.util.spec_from_file_location("spec_auto_sim", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="module")
+def bench():
+    with bench_script("spec_auto_sim") as module:
+        yield module
 
 
-def test_the_sim_prints_the_best_k_and_a_row_per_seed(capsys):
-    load_bench().main(["--seeds", "2", "--steps", "400"])
+def test_the_sim_prints_the_best_k_and_a_row_per_seed(bench, capsys):
+    bench.main(["--seeds", "2", "--steps", "400"])
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("best k 3")
     rows = [line for line in out if line.startswith("| 0 |") or line.startswith("| 1 |")]

@@ -36,7 +36,9 @@ def test_eval_names_in_order():
     assert eval_names([{"rollout_id": 0, "eval/a/reward_mean": 1, "eval/b/reward_mean": 0}]) == ["a", "b"]
 
 
-def test_plot_writes_a_png_with_eval_and_canary(tmp_path):
+def plotted(monkeypatch, *args, **kwargs) -> tuple[str, list[dict]]:
+    """plot(*args, **kwargs), and what its figure held when saved: the title, and each panel's y label, y range and
+    lines (label -> y values)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,23 +48,28 @@ def test_plot_writes_a_png_with_eval_and_canary(tmp_path):
     real_savefig = plt.Figure.savefig
 
     def capture(fig, path, **kw):
-        seen["axes"] = [(ax.get_ylim(), [line.get_label() for line in ax.get_lines()], fig._suptitle.get_text())
-                        for ax in fig.axes]
+        seen["title"] = fig._suptitle.get_text()
+        seen["panels"] = [{"ylabel": ax.get_ylabel(), "ylim": ax.get_ylim(),
+                           "lines": {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}}
+                          for ax in fig.axes]
         return real_savefig(fig, path, **kw)
 
-    plt.Figure.savefig = capture
-    try:
-        plot(steps(40), tmp_path / "plot.png", "MiMo-7B-RL on dapo-math-17k: GRPO",
-             extra={"draft frozen": steps(40)[:20]})
-    finally:
-        plt.Figure.savefig = real_savefig
+    monkeypatch.setattr(plt.Figure, "savefig", capture)
+    plot(*args, **kwargs)
+    return seen["title"], seen["panels"]
+
+
+def test_plot_writes_a_png_with_eval_and_canary(tmp_path, monkeypatch):
+    title, panels = plotted(monkeypatch, steps(40), tmp_path / "plot.png", "MiMo-7B-RL on dapo-math-17k: GRPO",
+                            extra={"draft frozen": steps(40)[:20]})
     assert (tmp_path / "plot.png").stat().st_size > 5000
-    assert len(seen["axes"]) == 2  # no speed-up panel without a measurement
-    (reward_ylim, reward_lines, title), (accept_ylim, accept_lines, _) = seen["axes"]
+    assert len(panels) == 2  # no speed-up panel without a measurement
+    reward, accept = panels
     assert title == "MiMo-7B-RL on dapo-math-17k: GRPO"
-    assert reward_ylim == (0.0, 1.0) and accept_ylim[0] == 1.0
-    assert "this run (rollouts, mean of 5)" in reward_lines and "this run: held-out eval 'aime'" in reward_lines
-    assert "this run: canary after weight sync" in accept_lines and "draft frozen: held-out eval 'aime'" in accept_lines
+    assert reward["ylim"] == (0.0, 1.0) and accept["ylim"][0] == 1.0
+    assert "this run (rollouts, mean of 5)" in reward["lines"] and "this run: held-out eval 'aime'" in reward["lines"]
+    assert "this run: canary after weight sync" in accept["lines"]
+    assert "draft frozen: held-out eval 'aime'" in accept["lines"]
 
 
 def with_speedup(n: int, plain_s: float) -> list[dict]:
@@ -81,43 +88,21 @@ def test_summary_states_the_whole_run_speedup():
     assert speedup_summary(steps(4))["spec_speedup"] is None
 
 
-def test_plot_has_a_speedup_panel_from_zero_with_the_plain_line(tmp_path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    seen = {}
-    real_savefig = plt.Figure.savefig
-
-    def capture(fig, path, **kw):
-        seen["axes"] = [(ax.get_ylim(), {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()})
-                        for ax in fig.axes]
-        return real_savefig(fig, path, **kw)
-
-    plt.Figure.savefig = capture
-    try:
-        plot(with_speedup(20, 3.0), tmp_path / "plot.png", "tiny MiMo on addition", label="MTP trained online",
-             extra={"draft frozen": with_speedup(20, 1.6)})
-    finally:
-        plt.Figure.savefig = real_savefig
+def test_plot_has_a_speedup_panel_from_zero_with_the_plain_line(tmp_path, monkeypatch):
+    _, panels = plotted(monkeypatch, with_speedup(20, 3.0), tmp_path / "plot.png", "tiny MiMo on addition",
+                        label="MTP trained online", extra={"draft frozen": with_speedup(20, 1.6)})
     assert (tmp_path / "plot.png").exists()
-    assert len(seen["axes"]) == 3
-    ylim, lines = seen["axes"][2]
+    assert len(panels) == 3
+    ylim, lines = panels[2]["ylim"], panels[2]["lines"]
     assert ylim[0] == 0.0 and ylim[1] > 1.5
     assert lines["plain decoding (1.0x)"] == [1.0, 1.0]
     assert lines["MTP trained online (measured every few steps)"] == [1.5] * 5
     assert lines["draft frozen (measured every few steps)"] == [0.8] * 5
 
 
-def test_the_accept_rate_gets_a_panel_and_quarter_means_when_measured(tmp_path):
+def test_the_accept_rate_gets_a_panel_and_quarter_means_when_measured(tmp_path, monkeypatch):
     """The accept rate is the draft's quality: under an adaptive k, accept length moves with the k chosen, so a
     frozen draft falling behind its policy shows in the rate; the plot and the summary carry it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
     def run(first: float, last: float) -> list[dict]:
         return [{"rollout_id": i, "reward_mean": 0.5, "spec_accept_length": 3.5,
                  "spec_accept_rate": first + (last - first) * i / 19} for i in range(20)]
@@ -125,21 +110,10 @@ def test_the_accept_rate_gets_a_panel_and_quarter_means_when_measured(tmp_path):
     s = summarize(run(0.88, 0.80))
     assert s["accept_rate_first_quarter_mean"] == pytest.approx(0.88 - 0.08 * 2 / 19)
     assert s["accept_rate_last_quarter_mean"] == pytest.approx(0.80 + 0.08 * 2 / 19)
-    seen = {}
-    real_savefig = plt.Figure.savefig
-
-    def capture(fig, path, **kw):
-        seen["labels"] = [ax.get_ylabel() for ax in fig.axes]
-        seen["ylim"] = fig.axes[2].get_ylim()
-        return real_savefig(fig, path, **kw)
-
-    plt.Figure.savefig = capture
-    try:
-        plot(run(0.88, 0.91), tmp_path / "plot.png", label="MTP trained online", extra={"draft frozen": run(0.88, 0.80)})
-    finally:
-        plt.Figure.savefig = real_savefig
-    assert len(seen["labels"]) == 3 and seen["labels"][2].startswith("accept rate")
-    assert seen["ylim"] == (0.0, 1.0)
+    _, panels = plotted(monkeypatch, run(0.88, 0.91), tmp_path / "plot.png", label="MTP trained online",
+                        extra={"draft frozen": run(0.88, 0.80)})
+    assert len(panels) == 3 and panels[2]["ylabel"].startswith("accept rate")
+    assert panels[2]["ylim"] == (0.0, 1.0)
     assert summarize([{"rollout_id": 0, "reward_mean": 0.5}])["accept_rate_first_quarter_mean"] is None
 
 
@@ -165,32 +139,15 @@ def test_summary_states_the_frozen_drafts_speedup_beside_the_online_one():
     assert "spec_speedup_frozen" not in summarize(with_speedup(12, 3.0))  # not measured: no frozen keys
 
 
-def test_plot_draws_the_frozen_draft_in_the_speedup_and_accept_panels(tmp_path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
+def test_plot_draws_the_frozen_draft_in_the_speedup_and_accept_panels(tmp_path, monkeypatch):
     run = with_frozen(20)
     for s in run:
         s["spec_accept_rate"] = 0.9
-    seen = {}
-    real_savefig = plt.Figure.savefig
-
-    def capture(fig, path, **kw):
-        seen["axes"] = [(ax.get_ylabel(), {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()})
-                        for ax in fig.axes]
-        return real_savefig(fig, path, **kw)
-
-    plt.Figure.savefig = capture
-    try:
-        plot(run, tmp_path / "plot.png", "tiny MiMo on addition", label="MTP trained online")
-    finally:
-        plt.Figure.savefig = real_savefig
+    _, panels = plotted(monkeypatch, run, tmp_path / "plot.png", "tiny MiMo on addition", label="MTP trained online")
     frozen = "MTP trained online: draft frozen at its start (same prompts, measured)"
-    panels = {label.split(" ")[0] + " " + label.split(" ")[1]: lines for label, lines in seen["axes"]}
-    assert panels["spec_speedup (plain"][frozen] == pytest.approx([3.0 / (2.0 + 0.25 * j) for j in range(5)])
-    assert panels["spec_speedup (plain"]["MTP trained online (measured every few steps)"] == [1.5] * 5
-    assert panels["accept rate"][frozen] == pytest.approx([0.9 - 0.02 * j for j in range(5)])
-    assert panels["accept length"][frozen] == pytest.approx([3.6 - 0.1 * j for j in range(5)])
-    assert not any(frozen in lines for lines in (panels["reward (mean"],))
+    by_label = {" ".join(p["ylabel"].split(" ")[:2]): p["lines"] for p in panels}
+    assert by_label["spec_speedup (plain"][frozen] == pytest.approx([3.0 / (2.0 + 0.25 * j) for j in range(5)])
+    assert by_label["spec_speedup (plain"]["MTP trained online (measured every few steps)"] == [1.5] * 5
+    assert by_label["accept rate"][frozen] == pytest.approx([0.9 - 0.02 * j for j in range(5)])
+    assert by_label["accept length"][frozen] == pytest.approx([3.6 - 0.1 * j for j in range(5)])
+    assert frozen not in by_label["reward (mean"]
