@@ -34,12 +34,14 @@ import math
 import random
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 from engine_models import make_exact_pair, save_checkpoint, sft_target  # run as `python bench/engine_gpu.py`
+from step_profile_gpu import StepPhases
 
 from slime_spec.engine.core import EngineCore, Request, SamplingParams
 from slime_spec.demo_task import split_problems
@@ -346,6 +348,10 @@ def main(argv=None) -> None:
     p.add_argument("--sft-steps", type=int, default=None, help="SFT steps of the scratchpad target")
     p.add_argument("--sft-batch", type=int, default=32)
     p.add_argument("--sft-lr", type=float, default=3e-4)
+    p.add_argument("--rows", default=None, help="the speculative rows to run, names separated by ';' (with the plain "
+                   "rows they are compared with; a STANDALONE draft is trained only for its row)")
+    p.add_argument("--phases", action="store_true", help="split each row's last decode at the largest batch by step "
+                   "kind: prefill, steps by k, steps under 64 rows, catch-ups (step_profile_gpu.StepPhases)")
     a = p.parse_args(argv)
     for flag, value in DEFAULTS["quick" if a.quick else "full"].items():
         if getattr(a, flag) is None:
@@ -460,10 +466,17 @@ def main(argv=None) -> None:
         table_prompts = lambda n, seed: prompts(n, a.prompt_len, a.vocab, seed)  # noqa: E731
         cap = a.new_tokens
     ctx = max(ctx, 16 + cap + 8)
+    chosen = None if a.rows is None else a.rows.split(";")
+    a.train_standalone = chosen is None or any(n.startswith("STANDALONE trained") for n in chosen)
     mtp_weights, trained_draft = train_drafts(a, target, tmp, engine(target), shape, train_prompts, held_out, cap)
     exact_target, exact_draft = make_exact_pair(tmp, {**shape, "vocab_size": a.vocab, "dtype": "bfloat16",
                                                       "max_position_embeddings": 1024}, a.draft_layers)
     rows = speculative_rows(target, trained_draft, exact_target, exact_draft, a.draft_layers)
+    if chosen is not None:
+        unknown = set(chosen) - set(rows)
+        if unknown:
+            raise SystemExit(f"--rows: no row named {sorted(unknown)}; the rows are {list(rows)}")
+        rows = {n: r for n, r in rows.items() if n in chosen or n in {rows[c].baseline for c in chosen}}
     spec_graphs = compiled_graphs if a.torch_compile else graphs  # every row alike, plain included
 
     spec_engine = partial(serving_engine, device=a.device, max_running_requests=max(spec_b),
@@ -481,10 +494,14 @@ def main(argv=None) -> None:
             batch, random_batch = table_prompts(b, seed), prompts(b, a.prompt_len, a.vocab, seed)
             order = list(cores.items()) if r % 2 == 0 else list(reversed(cores.items()))
             for name, core in order:
-                if rows[name].random_prompts:  # the exact pair: random weights, every request a fixed length
-                    tps, acc = run(core, random_batch, a.new_tokens)
-                else:
-                    tps, acc = run(core, batch, cap, ignore_eos=task is None)
+                phases = StepPhases() if a.phases and b == max(spec_b) and r == a.repeats - 1 else None
+                with phases.watching(core) if phases else nullcontext():
+                    if rows[name].random_prompts:  # the exact pair: random weights, every request a fixed length
+                        tps, acc = run(core, random_batch, a.new_tokens)
+                    else:
+                        tps, acc = run(core, batch, cap, ignore_eos=task is None)
+                if phases:
+                    print(f"{name}, batch {b}: {tps:,.0f} tok/s\n" + "\n".join(phases.lines()), flush=True)
                 best = results[name].get(b)
                 if best is None or tps > best[0]:
                     results[name][b] = (tps, acc)
@@ -504,6 +521,8 @@ def main(argv=None) -> None:
 
     # ---- a rollout-shaped batch: most responses short, a few several times longer
     n = min(a.tail_requests, max(spec_b))
+    if "plain" not in rows:  # --rows of the exact pair alone
+        return
     if task is not None:
         batch, lengths = task.mixed(n, seed=777), [cap] * n
     else:
@@ -518,8 +537,8 @@ def main(argv=None) -> None:
     print("| method | total s | vs plain | share of time after 90% of requests finished | tokens |")
     print("|---|---|---|---|---|")
     tail = {}
-    for name in ("plain", "EAGLE k=3", "EAGLE k=3, adaptive", "EAGLE k=3, --spec-auto", "NGRAM 4 tokens",
-                 f"STANDALONE trained {a.draft_layers}-layer k=3"):
+    for name in [n for n in ("plain", "EAGLE k=3", "EAGLE k=3, adaptive", "EAGLE k=3, --spec-auto", "NGRAM 4 tokens",
+                             f"STANDALONE trained {a.draft_layers}-layer k=3") if n in rows]:
         core = spec_engine(rows[name], tail_ctx)
         run(core, batch[:4], 8)
         tail[name] = run_long_tail(core, batch, lengths, ignore_eos=task is None)
@@ -545,6 +564,8 @@ def train_drafts(a, target: Path, tmp: Path, core: EngineCore, shape: dict, trai
     init = make_tiny_model(tmp / "draft_init", arch="llama", mtp_layers=0, vocab_size=a.vocab, dtype="bfloat16",
                            max_position_embeddings=1024, init_from=str(target),
                            **{**shape, "num_layers": a.draft_layers})
+    if not a.train_standalone:  # --rows without its row: the untrained truncation stands in, never served
+        return mtp_weights, init
     draft, _ = load_model(init, dtype="float32", device=a.device)
     distill([p for n, p in draft.named_parameters() if n.startswith("model.layers.") or n == "model.norm.weight"],
             partial(standalone_student, draft, teacher), corpus, held_out, a.train_steps, a.train_lr,

@@ -15,23 +15,30 @@ overlap, so the busy time can exceed the wall time. Plain decoding (and adaptive
 each step's wall time (the first holds the prefill) and how long the host waited for each read-back: a host that
 waits is hidden behind the device; plain decoding also times its captured step replayed alone, and checks its greedy
 tokens against the same engine's eager forwards.
+
+With --tail N request i decodes tokens - i * N // batch tokens, so the batch shrinks over its last N steps as a batch
+decoded to EOS does; `--phases` then splits one decode's wall time by step kind (`StepPhases`: the prefill, steps by
+draft length k, the steps below batch 64, the drafter's catch-up before drafting), without the profiler.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import statistics
 import tempfile
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from slime_spec.engine import speculative
 from slime_spec.engine.core import EngineCore, Request, SamplingParams
 from slime_spec.engine.cuda_graph import CudaGraphSettings
 from slime_spec.spec import SpecConfig
@@ -41,13 +48,13 @@ GAP_US = 4.0  # gaps between kernels at most this long count as launch latency, 
 SHAPE = dict(hidden_size=1536, num_layers=24, num_heads=12, num_kv_heads=2, intermediate_size=4096, vocab_size=32000)
 
 
-def decode(core: EngineCore, batch: int, tokens: int, seed: int, times: list | None = None) -> int:
-    """Decode `batch` random prompts `tokens` tokens each; returns the engine steps taken (and appends each step's
-    end time, perf_counter, to `times`)."""
+def decode(core: EngineCore, batch: int, tokens: int, seed: int, times: list | None = None, tail: int = 0) -> int:
+    """Decode `batch` random prompts, request i `tokens - i * tail // batch` tokens; returns the engine steps taken
+    (and appends each step's end time, perf_counter, to `times`)."""
     g = torch.Generator().manual_seed(seed)
     for i, ids in enumerate(torch.randint(10, SHAPE["vocab_size"], (batch, 32), generator=g).tolist()):
         core.add_request(Request(rid=f"{seed}-{i}", input_ids=ids, params=SamplingParams(
-            temperature=0.0, max_new_tokens=tokens, ignore_eos=True)))
+            temperature=0.0, max_new_tokens=tokens - i * tail // batch, ignore_eos=True)))
     steps = 0
     while core.has_work():
         core.step()
@@ -55,6 +62,94 @@ def decode(core: EngineCore, batch: int, tokens: int, seed: int, times: list | N
         if times is not None:
             times.append(time.perf_counter())
     return steps
+
+
+class StepPhases:
+    """Where one decode's wall time goes, by engine step (no profiler): each `step()` timed and filed under the k
+    the step policy chose (0: a plain step; plain decoding's steps too) and whether fewer than TAIL_BATCH rows ran;
+    the prefill and the drafter's catch-up before a draft (speculative.catch_up) timed inside it, each followed by
+    a sync so their device time counts (their host time alone is kept too), and the garbage collector's pauses. Why: a speculative engine at batch 128
+    ran slower than plain decoding with equal steady steps, so the time had to be somewhere else."""
+
+    TAIL_BATCH = 64  # SGLang's adaptive tiers: below it the tier of 32 (candidates 0 and 1) decides
+
+    def __init__(self):
+        self.steps: list[tuple[int, int, float]] = []  # (k, rows, seconds)
+        self.prefill_s, self.catch_up_s, self.catch_up_host_s = 0.0, 0.0, 0.0
+        self.catch_ups: list[tuple[int, int]] = []  # (rows behind, most deferred steps of a row) per catch-up
+        self.gc_s, self.gc_n, self._gc_t = [0.0, 0.0, 0.0], [0, 0, 0], 0.0  # per generation
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t = time.perf_counter()
+        else:
+            self.gc_s[info["generation"]] += time.perf_counter() - self._gc_t
+            self.gc_n[info["generation"]] += 1
+
+    @contextmanager
+    def watching(self, core: EngineCore):
+        """Instrument `core` (and speculative.catch_up) while the block runs."""
+        chose, real_step, real_prefill, real_catch_up = [0], core.step, core._prefill, speculative.catch_up
+        sync = torch.cuda.synchronize if core.device.type == "cuda" else (lambda: None)  # engine_gpu.py --device cpu
+        real_choose = core.policy.choose if core.policy is not None else None
+
+        def choose(n):
+            chose[0] = real_choose(n)
+            return chose[0]
+
+        def prefill(rows):
+            sync()
+            t = time.perf_counter()
+            real_prefill(rows)
+            sync()
+            self.prefill_s += time.perf_counter() - t
+
+        def catch_up(engine, rows):
+            pending = getattr(getattr(engine.drafter, "mtp", engine.drafter), "pending", None) or {}
+            behind = [len(pending[r.slot]) for r in rows if r.slot in pending]
+            t = time.perf_counter()
+            switch_s = real_catch_up(engine, rows)
+            self.catch_up_host_s += time.perf_counter() - t
+            sync()
+            self.catch_up_s += time.perf_counter() - t
+            if behind:
+                self.catch_ups.append((len(behind), max(behind)))
+            return switch_s
+
+        def step():
+            rows, chose[0] = sum(r.finish is None for r in core.running), 0
+            t = time.perf_counter()
+            out = real_step()
+            self.steps.append((chose[0], rows, time.perf_counter() - t))
+            return out
+
+        core.step, core._prefill, speculative.catch_up = step, prefill, catch_up
+        if real_choose is not None:
+            core.policy.choose = choose
+        gc.callbacks.append(self._on_gc)
+        try:
+            yield self
+        finally:
+            gc.callbacks.remove(self._on_gc)
+            core.step, core._prefill, speculative.catch_up = real_step, real_prefill, real_catch_up
+            if real_choose is not None:
+                core.policy.choose = real_choose
+
+    def lines(self) -> list[str]:
+        total = sum(s for _, _, s in self.steps)
+        out = [f"  {len(self.steps)} steps, {total * 1e3:.1f} ms: prefill {self.prefill_s * 1e3:.1f} ms (synced); "
+               f"{len(self.catch_ups)} catch-ups (rows, most deferred steps: {self.catch_ups[:4]}), "
+               f"{self.catch_up_s * 1e3:.1f} ms synced ({self.catch_up_host_s * 1e3:.1f} ms host); garbage "
+               "collections by generation: " + ", ".join(f"{n} in {s * 1e3:.1f} ms" for n, s in zip(self.gc_n,
+                                                                                                   self.gc_s))]
+        for k in sorted({k for k, _, _ in self.steps}):
+            for tail in (False, True):
+                each = [s * 1e3 for kk, n, s in self.steps if kk == k and (0 < n < self.TAIL_BATCH) == tail]
+                if each:
+                    out.append(f"  k={k}, {'under' if tail else 'at least'} {self.TAIL_BATCH} rows: {len(each)} "
+                               f"steps, {sum(each):.1f} ms, median {statistics.median(each):.3f} ms, max "
+                               f"{max(each):.3f} ms")
+        return out
 
 
 def profile_engine(core: EngineCore, batch: int, tokens: int, top: int) -> list[str]:
@@ -165,13 +260,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=12, help="kernels and host ops listed per engine")
     p.add_argument("--cprofile", action="store_true", help="also profile each engine's Python")
     p.add_argument("--engines", default="plain,spec", help="engines to profile, of plain, spec and adaptive")
+    p.add_argument("--tail", type=int, default=0, help="request i decodes tokens - i * tail // batch tokens")
+    p.add_argument("--phases", type=int, default=0, metavar="REPEATS",
+                   help="instead of profiling, time this many interleaved decodes per engine by step kind (StepPhases)")
     a = p.parse_args(argv)
     engines = set(a.engines.split(","))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_model(Path(tmp) / "mimo", arch="mimo", mtp_layers=1, dtype="bfloat16",
                                max_position_embeddings=1024, **SHAPE)
-        graphs = CudaGraphSettings(batch_sizes=(a.batch,))
+        # with a tail the batch shrinks: capture engine_gpu.py's sizes, so its rows pad as that bench's do
+        graphs = CudaGraphSettings(batch_sizes=tuple(sorted({1, 8, 32, a.batch})) if a.tail else (a.batch,))
+        cores = {}
         for key, name, spec in (("plain", "plain", None),
                                 ("spec", f"NEXTN k={a.steps}", SpecConfig("EAGLE", a.steps, 1, a.steps + 1)),
                                 ("adaptive", "NEXTN k=3, adaptive (random drafts: it settles on plain steps)",
@@ -180,6 +280,10 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             core = EngineCore(str(path), spec, dtype="bfloat16", device="cuda", max_running_requests=a.batch,
                               context_length=32 + a.tokens + max(a.steps, 3) + 8, cuda_graph=graphs)
+            if a.phases:
+                decode(core, a.batch, a.tokens, seed=0, tail=a.tail)  # warm: graphs captured, kernels compiled
+                cores[name] = core
+                continue
             print(f"\n{name}, batch {a.batch}:")
             print("\n".join(profile_engine(core, a.batch, a.tokens, a.top)), flush=True)
             if key != "spec":
@@ -190,6 +294,16 @@ def main(argv: list[str] | None = None) -> None:
             if a.cprofile:
                 print("\n".join(host_profile(core, a.batch, a.tokens, 3 * a.top)), flush=True)
             del core
+        for r in range(a.phases):
+            for name, core in cores.items():
+                phases = StepPhases()
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                with phases.watching(core):
+                    decode(core, a.batch, a.tokens, seed=10 + r, tail=a.tail)
+                torch.cuda.synchronize()
+                print(f"{name}, batch {a.batch}, tail {a.tail}, repeat {r}: {(time.perf_counter() - t) * 1e3:.1f} ms")
+                print("\n".join(phases.lines()), flush=True)
 
 
 if __name__ == "__main__":

@@ -141,6 +141,40 @@ def test_mtp_catch_up_after_plain_steps_equals_an_extend_over_the_whole_sequence
         torch.testing.assert_close(drafter.next_hidden[r.slot], fresh.next_hidden[r.slot], atol=1e-4, rtol=1e-4)
 
 
+def test_a_catch_up_of_rows_admitted_apart_gathers_each_rows_own_hidden_states(mimo):
+    """The catch-up gathers hidden states from one table of every waiting step's: rows prefilled in different steps
+    (so a row's index differs between its prefill and the plain steps), caught up in two calls, a subset first, in
+    another order than the steps held them, each end where one extend over its whole sequence ends."""
+    from slime_spec.engine.drafters.mtp import MTPDrafter
+
+    spec = resolve_or_raise({"speculative_algorithm": "EAGLE", "speculative_num_steps": 2,
+                             "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 3},
+                            target_config={"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1})
+    engine = EngineCore(str(mimo), spec, max_running_requests=3)
+    engine.policy = ScriptedSteps([0])
+    drafter, tok = engine.drafter.mtp, engine.tokenizer
+    for i in range(3):
+        engine.add_request(Request(f"r{i}", tok(f"w{i} " * (2 * i + 3))["input_ids"],
+                                   SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)))
+        for _ in range(i + 1):
+            engine.step()
+    rows = list(engine.running)
+    assert [len(drafter.pending[r.slot]) for r in rows] == [7, 6, 4]  # a prefill, then one segment a plain step
+    assert drafter.catch_up_deferred([rows[2], rows[0]])
+    assert list(drafter.pending) == [rows[1].slot] and drafter.pending_steps  # rows[1]'s steps are kept
+    assert drafter.catch_up_deferred([rows[1]]) and not drafter.pending_steps
+    fresh = MTPDrafter(engine.model, 2, 3, engine.max_seq)
+    for r in rows:
+        ids = torch.tensor([r.tokens])
+        hidden = engine.model(ids, torch.arange(len(r.tokens))[None], engine.model.new_cache(1, engine.max_seq),
+                              torch.tensor([0]))
+        fresh.on_prefill([r], hidden)
+        fresh.catch_up_deferred([r])
+        torch.testing.assert_close(drafter.next_hidden[r.slot], fresh.next_hidden[r.slot], atol=1e-4, rtol=1e-4)
+        n = len(r.tokens) - 1
+        torch.testing.assert_close(drafter.cache.k[0][r.slot, :n], fresh.cache.k[0][r.slot, :n], atol=1e-4, rtol=1e-4)
+
+
 def test_the_extend_queued_before_the_read_back_leaves_the_mtp_layer_where_a_whole_extend_does(mimo):
     """After each verify the MTP extend is launched from the verify's device tensors before the read-back
     (MTPDrafter.verify_extend): over all k + 1 positions, the rejected drafts past the accepted ones included. With

@@ -6,7 +6,7 @@ import torch
 
 from slime_spec.engine import tree, tree_graphs
 from slime_spec.engine.cuda_graph import GraphedForward, key_buckets, mtp_chain_name
-from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of, tree_frame
+from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, slots_of, tree_frame
 from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names
 from slime_spec.engine.transfer import device_tensor
 
@@ -34,12 +34,13 @@ class MTPDrafter:
         self.next_hidden = torch.zeros(slots, target.args.hidden_size, dtype=target.lm_head.weight.dtype,
                                        device=device)
         self.cache: KVCache | None = None
-        # Deferred extends: per step (hidden [B, T, H], {slot: row}) and per slot its waiting segments
-        # (tokens, step, first position): segment j's hidden states are [row, :len(tokens)] of its step's (a prefill
-        # is one segment of the whole prompt, a plain step one of a token), so queueing costs one list append per
-        # row, no tensor op and nothing per prompt token.
-        self.pending: dict[int, list[tuple[list[int], int, int]]] = {}
-        self.pending_steps: dict[int, tuple[torch.Tensor, dict[int, int]]] = {}
+        # Deferred extends: per step (hidden [B, T, H], {slot: row}, tokens per row, first position per row) and per
+        # slot the steps it waits on. A plain step's row has one token (an int) at hidden [row, 0], a prefill's a list
+        # (the prompt shifted) at [row, :len]. Queueing a plain step costs one int appended per row: no tensor op and
+        # no object per row that the garbage collector tracks (two per row and step, kept until the catch-up, made
+        # a batch-128 run's collections cost ms, and a full one up to hundreds of ms).
+        self.pending: dict[int, list[int]] = {}
+        self.pending_steps: dict[int, tuple[torch.Tensor, dict[int, int], list, list[int]]] = {}
         self._step_id = 0
         self.ahead: tuple[list, int, torch.Tensor] | None = None  # (rows, k, drafts) drafted before a read-back
         self.new_cache()
@@ -66,34 +67,64 @@ class MTPDrafter:
         output) and the target's hidden state at p; `catch_up_deferred` runs it before the row's first draft."""
         self._step_id += 1
         self.ahead = None
-        self.pending_steps[self._step_id] = (hidden, {r.slot: i for i, r in enumerate(rows)})
+        self.pending_steps[self._step_id] = (hidden, {r.slot: i for i, r in enumerate(rows)},
+                                             [r.tokens[1:] for r in rows], [0] * len(rows))
         for r in rows:
-            self.pending[r.slot] = [(r.tokens[1:], self._step_id, 0)]
+            self.pending[r.slot] = [self._step_id]
 
     def catch_up_deferred(self, rows) -> bool:
         """The deferred extends (prefills, plain steps), one batched MTP call over every waiting position; whether
-        there was any."""
+        there was any. The hidden states are gathered in one index op from every waiting step's, flattened into one
+        table: a row behind by a long run of plain steps (the tail of a batch 128, where a smaller batch's tier starts
+        drafting) has one segment per step, and slicing them one by one took 24-38 ms of host time (GPU section of
+        docs/en/benchmarks.md, issue 14)."""
         behind = [r for r in rows if r.slot in self.pending]
         if not behind:
             return False
         self.ahead = None
         queued = [self.pending.pop(r.slot) for r in behind]
-        device = self.next_hidden.device
-        tokens = pad([[t for seg_tokens, _, _ in q for t in seg_tokens] for q in queued], device)
-        lengths = [sum(len(seg_tokens) for seg_tokens, _, _ in q) for q in queued]
-        hidden = torch.zeros(len(behind), tokens.shape[1], self.next_hidden.shape[1], dtype=self.next_hidden.dtype,
-                             device=device)
-        for i, (r, q) in enumerate(zip(behind, queued)):
-            hidden[i, : lengths[i]] = torch.cat([self.pending_steps[step][0][self.pending_steps[step][1][r.slot],
-                                                                             : len(seg_tokens)]
-                                                 for seg_tokens, step, _ in q])
-        waiting = {step for q in self.pending.values() for _, step, _ in q}
+        device, size = self.next_hidden.device, self.next_hidden.shape[1]
+        info, parts, offset = {}, [], 0  # step -> (where its [B, T] positions start in the table, T, rows, tokens)
+        for step in sorted({step for q in queued for step in q}):
+            hidden, where, step_tokens, _ = self.pending_steps[step]
+            info[step] = (offset, hidden.shape[1], where, step_tokens)
+            parts.append(hidden.reshape(-1, size))
+            offset += hidden.shape[0] * hidden.shape[1]
+        parts.append(self.next_hidden.new_zeros(1, size))  # row `offset`: the padding's hidden state
+        per_row, starts = [], []  # (gather index, tokens) per row; each row's first waiting position
+        for r, q in zip(behind, queued):
+            slot, index, tokens = r.slot, [], []
+            for step in q:
+                first, span, where, step_tokens = info[step]
+                i = where[slot]
+                t = step_tokens[i]
+                if isinstance(t, int):  # a plain step's one token (its hidden states are [B, 1])
+                    index.append(first + i)
+                    tokens.append(t)
+                else:  # a prefill's prompt
+                    first += i * span
+                    index.extend(range(first, first + len(t)))
+                    tokens.extend(t)
+            _, where, _, step_positions = self.pending_steps[q[0]]
+            starts.append(step_positions[where[slot]])
+            per_row.append((index, tokens))
+        lengths = [len(index) for index, _ in per_row]
+        width = max(lengths)
+        index = [i for row_index, _ in per_row for i in row_index + [offset] * (width - len(row_index))]
+        tokens = [t for _, row_tokens in per_row for t in row_tokens + [0] * (width - len(row_tokens))]
+        n = len(behind)
+        # one host-to-device copy: the gather index and tokens [n, width] each, then each row's first position
+        # and last waiting position
+        table = device_tensor(index + tokens + starts + [m - 1 for m in lengths], device)
+        index, tokens = table[: n * width], table[n * width: 2 * n * width].view(n, width)
+        start, last = table[2 * n * width: 2 * n * width + n], table[2 * n * width + n:]
+        hidden = torch.cat(parts)[index].view(n, width, size)
+        waiting = {step for q in self.pending.values() for step in q}
         for step in [s for s in self.pending_steps if s not in waiting]:
             del self.pending_steps[step]
-        start = device_tensor([q[0][2] for q in queued], device)
-        positions = start[:, None] + torch.arange(tokens.shape[1], device=device)[None]
-        last = device_tensor([n - 1 for n in lengths], device)
-        self._extend(slots_of(behind, device), tokens, hidden, positions, last)
+        positions = start[:, None] + torch.arange(width, device=device)[None]
+        num_keys = max(starts) + width  # positions.max() + 1, known on the host: no read-back
+        self._extend(slots_of(behind, device), tokens, hidden, positions, last, num_keys)
         return True
 
     def propose(self, rows) -> torch.Tensor:
@@ -226,9 +257,14 @@ class MTPDrafter:
         when it reads a step back, by which time the row's kv_len already counts the next step in flight."""
         self._step_id += 1
         self.ahead = None
-        self.pending_steps[self._step_id] = (hidden[:, :1], {r.slot: i for i, r in enumerate(rows)})
-        for r, position in zip(rows, positions):
-            self.pending.setdefault(r.slot, []).append(([r.tokens[-1]], self._step_id, position))
+        self.pending_steps[self._step_id] = (hidden[:, :1], {r.slot: i for i, r in enumerate(rows)},
+                                             [r.tokens[-1] for r in rows], positions)
+        for r in rows:
+            waiting = self.pending.get(r.slot)
+            if waiting is None:
+                self.pending[r.slot] = [self._step_id]
+            else:
+                waiting.append(self._step_id)
 
     def weight_runner(self) -> dict[str, torch.nn.Parameter]:
         """SGLang's MiMoMTP draft runner loads the MTP layers plus the embedding and lm_head it shares."""
