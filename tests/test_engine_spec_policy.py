@@ -129,24 +129,14 @@ def test_mtp_catch_up_after_plain_steps_equals_an_extend_over_the_whole_sequence
     assert drafter.catch_up_deferred(rows)
     assert not drafter.pending
     assert not drafter.catch_up_deferred(rows)  # nothing left: nothing runs (speculative.catch_up then skips its sync)
-    from slime_spec.engine.drafters.mtp import MTPDrafter
-
-    fresh = MTPDrafter(engine.model, 2, 3, engine.max_seq)
     for r in rows:
-        ids = torch.tensor([r.tokens])
-        hidden = engine.model(ids, torch.arange(len(r.tokens))[None], engine.model.new_cache(1, engine.max_seq),
-                              torch.tensor([0]))
-        fresh.on_prefill([r], hidden)  # queued, as every prefill's extend is: run it as one catch-up
-        fresh.catch_up_deferred([r])
-        torch.testing.assert_close(drafter.next_hidden[r.slot], fresh.next_hidden[r.slot], atol=1e-4, rtol=1e-4)
+        assert_as_one_extend(engine, drafter, r)
 
 
 def test_a_catch_up_of_rows_admitted_apart_gathers_each_rows_own_hidden_states(mimo):
     """The catch-up gathers hidden states from one table of every waiting step's: rows prefilled in different steps
     (so a row's index differs between its prefill and the plain steps), caught up in two calls, a subset first, in
     another order than the steps held them, each end where one extend over its whole sequence ends."""
-    from slime_spec.engine.drafters.mtp import MTPDrafter
-
     spec = resolve_or_raise({"speculative_algorithm": "EAGLE", "speculative_num_steps": 2,
                              "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 3},
                             target_config={"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1})
@@ -163,16 +153,24 @@ def test_a_catch_up_of_rows_admitted_apart_gathers_each_rows_own_hidden_states(m
     assert drafter.catch_up_deferred([rows[2], rows[0]])
     assert list(drafter.pending) == [rows[1].slot] and drafter.pending_steps  # rows[1]'s steps are kept
     assert drafter.catch_up_deferred([rows[1]]) and not drafter.pending_steps
-    fresh = MTPDrafter(engine.model, 2, 3, engine.max_seq)
     for r in rows:
-        ids = torch.tensor([r.tokens])
-        hidden = engine.model(ids, torch.arange(len(r.tokens))[None], engine.model.new_cache(1, engine.max_seq),
-                              torch.tensor([0]))
-        fresh.on_prefill([r], hidden)
-        fresh.catch_up_deferred([r])
-        torch.testing.assert_close(drafter.next_hidden[r.slot], fresh.next_hidden[r.slot], atol=1e-4, rtol=1e-4)
-        n = len(r.tokens) - 1
-        torch.testing.assert_close(drafter.cache.k[0][r.slot, :n], fresh.cache.k[0][r.slot, :n], atol=1e-4, rtol=1e-4)
+        assert_as_one_extend(engine, drafter, r)
+
+
+def assert_as_one_extend(engine, drafter, row):
+    """The drafter's next hidden state and MTP cache for `row` equal a fresh MTP layer's after one extend over the
+    row's whole committed sequence (MTP positions 0..n-1 read committed tokens 1..n)."""
+    from slime_spec.engine.drafters.mtp import MTPDrafter
+
+    fresh = MTPDrafter(engine.model, engine.max_running_requests + 1, 3, engine.max_seq)
+    ids = torch.tensor([row.tokens])
+    hidden = engine.model(ids, torch.arange(len(row.tokens))[None], engine.model.new_cache(1, engine.max_seq),
+                          torch.tensor([0]))
+    fresh.on_prefill([row], hidden)  # queued, as every prefill's extend is: run it as one catch-up
+    fresh.catch_up_deferred([row])
+    torch.testing.assert_close(drafter.next_hidden[row.slot], fresh.next_hidden[row.slot], atol=1e-4, rtol=1e-4)
+    n = len(row.tokens) - 1
+    torch.testing.assert_close(drafter.cache.k[0][row.slot, :n], fresh.cache.k[0][row.slot, :n], atol=1e-4, rtol=1e-4)
 
 
 def test_the_extend_queued_before_the_read_back_leaves_the_mtp_layer_where_a_whole_extend_does(mimo):
@@ -181,8 +179,6 @@ def test_the_extend_queued_before_the_read_back_leaves_the_mtp_layer_where_a_who
     drafts scripted to be accepted in part (the first one or two right, the next wrong), the next hidden state and
     the cache at every committed position equal one extend over the whole committed sequence after every step: the
     accepted count picks the right output, and the rejected drafts' keys never survive to be read."""
-    from slime_spec.engine.drafters.mtp import MTPDrafter
-
     spec = resolve_or_raise({"speculative_algorithm": "EAGLE", "speculative_num_steps": 3,
                              "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4},
                             target_config={"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1})
@@ -210,20 +206,9 @@ def test_the_extend_queued_before_the_read_back_leaves_the_mtp_layer_where_a_who
     outs = {}
     for _ in range(12):
         outs.update({o.rid: o for o in engine.step()})
-        rows = list(engine.running)
-        fresh = MTPDrafter(engine.model, 3, 3, engine.max_seq)
-        for r in rows:
-            if r.verify_ct == 0:
-                continue
-            ids = torch.tensor([r.tokens])
-            hidden = engine.model(ids, torch.arange(len(r.tokens))[None], engine.model.new_cache(1, engine.max_seq),
-                                  torch.tensor([0]))
-            fresh.on_prefill([r], hidden)
-            fresh.catch_up_deferred([r])
-            torch.testing.assert_close(drafter.next_hidden[r.slot], fresh.next_hidden[r.slot], atol=1e-4, rtol=1e-4)
-            n = len(r.tokens) - 1  # MTP positions 0..n-1 read committed tokens 1..n
-            torch.testing.assert_close(drafter.cache.k[0][r.slot, :n], fresh.cache.k[0][r.slot, :n], atol=1e-4,
-                                       rtol=1e-4)
+        for r in engine.running:
+            if r.verify_ct:
+                assert_as_one_extend(engine, drafter, r)
     accepted = engine._accept_tokens - engine._verify_passes
     assert 0 < accepted < 3 * engine._verify_passes  # drafts accepted in part
 
