@@ -191,8 +191,9 @@ def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[s
                 shown += ys
             fxs, fys = _series(run_steps, FROZEN_SERIES.get(key, ""))
             if fys:  # --spec-speedup-frozen-draft: the same prompts and policy, the draft as launched
+                frozen = "draft frozen at its start (same prompts and weights, measured)"
                 ax.plot(fxs, fys, color=FROZEN_COLOR, marker="v", linewidth=2, linestyle="-.",
-                        label=f"{name}: draft frozen at its start (same prompts, measured)")
+                        label=frozen if len(runs) == 1 else f"{name}: {frozen}")
                 shown += fys
             if key == "spec_speedup":
                 continue

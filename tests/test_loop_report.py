@@ -144,7 +144,7 @@ def test_plot_draws_the_frozen_draft_in_the_speedup_and_accept_panels(tmp_path, 
     for s in run:
         s["spec_accept_rate"] = 0.9
     _, panels = plotted(monkeypatch, run, tmp_path / "plot.png", "tiny MiMo on addition", label="MTP trained online")
-    frozen = "MTP trained online: draft frozen at its start (same prompts, measured)"
+    frozen = "draft frozen at its start (same prompts and weights, measured)"  # one run: no run prefix
     by_label = {" ".join(p["ylabel"].split(" ")[:2]): p["lines"] for p in panels}
     assert by_label["spec_speedup (plain"][frozen] == pytest.approx([3.0 / (2.0 + 0.25 * j) for j in range(5)])
     assert by_label["spec_speedup (plain"]["MTP trained online (measured every few steps)"] == [1.5] * 5
