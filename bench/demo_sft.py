@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PRECISIONS = {"float32": [], "bfloat16": ["--bf16"]}
+PRECISIONS = {"float32": False, "bfloat16": True}  # name: --bf16
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,17 +34,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_trainer(model: Path, size: dict, seed: int, extra: list[str], out: str):
+def make_trainer(model: Path, size: dict, seed: int, bf16: bool, out: str):
+    """A trainer with the demo's SFT flags (demo.sft_argv), in this process."""
     import torch
 
     from slime_spec import demo
     from slime_spec.args import parse_config
     from slime_spec.trainer.trainer import Trainer
 
-    config, _ = parse_config(["--hf-checkpoint", str(model), "--loss-type", "sft", "--lr", "3e-3",
-                              "--global-batch-size", str(size["sft_batch"]), "--micro-batch-size",
-                              str(size["sft_batch"]), "--rollout-backend", "embedded", "--output-dir", out,
-                              "--seed", str(seed), *demo.MTP_FLAGS, "--enable-mtp-training", *extra])
+    config, _ = parse_config(demo.sft_argv(model, size, seed, Path(out), bf16=bf16))
     torch.manual_seed(seed)
     return Trainer(config.train)
 
@@ -76,8 +74,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model, _, _, rows = demo.make_model_and_data(Path(tmp), size, a.seed)
         samples = demo.sft_samples(rows, AutoTokenizer.from_pretrained(model))
-        runs = {name: dict(trainer=make_trainer(model, size, a.seed, extra, tmp), rng=random.Random(a.seed),
-                           secs=[], loss=[], mtp=[]) for name, extra in PRECISIONS.items()}
+        runs = {name: dict(trainer=make_trainer(model, size, a.seed, bf16, tmp), rng=random.Random(a.seed),
+                           secs=[], loss=[], mtp=[]) for name, bf16 in PRECISIONS.items()}
         print(f"[demo_sft] {steps} steps of {size['sft_batch']} problems per precision, blocks of {a.block}; native "
               f"bfloat16 matmuls on this CPU: {demo.native_bf16()}", flush=True)
         for start in range(0, steps, a.block):

@@ -83,6 +83,14 @@ def native_bf16() -> bool:
     return path.exists() and cpu_has_bf16(path.read_text())
 
 
+def sft_argv(model: Path, size: dict, seed: int, out: Path, mtp: bool = True, bf16: bool = False) -> list[str]:
+    """The SFT warm-up's trainer flags (bench/demo_sft.py trains with the same)."""
+    return ["--hf-checkpoint", str(model), "--loss-type", "sft", "--lr", "3e-3",
+            "--global-batch-size", str(size["sft_batch"]), "--micro-batch-size", str(size["sft_batch"]),
+            "--rollout-backend", "embedded", "--output-dir", str(out), "--seed", str(seed),
+            *(["--bf16"] if bf16 else []), *([*MTP_FLAGS, "--enable-mtp-training"] if mtp else [])]
+
+
 def sft_warmup(model: Path, rows: list[dict], out: Path, size: dict, seed: int, mtp: bool = True,
                bf16: bool = False) -> Path:
     """A short SFT of the policy (and its MTP layer when `mtp`), in bfloat16 with float32 master weights when
@@ -99,10 +107,7 @@ def sft_warmup(model: Path, rows: list[dict], out: Path, size: dict, seed: int, 
     from slime_spec.train import init_ray
     from slime_spec.trainer.group import TrainGroup
 
-    config, _ = parse_config(["--hf-checkpoint", str(model), "--loss-type", "sft", "--lr", "3e-3",
-                              "--global-batch-size", str(size["sft_batch"]), "--micro-batch-size", str(size["sft_batch"]),
-                              "--rollout-backend", "embedded", "--output-dir", str(out), "--seed", str(seed),
-                              *(["--bf16"] if bf16 else []), *([*MTP_FLAGS, "--enable-mtp-training"] if mtp else [])])
+    config, _ = parse_config(sft_argv(model, size, seed, out, mtp=mtp, bf16=bf16))
     tokenizer = AutoTokenizer.from_pretrained(model)
     samples = sft_samples(rows, tokenizer)
     rng = random.Random(seed)

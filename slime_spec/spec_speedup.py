@@ -181,6 +181,7 @@ class SpeedupProbe:
         from slime_spec.engines.actor import EngineActor
         from slime_spec.engines.client import EngineAuth, EngineClient
         from slime_spec.rollout.sampling_params import sampling_params
+        from slime_spec.weight_sync.gather import hf_mtp_matcher
 
         check_config(config)
         self.config, self.spec_url = config, spec_url
@@ -200,6 +201,7 @@ class SpeedupProbe:
             self.shutdown()
             raise
         self.clients = {name: EngineClient(url, self.auth) for name, url in self.urls.items()}
+        self.is_mtp = hf_mtp_matcher(json.loads((Path(config.engine.model_path) / "config.json").read_text()))
         self.count = 0
         frozen = (f", and a frozen-draft engine (speculative, its draft as launched) at {self.urls['frozen']}"
                   if "frozen" in self.urls else "")
@@ -211,10 +213,7 @@ class SpeedupProbe:
         engine (its draft keeps what it launched with), through disk: no draft tensor is written."""
         from safetensors.torch import save_file
 
-        from slime_spec.weight_sync.gather import hf_mtp_matcher
-
-        is_mtp = hf_mtp_matcher(json.loads((Path(self.config.engine.model_path) / "config.json").read_text()))
-        state_dict = {k: v for k, v in state_dict.items() if not is_mtp(k)}
+        state_dict = {k: v for k, v in state_dict.items() if not self.is_mtp(k)}
         if self.weights_dir.exists():
             shutil.rmtree(self.weights_dir)
         self.weights_dir.mkdir(parents=True)

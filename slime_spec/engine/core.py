@@ -259,8 +259,10 @@ class EngineCore:
         graph = prefill_graph(self.model.graphs, len(rows), width)  # captured on CUDA (cuda_graph.prefill_graphs)
         if graph is not None:
             width = graph.token_counts[0]
-        inputs = device_tensor([r.tokens + [0] * (width - len(r.tokens)) + [r.slot] for r in rows], dev)
-        ids, slots = inputs[:, :width], inputs[:, width]
+        # one host-to-device copy: each row's padded prompt, its slot and its last prompt position
+        inputs = device_tensor([r.tokens + [0] * (width - len(r.tokens)) + [r.slot, len(r.tokens) - 1]
+                                for r in rows], dev)
+        ids, slots, last = inputs[:, :width], inputs[:, width], inputs[:, width + 1]
         positions = torch.arange(width, device=dev)[None].expand(len(rows), width)
         aux_ids = getattr(self.drafter, "aux_layer_ids", None)  # EAGLE3 drafts from the target's aux states
         if graph is not None:
@@ -268,7 +270,6 @@ class EngineCore:
         else:
             out = self.model(ids, positions, self.cache, slots, aux_layer_ids=aux_ids)
         hidden, features = out if aux_ids else (out, out)
-        last = torch.tensor([len(r.tokens) - 1 for r in rows], device=dev)
         logits, broken = self._non_finite_rows(self.model.logits(hidden[torch.arange(len(rows), device=dev), last]))
         tokens, logprobs = self._pick(rows, logits)
         alive = []
@@ -280,7 +281,7 @@ class EngineCore:
             if row.finish is None:
                 alive.append(i)
         if self.drafter is not None and alive:
-            self.drafter.on_prefill([rows[i] for i in alive], features[torch.tensor(alive, device=dev)])
+            self.drafter.on_prefill([rows[i] for i in alive], features[device_tensor(alive, dev)])
 
     def _decode(self, rows: list[Row]) -> torch.Tensor:
         """One plain step for every row; returns what a drafter keeps of it (decode_forward's features).
