@@ -28,15 +28,15 @@ from slime_spec import demo
 SIZES = {  # the demo's keys, plus the offline draft's training
     "full": dict(hidden=96, layers=6, ffn=288, sft_steps=150, sft_batch=32, n_train=2000, n_eval=16,
                  grpo_steps=20, prompts=8, samples=4, updates_per_rollout=2, digits=2, max_response_len=96,
-                 speedup_interval=5, draft_samples=128, draft_steps=60, terse_share=0.0,
+                 speedup_interval=5, speedup_repeats=1, draft_samples=128, draft_steps=60, terse_share=0.0,
                  rm_type="scratchpad"),
     "smoke": dict(hidden=64, layers=4, ffn=128, sft_steps=10, sft_batch=16, n_train=80, n_eval=4,
                   grpo_steps=2, prompts=2, samples=2, updates_per_rollout=1, digits=2, max_response_len=32,
-                  speedup_interval=2, draft_samples=16, draft_steps=4, terse_share=0.0,
+                  speedup_interval=2, speedup_repeats=1, draft_samples=16, draft_steps=4, terse_share=0.0,
                   rm_type="scratchpad"),
 }
 DRAFT_LR = "3e-3"  # 1e-3 fell behind a policy moving at lr 1e-3; docs/en/benchmarks.md
-POLICY_LR = "3e-4"  # GRPO's policy lr for this bench's tables (the demo's own is 1e-4: its deeper policy degrades at 3e-4)
+POLICY_LR = "3e-4"  # GRPO's policy lr for this bench's tables (the demo's own is 2e-4: its deeper policy degrades at 3e-4)
 TTT_STEPS = "3"
 # A fixed chain: accept length then counts what the draft earns, not what an adaptive k chose.
 SPEC_FLAGS = ["--sglang-speculative-algorithm", "EAGLE3", "--sglang-speculative-num-steps", "3",

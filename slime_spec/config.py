@@ -211,6 +211,7 @@ class Config:
     eval_prompt_data: tuple[str, ...] = flag_default("eval_prompt_data")
     output_dir: str = flag_default("output_dir")
     spec_speedup_interval: int | None = flag_default("spec_speedup_interval")  # see spec_speedup.py
+    spec_speedup_repeats: int = flag_default("spec_speedup_repeats")
     spec_speedup_frozen_draft: bool = flag_default("spec_speedup_frozen_draft")
 
     @property

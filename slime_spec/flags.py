@@ -248,10 +248,14 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--rollout-request-retries", {**_I, "default": 3,
                                        "help": "resubmissions of a request whose engine died (after its restart)"}),
         ("--spec-speedup-interval", {**_I, "default": None,
-                                     "help": "every N rollouts, time the same prompts with and without speculation "
-                                             "(one speculative engine against a plain engine beside it, same weights) "
-                                             "and report spec_speedup = plain time / speculative time; embedded "
-                                             "backend only"}),
+                                     "help": "on the first rollout, every N-th and the last, time the same prompts "
+                                             "with and without speculation (one speculative engine against a "
+                                             "plain engine beside it, same weights) and report spec_speedup = "
+                                             "plain time / speculative time; embedded backend only"}),
+        ("--spec-speedup-repeats", {**_I, "default": 1,
+                                    "help": "with --spec-speedup-interval: time every engine this many times per "
+                                            "measurement, in rotating order, and take each engine's median pass "
+                                            "(3 rejects one pass slowed by the machine)"}),
         ("--spec-speedup-frozen-draft", {**_ON, "help": "with --spec-speedup-interval and a draft trained online "
                                                         "(--enable-mtp-training / --enable-draft-training): time the "
                                                         "same prompts on a third engine whose draft stays as launched "
@@ -330,7 +334,8 @@ ACTED_ON = {
     "config", "rollout_backend", "rollout_num_engines", "metrics_jsonl", "output_dir", "update_weight_buffer_size",
     "weight_sync_transport", "check_weight_sync", "weight_sync_check_interval", "engine_start_timeout",
     "rollout_request_retries", "placement_timeout",
-    "allow_unknown_flags", "spec_speedup_interval", "spec_speedup_frozen_draft", "spec_draft_sampling", "spec_auto",
+    "allow_unknown_flags", "spec_speedup_interval", "spec_speedup_repeats", "spec_speedup_frozen_draft",
+    "spec_draft_sampling", "spec_auto",
     # Model-shape flags: the trainer builds the model from config.json; these are checked against it.
     "swiglu", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
     "num_query_groups", "kv_channels", "use_rotary_position_embeddings", "rotary_base", "disable_bias_linear",

@@ -1,10 +1,10 @@
 """`--spec-speedup-interval N`: is speculation paying in this run? Measured, not assumed.
 
-Every N rollouts, after the weight sync, the driver sends the prompts of that rollout (every sample's
-prompt ids, the rollout's sampling params) twice: once to speculative engine 0, once to a plain engine
-(the same server flags without `--speculative-*`) that has just loaded the same weights. Both halves go
-through the same client with the same concurrency, back to back, on the same machine, the order
-alternating between measurements; `spec_speedup` = plain seconds / speculative seconds.
+On the first rollout, every N-th and the last (`due`), after the weight sync, the driver sends the prompts of that
+rollout (every sample's prompt ids, the rollout's sampling params) twice: once to speculative engine 0, once to a
+plain engine (the same server flags without `--speculative-*`) that has just loaded the same weights. Both halves go
+through the same client with the same concurrency, back to back, on the same machine, the order alternating between
+measurements; `spec_speedup` = plain seconds / speculative seconds.
 
 Why a plain engine beside the fleet rather than speculation switched off per request: neither SGLang nor
 the embedded engine can turn speculation off for one request. The price is one more engine process (one
@@ -15,6 +15,11 @@ SGLang the plain engine would need GPUs of its own.
 Sampling is random, so the two halves do not produce identical tokens; both token counts are reported,
 and `spec_speedup_tokens_per_s` compares throughputs for readers who prefer that normalisation.
 
+`--spec-speedup-repeats R` times every engine R times per measurement, the order rotating each round, and takes
+each engine's median pass: on the 2-core demo machine one pass of identical work varied by 10-15% (the engine's
+own CPU time varied as much as its wall time: the machine, not the client or the sampled lengths), and in bursts of
+seconds that a median of three rejects.
+
 `--spec-speedup-frozen-draft` (with a draft trained online) adds a third engine, speculative like engine 0, whose
 draft stays as launched while its target loads the same current weights: `spec_speedup_frozen` = plain seconds /
 its seconds on the same prompts. What training the draft online buys is then measured on one policy trajectory,
@@ -24,8 +29,11 @@ side by side, instead of across two runs whose policies drift apart. The three h
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
 import shutil
+import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -57,12 +65,17 @@ def check_config(config: Config) -> None:
     """Refuse a setting the measurement cannot honour, before anything starts."""
     n = config.spec_speedup_interval
     if n is None:
-        if config.spec_speedup_frozen_draft:
-            raise ValueError("--spec-speedup-frozen-draft is part of the speed-up measurement: set "
-                             "--spec-speedup-interval N too, or drop it")
+        for flag, value, default in (("--spec-speedup-frozen-draft", config.spec_speedup_frozen_draft, False),
+                                     ("--spec-speedup-repeats", config.spec_speedup_repeats, 1)):
+            if value != default:
+                raise ValueError(f"{flag} is part of the speed-up measurement: set --spec-speedup-interval N too, "
+                                 "or drop it")
         return
     if n < 1:
         raise ValueError(f"--spec-speedup-interval={n}: must be >= 1 (rollouts between measurements), or leave it out")
+    if config.spec_speedup_repeats < 1:
+        raise ValueError(f"--spec-speedup-repeats={config.spec_speedup_repeats}: must be >= 1 (timed passes per engine "
+                         "per measurement; 3 lets the median reject one pass the machine slowed)")
     if config.engine.backend != "embedded":
         raise ValueError("--spec-speedup-interval needs --rollout-backend embedded (the plain engine it starts beside "
                          "the fleet would need GPUs of its own on SGLang); drop the flag on SGLang")
@@ -79,11 +92,13 @@ def check_config(config: Config) -> None:
                          "already; add one of them or drop the flag")
 
 
-def due(interval: int | None, rollout_id: int, num_rollout: int) -> bool:
-    """Measure on every `interval`-th rollout and on the last one (so every run ends with a number)."""
+def due(interval: int | None, rollout_id: int, num_rollout: int, first_rollout: int = 0) -> bool:
+    """Measure on the run's first rollout, every `interval`-th and the last: the first is the baseline (an online
+    draft has trained one step, so it and a frozen one still agree) and says at once whether speculation pays; the
+    last ends every run with a number. `first_rollout`: where a resumed run starts."""
     if not interval:
         return False
-    return (rollout_id + 1) % interval == 0 or rollout_id + 1 == num_rollout
+    return rollout_id == first_rollout or (rollout_id + 1) % interval == 0 or rollout_id + 1 == num_rollout
 
 
 @dataclass
@@ -93,6 +108,15 @@ class TimedHalf:
     verify_ct: int
     accepted: int = 0  # draft tokens accepted (meta_info spec_accept_token_num, summed)
     drafted: int = 0  # draft tokens proposed (spec_draft_token_num)
+    passes: int = 1  # timed passes over the prompts the counters sum (`seconds`: their median)
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.response_tokens / self.passes
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_pass / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def accept_length(self) -> float:
@@ -103,6 +127,14 @@ class TimedHalf:
     def accept_rate(self) -> float | None:
         """Accepted over drafted tokens: the draft's quality, apart from the k a policy chose."""
         return self.accepted / self.drafted if self.drafted else None
+
+
+def median_half(passes: list[TimedHalf]) -> TimedHalf:
+    """One engine's passes of a measurement as one half (pure): the median pass's seconds, so one pass slowed by
+    the machine does not move it, and the counters summed over every pass (accept length and rate over all)."""
+    return TimedHalf(statistics.median(p.seconds for p in passes), sum(p.response_tokens for p in passes),
+                     sum(p.verify_ct for p in passes), sum(p.accepted for p in passes),
+                     sum(p.drafted for p in passes), sum(p.passes for p in passes))
 
 
 HALVES = ("spec", "plain", "frozen")
@@ -117,15 +149,14 @@ def half_order(count: int, frozen: bool) -> tuple[str, ...]:
 
 def speedup_metrics(spec: TimedHalf, plain: TimedHalf, spec_first: bool, frozen: TimedHalf | None = None) -> dict:
     """The step keys of one measurement (pure); `frozen`: the frozen-draft engine's half, if measured."""
-    spec_tps = spec.response_tokens / spec.seconds if spec.seconds > 0 else 0.0
-    plain_tps = plain.response_tokens / plain.seconds if plain.seconds > 0 else 0.0
     out = {
         "spec_speedup": plain.seconds / spec.seconds if spec.seconds > 0 else None,
-        "spec_speedup_tokens_per_s": spec_tps / plain_tps if plain_tps > 0 else None,
+        "spec_speedup_tokens_per_s": spec.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s > 0 else None,
         "spec_speedup_spec_s": spec.seconds,
         "spec_speedup_plain_s": plain.seconds,
-        "spec_speedup_spec_tokens": spec.response_tokens,
-        "spec_speedup_plain_tokens": plain.response_tokens,
+        "spec_speedup_spec_tokens": spec.tokens_per_pass,
+        "spec_speedup_plain_tokens": plain.tokens_per_pass,
+        "spec_speedup_passes": spec.passes,
         "spec_speedup_accept_length": spec.accept_length,
         "spec_speedup_accept_rate": spec.accept_rate,
         "spec_speedup_spec_first": spec_first,
@@ -134,11 +165,26 @@ def speedup_metrics(spec: TimedHalf, plain: TimedHalf, spec_first: bool, frozen:
         out.update({
             "spec_speedup_frozen": plain.seconds / frozen.seconds if frozen.seconds > 0 else None,
             "spec_speedup_frozen_s": frozen.seconds,
-            "spec_speedup_frozen_tokens": frozen.response_tokens,
+            "spec_speedup_frozen_tokens": frozen.tokens_per_pass,
             "spec_speedup_frozen_accept_length": frozen.accept_length,
             "spec_speedup_frozen_accept_rate": frozen.accept_rate,
         })
     return out
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's garbage collector off for the block, after one collection: the driver's heap (Ray, torch, the
+    trainer's state dict) made one generation-2 pass take 0.36 s in the middle of a timed half, during which no
+    request reached the engine (its wall time exceeded its stepping time by 0.41 s; 0.04 s otherwise)."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 async def time_generation(url: str, auth, prompts: list[list[int]], params: dict, concurrency: int,
@@ -156,9 +202,11 @@ async def time_generation(url: str, auth, prompts: list[list[int]], params: dict
                                              "return_logprob": True})
             return out["meta_info"]
 
-        start = time.perf_counter()
-        metas = await asyncio.gather(*(one(ids) for ids in prompts))
-        seconds = time.perf_counter() - start
+        with collector_paused():
+            start = time.perf_counter()
+            metas = await asyncio.gather(*(one(ids) for ids in prompts))
+            seconds = time.perf_counter() - start
+
     def total(key: str) -> int:
         return sum(int(m.get(key) or 0) for m in metas)
 
@@ -202,7 +250,7 @@ class SpeedupProbe:
             raise
         self.clients = {name: EngineClient(url, self.auth) for name, url in self.urls.items()}
         self.is_mtp = hf_mtp_matcher(json.loads((Path(config.engine.model_path) / "config.json").read_text()))
-        self.count = 0
+        self.count, self.warm = 0, False
         frozen = (f", and a frozen-draft engine (speculative, its draft as launched) at {self.urls['frozen']}"
                   if "frozen" in self.urls else "")
         print(f"[spec_speedup] plain engine (no speculation) at {self.urls['plain']}{frozen} for the speed-up "
@@ -228,11 +276,9 @@ class SpeedupProbe:
 
     def measure(self, samples: list, state_dict: dict, version: str) -> dict:
         """Time the samples' prompts on the speculative engine, the plain one and the frozen-draft one if any (same
-        target weights, `version`), one after another in a rotating order."""
+        target weights, `version`), one after another, `--spec-speedup-repeats` rounds in a rotating order."""
         self.load_weights(state_dict, version)
         prompts = [list(s.tokens[:s.prompt_length]) for s in samples]
-        order = half_order(self.count, "frozen" in self.urls)
-        self.count += 1
         r = self.config.rollout
         urls = {"spec": self.spec_url, **self.urls}
 
@@ -240,12 +286,19 @@ class SpeedupProbe:
             return asyncio.run(time_generation(urls[name], self.auth, prompts, self.params,
                                                r.sglang_server_concurrency, r.engine_start_timeout))
 
-        if self.count == 1:  # engine 0 is warm from the rollouts; the others get one untimed pass (first-call
+        if not self.warm:  # engine 0 is warm from the rollouts; the others get one untimed pass (first-call
             # costs, and with --spec-auto its measured step costs)
             for name in self.urls:
                 half(name)
-        halves = {name: half(name) for name in order}
-        return speedup_metrics(halves["spec"], halves["plain"], order[0] == "spec", halves.get("frozen"))
+            self.warm = True
+        orders = [half_order(self.count + i, "frozen" in self.urls) for i in range(self.config.spec_speedup_repeats)]
+        self.count += len(orders)
+        passes: dict[str, list[TimedHalf]] = {}
+        for order in orders:
+            for name in order:
+                passes.setdefault(name, []).append(half(name))
+        halves = {name: median_half(p) for name, p in passes.items()}
+        return speedup_metrics(halves["spec"], halves["plain"], orders[0][0] == "spec", halves.get("frozen"))
 
     def shutdown(self) -> None:
         import ray

@@ -223,7 +223,8 @@ def _steps(config: Config, trainer, manager, report: LoopReport, start: int, pro
             ray.get(manager.resume_memory.remote())
         if manager is not None:
             step.update(sync_all(trainer, manager, str(rollout_id), probe_samples=samples))
-        if probe is not None and spec_speedup.due(config.spec_speedup_interval, rollout_id, config.rollout.num_rollout):
+        if probe is not None and spec_speedup.due(config.spec_speedup_interval, rollout_id, config.rollout.num_rollout,
+                                                  first_rollout=start):
             step.update(probe.measure(samples, trainer.hf_state_dict(), str(rollout_id)))
         last = rollout_id + 1 == config.rollout.num_rollout
         if config.train.save and (last or save_due(config.train.save_interval, rollout_id)):

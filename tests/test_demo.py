@@ -2,7 +2,7 @@
 
 import pytest
 
-from slime_spec.demo import format_time_and_accept, run_time_and_accept
+from slime_spec.demo import format_time_and_accept, online_draft_gain, run_time_and_accept
 
 
 def test_time_shares_are_weighted_by_rollout_time_and_accept_length_reported_both_ways():
@@ -29,6 +29,16 @@ def test_a_run_without_counters_reports_accept_length_only():
                               "spec_accept_length": 2.0}])
     assert m["time_share_engine"] is None
     assert format_time_and_accept(m) == "accept length 2.00 token-weighted, 2.00 per sample"
+
+
+def test_online_draft_gain_is_frozen_time_over_online_time_on_the_same_prompts():
+    rollouts = [{"rollout_id": 0},
+                {"rollout_id": 4, "spec_speedup_spec_s": 2.0, "spec_speedup_frozen_s": 2.2},
+                {"rollout_id": 9, "spec_speedup_spec_s": 1.0, "spec_speedup_frozen_s": 1.3}]
+    gain = online_draft_gain(rollouts)
+    assert gain["online_draft_gain"] == pytest.approx(3.5 / 3.0)
+    assert gain["online_draft_gain_each"] == pytest.approx([1.1, 1.3])
+    assert online_draft_gain([{"rollout_id": 0}]) == {"online_draft_gain": None, "online_draft_gain_each": []}
 
 
 def test_bf16_sft_only_where_the_cpu_multiplies_bfloat16_natively():

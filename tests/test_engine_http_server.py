@@ -387,6 +387,19 @@ def inproc(tmp_path_factory):
         loop.stop()
 
 
+def test_freeze_gc_moves_the_live_heap_out_of_the_collectors_passes(inproc):
+    """SGLang's /freeze_gc (its server calls it once warm; our __main__ freezes at start-up the same way)."""
+    import gc
+
+    try:
+        res = inproc.post("/freeze_gc")
+        assert res.status_code == 200 and res.text == "Garbage collection frozen.\n"
+        assert gc.get_freeze_count() > 1000  # the model, tokenizer and app of this process
+        assert inproc.post("/generate", json={"text": "hi", "sampling_params": greedy(2)}).status_code == 200
+    finally:
+        gc.unfreeze()  # this test process keeps collecting as before
+
+
 def test_health_answers_while_a_prompt_is_tokenized(inproc):
     tokenizer = inproc.loop.core.tokenizer
     entered, release = threading.Event(), threading.Event()

@@ -178,3 +178,11 @@ def test_disable_overlap_schedule_is_honoured(tmp_path):
     args = parse_server_args(["--model-path", str(model), "--disable-overlap-schedule"], cuda_available=False)
     assert args.overlap_schedule is False and "--disable-overlap-schedule" not in args.ignored_flags
     assert parse_server_args(["--model-path", str(model)], cuda_available=False).overlap_schedule is None
+
+
+def test_gc_threshold_is_honoured_and_checked(mimo):
+    args = parse_server_args(["--model-path", str(mimo), "--gc-threshold", "7000", "20", "20"])
+    assert args.gc_threshold == (7000, 20, 20) and not args.ignored_flags
+    assert parse_server_args(["--model-path", str(mimo)]).gc_threshold is None
+    with pytest.raises(ServerArgsError, match="--gc-threshold=1 2 3 4: give 1 to 3"):
+        parse_server_args(["--model-path", str(mimo), "--gc-threshold", "1", "2", "3", "4"])

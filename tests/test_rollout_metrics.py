@@ -128,6 +128,7 @@ def test_speedup_is_a_perf_key_and_a_console_clause():
     assert format_speedup(step) == ("spec_speedup 1.50x (plain 3.00s / speculative 2.00s on the same prompts, "
                                     "accept_len 2.25)")
     assert format_speedup({"rollout_id": 1}) is None
+    assert "on the same prompts, median of 3 passes, accept_len" in format_speedup({**step, "spec_speedup_passes": 3})
 
 
 def test_time_shares_from_engine_counters_before_and_after_a_rollout():

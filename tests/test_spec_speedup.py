@@ -1,10 +1,12 @@
 """The speed-up measurement's pure parts: the plain engine's flags, when it runs, what it reports, what it refuses."""
 
+import gc
+
 import pytest
 
 from slime_spec.args import parse_config
-from slime_spec.spec_speedup import (TimedHalf, check_config, due, half_order, plain_engine_config,
-                                     speedup_metrics, without_speculative_flags)
+from slime_spec.spec_speedup import (TimedHalf, check_config, collector_paused, due, half_order, median_half,
+                                     plain_engine_config, speedup_metrics, without_speculative_flags)
 
 SPEC = ["--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-num-steps", "2",
         "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "3"]
@@ -32,8 +34,9 @@ def test_plain_engine_drops_our_own_speculative_options():
     assert not any(t.startswith("--spec") for t in plain)
 
 
-def test_measures_every_nth_rollout_and_the_last():
-    assert [r for r in range(10) if due(4, r, 10)] == [3, 7, 9]
+def test_measures_the_first_rollout_every_nth_and_the_last():
+    assert [r for r in range(10) if due(4, r, 10)] == [0, 3, 7, 9]  # the first: the baseline
+    assert [r for r in range(5, 10) if due(4, r, 10, first_rollout=5)] == [5, 7, 9]  # resumed at rollout 5
     assert not any(due(None, r, 10) for r in range(10))
 
 
@@ -55,6 +58,20 @@ def test_the_frozen_draft_is_timed_against_the_same_plain_half():
     assert (m["spec_speedup_frozen_s"], m["spec_speedup_frozen_tokens"]) == (2.5, 410)
 
 
+def test_repeated_passes_take_each_engines_median_time_and_every_passs_counters():
+    """--spec-speedup-repeats 3: a pass the machine slowed (9.0 s) does not move the engine's time."""
+    spec = median_half([TimedHalf(2.0, 400, 160, 216, 240), TimedHalf(9.0, 410, 164, 220, 246),
+                        TimedHalf(2.2, 390, 156, 210, 234)])
+    plain = median_half([TimedHalf(3.0, 420, 0), TimedHalf(3.3, 400, 0), TimedHalf(2.9, 410, 0)])
+    assert (spec.seconds, spec.passes, spec.response_tokens) == (2.2, 3, 1200)
+    m = speedup_metrics(spec, plain, spec_first=False)
+    assert m["spec_speedup"] == pytest.approx(3.0 / 2.2) and m["spec_speedup_passes"] == 3
+    assert m["spec_speedup_spec_tokens"] == 400 and m["spec_speedup_plain_tokens"] == 410  # per pass
+    assert m["spec_speedup_tokens_per_s"] == pytest.approx((400 / 2.2) / (410 / 3.0))
+    assert m["spec_speedup_accept_length"] == pytest.approx(1200 / 480)
+    assert m["spec_speedup_accept_rate"] == pytest.approx(646 / 720)
+
+
 def test_halves_rotate_so_none_always_runs_first():
     assert [half_order(i, frozen=True) for i in range(4)] == [
         ("spec", "plain", "frozen"), ("plain", "frozen", "spec"), ("frozen", "spec", "plain"),
@@ -69,6 +86,8 @@ def test_halves_rotate_so_none_always_runs_first():
     (["--spec-speedup-interval", "2", "--debug-rollout-only", *SPEC], "--debug-rollout-only"),
     (["--spec-speedup-frozen-draft", "--enable-mtp-training", *SPEC], "set --spec-speedup-interval"),
     (["--spec-speedup-interval", "2", "--spec-speedup-frozen-draft", *SPEC], "frozen already"),
+    (["--spec-speedup-repeats", "3", *SPEC], "--spec-speedup-repeats is part of the speed-up measurement"),
+    (["--spec-speedup-interval", "2", "--spec-speedup-repeats", "0", *SPEC], "--spec-speedup-repeats=0"),
 ])
 def test_refuses_what_it_cannot_measure(extra, match):
     with pytest.raises(ValueError, match=match):
@@ -83,3 +102,17 @@ def test_refuses_sglang_backend():
     check_config(config("--spec-speedup-interval", "2", *SPEC))
     check_config(config("--spec-speedup-interval", "2", "--spec-speedup-frozen-draft", "--enable-mtp-training",
                         *SPEC))  # the demo's setting passes
+
+
+def test_a_timed_half_runs_with_the_collector_off_and_leaves_it_as_it_was():
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # off before: still off
+    finally:
+        gc.enable()

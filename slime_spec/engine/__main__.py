@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from slime_spec.engine.http_server import create_app
+    from slime_spec.engine.http_server import create_app, freeze_gc
     from slime_spec.engine.scheduler import EngineLoop
     from slime_spec.engine.weight_updater import WeightUpdater
 
@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     weights = WeightUpdater(args.weight_version, args.model_path, args.device, args.has_draft_model)
     app = create_app(args, loop, weights)
+    frozen = freeze_gc(args.gc_threshold)  # as SGLang does once its server is warm
+    logger.info("garbage collector frozen after start-up (%d objects)%s", frozen,
+                f", thresholds {args.gc_threshold}" if args.gc_threshold else "")
     logger.info("serving %s on http://%s:%d (device %s, dtype %s, speculative %s)", args.model_path, args.host,
                 args.port, args.device, args.dtype, args.spec)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,

@@ -42,7 +42,7 @@ IMPLEMENTED = frozenset({
     "speculative_adaptive", "speculative_adaptive_config",
     "disable_cuda_graph", "cuda_graph_bs_decode", "cuda_graph_max_bs_decode", "disable_cuda_graph_padding",
     "enable_torch_compile", "torch_compile_max_bs", "disable_overlap_schedule", "enable_cudagraph_gc",
-    "attention_backend", "decode_attention_backend", "bf16_gemm_backend",
+    "attention_backend", "decode_attention_backend", "bf16_gemm_backend", "gc_threshold",
 })
 
 # Speed, memory, scheduling, logging and serving knobs: they cannot change a generated token of the
@@ -54,7 +54,7 @@ PERFORMANCE_ONLY = frozenset({
     "schedule_conservativeness", "page_size", "disable_radix_cache", "radix_eviction_policy",
     "disable_chunked_prefix_cache", "num_continuous_decode_steps",
     "scheduler_recv_interval", "enable_mixed_chunk", "nccl_port", "dist_timeout", "watchdog_timeout",
-    "soft_watchdog_timeout", "sleep_on_idle", "gc_threshold", "skip_server_warmup", "warmups",
+    "soft_watchdog_timeout", "sleep_on_idle", "skip_server_warmup", "warmups",
     "stream_interval", "batch_notify_size", "gpu_id_step", "numa_node", "enable_p2p_check",
     "log_level_http", "log_requests", "log_requests_level", "log_requests_format", "log_requests_target",
     "uvicorn_access_log_exclude_prefixes", "crash_dump_folder", "show_time_cost", "enable_metrics",
@@ -156,6 +156,7 @@ class EngineServerArgs:
     cuda_graph: CudaGraphSettings = field(default_factory=CudaGraphSettings)
     kernels: Kernels = field(default_factory=Kernels)  # --bf16-gemm-backend, --attention-backend (CUDA only)
     overlap_schedule: bool | None = None  # False with --disable-overlap-schedule; None: the engine's default
+    gc_threshold: tuple[int, ...] | None = None  # --gc-threshold: set before the collector freezes after start-up
     ignored_flags: tuple[str, ...] = ()
     sglang_args: dict = field(default_factory=dict)  # every SGLang flag's value, for /server_info
 
@@ -254,6 +255,16 @@ def read_model_config(model_path: str) -> dict:
     return json.loads(path.read_text())
 
 
+def resolve_gc_threshold(value: list[int] | None) -> tuple[int, ...] | None:
+    """`--gc-threshold`: 1 to 3 generation thresholds for gc.set_threshold, as SGLang's help says."""
+    if value is None:
+        return None
+    if not 1 <= len(value) <= 3 or any(v < 0 for v in value):
+        raise ServerArgsError(f"--gc-threshold={' '.join(map(str, value))}: give 1 to 3 non-negative integers "
+                              "(gc.set_threshold's generation 0, 1 and 2 thresholds), or drop the flag")
+    return tuple(value)
+
+
 def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> EngineServerArgs:
     """Parse SGLang server flags into the embedded engine's typed arguments, or raise ServerArgsError."""
     parser = engine_parser()
@@ -303,6 +314,7 @@ def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> En
         cuda_graph=CudaGraphSettings.from_values(values),
         kernels=Kernels.from_values(values),
         overlap_schedule=False if values.get("disable_overlap_schedule") else None,
+        gc_threshold=resolve_gc_threshold(values["gc_threshold"]),
         ignored_flags=report.ignored,
         sglang_args={k: v for k, v in values.items() if k not in ("api_key", "admin_api_key")},
     )

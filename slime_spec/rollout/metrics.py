@@ -133,8 +133,11 @@ def format_speedup(m: dict) -> str | None:
     """The `--spec-speedup-interval` measurement of a step, or None when the step has none."""
     if m.get("spec_speedup") is None:
         return None
+    passes = m.get("spec_speedup_passes") or 1
+    median = f", median of {passes} passes" if passes > 1 else ""
     line = (f"spec_speedup {m['spec_speedup']:.2f}x (plain {m['spec_speedup_plain_s']:.2f}s / speculative "
-            f"{m['spec_speedup_spec_s']:.2f}s on the same prompts, accept_len {m['spec_speedup_accept_length']:.2f})")
+            f"{m['spec_speedup_spec_s']:.2f}s on the same prompts{median}, accept_len "
+            f"{m['spec_speedup_accept_length']:.2f})")
     if m.get("spec_speedup_frozen") is not None:
         line += (f" | draft frozen {m['spec_speedup_frozen']:.2f}x ({m['spec_speedup_frozen_s']:.2f}s, accept_len "
                  f"{m['spec_speedup_frozen_accept_length']:.2f}, accept_rate "

@@ -103,15 +103,19 @@ def test_demo_smoke_writes_sane_outputs(tmp_path):
     assert summary["mtp_trained"]["num_steps"] == 2
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "accept length" in proc.stdout and "reward" in proc.stdout
-    # --spec-speedup-interval 2: the last step is timed with and without speculation, and with the MTP layer
-    # as SFT left it (--spec-speedup-frozen-draft)
+    # --spec-speedup-interval 2: the first step (the baseline) and the last are timed with and without speculation,
+    # and with the MTP layer as SFT left it (--spec-speedup-frozen-draft)
     measured = [m for m in steps if m.get("spec_speedup") is not None]
-    assert [m["rollout_id"] for m in measured] == [1]
-    m = measured[0]
+    assert [m["rollout_id"] for m in measured] == [0, 1]
+    m = measured[-1]
     assert m["spec_speedup_plain_s"] > 0 and m["spec_speedup_spec_s"] > 0 and m["spec_speedup_frozen_s"] > 0
     assert m["spec_speedup_plain_tokens"] > 0 and m["spec_speedup_accept_length"] >= 1.0
     assert m["spec_speedup_frozen_tokens"] > 0 and m["spec_speedup_frozen_accept_length"] >= 1.0
-    assert summary["mtp_trained"]["spec_speedup_measurements"] == 1
+    assert m["spec_speedup_passes"] == 2  # --spec-speedup-repeats 2: every engine timed twice, its median kept
+    assert summary["mtp_trained"]["spec_speedup_measurements"] == 2
+    assert summary["online_draft_gain"] == pytest.approx(sum(x["spec_speedup_frozen_s"] for x in measured)
+                                                         / sum(x["spec_speedup_spec_s"] for x in measured))
+    assert "online draft" in proc.stdout and "median of 2 passes" in proc.stdout
     for run in ("mtp_trained", "draft_frozen"):
         assert summary["spec_speedup"][run] > 0
     assert summary["draft_frozen"]["spec_speedup_frozen"] == summary["spec_speedup"]["draft_frozen"]
