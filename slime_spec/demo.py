@@ -159,8 +159,8 @@ def grpo_task_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path
             "--eval-temperature", "0",
             # every few steps the same prompts are also timed without speculation: the honest speed-up
             "--spec-speedup-interval", str(size["speedup_interval"]),
-            # each engine timed 3 times per measurement, its median pass kept: one pass of identical work varied by
-            # 10-15% on the 2-core machine, more than what training the draft online changes
+            # each engine timed 3 times per measurement, its median pass kept: on the 2-core machine identical
+            # engines ran up to 14% apart in one pass (bench/speedup_noise.py)
             "--spec-speedup-repeats", str(size["speedup_repeats"])]
     return argv
 

@@ -16,9 +16,8 @@ Sampling is random, so the two halves do not produce identical tokens; both toke
 and `spec_speedup_tokens_per_s` compares throughputs for readers who prefer that normalisation.
 
 `--spec-speedup-repeats R` times every engine R times per measurement, the order rotating each round, and takes
-each engine's median pass: on the 2-core demo machine one pass of identical work varied by 10-15% (the engine's
-own CPU time varied as much as its wall time: the machine, not the client or the sampled lengths), and in bursts of
-seconds that a median of three rejects.
+each engine's median pass: on the 2-core demo machine two identical engines ran up to 14% apart in one pass, and
+`spec_speedup` itself moved by 11%, which a median of three halved (`bench/speedup_noise.py`).
 
 `--spec-speedup-frozen-draft` (with a draft trained online) adds a third engine, speculative like engine 0, whose
 draft stays as launched while its target loads the same current weights: `spec_speedup_frozen` = plain seconds /
