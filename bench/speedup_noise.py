@@ -1,13 +1,13 @@
 """How precise is one `spec_speedup` measurement on this machine? Identical engines, timed as the probe times them.
 
-Two speculative engines that are the same (checkpoint, flags, seed) and a plain one serve the same prompts, round after
-round, in rotating order, through the probe's own client (`spec_speedup.time_generation`: the rollout's sampling
-params, every request at once, the driver's collector paused). The two identical engines should run at 1.00x of each
-other, so the spread of that ratio is the noise of a measurement that compares two drafts; the spread of plain time
-over speculative time is the noise of `spec_speedup` itself. Both are reported for one pass per engine and for the
-median of R passes (`--spec-speedup-repeats R`), R consecutive rounds each. Each pass's stall, its wall seconds less
-the seconds the engine spent inside steps (`engine_step_s`), shows waits outside the engine: a client that did not
-send, an engine thread that could not run.
+Two speculative engines that are the same (checkpoint, flags, seed) and a plain one serve the same prompts, round
+after round, in rotating order, through the probe's own client (`spec_speedup.time_generation`: the rollout's sampling
+params, every request at once; the driver's collector paused over the rounds). The two identical engines should run at
+1.00x of each other, so the spread of that ratio is the noise of a measurement that compares two drafts; the spread of
+plain time over speculative time is the noise of `spec_speedup` itself. Both are reported for one pass per engine and
+for the median of R passes (`--spec-speedup-repeats R`), R consecutive rounds each. Each pass's stall, its wall
+seconds less the seconds the engine spent inside steps (`engine_step_s`), shows waits outside the engine: a client
+that did not send, an engine thread that could not run.
 
 Engines start as `python -m slime_spec.engine` with `OMP_NUM_THREADS=1`, the thread count a Ray worker gives engine 0.
 
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
 
     from slime_spec.engines.client import EngineAuth
     from slime_spec.engines.process import embedded_server_process
-    from slime_spec.spec_speedup import time_generation
+    from slime_spec.spec_speedup import collector_paused, time_generation
 
     a = parse_args(argv)
     model = Path(a.model)
@@ -101,8 +101,7 @@ def main(argv=None) -> int:
     try:
         for name, flags in ENGINES.items():
             servers[name] = embedded_server_process(model, [*flags, "--random-seed", str(a.seed)],
-                                                    log_path=logs / f"{name}.log")
-            servers[name].env = {"OMP_NUM_THREADS": "1"}
+                                                    log_path=logs / f"{name}.log", env={"OMP_NUM_THREADS": "1"})
             servers[name].launch()
         for server in servers.values():
             server.wait_ready(600)
@@ -116,17 +115,18 @@ def main(argv=None) -> int:
             half = asyncio.run(time_generation(servers[name].url, EngineAuth(), prompts, params, len(prompts), 600))
             return half.seconds, half.seconds - (engine_step_s(name) - before)
 
-        for name in servers:  # untimed: first-call costs
-            timed(name)
         names = ("spec_b", "plain", "spec_a") if a.swap else ("spec_a", "plain", "spec_b")
         seconds = {name: [] for name in names}
         stalls = {name: [] for name in names}
-        for r in tqdm(range(a.rounds), desc="rounds"):
-            k = r % len(names)
-            for name in names[k:] + names[:k]:
-                s, stall = timed(name)
-                seconds[name].append(s)
-                stalls[name].append(stall)
+        with collector_paused():  # as the probe times a measurement
+            for name in servers:  # untimed: first-call costs
+                timed(name)
+            for r in tqdm(range(a.rounds), desc="rounds"):
+                k = r % len(names)
+                for name in names[k:] + names[:k]:
+                    s, stall = timed(name)
+                    seconds[name].append(s)
+                    stalls[name].append(stall)
     finally:
         for server in servers.values():
             server.stop()

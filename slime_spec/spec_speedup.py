@@ -173,9 +173,10 @@ def speedup_metrics(spec: TimedHalf, plain: TimedHalf, spec_first: bool, frozen:
 
 @contextlib.contextmanager
 def collector_paused():
-    """Python's garbage collector off for the block, after one collection: the driver's heap (Ray, torch, the
-    trainer's state dict) made one generation-2 pass take 0.36 s in the middle of a timed half, during which no
-    request reached the engine (its wall time exceeded its stepping time by 0.41 s; 0.04 s otherwise)."""
+    """Python's garbage collector off for the block (a measurement's passes), after one collection: the driver's
+    heap (Ray, torch, the trainer's state dict) made one generation-2 pass take 0.36 s in the middle of a timed half,
+    during which no request reached the engine (its wall time exceeded its stepping time by 0.41 s; 0.04 s
+    otherwise). One collection per measurement, not per pass: each costs as long as that stall."""
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
@@ -188,7 +189,8 @@ def collector_paused():
 
 async def time_generation(url: str, auth, prompts: list[list[int]], params: dict, concurrency: int,
                           read_timeout_s: float) -> TimedHalf:
-    """Every prompt through /generate on one engine, at most `concurrency` in flight; wall time of the batch."""
+    """Every prompt through /generate on one engine, at most `concurrency` in flight; wall time of the batch.
+    Callers time it inside `collector_paused`."""
     from slime_spec.engines.client import AsyncEngineClient, async_session
 
     gate = asyncio.Semaphore(concurrency)
@@ -201,10 +203,9 @@ async def time_generation(url: str, auth, prompts: list[list[int]], params: dict
                                              "return_logprob": True})
             return out["meta_info"]
 
-        with collector_paused():
-            start = time.perf_counter()
-            metas = await asyncio.gather(*(one(ids) for ids in prompts))
-            seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        metas = await asyncio.gather(*(one(ids) for ids in prompts))
+        seconds = time.perf_counter() - start
 
     def total(key: str) -> int:
         return sum(int(m.get(key) or 0) for m in metas)
@@ -249,7 +250,7 @@ class SpeedupProbe:
             raise
         self.clients = {name: EngineClient(url, self.auth) for name, url in self.urls.items()}
         self.is_mtp = hf_mtp_matcher(json.loads((Path(config.engine.model_path) / "config.json").read_text()))
-        self.count, self.warm = 0, False
+        self.count = 0  # rounds timed so far: each starts the rotation one place on
         frozen = (f", and a frozen-draft engine (speculative, its draft as launched) at {self.urls['frozen']}"
                   if "frozen" in self.urls else "")
         print(f"[spec_speedup] plain engine (no speculation) at {self.urls['plain']}{frozen} for the speed-up "
@@ -285,17 +286,17 @@ class SpeedupProbe:
             return asyncio.run(time_generation(urls[name], self.auth, prompts, self.params,
                                                r.sglang_server_concurrency, r.engine_start_timeout))
 
-        if not self.warm:  # engine 0 is warm from the rollouts; the others get one untimed pass (first-call
-            # costs, and with --spec-auto its measured step costs)
-            for name in self.urls:
-                half(name)
-            self.warm = True
         orders = [half_order(self.count + i, "frozen" in self.urls) for i in range(self.config.spec_speedup_repeats)]
-        self.count += len(orders)
         passes: dict[str, list[TimedHalf]] = {}
-        for order in orders:
-            for name in order:
-                passes.setdefault(name, []).append(half(name))
+        with collector_paused():
+            if self.count == 0:  # engine 0 is warm from the rollouts; the others get one untimed pass (first-call
+                # costs, and with --spec-auto its measured step costs)
+                for name in self.urls:
+                    half(name)
+            for order in orders:
+                for name in order:
+                    passes.setdefault(name, []).append(half(name))
+        self.count += len(orders)
         halves = {name: median_half(p) for name, p in passes.items()}
         return speedup_metrics(halves["spec"], halves["plain"], orders[0][0] == "spec", halves.get("frozen"))
 

@@ -257,15 +257,16 @@ def engine_server_process(engine: EngineConfig, *, log_path: str | Path, host: s
 
 
 def embedded_server_process(model_path: str | Path, extra_args: list[str] = (), *, log_path: str | Path,
-                            port: int | None = None) -> ServerProcess:
-    """`python -m slime_spec.engine` on 127.0.0.1 (tests, benchmarks, the demo); a taken port is retried."""
+                            port: int | None = None, env: dict | None = None) -> ServerProcess:
+    """`python -m slime_spec.engine` on 127.0.0.1 (tests, benchmarks, the demo); a taken port is retried; `env`:
+    variables set for the server on top of this process's."""
     extra = list(extra_args)
     auth = EngineAuth(_flag(extra, "--api-key"), _flag(extra, "--admin-api-key"))
     chosen = port or free_port()
     argv = [sys.executable, "-m", "slime_spec.engine", "--model-path", str(model_path), "--host", "127.0.0.1",
             "--port", str(chosen), *extra]
-    return ServerProcess(argv, host="127.0.0.1", port=chosen, log_path=log_path, expect_model_path=str(model_path),
-                         auth=auth, port_retries=0 if port else 2)
+    return ServerProcess(argv, host="127.0.0.1", port=chosen, log_path=log_path, env=env,
+                         expect_model_path=str(model_path), auth=auth, port_retries=0 if port else 2)
 
 
 def _flag(argv: list[str], flag: str) -> str | None:
