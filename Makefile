@@ -1,5 +1,7 @@
 # Two commands for a newcomer: `make demo` and `make test`. Both set up .venv first
 # when anything is missing; re-running is a no-op once the stamp is newer than the pins.
+# sglang is installed last, without its dependencies (README: which of its pins are overridden and why);
+# --no-warn-conflicts keeps pip from listing sglang's unmet pins on a re-install.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -14,8 +16,8 @@ venv: $(STAMP)
 $(STAMP): requirements.txt setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-warn-conflicts -r requirements.txt
 	$(PY) -m pip install -q --no-deps sglang==0.5.23
-	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 

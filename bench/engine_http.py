@@ -1,11 +1,19 @@
 """The embedded server's per-request cost: one batched /generate of N prompts vs N concurrent single calls.
 
     python bench/engine_http.py [--quick] [--model DIR] [--requests 8,32,128] [--max-new-tokens N] [--repeats N]
+                                [--baseline-pythonpath DIR]
 
-The server runs in a child process (as the rollout talks to it) with EngineCore.step timed inside it, so each
-row splits wall time into engine compute (the sum of step() calls) and everything outside it: HTTP, JSON,
-tokenization, the engine thread's queues, and steps that run with part of the batch because requests arrived
-one by one. The two shapes run interleaved, `--repeats` times; each row reports the median.
+The server is `python -m slime_spec.engine` in a child process (as the rollout talks to it): SGLang's HTTP
+server, TokenizerManager and DetokenizerManager in front of our scheduler process. Each row splits wall time
+into engine compute (`engine_step_s` of /server_info's internal state: the sum of EngineCore.step calls) and
+everything outside it: HTTP, JSON, tokenization, the ZMQ hops to the scheduler and the detokenizer, the engine
+thread's queues, and steps that run with part of the batch because requests arrived one by one. The two shapes
+run interleaved, `--repeats` times; each row reports the median.
+
+`--baseline-pythonpath DIR` also starts the server `python -m slime_spec.engine` runs with its slime_spec imported
+from DIR (e.g. a copy of an earlier slime_spec); both serve at once, each repeat runs every shape on one and then
+the other (so a change in the machine's load hits both alike), and both are printed side by side with the ratio
+of wall times.
 Default model: the demo's shape (random MiMo, hidden 128, 6 layers), temperature 1, EOS ignored.
 """
 
@@ -13,10 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,50 +31,9 @@ import aiohttp
 from slime_spec.tiny_model import make_tiny_model
 
 
-def serve(model: str, port: int, max_running: int) -> None:
-    """The embedded server (as `python -m slime_spec.engine`) plus GET /bench/engine_seconds."""
-    import uvicorn
-
-    from slime_spec.engine.__main__ import make_core_factory
-    from slime_spec.engine.http_server import create_app
-    from slime_spec.engine.scheduler import EngineLoop
-    from slime_spec.engine.server_args import parse_server_args
-    from slime_spec.engine.weight_updater import WeightUpdater
-
-    args = parse_server_args(["--model-path", model, "--port", str(port), "--max-running-requests", str(max_running)])
-    spent = [0.0]
-    make_core = make_core_factory(args)
-
-    def timed_core():
-        core = make_core()
-        step = core.step
-
-        def timed_step():
-            t0 = time.perf_counter()
-            try:
-                return step()
-            finally:
-                spent[0] += time.perf_counter() - t0
-
-        core.step = timed_step
-        return core
-
-    loop = EngineLoop(timed_core)
-    loop.start()
-    app = create_app(args, loop, WeightUpdater(args.weight_version, args.model_path, args.device, False))
-    app.add_api_route("/bench/engine_seconds", lambda: {"seconds": spent[0]}, methods=["GET"])
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def engine_seconds(session: aiohttp.ClientSession, url: str) -> float:
-    async with session.get(f"{url}/bench/engine_seconds") as r:
-        return (await r.json())["seconds"]
+    async with session.get(f"{url}/server_info") as r:
+        return (await r.json())["internal_states"][0]["engine_step_s"]
 
 
 async def generate(session: aiohttp.ClientSession, url: str, payload: dict) -> list[dict] | dict:
@@ -93,26 +57,30 @@ async def one_run(session, url: str, prompts: list[list[int]], params: dict, bat
     return wall, spent, sum(o["meta_info"]["completion_tokens"] for o in outs)
 
 
-async def measure(url: str, sizes: list[int], max_new: int, repeats: int) -> list[dict]:
+async def measure(urls: list[str], sizes: list[int], max_new: int, repeats: int) -> list[list[dict]]:
+    """Rows per server; every server runs each shape in turn within one repeat, so load drift hits them alike."""
     params = {"temperature": 1.0, "max_new_tokens": max_new, "ignore_eos": True}
-    rows = []
+    rows: list[list[dict]] = [[] for _ in urls]
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
-        await one_run(session, url, [[5, 6, 7]] * 2, params, batched=True)  # warm-up
+        for url in urls:
+            await one_run(session, url, [[5, 6, 7]] * 2, params, batched=True)  # warm-up
         for n in sizes:
             prompts = [[5 + (i * 7 + j) % 40 for j in range(12)] for i in range(n)]
-            runs = {True: [], False: []}
+            runs = [{True: [], False: []} for _ in urls]
             for _ in range(repeats):
-                for batched in (True, False):
-                    runs[batched].append(await one_run(session, url, prompts, params, batched))
-            for batched, rs in runs.items():
-                wall = statistics.median(r[0] for r in rs)
-                spent = statistics.median(r[1] for r in rs)
-                tokens = statistics.median(r[2] for r in rs)
-                rows.append({"shape": "one batched /generate" if batched else f"{n} concurrent single calls",
-                             "n": n, "wall_s": wall, "engine_s": spent, "outside": 1 - spent / wall,
-                             "tokens_per_s": tokens / wall})
-            print(to_markdown(rows[-2:]), flush=True)
+                for k, url in enumerate(urls):
+                    for batched in (True, False):
+                        runs[k][batched].append(await one_run(session, url, prompts, params, batched))
+            for k in range(len(urls)):
+                for batched, rs in runs[k].items():
+                    wall = statistics.median(r[0] for r in rs)
+                    spent = statistics.median(r[1] for r in rs)
+                    tokens = statistics.median(r[2] for r in rs)
+                    rows[k].append({"shape": "one batched /generate" if batched else f"{n} concurrent single calls",
+                                    "n": n, "wall_s": wall, "engine_s": spent, "outside": 1 - spent / wall,
+                                    "tokens_per_s": tokens / wall})
+            print(to_markdown(rows[0][-2:]), flush=True)
     return rows
 
 
@@ -125,20 +93,32 @@ def to_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
-    import requests
+def server_process(model: str, max_running: int, log_dir: Path, baseline_path: str | None = None):
+    """`python -m slime_spec.engine` (its slime_spec imported from `baseline_path` if given, ahead of the working
+    directory that `-m` puts first on sys.path)."""
+    import sys
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the bench server exited with {proc.returncode} before it was ready")
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the bench server at {url} was not ready after {timeout_s:.0f}s")
+    from slime_spec.engines.process import ServerProcess, embedded_server_process
+    from slime_spec.net import free_port
+
+    flags = ["--max-running-requests", str(max_running), "--skip-server-warmup"]
+    if baseline_path is None:
+        return embedded_server_process(model, flags, log_path=log_dir / "server.log")
+    port = free_port()
+    run = (f"import runpy, sys; sys.path.insert(0, {baseline_path!r}); "
+           "runpy.run_module('slime_spec.engine', run_name='__main__', alter_sys=True)")
+    return ServerProcess([sys.executable, "-c", run, "--model-path", model, "--host", "127.0.0.1", "--port",
+                          str(port), *flags], host="127.0.0.1", port=port, log_path=log_dir / "baseline.log",
+                         expect_model_path=model)
+
+
+def side_by_side(rows: list[dict], base: list[dict]) -> str:
+    lines = ["| requests | shape | wall s | baseline wall s | wall / baseline | share outside the engine | "
+             "baseline share outside |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r, b in zip(rows, base):
+        lines.append(f"| {r['n']} | {r['shape']} | {r['wall_s']:.3f} | {b['wall_s']:.3f} | "
+                     f"{r['wall_s'] / b['wall_s']:.2f} | {r['outside']:.0%} | {b['outside']:.0%} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,28 +129,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (--quick 32)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved runs per row (default 3, --quick 1)")
     p.add_argument("--out", default=None, help="also write the markdown table here")
-    p.add_argument("--serve", nargs=3, metavar=("MODEL", "PORT", "MAX_RUNNING"), help=argparse.SUPPRESS)
+    p.add_argument("--baseline-pythonpath", default=None,
+                   help="also measure the server whose slime_spec is imported from this directory, side by side")
     a = p.parse_args(argv)
-    if a.serve:
-        serve(a.serve[0], int(a.serve[1]), int(a.serve[2]))
-        return 0
     sizes = [int(x) for x in (a.requests or ("8,32" if a.quick else "8,32,128")).split(",")]
     max_new = a.max_new_tokens or (32 if a.quick else 64)
     repeats = a.repeats or (1 if a.quick else 3)
     model = a.model or str(make_tiny_model(Path(tempfile.mkdtemp(prefix="bench_http_")) / "mimo", arch="mimo",
                                            hidden_size=128, num_layers=6, intermediate_size=384, num_heads=4,
                                            num_kv_heads=2, max_position_embeddings=512))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", model, str(port), str(max(sizes))])
+    log_dir = Path(tempfile.mkdtemp(prefix="bench_http_logs_"))
+    servers = [server_process(model, max(sizes), log_dir)]
+    if a.baseline_pythonpath:
+        servers.append(server_process(model, max(sizes), log_dir, a.baseline_pythonpath))
     try:
-        wait_ready(url, proc)
-        rows = asyncio.run(measure(url, sizes, max_new, repeats))
+        for server in servers:
+            server.launch()
+        for server in servers:
+            server.wait_ready(600)
+        rows = asyncio.run(measure([s.url for s in servers], sizes, max_new, repeats))
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        for server in servers:
+            server.stop()
     table = (f"Embedded server, per-request cost: {model}, temperature 1, {max_new} new tokens per request, "
-             f"median of {repeats} interleaved runs.\n\n" + to_markdown(rows))
+             f"median of {repeats} interleaved runs.\n\n" + to_markdown(rows[0]))
+    if a.baseline_pythonpath:
+        table += (f"\n\nAgainst the baseline server (slime_spec from {a.baseline_pythonpath}), both serving at once, "
+                  f"runs alternating between them:\n\n" + side_by_side(rows[0], rows[1]))
     print("\n" + table)
     if a.out:
         Path(a.out).write_text(table + "\n")

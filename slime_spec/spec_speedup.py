@@ -105,8 +105,8 @@ class TimedHalf:
     seconds: float
     response_tokens: int
     verify_ct: int
-    accepted: int = 0  # draft tokens accepted (meta_info spec_accept_token_num, summed)
-    drafted: int = 0  # draft tokens proposed (spec_draft_token_num)
+    accepted: int = 0  # draft tokens accepted (meta_info spec_num_correct_drafts, summed)
+    drafted: int = 0  # draft tokens proposed (meta_info spec_num_proposed_drafts)
     passes: int = 1  # timed passes over the prompts the counters sum (`seconds`: their median)
 
     @property
@@ -210,8 +210,8 @@ async def time_generation(url: str, auth, prompts: list[list[int]], params: dict
     def total(key: str) -> int:
         return sum(int(m.get(key) or 0) for m in metas)
 
-    return TimedHalf(seconds, total("completion_tokens"), total("spec_verify_ct"), total("spec_accept_token_num"),
-                     total("spec_draft_token_num"))
+    return TimedHalf(seconds, total("completion_tokens"), total("spec_verify_ct"), total("spec_num_correct_drafts"),
+                     total("spec_num_proposed_drafts"))  # SGLang 0.5.23's meta_info names
 
 
 class SpeedupProbe:

@@ -1,121 +1,81 @@
-"""`/generate` bodies split and normalized as SGLang's GenerateReqInput does (pure functions, no server)."""
-
-import re
+"""SGLang's io_struct messages to and from the engine (pure functions, no server): requests in with SGLang's own
+SamplingParams, `BatchTokenIDOutput` out, read back by SGLang's own DetokenizerManager decoding."""
 
 import pytest
-from transformers import AutoTokenizer
 
-from slime_spec.engine.io_struct import (MAX_PARALLEL_SAMPLE_NUM, check_field_types, explain_contract_error,
-                                         longest_token_chars, min_prompt_tokens, plan_generate, spec_meta_info)
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.engine import sglang_stand_ins
+from slime_spec.engine.io_struct import (UnsupportedRequest, history_extra_key, history_of, rejection,
+                                         to_core_request, token_id_output)
+from slime_spec.engine.request import Output
 
-
-def test_plan_generate_normalizes_like_sglang(tmp_path):
-    tok = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path / "m", arch="llama", hidden_size=32, num_layers=1))
-    planned, single = plan_generate({"text": ["ab", "cd"], "rid": "r", "sampling_params": {"temperature": 0.7, "n": 2,
-                                     "top_k": -1, "stop": "x"}}, tok, vocab_size=101, context_len=1024)
-    assert not single and [p.rid for p in planned] == ["r_0", "r_1", "r_0_1", "r_1_1"]
-    p = planned[0].params
-    assert (p.temperature, p.top_k, p.stop, p.max_new_tokens) == (0.7, -1, ["x"], 128)
-    planned, single = plan_generate({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": None,
-                                     "temperature": 0}}, tok, vocab_size=101, context_len=64)
-    assert single and planned[0].params.max_new_tokens == 62  # SGLang: until the context is full
-    assert planned[0].params.temperature == 0.0  # SGLang's greedy (temperature 0 -> top_k 1)
-    assert spec_meta_info(False, 10, 4, 6, 12) == {}
-    assert spec_meta_info(True, 10, 0, 0, 0) == {}
-    meta = spec_meta_info(True, 10, 4, 6, 12)
-    assert meta["spec_accept_length"] == 2.5 and meta["spec_accept_rate"] == 0.5 and meta["spec_verify_ct"] == 4
+sglang_stand_ins.install()
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory.mktemp("io") / "m", arch="llama", hidden_size=32, num_layers=1)
-    return AutoTokenizer.from_pretrained(path)
+def tokenized(rid="r", ids=(5, 6, 7), extra_key=None, **sampling):
+    """A TokenizedGenerateReqInput as SGLang's TokenizerManager builds it (sampling params normalized)."""
+    from array import array
+
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    sp = SamplingParams(**sampling)
+    sp.normalize(None)
+    sp.verify(101)
+    return TokenizedGenerateReqInput(rid=rid, input_text=None, input_ids=array("l", ids), input_embeds=None,
+                                     mm_inputs=None, token_type_ids=None, sampling_params=sp, return_logprob=False,
+                                     logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=False,
+                                     extra_key=extra_key)
 
 
-def plan(tok, body, **kw):
-    return plan_generate(body, tok, vocab_size=101, context_len=64, **kw)
+def test_sampling_params_from_sglangs_normalized_struct():
+    req = to_core_request(tokenized(temperature=0, max_new_tokens=None, stop_token_ids=[9]), context_length=64)
+    p = req.params
+    assert req.input_ids == [5, 6, 7] and req.history is None
+    assert p.temperature == 0.0 and p.top_k == 1  # SGLang's greedy: temperature 0 -> top_k 1
+    assert p.max_new_tokens == 61  # SGLang: until the context is full
+    assert p.stop_token_ids == [9]
+    sampled = to_core_request(tokenized(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=4), 64).params
+    assert (sampled.temperature, sampled.top_k, sampled.top_p, sampled.max_new_tokens) == (0.7, 5, 0.9, 4)
 
 
-@pytest.mark.parametrize("body, limits, needle", [
-    ({"text": "a", "sampling_params": {"n": 0}}, {}, "sampling_params.n=0"),
-    ({"text": "a", "sampling_params": {"n": MAX_PARALLEL_SAMPLE_NUM + 1}}, {}, "limit of 1024 parallel samples"),
-    ({"text": "a", "sampling_params": {"n": 20000}}, {}, "sampling_params.n=20000"),
-    ({"text": ["a", "b"], "sampling_params": {"n": 3}}, {"max_sequences": 5}, "2 prompt(s) x sampling_params.n=3"),
-    ({"text": ["a"] * 6}, {"max_sequences": 5}, "text: a batch of 6 prompts"),
-    ({"text": "x" * 100_000}, {"max_token_chars": 8}, "text has 100000 characters"),
-    ({"text": ["ok", "x" * 100_000]}, {"max_token_chars": 8}, "text[1] has 100000 characters"),
-    ({"text": []}, {}, "text: the batch is empty"),
-    ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, {}, "sampling_params: max_new_tokens"),
-    ({"text": ["a", "b"], "rid": ["same", "same"]}, {}, "rid: 'same' appears twice"),
-])
-def test_limits_are_refused_naming_the_field(tok, body, limits, needle):
-    with pytest.raises(ValueError) as e:
-        plan(tok, body, **limits)
-    assert needle in str(e.value)
+@pytest.mark.parametrize("field, value", [("frequency_penalty", 0.5), ("repetition_penalty", 1.2),
+                                          ("presence_penalty", 0.3), ("regex", "a+")])
+def test_unsupported_sampling_is_refused_by_name(field, value):
+    with pytest.raises(UnsupportedRequest, match=f"sampling_params.{field}"):
+        to_core_request(tokenized(**{field: value}), 64)
 
 
-def test_limits_are_checked_before_tokenizing(tok):
-    class NoEncode:  # test double: a tokenizer that must not be asked to encode
-        def __getattr__(self, name):
-            if name == "encode":
-                raise AssertionError("tokenized before the limits were checked")
-            return getattr(tok, name)
-
-    for body, limits in [({"text": "a", "sampling_params": {"n": 20000}}, {}),
-                         ({"text": ["a"] * 6}, {"max_sequences": 5}),
-                         ({"text": "x" * 100_000}, {"max_token_chars": 8})]:
-        with pytest.raises(ValueError):
-            plan_generate(body, NoEncode(), vocab_size=101, context_len=64, **limits)
+def test_history_extension_round_trips_through_extra_key():
+    key = history_extra_key({"group": "0/7", "corpus_id": None})
+    ref = history_of(key)
+    assert (ref.group, ref.corpus_id) == ("0/7", None)
+    assert to_core_request(tokenized(extra_key=key), 64).history == ref
+    assert history_of(None) is None and history_of("user-salt") is None  # a user's own extra_key is no history
+    for bad in ({"group": 3}, {"other": "x"}, "g"):
+        with pytest.raises(ValueError, match="slime_history"):
+            history_extra_key(bad)
 
 
-def test_the_length_bound_never_refuses_a_prompt_that_fits(tok):
-    longest = longest_token_chars(tok)
-    text = "hello world " * 10
-    assert len(tok.encode(text)) >= min_prompt_tokens(text, longest)
-    planned, _ = plan(tok, {"text": "hello", "sampling_params": {"max_new_tokens": 4}}, max_token_chars=longest)
-    assert len(planned) == 1
-    planned, _ = plan(tok, {"text": "a", "sampling_params": {"n": MAX_PARALLEL_SAMPLE_NUM, "max_new_tokens": 1}})
-    assert len(planned) == MAX_PARALLEL_SAMPLE_NUM
+def test_token_id_output_is_what_sglangs_detokenizer_reads():
+    """The one message of a finished request: prompt tail + output ids, read offset at the output, counters."""
+    from sglang.srt.managers.io_struct import BatchTokenIDOutput
+
+    req = tokenized(ids=list(range(3, 12)), temperature=0, max_new_tokens=3)
+    out = Output(rid="r", output_ids=[20, 21, 2], output_logprobs=None, finish_reason={"type": "stop", "matched": 2},
+                 prompt_tokens=9, completion_tokens=3, spec_verify_ct=2, spec_accept_token_num=1,
+                 spec_draft_token_num=6, text="")
+    msg = token_id_output([(out, req, 0)], spec_enabled=True)
+    assert isinstance(msg, BatchTokenIDOutput) and msg.rids == ["r"]
+    assert list(msg.decode_ids[0]) == [7, 8, 9, 10, 11, 20, 21, 2] and msg.read_offsets == [5]
+    assert list(msg.output_ids[0]) == [20, 21, 2] and msg.finished_reasons == [{"type": "stop", "matched": 2}]
+    assert msg.spec_verify_ct == [2] and msg.spec_num_correct_drafts == [1]
+    assert msg.completion_tokens == [3] and msg.prompt_tokens == [9] and msg.retraction_counts == [0]
+    plain = token_id_output([(out, req, 0)], spec_enabled=False)
+    assert plain.spec_verify_ct is None  # SGLang sends no spec counters without speculation
 
 
-@pytest.mark.parametrize("body, field, fix", [
-    ({"text": "a", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature", "as a number"),
-    ({"text": "a", "sampling_params": [{"top_k": 1.5}]}, "sampling_params[0].top_k", "as an integer"),
-    ({"text": "a", "sampling_params": {"stop_token_ids": ["x"]}}, "sampling_params.stop_token_ids",
-     "each element of"),
-    ({"input_ids": [["a"]]}, "input_ids", "each element of input_ids as an integer"),
-    ({"text": [1, 2]}, "text", "as a string"),
-    ({"text": "a", "rid": 5}, "rid", "a string or a list of strings"),
-    ({"text": "a", "return_logprob": "yes"}, "return_logprob", "true/false"),
-])
-def test_contract_errors_name_the_field_and_the_fix(body, field, fix):
-    from sglang.srt.entrypoints.api_contract import generate_contract_error
-
-    message = generate_contract_error(body)
-    assert message is not None and field not in message  # SGLang's own message does not say where
-    explained = explain_contract_error(body, message, generate_contract_error)
-    assert explained.startswith(f"{field}: ") and fix in explained
-
-
-@pytest.mark.parametrize("struct, body, needle", [
-    ("UpdateWeightVersionReqInput", {"new_version": {"a": 1}}, "new_version={'a': 1}"),
-    ("UpdateWeightFromDiskReqInput", {"model_path": 5}, "model_path=5"),
-    ("ReleaseMemoryOccupationReqInput", {"tags": "weights"}, "tags='weights'"),
-    ("InitWeightsUpdateGroupReqInput", {"master_address": "h", "master_port": "x", "rank_offset": 1,
-                                        "world_size": 2}, "master_port='x'"),
-    ("BeginWeightUpdateReqInput", {"selector": "everything"}, "invalid selector 'everything'"),
-    ("AbortReq", {"rid": 5}, "rid=5"),
-    ("GetWeightsByNameReqInput", {"name": "w", "truncate_size": True}, "truncate_size=True"),
-])
-def test_control_bodies_are_checked_against_sglang_annotations(struct, body, needle):
-    with pytest.raises(ValueError, match=re.escape(needle)):
-        check_field_types(struct, body)
-
-
-def test_well_typed_control_bodies_pass():
-    check_field_types("UpdateWeightsFromDistributedReqInput", {"names": ["a"], "dtypes": ["bfloat16"],
-                                                               "shapes": [[2, 3]], "weight_version": None,
-                                                               "selector": "draft"})
-    check_field_types("ReleaseMemoryOccupationReqInput", {"tags": ["weights"]})
-    check_field_types("UpdateWeightsFromTensorReqInput", {"serialized_named_tensors": ["b64"], "flush_cache": True})
+def test_a_refusal_is_sglangs_abort_with_a_status():
+    msg = rejection("r", "sampling_params.regex='a' is not supported", "ipc://x", 400)
+    assert msg.rid == "r" and msg.http_worker_ipc == "ipc://x"
+    assert msg.finished_reason == {"type": "abort", "message": "sampling_params.regex='a' is not supported",
+                                   "status_code": 400}

@@ -93,7 +93,7 @@ def test_parse_refuses_result_changing_flags_all_at_once(mimo):
 
 
 def test_engine_refuses_what_it_cannot_draft(llama, mimo):
-    from slime_spec.engine.__main__ import make_core_factory
+    from slime_spec.engine.scheduler_process import make_core_factory
     from slime_spec.engine.scheduler import EngineLoop
 
     # A tree larger than SGLang allows (num_draft_tokens <= topk + (steps - 1) * topk^2 + 1) is refused while
@@ -186,3 +186,15 @@ def test_gc_threshold_is_honoured_and_checked(mimo):
     assert parse_server_args(["--model-path", str(mimo)]).gc_threshold is None
     with pytest.raises(ServerArgsError, match="--gc-threshold=1 2 3 4: give 1 to 3"):
         parse_server_args(["--model-path", str(mimo), "--gc-threshold", "1", "2", "3", "4"])
+
+
+@pytest.mark.parametrize("given", [[], ["--dtype", "auto"], ["--dtype=auto"]])
+def test_sglang_argv_names_the_served_dtype(tmp_path, given):
+    """SGLang's /server_info reports `dtype` as launched; the engine's 'auto' is resolved first (float32 on CPU, for
+    a bfloat16 checkpoint too), so a trainer reading it hashes the bytes the engine serves."""
+    from slime_spec.engine.server_args import sglang_argv
+
+    model = make_tiny_model(tmp_path / "m", arch="llama", hidden_size=32, num_layers=1, dtype="bfloat16")
+    argv = ["--model-path", str(model), *given]
+    out = sglang_argv(argv, parse_server_args(argv, cuda_available=False))
+    assert out[-2:] == ["--dtype", "float32"] and "auto" not in out and not any(a.startswith("--dtype=") for a in out)

@@ -46,6 +46,17 @@ def test_start_health_and_stop_kills_group(tmp_path):
     proc.stop()  # idempotent
 
 
+def test_a_hung_stopped_server_ends_on_sigterm(tmp_path):
+    """A hung server (SIGSTOPped group) takes SIGTERM once continued: it exits by SIGTERM, not by the SIGKILL that
+    follows the grace period."""
+    import signal
+
+    proc = _http_server(tmp_path)
+    proc.start(timeout_s=30)
+    os.killpg(proc.pid, signal.SIGSTOP)
+    assert proc.stop() == -signal.SIGTERM and not proc.alive()
+
+
 def test_restart_uses_same_argv_and_url(tmp_path):
     proc = _http_server(tmp_path)
     proc.start(timeout_s=30)

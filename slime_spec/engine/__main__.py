@@ -1,36 +1,34 @@
-"""`python -m slime_spec.engine --model-path DIR [SGLang server flags]`: the embedded SGLang-compatible server."""
+"""`python -m slime_spec.engine --model-path DIR [SGLang server flags]`: SGLang's own server, our engine behind it.
+
+SGLang 0.5.23's `http_server.launch_server` runs unchanged (HTTP routes, TokenizerManager, DetokenizerManager,
+OpenAI-compatible serving, auth, pause/continue, weight version); its scheduler process is ours
+(`scheduler_process.run_scheduler_process`), plugged in through SGLang's `run_scheduler_process_func`.
+"""
 
 from __future__ import annotations
 
-import logging
-import sys
+# First, before anything imports SGLang here (the processes SGLang spawns install them through scheduler_process).
+from slime_spec.engine import hf_configs, sglang_stand_ins
 
-from slime_spec.engine.server_args import EngineServerArgs, ServerArgsError, parse_server_args
+sglang_stand_ins.install()
+hf_configs.register()
+
+import functools  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+
+from slime_spec.engine.server_args import ServerArgsError, parse_server_args, sglang_argv  # noqa: E402
 
 logger = logging.getLogger("slime_spec.engine")
-
-
-def make_core_factory(args: EngineServerArgs):
-    def make_core():
-        import torch
-
-        from slime_spec.engine.core import EngineCore
-
-        torch.manual_seed(args.random_seed)
-        return EngineCore(args.model_path, args.spec, dtype=args.dtype, device=args.device,
-                          max_running_requests=args.max_running_requests, context_length=args.context_length,
-                          seed=args.random_seed, draft_sampling=args.spec_draft_sampling, spec_auto=args.spec_auto,
-                          cuda_graph=args.cuda_graph, overlap_schedule=args.overlap_schedule,
-                          kernels=args.kernels)
-    return make_core
 
 
 def main(argv: list[str] | None = None) -> int:
     from slime_spec.logging_setup import quiet_known_noise
 
     quiet_known_noise()  # an engine server is no Ray worker: it installs the filters itself
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        args = parse_server_args(sys.argv[1:] if argv is None else argv)
+        args = parse_server_args(argv)
     except ServerArgsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -41,28 +39,19 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("accepted and ignored (performance-only for the embedded engine): %s",
                     ", ".join(args.ignored_flags))
 
-    import uvicorn
+    from sglang.srt.entrypoints import http_server
+    from sglang.srt.server_args import prepare_server_args
 
-    from slime_spec.engine.http_server import create_app, freeze_gc
-    from slime_spec.engine.scheduler import EngineLoop
-    from slime_spec.engine.weight_updater import WeightUpdater
+    from slime_spec.engine.http_server import install_extensions
+    from slime_spec.engine.scheduler_process import run_detokenizer_process, run_scheduler_process
 
-    loop = EngineLoop(make_core_factory(args))
-    try:
-        loop.start()
-    except ValueError as e:  # the engine refused its configuration (e.g. SPEC_UNSUPPORTED_BY_BACKEND)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    weights = WeightUpdater(args.weight_version, args.model_path, args.device, args.has_draft_model)
-    app = create_app(args, loop, weights)
-    frozen = freeze_gc(args.gc_threshold)  # as SGLang does once its server is warm
-    logger.info("garbage collector frozen after start-up (%d objects)%s", frozen,
-                f", thresholds {args.gc_threshold}" if args.gc_threshold else "")
-    logger.info("serving %s on http://%s:%d (device %s, dtype %s, speculative %s)", args.model_path, args.host,
-                args.port, args.device, args.dtype, args.spec)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
-                timeout_graceful_shutdown=5)
-    loop.stop()
+    server_args = prepare_server_args(sglang_argv(argv, args))
+    install_extensions(http_server.app)
+    logger.info("serving %s on http://%s:%d through SGLang's front end (device %s, dtype %s, speculative %s)",
+                args.model_path, args.host, args.port, args.device, args.dtype, args.spec)
+    http_server.launch_server(server_args,
+                              run_scheduler_process_func=functools.partial(run_scheduler_process, args),
+                              run_detokenizer_process_func=run_detokenizer_process)
     return 0
 
 

@@ -1,6 +1,7 @@
 """The engine thread (SGLang's scheduler event loop): the only thread that touches EngineCore.
 
-HTTP handlers never call the engine; they post work here and await a concurrent Future:
+The scheduler process (scheduler_process.py, which receives SGLang's requests) never calls the engine; it posts
+work here and is answered through a concurrent Future:
 - `generate(requests)`: admitted into the engine at the next iteration unless generation is paused
   or a weight update is waiting for the engine to drain;
 - `call(fn)`: runs `fn(core)` between two steps (info, aborts, pause/continue);
@@ -8,9 +9,8 @@ HTTP handlers never call the engine; they post work here and await a concurrent 
   in-flight request to finish (or at once if generation is paused); same here: requests already
   running finish on the old weights, requests arriving meanwhile wait, then `fn` runs.
 
-Health: the loop records which operation (a step, or a call such as a weight update) it is inside and
-since when (`busy`), so `/health` can answer at once, without queueing behind the engine, that the engine
-is stuck (a weight sync whose trainer never sends). While memory is released
+The loop records which operation (a step, or a call such as a weight update) it is inside and since when
+(`busy`). While memory is released
 (/release_memory_occupation) a /generate is refused with `Unavailable` (503) at admission instead of
 waiting for a resume nobody may send; the loop blocks on its inbox whenever it cannot progress, never spins.
 
@@ -94,23 +94,6 @@ class EngineLoop:
         self._ready.wait()
         if self.startup_error is not None:
             raise self.startup_error
-
-    @property
-    def healthy(self) -> bool:
-        return self._thread.is_alive() and self._broken is None
-
-    def health_problem(self, timeout_s: float) -> str | None:
-        """Why the engine cannot serve at all (dead, broken, or inside one operation for over `timeout_s`)."""
-        if not self._thread.is_alive():
-            return "the engine thread exited; restart the server (its log says why)"
-        if self._broken is not None:
-            return f"the engine is broken after a failed step ({self._broken}); restart the server"
-        busy = self.busy
-        if busy is not None and self._clock() - busy[1] > timeout_s:
-            return (f"the engine thread has been inside {busy[0]} for {self._clock() - busy[1]:.0f} s (over "
-                    f"SGLANG_HEALTH_CHECK_TIMEOUT={timeout_s:g} s): a weight sync whose sender never sends holds it; "
-                    "check the trainer side, or restart the server")
-        return None
 
     def generation_blocked(self) -> str | None:
         """Why a /generate sent now would not run until someone acts (paused, or memory released), else None."""

@@ -75,10 +75,11 @@ PERFORMANCE_ONLY = frozenset({
     "weight_loader_prefetch_num_threads", "weight_loader_drop_cache_after_load",
     "speculative_attention_mode", "speculative_draft_attention_backend", "speculative_ngram_min_bfs_breadth",
     "speculative_ngram_max_bfs_breadth", "speculative_ngram_match_type", "speculative_ngram_capacity",
-    # Used only by SGLang's OpenAI-compatible routes, which this server does not serve.
-    "sampling_defaults", "chat_template", "completion_template", "reasoning_parser", "tool_call_parser",
     "enable_custom_logit_processor", "enable_return_hidden_states",
 })
+# Read by SGLang's own front end (TokenizerManager, OpenAI-compatible serving), which the embedded engine runs.
+FRONT_END = frozenset({"sampling_defaults", "chat_template", "completion_template", "reasoning_parser",
+                       "tool_call_parser"})
 PERFORMANCE_ONLY_PREFIXES = ("cuda_graph_", "hicache_", "enable_http2", "http2_")
 
 # Refusals with a specific reason; every other non-default, non-table flag gets the generic one.
@@ -204,7 +205,7 @@ def classify_flags(values: dict[str, Any], defaults: dict[str, Any], names: dict
         shown = f"{names.get(dest, '--' + dest.replace('_', '-'))}={value!r}"
         if dest == "tp_size" and value != 1:
             refused.append(f"{shown}: {REFUSAL_REASONS['tp_size']}")
-        elif dest in IMPLEMENTED:
+        elif dest in IMPLEMENTED or dest in FRONT_END:
             continue
         elif is_performance_only(dest):
             ignored.append(shown)
@@ -318,3 +319,16 @@ def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> En
         ignored_flags=report.ignored,
         sglang_args={k: v for k, v in values.items() if k not in ("api_key", "admin_api_key")},
     )
+
+
+def sglang_argv(argv: list[str], args: EngineServerArgs) -> list[str]:
+    """The argv SGLang's own ServerArgs parses: ours (OWN_FLAGS) removed, and the device named (SGLang refuses to
+    start without an accelerator unless told `--device cpu`)."""
+    own = {flag for flag, _ in OWN_FLAGS.values()}
+    out = [a for a in argv if a not in own]
+    if not any(a == "--device" or a.startswith("--device=") for a in out):
+        out += ["--device", args.device.split(":")[0]]
+    # the dtype the engine serves ('auto' resolved: float32 on CPU), so /server_info reports what is hashed
+    out = [a for i, a in enumerate(out) if not (a == "--dtype" or a.startswith("--dtype=") or
+                                                (i and out[i - 1] == "--dtype"))]
+    return out + ["--dtype", args.dtype]

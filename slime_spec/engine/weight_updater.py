@@ -1,7 +1,7 @@
-"""The weight routes, as SGLang 0.5.23's SchedulerWeightUpdaterManager runs them, on the engine thread.
+"""The weight updates, as SGLang 0.5.23's SchedulerWeightUpdaterManager runs them, on the engine thread.
 
-Each method takes the EngineCore and a validated request body and returns the body SGLang's
-route would return. Messages are SGLang's (scheduler_components/weight_updater.py and
+Each method takes the EngineCore and the request (SGLang's io_struct as a dict) and returns success and message,
+which the scheduler process sends back in SGLang's reply struct. Messages are SGLang's (scheduler_components/weight_updater.py and
 model_runner_components/weight_updater.py) except where the embedded engine behaves better:
 a failed load leaves the old weights serving (EngineCore.load_weights is all or nothing), and the
 message says so instead of SGLang's "partially updated".
@@ -9,16 +9,17 @@ message says so instead of SGLang's "partially updated".
 Sessions roll back as a whole (weight_session.py). Inside `begin_weight_update` ... `end_weight_update` the
 updater keeps a copy of every tensor it overwrites; if any update of the session fails, every tensor the session
 wrote is restored at once, later updates of the session are refused, and `end_weight_update` answers
-`success: false, rolled_back: true`. So a sync that fails after some of its buckets landed still leaves
+`success: false` saying so. So a sync that fails after some of its buckets landed still leaves
 the weights from before `begin_weight_update` serving. `POST /abort_weight_update {}` (a slime-spec
 extension; SGLang has no such route) rolls back and closes the open session: the syncer uses it when one
-engine of several failed, so that none keeps a partial update. The copies stay on the device while its free
+engine of several failed, so that none keeps a partial update (http_server.py carries it to the scheduler). The copies stay on the device while its free
 memory allows and go to reusable host buffers otherwise (weight_receive.SnapshotStore).
 
 Inside a session a distributed update lands straight in parameter memory (weight_receive.receive_in_place);
 outside one, or for a flattened bucket, it is received into fresh buffers and loaded all or nothing.
-Every update reply carries `slime_spec_engine_timing` (a slime-spec extension field: receive and load
-seconds), and on CUDA is sent only after the device has finished the copies (weight_receive.settle).
+Every update result carries `slime_spec_engine_timing` (receive and load seconds; logged, as SGLang's reply
+struct has no field for it), and on CUDA is answered only after the device has finished the copies
+(weight_receive.settle).
 
 Selector semantics: "target" reaches the target runner, "draft" the draft runner (MiMo MTP layers
 for NEXTN/EAGLE, the separate model for STANDALONE, nothing for NGRAM), "all" both; a distributed
@@ -41,7 +42,6 @@ behind slime #1177).
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import pickle
 import time
@@ -57,7 +57,6 @@ from slime_spec.engine.weight_session import WeightSession, roles_of
 
 logger = logging.getLogger(__name__)
 
-NAMES_ACTION = "names"  # /weights_checker action: served names and shapes, no hashing (slime-spec extension)
 NOT_IN_SESSION = "{op} must run between begin_weight_update() and end_weight_update()"
 FLUSH_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running or "
                  "queued. Retract or finish them, then call /flush_cache.")
@@ -129,27 +128,6 @@ def deserialize_named_tensors(payload: Any) -> Any:
 
     monkey_patch_torch_reductions()
     return MultiprocessingSerializer.deserialize(normalize_serialized_named_tensor_payload(payload))
-
-
-def tensor_checksum(t: torch.Tensor) -> str:
-    """SGLang's tensor hash (managers/mm_utils.tensor_hash), hex: on CPU sha256 of the raw bytes, first 8; on
-    CUDA SGLang's own Triton hash on the device (copying the model to the host to sha256 it would cost seconds)."""
-    if t.is_cuda:  # what mm_utils.tensor_hash calls for a CUDA tensor (mm_utils itself imports torchvision)
-        from sglang.kernels.ops.memory.gpu_tensor_hash import gpu_tensor_hash
-
-        return f"{gpu_tensor_hash(t.detach().contiguous()):016x}"
-    from slime_spec.weight_sync.verify import tensor_checksum as checksum_of_parts
-
-    return checksum_of_parts([t])
-
-
-def overall_checksum(checksums: dict[str, str]) -> str:
-    """SGLang's utils/weight_checker.overall_checksum."""
-    h = hashlib.sha256()
-    for name in sorted(checksums):
-        h.update(name.encode())
-        h.update(checksums[name].encode())
-    return h.hexdigest()
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -413,13 +391,12 @@ class WeightUpdater:
         return {**self._finish_update(core, req, ok), **timing.reply_field()}
 
     def _finish_update(self, core, req: dict, ok: str) -> dict:
-        message = ok
+        """SGLang's TokenizerManager records a request's `weight_version` and says so in the message itself."""
         if req.get("weight_version") is not None:
             self.weight_version = req["weight_version"]
-            message += f" Weight version updated to {req['weight_version']}."
         if req.get("flush_cache", True) and not core.flush_cache():
             return _result(False, FLUSH_REFUSED)
-        return _result(True, message)
+        return _result(True, ok)
 
     # ------------------------------------------------------------------ reads
     def get_weights_by_name(self, core, req: dict) -> list | None:
@@ -433,38 +410,6 @@ class WeightUpdater:
         t = weights[name]
         t = t[: int(req.get("truncate_size", 100))] if t.dim() else t  # slice before the (slow) list conversion
         return t.float().cpu().tolist()
-
-    def check_weights(self, core, req: dict) -> dict:
-        """SGLang's `checksum` action; and `names` (a slime-spec extension, SGLang has no such action): the
-        served names and shapes, no hashing, for a coverage check that costs an HTTP round trip."""
-        action = req.get("action", "checksum")
-        if action not in ("checksum", NAMES_ACTION):
-            return _result(False, f"Unsupported action={action!r}: the embedded engine implements 'checksum' and "
-                                  f"'{NAMES_ACTION}' (slime-spec extension)")
-        skip = req.get("skip_tensor_list") or []
-        merged: dict[str, Any] = {}
-        infos = []
-        for role in roles_of(req.get("selector", "all")):
-            if role == "draft" and not self.has_draft:
-                continue
-            weights = core.named_weights(role)
-            if role == "draft" and not weights:
-                continue
-            for name, t in weights.items():
-                if any(s in name for s in skip):
-                    continue
-                key = name if role == "target" else f"{role}.{name}"
-                merged[key] = list(t.shape) if action == NAMES_ACTION else tensor_checksum(t)
-            infos.append({"role": role, "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
-                          "pp_size": 1, "rank": 0, "size": 1})
-        out = _result(True, "Success.")
-        if infos and action == NAMES_ACTION:
-            out["ranks"] = [{"shapes": merged, "parallelism_info": infos}]
-        elif infos:
-            rank = {"checksums": merged, "per_gpu_checksum": overall_checksum(merged), "parallelism_info": infos}
-            out["ranks"] = [rank]
-            out["per_engine_checksum"] = hashlib.sha256(rank["per_gpu_checksum"].encode()).hexdigest()
-        return out
 
 
 def _result(success: bool, message: str) -> dict:

@@ -188,6 +188,7 @@ class ServerProcess:
             return None
         if self.proc.poll() is None:
             self._signal_group(signal.SIGTERM)
+            self._signal_group(signal.SIGCONT)  # a stopped (hung) process acts on SIGTERM only once continued
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:

@@ -1,5 +1,6 @@
-"""Which routes take the admin key: our embedded server's ADMIN_OPTIONAL_PATHS against the
-`@auth_level(AuthLevel.ADMIN_OPTIONAL)` decorators of SGLang 0.5.23's own http_server.py.
+"""Which routes take the admin key: the client's ADMIN_ROUTES (engines/client.py) against the
+`@auth_level(AuthLevel.ADMIN_OPTIONAL)` decorators of SGLang 0.5.23's own http_server.py, which the embedded
+engine serves unchanged (so its auth levels are SGLang's by construction).
 
 SGLang's app cannot be imported here (it installs uvloop's event-loop policy at import), so its routes and
 their auth levels are read from its source with `ast`: the decorators are the declaration, nothing runs.
@@ -11,7 +12,7 @@ import ast
 import importlib.util
 from pathlib import Path
 
-from slime_spec.engine import http_server
+from slime_spec.engines.client import ADMIN_ROUTES
 
 ROUTE_DECORATORS = {"get", "post", "put", "api_route"}
 
@@ -41,10 +42,16 @@ def test_the_source_reader_finds_sglangs_routes():
     assert len(routes) > 40
 
 
-def test_our_admin_routes_are_sglangs():
+def test_the_clients_admin_routes_are_sglangs():
+    """Every route SGLang marks ADMIN_OPTIONAL gets the admin key from the client, and no NORMAL route does (a
+    route SGLang lacks, e.g. /abort_weight_update of earlier embedded engines, may stay listed: it is never served
+    by SGLang's app)."""
     sglang = sglang_routes()
-    ours = route_auth_levels(Path(http_server.__file__).read_text())
-    shared = set(ours) & set(sglang)
-    assert {"/freeze_gc", "/flush_cache", "/generate"} <= shared
-    want = {p for p in shared if sglang[p] == "ADMIN_OPTIONAL"}
-    assert want == http_server.ADMIN_OPTIONAL_PATHS & shared
+    admin = {p for p, level in sglang.items() if level == "ADMIN_OPTIONAL"}
+    used = {"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation", "/update_weight_version",
+            "/begin_weight_update", "/end_weight_update", "/update_weights_from_distributed",
+            "/update_weights_from_tensor", "/init_weights_update_group", "/destroy_weights_update_group",
+            "/weights_checker", "/release_memory_occupation", "/resume_memory_occupation"}
+    assert used <= admin, used - admin  # the routes the project calls
+    assert ADMIN_ROUTES & set(sglang) <= admin, (ADMIN_ROUTES & set(sglang)) - admin
+    assert used <= ADMIN_ROUTES
