@@ -6,8 +6,10 @@ session, transports, coverage), so a push that works here works in training. Wit
 served values of a sample of tensors are read back and compared with the pushed ones
 (weight_sync/readback.py says which route is used for which engine, and the report names it).
 
-Exit status: 0 when every engine took every bucket, serves every weight written and (with --check)
-serves the pushed values; 1 otherwise, with a report per engine; 2 for bad flags.
+Exit status: 0 when every engine took every bucket, serves every weight written, reports the pushed
+`--weight-version` (read from `/model_info`, where SGLang reports the live version; its `/server_info` keeps
+the startup configuration) and (with --check) serves the pushed values; 1 otherwise, with a report per
+engine; 2 for bad flags.
 
     slime-spec push-weights --hf-checkpoint /ckpt/step_100_hf --engine-url http://10.0.0.5:30000 --check
 """
@@ -27,6 +29,7 @@ from slime_spec.flags import default as flag_default
 from slime_spec.net import free_port
 from slime_spec.weight_sync.gather import NamedTensor, hf_mtp_matcher
 from slime_spec.weight_sync.protocol import SpecSetup
+from slime_spec.weight_sync.served_state import weight_version_of
 from slime_spec.weight_sync.sync import SyncReport, WeightSyncer, WeightSyncError
 
 
@@ -102,7 +105,19 @@ def make_syncer(args, clients: list[EngineClient], hf_config: dict, ckpt: Path) 
                         check_sample=args.check_sample)
 
 
-def report_lines(syncer: WeightSyncer, report: SyncReport | None, error: Exception | None) -> list[str]:
+def check_weight_versions(clients: list[EngineClient], expected: str | None) -> dict[str, str | None]:
+    """Each engine's weight version as it reports it (`/model_info`); a ValueError naming the engines that do not
+    report `expected` (when given)."""
+    versions = {c.url: weight_version_of(c) for c in clients}
+    wrong = {url: v for url, v in versions.items() if expected is not None and v != expected}
+    if wrong:
+        raise ValueError(f"after the push these engines report another weight_version than --weight-version "
+                         f"{expected!r} (/model_info): {wrong}")
+    return versions
+
+
+def report_lines(syncer: WeightSyncer, report: SyncReport | None, error: Exception | None,
+                 versions: dict[str, str | None] | None = None) -> list[str]:
     """The per-engine report: what was pushed, what each engine serves, how values were checked."""
     lines = []
     if syncer.plan is not None:
@@ -122,6 +137,8 @@ def report_lines(syncer: WeightSyncer, report: SyncReport | None, error: Excepti
         line = f"engine {client.url}: {state}"
         if report is not None and error is None:
             line += f"; serves written: {report.served_written}"
+        if versions and client.url in versions:
+            line += f"; weight_version {versions[client.url]!r}"
         if check is not None:
             line += (f"; values checked by {' + '.join(check.methods) or 'no method'}: {check.compared} tensor(s), "
                      f"{len(check.problems)} problem(s)")
@@ -144,10 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     hf_config = json.loads((ckpt / "config.json").read_text())
     auth = EngineAuth(args.api_key, args.admin_api_key)
     clients = [EngineClient(url, auth) for url in args.engine_url]
-    syncer, report, error = None, None, None
+    syncer, report, error, versions = None, None, None, None
     try:
         syncer = make_syncer(args, clients, hf_config, ckpt)
         report = syncer.sync_report(iter_checkpoint(ckpt, hf_config), weight_version=args.weight_version)
+        versions = check_weight_versions(clients, args.weight_version)
     except (WeightSyncError, EngineError, ValueError, FileNotFoundError) as e:
         error = e
     finally:
@@ -161,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     if syncer is None:
         print(f"push-weights: {error}", file=sys.stderr)
         return 1
-    print("\n".join(report_lines(syncer, report, error)))
+    print("\n".join(report_lines(syncer, report, error, versions)))
     ok = error is None
     print("push-weights: OK" if ok else "push-weights: FAILED", file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1

@@ -50,10 +50,15 @@ def test_push_changes_served_model_and_check_compares_values(models, new_model_o
         before = greedy(s.url)
         assert before != new_model_output  # otherwise the test could not see the push
         code = cli_main(["push-weights", "--hf-checkpoint", str(new), "--engine-url", s.url,
-                         "--transport", transport, "--check", "--update-weight-buffer-size", "20000"])
+                         "--transport", transport, "--check", "--update-weight-buffer-size", "20000",
+                         "--weight-version", f"pushed-{transport}"])
         out = capsys.readouterr()
         assert code == 0, out.out + out.err
+        # SGLang's checksums of every tensor the target and MTP-draft runners serve (SGLang's names and values,
+        # pinned by tests/conformance/test_weight_checker.py) and a sample read by name
         assert "values checked by get_weights_by_name + weights_checker" in out.out
+        assert "0 problem(s)" in out.out
+        assert f"weight_version 'pushed-{transport}'" in out.out  # read from /model_info
         assert "push-weights: OK" in out.out
         assert "MTP tensors" in out.out and " + 0 MTP" not in out.out
         assert greedy(s.url) == new_model_output

@@ -10,6 +10,8 @@ read from sglang 0.5.23 (scheduler_components/weight_updater.py, http_server.py)
   mimo_mtp.py loads them) or an external draft with its own same-named weights (the slime#1177 trap);
 - updates outside a session fail; `selector` picks runners; disk reloads every runner; the
   distributed path receives over a real gloo group; each request is all-or-nothing;
+- `/weights_checker` answers what SGLang's WeightChecker computes for those runners (names and values by
+  sglang_params.py, which tests/conformance/test_weight_checker.py checks against SGLang's model classes);
 - `session_routes=False` models an older SGLang: no session routes (404), no `selector`, distributed
   loads the target only (sglang#27718), tensor and disk load every runner.
 """
@@ -27,7 +29,7 @@ import pytest
 import torch
 
 from slime_spec.sglang_contract import struct, validate_payload
-from slime_spec.weight_sync import protocol, verify
+from slime_spec.weight_sync import protocol, sglang_params, verify
 
 _STRUCTS = {**protocol.ROUTE_STRUCTS, "/generate": None, "/flush_cache": None}
 
@@ -80,6 +82,13 @@ class Runner:
         start = sum(sizes[: parts.index(name)])
         return fused, slice(start, start + sizes[parts.index(name)])
 
+    def hf_named(self) -> list[tuple[str, torch.Tensor]]:
+        """The runner's weights by checkpoint name (a fused parameter split into its parts)."""
+        out = []
+        for name in self.weights:
+            out += [(p, self.read(p)) for p in (verify.stacked_parts(name) or [name])]
+        return out
+
     def apply(self, writes) -> None:
         with torch.no_grad():
             for target, rows, t in writes:
@@ -111,6 +120,15 @@ class FakeSGLangServer:
         self.target = Runner(fuse_hf_state({n: t for n, t in hf_state.items() if not is_mtp(n)}), kv_rows,
                              accepts=lambda n: not is_mtp(n))
         self.draft = None
+        # how SGLang serves each runner: MiMoMTP; an EAGLE3 checkpoint (fc + midlayer) as LlamaForCausalLMEagle3;
+        # any other external draft as a causal LM
+        # in the dtype SGLang serves for --dtype auto (`dtype` in /server_info)
+        eagle3 = draft_state is not None and "fc.weight" in draft_state
+        dtype = sglang_params.served_dtype(hf_config, "auto")
+        self.layouts = {"target": sglang_params.RunnerLayout.target(hf_config, dtype),
+                        "draft": (sglang_params.RunnerLayout.mtp_draft(hf_config, dtype) if draft == "mtp" else
+                                  sglang_params.RunnerLayout.eagle3_draft(dtype) if eagle3 else
+                                  sglang_params.RunnerLayout.target(hf_config, dtype))}
         if draft == "mtp":
             shared = ("model.embed_tokens.weight", "lm_head.weight")
             own = {n: t for n, t in hf_state.items() if is_mtp(n) or n in shared}
@@ -249,8 +267,9 @@ class FakeSGLangServer:
             checksums = {}
             for role, runner in (("target", self.target), ("draft", self.draft)):
                 if runner and runner in self._runners(body.get("selector", "all")):
-                    for n, t in runner.weights.items():
-                        checksums[n if role == "target" else f"draft.{n}"] = verify.tensor_checksum([t])
+                    served = sglang_params.served_tensors(runner.hf_named(), self.layouts[role])
+                    for n, t in served.items():
+                        checksums[n if role == "target" else f"draft.{n}"] = sglang_params.checksum(t)
             info = {"checksums": checksums, "per_gpu_checksum": "x", "parallelism_info": [
                 {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0,
                  "pp_size": 1, "rank": 0, "size": 1}]}

@@ -190,11 +190,16 @@ def test_fused_names_and_parts():
         "m.0.self_attn.q_proj.bias", "m.0.self_attn.k_proj.bias", "m.0.self_attn.v_proj.bias"]
 
 
-def test_checksum_is_sglang_cpu_tensor_hash_and_fuses_by_concatenation():
+def test_checksum_is_sglang_cpu_tensor_hash_and_stacking_views_copies_nothing():
+    from slime_spec.weight_sync.sglang_params import checksum, stacked
+
     a, b = torch.arange(6.0).reshape(2, 3), torch.ones(1, 3)
     digest = hashlib.sha256(a.numpy().tobytes()).digest()[:8]
-    assert verify.tensor_checksum([a]) == f"{int.from_bytes(digest, 'big'):016x}"
-    assert verify.tensor_checksum([a, b]) == verify.tensor_checksum([torch.cat([a, b])])
+    assert checksum(a) == f"{int.from_bytes(digest, 'big'):016x}"  # on CPU: the first 8 bytes of a sha256
+    fused = torch.cat([a, b])
+    assert torch.equal(stacked([a, b]), fused)
+    views = [fused[:2], fused[2:]]  # as the engine's fused q/k/v: parts that are rows of one tensor
+    assert stacked(views).data_ptr() == fused.data_ptr() and torch.equal(stacked(views), fused)
 
 
 def test_coverage_maps_fused_and_draft_names():
@@ -211,17 +216,32 @@ def test_coverage_maps_fused_and_draft_names():
     assert "draft" not in cov.missing  # the draft runner was not updated, so not checked
 
 
-def test_checksum_recorder_and_compare_catch_a_changed_weight():
+def test_served_checksums_name_and_compare_what_sglang_serves():
+    """The trainer side names each checksum as SGLang serves it (fused, MTP block renamed, vocabulary padded with
+    zeros) and compare_checksums catches one changed weight (conformance: tests/conformance/test_weight_checker)."""
+    from slime_spec.weight_sync.sglang_params import RunnerLayout, ServedChecksums, checksum
+
     q, k, v = torch.randn(4, 2), torch.randn(2, 2), torch.randn(2, 2)
-    rec = verify.ChecksumRecorder(torch.float32)
-    for name, t in (("l.self_attn.q_proj.weight", q), ("l.self_attn.k_proj.weight", k),
-                    ("l.self_attn.v_proj.weight", v)):
+    embed = torch.randn(100, 2)
+    rec = ServedChecksums({"target": RunnerLayout.target({"tie_word_embeddings": True}, torch.float32),
+                           "draft": RunnerLayout.mtp_draft({}, torch.float32)})
+    for name, t in (("model.layers.0.self_attn.q_proj.weight", q), ("model.layers.0.self_attn.k_proj.weight", k),
+                    ("model.mtp_layers.0.self_attn.q_proj.weight", q), ("model.layers.0.self_attn.v_proj.weight", v),
+                    ("model.embed_tokens.weight", embed), ("lm_head.weight", embed),
+                    ("model.mtp_layers.0.input_proj.weight", q)):
         rec.add(name, t)
-    fused = "l.self_attn.qkv_proj.weight"
-    served = {"target": {fused: verify.tensor_checksum([torch.cat([q, k, v])])}}
+    fused = "model.layers.0.self_attn.qkv_proj.weight"
+    assert sorted(rec.checksums["target"]) == ["model.embed_tokens.weight", fused]  # tied: no lm_head
+    assert sorted(rec.checksums["draft"]) == ["lm_head.weight", "model.embed_tokens.weight", "model.input_proj.weight"]
+    assert rec.incomplete() == ["draft:model.mtp_block.self_attn.qkv_proj.weight"]
+    padded = torch.cat([embed, torch.zeros(28, 2)])  # SGLang pads the vocabulary to a multiple of 64
+    served = {"target": {fused: checksum(torch.cat([q, k, v])), "model.embed_tokens.weight": checksum(padded)}}
     assert verify.compare_checksums(served, rec.checksums, {"target"}) == []
-    served["target"][fused] = verify.tensor_checksum([torch.cat([q, k, v + 1])])
-    assert len(verify.compare_checksums(served, rec.checksums, {"target"})) == 1
+    served["target"][fused] = checksum(torch.cat([q, k, v + 1]))
+    assert verify.compare_checksums(served, rec.checksums, {"target"}) == [
+        f"target:{fused} (engine {served['target'][fused]}, trainer {rec.checksums['target'][fused]})"]
+    del served["target"][fused]
+    assert "not served" in verify.compare_checksums(served, rec.checksums, {"target"})[0]
 
 
 def test_served_by_role_splits_draft_prefix():
@@ -241,22 +261,58 @@ def test_accept_length_sums_raw_counters():
     assert canary.accept_length([{"completion_tokens": 5}]) == 1.0
 
 
-@pytest.mark.parametrize("spec,event,cause", [(NATIVE, "sync", "27718"), (STANDALONE, "sync", "1177"),
-                                              (NATIVE, "resume", "31674")])
-def test_collapse_is_an_error_with_the_likely_cause(spec, event, cause):
-    verdict = canary.judge_canary(1.02, spec, event, previous=2.5)
-    assert verdict.level == "error" and cause in verdict.message
+@pytest.mark.parametrize("spec,event,cause", [(NATIVE, "sync", "27718"), (NATIVE, "resume", "31674")])
+def test_collapse_is_an_error_only_where_the_cause_is_recorded(spec, event, cause):
+    """A sync made to skip the MTP tensors: acceptance falls from 2.5 to about 1.0 on the same prompts, and the
+    sync's record (no MTP tensor sent) names the cause; after a resume the resume is the cause."""
+    skipped_mtp = canary.SyncRecord(draft_tensors_sent=0, coverage_checked=True)
+    verdict = canary.judge_canary(1.02, spec, event, before=2.5, record=skipped_mtp)
+    assert verdict.level == "error" and cause in verdict.message and "2.500 before" in verdict.message
+    assert "weight_sync_mtp_params=0" in verdict.message or event == "resume"
+
+
+def test_a_fall_after_a_verified_sync_does_not_blame_the_draft_update():
+    verified = canary.SyncRecord(draft_tensors_sent=16, coverage_checked=True)
+    verdict = canary.judge_canary(1.02, NATIVE, "sync", before=2.5, record=verified)
+    assert verdict.level == "warning" and "not updated" not in verdict.message and "verified every tensor" in verdict.message
+    unverified = canary.judge_canary(1.02, NATIVE, "sync", before=2.5,
+                                     record=canary.SyncRecord(draft_tensors_sent=16, coverage_checked=False))
+    assert unverified.level == "warning" and "not known" in unverified.message
+    external = canary.judge_canary(1.02, STANDALONE, "sync", before=2.5)
+    assert external.level == "warning" and "1177" in external.message
+
+
+def test_an_untrained_draft_is_no_collapse():
+    """A fresh random MTP layer: about 1.0 before and after the sync (the quickstart's small-machine run)."""
+    for before in (None, 1.058):
+        verdict = canary.judge_canary(1.058, NATIVE, "sync", before=before,
+                                      record=canary.SyncRecord(draft_tensors_sent=16, coverage_checked=True))
+        assert verdict.level == "untrained" and "collapse" not in verdict.message
+
+
+def test_an_untrained_draft_is_reported_once(monkeypatch, caplog):
+    probe = canary.AcceptanceCanary(NATIVE)
+    probe.set_probe_from_samples([[1, 2, 3]])
+    monkeypatch.setattr(probe, "_probe_engine", lambda client: 1.05)
+    with caplog.at_level("WARNING", logger=canary.__name__):
+        probe.read_before([None])
+        readings = [probe.run([None], "sync", {"weight_sync_mtp_params": 16, "weight_sync_covered": 1})
+                    for _ in range(3)]
+    assert [r["spec_canary_accept_length_before"] for r in readings] == [1.05] * 3
+    assert probe.last_verdict.level == "untrained"
+    assert [r.getMessage().count("untrained draft") for r in caplog.records] == [1]
 
 
 def test_colocated_collapse_of_an_external_draft_also_names_resume():
-    message = canary.judge_canary(1.0, STANDALONE, "sync", colocated=True).message
+    message = canary.judge_canary(1.0, STANDALONE, "sync", before=2.5, colocated=True).message
     assert "1177" in message and "31674" in message
-    assert "31674" not in canary.judge_canary(1.0, NATIVE, "sync", colocated=True).message  # the sync rewrote it
+    native = canary.SyncRecord(draft_tensors_sent=0, coverage_checked=True)
+    assert "31674" not in canary.judge_canary(1.0, NATIVE, "sync", before=2.5, colocated=True, record=native).message
 
 
 def test_canary_ok_warning_and_off():
-    assert canary.judge_canary(2.4, NATIVE, "sync", previous=2.5).level == "ok"
-    assert canary.judge_canary(1.5, NATIVE, "sync", previous=2.5).level == "warning"
+    assert canary.judge_canary(2.4, NATIVE, "sync", before=2.5).level == "ok"
+    assert canary.judge_canary(1.5, NATIVE, "sync", before=2.5).level == "warning"
     assert canary.judge_canary(1.0, SpecSetup(None), "sync").level == "off"
 
 

@@ -11,26 +11,40 @@ From Ray, call `get_url()` (`url` is a property).
 from __future__ import annotations
 
 import atexit
+import time
 from pathlib import Path
 
 import ray
 
 from slime_spec.config import EngineConfig
-from slime_spec.engines.client import EngineAuth, EngineClient
+from slime_spec.engines.client import EngineAuth, EngineClient, EngineError
 from slime_spec.engines.process import ServerProcess, engine_server_process
 
 DEFAULT_START_TIMEOUT_S = 1800.0
+# As slime before a release: /flush_cache answers 400 while requests run or wait (SGLang flushes only an idle
+# engine, and asserts idleness in release_memory_occupation), so it is retried until the engine is idle.
+FLUSH_ATTEMPTS, FLUSH_RETRY_S = 60, 1.0
+
+
+def with_nccl_port(argv: list[str], port: int | None) -> list[str]:
+    """`--nccl-port port` for the server unless the flags already give one (`--sglang-nccl-port`): SGLang otherwise
+    picks a random port per server, and engines on one node may pick the same one."""
+    if port is None or "--nccl-port" in argv:
+        return list(argv)
+    return [*argv, "--nccl-port", str(port)]
 
 
 class Engine:
     def __init__(self, engine: EngineConfig, index: int, *, log_dir: str, host: str | None = None,
-                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S, gpu_ids: list[int] | None = None):
+                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S, gpu_ids: list[int] | None = None,
+                 nccl_port: int | None = None):
         self.index, self.start_timeout_s = index, start_timeout_s
         self.restarts = 0
         self.stopped = False  # set by shutdown: no restart may bring the server back after it
         self.process: ServerProcess = engine_server_process(
             engine, log_path=Path(log_dir) / f"engine_{index}.log", host=host or node_host(), gpu_ids=gpu_ids,
             engine_index=index)
+        self.process.argv = with_nccl_port(self.process.argv, nccl_port)  # the same port on every restart
         self.client = EngineClient(self.process.url, EngineAuth.from_server_args(engine.server_args))
         atexit.register(self.shutdown)
         self.process.start(start_timeout_s)
@@ -65,17 +79,26 @@ class Engine:
         self.restarts += 1
         return self.url
 
-    def ensure_alive(self) -> bool:
-        """Restart the server if its process died or stopped answering /health; True if it restarted.
-        After `shutdown` (a request failing because shutdown just stopped the server) it never restarts."""
+    def liveness_problem(self, generate: bool = False) -> str | None:
+        """None while the server serves; else why not: its process exited, or it does not answer its probe
+        within a bounded time (client.py `liveness_problem`: /ping, or /health_generate with `generate`)."""
+        if not self.process.alive():
+            code = self.process.proc.returncode if self.process.proc is not None else None
+            return f"its server process exited (code {code})"
+        return self.client.liveness_problem(generate)
+
+    def ensure_alive(self, generate: bool = False) -> str | None:
+        """Restart the server if its process died or stopped answering; returns why it was restarted, None
+        when it serves. After `shutdown` (a request failing because shutdown just stopped the server) it never
+        restarts."""
         if self.stopped:
-            return False
-        if self.process.alive() and self.client.healthy():
-            return False
-        if self.process.alive():
-            print(f"[engine {self.index}] {self.url}/health does not answer 200; restarting", flush=True)
+            return None
+        problem = self.liveness_problem(generate)
+        if problem is None:
+            return None
+        print(f"[engine {self.index}] {self.url}: {problem}; restarting", flush=True)
         self.restart()
-        return True
+        return problem
 
     def shutdown(self) -> int | None:
         """Stop the server and every process in its group; safe to call twice."""
@@ -90,14 +113,31 @@ class Engine:
         return self.client.server_info()
 
     def weight_version(self) -> str | None:
-        """The version of the weights this engine serves, as it reports it."""
-        return self.server_info().get("weight_version")
+        """The version of the weights this engine serves, as it reports it: SGLang's `/model_info` (its
+        `/server_info` is the startup configuration and keeps the version the engine started with)."""
+        from slime_spec.weight_sync.served_state import weight_version_of
+
+        return weight_version_of(self.client)
 
     def generate(self, payload: dict) -> dict:
         return self.post("/generate", payload)
 
     def flush_cache(self) -> dict:
         return self.post("/flush_cache")
+
+    def flush_cache_when_idle(self) -> dict:
+        """/flush_cache until it succeeds (SGLang flushes only an idle engine: 400 while requests run or wait), at
+        most FLUSH_ATTEMPTS times FLUSH_RETRY_S apart; an unreachable engine fails at once."""
+        for attempt in range(1, FLUSH_ATTEMPTS + 1):
+            try:
+                return self.flush_cache()
+            except EngineError as e:
+                if e.unreachable or attempt == FLUSH_ATTEMPTS:
+                    raise EngineError(e.url, e.path, e.status, f"{e.body[:500]} (the engine was not idle after "
+                                      f"{FLUSH_ATTEMPTS} tries {FLUSH_RETRY_S:g} s apart)"
+                                      if not e.unreachable else e.body) from e
+            time.sleep(FLUSH_RETRY_S)
+        raise AssertionError("unreachable")
 
     def pause_generation(self, mode: str = "abort") -> dict:
         return self.post("/pause_generation", {"mode": mode})
@@ -109,6 +149,8 @@ class Engine:
         return self.post("/abort_request", {"rid": rid} if rid else {"abort_all": True})
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> dict:
+        """Only once the engine is idle (SGLang asserts it): flushed first, with a bounded retry."""
+        self.flush_cache_when_idle()
         return self.post("/release_memory_occupation", {"tags": tags})
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> dict:

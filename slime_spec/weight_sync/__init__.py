@@ -6,6 +6,7 @@
   and every request body (pure).
 - transports.py: distributed (process group + broadcast), tensor (colocated), disk.
 - verify.py: coverage of the served weights and checksum comparison (pure).
+- sglang_params.py: sent tensors -> the parameters SGLang's model classes serve, hashed by SGLang's own function.
 - readback.py: served values against the sent tensors (/get_weights_by_name slices; CPU checksums).
 - sync.py: `WeightSyncer`, one sync = pause, session, buckets, flush, verify, continue.
 - canary.py: the acceptance canary after each sync.

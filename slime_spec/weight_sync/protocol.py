@@ -235,12 +235,6 @@ def checksum_payload(selector: Selector, session: bool = True) -> dict:
     return payload
 
 
-def names_payload() -> dict:
-    """`/weights_checker` for the served names and shapes only: a slime-spec extension action (the embedded
-    engine's; SGLang answers it with an error), so a coverage check needs no hashing."""
-    return {"action": "names", "selector": "all"}
-
-
 def get_weights_payload(name: str, truncate_size: int) -> dict:
     return {"name": name, "truncate_size": int(truncate_size)}
 

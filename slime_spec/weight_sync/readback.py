@@ -8,11 +8,13 @@ Used by `--check-weight-sync` (sync.py) and `slime-spec push-weights --check`. T
   Qwen2, DeepSeek answer 400), for the target runner only, and at TP > 1 answers TP rank 0's shard,
   which is compared as the leading block of the full tensor. Only a sample of tensors is read (one
   HTTP request each, as nested JSON lists).
-- `/weights_checker {"action": "checksum"}`, only when the engine reports `device: cpu`: on CPU SGLang
-  hashes a tensor's raw bytes with sha256, reproduced here exactly from the sent tensors (verify.py),
-  for every tensor of every updated runner. On GPU SGLang hashes with a Triton kernel this code does
-  not reproduce, so a GPU engine whose model lacks `/get_weights_by_name` cannot be value-checked:
-  the check says so and fails rather than pass unverified.
+- `/weights_checker {"action": "checksum"}`, only when the engine reports `device: cpu`: SGLang's
+  WeightChecker hashes every parameter of every runner as its model classes hold it (fused q/k/v and
+  gate/up, vocabulary padded, MTP block renamed, the engine's dtype); sglang_params.py builds those same
+  tensors from the sent ones and hashes them with SGLang's own `tensor_hash`, and every served tensor the
+  sync wrote is compared by name. On CPU that hash is a sha256 of the raw bytes; on GPU SGLang hashes with
+  a Triton kernel whose values differ, so a GPU engine whose model lacks `/get_weights_by_name` cannot be
+  value-checked: the check says so and fails rather than pass unverified.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ class SyncReport:
     served_written: dict[str, int]  # empty when no coverage check ran
     split: SyncSplit = SyncSplit()
     checked: bool = True  # the checksum read-back ran (every --weight-sync-check-interval syncs)
-    covered: bool = True  # the coverage check ran: with the checksums, or by names alone in between
+    covered: bool = True  # the coverage check ran (with the checksums)
     draft_tensors: int = 0  # a trained separate draft's own tensors (selector `draft`)
 
     def metrics(self) -> dict:

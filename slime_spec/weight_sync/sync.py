@@ -43,10 +43,9 @@ from typing import Iterable, Sequence
 import torch
 
 from slime_spec.config import WeightSyncConfig, resolve_transport
-from slime_spec.dtypes import config_dtype, torch_dtype
 from slime_spec.engines.client import EngineClient, EngineError, EngineGroupError, post_all
 from slime_spec.net import free_port
-from slime_spec.weight_sync import protocol, readback, served_state, verify
+from slime_spec.weight_sync import protocol, readback, served_state, sglang_params, verify
 from slime_spec.weight_sync.colocated import RankBuckets
 from slime_spec.weight_sync.gather import NamedTensor, make_buckets, only_wanted
 from slime_spec.weight_sync.report import Clock, SyncReport, SyncSplit, one_intra_op_thread
@@ -54,8 +53,6 @@ from slime_spec.weight_sync.transports import (DiskTransport, DistributedTranspo
                                                engine_timing)
 
 logger = logging.getLogger(__name__)
-
-EMBEDDED_BACKEND = "slime_spec.engine"  # /server_info `backend` of the embedded engine (slime_spec/engine)
 
 
 class WeightSyncError(RuntimeError):
@@ -80,9 +77,9 @@ class Recorded:
     """What check_weight_sync keeps of the sent tensors while they stream past (never the whole model)."""
 
     sample: readback.ValueSample  # leading rows of a sample of target tensors
-    checksums: verify.ChecksumRecorder | None  # every tensor's CPU checksum, for engines on device cpu
-    draft_checksums: verify.ChecksumRecorder | None = None  # a trained draft's, apart: its names may be the
-    # target's (`lm_head.weight`)
+    checksums: sglang_params.ServedChecksums | None  # what SGLang hashes on CPU, for engines on device cpu
+    draft_checksums: sglang_params.ServedChecksums | None = None  # a trained draft's, apart: its names may be
+    # the target's (`lm_head.weight`)
 
     def add(self, bucket) -> None:
         for t in bucket.tensors:
@@ -134,7 +131,6 @@ class WeightSyncer:
         self._checkpoint: dict[str, served_state.ServedState | None] | None = None  # read by the first sync
         self._verified: dict[str, served_state.ServedState | None] = {}
         self._syncs = 0  # completed syncs, for --weight-sync-check-interval
-        self._names_route = False  # the engines answer /weights_checker {"action": "names"} (set by prepare)
 
     # ---- set-up, once, from what the engines say about themselves ----
     def prepare(self) -> None:
@@ -149,9 +145,6 @@ class WeightSyncer:
                                             self.protocol.session, self.trains_draft)
         self.engine_dtype = self._engine_dtype()
         self.engine_device = self.clients[0].server_info().get("device")
-        # the cheap coverage check between checksum read-backs: only the embedded engine has it
-        self._names_route = (all(c.server_info().get("backend") == EMBEDDED_BACKEND for c in self.clients)
-                             and self.protocol.session)
         a = self._transport_args
         if self.transport_name == "distributed":
             self.transport = DistributedTransport(self.clients, a["master_address"], a["master_port"],
@@ -168,17 +161,18 @@ class WeightSyncer:
 
     def _recorder(self) -> "Recorded":
         """What the value check needs of the sent tensors: a sample of leading rows, and (CPU engines only,
-        the one place SGLang's checksum is reproducible here) the checksum of every tensor."""
+        the one place SGLang's checksum is reproducible here) the checksum SGLang computes of every served tensor."""
         on_cpu = self.engine_device == "cpu"
-        checksums = verify.ChecksumRecorder(self.engine_dtype) if on_cpu else None
-        draft = verify.ChecksumRecorder(self.engine_dtype) if on_cpu and self.plan.draft else None
+        roles = sglang_params.sync_roles(self.hf_config, self.engine_dtype, mtp_draft=self.plan.mtp is not None)
+        draft_role = sglang_params.separate_draft_role(self.spec.algorithm, self.engine_dtype)
+        checksums = sglang_params.ServedChecksums(roles) if on_cpu and roles else None
+        draft = sglang_params.ServedChecksums(draft_role) if on_cpu and self.plan.draft and draft_role else None
         return Recorded(readback.ValueSample(self.engine_dtype, self.check_sample), checksums, draft)
 
     def _engine_dtype(self) -> torch.dtype | None:
-        dtype = self.clients[0].server_info().get("dtype") or "auto"
-        if dtype == "auto":
-            dtype = config_dtype(self.hf_config) or "float32"
-        return torch_dtype(dtype)
+        """The dtype the engines serve (and SGLang's checksums hash): /server_info's `dtype`, with 'auto' resolved by
+        SGLang's own rule (the checkpoint's dtype; float32 checkpoints served in float16)."""
+        return sglang_params.served_dtype(self.hf_config, self.clients[0].server_info().get("dtype") or "auto")
 
     # ---- one sync ----
     def sync(self, tensors: Iterable[NamedTensor], weight_version: str | None = None) -> dict:
@@ -254,7 +248,7 @@ class WeightSyncer:
         with clock("check"):
             if checked:
                 served_written = self._verify(sent, recorded, draft_sent)
-            elif self._names_route or self._external_draft_checksums is not None:
+            elif self._external_draft_checksums is not None:
                 served_written = self._verify_between(sent, draft_sent)
             else:
                 served_written = self._skip_check()
@@ -268,23 +262,18 @@ class WeightSyncer:
                           covered=bool(served_written), draft_tensors=counts["draft"])
 
     def _verify_between(self, sent: set[str], draft_sent: set[str]) -> dict[str, int]:
-        """The check between checksum read-backs: coverage by names alone (the embedded engine's `names` action, no
-        hashing), and an external draft's own weights by the checksums of the draft runner alone (slime#1177).
-        The target is not checksummed, so what the engines serve counts as unverified, as after a skipped check."""
-        roles = {"target", "draft"} if self.plan.mtp is not None else {"target"}
-        problems, written = [], {}
+        """The check between checksum read-backs: an external draft's own weights by the checksums of the draft
+        runner alone (slime#1177; SGLang has no cheaper listing of what a runner serves). The target is not
+        checksummed, so what the engines serve counts as unverified, as after a skipped check."""
+        problems = []
         for client in self.clients:
-            if self._names_route:
-                reply = post_all([client], "/weights_checker", protocol.names_payload())[0]
-                written = self._coverage_problems(client, reply, sent, roles, problems, draft_sent)
-            if self._external_draft_checksums is not None:
-                reply = post_all([client], "/weights_checker", protocol.checksum_payload("draft", True))[0]
-                self._frozen_draft_problems(client, verify.served_by_role(reply), problems, draft_sent)
-        self._skip_check()
+            reply = post_all([client], "/weights_checker", protocol.checksum_payload("draft", True))[0]
+            self._frozen_draft_problems(client, verify.served_by_role(reply), problems, draft_sent)
         if problems:
+            self._skip_check()
             raise WeightSyncError("weight sync verification failed: " + "; ".join(problems)
                                   + ". Generation stays paused.", engines_serve_previous_weights=False)
-        return written
+        return self._skip_check()
 
     def _skip_check(self) -> dict[str, int]:
         """No coverage check this sync: what the engines serve now is not verified, so a failure of the next
@@ -461,21 +450,25 @@ class WeightSyncer:
     def _check_values(self, client: EngineClient, reply: dict | None, recorded: "Recorded", sent: set[str],
                       roles: set[str], draft_sent: set[str]) -> readback.ValueCheck:
         """Served values against the sent tensors (readback.py says which method applies when)."""
-        checksum_problems = None
+        checksum_problems, checksum_count = None, 0
         if reply is not None and recorded.checksums is not None:
             checksum_problems = []
             if verify.engine_tp_size(reply) > 1:
                 checksum_problems.append("whole-tensor checksums need engine TP 1 (a TP > 1 engine hashes shards)")
             served = verify.served_by_role(reply)
-            checksum_problems += verify.compare_checksums(served, recorded.checksums.checksums, roles)
+            expected = [(served, recorded.checksums, roles)]
             if recorded.draft_checksums is not None:
                 drafts = {r: names for r, names in served.items() if r != "target"}
-                checksum_problems += verify.compare_checksums(drafts, recorded.draft_checksums.checksums, {"draft"})
+                expected.append((drafts, recorded.draft_checksums, {"draft"}))
+            for runners, checksums, wanted in expected:
+                checksum_problems += [f"{name}: only some of its stacked parts were sent"
+                                      for name in checksums.incomplete()]
+                checksum_problems += verify.compare_checksums(runners, checksums.checksums, wanted)
+                checksum_count += sum(len(names) for names in checksums.checksums.values())
         target_sent = sorted(n for n in sent if not self._is_mtp_name(n))
         probe = "model.embed_tokens.weight" if "model.embed_tokens.weight" in sent else target_sent[0]
         return readback.check_values(client, recorded.sample, device=self.engine_device, probe=probe,
-                                     checksum_problems=checksum_problems,
-                                     checksum_count=len(sent) + len(draft_sent))
+                                     checksum_problems=checksum_problems, checksum_count=checksum_count)
 
     def _verify_by_name(self, client: EngineClient, sent: set[str], problems: list[str]) -> dict:
         """For an SGLang without /weights_checker: ask for each sent target weight by name.

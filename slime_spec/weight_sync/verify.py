@@ -4,13 +4,15 @@ Coverage reads the engine's own list of served weights: `/weights_checker {"acti
 returns, per TP rank, a checksum for every parameter and buffer of every selected runner (target
 keys unprefixed, draft keys prefixed with the runner's role, e.g. `draft.`), in the engine's
 internal names: SGLang fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, and its MTP draft
-models rename the MTP block (`model.layers.{N}.enorm` -> `model.enorm`, ...). A served name is
-covered when some sent tensor maps onto it.
+models rename the MTP block (`model.mtp_layers.{N}.input_proj` -> `model.input_proj`, ...). A served name
+is covered when some sent tensor maps onto it.
 
-Checksums computed here from the very tensors that were sent, in the engine's dtype, match an engine
-that hashes on CPU: SGLang's CPU `tensor_hash` is the first 8 bytes of a sha256 of the raw bytes, so a
-fused parameter hashes as the concatenation of its parts in stacked order. On GPU SGLang hashes with a
-Triton kernel; readback.py decides which value check applies to which engine.
+Values: the checksums SGLang's WeightChecker computes are reproduced from the sent tensors by
+sglang_params.py (SGLang's served names, fused and vocabulary-padded values in the engine's dtype, hashed
+by SGLang's own `tensor_hash`; checked against SGLang's model classes in
+tests/conformance/test_weight_checker.py) and compared name for name. They equal an engine's only where
+it hashes on CPU; on GPU SGLang hashes with a Triton kernel, and readback.py decides which value check
+applies to which engine.
 
 An external draft must keep its own weights, except those SGLang shares with the target: an EAGLE3
 draft uses the target's embedding (and, per model, its lm_head), so those follow every target update.
@@ -18,14 +20,11 @@ draft uses the target's embedding (and, per model, its lm_head), so those follow
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass, field
 
-import torch
+from slime_spec.weight_sync.sglang_params import fuse, sent_expert_parts, stacked_parts
 
-# (fused name, parts in the order they are stacked), as SGLang's models declare stacked_params_mapping
-STACKED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
 # Prefixes SGLang's MTP draft models put in front of a layer's own names.
 _DRAFT_PREFIXES = ("model.decoder.", "model.mtp_block.", "model.mtp_layers.", "model.layers.", "model.")
 _ROLE_KEY = re.compile(r"^(draft[\w]*)\.(.+)$")
@@ -35,19 +34,8 @@ _DERIVED = ("rotary_emb", "inv_freq", "cos_sin_cache")
 
 def fused_name(name: str) -> str | None:
     """`...self_attn.q_proj.weight` -> `...self_attn.qkv_proj.weight`; None if the name is not a stacked part."""
-    for fused, parts in STACKED:
-        for part in parts:
-            if f".{part}." in name:
-                return name.replace(f".{part}.", f".{fused}.")
-    return None
-
-
-def stacked_parts(name: str) -> list[str] | None:
-    """The part names, in stacked order, of a fused name; None if it is not fused."""
-    for fused, parts in STACKED:
-        if f".{fused}." in name:
-            return [name.replace(f".{fused}.", f".{p}.") for p in parts]
-    return None
+    fused, _ = fuse(name)
+    return fused if fused != name else None
 
 
 def served_by_role(checker_reply: dict) -> dict[str, dict[str, str]]:
@@ -101,7 +89,7 @@ def match_sent_name(served: str, sent: set[str], role: str, pool: set[str] | Non
     """
     if served in sent:
         return served
-    parts = stacked_parts(served)
+    parts = stacked_parts(served) or sent_expert_parts(served, sent)
     if parts and all(p in sent for p in parts):
         return served
     if role == "target":
@@ -149,55 +137,20 @@ def frozen_draft_checksums(served: dict[str, dict[str, str]]) -> dict[str, str]:
             for name, c in names.items() if not (name.endswith(SHAREABLE) and target.get(name) == c)}
 
 
-def tensor_checksum(tensors: list[torch.Tensor]) -> str:
-    """SGLang's CPU `tensor_hash` of the concatenation of `tensors` (one tensor, or a fused param's parts)."""
-    h = hashlib.sha256()
-    for t in tensors:
-        t = t.detach().cpu().contiguous()
-        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    return f"{int.from_bytes(h.digest()[:8], 'big', signed=False):016x}"
-
-
-class ChecksumRecorder:
-    """Checksums of the sent tensors, in the engine's dtype, computed while they stream past.
-
-    Parts of a fused parameter are held until all of them arrived (one layer's q/k/v at most), so the
-    recorder never keeps a copy of the model.
-    """
-
-    def __init__(self, engine_dtype: torch.dtype | None):
-        self.engine_dtype = engine_dtype
-        self.checksums: dict[str, str] = {}
-        # of the engine-dtype values as float32: what /get_weights_by_name returns
-        self.float32_checksums: dict[str, str] = {}
-        self._pending: dict[str, dict[str, torch.Tensor]] = {}
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        t = tensor.detach().cpu()
-        if self.engine_dtype is not None:
-            t = t.to(self.engine_dtype)
-        self.checksums[name] = tensor_checksum([t])
-        self.float32_checksums[name] = tensor_checksum([t.float()])
-        fused = fused_name(name)
-        if fused is None:
-            return
-        pending = self._pending.setdefault(fused, {})
-        pending[name] = t
-        parts = stacked_parts(fused)
-        if all(p in pending for p in parts):
-            self.checksums[fused] = tensor_checksum([pending[p] for p in parts])
-            del self._pending[fused]
-
-
-def compare_checksums(served: dict[str, dict[str, str]], expected: dict[str, str], roles: set[str]) -> list[str]:
-    """Names whose served checksum differs from the sent tensor's (one line each, for the error)."""
-    sent = set(expected)
-    bad, pool = [], with_fused_names(sent)
+def compare_checksums(served: dict[str, dict[str, str]], expected: dict[str, dict[str, str]],
+                      roles: set[str]) -> list[str]:
+    """Per updated runner, every served tensor the sync wrote whose checksum is not the one the sent tensors make
+    (`expected`: role -> SGLang name -> checksum, sglang_params.ServedChecksums), one line each for the error;
+    a tensor the sync wrote that the runner does not serve is reported too."""
+    bad = []
     for role in updated_roles(served, roles):
-        for name, checksum in sorted(served[role].items()):
-            source = match_sent_name(name, sent, role, pool)
-            if source is not None and expected[source] != checksum:
-                bad.append(f"{role}:{name} (engine {checksum}, trainer {expected[source]} from {source})")
+        want = expected.get(role, expected.get("draft", {}) if role.startswith("draft") else {})
+        for name, checksum in sorted(want.items()):
+            got = served[role].get(name)
+            if got is None:
+                bad.append(f"{role}:{name} (written by the sync, not served by the engine's {role} runner)")
+            elif got != checksum:
+                bad.append(f"{role}:{name} (engine {got}, trainer {checksum})")
     return bad
 
 

@@ -1,0 +1,117 @@
+"""SGLang 0.5.23's own model classes and WeightChecker on CPU, in a process of their own.
+
+Run as `python -m tests.conformance.sglang_models IN.json OUT.pt`. IN holds a list of jobs
+`{"arch": "mimo" | "llama" | "qwen2" | "qwen3" | "qwen3_moe", "weights": PATH.safetensors, "config": PATH.json,
+"dtype": "bfloat16", "eagle3_weights": ..., "eagle3_config": ...}`. For each job this builds the target runner's
+model (`MiMoForCausalLM`, `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`) and
+the draft runner's (`MiMoMTP` for MiMo; the EAGLE3 draft `LlamaForCausalLMEagle3` when given) the way SGLang's
+runners do (default dtype set to the engine's, the draft sharing the target's embedding and lm_head as the EAGLE
+worker's `init_lm_head` does), loads the weights through each model's own `load_weights`, and answers
+`/weights_checker {"action": "checksum"}` as the scheduler does: `WeightChecker.handle` per runner, merged by
+`_merge_checksum_payloads`. OUT gets, per job, that merged payload and every parameter and buffer of each runner
+(SGLang's names and values).
+
+Test doubles: a one-rank gloo process group stands in for the GPU's; `vllm` (a fallback rotary kernel that
+SGLang picks on a device it does not know, never called here: nothing runs a forward) is an absent module.
+It runs in its own process because SGLang keeps the parallel state and platform in process globals.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.conformance import sglang_doubles
+
+
+def _setup(model_path: str) -> None:
+    """Publish a CPU ServerArgs and build SGLang's one-rank parallel groups, as the scheduler process does."""
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    from slime_spec.net import free_port
+
+    server_args = ServerArgs(model_path=model_path, device="cpu")
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+    init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
+                                 distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+    initialize_model_parallel()
+    initialize_dp_attention(server_args=server_args)
+
+
+def _hf_config(arch: str, config: dict):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+    # MiMo has no config class in transformers or SGLang (it needs --trust-remote-code): its config is Qwen2's
+    # plus num_nextn_predict_layers, which a Qwen2Config keeps as an extra attribute.
+    cls = LlamaConfig if arch == "llama" or config.get("architectures") == ["LlamaForCausalLMEagle3"] else Qwen2Config
+    cls = {"qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}.get(arch, cls)
+    return cls(**{k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype")})
+
+
+def _build(cls, hf_config, dtype):
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    with set_default_torch_dtype(dtype):
+        return cls(hf_config)
+
+
+def run_job(job: dict) -> dict:
+    import torch
+    from safetensors.torch import load_file
+    from sglang.srt.managers.scheduler_components.weight_updater import _merge_checksum_payloads
+    from sglang.srt.models.llama import LlamaForCausalLM
+    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from sglang.srt.models.mimo import MiMoForCausalLM
+    from sglang.srt.models.mimo_mtp import MiMoMTP
+    from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+    from sglang.srt.models.qwen3 import Qwen3ForCausalLM
+    from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
+    from sglang.srt.utils.weight_checker import WeightChecker
+
+    dtype = getattr(torch, job["dtype"])
+    config = json.loads(Path(job["config"]).read_text())
+    weights = list(load_file(job["weights"]).items())
+    target_cls = {"mimo": MiMoForCausalLM, "llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
+                  "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}[job["arch"]]
+    runners = {"target": _build(target_cls, _hf_config(job["arch"], config), dtype)}
+    runners["target"].load_weights(weights)
+    embed, head = runners["target"].get_embed_and_head()
+    if job["arch"] == "mimo":
+        draft = _build(MiMoMTP, _hf_config("mimo", config), dtype)
+        draft.load_weights(weights)
+        draft.set_embed_and_head(embed, head)  # eagle_worker_v2.init_lm_head (not EAGLE3)
+        runners["draft"] = draft
+    if job.get("eagle3_config"):
+        draft_config = json.loads(Path(job["eagle3_config"]).read_text())
+        draft = _build(LlamaForCausalLMEagle3, _hf_config("llama", draft_config), dtype)
+        draft.load_weights(list(load_file(job["eagle3_weights"]).items()))
+        draft.set_embed(embed)  # init_lm_head, EAGLE3 without load_lm_head_from_target
+        runners["draft"] = draft
+    payloads = [(role, WeightChecker(get_model=lambda m=model: m).handle("checksum", role=role))
+                for role, model in runners.items()]
+    state = {role: {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+             for role, model in runners.items()}
+    return {"payload": _merge_checksum_payloads(payloads), "state": state}
+
+
+def main(argv: list[str]) -> int:
+    sglang_doubles.install()
+    sys.meta_path.insert(0, sglang_doubles.AbsentModuleFinder({"vllm"}))
+    import torch
+
+    from slime_spec.tiny_model import make_tiny_model
+
+    jobs = json.loads(Path(argv[0]).read_text())
+    with tempfile.TemporaryDirectory() as tmp:  # any model SGLang's ServerArgs can resolve, for the parallel state
+        _setup(str(make_tiny_model(Path(tmp) / "llama", arch="llama")))
+        torch.save([run_job(job) for job in jobs], argv[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
