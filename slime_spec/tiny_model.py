@@ -1,10 +1,10 @@
 """Write a small random HF checkpoint (config.json, model.safetensors, a character-level tokenizer).
 
 Tests, benchmarks and the CPU demo build every model they use with this: no hub access is needed.
-The checkpoint is a real Llama / Qwen2 / MiMo checkpoint by HF names, loadable by transformers
-(Llama, Qwen2) and by `slime_spec.engine.model`. Deterministic by `seed`.
+The checkpoint is a real Llama / Qwen2 / Qwen3 / Qwen3-MoE / MiMo checkpoint by HF names, loadable by transformers
+(Llama, Qwen2, Qwen3, Qwen3-MoE) and by `slime_spec.engine.model`. Deterministic by `seed`.
 
-CLI: `slime-spec make-tiny-model --arch llama|qwen2|mimo [--mtp-layers K] [--vocab N] --out DIR`;
+CLI: `slime-spec make-tiny-model --arch llama|qwen2|qwen3|qwen3_moe|mimo [--mtp-layers K] [--vocab N] --out DIR`;
 `--arch llama --num-layers 4 --eagle3-draft DRAFT_DIR [--draft-vocab N]` also writes an EAGLE3 draft for it.
 """
 
@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from slime_spec.dtypes import DTYPES, canonical_dtype, torch_dtype
 
-ARCHS = ("llama", "qwen2", "mimo")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo")
+QK_NORM_ARCHS = ("qwen3", "qwen3_moe")
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 # Most useful characters first, so a truncated vocabulary (--vocab smaller than the full one) keeps them.
@@ -88,14 +89,21 @@ def write_tokenizer(out_dir: Path, vocab_size: int) -> None:
 def make_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
                 num_kv_heads: int, intermediate_size: int, max_position_embeddings: int, dtype: str,
                 mtp_layers: int, tie_word_embeddings: bool, rope_scaling: dict | None = None,
-                rope_theta: float = 10000.0) -> dict:
+                rope_theta: float = 10000.0, head_dim: int | None = None, num_experts: int = 4,
+                num_experts_per_tok: int = 2) -> dict:
+    """head_dim: None = hidden_size / num_heads; Qwen3 checkpoints set their own (Qwen3-4B: 32 heads of 128 over
+    a hidden size of 2560). num_experts / num_experts_per_tok: qwen3_moe's routed experts (every layer sparse, as
+    Qwen3-30B-A3B; each expert half intermediate_size wide)."""
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r}: choose one of {ARCHS}")
-    if hidden_size % num_heads or num_heads % num_kv_heads:
-        raise ValueError(f"hidden_size={hidden_size} must divide by num_heads={num_heads}, "
+    if (head_dim is None and hidden_size % num_heads) or num_heads % num_kv_heads:
+        raise ValueError(f"hidden_size={hidden_size} must divide by num_heads={num_heads} (or pass head_dim), "
                          f"and num_heads by num_kv_heads={num_kv_heads}")
+    if head_dim is not None and (head_dim < 2 or head_dim % 2):
+        raise ValueError(f"head_dim={head_dim}: RoPE needs an even head dimension >= 2")
     config = {
         "architectures": {"llama": ["LlamaForCausalLM"], "qwen2": ["Qwen2ForCausalLM"],
+                          "qwen3": ["Qwen3ForCausalLM"], "qwen3_moe": ["Qwen3MoeForCausalLM"],
                           "mimo": ["MiMoForCausalLM"]}[arch],
         "model_type": arch,
         "vocab_size": vocab_size,
@@ -104,7 +112,7 @@ def make_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: int
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
-        "head_dim": hidden_size // num_heads,
+        "head_dim": head_dim or hidden_size // num_heads,
         "hidden_act": "silu",
         "max_position_embeddings": max_position_embeddings,
         "rms_norm_eps": 1e-6,
@@ -119,6 +127,14 @@ def make_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: int
     }
     if arch == "llama":
         config.update(attention_bias=False, mlp_bias=False)
+    if arch in QK_NORM_ARCHS:  # Qwen3 has no qkv bias and says so (SGLang's Qwen3 reads config.attention_bias)
+        config.update(attention_bias=False, rope_scaling=None)
+    if arch == "qwen3_moe":
+        if not 1 <= num_experts_per_tok <= num_experts:
+            raise ValueError(f"num_experts_per_tok={num_experts_per_tok}: choose 1..num_experts={num_experts}")
+        config.update(decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=max(1, intermediate_size // 2),
+                      num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, norm_topk_prob=True,
+                      output_router_logits=False, router_aux_loss_coef=0.001)
     if rope_scaling is not None:
         config["rope_scaling"] = dict(rope_scaling)
     else:
@@ -129,7 +145,8 @@ def make_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: int
     return config
 
 
-def _decoder_layer(prefix: str, config: dict, gen: torch.Generator, qkv_bias: bool) -> dict[str, torch.Tensor]:
+def _decoder_layer(prefix: str, config: dict, gen: torch.Generator, qkv_bias: bool,
+                   qk_norm: bool = False) -> dict[str, torch.Tensor]:
     h, i = config["hidden_size"], config["intermediate_size"]
     hd = config["head_dim"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
@@ -147,13 +164,24 @@ def _decoder_layer(prefix: str, config: dict, gen: torch.Generator, qkv_bias: bo
         f"{prefix}.self_attn.v_proj.weight": linear(kv, h),
         f"{prefix}.self_attn.o_proj.weight": linear(h, q) * 0.5,
         f"{prefix}.post_attention_layernorm.weight": norm(),
-        f"{prefix}.mlp.gate_proj.weight": linear(i, h),
-        f"{prefix}.mlp.up_proj.weight": linear(i, h),
-        f"{prefix}.mlp.down_proj.weight": linear(h, i) * 0.5,
     }
+    if "num_experts" in config:  # Qwen3-MoE: a router (`mlp.gate`) over per-expert SwiGLU MLPs
+        e, i = config["num_experts"], config["moe_intermediate_size"]
+        w[f"{prefix}.mlp.gate.weight"] = 4.0 * linear(e, h)  # decisive routing: no near-ties in the top-k
+        for x in range(e):
+            w[f"{prefix}.mlp.experts.{x}.gate_proj.weight"] = linear(i, h)
+            w[f"{prefix}.mlp.experts.{x}.up_proj.weight"] = linear(i, h)
+            w[f"{prefix}.mlp.experts.{x}.down_proj.weight"] = linear(h, i) * 0.5
+    else:
+        w[f"{prefix}.mlp.gate_proj.weight"] = linear(i, h)
+        w[f"{prefix}.mlp.up_proj.weight"] = linear(i, h)
+        w[f"{prefix}.mlp.down_proj.weight"] = linear(h, i) * 0.5
     if qkv_bias:
         for name, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             w[f"{prefix}.self_attn.{name}.bias"] = 0.1 * torch.randn(n, generator=gen)
+    if qk_norm:  # Qwen3: one RMSNorm over each head's dims, shared by the heads
+        w[f"{prefix}.self_attn.q_norm.weight"] = 1.0 + 0.1 * torch.randn(hd, generator=gen)
+        w[f"{prefix}.self_attn.k_norm.weight"] = 1.0 + 0.1 * torch.randn(hd, generator=gen)
     return w
 
 
@@ -162,11 +190,12 @@ def make_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     h, v = config["hidden_size"], config["vocab_size"]
     qkv_bias = config["model_type"] in ("qwen2", "mimo")
+    qk_norm = config["model_type"] in QK_NORM_ARCHS
     # A tied embedding is also the lm_head: scale it so logits have the same spread as an untied head.
     embed_std = 2.0 / math.sqrt(h) if config["tie_word_embeddings"] else 1.0
     w = {"model.embed_tokens.weight": torch.randn(v, h, generator=gen) * embed_std}
     for layer in range(config["num_hidden_layers"]):
-        w.update(_decoder_layer(f"model.layers.{layer}", config, gen, qkv_bias))
+        w.update(_decoder_layer(f"model.layers.{layer}", config, gen, qkv_bias, qk_norm))
     w["model.norm.weight"] = 1.0 + 0.1 * torch.randn(h, generator=gen)
     if not config["tie_word_embeddings"]:
         w["lm_head.weight"] = torch.randn(v, h, generator=gen) * (2.0 / math.sqrt(h))
@@ -185,27 +214,38 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", mtp_layers: int = 
                     intermediate_size: int = 128, max_position_embeddings: int = 1024, seed: int = 0,
                     dtype: str = "float32", init_from: str | None = None,
                     tie_word_embeddings: bool | None = None, rope_scaling: dict | None = None,
-                    rope_theta: float = 10000.0) -> Path:
+                    rope_theta: float | None = None, head_dim: int | None = None, num_experts: int = 4,
+                    num_experts_per_tok: int = 2) -> Path:
     """Write a random checkpoint to `out_dir` and return its path.
 
     vocab_size: None = every special token and character (see `full_vocab_size()`); smaller keeps the
       first characters of `CHARACTERS`; larger adds unused embedding rows.
     init_from: a checkpoint directory; every tensor of the same name and shape is copied from it (e.g. a
       1-layer draft sharing the target's embedding and lm_head, or a MiMo whose base is a given Qwen2).
-    tie_word_embeddings: None = the family's usual choice (llama False, qwen2 True, mimo False).
+    tie_word_embeddings: None = the family's usual choice (llama False, qwen2 True, qwen3 True as its small
+      sizes up to 4B, qwen3_moe False, mimo False).
     rope_scaling: written as config.json's `rope_scaling` (e.g. LLAMA31_ROPE_SCALING for a Llama-3.1 shape).
+    rope_theta: None = 10000, or 1000000 for qwen3 / qwen3_moe (their checkpoints').
+    head_dim: None = hidden_size / num_heads, or for qwen3 / qwen3_moe twice that (Qwen3 sizes its heads apart from
+      the hidden size, so q/o projections are not square).
+    num_experts / num_experts_per_tok: qwen3_moe only (see `make_config`).
     """
     dtype = canonical_dtype(dtype)
     if arch == "mimo" and mtp_layers < 1:
         raise ValueError(f"mtp_layers={mtp_layers}: a mimo checkpoint needs at least one MTP layer")
     vocab_size = full_vocab_size() if vocab_size is None else int(vocab_size)
     if tie_word_embeddings is None:
-        tie_word_embeddings = arch == "qwen2"
+        tie_word_embeddings = arch in ("qwen2", "qwen3")
+    if rope_theta is None:
+        rope_theta = 1000000.0 if arch in QK_NORM_ARCHS else 10000.0
+    if head_dim is None and arch in QK_NORM_ARCHS and hidden_size % num_heads == 0:
+        head_dim = 2 * hidden_size // num_heads
     config = make_config(arch, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
                          num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
                          max_position_embeddings=max_position_embeddings, dtype=dtype,
                          mtp_layers=mtp_layers if arch == "mimo" else 0, tie_word_embeddings=tie_word_embeddings,
-                         rope_scaling=rope_scaling, rope_theta=rope_theta)
+                         rope_scaling=rope_scaling, rope_theta=rope_theta, head_dim=head_dim,
+                         num_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
     weights = make_weights(config, seed)
     if init_from is not None:
         source = load_file(str(Path(init_from) / "model.safetensors"))
@@ -295,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=None,
+                   help="per-head dimension (default hidden-size / num-heads; qwen3, qwen3_moe: twice that)")
+    p.add_argument("--num-experts", type=int, default=4, help="routed experts (qwen3_moe)")
+    p.add_argument("--num-experts-per-tok", type=int, default=2, help="experts per token (qwen3_moe)")
     p.add_argument("--intermediate-size", type=int, default=128)
     p.add_argument("--max-position-embeddings", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
@@ -312,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
                            hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=a.num_heads,
                            num_kv_heads=a.num_kv_heads, intermediate_size=a.intermediate_size,
                            max_position_embeddings=a.max_position_embeddings, seed=a.seed, dtype=a.dtype,
-                           init_from=a.init_from, rope_scaling=LLAMA31_ROPE_SCALING if a.llama31_rope else None)
+                           init_from=a.init_from, rope_scaling=LLAMA31_ROPE_SCALING if a.llama31_rope else None,
+                           head_dim=a.head_dim, num_experts=a.num_experts,
+                           num_experts_per_tok=a.num_experts_per_tok)
     print(f"wrote {a.arch} checkpoint to {path}")
     if a.eagle3_draft:
         draft = make_tiny_eagle3_draft(a.eagle3_draft, path, draft_vocab_size=a.draft_vocab, seed=a.seed + 1,

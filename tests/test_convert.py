@@ -12,7 +12,7 @@ from slime_spec.tiny_model import make_tiny_model
 from slime_spec.weight_sync import convert
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mimo"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mimo"])
 def tiny(request, tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param, mtp_layers=1)
     return json.loads((path / "config.json").read_text()), load_file(str(path / "model.safetensors"))
@@ -44,8 +44,19 @@ def test_megatron_names_and_mtp_placement(tiny):
     family = convert.family_of(hf_config)
     megatron_state = convert.hf_to_megatron(family, hf_state, hf_config)
     qkv = megatron_state["decoder.layers.0.self_attention.linear_qkv.weight"]
-    assert qkv.shape == (64 + 2 * 32, 64)  # 4 heads x 16 + 2 kv groups x (k + v) x 16
-    assert ("decoder.layers.0.self_attention.linear_qkv.bias" in megatron_state) == (family != "llama")
+    d = hf_config["head_dim"]  # 16 = 64 / 4 heads; qwen3's own, 32
+    assert qkv.shape == (4 * d + 2 * 2 * d, 64)  # 4 heads x d + 2 kv groups x (k + v) x d
+    assert ("decoder.layers.0.self_attention.linear_qkv.bias" in megatron_state) == (family in ("qwen2", "mimo"))
+    qk_norms = {n for n in megatron_state if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))}
+    if family == "qwen3":
+        assert d != 64 // 4  # head_dim apart from hidden / heads, as Qwen3's checkpoints have it
+        assert qk_norms == {f"decoder.layers.{i}.self_attention.{qk}_layernorm.weight"
+                            for i in range(hf_config["num_hidden_layers"]) for qk in "qk"}
+        assert megatron_state["decoder.layers.1.self_attention.k_layernorm.weight"] is \
+            hf_state["model.layers.1.self_attn.k_norm.weight"]
+        assert convert.tp_split_dim("decoder.layers.1.self_attention.q_layernorm.weight") is None  # shared by heads
+    else:
+        assert not qk_norms
     mtp = sorted(n for n in megatron_state if convert.is_mtp_param(n))
     if family == "mimo":
         assert "mtp.layers.0.eh_proj.weight" in mtp and "mtp.layers.0.transformer_layer.mlp.linear_fc1.weight" in mtp

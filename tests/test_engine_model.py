@@ -12,14 +12,14 @@ from slime_spec.tiny_model import make_tiny_model
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     return {arch: make_tiny_model(root / arch, arch=arch, hidden_size=32, num_layers=2, seed=7)
-            for arch in ("llama", "qwen2", "mimo")}
+            for arch in ("llama", "qwen2", "qwen3", "mimo")}
 
 
 def _ids(batch, length, seed=0, vocab=100):
     return torch.randint(5, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_logits_match_transformers(ckpts, arch):
     model, _ = load_model(ckpts[arch])
     hf = AutoModelForCausalLM.from_pretrained(ckpts[arch], dtype=torch.float32).eval()

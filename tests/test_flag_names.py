@@ -2,12 +2,15 @@
 
 Exists means: in the flag table (`slime_spec/flags.py`), in the installed SGLang's own server parser
 (as `--x` for the engine command line and as `--sglang-x` on ours), an older SGLang spelling the CLI
-translates (`args.SGLANG_RENAMED`), `slime-spec push-weights`' own flags, or one of the few flags of the other tools listed below.
+translates (`args.SGLANG_RENAMED`), `slime-spec push-weights`' own flags, `slime-spec make-tiny-model`'s own
+options (the `add_argument` calls of tiny_model.main), or one of the few flags of the other tools listed below.
 """
 
 import ast
 import re
 from pathlib import Path
+
+import pytest
 
 from slime_spec import push_weights
 from slime_spec.args import SGLANG_PREFIX, SGLANG_RENAMED, build_parser, sglang_parser
@@ -21,16 +24,6 @@ OTHER_TOOL_FLAGS = {
     "--json": "doctor.py",  # slime-spec doctor
     "--smoke": "demo.py",  # python -m slime_spec.demo
     "--out": "demo.py",
-    "--arch": "tiny_model.py",  # slime-spec make-tiny-model
-    "--mtp-layers": "tiny_model.py",
-    "--vocab": "tiny_model.py",
-    "--num-heads": "tiny_model.py",
-    "--num-kv-heads": "tiny_model.py",
-    "--intermediate-size": "tiny_model.py",
-    "--init-from": "tiny_model.py",
-    "--eagle3-draft": "tiny_model.py",
-    "--draft-vocab": "tiny_model.py",
-    "--llama31-rope": "tiny_model.py",
     "--worker-urls": "rollout/manager.py",  # sglang_router.launch_router, started for --use-sglang-router
     "--health-check-endpoint": "rollout/manager.py",
     "--health-check-interval-secs": "rollout/manager.py",
@@ -40,11 +33,22 @@ OTHER_TOOL_FLAGS = {
 }
 
 
+def tiny_model_flags() -> set[str]:
+    """`slime-spec make-tiny-model`'s options: the `--` names its `main` passes to `add_argument` (the parser is
+    built inside `main`, so it is read from the source rather than called)."""
+    tree = ast.parse((PACKAGE / "tiny_model.py").read_text())
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    return {arg.value for node in ast.walk(main)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"
+            for arg in node.args if isinstance(arg, ast.Constant) and str(arg.value).startswith("--")}
+
+
 def known_flags() -> set[str]:
     ours = {opt for parser in (build_parser(), push_weights.build_parser())
             for a in parser._actions for opt in a.option_strings if opt.startswith("--")}
     sglang = {opt for a in sglang_parser()._actions for opt in a.option_strings if opt.startswith("--")}
-    return ours | sglang | {SGLANG_PREFIX + o[2:] for o in sglang} | set(SGLANG_RENAMED) | set(OTHER_TOOL_FLAGS)
+    return (ours | sglang | {SGLANG_PREFIX + o[2:] for o in sglang} | set(SGLANG_RENAMED) | tiny_model_flags()
+            | set(OTHER_TOOL_FLAGS))
 
 
 def flag_tokens(path: Path):
@@ -72,6 +76,19 @@ def test_every_named_flag_exists():
 def test_other_tool_flags_are_still_used_where_listed():
     for flag, module in OTHER_TOOL_FLAGS.items():
         assert any(token == flag for _, token in flag_tokens(PACKAGE / module)), f"{flag} no longer in {module}"
+
+
+def test_tiny_model_flags_are_its_parsers(capsys):
+    """The options read from tiny_model's source are the ones its parser accepts (its --help lists each)."""
+    from slime_spec import tiny_model
+
+    flags = tiny_model_flags()
+    assert {"--arch", "--head-dim", "--num-experts-per-tok", "--out"} <= flags
+    with pytest.raises(SystemExit) as exited:
+        tiny_model.main(["--help"])
+    assert exited.value.code == 0
+    listed = set(FLAG_TOKEN.findall(capsys.readouterr().out))
+    assert flags <= listed
 
 
 def test_scanner_catches_a_flag_that_does_not_exist(tmp_path):

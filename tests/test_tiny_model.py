@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from slime_spec.tiny_model import EOS_ID, full_vocab_size, main, make_tiny_model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mimo"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mimo"])
 def test_tokenizer_round_trip_via_autotokenizer(tmp_path, arch):
     path = make_tiny_model(tmp_path / arch, arch=arch)
     tok = AutoTokenizer.from_pretrained(path)

@@ -27,14 +27,17 @@ def build(path, **train_kwargs):
 
 
 def hf_model(hf_config: dict, hf_state: dict, num_layers: int | None = None):
-    """transformers' Llama/Qwen2 (MiMo's trunk is a Qwen2) with the checkpoint's trunk weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """transformers' Llama/Qwen2/Qwen3 (MiMo's trunk is a Qwen2) with the checkpoint's trunk weights."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     fields = {k: v for k, v in hf_config.items() if k not in ("num_nextn_predict_layers", "architectures")}
     if num_layers is not None:
         fields.update(num_hidden_layers=num_layers, max_window_layers=num_layers)
     if hf_config["model_type"] == "llama":
         model = LlamaForCausalLM(LlamaConfig(**fields))
+    elif hf_config["model_type"] == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**fields))
     else:
         fields["model_type"] = "qwen2"
         model = Qwen2ForCausalLM(Qwen2Config(**fields))
@@ -46,7 +49,7 @@ def hf_model(hf_config: dict, hf_state: dict, num_layers: int | None = None):
     return model.eval()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_logits_equal_hf(arch, tmp_path):
     model, hf_config, hf_state = build(make_tiny_model(tmp_path, arch=arch, seed=3))
     ids = torch.randint(0, hf_config["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(0))

@@ -1,4 +1,5 @@
-"""A gpt-fast-style decoder for Llama, Qwen2 (qkv bias) and MiMo (Qwen2 + MTP layers), by HF names.
+"""A gpt-fast-style decoder for Llama, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm before RoPE, its own head_dim),
+Qwen3-MoE (Qwen3 with top-k routed experts) and MiMo (Qwen2 + MTP layers), by HF names.
 
 Module attribute paths equal the HF checkpoint names (`model.layers.0.self_attn.q_proj.weight`, ...),
 so `state_dict()` is the checkpoint and weight updates need no name mapping.
@@ -29,9 +30,12 @@ from slime_spec.engine.kernels import dependent_launches
 from slime_spec.engine.kernels.decode_attention import MAX_QUERY_TOKENS
 from slime_spec.engine.kernels.decode_attention import supports as attention_kernel_supports
 from slime_spec.engine.kernels.ops import Kernels, add_rms_norm, decode_attention, gated_linear, linear, rms_norm
+from slime_spec.engine.moe import SparseMoeBlock, moe_fields
 from slime_spec.trainer import rope as rope_math
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                           "MiMoForCausalLM")
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Attention backends for eager calls on CUDA: all but cuDNN's, which builds an execution plan for every new shape
 # (about 35 ms on an H100), while eager steps (prefill, a draft's catch-up, a tree verify, an EAGLE3 draft step)
 # read a new key count nearly every step. Captured graphs have static shapes and keep cuDNN.
@@ -63,6 +67,11 @@ class ModelArgs:
     qkv_bias: bool
     mtp_layers: int
     rope_llama3: tuple[tuple[str, float], ...] | None = None  # Llama-3.1's rope_scaling fields (trainer/rope.py)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head (weights [head_dim]) before RoPE
+    num_experts: int = 0  # Qwen3-MoE: routed experts per layer (0: dense MLPs)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelArgs":
@@ -74,6 +83,10 @@ class ModelArgs:
             rope_spec = rope_math.rope_spec(config)
         except ValueError as e:
             raise ValueError(f"{e}; the embedded engine runs the same RoPE kinds") from None
+        if arch in QK_NORM_ARCHITECTURES and config.get("attention_bias"):
+            raise ValueError(f"attention_bias=true in a {arch} config.json (q/k/v and o_proj biases): the "
+                             "embedded engine serves Qwen3 as its checkpoints are, without biases; use "
+                             "--rollout-backend sglang")
         heads = config["num_attention_heads"]
         rope = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         return cls(
@@ -84,9 +97,11 @@ class ModelArgs:
             rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(rope),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=arch != "LlamaForCausalLM" or bool(config.get("attention_bias", False)),
+            qkv_bias=arch in ("Qwen2ForCausalLM", "MiMoForCausalLM") or bool(config.get("attention_bias", False)),
             mtp_layers=int(config.get("num_nextn_predict_layers", 0)) if arch == "MiMoForCausalLM" else 0,
             rope_llama3=tuple(sorted(rope_spec.llama3.items())) if rope_spec.llama3 else None,
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
+            **moe_fields(config, arch),
         )
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
@@ -175,6 +190,15 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+            self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
+
+    def normed_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, T, heads, D], k [B, T, kv_heads, D] through Qwen3's per-head norms (unchanged without them)."""
+        if not self.a.qk_norm:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
     def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, mask, num_keys: int):
         """mask None: RoPE, the cache write and causal attention over the first `num_keys` keys in one kernel
@@ -184,6 +208,12 @@ class Attention(nn.Module):
         if mask is None:  # the kernel reads q, k and v from the fused projection's one tensor
             qkv = linear(x, *self.qkv, self.kernels) if self.qkv is not None else torch.cat(
                 (self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+            if a.qk_norm:  # the kernel rotates what it reads: normalize q and k first, as SGLang's apply_qk_norm
+                q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim,
+                                     a.num_kv_heads * a.head_dim], dim=-1)
+                q, k = self.normed_qk(q.reshape(B, T, a.num_heads, a.head_dim),
+                                      k.reshape(B, T, a.num_kv_heads, a.head_dim))
+                qkv = torch.cat((q.reshape(B, T, -1), k.reshape(B, T, -1), v), dim=-1)
             out = decode_attention(qkv, cos, sin, cache_k, cache_v, slots, positions, num_keys, a.num_heads,
                                    a.num_kv_heads)
             return linear(out.reshape(B, T, a.num_heads * a.head_dim), self.o_proj.weight, None, self.kernels)
@@ -192,8 +222,8 @@ class Attention(nn.Module):
                 [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = apply_rope(q.reshape(B, T, a.num_heads, a.head_dim), cos, sin)
-        k = apply_rope(k.reshape(B, T, a.num_kv_heads, a.head_dim), cos, sin)
+        q, k = self.normed_qk(q.reshape(B, T, a.num_heads, a.head_dim), k.reshape(B, T, a.num_kv_heads, a.head_dim))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.reshape(B, T, a.num_kv_heads, a.head_dim)
         cache_k[slots[:, None], positions] = k
         cache_v[slots[:, None], positions] = v
@@ -207,11 +237,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+        intermediate_size = intermediate_size or a.intermediate_size
+        self.gate_proj = nn.Linear(a.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(a.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, a.hidden_size, bias=False)
         self.gate_up: torch.Tensor | None = None  # fused gate/up weight (CausalLM.fuse_projections)
         self.kernels = Kernels()  # CausalLM.use_kernels
 
@@ -227,7 +258,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = Attention(a)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.mlp = MLP(a)
+        self.mlp = (SparseMoeBlock(a, (MLP(a, a.moe_intermediate_size) for _ in range(a.num_experts)))
+                    if a.num_experts else MLP(a))
+
+    def mlps(self) -> list[MLP]:
+        """The layer's SwiGLU MLPs: its one dense MLP, or its experts."""
+        return list(self.mlp.experts) if isinstance(self.mlp, SparseMoeBlock) else [self.mlp]
 
     def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, mask, num_keys: int):
         delta = self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, slots, positions, mask, num_keys)
@@ -294,9 +330,10 @@ class CausalLM(nn.Module):
         is bound by kernel count). The separate parameters stay, as views of the fused tensors, so weight
         loading and checkpoints see the usual names."""
         for layer in self._decoder_layers():
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             attn.qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-            mlp.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])[0]
+            for mlp in layer.mlps():
+                mlp.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])[0]
 
     def use_kernels(self, kernels: Kernels) -> None:
         """Route this model's few-row matmuls, causal attention and norms through the Triton kernels (engine/kernels);
@@ -304,7 +341,9 @@ class CausalLM(nn.Module):
         kernels = replace(kernels, attention=kernels.attention and attention_kernel_supports(self.args.head_dim))
         self.kernels = kernels
         for layer in self._decoder_layers():
-            layer.self_attn.kernels = layer.mlp.kernels = kernels
+            layer.self_attn.kernels = kernels
+            for mlp in layer.mlps():
+                mlp.kernels = kernels
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernels = kernels
@@ -313,7 +352,8 @@ class CausalLM(nn.Module):
         """Drop the fused tensors (before weights are released, so their memory goes with the parameters')."""
         for layer in self._decoder_layers():
             layer.self_attn.qkv = None
-            layer.mlp.gate_up = None
+            for mlp in layer.mlps():
+                mlp.gate_up = None
 
     def new_cache(self, slots: int, max_seq: int) -> KVCache:
         p = self.lm_head.weight

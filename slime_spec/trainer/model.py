@@ -1,8 +1,11 @@
 """megatron-core GPTModel (+ its MTP block) from an HF config, loading HF weights, and a forward that
 returns the policy's logits and every MTP layer's logits.
 
-Local (non-TransformerEngine) layer spec: RMSNorm, SwiGLU, RoPE (plain or Llama-3.1's llama3 scaling), GQA, no linear bias except Qwen2's
-q/k/v bias. Parameters are float32 (training on CPU, and exact comparisons with HF), or bfloat16 with
+Local (non-TransformerEngine) layer spec: RMSNorm, SwiGLU, RoPE (plain or Llama-3.1's llama3 scaling), GQA, no
+linear bias except Qwen2's q/k/v bias. Qwen3's per-head q/k RMSNorm is megatron-core's qk_layernorm (applied before
+RoPE, as in HF and SGLang), its head_dim megatron's kv_channels. Qwen3-MoE's routed experts are megatron-core's MoE
+layer: its top-k router (softmax, renormalized over the k as `norm_topk_prob` asks) and token dispatcher over
+sequential local experts. Parameters are float32 (training on CPU, and exact comparisons with HF), or bfloat16 with
 --bf16 (the optimizer then keeps float32 master copies: precision.py).
 Needs `parallel.init_parallel` first (Megatron's TP groups and RNG trackers).
 """
@@ -22,7 +25,8 @@ from slime_spec.trainer import rope
 from slime_spec.trainer.packing import causal_mask
 from slime_spec.weight_sync import convert
 
-BUILDABLE_FAMILIES = ("llama", "qwen2", "mimo")
+BUILDABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo")
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 
 
 def read_hf_config(checkpoint: str | Path) -> dict:
@@ -51,7 +55,7 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 
 
 def transformer_config(hf_config: dict, train: TrainConfig):
-    """Megatron TransformerConfig equivalent to an HF Llama / Qwen2 / MiMo config."""
+    """Megatron TransformerConfig equivalent to an HF Llama / Qwen2 / Qwen3 / Qwen3-MoE / MiMo config."""
     from megatron.core.transformer import TransformerConfig
 
     family = convert.family_of(hf_config)
@@ -61,6 +65,9 @@ def transformer_config(hf_config: dict, train: TrainConfig):
         raise ValueError(f"hidden_act={hf_config['hidden_act']!r}: the trainer builds SwiGLU (silu) MLPs only")
     if hf_config.get("mlp_bias"):
         raise ValueError("mlp_bias=true is not supported (Megatron's local spec: no MLP bias)")
+    if family in QK_NORM_FAMILIES and hf_config.get("attention_bias"):
+        raise ValueError(f"attention_bias=true in a {family} config.json: Qwen3 then has q/k/v and o_proj biases; the "
+                         "trainer builds Qwen3 without them, as Qwen3's checkpoints are (set attention_bias false)")
     hf_mtp = int(hf_config.get("num_nextn_predict_layers", 0) or 0)
     if train.mtp_num_layers and family not in convert.MTP_FAMILIES:
         raise ValueError(f"--mtp-num-layers {train.mtp_num_layers}: {family} checkpoints have no MTP layers for "
@@ -84,6 +91,7 @@ def transformer_config(hf_config: dict, train: TrainConfig):
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=family in ("qwen2", "mimo") or bool(hf_config.get("attention_bias")),
+        qk_layernorm=family in QK_NORM_FAMILIES,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -98,6 +106,35 @@ def transformer_config(hf_config: dict, train: TrainConfig):
         tensor_model_parallel_size=train.tensor_model_parallel_size,
         mtp_num_layers=train.mtp_num_layers or None,
         mtp_loss_scaling_factor=train.mtp_loss_scaling_factor,
+        **moe_config(hf_config, family, train),
+    )
+
+
+def moe_config(hf_config: dict, family: str, train: TrainConfig) -> dict:
+    """megatron-core's MoE fields for a Qwen3-MoE config (none for a dense family)."""
+    if family != "qwen3_moe":
+        return {}
+    if train.tensor_model_parallel_size > 1:
+        raise ValueError(f"--tensor-model-parallel-size {train.tensor_model_parallel_size} with a qwen3_moe model: "
+                         f"megatron-core's MoE layer trains under TP only with sequence parallelism, which the "
+                         f"trainer's local layer spec (torch norms) does not build; use --tensor-model-parallel-size 1")
+    if hf_config.get("mlp_only_layers") or int(hf_config.get("decoder_sparse_step", 1)) != 1:
+        raise ValueError(f"mlp_only_layers={hf_config.get('mlp_only_layers')}, decoder_sparse_step="
+                         f"{hf_config.get('decoder_sparse_step')}: the trainer builds Qwen3-MoE with every layer "
+                         f"sparse (as Qwen3-30B-A3B and Qwen3-235B-A22B)")
+    return dict(
+        num_moe_experts=int(hf_config["num_experts"]),
+        moe_router_topk=int(hf_config["num_experts_per_tok"]),
+        moe_ffn_hidden_size=int(hf_config["moe_intermediate_size"]),
+        moe_router_score_function="softmax",
+        # softmax over the top-k logits is the top-k of the full softmax renormalized (norm_topk_prob); without
+        # renormalizing, the softmax comes first over every expert
+        moe_router_pre_softmax=not hf_config.get("norm_topk_prob", False),
+        moe_router_load_balancing_type="none",  # policy training: the router moves only by the policy's loss
+        moe_aux_loss_coeff=0.0,
+        # both dispatchers compute the same; the all-to-all one asks for CUDA streams when built
+        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+        moe_grouped_gemm=False,
     )
 
 
@@ -107,8 +144,11 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 
     config = transformer_config(hf_config, train)
+    if config.num_moe_experts:
+        _define_te_general_gemm()
     rope_spec = rope.rope_spec(hf_config)
-    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer_spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                          normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     mtp_spec = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
                 if train.mtp_num_layers else None)
     model = GPTModel(
@@ -129,7 +169,37 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
         model.bfloat16()
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
+    if config.qk_layernorm and train.tensor_model_parallel_size > 1:
+        sum_qk_norm_grads_over_tp(model)
     return model
+
+
+def _define_te_general_gemm() -> None:
+    """megatron-core 0.16.1's router gating tests `te_general_gemm is not None`, a name it imports only with
+    TransformerEngine: without TE the test raises NameError. None is what it means to find (plain torch.mm)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def sum_qk_norm_grads_over_tp(model) -> None:
+    """Under TP every rank holds all of a q/k norm's weight but normalizes only its own heads, so each rank's
+    gradient is a partial sum: add them up over the TP group as each backward produces them (Megatron's
+    finalize_model_grads does this sum for `q_layernorm` / `k_layernorm` after the backward pass)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    for name, param in model.named_parameters():
+        if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+            param.register_hook(summed)
 
 
 def load_hf_weights(model, hf_state: dict[str, torch.Tensor], hf_config: dict, tp_rank: int, tp_size: int) -> None:

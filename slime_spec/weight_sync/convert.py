@@ -14,8 +14,13 @@ Layouts that are not a rename:
 - Megatron may pad the vocabulary to a multiple of the TP size; HF tensors are cut to `vocab_size`.
 
 HF homes of the MTP layers: MiMo `model.mtp_layers.{i}.*`; DeepSeek-V3 / GLM-4.5
-`model.layers.{num_hidden_layers + i}.*` with enorm, hnorm, eh_proj, shared_head.norm. Llama and Qwen2
+`model.layers.{num_hidden_layers + i}.*` with enorm, hnorm, eh_proj, shared_head.norm. Llama, Qwen2 and Qwen3
 checkpoints have no MTP layers.
+
+Qwen3's per-head q/k RMSNorm (`self_attn.q_norm`, `k_norm`, [head_dim]) is megatron-core's `q_layernorm` /
+`k_layernorm`: one weight shared by every head, so every TP rank holds all of it. MoE layers (Qwen3-MoE, DeepSeek-V3,
+GLM-4.5): the router is `mlp.gate`, each expert `mlp.experts.{e}.{gate,up,down}_proj` (megatron-core's sequential
+`local_experts`, fc1 = [gate; up] as a dense MLP's).
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ import re
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "mimo", "deepseek_v3", "glm4_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "deepseek_v3", "glm4_moe")
 MTP_FAMILIES = ("mimo", "deepseek_v3", "glm4_moe")
-_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MiMoForCausalLM": "mimo",
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe")
+_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                  "Qwen3MoeForCausalLM": "qwen3_moe", "MiMoForCausalLM": "mimo",
                   "DeepseekV3ForCausalLM": "deepseek_v3", "Glm4MoeForCausalLM": "glm4_moe"}
 
 # Megatron layer-relative name -> HF layer-relative name, for tensors that are a pure rename.
@@ -40,7 +47,7 @@ _COMMON_LAYER = {
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
-_QK_NORM_LAYER = {  # GQA with per-head q/k norm (GLM-4.5 use_qk_norm)
+_QK_NORM_LAYER = {  # GQA with per-head q/k norm (Qwen3, Qwen3-MoE, GLM-4.5 use_qk_norm)
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
@@ -152,9 +159,9 @@ def _layer_renames(family: str) -> dict[str, str]:
     renames = dict(_COMMON_LAYER)
     if family == "deepseek_v3":
         renames.update(_MLA_LAYER)
-    if family == "glm4_moe":
+    if family in ("qwen3", "qwen3_moe", "glm4_moe"):
         renames.update(_QK_NORM_LAYER)
-    if family in ("deepseek_v3", "glm4_moe"):
+    if family in MOE_FAMILIES:
         renames.update(_MOE_LAYER)
     return renames
 
@@ -172,12 +179,12 @@ def _layer_to_hf(family: str, rest: str, tensor: torch.Tensor, hf_config: dict, 
         kind = rest.rsplit(".", 1)[1]
         return [(f"{prefix}self_attn.{p}_proj.{kind}", t.reshape(-1, *tensor.shape[1:]).contiguous())
                 for p, t in (("q", q), ("k", k), ("v", v))]
-    if rest in _FUSED_FC1 and (rest == "mlp.linear_fc1.weight" or family in ("deepseek_v3", "glm4_moe")):
+    if rest in _FUSED_FC1 and (rest == "mlp.linear_fc1.weight" or family in MOE_FAMILIES):
         gate, up = tensor.chunk(2, dim=0)
         hf = prefix + _FUSED_FC1[rest]
         return [(hf + "gate_proj.weight", gate.contiguous()), (hf + "up_proj.weight", up.contiguous())]
     expert = _EXPERT.fullmatch(rest)
-    if expert and family in ("deepseek_v3", "glm4_moe"):
+    if expert and family in MOE_FAMILIES:
         hf = f"{prefix}mlp.experts.{expert.group(1)}."
         if expert.group(2) == "linear_fc2":
             return [(hf + "down_proj.weight", tensor)]
@@ -251,12 +258,12 @@ def hf_to_megatron(family: str, hf_state: dict[str, torch.Tensor], hf_config: di
             parts.setdefault(f"{mg_prefix}self_attention.linear_qkv.{m.group(2)}", {})[m.group(1)] = tensor
             return
         if m := re.fullmatch(r"mlp\.(shared_experts\.)?(gate|up)_proj\.weight", rest):
-            if m.group(1) and family not in ("deepseek_v3", "glm4_moe"):
+            if m.group(1) and family not in MOE_FAMILIES:
                 raise ValueError(f"hf_to_megatron({family}): unknown HF parameter {hf_name!r}")
             fc1 = f"{mg_prefix}mlp.{m.group(1) or ''}linear_fc1.weight"
             parts.setdefault(fc1, {})[m.group(2)] = tensor
             return
-        if family in ("deepseek_v3", "glm4_moe") and (
+        if family in MOE_FAMILIES and (
                 m := re.fullmatch(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", rest)):
             expert = f"{mg_prefix}mlp.experts.local_experts.{m.group(1)}."
             if m.group(2) == "down":
