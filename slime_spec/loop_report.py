@@ -8,10 +8,11 @@ At the end: a summary table on the console, `summary.json` and `plot.png` in the
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from slime_spec.config import Config
-from slime_spec.rollout.metrics import WandbLogger, format_metrics_line, format_speedup, write_metrics_line
+from slime_spec.rollout.metrics import WandbLogger, eval_key, format_metrics_line, format_speedup, write_metrics_line
 
 TABLE_COLUMNS = [  # (key, header, format)
     ("rollout_id", "step", "{}"),
@@ -20,6 +21,7 @@ TABLE_COLUMNS = [  # (key, header, format)
     ("tokens_per_s", "tok/s", "{:.0f}"),
     ("loss", "loss", "{:.4f}"),
     ("mtp_loss", "mtp_loss", "{:.4f}"),
+    ("draft_loss", "draft_loss", "{:.4f}"),  # an external (EAGLE3) draft trained online
     ("weight_sync_s", "sync_s", "{:.2f}"),
     ("spec_canary_accept_length", "canary", "{:.2f}"),
     ("spec_speedup", "speedup", "{:.2f}x"),
@@ -36,8 +38,18 @@ def format_cell(value, fmt: str) -> str:
         return str(value)
 
 
+def draft_loss_key(steps: list[dict]) -> str | None:
+    """The loss of the run's draft: `draft_loss` for an external draft; `mtp_loss` only where MTP layers were
+    trained (an exact 0.0 is the trainer's placeholder for a model without them)."""
+    if any("draft_loss" in s for s in steps):
+        return "draft_loss"
+    return "mtp_loss" if any(s.get("mtp_loss") for s in steps) else None
+
+
 def summary_table(steps: list[dict]) -> str:
-    cols = [c for c in TABLE_COLUMNS if any(c[0] in s for s in steps)]
+    draft = draft_loss_key(steps)
+    cols = [c for c in TABLE_COLUMNS if any(c[0] in s for s in steps)
+            and (c[0] not in ("mtp_loss", "draft_loss") or c[0] == draft)]
     rows = [[h for _, h, _ in cols]] + [[format_cell(s.get(k), f) for k, _, f in cols] for s in steps]
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
@@ -117,8 +129,14 @@ def smooth(values: list[float], window: int) -> list[float]:
 
 
 def _series(steps: list[dict], key: str) -> tuple[list[int], list[float]]:
-    pairs = [(s["rollout_id"], s[key]) for s in steps if s.get(key) is not None]
+    """(step, value) of the steps that measured `key`; a non-finite value is no point (the summary table and
+    metrics.jsonl still show it)."""
+    pairs = [(s["rollout_id"], s[key]) for s in steps if _plottable(s.get(key))]
     return [x for x, _ in pairs], [y for _, y in pairs]
+
+
+def _plottable(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def eval_names(steps: list[dict]) -> list[str]:
@@ -134,6 +152,7 @@ def eval_names(steps: list[dict]) -> list[str]:
 def axis_limits(values: list[float], floor: float, ceiling: float | None = None) -> tuple[float, float]:
     """An honest y range: from a meaningful baseline (`floor`, or below it when the data goes there: a reward with
     a penalty can be negative), never a zoom onto the noise."""
+    values = [v for v in values if _plottable(v)]
     floor = min([floor, *values])
     top = max(values, default=floor + 1.0)
     if ceiling is not None and top <= ceiling:
@@ -235,6 +254,27 @@ def run_title(config: Config) -> str:
     return f"{model} on {task}: GRPO" + (f", {spec} speculative rollout" if spec else "")
 
 
+def step_line(step: dict, draft_loss: str | None) -> str:
+    """The console line of a step: the rollout's glance line, the update's loss, the draft's loss (`draft_loss`),
+    the sync's time, eval rewards under slime's keys, the canary and the speed-up when measured."""
+    if "num_samples" in step:
+        line = format_metrics_line(step)
+    else:
+        line = f"rollout {step['rollout_id']}: replayed {step.get('replayed_samples', 0)} samples"
+    extras = [f"{k} {format_cell(step.get(k), '{:.4f}')}" for k in ("loss", draft_loss) if k and k in step]
+    extras += [f"{label} {step[k]}" for k, label in (("reward_left_out", "samples left out for their reward"),
+                                                     ("skipped_steps", "SKIPPED optimizer steps")) if step.get(k)]
+    if "weight_sync_s" in step:
+        extras.append(f"sync {step['weight_sync_s']:.2f}s")
+    extras += [f"{eval_key(k)} {format_cell(v, '{:.3f}')}" for k, v in step.items()
+               if k.startswith("eval/") and k.endswith("/reward_mean")]
+    if step.get("spec_canary_accept_length") is not None:
+        extras.append(f"canary accept_len {step['spec_canary_accept_length']:.2f}")
+    if format_speedup(step):
+        extras.append(format_speedup(step))
+    return line + ("" if not extras else " | " + " | ".join(extras))
+
+
 class LoopReport:
     def __init__(self, config: Config):
         self.out_dir = Path(config.output_dir)
@@ -249,28 +289,16 @@ class LoopReport:
 
     def set_initial_eval(self, metrics: dict) -> None:
         self.initial_eval = {k: v for k, v in metrics.items() if k.startswith("eval/")}
-        rewards = {k: v for k, v in self.initial_eval.items() if k.endswith("/reward_mean")}
+        rewards = {eval_key(k): v for k, v in self.initial_eval.items() if k.endswith("/reward_mean")}
         print("initial eval (before training): " + ", ".join(f"{k} {format_cell(v, '{:.3f}')}"
                                                             for k, v in rewards.items()), flush=True)
 
     def add(self, step: dict) -> None:
+        if not self.steps:
+            print(f"[report] one line per step below; every metric of each step goes to {self.metrics_path}",
+                  flush=True)
         self.steps.append(step)
-        if "num_samples" in step:
-            line = format_metrics_line(step)
-        else:
-            line = f"rollout {step['rollout_id']}: replayed {step.get('replayed_samples', 0)} samples"
-        extras = [f"{k} {format_cell(step.get(k), '{:.4f}')}" for k in ("loss", "mtp_loss", "grad_norm") if k in step]
-        if "weight_sync_s" in step:
-            extras.append(f"sync {step['weight_sync_s']:.2f}s ({format_cell(step.get('weight_sync_gbps'), '{:.2f}')} GB/s, "
-                          f"{step.get('weight_sync_params')} target + {step.get('weight_sync_mtp_params')} MTP tensors; "
-                          + sync_split(step) + ")")
-        extras += [f"{k} {format_cell(v, '{:.3f}')}" for k, v in step.items()
-                   if k.startswith("eval/") and k.endswith(("/reward_mean", "/spec_accept_length"))]
-        if step.get("spec_canary_accept_length") is not None:
-            extras.append(f"canary accept_len {step['spec_canary_accept_length']:.2f}")
-        if format_speedup(step):
-            extras.append(format_speedup(step))
-        print(line + ("" if not extras else " | " + " | ".join(extras)), flush=True)
+        print(step_line(step, draft_loss_key(self.steps)), flush=True)
         write_metrics_line(self.metrics_path, step)
         if self.wandb:
             self.wandb.log(step, step=step["rollout_id"])
@@ -297,10 +325,3 @@ class LoopReport:
             self.wandb.finish()
         return summary
 
-
-def sync_split(step: dict) -> str:
-    """Where the sync's time went, and how long rollouts were paused (the keys WeightSyncer reports)."""
-    parts = [("gather+convert", "weight_sync_gather_convert_s"), ("control", "weight_sync_control_s"),
-             ("send", "weight_sync_send_s"), ("flush", "weight_sync_flush_s"), ("check", "weight_sync_check_s"),
-             ("paused", "rollout_paused_s")]
-    return ", ".join(f"{label} {step[key]:.2f}s" for label, key in parts if step.get(key) is not None)

@@ -60,6 +60,8 @@ def init_ray() -> None:
 
 
 RESYNC_POLL_S = 1.0
+LIVENESS_POLL_S = 5.0  # how often the engines' liveness is checked while a rollout, an eval or a sync runs
+SYNC_ATTEMPTS = 3  # a sync that loses an engine runs again, in full, once the engine is restarted
 
 
 def run_all(steps: list[tuple[str, Callable[[], object]]]) -> list[str]:
@@ -85,6 +87,14 @@ def restarted_engine_urls(manager) -> list[str]:
     return [urls[i] for i in needing]
 
 
+def check_engines(manager, generate: bool) -> list[int]:
+    """Every engine's liveness now: a dead or hung one is restarted and fenced until the trainer re-syncs it.
+    `generate` (a token generated, SGLang's /health_generate) only where no sync has the engines paused."""
+    import ray
+
+    return ray.get(manager.check_engines.remote(generate))
+
+
 def sync_and_confirm(manager, version: str, restarted_urls: list[str],
                      sync: Callable[[str, list[str]], dict]) -> dict:
     """`sync(version, restarted_urls)`, then every engine must report `version` (which lifts its fence)."""
@@ -108,26 +118,86 @@ def resync_fenced(manager, resync: Callable[[str, list[str]], dict]) -> dict:
         return {}
     version = ray.get(manager.weight_version.remote())
     print(f"[train] engine(s) {restarted} restarted: re-syncing weights {version!r} before they serve", flush=True)
-    return {f"resync/{k}": v for k, v in sync_and_confirm(manager, version, restarted, resync).items()}
+    return {f"resync/{k}": v for k, v in sync_engines(manager, version, resync).items()}
 
 
-def generate_fenced(manager, rollout_id: int, resync: Callable[[str, list[str]], dict]) -> tuple[list, dict]:
-    """One rollout; meanwhile, every engine restarted during it is re-synced (it is fenced until then)."""
+def sync_engines(manager, version: str, sync: Callable[[str, list[str]], dict], restarted_before: int = 0) -> dict:
+    """`sync(version, restarted_urls)` into every engine, then each must report `version`. The engines' liveness
+    is checked meanwhile (/ping: the sync pauses them). An engine lost during the sync (killed, or hung until
+    its probe's bound) is restarted, and the sync runs again in full: the others take the same weights again
+    and the restarted one rejoins the weight-update group; at most SYNC_ATTEMPTS times. Metrics: the sync's, its
+    attempts, and the engines restarted for it (`restarted_before`, found by the check before it, and since)."""
+    restarted = restarted_before
+    for attempt in range(1, SYNC_ATTEMPTS + 1):
+        lost: list[int] = []
+        try:
+            metrics = sync_and_confirm(manager, version, restarted_engine_urls(manager),
+                                       lambda v, urls: watch_engines(manager, lambda: sync(v, urls), lost))
+            return {**metrics, "weight_sync_attempts": attempt,
+                    "weight_sync_engines_restarted": restarted + len(lost)}
+        except Exception as e:
+            lost += check_engines(manager, generate=False)
+            restarted += len(lost)
+            if not lost or attempt == SYNC_ATTEMPTS:
+                raise
+            print(f"[train] the weight sync of {version!r} lost engine(s) {sorted(set(lost))}, restarted since "
+                  f"({type(e).__name__}: {str(e)[:300]}); syncing again, attempt {attempt + 1} of {SYNC_ATTEMPTS}",
+                  flush=True)
+    raise AssertionError("unreachable")
+
+
+def watch_engines(manager, call: Callable[[], dict], restarted: list[int]) -> dict:
+    """`call()` on a thread while the engines' liveness is checked every LIVENESS_POLL_S; the engines restarted
+    meanwhile are added to `restarted` (a restart ends a collective that waited on the dead engine)."""
+    from concurrent.futures import ThreadPoolExecutor, wait
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        future = pool.submit(call)
+        while not wait([future], timeout=LIVENESS_POLL_S).done:
+            restarted += check_engines(manager, generate=False)
+        return future.result()
+    finally:
+        pool.shutdown(wait=False)
+
+
+def serve_fenced(manager, start: Callable[[], object], resync: Callable[[str, list[str]], dict]) -> tuple[object, dict]:
+    """A rollout or an eval (`start()` returns its ref). Before it, every engine's liveness (a dead or hung one
+    is restarted and re-synced before it serves); meanwhile, /ping every LIVENESS_POLL_S and every engine
+    restarted during it re-synced (it is fenced until then)."""
     import ray
 
-    ref = manager.generate.remote(rollout_id)
-    metrics: dict = {}
+    check_engines(manager, generate=True)
+    metrics = resync_fenced(manager, resync)
+    ref = start()
+    next_check = time.monotonic() + LIVENESS_POLL_S
     while True:
         done, _ = ray.wait([ref], timeout=RESYNC_POLL_S)
+        if not done and time.monotonic() >= next_check:
+            check_engines(manager, generate=False)
+            next_check = time.monotonic() + LIVENESS_POLL_S
         metrics.update(resync_fenced(manager, resync))
         if done:
             return ray.get(ref), metrics
 
 
+def generate_fenced(manager, rollout_id: int, resync: Callable[[str, list[str]], dict]) -> tuple[list, dict]:
+    """One rollout, fenced (`serve_fenced`)."""
+    return serve_fenced(manager, lambda: manager.generate.remote(rollout_id), resync)
+
+
+def eval_fenced(manager, rollout_id: int, resync: Callable[[str, list[str]], dict]) -> dict:
+    """The eval datasets, fenced (`serve_fenced`); the re-sync's metrics are prefixed `eval_resync/`."""
+    out, metrics = serve_fenced(manager, lambda: manager.eval.remote(rollout_id), resync)
+    return {**out, **{f"eval_{k}": v for k, v in metrics.items()}}
+
+
 def sync_all(trainer, manager, version: str, probe_samples=None) -> dict:
-    """The trainer's weights into every engine as `version`; engines restarted since the last sync rejoin."""
-    return sync_and_confirm(manager, version, restarted_engine_urls(manager), lambda v, urls: trainer.sync_weights(
-        v, probe_samples=probe_samples, restarted_urls=urls))
+    """The trainer's weights into every engine as `version`, after every engine's liveness is checked; engines
+    restarted since the last sync rejoin (`sync_engines`)."""
+    restarted = check_engines(manager, generate=True)
+    return sync_engines(manager, version, lambda v, urls: trainer.sync_weights(
+        v, probe_samples=probe_samples, restarted_urls=urls), restarted_before=len(restarted))
 
 
 def run(config: Config, *, manager_kwargs: dict | None = None) -> dict:
@@ -202,9 +272,10 @@ def _steps(config: Config, trainer, manager, report: LoopReport, start: int, pro
     if manager is not None:
         trainer.connect_engines(ray.get(manager.engine_urls.remote()))
         if start > 0:  # resumed from --load: the engines serve --hf-checkpoint, not the loaded policy
+            restore_data_position(config, manager, start)
             sync_all(trainer, manager, str(start - 1))
-        if config.eval_interval and start == 0:  # as slime: a baseline before any training
-            report.set_initial_eval(ray.get(manager.eval.remote(0)))
+        if config.eval_interval and start == 0 and not config.skip_eval_before_train:  # as slime: a baseline
+            report.set_initial_eval(eval_fenced(manager, 0, resync))
     for rollout_id in range(start, config.rollout.num_rollout):
         step = {"rollout_id": rollout_id}
         if manager is None:
@@ -228,11 +299,23 @@ def _steps(config: Config, trainer, manager, report: LoopReport, start: int, pro
             step.update(probe.measure(samples, trainer.hf_state_dict(), str(rollout_id)))
         last = rollout_id + 1 == config.rollout.num_rollout
         if config.train.save and (last or save_due(config.train.save_interval, rollout_id)):
-            trainer.save(rollout_id)
+            trainer.save(rollout_id, None if manager is None else ray.get(manager.data_position.remote(rollout_id)))
         if manager is not None and config.eval_interval and (rollout_id + 1) % config.eval_interval == 0:
-            step.update(ray.get(manager.eval.remote(rollout_id)))
+            step.update(eval_fenced(manager, rollout_id, resync))
         report.add(step)
     return report.finish()
+
+
+def restore_data_position(config: Config, manager, start: int) -> None:
+    """The prompt stream continues where the loaded checkpoint saved it (checkpoint.DATA_POSITION)."""
+    import ray
+
+    from slime_spec.trainer.checkpoint import read_data_position
+
+    saved = read_data_position(config.train.load, start - 1)
+    if saved is not None:
+        for note in ray.get(manager.restore_data_position.remote(saved, start)):
+            print(f"[train] {note}", flush=True)
 
 
 def exit_on_sigterm() -> None:
@@ -253,12 +336,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slime-spec: {e}", file=sys.stderr)
         return 2
     from slime_spec.rollout.manager import RolloutFailed
+    from slime_spec.run_lock import RunLock, RunLocked, run_directories
+    from slime_spec.trainer.checkpoint import CheckpointError, plan_resume
+    from slime_spec.trainer.finite_guard import NonFiniteError
 
+    try:  # before anything starts: a --load / --save pair that would overwrite saved iterations is refused
+        if not config.debug_rollout_only:
+            print(f"[train] {plan_resume(config.train.load, config.train.save).message}", flush=True)
+    except CheckpointError as e:
+        print(f"slime-spec: {e}", file=sys.stderr, flush=True)
+        return 2
+    lock = RunLock(run_directories(config.output_dir, config.train.save), argv)
+    try:  # one run per output directory (and --save)
+        lock.acquire()
+    except RunLocked as e:
+        print(f"slime-spec: {e}", file=sys.stderr, flush=True)
+        return 2
     try:
         summary = run(config)
-    except RolloutFailed as e:  # raised in the rollout manager; Ray's error is also a RolloutFailed
+    except (RolloutFailed, NonFiniteError, CheckpointError) as e:  # Ray's error is also one of these
         print(f"slime-spec: {e}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        lock.release()
     print(json.dumps({k: v for k, v in summary.items() if k != "rollouts"}, default=str))
     return 0
 

@@ -151,3 +151,32 @@ def test_plot_draws_the_frozen_draft_in_the_speedup_and_accept_panels(tmp_path, 
     assert by_label["accept rate"][frozen] == pytest.approx([0.9 - 0.02 * j for j in range(5)])
     assert by_label["accept length"][frozen] == pytest.approx([3.6 - 0.1 * j for j in range(5)])
     assert frozen not in by_label["reward (mean"]
+
+
+def test_plot_and_axes_skip_nonfinite_values(tmp_path, monkeypatch):
+    """A NaN or inf metric (a reward that was not finite) is no point on the plot; the plot is still written."""
+    run = steps(8)
+    run[2]["reward_mean"] = float("nan")
+    run[3]["reward_mean"] = float("inf")
+    run[4]["spec_accept_length"] = float("-inf")
+    assert axis_limits([0.5, float("nan"), float("inf")], 0.0, 1.0) == (0.0, 1.0)
+    _, (reward, accept) = plotted(monkeypatch, run, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").is_file()
+    assert all(math.isfinite(y) for line in reward["lines"].values() for y in line)
+    assert len(reward["lines"]["this run (rollouts)"]) == 6 and reward["ylim"] == (0.0, 1.0)
+    assert all(math.isfinite(y) for y in accept["ylim"])
+
+
+def test_step_line_reads_at_a_glance_with_slimes_eval_keys_and_the_drafts_loss():
+    from slime_spec.loop_report import draft_loss_key, step_line
+
+    step = {"rollout_id": 3, "num_samples": 64, "response_tokens": 9000, "rollout_time_s": 4.2,
+            "tokens_per_s": 2142.9, "spec_accept_length": 2.5, "spec_verify_ct": 3600, "reward_mean": 0.4,
+            "truncated_ratio": 0.0, "aborted": 0, "engine_restarts": 0, "engine_0/spec_accept_length": 2.5,
+            "time_share_engine": 0.9, "loss": 0.0123, "mtp_loss": 0.0, "draft_loss": 1.25, "weight_sync_s": 0.31,
+            "weight_sync_gbps": 2.0, "eval/eval/reward_mean": 0.5, "eval/eval/spec_accept_length": 2.0}
+    line = step_line(step, draft_loss_key([step]))
+    assert line == ("rollout 3 | reward 0.400 | accept_len 2.50 | 64 samples, 2143 tok/s, 4.2s | loss 0.0123 | "
+                    "draft_loss 1.2500 | sync 0.31s | eval/eval 0.500")
+    # a model whose MTP layers are trained shows mtp_loss; the trainer's 0.0 placeholder is not a loss
+    assert draft_loss_key([{"mtp_loss": 0.0}]) is None and draft_loss_key([{"mtp_loss": 2.1}]) == "mtp_loss"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from slime_spec.config import RolloutConfig
-from slime_spec.rollout.data import PromptDataset
+from slime_spec.rollout.data import PromptDataError, PromptDataset
 from slime_spec.rollout.debug_data import load_rollout, save_rollout
 from slime_spec.rollout.sample import Sample, SpecStats, Status
 from slime_spec.rollout.sampling_params import sampling_params
@@ -55,9 +55,9 @@ def test_chat_template_and_errors(tmp_path):
     assert [p.text for p in ds.prompts] == ["<user>hi<assistant>", "<system>s<user>u<assistant>"]
     with pytest.raises(ValueError, match="--apply-chat-template"):
         PromptDataset(path, CharTokenizer(), input_key="q")
-    with pytest.raises(KeyError, match="--input-key"):
+    with pytest.raises(PromptDataError, match="--input-key"):
         PromptDataset(path, CharTokenizer(), input_key="input")
-    with pytest.raises(KeyError, match="--label-key"):
+    with pytest.raises(PromptDataError, match="--label-key"):
         PromptDataset(path, CharTokenizer(), input_key="q", apply_chat_template=True, label_key="answer")
     with pytest.raises(FileNotFoundError, match="--prompt-data"):
         PromptDataset(str(tmp_path / "none.jsonl"), CharTokenizer())

@@ -37,7 +37,8 @@ from slime_spec.rollout.generate import GenerateFn, RolloutEngineClient, default
 from slime_spec.rollout.history_sync import make_history_sync
 from slime_spec.rollout.metrics import (WandbLogger, format_metrics_line, rollout_metrics, time_shares,
                                         write_metrics_line)
-from slime_spec.rollout.rewards import assign_reward, load_function, make_reward_fn
+from slime_spec.rollout.reward_runner import RewardRunner, report_failures, reward_failure_metrics
+from slime_spec.rollout.rewards import load_function
 from slime_spec.rollout.sample import Sample, Status
 from slime_spec.rollout.sampling_params import sampling_params
 
@@ -122,11 +123,12 @@ class RolloutManager:
         self.request_timeout_s, self.show_progress = request_timeout_s, show_progress
         self.auth = EngineAuth.from_server_args(engine.server_args)
         self.sampling_params = sampling_params(rollout)
-        self.reward_fn = make_reward_fn(rollout)
+        self.rewards = RewardRunner(rollout)  # off the event loop, --rm-timeout, failures recorded per sample
         self.generate_fn: GenerateFn = (load_function(rollout.custom_generate_function_path,
                                                       "--custom-generate-function-path")
                                         if rollout.custom_generate_function_path else default_generate)
         self.last_metrics: dict = {}
+        self._data_base = (0, 0)  # (rollout id, stream position it starts at); moved by restore_data_position
         self.history = make_history_sync(rollout, engine)  # --rollout-history-drafting
         self._session = None
         self._lock = asyncio.Lock()
@@ -163,9 +165,12 @@ class RolloutManager:
 
     def _dataset(self, path: str) -> PromptDataset:
         r = self.rollout
-        return PromptDataset(path, self.tokenizer, input_key=r.input_key, label_key=r.label_key,
-                             apply_chat_template=r.apply_chat_template, max_prompt_len=r.rollout_max_prompt_len,
-                             shuffle=r.rollout_shuffle, seed=r.rollout_seed)
+        ds = PromptDataset(path, self.tokenizer, input_key=r.input_key, label_key=r.label_key,
+                           apply_chat_template=r.apply_chat_template, max_prompt_len=r.rollout_max_prompt_len,
+                           shuffle=r.rollout_shuffle, seed=r.rollout_seed, text_labels=not r.custom_rm_path)
+        if ds.filtered_report():
+            print(f"[rollout] {ds.filtered_report()}", flush=True)
+        return ds
 
     def _start_sglang_router(self) -> None:
         """sglang-router in front of the engines; all requests then go through it (it does the routing)."""
@@ -186,6 +191,10 @@ class RolloutManager:
         """Restarted engines fenced off until the trainer re-forms the weight-update group and syncs them."""
         return self.fleet.engines_needing_sync() if self.fleet else []
 
+    async def check_engines(self, generate: bool = False) -> list[int]:
+        """Every engine's liveness now; a dead or hung one is restarted and fenced (EngineFleet.check_engines)."""
+        return await self.fleet.check_engines(generate) if self.fleet else []
+
     async def confirm_weights(self, version: str) -> list[int]:
         """The trainer synced `version` into the engines: unfence those serving it; returns those still stale."""
         return await self.fleet.confirm_weights(version)
@@ -196,6 +205,23 @@ class RolloutManager:
     def get_last_metrics(self) -> dict:
         return dict(self.last_metrics)
 
+    # ---- the data position (saved in checkpoints; rollout/data.py) ----
+    def _stream_start(self, rollout_id: int) -> int:
+        first_rollout, first_position = self._data_base
+        return first_position + (rollout_id - first_rollout) * self.rollout.rollout_batch_size
+
+    def data_position(self, rollout_id: int) -> dict | None:
+        """Where the prompt stream stands once rollout `rollout_id` is done (what its checkpoint saves)."""
+        return self.dataset.position(self._stream_start(rollout_id + 1)) if self.dataset is not None else None
+
+    def restore_data_position(self, saved: dict, next_rollout_id: int) -> list[str]:
+        """Rollout `next_rollout_id` continues the stream where a checkpoint saved it; returns notes to print."""
+        if self.dataset is None:
+            return []
+        position, notes = self.dataset.resume_at(saved)
+        self._data_base = (next_rollout_id, position)
+        return notes
+
     async def generate(self, rollout_id: int) -> list[Sample]:
         r = self.rollout
         if r.load_debug_rollout_data:
@@ -204,7 +230,8 @@ class RolloutManager:
             return samples
         if self.dataset is None:
             raise ValueError("the rollout needs --prompt-data (a JSONL file of prompts)")
-        samples = self.dataset.batch(rollout_id, r.rollout_batch_size, r.n_samples_per_prompt)
+        samples = self.dataset.batch(rollout_id, r.rollout_batch_size, r.n_samples_per_prompt,
+                                     start=self._stream_start(rollout_id))
         restarts_before = self.fleet.total_restarts
         if self.history is not None:
             self._session = self._session or async_session(self.request_timeout_s)
@@ -219,6 +246,8 @@ class RolloutManager:
         metrics = rollout_metrics(rollout_id, samples, elapsed, self.fleet.total_restarts - restarts_before)
         metrics["engine_restarts_total"] = self.fleet.total_restarts
         metrics["stale_samples"] = stale
+        metrics.update(reward_failure_metrics(samples))
+        report_failures(samples, f"rollout {rollout_id}")
         if stale:
             print(f"[rollout] {stale} sample(s) of rollout {rollout_id} were generated with stale weights and are "
                   "excluded from training (see their error)", flush=True)
@@ -251,6 +280,7 @@ class RolloutManager:
                                                params)
             check_not_all_failed(samples, f"eval {name}")
             m = rollout_metrics(rollout_id, samples, elapsed)
+            m.update(reward_failure_metrics(samples))
             out.update({f"eval/{name}/{k}": v for k, v in m.items() if k != "rollout_id"})
         if self.wandb and len(out) > 1:
             self.wandb.log(out, step=rollout_id)
@@ -283,6 +313,7 @@ class RolloutManager:
             if self.wandb:
                 self.wandb.finish()
                 self.wandb = None
+            self.rewards.close()
 
     # ---- the rollout ----
     async def _run(self, samples: list[Sample], desc: str, params: dict | None = None) -> tuple[list[Sample], float]:
@@ -307,7 +338,7 @@ class RolloutManager:
 
     async def _sample_task(self, sample: Sample, bar: tqdm, params: dict) -> Sample:
         result = await self._generate_one(sample, params)
-        await assign_reward(self.reward_fn, result)
+        await self.rewards.assign(result)
         bar.update(1)
         return result
 

@@ -53,8 +53,8 @@ class TrainActor:
     def sft_step(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         return self._ready().sft_step(samples, rollout_id)
 
-    def save(self, rollout_id: int) -> str | None:
-        path = self._ready().save(rollout_id)
+    def save(self, rollout_id: int, data_position: dict | None = None) -> str | None:
+        path = self._ready().save(rollout_id, data_position)
         return str(path) if path else None
 
     def start_rollout_id(self) -> int:
@@ -104,6 +104,7 @@ class TrainActor:
             backend="nccl" if torch.cuda.is_available() else "gloo", engine_tp_size=engine_tp_size,
             disk_dir=disk_dir, trains_draft=trainer.online_draft is not None, rank_buckets=self.rank_buckets)
         self.canary = AcceptanceCanary(spec, colocated=colocate) if spec.uses_draft else None
+        self.syncer.prepare()  # the engines' protocol and the selector plan checked now, before the first rollout
 
     def sync_weights(self, weight_version: str, probe_tokens: list[list[int]] | None = None,
                      restarted_urls: list[str] | None = None) -> dict:
@@ -120,6 +121,8 @@ class TrainActor:
         from slime_spec.weight_sync.gather import iter_draft_tensors, iter_hf_tensors
 
         trainer = self._ready()
+        trainer.check_weights_finite(f"synced into the engines as weight version {weight_version!r} (the engines keep "
+                                     "serving the weights they have)")
         first_of_tp_group = self.rank - trainer.tp.tp_rank  # Megatron's TP groups are consecutive ranks
         if trainer.tp.dp_rank != 0 and first_of_tp_group >= self.colocated_ranks:
             return {}  # every replica holds the same weights: this one neither sends nor takes part in a gather
@@ -137,11 +140,12 @@ class TrainActor:
             raise RuntimeError("sync_weights before connect_engines")
         if restarted_urls:
             self.syncer.rejoin(restarted_urls)
-        metrics = self.syncer.sync(stream, weight_version=weight_version)
         if self.canary is not None:
             self.canary.set_probe_from_samples(probe_tokens or [])
-            if self.canary.probe is not None:
-                metrics.update(self.canary.run(self.syncer.clients, "sync"))
+            self.canary.read_before(self.syncer.clients)  # acceptance on the weights this sync replaces
+        metrics = self.syncer.sync(stream, weight_version=weight_version)
+        if self.canary is not None and self.canary.probe is not None:
+            metrics.update(self.canary.run(self.syncer.clients, "sync", sync_metrics=metrics))
         return metrics
 
     def shutdown(self) -> None:

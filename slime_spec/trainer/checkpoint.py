@@ -2,22 +2,70 @@
 
 Layout (Megatron's naming):
   {dir}/latest_checkpointed_iteration.txt        the rollout id of the newest checkpoint
+  {dir}/iter_{rollout_id:07d}/data_position.json  where the prompt stream stands after that rollout (rollout/data.py)
   {dir}/iter_{rollout_id:07d}/tp_rank_{r:02d}.pt    {"format": 1, "rollout_id", "tp_size", "hf_config",
                                                     "model": {megatron name: local shard},
                                                     "optimizer": torch optimizer state_dict or None,
                                                     "draft": online EAGLE3 draft {"model", "optimizer"} or None}
 Only data-parallel rank 0 of each TP rank writes; every DP rank reads its TP rank's file.
 Shards are stored as Megatron names and local TP shapes, so --load needs the same TP size.
+Every file is written to a temporary name and renamed into place; a failed write removes it and says why.
+`plan_resume` decides, before anything starts, whether a run resumes or starts fresh, and refuses a
+combination of --load and --save that would overwrite saved iterations.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
+import os
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 FORMAT = 1
 LATEST = "latest_checkpointed_iteration.txt"
+DATA_POSITION = "data_position.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or would overwrite saved work; the message says why and what to do."""
+
+
+def _free_space(path: Path) -> str:
+    for p in (path, *path.parents):
+        if p.exists():
+            return f"{shutil.disk_usage(p).free / 2**20:.0f} MiB free there"
+    return "free space unknown"
+
+
+@contextlib.contextmanager
+def _written(path: Path, what: str):
+    """Yield a binary file at a temporary name next to `path`; renamed to `path` once complete. On any failure
+    the temporary file is removed and CheckpointError names the path and the cause."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)  # a crash mid-write never leaves a truncated file under the final name
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.errno == errno.ENOSPC:
+            cause = f"no space left on device ({_free_space(path.parent)})"
+        elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            cause = f"not writable ({e.strerror})"
+        else:
+            cause = e.strerror or str(e)
+        raise CheckpointError(f"cannot write {what} {path}: {cause}; the partial file was removed") from e
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def save_due(save_interval: int | None, rollout_id: int, num_rollout: int | None = None) -> bool:
@@ -35,17 +83,93 @@ def save_shard(directory: str | Path, rollout_id: int, tp_rank: int, tp_size: in
                model_state: dict[str, torch.Tensor], optimizer_state: dict | None,
                draft_state: dict | None = None) -> Path:
     path = shard_path(directory, rollout_id, tp_rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"format": FORMAT, "rollout_id": rollout_id, "tp_size": tp_size, "hf_config": hf_config,
-                "model": {k: v.detach().cpu() for k, v in model_state.items()}, "optimizer": optimizer_state,
-                "draft": draft_state}, tmp)
-    tmp.replace(path)  # a crash mid-write never leaves a truncated shard under the final name
+    created = not path.parent.exists()
+    try:
+        with _written(path, "the checkpoint shard") as f:  # a file object: a full disk raises ENOSPC, not a zip error
+            torch.save({"format": FORMAT, "rollout_id": rollout_id, "tp_size": tp_size, "hf_config": hf_config,
+                        "model": {k: v.detach().cpu() for k, v in model_state.items()}, "optimizer": optimizer_state,
+                        "draft": draft_state}, f)
+    except BaseException:
+        if created and path.parent.is_dir() and not any(path.parent.iterdir()):
+            path.parent.rmdir()
+        raise
     return path
 
 
 def mark_latest(directory: str | Path, rollout_id: int) -> None:
-    (Path(directory) / LATEST).write_text(f"{rollout_id}\n")
+    with _written(Path(directory) / LATEST, "the checkpoint marker") as f:
+        f.write(f"{rollout_id}\n".encode())
+
+
+def write_data_position(directory: str | Path, rollout_id: int, position: dict) -> None:
+    with _written(Path(directory) / f"iter_{rollout_id:07d}" / DATA_POSITION, "the data position") as f:
+        f.write(json.dumps(position, sort_keys=True).encode())
+
+
+def read_data_position(directory: str | Path, rollout_id: int) -> dict | None:
+    """The data position saved with iteration `rollout_id`, or None for a checkpoint saved without one."""
+    path = Path(directory) / f"iter_{rollout_id:07d}" / DATA_POSITION
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def saved_iteration(directory: str | Path | None) -> int | None:
+    """The newest iteration a directory holds (its marker), or None when it holds no checkpoint."""
+    if not directory or not (Path(directory) / LATEST).is_file():
+        return None
+    return latest_rollout_id(directory)
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """What the run starts from: a checkpoint (`load_dir`, `iteration`) or --hf-checkpoint; `message` says which
+    and why, for the console."""
+
+    load_dir: str | None
+    iteration: int | None
+    data_position: dict | None
+    message: str
+
+
+def describe_position(position: dict | None) -> str:
+    if position is None:
+        return ("no data position saved with it (an older checkpoint): prompts continue at the next rollout id x "
+                "--rollout-batch-size")
+    shuffle = f"on, seed {position['seed']}" if position["shuffle"] else "off"
+    return (f"data position epoch {position['epoch']}, index {position['index']} of {position['num_prompts']} "
+            f"prompts ({position['consumed']} consumed; shuffle {shuffle})")
+
+
+def plan_resume(load: str | None, save: str | None) -> ResumePlan:
+    """Resume from --load when it holds a checkpoint, else start fresh; raise CheckpointError (before anything
+    starts) when the run would write over iterations --save already holds."""
+    save_latest = saved_iteration(save)
+    same = bool(load and save) and Path(load).resolve() == Path(save).resolve()
+    load_latest = saved_iteration(load)
+    if load_latest is not None:
+        if save and not same and save_latest is not None and save_latest > load_latest:
+            raise CheckpointError(
+                f"--load {load} resumes after iteration {load_latest}, but --save {save} already holds iterations up "
+                f"to {save_latest}, which the run would overwrite. Resume from the newest with --load {save}, or "
+                f"give a --save that holds no checkpoint")
+        position = read_data_position(load, load_latest)
+        return ResumePlan(load, load_latest, position,
+                          f"resuming from --load {load}: iteration {load_latest} (the next rollout is "
+                          f"{load_latest + 1}); {describe_position(position)}")
+    if load:
+        why = "does not exist" if not Path(load).exists() else f"holds no checkpoint (no {LATEST})"
+        if save_latest is not None:
+            raise CheckpointError(
+                f"--load {load} {why}, but --save {save} holds checkpoints up to iteration {save_latest}: starting "
+                f"fresh would overwrite them. Resume them with --load {save}, or give a --save that holds no "
+                f"checkpoint")
+        pattern = " (--load and --save are the same directory: its first run)" if same else ""
+        return ResumePlan(None, None, None,
+                          f"starting fresh from --hf-checkpoint: --load {load} {why}{pattern}")
+    if save_latest is not None:
+        raise CheckpointError(
+            f"--save {save} holds checkpoints up to iteration {save_latest} and no --load is given: starting fresh "
+            f"would overwrite them. Resume with --load {save}, or give a --save that holds no checkpoint")
+    return ResumePlan(None, None, None, "starting fresh from --hf-checkpoint (no --load given)")
 
 
 def latest_rollout_id(directory: str | Path) -> int:

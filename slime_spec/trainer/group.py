@@ -19,6 +19,18 @@ from slime_spec.rollout.sample import Sample
 from slime_spec.trainer.actor import TrainActor
 
 
+def train_actor_env(use_gpu: bool, num_ranks: int, environ=os.environ) -> dict[str, str]:
+    """Environment variables of every train actor (Ray merges them with the job's).
+
+    NCCL_CUMEM_ENABLE=0 (unless the job sets it): the weight-update group's NCCL communicator then tears down
+    without waiting for its peers, as SGLang's own processes and slime's trainer run it; it must be set before
+    the actor's first NCCL communicator. On CPU (gloo) each process keeps to its share of the cores."""
+    env = {"NCCL_CUMEM_ENABLE": environ.get("NCCL_CUMEM_ENABLE", "0")}
+    if not use_gpu:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_ranks))
+    return env
+
+
 class TrainGroup:
     def __init__(self, config: Config, use_gpu: bool | None = None, placement: Placement | None = None):
         """`placement`: rank r runs in the run's r-th sorted bundle with `TRAIN_GPU_FRACTION` of its GPU (the
@@ -44,9 +56,7 @@ class TrainGroup:
             options: dict = {}
             if placement is not None:
                 options["scheduling_strategy"] = in_bundle(placement, placement.assignment.actor_bundles[rank])
-            if not use_gpu:  # gloo on CPU: keep each process to its share of the cores
-                threads = str(max(1, (os.cpu_count() or 1) // n))
-                options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": threads}}
+            options["runtime_env"] = {"env_vars": train_actor_env(use_gpu, n)}
             self.actors.append(actor_cls.options(**options).remote(rank, n))
         master_addr, master_port = ray.get(self.actors[0].master_address.remote())
         draft_path = config.engine.server_args.get("speculative_draft_model_path")  # EAGLE3 online training
@@ -62,8 +72,8 @@ class TrainGroup:
         """Supervised warm-up step (e.g. to fit fresh MTP layers before RL), whatever --loss-type is."""
         return self._all("sft_step", samples, rollout_id)[0]
 
-    def save(self, rollout_id: int) -> None:
-        self._all("save", rollout_id)
+    def save(self, rollout_id: int, data_position: dict | None = None) -> None:
+        self._all("save", rollout_id, data_position)
 
     def start_rollout_id(self) -> int:
         """The first rollout to run: 0, or the one after the checkpoint --load resumed from."""

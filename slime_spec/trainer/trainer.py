@@ -7,8 +7,11 @@ Megatron's parallel state must be initialised first (`parallel.init_parallel`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import logging
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -16,8 +19,10 @@ import torch
 import torch.distributed as dist
 
 from slime_spec.config import TrainConfig
-from slime_spec.rollout.sample import Sample
+from slime_spec.rollout.sample import Sample, Status
 from slime_spec.trainer import checkpoint, losses, mtp_loss
+from slime_spec.trainer.finite_guard import (NonFiniteError, SkipTracker, describe_value, grpo_advantages_without,
+                                             nonfinite_tensors, reward_left_out)
 from slime_spec.trainer.eagle3_online import OnlineDraft
 from slime_spec.trainer import model as M
 from slime_spec.trainer.batch import TokenBatch, collate, packed_step_slices, step_slices
@@ -84,6 +89,7 @@ class Trainer:
             self.optimizer.load_state_dict(state)
         self.ref_state = self._reference_weights(resumed) if train.use_kl_loss else None
         self.timer = PartTimer()  # bench/trainer.py enables it for the per-part split
+        self.skips = SkipTracker(train.max_consecutive_skipped_steps)
 
     # ---------------------------------------------------------------- weights
     def _load_initial_weights(self) -> dict | None:
@@ -166,9 +172,13 @@ class Trainer:
     def get_tp_info(self) -> dict:
         return dict(self.tp.__dict__)
 
-    def save(self, rollout_id: int) -> Path | None:
+    def save(self, rollout_id: int, data_position: dict | None = None) -> Path | None:
+        """Every rank's shard of iteration `rollout_id`, the data position (rollout/data.py) beside it, then the
+        marker: an iteration is loadable only once all of it is written."""
         if not self.train.save:
             raise ValueError("save() needs --save DIR")
+        self.check_weights_finite(f"saved as iteration {rollout_id} in --save {self.train.save} (the iterations "
+                                  "saved before stay as they are)")
         path = None
         if self.tp.dp_rank == 0:
             optimizer_state = self.optimizer.state_dict()
@@ -180,6 +190,8 @@ class Trainer:
                                          else self.online_draft.state_dict())
             if self.online_draft is not None and self.tp.tp_rank == 0:  # servable as is: SGLang's EAGLE3 layout
                 self.online_draft.export(path.parent / EAGLE3_DRAFT_DIR)
+        if self.tp.rank == 0 and data_position is not None:
+            checkpoint.write_data_position(self.train.save, rollout_id, data_position)
         dist.barrier()
         if self.tp.rank == 0:
             checkpoint.mark_latest(self.train.save, rollout_id)
@@ -229,18 +241,35 @@ class Trainer:
         """One rollout's worth of training: len(samples) / global_batch_size optimizer steps.
 
         Metrics (means over samples): loss (the policy or SFT objective), pg_loss, kl, clip_fraction,
-        entropy, mtp_loss (reported even for a frozen draft), and grad_norm (mean over steps), lr.
+        entropy, mtp_loss (reported even for a frozen draft), and grad_norm (mean over steps), lr; over the
+        steps applied. A step whose loss or gradient norm is not finite, or whose every sample was left out for its
+        reward, is skipped (finite_guard.py): skipped_steps, skipped_steps_total, reward_left_out.
         """
         with self.timer("old log-probs"):
             prepared = self._prepare(samples, loss_type)
         grad_norms = []
+        skipped = 0
         for s_idx in range(len(prepared.steps)):
             self.optimizer.zero_grad(set_to_none=True)
-            self._backward_step(prepared, s_idx)
+            step_sums = torch.zeros_like(prepared.sums)
+            self._backward_step(prepared, s_idx, sums=step_sums)
             with self.timer("optimizer"):
-                grad_norms.append(self._reduce_and_clip_grads())
-                self.optimizer.step()
-                self.master.copy_to_model()
+                grad_norm = self._reduce_and_clip_grads()
+                reason = self._nonfinite_step(prepared, s_idx, step_sums, grad_norm, rollout_id, samples)
+                if reason is None:
+                    self.optimizer.step()
+                    self.master.copy_to_model()
+            if reason is not None:  # as Megatron skips a step: no update from this step's gradients
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.online_draft is not None:
+                    self.online_draft.optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                logger.warning("optimizer step skipped: %s", reason)
+                self.skips.skipped(reason)  # raises NonFiniteError after too many in a row
+                continue
+            self.skips.applied()
+            prepared.sums += step_sums
+            grad_norms.append(grad_norm)
             if self.online_draft is not None:
                 from megatron.core import parallel_state as ps
 
@@ -248,9 +277,47 @@ class Trainer:
                     self.online_draft.step(ps.get_data_parallel_group() if self.tp.dp_size > 1 else None,
                                            self.tp.dp_size)
         metrics = self._metrics(prepared.sums, grad_norms)
+        metrics.update(skipped_steps=skipped, skipped_steps_total=self.skips.total,
+                       reward_left_out=sum(prepared.left_out))
         if self.online_draft is not None:
             metrics.update(self.online_draft.pop_metrics())
         return metrics
+
+    def _nonfinite_step(self, p: "_Prepared", s_idx: int, step_sums: torch.Tensor, grad_norm: float,
+                        rollout_id: int, samples: list[Sample]) -> str | None:
+        """Why optimizer step `s_idx` must be skipped (its loss or gradient norm is not finite), or None.
+        Every rank decides the same: the loss flags are summed over data-parallel ranks, the norm is global."""
+        from megatron.core import parallel_state as ps
+
+        bad = torch.tensor([float(not torch.isfinite(step_sums[0]))], dtype=torch.float64)
+        if self.tp.dp_size > 1:
+            bad = bad.to(self.device)
+            dist.all_reduce(bad, group=ps.get_data_parallel_group())
+            bad = bad.cpu()
+        where = f"rollout {rollout_id}, optimizer step {s_idx}"
+        gbs = self.train.global_batch_size  # step s_idx takes samples [s_idx * gbs, (s_idx + 1) * gbs) on all ranks
+        if p.left_out and all(p.left_out[s_idx * gbs:(s_idx + 1) * gbs]):
+            return (f"every sample of {where} was left out for its reward (first: "
+                    f"{reward_left_out(samples[s_idx * gbs])})")
+        if bool(bad[0]):
+            names = [samples[i].index for i in p.nonfinite_loss_samples.get(s_idx, [])]
+            shown = f" (this rank's samples with a non-finite loss: {names})" if names else ""
+            return f"loss not finite at {where}{shown}"
+        if not math.isfinite(grad_norm):
+            return f"gradient norm {describe_value(grad_norm)} at {where}"
+        return None
+
+    def check_weights_finite(self, purpose: str) -> None:
+        """Raise NonFiniteError naming every non-finite tensor before the weights are `purpose` (synced, saved).
+        Collective: every rank checks its shard and all learn whether any rank found one."""
+        bad = nonfinite_tensors(itertools.chain(self.named_megatron_params(), self.named_draft_tensors()))
+        flag = torch.tensor([float(len(bad))], dtype=torch.float64, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag)
+        if float(flag[0]) == 0:
+            return
+        mine = f"rank {self.tp.rank}: {bad}" if bad else f"rank {self.tp.rank} holds none of them"
+        raise NonFiniteError(f"{int(flag[0])} weight tensor(s) hold NaN or inf, so they are not {purpose}; {mine}")
 
     def gradients(self, samples: list[Sample], loss_type: str | None = None) -> dict[str, torch.Tensor]:
         """The data-parallel-averaged, unclipped float32 gradient of one optimizer step (exactly
@@ -273,19 +340,31 @@ class Trainer:
         t = self.train
         sft = (loss_type or t.loss_type) == "sft"
         steps = self.plan(samples)
+        left_out = [False] * len(samples)
+        if not sft:
+            reasons = [reward_left_out(s) for s in samples]
+            left_out = [r is not None for r in reasons]
+            if any(left_out):
+                first = next(r for r in reasons if r is not None)
+                logger.warning("%d of %d samples left out for their reward; first: %s", sum(left_out),
+                               len(samples), first)
+            # a left-out sample trains no token: collated as an aborted one (loss mask all zero)
+            samples = [dataclasses.replace(s, status=Status.ABORTED) if out else s
+                       for s, out in zip(samples, left_out)]
         batches = [[collate([samples[i] for i in mb], self.device) for mb in step] for step in steps]
         advantages = old = ref = None
         if not sft:
-            advantages = losses.grpo_advantages([self._reward(s) for s in samples],
-                                                [s.group_index for s in samples], t.n_samples_per_prompt)
+            advantages = grpo_advantages_without([s.reward for s in samples], [s.group_index for s in samples],
+                                                 t.n_samples_per_prompt, left_out)
             old = [[self._log_probs(b) for b in step] for step in batches]
             if self.ref_state is not None:
                 with self._reference_model():
                     ref = [[self._log_probs(b) for b in step] for step in batches]
         sums = torch.zeros(len(METRICS) + 3, dtype=torch.float64)  # METRICS, n_samples, |lp diff|, n_tokens
-        return _Prepared(sft, steps, batches, advantages, old, ref, sums)
+        return _Prepared(sft, steps, batches, advantages, old, ref, sums, left_out=left_out)
 
-    def _backward_step(self, p: "_Prepared", s_idx: int, train_draft: bool = True) -> None:
+    def _backward_step(self, p: "_Prepared", s_idx: int, train_draft: bool = True,
+                       sums: torch.Tensor | None = None) -> None:
         """Forward and backward every micro-batch of optimizer step `s_idx`; gradients accumulate in float32.
 
         The MTP loss is backpropagated on its own: its graph starts from the detached trunk, so the two
@@ -322,13 +401,11 @@ class Trainer:
                 with self.timer("EAGLE3 draft"):
                     self.online_draft.accumulate(trunk, rows.position_ids, _row_layout(rows, batch.loss_mask),
                                                  rows.attention_mask, 1.0 / len(p.batches[s_idx]))
-            self._accumulate(p.sums, terms, batch, None if p.sft else p.old[s_idx][m_idx])
-
-    @staticmethod
-    def _reward(sample: Sample) -> float:
-        if sample.reward is None:
-            raise ValueError(f"sample {sample.index} has no reward: the rollout must score every sample before training")
-        return float(sample.reward)
+            self._accumulate(p.sums if sums is None else sums, terms, batch, None if p.sft else p.old[s_idx][m_idx])
+            nonfinite = (~torch.isfinite(terms.total.detach())).nonzero().flatten().tolist()
+            if nonfinite:
+                mb = p.steps[s_idx][m_idx]
+                p.nonfinite_loss_samples.setdefault(s_idx, []).extend(mb[i] for i in nonfinite)
 
     def _accumulate(self, sums: torch.Tensor, terms: losses.LossTerms, batch: TokenBatch,
                     old_log_probs: torch.Tensor | None) -> None:
@@ -351,7 +428,7 @@ class Trainer:
             sums = sums.cpu()
         n = max(float(sums[len(METRICS)]), 1.0)
         metrics = {key: float(sums[i]) / n for i, key in enumerate(METRICS)}
-        metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else None  # None: every step skipped
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         if sums[-1] > 0:
             metrics["train_rollout_logprob_abs_diff"] = float(sums[-2] / sums[-1])
@@ -383,7 +460,8 @@ class Trainer:
         if self.tp.tp_size > 1:
             dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
         norm = float((sharded + replicated).sqrt())
-        if self.train.clip_grad and self.train.clip_grad > 0 and norm > self.train.clip_grad:
+        # a non-finite norm is never clipped (`nan > clip` is false): train_step skips that step instead
+        if self.train.clip_grad and self.train.clip_grad > 0 and math.isfinite(norm) and norm > self.train.clip_grad:
             scale = self.train.clip_grad / (norm + 1e-6)
             for p in params:
                 p.grad.mul_(scale)
@@ -408,3 +486,5 @@ class _Prepared:
     old: list[list[torch.Tensor]] | None
     ref: list[list[torch.Tensor]] | None
     sums: torch.Tensor
+    left_out: list[bool] = field(default_factory=list)  # per sample: left out for its reward (reward_left_out)
+    nonfinite_loss_samples: dict[int, list[int]] = field(default_factory=dict)  # step -> sample positions

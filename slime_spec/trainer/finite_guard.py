@@ -1,0 +1,87 @@
+"""What keeps a non-finite value out of the weights, the engines and the checkpoints.
+
+As Megatron's loop does, a step whose loss or gradient norm is not finite is skipped (no optimizer update)
+and counted; here the run stops after `--max-consecutive-skipped-steps` skipped steps in a row, naming what
+was not finite and where. A sample whose reward is not finite, or whose reward function failed or timed out
+(recorded by rollout/reward_runner.py), is left out: its group's GRPO advantage
+is computed without it and it trains no token. Weights are checked before every sync and every save.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from slime_spec.rollout.reward_runner import failure_of
+from slime_spec.rollout.sample import Sample
+from slime_spec.trainer import losses
+
+
+class NonFiniteError(RuntimeError):
+    """The run stops: non-finite values where training cannot go on (named in the message)."""
+
+
+def reward_left_out(sample: Sample) -> str | None:
+    """Why `sample` is left out of training for its reward, or None when its reward is usable."""
+    failure = failure_of(sample)
+    if failure:
+        return failure["message"]
+    if sample.reward is None:
+        raise ValueError(f"sample {sample.index} has no reward: the rollout must score every sample before training")
+    if not math.isfinite(float(sample.reward)):
+        return f"reward {sample.reward}"
+    return None
+
+
+def grpo_advantages_without(rewards: Sequence[float | None], group_index: Sequence[int], n_samples_per_prompt: int,
+                            left_out: Sequence[bool]) -> torch.Tensor:
+    """GRPO advantages (losses.grpo_advantages) where each group's mean and std are over its samples that are
+    not `left_out`; a left-out sample's advantage is 0 (it trains no token anyway)."""
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(group_index):
+        members.setdefault(g, []).append(i)
+    adv = torch.zeros(len(group_index), dtype=torch.float32)
+    for g, idx in members.items():
+        if len(idx) != n_samples_per_prompt:
+            raise ValueError(f"GRPO: prompt group {g} has {len(idx)} samples but --n-samples-per-prompt is "
+                             f"{n_samples_per_prompt}; pass every sample of each prompt to the trainer")
+        kept = [i for i in idx if not left_out[i]]
+        if kept:
+            adv[kept] = losses.grpo_advantages([float(rewards[i]) for i in kept], [g] * len(kept), len(kept))
+    return adv
+
+
+def nonfinite_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the tensors holding a NaN or an infinity."""
+    return [name for name, t in named if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def describe_value(x: float) -> str:
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+@dataclass
+class SkipTracker:
+    """Skipped optimizer steps: counted, and the run stopped after `max_consecutive` in a row (0: never)."""
+
+    max_consecutive: int
+    consecutive: int = 0
+    total: int = 0
+    reasons: list[str] = field(default_factory=list)  # of the current run of skips
+
+    def applied(self) -> None:
+        self.consecutive = 0
+        self.reasons.clear()
+
+    def skipped(self, reason: str) -> None:
+        self.consecutive += 1
+        self.total += 1
+        self.reasons.append(reason)
+        if self.max_consecutive and self.consecutive >= self.max_consecutive:
+            raise NonFiniteError(
+                f"{self.consecutive} optimizer steps in a row were skipped for non-finite values "
+                f"(--max-consecutive-skipped-steps {self.max_consecutive}), so the run stops; no update was made "
+                f"from them. " + "; ".join(self.reasons))
