@@ -3,11 +3,15 @@
 #   1. The environment overrides below are applied to the script's flags (then EXTRA_ARGS, last wins).
 #   2. `$PYTHON -m slime_spec.doctor <flags>`: stop with exit code 2 and the doctor's message on an error.
 #      DOCTOR_ONLY=1 stops here (exit 0 when the configuration is clean).
-#   3. `ray start --head --block` in the background, only when no Ray cluster answers at $RAY_ADDRESS,
-#      in its own process group and temp dir; the exit trap stops that process group and nothing else
-#      (never `ray stop`, which stops every Ray process on the node, other people's clusters too).
-#   4. `ray job submit ... -- $PYTHON -m slime_spec.train <flags>`; if the script is interrupted while the
-#      job runs, the trap stops that job (by its submission id) and nothing else.
+#   3. With RAY_ADDRESS set: the job goes to that cluster (started by you; this script never stops it).
+#      Without it: `ray start --head --block` in the background, in its own process group and temp dir, every
+#      Ray service on a port chosen free (GCS, dashboard, dashboard agent HTTP and gRPC, metrics export, client
+#      server, node manager, object manager, runtime env agent), so another Ray on the same machine (on
+#      Ray's default ports) is neither used nor in the way; the exit trap stops that process group and
+#      nothing else (never `ray stop`, which stops every Ray process on the node, other people's clusters too).
+#      Whether some cluster already answers on a port is never asked: an open port may be anyone's.
+#   4. `ray job submit ... -- $PYTHON -m slime_spec.train <flags>` to that cluster's job server; if the script
+#      is interrupted while the job runs, the trap stops that job (by its submission id) and nothing else.
 #
 # Environment (all optional):
 #   PYTHON             interpreter for the doctor AND the job (default python3); it must import slime_spec,
@@ -29,11 +33,12 @@
 #   TP                 trainer tensor parallel size (--tensor-model-parallel-size)
 #   NUM_ROLLOUT        --num-rollout
 #   EXTRA_ARGS         more flags, appended last (last one wins)
-#   MASTER_ADDR        head node address (default 127.0.0.1)
-#   RAY_ADDRESS        Ray GCS address host:port to look for (default $MASTER_ADDR:6379)
-#   RAY_DASHBOARD      job submission address (default http://$MASTER_ADDR:8265)
+#   MASTER_ADDR        address of a head this script starts (default 127.0.0.1)
+#   RAY_ADDRESS        a Ray cluster you started: its GCS host:port, or its job server http://host:port (as
+#                      `ray job submit` reads RAY_ADDRESS). Unset: this script starts a head of its own
+#   RAY_DASHBOARD      job server of the RAY_ADDRESS cluster (default http://<RAY_ADDRESS host>:8265)
 #   RAY_TEMP_DIR       temp dir of a head this script starts (default: a new /tmp/slime-spec-ray.XXXXXX)
-#   RAY_HEAD_EXTRA_ARGS  more `ray start --head` flags, e.g. "--dashboard-agent-listen-port 52366"
+#   RAY_HEAD_EXTRA_ARGS  more `ray start --head` flags (after the chosen ports: a port given here wins)
 #   RAY_AUTH_MODE      Ray 2.60 token authentication. A head this script starts uses `token` unless this says
 #                      `disabled`; a token is made with `ray get-auth-token --generate` when there is none
 #                      (~/.ray/auth_token, or RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH). For a cluster you started
@@ -197,17 +202,31 @@ slime_spec_cleanup() {
    return $rc
 }
 
-# A listener is there when its port accepts connections. (`ray status` would wait ~45 s on a closed
-# port, and fails on a token-authenticated cluster unless RAY_AUTH_MODE is set.)
+# A listener is there when its port accepts connections: only asked of the ports of the head this script
+# started, while it comes up. (`ray status` would wait ~45 s on a closed port, and fails on a
+# token-authenticated cluster unless RAY_AUTH_MODE is set.)
 slime_spec_port_open() {
    local host="${1%:*}" port="${1##*:}"
    timeout 5 bash -c "exec 3<>/dev/tcp/${host}/${port}" 2>/dev/null
 }
 
 # `ray start --head --block` in the background, in a process group of its own: stopping that group stops
-# exactly the head this script started. Waits until both its GCS and its job server answer.
+# exactly the head this script started. Every service it starts gets a port free now (Ray's defaults, e.g. the
+# dashboard agent's 52365, may belong to another Ray on this machine: its job submissions would then fail
+# with "No available agent to submit job"). Sets RAY_ADDRESS and RAY_DASHBOARD to this head's; waits until
+# its GCS, its job server and its dashboard agent answer.
 slime_spec_start_head() {
-   local dash="${RAY_DASHBOARD#*://}"
+   local -a ports
+   read -r -a ports < <(PYTHONPATH="$1" "$2" -c 'import sys
+from slime_spec.net import free_ports
+print(*free_ports(9, sys.argv[1]))' "$MASTER_ADDR")
+   if [ "${#ports[@]}" != 9 ]; then
+      echo "[slime-spec] could not choose free ports for the Ray head on $MASTER_ADDR (PYTHON=$2)" >&2
+      exit 1
+   fi
+   RAY_ADDRESS="$MASTER_ADDR:${ports[0]}"
+   RAY_DASHBOARD="http://$MASTER_ADDR:${ports[1]}"
+   local dash="${RAY_DASHBOARD#*://}" agent="$MASTER_ADDR:${ports[2]}"
    # Ray's unix sockets live under it: keep it short (~107 characters for a socket path)
    SLIME_SPEC_RAY_TMP="${RAY_TEMP_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/slime-spec-ray.XXXXXX")}"
    mkdir -p "$SLIME_SPEC_RAY_TMP"
@@ -217,11 +236,14 @@ slime_spec_start_head() {
          "${SLIME_SPEC_RAY[@]}" get-auth-token --generate >/dev/null
       fi
    fi
-   echo "[slime-spec] no Ray cluster at $RAY_ADDRESS: starting a head node (RAY_AUTH_MODE=$RAY_AUTH_MODE," \
-        "temp dir $SLIME_SPEC_RAY_TMP, log $SLIME_SPEC_RAY_TMP/head.log)"
-   setsid "${SLIME_SPEC_RAY[@]}" start --head --block --node-ip-address "$MASTER_ADDR" --port "${RAY_ADDRESS##*:}" \
+   echo "[slime-spec] RAY_ADDRESS is not set: starting a head node at $RAY_ADDRESS, jobs to $RAY_DASHBOARD" \
+        "(RAY_AUTH_MODE=$RAY_AUTH_MODE, temp dir $SLIME_SPEC_RAY_TMP, log $SLIME_SPEC_RAY_TMP/head.log)"
+   setsid "${SLIME_SPEC_RAY[@]}" start --head --block --node-ip-address "$MASTER_ADDR" --port "${ports[0]}" \
       --num-gpus "${NUM_GPUS_PER_NODE:-8}" --disable-usage-stats --temp-dir "$SLIME_SPEC_RAY_TMP" \
-      --include-dashboard true --dashboard-host "${dash%:*}" --dashboard-port "${dash##*:}" \
+      --include-dashboard true --dashboard-host "$MASTER_ADDR" --dashboard-port "${ports[1]}" \
+      --dashboard-agent-listen-port "${ports[2]}" --dashboard-agent-grpc-port "${ports[3]}" \
+      --metrics-export-port "${ports[4]}" --ray-client-server-port "${ports[5]}" \
+      --node-manager-port "${ports[6]}" --object-manager-port "${ports[7]}" --runtime-env-agent-port "${ports[8]}" \
       ${RAY_HEAD_EXTRA_ARGS:-} > "$SLIME_SPEC_RAY_TMP/head.log" 2>&1 &
    SLIME_SPEC_HEAD_PID=$!
    local i
@@ -232,7 +254,9 @@ slime_spec_start_head() {
          tail -n 30 "$SLIME_SPEC_RAY_TMP/head.log" >&2
          exit 1
       fi
-      if slime_spec_port_open "$RAY_ADDRESS" && slime_spec_port_open "$dash"; then return 0; fi
+      if slime_spec_port_open "$RAY_ADDRESS" && slime_spec_port_open "$dash" && slime_spec_port_open "$agent"; then
+         return 0
+      fi
       sleep 1
    done
    echo "[slime-spec] the Ray head did not answer at $RAY_ADDRESS and $dash in ${RAY_HEAD_START_TIMEOUT:-120} s" \
@@ -274,16 +298,20 @@ slime_spec_launch() {
    fi
 
    MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
-   RAY_ADDRESS="${RAY_ADDRESS:-${MASTER_ADDR}:6379}"
-   RAY_DASHBOARD="${RAY_DASHBOARD:-http://${MASTER_ADDR}:8265}"
    trap slime_spec_cleanup EXIT
    trap 'exit 130' INT
    trap 'exit 143' TERM
 
-   if slime_spec_port_open "$RAY_ADDRESS"; then
-      echo "[slime-spec] using the Ray cluster at $RAY_ADDRESS (this script will not stop it)"
+   if [ -n "${RAY_ADDRESS:-}" ]; then
+      case "$RAY_ADDRESS" in
+         http://*|https://*) RAY_DASHBOARD="${RAY_DASHBOARD:-$RAY_ADDRESS}" ;;
+         *) local host="${RAY_ADDRESS#ray://}"; host="${host%:*}"
+            RAY_DASHBOARD="${RAY_DASHBOARD:-http://${host}:8265}" ;;
+      esac
+      echo "[slime-spec] using the Ray cluster you gave, RAY_ADDRESS=$RAY_ADDRESS: jobs to $RAY_DASHBOARD" \
+           "(this script will not stop it)"
    else
-      slime_spec_start_head
+      slime_spec_start_head "$pythonpath" "$py"
    fi
 
    local runtime_env

@@ -9,8 +9,8 @@
 # available yet).
 #
 # Multi-node: start Ray on every worker node first (`ray start --address ${MASTER_ADDR}:6379 --num-gpus 8`,
-# through your cluster's launcher); this script starts only a head, and only when none answers at
-# $RAY_ADDRESS. Engines spanning several nodes (--rollout-num-gpus-per-engine above one node's GPUs)
+# through your cluster's launcher) and set RAY_ADDRESS to the head's GCS address; without RAY_ADDRESS
+# this script starts a head of its own, on one node. Engines spanning several nodes (--rollout-num-gpus-per-engine above one node's GPUs)
 # are not available yet: slime-spec does not pass SGLang's --nnodes/--node-rank/--dist-init-addr.
 # The trainer builds Llama, Qwen2 and MiMo models today, not this MoE model: until it does, run the
 # speculative rollout alone with DEBUG_ROLLOUT_ONLY=1 (engines, metrics, no trainer).

@@ -31,11 +31,12 @@ def test_control_payloads_match_sglang_io_structs():
     engine.begin_weight_update("draft")
     engine.end_weight_update()
     assert [p for p, _ in calls] == ["/pause_generation", "/continue_generation", "/abort_request", "/abort_request",
-                                     "/release_memory_occupation", "/resume_memory_occupation",
+                                     "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation",
                                      "/begin_weight_update", "/end_weight_update"]
     for path, payload in calls:
-        validate_payload(ROUTE_STRUCTS[path], payload or {})
-    assert calls[2][1] == {"abort_all": True} and calls[6][1] == {"selector": "draft"}
+        if path != "/flush_cache":  # no body
+            validate_payload(ROUTE_STRUCTS[path], payload or {})
+    assert calls[2][1] == {"abort_all": True} and calls[7][1] == {"selector": "draft"}
 
 
 def test_each_engine_gets_its_own_seed():
@@ -60,9 +61,49 @@ def test_a_shut_down_engine_is_never_restarted(tmp_path):
         assert engine.alive()
         engine.shutdown()
         assert not engine.alive()
-        assert engine.ensure_alive() is False and not engine.alive()
+        assert engine.ensure_alive() is None and not engine.alive()
         with pytest.raises(RuntimeError, match="shut down"):
             engine.restart()
         assert not engine.alive()
     finally:
         engine.process.stop()
+
+
+def test_memory_is_released_only_once_the_engine_is_idle(monkeypatch):
+    """SGLang flushes only an idle engine (400 while requests run) and asserts idleness in release: retried, bounded."""
+    import pytest
+
+    from slime_spec.engines import actor
+    from slime_spec.engines.client import EngineError
+
+    monkeypatch.setattr(actor, "FLUSH_RETRY_S", 0.0)
+    engine, calls = _recording_engine()
+    busy = iter([400, 400])
+
+    def post(path, payload=None):
+        calls.append(path)
+        if path == "/flush_cache" and next(busy, None):
+            raise EngineError("u", path, 400, "Cache not flushed: there are running or waiting requests")
+        return {}
+    engine.post = post
+    engine.release_memory_occupation(["kv_cache"])
+    assert calls == ["/flush_cache"] * 3 + ["/release_memory_occupation"]
+
+    calls.clear()
+    engine.post = lambda path, payload=None: calls.append(path) or (_ for _ in ()).throw(
+        EngineError("u", path, 400, "not idle"))
+    with pytest.raises(EngineError, match="not idle after 60 tries"):
+        engine.release_memory_occupation()
+    assert calls == ["/flush_cache"] * actor.FLUSH_ATTEMPTS  # never released while busy
+
+
+def test_each_engine_gets_its_own_nccl_port_unless_the_flags_give_one():
+    from slime_spec.engines.actor import with_nccl_port
+    from slime_spec.net import free_ports_below_ephemeral
+
+    ports = free_ports_below_ephemeral(4)
+    assert len(set(ports)) == 4 and all(22000 <= p < 30000 for p in ports)  # SGLang's range for it
+    argv = ["python", "-m", "sglang.launch_server", "--port", "30000"]
+    assert with_nccl_port(argv, ports[0])[-2:] == ["--nccl-port", str(ports[0])]
+    given = [*argv, "--nccl-port", "23456"]
+    assert with_nccl_port(given, ports[0]) == given and with_nccl_port(argv, None) == argv

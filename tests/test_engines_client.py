@@ -137,3 +137,60 @@ def test_server_info_falls_back_only_for_old_servers(slow_server):
         async with async_session(10) as session:
             return await AsyncEngineClient(slow_server, session).server_info()
     assert asyncio.run(fetch())["weight_version"] == "default"
+
+
+class _Probed(BaseHTTPRequestHandler):
+    """An engine's probes as a test double of SGLang's: /ping 200 (or 503 once marked unhealthy), /health_generate
+    503 (paused), or a server too old for both (404, then /health)."""
+
+    answers: dict = {}
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        status = type(self).answers.get(self.path, 404)
+        self.send_response(status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+@pytest.fixture
+def probed():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Probed)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_liveness_follows_sglang_ping_and_health_generate(probed):
+    client = EngineClient(probed)
+    _Probed.answers = {"/ping": 200, "/health_generate": 503}  # paused for a weight sync: alive, not generating
+    assert client.liveness_problem(generate=False) is None and client.healthy()
+    assert client.liveness_problem(generate=True) == "/health_generate answered HTTP 503"
+    _Probed.answers = {"/health": 200}  # an older server: no /ping, no /health_generate
+    assert client.liveness_problem(generate=False) is None and client.liveness_problem(generate=True) is None
+    _Probed.answers = {"/ping": 503}  # SGLang marks a server unhealthy after a failed /health_generate
+    assert client.liveness_problem() == "/ping answered HTTP 503"
+
+
+def test_a_hung_engine_is_found_within_the_bound():
+    """A stopped process: the kernel accepts the connection, nothing ever answers."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        problem = EngineClient(url).liveness_problem(generate=True, timeout_s=0.5)
+    assert problem == "/health_generate did not answer within 0.5 s (hung)"
+    assert "could not be reached" in EngineClient(url).liveness_problem(timeout_s=0.5)  # the port is closed now
+
+
+def test_probe_bounds_follow_sglang_health_check_timeout():
+    from slime_spec.engines.client import PROBE_MARGIN_S, probe_timeout_s
+
+    assert probe_timeout_s(False, {}) == 20 + PROBE_MARGIN_S  # SGLang's default SGLANG_HEALTH_CHECK_TIMEOUT
+    assert probe_timeout_s(True, {"SGLANG_HEALTH_CHECK_TIMEOUT": "3"}) == 6 + PROBE_MARGIN_S
+    with pytest.raises(ValueError, match="SGLANG_HEALTH_CHECK_TIMEOUT"):
+        probe_timeout_s(False, {"SGLANG_HEALTH_CHECK_TIMEOUT": "soon"})

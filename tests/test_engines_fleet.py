@@ -172,7 +172,7 @@ def test_restarted_engine_rejoins_gets_current_weights_and_next_sync_works(run):
     assert rollout["stale_samples"] == 0 and all(s.status != Status.ABORTED for s in samples)
     # the restarted engine serves the current weights, not --hf-checkpoint's
     assert _checksums(urls[0]) == served
-    assert EngineClient(urls[0]).server_info()["weight_version"] == "1"
+    assert EngineClient(urls[0]).get("/model_info")["weight_version"] == "1"
 
     # the next sync forms the group again with every engine and does not hang
     state2, _ = _weights(root, 2)
@@ -256,3 +256,59 @@ def test_engine_command_lines_go_to_a_file_and_one_short_line(tmp_path):
     assert line == (f"[fleet] 2 engine(s) ready (embedded, NGRAM, tp 1) on 127.0.0.1 ports 30001, 30002, "
                     f"weights 'default'; command lines: {path}")
     assert "--model-path" not in line and len(line) < 200 + len(str(path))
+
+
+class _ProbedActor(_RecordingActor):
+    """An engine actor double whose liveness check finds it dead or hung once (`problem`), then restarts it."""
+
+    def __init__(self, problem=None):
+        super().__init__()
+        self.problem, self.checks = problem, []
+        self.ensure_alive = self._Remote(self._probe)
+        self.weight_version = self._Remote(lambda: "default")
+        self.get_url = self._Remote(lambda: "http://127.0.0.1:1")
+
+    def _probe(self, generate=False):
+        self.checks.append(generate)
+        problem, self.problem = self.problem, None
+        return problem
+
+
+def _fleet(actors, current="3"):
+    from slime_spec.engines.fleet import EngineFleet
+
+    fleet = EngineFleet.__new__(EngineFleet)  # no Ray: the routing, restart and fence state only
+    n = len(actors)
+    fleet.actors, fleet.num_engines, fleet.generation, fleet.total_restarts = actors, n, [0] * n, 0
+    fleet.router, fleet.stopping, fleet._locks, fleet._own_placement = Router(n, 2), False, None, None
+    fleet.urls, fleet.served, fleet.current_version, fleet.needs_sync = ["u"] * n, [current] * n, current, set()
+    return fleet
+
+
+def test_liveness_check_restarts_a_dead_or_hung_engine_and_fences_it():
+    """At a phase boundary every engine is probed; the hung one is restarted, serves the checkpoint, and is fenced
+    (routed around) until the trainer re-syncs it; the live one is left alone."""
+    hung, live = _ProbedActor("/health_generate did not answer within 14 s (hung)"), _ProbedActor()
+    fleet = _fleet([live, hung])
+
+    async def main():
+        assert await fleet.check_engines(generate=True) == [1]
+        assert hung.checks == [True] and live.checks == [True]
+        assert fleet.engines_needing_sync() == [1] and fleet.router.available == [True, False]
+        assert fleet.served == ["3", "default"] and fleet.generation == [0, 1] and fleet.total_restarts == 1
+        assert await fleet.check_engines() == []  # alive now, still fenced: nothing more to do until the sync
+        assert fleet.router.available == [True, False] and fleet.engines_needing_sync() == [1]
+    asyncio.run(main())
+
+
+def test_a_dead_engine_that_cannot_restart_is_routed_around():
+    class _Gone(_ProbedActor):
+        def _probe(self, generate=False):
+            raise ray.exceptions.RayActorError()
+
+    fleet = _fleet([_ProbedActor(), _Gone()])
+
+    async def main():
+        assert await fleet.check_engines() == []
+        assert fleet.router.dead == [False, True] and fleet.live() == [0]
+    asyncio.run(main())

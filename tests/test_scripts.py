@@ -12,7 +12,6 @@ import io
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -238,14 +237,15 @@ def test_no_script_kills_by_name():
 
 # ---------------------------------------------------------------- launch flow, with test doubles
 
-# A stand-in `ray`: logs each call; `start --head --block` listens on the GCS and dashboard ports until it is
-# killed (as the real head does); `job submit` records the entrypoint and can interrupt the script.
+# A stand-in `ray`: logs each call; `start --head --block` listens on the GCS, dashboard and dashboard agent ports
+# until it is killed (as the real head does); `job submit` records the entrypoint and can interrupt the script.
 FAKE_RAY = """#!/bin/bash
 echo "$*" >> "$FAKE_LOG/ray.calls"
 case "$1 $2" in
   "start --head")
     while [ -n "$1" ]; do
-      case "$1" in --port) gcs=$2 ;; --dashboard-port) dash=$2 ;; esac; shift
+      case "$1" in --port) gcs=$2 ;; --dashboard-port) dash=$2 ;; --dashboard-agent-listen-port) agent=$2 ;; esac
+      shift
     done
     exec "$REAL_PY" -c "
 import socket, sys, time
@@ -254,7 +254,7 @@ for port in sys.argv[1:]:
     s = socket.socket(); s.bind(('127.0.0.1', int(port))); s.listen(); socks.append(s)
 open(sys.argv[0] if False else '$FAKE_LOG/head.pid', 'w').write(str(__import__('os').getpid()))
 time.sleep(600)
-" "$gcs" "$dash" ;;
+" "$gcs" "$dash" "$agent" ;;
   "job submit")
     while [ "$1" != "--" ]; do shift; done; shift
     printf '%s\\n' "$@" > "$FAKE_LOG/entrypoint.args"
@@ -275,17 +275,11 @@ def fakes(tmp_path):
     return bin_dir, log
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(fakes, tmp_path, ray_address: str, **env):
+def launch(fakes, tmp_path, ray_address: str | None = None, **env):
     """Run the MiMo script with the stand-ins; the `ray` beside PYTHON is the one the script uses."""
     bin_dir, log = fakes
     full = script_env(tmp_path, PYTHON=str(bin_dir / "fake-doctor-python"), FAKE_LOG=str(log),
-                      RAY_ADDRESS=ray_address, RAY_DASHBOARD=f"http://127.0.0.1:{free_port()}",
+                      RAY_ADDRESS=ray_address, RAY_DASHBOARD=None,
                       RAY_TEMP_DIR=str(tmp_path / "ray"), RAY_AUTH_MODE="disabled")
     full.pop("DOCTOR_ONLY")
     full.update(env)
@@ -294,10 +288,6 @@ def launch(fakes, tmp_path, ray_address: str, **env):
                           text=True, timeout=60)
     calls = (log / "ray.calls").read_text().splitlines() if (log / "ray.calls").exists() else []
     return proc, calls, log
-
-
-def closed_port() -> int:
-    return free_port()
 
 
 def runtime_env_of(submit_call: str) -> dict:
@@ -316,8 +306,8 @@ def head_gone(log: Path) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
-def test_starts_a_head_only_without_a_cluster_and_stops_only_that(fakes, tmp_path):
-    proc, calls, log = launch(fakes, tmp_path, f"127.0.0.1:{closed_port()}", DEBUG_ROLLOUT_ONLY="1")
+def test_starts_a_head_only_without_ray_address_and_stops_only_that(fakes, tmp_path):
+    proc, calls, log = launch(fakes, tmp_path, DEBUG_ROLLOUT_ONLY="1")
     assert proc.returncode == 0, proc.stderr
     assert [c.split()[0:3] for c in calls] == [["start", "--head", "--block"], ["job", "submit", "--address"]]
     assert not any(c.split()[0] == "stop" for c in calls)  # never `ray stop`: it stops other clusters too
@@ -332,10 +322,19 @@ def test_starts_a_head_only_without_a_cluster_and_stops_only_that(fakes, tmp_pat
     assert env_vars["NCCL_NVLS_ENABLE"] == "0" and env_vars["PYTHONPATH"].split(":")[0] == str(ROOT)
     start = calls[0].split()
     assert start[start.index("--temp-dir") + 1] == str(tmp_path / "ray")
+    # every service of the head on a port chosen free, none on Ray's defaults (another Ray may hold them)
+    flags = ("--port", "--dashboard-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+             "--metrics-export-port", "--ray-client-server-port", "--node-manager-port", "--object-manager-port",
+             "--runtime-env-agent-port")
+    ports = [int(start[start.index(f) + 1]) for f in flags]
+    assert len(set(ports)) == len(flags) and not set(ports) & {6379, 8265, 52365, 10001}
+    # ... and the job goes to that head's job server
+    submit = calls[1].split()
+    assert submit[submit.index("--address") + 1] == f"http://127.0.0.1:{ports[1]}"
 
 
 def test_token_auth_gets_a_token_for_a_head_it_starts(fakes, tmp_path):
-    proc, calls, _ = launch(fakes, tmp_path, f"127.0.0.1:{closed_port()}", RAY_AUTH_MODE=None,
+    proc, calls, _ = launch(fakes, tmp_path, RAY_AUTH_MODE=None,
                             RAY_AUTH_TOKEN=None, RAY_AUTH_TOKEN_PATH=None)
     assert proc.returncode == 0, proc.stderr
     assert [c.split()[0:2] for c in calls] == [["get-auth-token", "--generate"], ["start", "--head"],
@@ -343,25 +342,27 @@ def test_token_auth_gets_a_token_for_a_head_it_starts(fakes, tmp_path):
     assert "RAY_AUTH_MODE=token" in proc.stdout
 
 
-def test_reuses_a_reachable_cluster_and_leaves_it_running(fakes, tmp_path):
-    with socket.socket() as server:  # something listens at RAY_ADDRESS: a cluster is there
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        port = server.getsockname()[1]
-        proc, calls, log = launch(fakes, tmp_path, f"127.0.0.1:{port}")
+@pytest.mark.parametrize("given, dashboard", [("10.0.0.7:6380", "http://10.0.0.7:8265"),
+                                              ("http://10.0.0.7:8266", "http://10.0.0.7:8266")])
+def test_submits_to_the_cluster_ray_address_names_and_starts_nothing(fakes, tmp_path, given, dashboard):
+    """RAY_ADDRESS is the user's cluster (a GCS address, or a job server address as `ray job` reads it): the job
+    goes there, no head starts, and no port is probed to decide it (nothing listens at either address here)."""
+    proc, calls, log = launch(fakes, tmp_path, given)
     assert proc.returncode == 0, proc.stderr
     assert [c.split()[0:2] for c in calls] == [["job", "submit"]]
+    submit = calls[0].split()
+    assert submit[submit.index("--address") + 1] == dashboard
     assert "--debug-rollout-only" not in (log / "entrypoint.args").read_text().splitlines()
 
 
 def test_doctor_error_starts_nothing(fakes, tmp_path):
-    proc, calls, _ = launch(fakes, tmp_path, f"127.0.0.1:{closed_port()}", FAKE_DOCTOR_RC="2")
+    proc, calls, _ = launch(fakes, tmp_path, FAKE_DOCTOR_RC="2")
     assert proc.returncode == 2 and calls == []
     assert "doctor found errors" in proc.stderr
 
 
 def test_interrupted_job_is_stopped_by_its_id_then_the_head(fakes, tmp_path):
-    proc, calls, log = launch(fakes, tmp_path, f"127.0.0.1:{closed_port()}", FAKE_INTERRUPT="1")
+    proc, calls, log = launch(fakes, tmp_path, FAKE_INTERRUPT="1")
     assert proc.returncode == 143
     submit_id = calls[1].split()[calls[1].split().index("--submission-id") + 1]
     assert submit_id.startswith("run-mimo-7B-rl-mtp-")
@@ -371,7 +372,7 @@ def test_interrupted_job_is_stopped_by_its_id_then_the_head(fakes, tmp_path):
 
 
 def test_failed_job_returns_its_exit_code_and_cleans_up(fakes, tmp_path):
-    proc, calls, log = launch(fakes, tmp_path, f"127.0.0.1:{closed_port()}", FAKE_JOB_RC="3")
+    proc, calls, log = launch(fakes, tmp_path, FAKE_JOB_RC="3")
     assert proc.returncode == 3
     assert [c.split()[0:2] for c in calls] == [["start", "--head"], ["job", "submit"]]
     assert head_gone(log)
@@ -408,7 +409,7 @@ def heading_anchors(page: Path) -> set[str]:
 
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_docs_relative_links_resolve(lang):
-    pages = sorted((DOCS / lang).glob("*.md"))
+    pages = sorted((DOCS / lang).rglob("*.md"))
     assert {p.name for p in pages} >= {"index.md", "quickstart.md", "usage.md", "speculative.md", "weight-sync.md",
                                       "debugging.md", "architecture.md"}
     for page in pages:

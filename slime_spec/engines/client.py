@@ -14,6 +14,7 @@ timeout is the longest one request may compute: keep it above the longest expect
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -23,6 +24,9 @@ import requests
 
 CONNECT_TIMEOUT_S = 30.0
 READ_TIMEOUT_S = 600.0  # control routes: a weight-update request can block on a collective this long
+# SGLang's /health_generate waits this long for its one token (entrypoints/http_server.py HEALTH_CHECK_TIMEOUT).
+HEALTH_CHECK_TIMEOUT_ENV, HEALTH_CHECK_TIMEOUT_DEFAULT_S = "SGLANG_HEALTH_CHECK_TIMEOUT", 20.0
+PROBE_MARGIN_S = 10.0  # on top of it: the answer's own way back on a loaded machine
 # Routes SGLang 0.5.23 marks @auth_level(AuthLevel.ADMIN_OPTIONAL) (entrypoints/http_server.py), plus the
 # embedded engine's /abort_weight_update: they take the admin key when one is configured.
 ADMIN_ROUTES = frozenset({
@@ -35,6 +39,25 @@ ADMIN_ROUTES = frozenset({
     "/load_lora_adapter", "/unload_lora_adapter",
 })
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")  # SGLang never asks a key for probes
+
+
+def health_check_timeout_s(env=os.environ) -> float:
+    """SGLANG_HEALTH_CHECK_TIMEOUT as SGLang reads it (the engines inherit the same environment)."""
+    raw = env.get(HEALTH_CHECK_TIMEOUT_ENV)
+    try:
+        value = float(raw) if raw not in (None, "") else HEALTH_CHECK_TIMEOUT_DEFAULT_S
+    except ValueError:
+        raise ValueError(f"{HEALTH_CHECK_TIMEOUT_ENV}={raw!r}: expected a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{HEALTH_CHECK_TIMEOUT_ENV}={raw!r}: must be > 0 seconds")
+    return value
+
+
+def probe_timeout_s(generate: bool, env=os.environ) -> float:
+    """The bound on one liveness probe: SGLang's health-check timeout (plus its generation's wait for
+    /health_generate) and a margin. A probe silent for longer means the engine hangs."""
+    base = health_check_timeout_s(env)
+    return (2 * base if generate else base) + PROBE_MARGIN_S
 
 
 class EngineError(RuntimeError):
@@ -131,21 +154,33 @@ class EngineClient:
             self._server_info_path = "/get_server_info"
             return self.get(self._server_info_path)
 
-    def healthy(self, timeout_s: float = 30.0) -> bool:
-        """Liveness as SGLang's /ping reports it: 200 while generation is paused for a weight sync.
+    def healthy(self, timeout_s: float | None = None) -> bool:
+        """Liveness as SGLang's /ping reports it (see `liveness_problem`)."""
+        return self.liveness_problem(generate=False, timeout_s=timeout_s) is None
 
-        /health (= /health_generate in 0.5.23) answers 503 while paused or released, so it must never decide
-        a restart; servers without /ping (404: older SGLang) fall back to /health.
+    def liveness_problem(self, generate: bool = False, timeout_s: float | None = None) -> str | None:
+        """None when the engine answers as a live one; else why not, within a bounded time.
+
+        generate=False: SGLang's /ping (200 while generation is paused for a weight sync or memory is released),
+        the check during a rollout or a sync; its 503 means SGLang marked the server unhealthy (a failed health
+        check), or, on the embedded engine, that one operation has run past SGLANG_HEALTH_CHECK_TIMEOUT, as a
+        weight update waiting for a dead peer does. generate=True: /health_generate, one token generated within
+        SGLANG_HEALTH_CHECK_TIMEOUT (503 after it, and while paused or released), so only for an engine that
+        should be serving. Silence past `timeout_s` (default `probe_timeout_s(generate)`) is a hang, as a
+        stopped process gives. Servers without the route (404: older SGLang) fall back to /health.
         """
-        for path in ("/ping", "/health"):
+        timeout_s = probe_timeout_s(generate) if timeout_s is None else timeout_s
+        for path in (("/health_generate", "/health") if generate else ("/ping", "/health")):
             try:
                 status = self._session.get(self.url + path, headers=self.auth.headers(path),
-                                           timeout=(CONNECT_TIMEOUT_S, timeout_s)).status_code
-            except requests.RequestException:
-                return False
+                                           timeout=(min(CONNECT_TIMEOUT_S, timeout_s), timeout_s)).status_code
+            except requests.Timeout:
+                return f"{path} did not answer within {timeout_s:g} s (hung)"
+            except requests.RequestException as e:
+                return f"{path} could not be reached ({type(e).__name__})"
             if status != 404:
-                return status == 200
-        return False
+                return None if status == 200 else f"{path} answered HTTP {status}"
+        return f"{path} answered HTTP 404"
 
     def close(self) -> None:
         self._session.close()

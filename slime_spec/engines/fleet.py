@@ -9,6 +9,11 @@ and pushed the current weights into it (`engines_needing_sync` -> the driver has
 `confirm_weights(version)`, which reads each engine's reported `weight_version` and lifts the fence only
 where it equals the current one). Each Sample records the version it was generated with, so a sample
 of any other version is visible and excluded (`stale_samples`), never trained on silently.
+
+Liveness. An engine is restarted when a request to it fails unreachable, and whenever the driver asks
+(`check_engines`: at every phase boundary and every few seconds while a rollout, an eval or a sync runs): its
+process exited, or its probe (`Engine.liveness_problem`: SGLang's /ping, or /health_generate where it should be
+serving) went unanswered past a bound, as a hung (stopped) server's does.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import ray
 
 from slime_spec.config import EngineConfig
 from slime_spec.engines.actor import EngineActor
+from slime_spec.net import free_ports_below_ephemeral
 from slime_spec.placement import ENGINE_GPU_FRACTION, Placement, create_placement, in_bundle, remove_placement
 
 
@@ -108,13 +114,16 @@ class EngineFleet:
             raise ValueError(f"num_engines={num_engines}: need at least one rollout engine")
         self.engine_cfg, self.num_engines = engine, num_engines
         self._kwargs = dict(log_dir=log_dir, start_timeout_s=start_timeout_s)
+        # one NCCL port per engine, distinct, kept across restarts (as slime allocates them)
+        self.nccl_ports = free_ports_below_ephemeral(num_engines)
         self.actors: list = []
         self._own_placement = None
         try:
             if placement is not None or rollout_num_gpus:
                 self._launch_gpu_engines(rollout_num_gpus, placement)
             else:
-                self.actors = [EngineActor.options(num_cpus=0).remote(engine, i, **self._kwargs)
+                self.actors = [EngineActor.options(num_cpus=0).remote(engine, i, nccl_port=self.nccl_ports[i],
+                                                                      **self._kwargs)
                                for i in range(num_engines)]
         except BaseException:
             self.stop_blocking()
@@ -163,7 +172,7 @@ class EngineFleet:
             self.actors.append(
                 EngineActor.options(num_cpus=0, num_gpus=ENGINE_GPU_FRACTION,
                                     scheduling_strategy=in_bundle(placement, bundles[0]))
-                .remote(self.engine_cfg, i, gpu_ids=list(gpus), **self._kwargs))
+                .remote(self.engine_cfg, i, gpu_ids=list(gpus), nccl_port=self.nccl_ports[i], **self._kwargs))
 
     # ---- routing ----
     def lock(self, idx: int) -> asyncio.Lock:
@@ -178,37 +187,49 @@ class EngineFleet:
         return [i for i in range(self.num_engines) if not self.router.dead[i]]
 
     # ---- restart and the fence ----
-    async def recover(self, idx: int, generation: int) -> None:
-        """Restart engine `idx` if it died (only the first failure of an engine generation does this);
-        a restarted engine that does not serve the current weights stays fenced until `confirm_weights`."""
+    async def recover(self, idx: int, generation: int, generate: bool = False) -> bool:
+        """Restart engine `idx` if it died or hangs (only the first failure of an engine generation does this);
+        a restarted engine that does not serve the current weights stays fenced until `confirm_weights`.
+        `generate`: the engine should be serving, so it must generate a token (`Engine.liveness_problem`).
+        Returns whether it was restarted."""
         async with self.lock(idx):
             if self.stopping:
                 await self.router.set_available(idx, False, dead=True)
-                return
+                return False
             if self.generation[idx] != generation or self.router.dead[idx]:
-                return
+                return False
             await self.router.set_available(idx, False)
             try:
-                restarted = await self.actors[idx].ensure_alive.remote()
+                restarted = await self.actors[idx].ensure_alive.remote(generate)
                 version = (await self.actors[idx].weight_version.remote() or CHECKPOINT) if restarted \
                     else self.served[idx]
             except ray.exceptions.RayError as e:  # the restart failed (EngineStartError) or the actor is gone
                 self.generation[idx] += 1
                 print(f"[fleet] engine {idx} could not be restarted; routing around it:\n{e}", flush=True)
                 await self.router.set_available(idx, False, dead=True)
-                return
+                return False
             if restarted:
                 self.generation[idx] += 1
                 self.total_restarts += 1
                 self.urls[idx] = await self.actors[idx].get_url.remote()
                 self.served[idx] = version
-                print(f"[fleet] engine {idx} had died and was restarted ({self.urls[idx]})", flush=True)
+                print(f"[fleet] engine {idx} was restarted ({restarted}): {self.urls[idx]}", flush=True)
             if self.served[idx] != self.current_version:
+                if restarted or idx not in self.needs_sync:
+                    print(f"[fleet] engine {idx} serves weights {self.served[idx]!r}, the policy is at "
+                          f"{self.current_version!r}: fenced until the trainer re-syncs it", flush=True)
                 self.needs_sync.add(idx)
-                print(f"[fleet] engine {idx} serves weights {self.served[idx]!r}, the policy is at "
-                      f"{self.current_version!r}: fenced until the trainer re-syncs it", flush=True)
-                return
+                return bool(restarted)
             await self.router.set_available(idx, True)
+            return bool(restarted)
+
+    async def check_engines(self, generate: bool = False) -> list[int]:
+        """Every engine's liveness now (`recover` on each; one being restarted already is left to that):
+        a dead or hung engine is restarted and fenced until the trainer re-syncs it. Returns the engines
+        restarted. `generate` only where the engines should be serving (not paused, memory not released)."""
+        live = [i for i in self.live() if not self.lock(i).locked()]
+        restarted = await asyncio.gather(*[self.recover(i, self.generation[i], generate) for i in live])
+        return [i for i, r in zip(live, restarted) if r]
 
     def engines_needing_sync(self) -> list[int]:
         return sorted(self.needs_sync)

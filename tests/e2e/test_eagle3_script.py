@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from slime_spec.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_eagle3_draft, make_tiny_model
-from tests.e2e.test_ray_job import free_ports, group_alive, port_open, workdir  # noqa: F401 (a fixture)
+from tests.e2e.test_ray_job import group_alive, head_ports, port_open, workdir  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "run-eagle3-llama3.1-8B.sh"
@@ -34,15 +34,13 @@ def test_eagle3_script_trains_the_draft_online_on_a_tiny_stand_in(workdir):  # n
     data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "label": str(2 * a)}) + "\n" for a in range(12)))
     token = tmp / "ray_auth_token"
     token.write_text(uuid.uuid4().hex)
-    gcs, dashboard, agent = free_ports(3)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RAY_", "WANDB_")) and k not in ("DEBUG_ROLLOUT_ONLY", "DOCTOR_ONLY", "EXTRA_ARGS")}
     env.update(
         PYTHON=sys.executable, SMALL_MACHINE="1", HF_CHECKPOINT=str(model), DRAFT_CHECKPOINT=str(draft),
         PROMPT_DATA=str(data), EVAL_PROMPT_DATA=str(data), BASE_DIR=str(tmp), CKPT_DIR=str(tmp / "ckpt"),
-        OUTPUT_DIR=str(tmp / "out"), MASTER_ADDR="127.0.0.1", RAY_ADDRESS=f"127.0.0.1:{gcs}",
-        RAY_DASHBOARD=f"http://127.0.0.1:{dashboard}", RAY_TEMP_DIR=str(ray_tmp), RAY_AUTH_MODE="token",
-        RAY_AUTH_TOKEN_PATH=str(token), RAY_HEAD_EXTRA_ARGS=f"--dashboard-agent-listen-port {agent}",
+        OUTPUT_DIR=str(tmp / "out"), MASTER_ADDR="127.0.0.1", RAY_TEMP_DIR=str(ray_tmp), RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN_PATH=str(token),
         # the tiny vocabulary has no math answers: exact_match keeps the reward defined
         EXTRA_ARGS="--rm-type exact_match --rollout-skip-special-tokens --eval-interval 1",
     )
@@ -57,6 +55,7 @@ def test_eagle3_script_trains_the_draft_online_on_a_tiny_stand_in(workdir):  # n
     head = re.search(r"stopping the Ray head this script started \(process group (\d+)\)", out)
     try:
         assert proc.returncode == 0, out[-6000:]
+        gcs, dashboard = head_ports(out)
         assert "0 error(s), 0 warning(s)" in out  # the doctor passed the stand-in configuration
         assert re.search(r"Job 'run-eagle3-llama3.1-8B-[\w-]+' succeeded", out), out[-3000:]
         entry = out.split("Running entrypoint for job", 1)[1].splitlines()[0]

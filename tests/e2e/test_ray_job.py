@@ -1,10 +1,12 @@
 """A real cluster path on CPU: scripts/run-mimo-7B-rl-mtp.sh, as a user runs it on a small machine.
 
-The script starts its own `ray start --head` (loopback, free ports, its own temp dir, Ray 2.60 token
-authentication with a token this test writes), submits `python -m slime_spec.train` with `ray job
-submit`, and the job runs two GRPO steps on a tiny MiMo: speculative rollout (NEXTN) on the embedded
+The script starts its own `ray start --head` (loopback, every service on a port it chose free, its own temp
+dir, Ray 2.60 token authentication with a token this test writes), submits `python -m slime_spec.train` with
+`ray job submit`, and the job runs two GRPO steps on a tiny MiMo: speculative rollout (NEXTN) on the embedded
 engine, online MTP training, a weight sync per step and a held-out eval. The only changes to the
-script are the documented environment overrides. Afterwards the head's process group is gone.
+script are the documented environment overrides. Beside it "another Ray cluster" holds Ray's default ports
+(GCS, dashboard, dashboard agent, client server: listeners this test opens, or whoever holds them already):
+the script neither submits to it nor collides with it. Afterwards the head's process group is gone.
 """
 
 import importlib.util
@@ -17,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 
@@ -26,17 +29,6 @@ from slime_spec.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "run-mimo-7B-rl-mtp.sh"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def port_open(port: int) -> bool:
@@ -57,6 +49,61 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+# Ray 2.60's defaults: GCS, dashboard (job server), dashboard agent, Ray client server.
+RAY_DEFAULT_PORTS = (6379, 8265, 52365, 10001)
+
+
+class OtherCluster:
+    """Listens on each of `ports` that is free (one already taken stands for another cluster all the same) and
+    counts the connections it accepts: a script that submits or probes there shows up here."""
+
+    def __init__(self, ports):
+        self.socks, self.connections = [], 0
+        for port in ports:
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            s.listen()
+            s.settimeout(0.2)
+            self.socks.append(s)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self):
+        while not self._stop.is_set():
+            for s in self.socks:
+                try:
+                    conn, _ = s.accept()
+                except OSError:
+                    continue
+                self.connections += 1
+                conn.close()
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+        for s in self.socks:
+            s.close()
+
+
+@pytest.fixture
+def other_cluster():
+    other = OtherCluster(RAY_DEFAULT_PORTS)
+    yield other
+    other.close()
+
+
+def head_ports(out: str) -> tuple[int, int]:
+    """The GCS and job server ports of the head the script says it started."""
+    m = re.search(r"starting a head node at [\d.]+:(\d+), jobs to http://[\d.]+:(\d+)", out)
+    assert m, "the script did not say which head it started:\n" + out[-3000:]
+    return int(m.group(1)), int(m.group(2))
+
+
 @pytest.fixture
 def workdir(tmp_path):
     missing = [m for m in ("aiohttp_cors", "opencensus", "prometheus_client") if importlib.util.find_spec(m) is None]
@@ -68,7 +115,7 @@ def workdir(tmp_path):
     shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def test_script_job_two_grpo_steps_on_a_head_it_started(workdir):
+def test_script_job_two_grpo_steps_on_a_head_it_started_beside_another_cluster(workdir, other_cluster):
     tmp, ray_tmp = workdir
     model = make_tiny_model(tmp / "model", arch="mimo", mtp_layers=1, hidden_size=32, num_layers=1,
                             intermediate_size=64, max_position_embeddings=128, seed=3)
@@ -76,15 +123,12 @@ def test_script_job_two_grpo_steps_on_a_head_it_started(workdir):
     data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "label": str(2 * a)}) + "\n" for a in range(12)))
     token = tmp / "ray_auth_token"
     token.write_text(uuid.uuid4().hex)
-    gcs, dashboard, agent = free_ports(3)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RAY_", "WANDB_")) and k not in ("DEBUG_ROLLOUT_ONLY", "DOCTOR_ONLY", "EXTRA_ARGS")}
     env.update(
         PYTHON=sys.executable, SMALL_MACHINE="1", HF_CHECKPOINT=str(model), PROMPT_DATA=str(data),
         EVAL_PROMPT_DATA=str(data), BASE_DIR=str(tmp), CKPT_DIR=str(tmp / "ckpt"), OUTPUT_DIR=str(tmp / "out"),
-        MASTER_ADDR="127.0.0.1", RAY_ADDRESS=f"127.0.0.1:{gcs}", RAY_DASHBOARD=f"http://127.0.0.1:{dashboard}",
-        RAY_TEMP_DIR=str(ray_tmp), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
-        RAY_HEAD_EXTRA_ARGS=f"--dashboard-agent-listen-port {agent}",
+        MASTER_ADDR="127.0.0.1", RAY_TEMP_DIR=str(ray_tmp), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
         # the tiny model: its vocabulary has no math answers, exact_match keeps the reward defined
         EXTRA_ARGS="--sglang-speculative-algorithm NEXTN --sglang-speculative-num-steps 2 "
                    "--sglang-speculative-num-draft-tokens 3 --rm-type exact_match --rollout-skip-special-tokens "
@@ -101,9 +145,13 @@ def test_script_job_two_grpo_steps_on_a_head_it_started(workdir):
     head = re.search(r"stopping the Ray head this script started \(process group (\d+)\)", out)
     try:
         assert proc.returncode == 0, out[-6000:]
-        assert "starting a head node (RAY_AUTH_MODE=token" in out
+        assert "(RAY_AUTH_MODE=token" in out
+        gcs, dashboard = head_ports(out)
+        assert not {gcs, dashboard} & set(RAY_DEFAULT_PORTS)
+        assert other_cluster.connections == 0  # nothing was submitted to, or asked of, the other cluster
         assert re.search(r"Job 'run-mimo-7B-rl-mtp-[\w-]+' succeeded", out), out[-3000:]
         assert "Failed to merge the Job's runtime env" not in out
+        assert "collapsed" not in out  # a fresh MTP layer is an untrained draft, not a collapse
         job_out = out.split("Running entrypoint for job", 1)[1]  # the driver's and the workers' output
         for noise in ("Apex is not installed", "Apex are not installed", "to instantiate a model of type ``.",
                       "full scope is deprecated"):
@@ -117,7 +165,7 @@ def test_script_job_two_grpo_steps_on_a_head_it_started(workdir):
             assert s["weight_sync_params"] > 0 and s["weight_sync_mtp_params"] > 0  # target and MTP synced
             assert s["eval/eval/num_samples"] == 12
         for i in range(2):
-            assert f"rollout {i}: 4 samples" in out  # the job's own log lines reached the submitter
+            assert re.search(rf"rollout {i}\b.*\b4 samples", out)  # the job's own log lines reached the submitter
         assert (tmp / "out" / "plot.png").stat().st_size > 1000
         assert (tmp / "ckpt" / "iter_0000001").is_dir()  # the last step is saved
     finally:
