@@ -152,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.backend == "nccl" and not a.device.startswith("cuda"):
         p.error("--backend nccl needs --device cuda (and --engine-gpu for a second GPU)")
+    # as the trainer actors run (trainer/group.py), before this process's first NCCL communicator; the engine
+    # and the raw receiver inherit it
+    os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
 
     from slime_spec.trainer import model as M
     from slime_spec.trainer import parallel

@@ -9,10 +9,23 @@ SGLang's receiver joins through torch's own group machinery: a `tcp://` rendezvo
 `PrefixStore(group_name, ...)` over it, then `_new_process_group_helper`, which adds its own
 key prefixes for the backend. A sender must go through the same steps, or both sides wait for
 keys the other never writes. We do exactly that here, without initializing the default group.
+
+Closing is collective too. With NCCL's cuMem buffers (its default; SGLang and slime turn them off with
+NCCL_CUMEM_ENABLE=0) a rank's communicator teardown waits until every other rank tears down (seen on two H200s,
+NCCL 2.28: a destroy returned only when the peer destroyed, 15 s later), so the ranks must destroy together, as
+they joined. `WeightUpdateGroup.destroy` is bounded: past its timeout the communicator is aborted, which never
+waits for peers, and `GroupCloseTimeout` says which group and why.
+
+The members of one NCCL group must agree on NCCL_CUMEM_ENABLE: a trainer with cuMem buffers off and an engine with
+them on hung in their first sync (same machine). A process whose first NCCL communicator is this group (the
+embedded engine, the benches) takes SGLang's default, 0, where its environment says nothing; the trainer actors get
+0 in their environment (trainer/group.py). Rank 0 writes its value to the group's store and every other rank that
+runs this code checks it against its own, so a mismatch fails the join with an error instead of hanging.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from datetime import timedelta
 
@@ -38,6 +51,9 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
                                                    timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")  # read by NCCL at the process's first communicator
+        check_same_cumem(store, rank)
     with _REGISTERED_LOCK:
         first_in_process = group_name not in _REGISTERED
         _REGISTERED.add(group_name)
@@ -52,6 +68,23 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
     # the group's ranks are its own global ranks: lets torch.distributed collectives take src=0
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+CUMEM_KEY = "slime_spec/nccl_cumem_enable"  # in the group's store, beside torch's own keys
+
+
+def check_same_cumem(store, rank: int) -> None:
+    """Rank 0 publishes its NCCL_CUMEM_ENABLE; any other rank raises if its own differs (waits for rank 0's value
+    as long as the store's timeout). An SGLang engine never reads the key: SGLang sets 0 in its processes."""
+    mine = os.environ.get("NCCL_CUMEM_ENABLE", "")
+    if rank == 0:
+        store.set(CUMEM_KEY, mine)
+        return
+    theirs = store.get(CUMEM_KEY).decode()
+    if theirs != mine:
+        raise ValueError(f"NCCL_CUMEM_ENABLE is {mine or 'unset'} here (rank {rank}) but {theirs or 'unset'} on "
+                         f"rank 0 (the trainer): NCCL hangs when the members of a group disagree on it. Set the same "
+                         f"value for the trainer and every engine (0, as SGLang and slime-spec's trainer actors use)")
 
 
 def release_name(group_name: str) -> None:
@@ -86,6 +119,48 @@ def broadcast(pg, tensor: torch.Tensor, src: int) -> None:
     pg.broadcast([tensor], opts).wait()
 
 
+DESTROY_TIMEOUT_S = 60.0  # a destroy takes well under a second when every rank destroys together
+ABORT_GRACE_S = 10.0  # for the blocked teardown to return once its communicator is aborted
+
+
+class GroupCloseTimeout(TimeoutError):
+    """A group's teardown did not finish in time: some rank never destroyed it."""
+
+
+def destroy_bounded(pg, timeout_s: float, what: str) -> None:
+    """`destroy_process_group(pg)`, given up after `timeout_s`: then the communicator is aborted (local, it waits
+    for no peer) and GroupCloseTimeout names `what` and the likely cause."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            dist.destroy_process_group(pg)
+        except BaseException as e:  # re-raised on the caller's thread
+            outcome["error"] = e
+
+    worker = threading.Thread(target=run, name="destroy-process-group", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if not worker.is_alive():
+        if "error" in outcome:
+            raise outcome["error"]
+        return
+    try:
+        pg.abort()
+        aborted = "its communicator was aborted"
+    except Exception as e:
+        aborted = f"aborting its communicator failed too ({e!r})"
+    worker.join(ABORT_GRACE_S)
+    raise GroupCloseTimeout(
+        f"destroying {what} did not finish in {timeout_s:g} s; {aborted}"
+        + ("" if not worker.is_alive() else "; the teardown thread is still blocked") +
+        ". Every rank must destroy the group at the same time (NCCL's teardown waits for its peers): the trainer "
+        "destroys it while every engine serves /destroy_weights_update_group. A rank that never does (an engine "
+        "that missed the request, a process stuck elsewhere) holds the others here; NCCL_CUMEM_ENABLE=0 in every "
+        "member makes the teardown local.")
+
+
+
 class WeightUpdateGroup:
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
                  group_name: str = "weight_update_group", backend: str = "gloo",
@@ -105,8 +180,15 @@ class WeightUpdateGroup:
         t = torch.zeros(1, device="cuda" if self.backend == "nccl" else "cpu")
         self._pg.allreduce([t]).wait()
 
-    def destroy(self) -> None:
-        if self._pg is not None and self._pg in c10d._world.pg_names:
-            dist.destroy_process_group(self._pg)
+    def destroy(self, timeout_s: float = DESTROY_TIMEOUT_S) -> None:
+        """Leave the group and free it. Every other rank must destroy it at the same time (NCCL's teardown waits
+        for them): past `timeout_s` the communicator is aborted and GroupCloseTimeout is raised. Idempotent."""
+        pg, self._pg = self._pg, None
+        if pg is None or pg not in c10d._world.pg_names:  # an in-process member registers nothing
+            return
+        try:
+            destroy_bounded(pg, timeout_s, f"weight-update group {self.group_name!r} (rank {self.rank} of "
+                                           f"{self.world_size}, {self.backend})")
+        finally:
             release_name(self.group_name)
-        self._pg = None
+

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import pickle
 import shutil
 import threading
@@ -32,9 +33,11 @@ from typing import Sequence
 
 import torch
 
-from slime_spec.engines.client import EngineClient, post_all
+from slime_spec.engines.client import EngineClient, EngineGroupError, post_all
 from slime_spec.weight_sync import protocol
 from slime_spec.weight_sync.gather import Bucket
+
+logger = logging.getLogger(__name__)
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
@@ -90,23 +93,57 @@ class DistributedTransport:
             group_name=self.group_name, selector=selector, weight_version=weight_version,
             flush_cache=False, session=self.session)
         posts = BackgroundCall(lambda: post_all(self.clients, "/update_weights_from_distributed", payload))
+        broken = False
         try:
             for t in tensors:
                 self.group.broadcast(t, src=0)
+        except BaseException:
+            # A member is gone (an engine died mid-sync): a collective with a dead member never completes, so
+            # this side leaves the group now and the next sync forms a new one.
+            broken = True
+            self.group.destroy()
+            raise
         finally:
             posts.join()
+            if broken:
+                self._drop_broken_group()
         return posts.result()
 
-    def close(self) -> None:
-        """Leave the group on every engine; this side's group is dropped even if an engine fails to (a
-        restarted engine has no group any more), and the engine error is raised after."""
-        if self.group is None:
-            return
+    def _drop_broken_group(self) -> None:
+        """After a failed broadcast: the engines leave the group too, and the next sync forms a new one. An engine
+        that is gone, or dropped the group already, cannot leave it: said in the log, the broadcast's error is
+        the one raised."""
+        self.group = None
         try:
             post_all(self.clients, "/destroy_weights_update_group", protocol.destroy_group_payload(self.group_name))
+        except EngineGroupError as e:
+            logger.warning("after a failed broadcast, leaving the weight-update group failed on %d engine(s): %s",
+                           len(e.failures), e)
+
+    def close(self) -> None:
+        """Leave the group here and on every engine at once, as it was formed: NCCL's teardown waits for every
+        rank, so an engine's `/destroy_weights_update_group` returns only once this side destroys too. Both are
+        bounded (dist_group.DESTROY_TIMEOUT_S, or the group's timeout if shorter): GroupCloseTimeout names what
+        did not finish. This side's group is dropped even if an engine fails (a restarted engine has no group any
+        more); the engines' error (EngineGroupError) is raised after."""
+        from slime_spec.dist_group import DESTROY_TIMEOUT_S, GroupCloseTimeout
+
+        if self.group is None:
+            return
+        group, self.group = self.group, None
+        timeout_s = min(self.timeout_s, DESTROY_TIMEOUT_S)
+        posts = BackgroundCall(lambda: post_all(self.clients, "/destroy_weights_update_group",
+                                                protocol.destroy_group_payload(self.group_name)))
+        try:
+            group.destroy(timeout_s)
         finally:
-            self.group.destroy()
-            self.group = None
+            answered = posts.join(timeout_s)
+        if not answered:
+            raise GroupCloseTimeout(
+                f"the engines did not answer /destroy_weights_update_group of group {self.group_name!r} within "
+                f"{timeout_s:g} s (this side left the group): an engine stuck in its teardown or busy elsewhere; "
+                f"restart it, or set NCCL_CUMEM_ENABLE=0 in it (then its teardown waits for no peer)")
+        posts.result()
 
 
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -393,8 +430,10 @@ class BackgroundCall:
         except BaseException as e:  # re-raised in result(), on the caller's thread
             self._error = e
 
-    def join(self) -> None:
-        self._thread.join()
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Wait for the call (at most `timeout_s`); whether it finished."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def result(self):
         if self._error is not None:
