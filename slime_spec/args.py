@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, fields
 
 from slime_spec import flags as F
 from slime_spec.config import (Backend, ClusterConfig, Config, EngineConfig, RolloutConfig, TrainConfig, WandbConfig,
-                               WeightSyncConfig, resolve_global_batch_size, resolve_loss_type, resolve_transport)
+                               WeightSyncConfig, colocated_engine_flags, resolve_global_batch_size, resolve_loss_type,
+                               resolve_rollout_gpus, resolve_transport)
 
 SGLANG_PREFIX = "--sglang-"
 # SGLang flags renamed between releases: old -> new. Applied only when the installed SGLang
@@ -123,9 +124,24 @@ def _split_flag_groups(argv: list[str]) -> list[list[str]]:
     return groups
 
 
+NEAR_MISS_EDITS = 2  # typos; a valid Megatron flag we do not parse is not a near miss of one of ours
+
+
+def _edits(a: str, b: str) -> int:
+    """Levenshtein distance."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
+
+
 def _closest(name: str, options) -> str:
-    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
-    return f"; did you mean {match[0]}?" if match else ""
+    """'; did you mean X?' when `name` is a typo of option X (at most NEAR_MISS_EDITS edits), else ''."""
+    near = [o for o in difflib.get_close_matches(name, list(options), n=3, cutoff=0.8)
+            if _edits(name, o) <= NEAR_MISS_EDITS]
+    return f"; did you mean {near[0]}?" if near else ""
 
 
 def closest_flag(flag: str) -> str:
@@ -223,20 +239,30 @@ def to_config(p: ParsedArgs, refuse_unknown: bool = True) -> Config:
         raise ArgsError("--hf-checkpoint is required: the HF model directory the engines and trainer load")
     if a.optimizer != "adam":
         raise ArgsError(f"--optimizer {a.optimizer}: the trainer implements adam (AdamW) only; use --optimizer adam")
+    backend = resolve_backend(a.rollout_backend)
+    tokens, server_args = list(p.sglang_tokens), dict(p.sglang_set)
+    if backend == "sglang" and a.colocate and not a.debug_rollout_only:
+        extra = colocated_engine_flags(server_args, a.offload_rollout)
+        tokens += extra
+        server_args.update(_parse_sglang(extra, _sglang_options()))
     engine = EngineConfig(
-        backend=resolve_backend(a.rollout_backend), model_path=a.hf_checkpoint,
-        num_gpus_per_engine=a.rollout_num_gpus_per_engine, forwarded_argv=tuple(p.sglang_tokens),
-        server_args=dict(p.sglang_set), seed=a.seed, spec_draft_sampling=a.spec_draft_sampling,
+        backend=backend, model_path=a.hf_checkpoint,
+        num_gpus_per_engine=a.rollout_num_gpus_per_engine, forwarded_argv=tuple(tokens),
+        server_args=server_args, seed=a.seed, spec_draft_sampling=a.spec_draft_sampling,
         spec_auto=a.spec_auto,
     )
     train = from_flags(
         TrainConfig, a, loss_type=resolve_loss_type(a.loss_type),
         global_batch_size=resolve_global_batch_size(a.global_batch_size, a.rollout_batch_size, a.n_samples_per_prompt))
-    weight_sync = from_flags(WeightSyncConfig, a,
-                             weight_sync_transport=resolve_transport(a.weight_sync_transport, a.colocate))
+    transport = a.weight_sync_transport or ("disk" if a.update_weight_transport == "disk" else None)
+    weight_sync = from_flags(WeightSyncConfig, a, weight_sync_transport=resolve_transport(transport, a.colocate),
+                             check_weight_sync=a.check_weight_sync or a.check_weight_update_equal)
+    cluster = from_flags(ClusterConfig, a, rollout_num_gpus=resolve_rollout_gpus(
+        a.rollout_num_gpus, a.colocate, a.actor_num_nodes * a.actor_num_gpus_per_node, backend))
     return from_flags(
-        Config, a, cluster=from_flags(ClusterConfig, a), engine=engine, rollout=from_flags(RolloutConfig, a),
-        train=train, weight_sync=weight_sync, wandb=from_flags(WandbConfig, a),
+        Config, a, cluster=cluster, engine=engine, rollout=from_flags(RolloutConfig, a),
+        train=train, weight_sync=weight_sync,
+        wandb=from_flags(WandbConfig, a, wandb_dir=a.wandb_dir or a.output_dir),  # offline runs land in the run's dir
     )
 
 

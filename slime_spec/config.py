@@ -33,6 +33,33 @@ def resolve_transport(weight_sync_transport: str | None, colocate: bool) -> Tran
     return weight_sync_transport  # type: ignore[return-value]
 
 
+def resolve_rollout_gpus(rollout_num_gpus: int | None, colocate: bool, actor_gpus: int, backend: str) -> int | None:
+    """--rollout-num-gpus, else with --colocate on SGLang every actor GPU (one engine per
+    --rollout-num-gpus-per-engine of them), as slime does."""
+    if rollout_num_gpus is None and colocate and backend == "sglang":
+        return actor_gpus
+    return rollout_num_gpus
+
+
+def colocated_engine_flags(server_args: dict, offload_rollout: bool | None) -> list[str]:
+    """SGLang server flags slime turns on for colocated engines, unless the user set them: the memory saver
+    (so release_memory_occupation frees the GPU for the trainer; off with --no-offload-rollout), the draft's
+    weights kept on the CPU across a release (else they may not survive a release/resume cycle), and, with
+    the memory saver, no prefill CUDA graphs (slime: SGLang's default breakable prefill graphs do not work with
+    the memory saver)."""
+    flags: list[str] = []
+    memory_saver = server_args.get("enable_memory_saver")
+    if memory_saver is None and offload_rollout is not False:
+        flags.append("--enable-memory-saver")
+        memory_saver = True
+    if server_args.get("enable_draft_weights_cpu_backup") is None:
+        flags.append("--enable-draft-weights-cpu-backup")
+    if memory_saver and server_args.get("cuda_graph_backend_prefill") is None \
+            and not server_args.get("disable_prefill_cuda_graph"):
+        flags += ["--cuda-graph-backend-prefill", "disabled"]
+    return flags
+
+
 def resolve_loss_type(loss_type: str) -> LossType:
     """--loss-type as the trainer reads it: slime's sft_loss is the trainer's sft."""
     return "sft" if loss_type in ("sft", "sft_loss") else "policy_loss"
@@ -104,6 +131,7 @@ class RolloutConfig:
     rollout_seed: int = flag_default("rollout_seed")
     rm_type: str | None = flag_default("rm_type")
     custom_rm_path: str | None = flag_default("custom_rm_path")
+    rm_timeout: float | None = flag_default("rm_timeout")  # seconds per sample (rollout/reward_runner.py)
     custom_generate_function_path: str | None = flag_default("custom_generate_function_path")
     num_rollout: int = flag_default("num_rollout")
     rollout_batch_size: int = flag_default("rollout_batch_size")
@@ -156,6 +184,7 @@ class TrainConfig:
     adam_beta2: float = flag_default("adam_beta2")
     adam_eps: float = flag_default("adam_eps")
     clip_grad: float = flag_default("clip_grad")
+    max_consecutive_skipped_steps: int = flag_default("max_consecutive_skipped_steps")  # trainer/finite_guard.py
     global_batch_size: int = resolve_global_batch_size(flag_default("global_batch_size"),
                                                        flag_default("rollout_batch_size"),
                                                        flag_default("n_samples_per_prompt"))
@@ -213,6 +242,7 @@ class Config:
     spec_speedup_interval: int | None = flag_default("spec_speedup_interval")  # see spec_speedup.py
     spec_speedup_repeats: int = flag_default("spec_speedup_repeats")
     spec_speedup_frozen_draft: bool = flag_default("spec_speedup_frozen_draft")
+    skip_eval_before_train: bool = flag_default("skip_eval_before_train")  # slime's: no eval at rollout 0
 
     @property
     def num_engines(self) -> int:

@@ -101,7 +101,6 @@ def sft_warmup(model: Path, rows: list[dict], out: Path, size: dict, seed: int, 
     exactly representable). The demo takes bfloat16 where the CPU multiplies it natively: on the 2-core demo
     machine an SFT step took 0.70 s against 1.01 s in float32, to the same loss after 200 steps (bench/demo_sft.py,
     docs/en/benchmarks.md). GRPO stays float32, as the engines are."""
-    import ray
     from safetensors.torch import save_file
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -123,8 +122,7 @@ def sft_warmup(model: Path, rows: list[dict], out: Path, size: dict, seed: int, 
             bar.set_postfix(loss=f"{m['loss']:.3f}", mtp=f"{m.get('mtp_loss', 0.0):.3f}", refresh=False)
         state = group.hf_state_dict()
     finally:
-        group.shutdown()
-        ray.shutdown()
+        group.shutdown()  # Ray stays up: the GRPO run that follows joins it (one Ray start per demo)
     dst = out / "model_sft"
     dst.mkdir(parents=True, exist_ok=True)
     for f in model.iterdir():

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from slime_spec import flag_checks
+from slime_spec import flag_checks, run_preflight
 from slime_spec import flags as F
 from slime_spec.args import ArgsError, ParsedArgs, closest_flag, parse, sglang_parser, sglang_version, to_config
 from slime_spec.cluster_check import gpu_findings
@@ -36,59 +36,59 @@ def read_hf_config(path: str | None, what: str) -> tuple[dict | None, list[Findi
 
 
 def longest_prompt_tokens(config: Config) -> tuple[int | None, list[Finding]]:
-    """Tokens in the longest prompt of --prompt-data, if both data and tokenizer are local."""
+    """Tokens in the longest prompt of --prompt-data that --rollout-max-prompt-len keeps, if both data and
+    tokenizer are local; every line of the data is checked, and the prompts left out are counted."""
+    from slime_spec.run_preflight import dropped_prompt_findings, prompt_token_counts
+
     r = config.rollout
     if not r.prompt_data:
         return None, []
     if not Path(r.prompt_data).is_file():
         return None, [Rule.PROMPT_DATA_MISSING.finding(path=r.prompt_data)]
-    if not (Path(r.hf_checkpoint) / "tokenizer_config.json").exists() and not (Path(r.hf_checkpoint) / "tokenizer.json").exists():
-        return None, [Rule.PROMPT_LENGTH_UNCHECKED.finding()]
-    from transformers import AutoTokenizer
+    tok, unchecked = None, []
+    if (Path(r.hf_checkpoint) / "tokenizer_config.json").exists() or (Path(r.hf_checkpoint) / "tokenizer.json").exists():
+        from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(r.hf_checkpoint)
-    longest = 0
-    with open(r.prompt_data) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                prompt = json.loads(line)[r.input_key]
-            except (json.JSONDecodeError, KeyError) as e:
-                return None, [Rule.PROMPT_DATA_BAD_LINE.finding(line=line_no, key=r.input_key, error=e)]
-            if r.apply_chat_template:
-                messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-                ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-                n = len(ids["input_ids"] if isinstance(ids, dict) else ids)
-            else:
-                n = len(tok(prompt if isinstance(prompt, str) else json.dumps(prompt))["input_ids"])
-            longest = max(longest, n)
-    if r.rollout_max_prompt_len:
-        longest = min(longest, r.rollout_max_prompt_len)
-    return longest, []
+        tok = AutoTokenizer.from_pretrained(r.hf_checkpoint)
+    else:
+        unchecked = [Rule.PROMPT_LENGTH_UNCHECKED.finding()]
+    counts, findings = prompt_token_counts(config, tok, r.prompt_data)
+    if not counts:
+        return None, findings + unchecked
+    kept = [n for n in counts if not r.rollout_max_prompt_len or n <= r.rollout_max_prompt_len]
+    return (max(kept) if kept else None), dropped_prompt_findings(config, counts)
 
 
 def flag_findings(parsed: ParsedArgs) -> list[Finding]:
-    """Unknown flags, and each parsed flag slime-spec does not act on: accepted (info) or refused (error)."""
+    """Unknown flags, and each parsed flag slime-spec does not act on: refused (an error per flag) or accepted
+    (info, one line per reason listing its flags, so a slime script's many Megatron knobs read in a few lines)."""
     ns = parsed.namespace
-    out = []
+    out: list[Finding] = []
+    harmless: dict[str, list[str]] = {}
     for dest in sorted(parsed.set_flags - F.ACTED_ON):
         ignored, value, flag = F.NOT_ACTED_ON[dest], getattr(ns, dest), "--" + dest.replace("_", "-")
+        shown = flag if value is True else f"{flag} {_shown_value(value)}"
         if ignored.accepted is None:
-            out.append(Rule.FLAG_NOT_HONOURED.finding(flag=flag, why=ignored.why))
+            harmless.setdefault(ignored.why, []).append(flag)
         elif not ignored.refuses(value):
-            out.append(Rule.FLAG_NOT_HONOURED.finding(flag=f"{flag} {value}", why="this value asks for what "
-                                                      "slime-spec does anyway"))
+            harmless.setdefault("these values ask for what slime-spec does anyway", []).append(shown)
+        elif ignored.covered_by and ignored.covered_by(ns):
+            harmless.setdefault(ignored.covered_why, []).append(flag)
         elif ignored.trainer_only and ns.debug_rollout_only:
-            out.append(Rule.FLAG_NOT_HONOURED.finding(flag=flag, why="no trainer runs with --debug-rollout-only"))
+            harmless.setdefault("no trainer runs with --debug-rollout-only", []).append(flag)
         else:
-            shown = "" if value is True else f" {value}"
-            out.append(Rule.FLAG_NOT_SUPPORTED.finding(flag=flag, value=shown, why=ignored.why, fix=ignored.fix))
+            out.append(Rule.FLAG_NOT_SUPPORTED.finding(flag=flag, value=shown[len(flag):], why=ignored.why,
+                                                       fix=ignored.fix))
+    out += [Rule.FLAG_NOT_HONOURED.finding(flags=", ".join(flags), why=why) for why, flags in harmless.items()]
     for old, new in parsed.renamed:
         out.append(Rule.SGLANG_FLAG_RENAMED.finding(old=old, new=new, version=sglang_version()))
     unknown = Rule.UNKNOWN_FLAG_ALLOWED if ns.allow_unknown_flags else Rule.UNKNOWN_FLAG
     out += [unknown.finding(flag=flag, hint=closest_flag(flag)) for flag in parsed.unknown_flags]
     return out
+
+
+def _shown_value(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def range_findings(parsed: ParsedArgs, config: Config) -> list[Finding]:
@@ -106,6 +106,23 @@ def rm_type_findings(config: Config) -> list[Finding]:
     if r.rm_type is None or r.custom_rm_path or r.rm_type in RM_TYPES:
         return []
     return [Rule.RM_TYPE_UNKNOWN.finding(name=r.rm_type, known=", ".join(RM_TYPES))]
+
+
+MEGATRON_LATEST = "latest_checkpointed_iteration.txt"  # Megatron's checkpoints and slime-spec's name it alike
+
+
+def ref_load_findings(config: Config) -> list[Finding]:
+    """--ref-load, read when the KL loss is on: it must exist and not be a Megatron (torch_dist) checkpoint,
+    which slime's scripts pass and the trainer here cannot read."""
+    t = config.train
+    if config.debug_rollout_only or not t.use_kl_loss or not t.ref_load:
+        return []
+    path = Path(t.ref_load)
+    if not path.exists():
+        return [Rule.REF_LOAD_UNREADABLE.finding(path=path, problem="does not exist")]
+    if (path / MEGATRON_LATEST).is_file() and not any(path.glob("iter_*/tp_rank_*.pt")):
+        return [Rule.REF_LOAD_UNREADABLE.finding(path=path, problem="is a Megatron (torch_dist) checkpoint")]
+    return []
 
 
 def embedded_flag_findings(config: Config) -> list[Finding]:
@@ -141,7 +158,8 @@ def diagnose(parsed: ParsedArgs, launching: bool = False) -> tuple[Config | None
     findings += f1 + f2
     longest, f3 = longest_prompt_tokens(config) if target is not None else (None, [])
     findings += f3
-    model_flags = {d: getattr(parsed.namespace, d) for d in F.MODEL_SHAPE_FLAGS if d in parsed.set_flags}
+    model_flags = {d: getattr(parsed.namespace, d) for d in (*F.MODEL_SHAPE_FLAGS, "multi_latent_attention")
+                   if d in parsed.set_flags}
     findings += run_checks(CheckInput(
         sglang=config.engine.server_args, backend=config.engine.backend, sglang_version=sglang_version(),
         target_config=target, draft_config=draft, enable_mtp_training=config.train.enable_mtp_training,
@@ -154,10 +172,13 @@ def diagnose(parsed: ParsedArgs, launching: bool = False) -> tuple[Config | None
         history_max_tokens=config.rollout.rollout_history_max_tokens,
         prompts_per_rollout=config.rollout.rollout_batch_size,
         spec_draft_sampling=config.engine.spec_draft_sampling, spec_auto=config.engine.spec_auto,
+        weight_sync_transport=config.weight_sync.weight_sync_transport,
     ), F.MODEL_SHAPE_FLAGS)
-    findings += flag_findings(parsed) + embedded_flag_findings(config) + rm_type_findings(config)
+    findings += (flag_findings(parsed) + embedded_flag_findings(config) + rm_type_findings(config)
+                 + ref_load_findings(config))
     ranges = range_findings(parsed, config)
     findings += ranges + (gpu_findings(config, launching) if not ranges else [])
+    findings += run_preflight.output_findings(config) + run_preflight.resume_findings(config)
     if config.engine.backend == "embedded" and parsed.namespace.rollout_backend is None:
         findings.append(Rule.BACKEND_EMBEDDED.finding())
     return config, findings

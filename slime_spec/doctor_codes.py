@@ -161,7 +161,19 @@ class Rule(Enum):
         "SPEC_CONTEXT_LENGTH", "error",
         "the longest prompt ({prompt} tokens) plus --rollout-max-response-len ({response}) needs {need} positions "
         "but the context length is {ctx}",
-        "lower --rollout-max-response-len to {fit}, set --rollout-max-prompt-len to filter long prompts, or use a "
+        "lower --rollout-max-response-len to {fit}, set --rollout-max-prompt-len {limit} to leave the longer prompts "
+        "out (the run counts them), or use a model with a longer context")
+    SPEC_CONTEXT_RESPONSE_TOO_LONG = _Entry(
+        "SPEC_CONTEXT_LENGTH", "error",
+        "--rollout-max-response-len {response} alone reaches the context length {ctx}: no prompt fits beside it "
+        "(the longest needs {need} positions)",
+        "lower --rollout-max-response-len to at most {fit} (the longest prompt then fits), or use a model with a "
+        "longer context")
+    SPEC_CONTEXT_PROMPT_EXCEEDS = _Entry(
+        "SPEC_CONTEXT_LENGTH", "error",
+        "the longest prompt ({prompt} tokens) leaves no room for a response in the context length {ctx} "
+        "(--rollout-max-response-len {response} needs {need} positions); a shorter response cannot help",
+        "--rollout-max-prompt-len {limit} leaves the longer prompts out (the run and doctor count them), or use a "
         "model with a longer context")
     SPEC_FLASHINFER = _Entry(
         "SPEC_FLASHINFER", "warning",
@@ -250,21 +262,22 @@ class Rule(Enum):
         "make MODEL_ARGS match the checkpoint (scripts/models/*.sh) or point --hf-checkpoint at the right model")
     TRAINER_UNSUPPORTED_FAMILY = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
-        "the trainer builds Llama, Qwen2 and MiMo models; this checkpoint is {family} (its weights convert, but "
+        "the trainer builds Llama, Qwen2, Qwen3, Qwen3-MoE and MiMo models; this checkpoint is {family} (its weights convert, but "
         "it cannot be trained yet)",
-        "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / MiMo model")
+        "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / Qwen3 / MiMo model")
     TRAINER_UNSUPPORTED_ROPE = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
         "rope_scaling type {rope_type!r}: the trainer implements plain RoPE and Llama-3.1's 'llama3' scaling only",
-        "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / MiMo model")
+        "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / Qwen3 / MiMo model")
     TRAINER_UNSUPPORTED_ACT = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
         "hidden_act={act!r}: the trainer builds SwiGLU (silu) MLPs only",
-        "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / MiMo model")
+        "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / Qwen3 / MiMo model")
     COLOCATE_MEMORY_SAVER = _Entry(
         "COLOCATE_MEMORY_SAVER", "warning",
-        "--colocate without --sglang-enable-memory-saver: SGLang's release_memory_occupation then frees "
+        "--colocate without SGLang's memory saver (--no-offload-rollout): release_memory_occupation then frees "
         "nothing, and the trainer and the engines compete for GPU memory",
+        "drop --no-offload-rollout (colocated engines then start with --enable-memory-saver, as in slime), or "
         "--sglang-enable-memory-saver")
     COLOCATE_DRAFT_BACKUP = _Entry(
         "COLOCATE_DRAFT_BACKUP", "warning",
@@ -272,6 +285,13 @@ class Rule(Enum):
         "not survive a release/resume cycle and acceptance silently collapses to ~1.0 (slime forces this "
         "switch; watch spec_canary_accept_length after resume too)",
         "--sglang-enable-draft-weights-cpu-backup")
+    SYNC_PIPELINE_PARALLEL = _Entry(
+        "SYNC_PIPELINE_PARALLEL", "error",
+        "{sg}pp-size {pp} with the distributed weight sync: SGLang 0.5.23 joins every scheduler of an engine to the "
+        "weight-update group as rank rank_offset + tp_rank (model_runner_components/weight_updater.py), without its "
+        "pipeline rank, so the {pp} pipeline stages of an engine claim the same ranks and the group cannot form",
+        "{sg}pp-size 1 (an engine's GPUs as tensor parallelism, --rollout-num-gpus-per-engine), or "
+        "--weight-sync-transport disk")
 
     # ---- files and flags (slime_spec.doctor)
     CONFIG_MISSING = _Entry(
@@ -282,15 +302,34 @@ class Rule(Enum):
         "fix or re-download the checkpoint's config.json")
     PROMPT_DATA_MISSING = _Entry(
         "PROMPT_DATA_UNREADABLE", "error", "--prompt-data {path} does not exist", "pass a local JSONL file")
-    PROMPT_DATA_BAD_LINE = _Entry(
-        "PROMPT_DATA_UNREADABLE", "error",
-        "--prompt-data line {line}: no {key!r} field or bad JSON ({error})",
-        "fix the line or set --input-key to the prompt's field name")
+    PROMPT_DATA_INVALID = _Entry(
+        "PROMPT_DATA_UNREADABLE", "error", "{error}",
+        "fix each line named (by its line number and field), or set --input-key / --label-key to the right fields")
+    PROMPTS_DROPPED = _Entry(
+        "PROMPTS_DROPPED", "warning",
+        "--rollout-max-prompt-len {limit} leaves out {dropped} of {total} prompts of --prompt-data (the longest has "
+        "{longest} tokens)",
+        "raise --rollout-max-prompt-len (within the context length) to keep them, or drop them from the file")
+    PROMPTS_ALL_DROPPED = _Entry(
+        "PROMPTS_DROPPED", "error",
+        "--rollout-max-prompt-len {limit} leaves out every one of the {total} prompts of --prompt-data (the longest "
+        "has {longest} tokens)",
+        "raise --rollout-max-prompt-len, or use shorter prompts")
+    OUTPUT_NOT_WRITABLE = _Entry(
+        "OUTPUT_NOT_WRITABLE", "error", "{flag} {path}: {why}; the run would fail at its first write",
+        "choose a directory this user can write, or fix its permissions")
+    OUTPUT_NO_ROOM = _Entry(
+        "OUTPUT_NO_ROOM", "error",
+        "--save {path}: {free} free on its filesystem ({base}), and one checkpoint of this model takes about {need} "
+        "(weights, AdamW state and fp32 masters, estimated from the --hf-checkpoint safetensors)",
+        "free space there, or give a --save on a filesystem with room")
+    CHECKPOINT_WOULD_OVERWRITE = _Entry(
+        "CHECKPOINT_WOULD_OVERWRITE", "error", "{error}", "as the message says")
     PROMPT_LENGTH_UNCHECKED = _Entry(
         "PROMPT_LENGTH_UNCHECKED", "info", "no tokenizer next to --hf-checkpoint; prompt lengths not checked")
     ARGS_ERROR = _Entry("ARGS_ERROR", "error", "{error}")
     FLAG_NOT_HONOURED = _Entry(
-        "FLAG_NOT_HONOURED", "info", "{flag} is accepted and has no effect here: {why}")
+        "FLAG_NOT_HONOURED", "info", "accepted, no effect here ({why}): {flags}")
     FLAG_NOT_SUPPORTED = _Entry(
         "FLAG_NOT_SUPPORTED", "error", "{flag}{value}: not supported here ({why}); the run would not be the one "
         "you asked for", "{fix}")
@@ -299,7 +338,8 @@ class Rule(Enum):
         "{old} does not exist in SGLang {version}; it was renamed and is forwarded as {new}",
         "write {new} in SGLANG_ARGS")
     UNKNOWN_FLAG = _Entry(
-        "UNKNOWN_FLAG", "error", "{flag} is not a flag slime-spec knows{hint}",
+        "UNKNOWN_FLAG", "error", "{flag} is not a flag slime-spec knows (it parses slime's flags and the Megatron "
+        "flags of slime's scripts){hint}",
         "fix the spelling, or pass --allow-unknown-flags if it is your own flag")
     UNKNOWN_FLAG_ALLOWED = _Entry(
         "UNKNOWN_FLAG", "warning", "{flag} is not a flag slime-spec knows{hint}; ignored (--allow-unknown-flags)",
@@ -308,6 +348,11 @@ class Rule(Enum):
         "FLAG_OUT_OF_RANGE", "error", "{flag} {value}: {must}", "{fix}")
     FLAG_CONFLICT = _Entry(
         "FLAG_CONFLICT", "error", "{problem}", "{fix}")
+    REF_LOAD_UNREADABLE = _Entry(
+        "REF_LOAD_UNREADABLE", "error", "--ref-load {path} {problem}; the trainer reads the KL reference from an HF "
+        "directory or a slime-spec checkpoint",
+        "--ref-load <the reference model's HF directory>, or drop --ref-load: the reference is then --hf-checkpoint "
+        "(the model slime's scripts convert to torch_dist)")
     RM_TYPE_UNKNOWN = _Entry(
         "RM_TYPE_UNKNOWN", "error", "--rm-type {name!r} is not a reward function slime-spec has (it has {known})",
         "--rm-type with one of {known}, or --custom-rm-path <module.fn> for your own")

@@ -1,7 +1,8 @@
 """The slime-compatible flag table: the one place each flag's name, type and default is written.
 
-slime's own parser is Megatron's plus slime's; we keep the flags slime users write in their
-scripts. `ACTED_ON` lists what slime-spec actually uses; `NOT_ACTED_ON` says, for every other
+slime's own parser is Megatron's plus slime's; every flag of slime's train.py and every Megatron flag of
+slime's scripts parses (those slime-spec never acts on are in `flags_upstream.py`, merged here).
+`ACTED_ON` lists what slime-spec actually uses; `NOT_ACTED_ON` says, for every other
 flag, whether ignoring it is harmless here (doctor: an info finding saying why) or would silently
 change what the user gets (doctor: FLAG_NOT_SUPPORTED, with the fix). A flag outside the table
 stops the run unless `--allow-unknown-flags`. The typed configs (`config.py`) take their defaults
@@ -10,7 +11,15 @@ from here through `default`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+
+from slime_spec import flags_upstream as U
+from slime_spec.flags_upstream import FROM_CONFIG_JSON as _FROM_CONFIG_JSON
+from slime_spec.flags_upstream import MEGATRON_PERF as _MEGATRON_PERF
+from slime_spec.flags_upstream import EXTENSION_FIX as _EXTENSION_FIX
+from slime_spec.flags_upstream import Ignored
+from slime_spec.flags_upstream import refused as _refused
+from slime_spec.flags_upstream import trainer as _trainer
 
 # (flag, argparse kwargs). `type` defaults to str; `action="store_true"` for switches.
 _I, _F = {"type": int}, {"type": float}
@@ -25,6 +34,9 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--rollout-num-gpus-per-node", {**_I, "default": None}),
         ("--colocate", _ON),
         ("--offload", _ON),
+        ("--offload-rollout", {"action": argparse.BooleanOptionalAction, "default": None,
+                               "help": "with --colocate (default on, as slime): the engines start with SGLang's "
+                                       "memory saver and release their GPU memory while the trainer runs"}),
     ],
     "checkpoints": [
         ("--hf-checkpoint", {"default": None}),
@@ -46,6 +58,9 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--rollout-seed", {**_I, "default": 42}),
         ("--rm-type", {"default": None}),
         ("--custom-rm-path", {"default": None}),
+        ("--rm-timeout", {**_F, "default": 300.0,
+                          "help": "seconds one sample's reward may take; past it (or when the reward raises or is not "
+                                  "a finite number) the sample is left out of training and counted in reward_failures"}),
         ("--custom-generate-function-path", {"default": None}),
         ("--num-rollout", {**_I, "default": 1}),
         ("--num-epoch", {**_I, "default": None}),
@@ -66,7 +81,7 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--dynamic-sampling-filter-path", {"default": None}),
         ("--partial-rollout", _ON),
         ("--balance-data", _ON),
-        ("--sglang-server-concurrency", {**_I, "default": 64}),
+        ("--sglang-server-concurrency", {**_I, "default": 512}),
         ("--sglang-router-ip", {"default": None}),
         ("--sglang-router-port", {**_I, "default": None}),
         ("--use-sglang-router", _ON),
@@ -84,6 +99,7 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--eval-temperature", {**_F, "default": None}),
         ("--eval-top-p", {**_F, "default": None}),
         ("--eval-top-k", {**_I, "default": None}),
+        ("--skip-eval-before-train", {**_ON, "help": "no eval before the first step (slime's switch)"}),
     ],
     "grpo": [
         ("--advantage-estimator", {"default": "grpo", "choices": ["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]}),
@@ -93,7 +109,7 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--eps-clip-c", {**_F, "default": None}),
         ("--use-kl-loss", _ON),
         ("--kl-loss-coef", {**_F, "default": 0.0}),
-        ("--kl-loss-type", {"default": "low_var_kl", "choices": ["kl", "k1", "k2", "k3", "low_var_kl"]}),
+        ("--kl-loss-type", {"default": "k1", "choices": ["kl", "k1", "k2", "k3", "low_var_kl"]}),
         ("--kl-coef", {**_F, "default": 0.0}),
         ("--entropy-coef", {**_F, "default": 0.0}),
         ("--normalize-advantages", _ON),
@@ -110,6 +126,10 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--adam-beta2", {**_F, "default": 0.999}),
         ("--adam-eps", {**_F, "default": 1e-8}),
         ("--clip-grad", {**_F, "default": 1.0}),
+        ("--max-consecutive-skipped-steps", {**_I, "default": 3,
+                                             "help": "ours: an optimizer step whose loss or gradient norm is not finite "
+                                                     "is skipped (as Megatron skips it); after this many in a row the "
+                                                     "run stops naming what was not finite (0: never stop)"}),
         ("--optimizer-cpu-offload", _ON),
         ("--overlap-cpu-optimizer-d2h-h2d", _ON),
         ("--use-precision-aware-optimizer", _ON),
@@ -231,10 +251,13 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--weight-sync-transport", {"default": None, "choices": ["distributed", "tensor", "disk"],
                                      "help": "default: distributed when engines are separate, tensor with --colocate"}),
         ("--check-weight-sync", _ON),
+        ("--update-weight-transport", {"default": None, "choices": ["nccl", "disk"],
+                                       "help": "slime's name: nccl = --weight-sync-transport's default, disk = disk"}),
+        ("--check-weight-update-equal", {**_ON, "help": "slime's name of --check-weight-sync"}),
         ("--weight-sync-check-interval", {**_I, "default": 25,
                                           "help": "read back the engines' checksums of every served weight after every "
-                                                  "N-th sync (1: every sync); the embedded engine's coverage is checked "
-                                                  "by names after every other sync. A failed sync can verify which "
+                                                  "N-th sync (1: every sync); in between only an external draft's own "
+                                                  "weights are checked. A failed sync can verify which "
                                                   "engines serve the previous weights only after a checksummed one. "
                                                   "Default from measurement (docs/en/weight-sync.md)"}),
         ("--engine-start-timeout", {**_F, "default": 1800.0,
@@ -283,7 +306,14 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
             "--custom-megatron-before-train-step-hook-path", "--custom-update-weight-post-write-path",
             "--custom-config-path", "--megatron-config-path")
     ],
+    **U.GROUPS,
 }
+
+
+def data_parallel_size(ns) -> int:
+    """The trainer's data-parallel size: actor GPUs / --tensor-model-parallel-size (0 when they do not divide)."""
+    gpus, tp = ns.actor_num_nodes * ns.actor_num_gpus_per_node, ns.tensor_model_parallel_size
+    return gpus // tp if tp >= 1 and gpus % tp == 0 else 0
 
 
 def dest(flag: str) -> str:
@@ -316,7 +346,7 @@ ACTED_ON = {
     "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine", "colocate",
     "hf_checkpoint", "load", "save", "ref_load", "save_interval",
     "prompt_data", "input_key", "label_key", "apply_chat_template", "rollout_shuffle", "rollout_seed", "rm_type",
-    "custom_rm_path", "custom_generate_function_path", "num_rollout", "rollout_batch_size", "n_samples_per_prompt",
+    "custom_rm_path", "rm_timeout", "max_consecutive_skipped_steps", "custom_generate_function_path", "num_rollout", "rollout_batch_size", "n_samples_per_prompt",
     "rollout_max_response_len", "rollout_max_prompt_len", "rollout_temperature", "rollout_top_p", "rollout_top_k",
     "rollout_stop", "rollout_stop_token_ids", "rollout_skip_special_tokens", "global_batch_size", "micro_batch_size",
     "sglang_server_concurrency", "use_sglang_router",
@@ -326,7 +356,8 @@ ACTED_ON = {
     "advantage_estimator", "loss_type", "eps_clip", "eps_clip_high", "use_kl_loss", "kl_loss_coef", "kl_loss_type",
     "entropy_coef", "optimizer", "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed",
     "use_wandb", "wandb_project", "wandb_group", "wandb_key", "wandb_dir", "wandb_host", "wandb_team", "wandb_mode",
-    "wandb_run_id",
+    "wandb_run_id", "offload_rollout", "update_weight_transport", "check_weight_update_equal",
+    "skip_eval_before_train",
     "debug_rollout_only", "debug_train_only", "save_debug_rollout_data", "load_debug_rollout_data",
     "mtp_num_layers", "enable_mtp_training", "mtp_loss_scaling_factor", "mtp_unroll_steps",
     "enable_draft_training", "draft_lr", "draft_ttt_steps",
@@ -344,37 +375,6 @@ ACTED_ON = {
 }
 
 
-
-@dataclass(frozen=True)
-class Ignored:
-    """A parsed flag slime-spec does not act on, and what ignoring it means.
-
-    A value in `accepted` (every value when `accepted` is None) changes nothing here: doctor reports it
-    as info with `why`. Any other value would silently change what the user gets: doctor refuses it
-    (FLAG_NOT_SUPPORTED) with `why` and `fix`. `trainer_only` flags mean nothing with --debug-rollout-only.
-    """
-
-    why: str
-    fix: str = ""
-    accepted: tuple | None = None
-    trainer_only: bool = False
-
-    def refuses(self, value) -> bool:
-        return self.accepted is not None and value not in self.accepted
-
-
-def _refused(why: str, fix: str, accepted: tuple = (None, False), trainer_only: bool = False) -> Ignored:
-    return Ignored(why, fix, accepted, trainer_only)
-
-
-def _trainer(why: str, fix: str, accepted: tuple = (None, False)) -> Ignored:
-    return Ignored(why, fix, accepted, trainer_only=True)
-
-
-_FROM_CONFIG_JSON = Ignored("the trainer builds the model from --hf-checkpoint's config.json (Llama, Qwen2, MiMo)")
-_MEGATRON_PERF = Ignored("a Megatron memory/speed knob: it does not change the update, and the trainer here "
-                           "does not implement it")
-_EXTENSION_FIX = "drop it; slime-spec has no such hook"
 
 NOT_ACTED_ON: dict[str, Ignored] = {
     # cluster and checkpoints
@@ -399,9 +399,14 @@ NOT_ACTED_ON: dict[str, Ignored] = {
                                              "--custom-rm-path"),
     "partial_rollout": _refused("partial rollout (resuming cut-off samples in the next rollout) is not "
                                 "implemented", "drop --partial-rollout; every sample finishes in its rollout"),
-    "balance_data": _trainer("without --max-tokens-per-gpu samples are split over data-parallel ranks in "
-                             "order, not balanced by tokens", "drop --balance-data and set --max-tokens-per-gpu "
-                             "(packed micro-batches, balanced by tokens over data-parallel ranks)"),
+    "balance_data": Ignored("without --max-tokens-per-gpu the samples of a step are dealt to the data-parallel "
+                            "ranks in order, not balanced by tokens", "add --max-tokens-per-gpu N (packed "
+                            "micro-batches; each step's samples balanced by tokens over the data-parallel ranks)",
+                            accepted=(None, False), trainer_only=True, covered_by=lambda ns: bool(
+                                ns.max_tokens_per_gpu) or data_parallel_size(ns) == 1,
+                            covered_why="the samples are balanced by tokens over the data-parallel ranks already: "
+                                        "with --max-tokens-per-gpu each optimizer step's samples are dealt to them "
+                                        "by tokens (equal counts), and one data-parallel rank has nothing to balance"),
     "sglang_router_ip": _refused("an external router is not used", "drop it; --use-sglang-router starts one"),
     "sglang_router_port": _refused("an external router is not used", "drop it; --use-sglang-router starts one"),
     # GRPO / PPO
@@ -442,10 +447,10 @@ NOT_ACTED_ON: dict[str, Ignored] = {
                                       "ignored, so each rank holds whole sequences and the data-parallel size "
                                       "is not the one you planned", "--context-parallel-size 1",
                                       accepted=(None, 1)),
-    "expert_model_parallel_size": Ignored("the trainer builds dense models only (a MoE checkpoint is refused "
-                                            "by TRAINER_UNSUPPORTED_MODEL)"),
-    "expert_tensor_parallel_size": Ignored("the trainer builds dense models only (a MoE checkpoint is refused "
-                                             "by TRAINER_UNSUPPORTED_MODEL)"),
+    "expert_model_parallel_size": Ignored("experts are not laid out over GPUs by expert parallelism here; a "
+                                          "layout, it does not change the update"),
+    "expert_tensor_parallel_size": Ignored("experts are not laid out over GPUs by expert parallelism here; a "
+                                           "layout, it does not change the update"),
     "decoder_last_pipeline_num_layers": Ignored("a pipeline layout; pipeline stages are refused separately"),
     "decoder_first_pipeline_num_layers": Ignored("a pipeline layout; pipeline stages are refused separately"),
     "recompute_granularity": _MEGATRON_PERF,
@@ -502,6 +507,7 @@ NOT_ACTED_ON: dict[str, Ignored] = {
     "custom_config_path": _refused("custom functions take no YAML arguments", "--config <file.yaml> for flags"),
     "megatron_config_path": _refused("Megatron roles are not configured from YAML", "--config <file.yaml> "
                                      "with flag names as keys"),
+    **U.NOT_ACTED_ON,
 }
 
 

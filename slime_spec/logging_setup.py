@@ -13,6 +13,11 @@ filter names one message and why it says nothing about this run:
 - transformers, when a plain `PretrainedConfig` (whose model_type is "") reads a checkpoint's
   config.json ("You are using a model of type `mimo` to instantiate a model of type ``"): the generic
   config keeps every key; no model class is built from it.
+- SGLang, when its quantization modules are imported on a machine without CUDA ("Only CUDA, HIP and XPU support
+  AWQ currently", the same for GGUF): slime-spec loads no AWQ or GGUF weights.
+- Ray, on starting a local instance ("Token authentication is enabled for this Ray cluster"): Ray turned on its
+  default protection for the private instance slime-spec starts on the loopback address; nothing to act on.
+  The opposite notice (authentication disabled) still shows.
 """
 
 from __future__ import annotations
@@ -23,12 +28,25 @@ import warnings
 APEX_FALLBACK = r"(Transformer Engine and )?Apex (is|are) not installed"
 APEX_IMPORT_NOTE = r"The following imports from `dynamic_context\.py` will be removed"
 CUDA_GRAPH_SCOPE = r"full scope is deprecated"
+SGLANG_QUANT_NO_CUDA = r"Only CUDA, .* support (AWQ|GGUF)"
 GENERIC_CONFIG_MESSAGE = "to instantiate a model of type ``."
+RAY_TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+RAY_TOKEN_AUTH_ENABLED = "Token authentication is enabled for this Ray cluster"
 
 
-class _DropGenericConfigWarning(logging.Filter):
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return GENERIC_CONFIG_MESSAGE not in record.getMessage()
+        return self.text not in record.getMessage()
+
+
+def _drop(logger_name: str, text: str) -> None:
+    logger = logging.getLogger(logger_name)
+    if not any(isinstance(f, _DropMessage) and f.text == text for f in logger.filters):
+        logger.addFilter(_DropMessage(text))
 
 
 def quiet_known_noise() -> None:
@@ -36,6 +54,6 @@ def quiet_known_noise() -> None:
     warnings.filterwarnings("ignore", message=APEX_FALLBACK, category=UserWarning)
     warnings.filterwarnings("ignore", message=APEX_IMPORT_NOTE, category=DeprecationWarning)
     warnings.filterwarnings("ignore", message=CUDA_GRAPH_SCOPE, category=UserWarning)
-    config_logger = logging.getLogger("transformers.configuration_utils")
-    if not any(isinstance(f, _DropGenericConfigWarning) for f in config_logger.filters):
-        config_logger.addFilter(_DropGenericConfigWarning())
+    warnings.filterwarnings("ignore", message=SGLANG_QUANT_NO_CUDA, category=UserWarning)
+    _drop("transformers.configuration_utils", GENERIC_CONFIG_MESSAGE)
+    _drop(RAY_TOKEN_AUTH_LOGGER, RAY_TOKEN_AUTH_ENABLED)

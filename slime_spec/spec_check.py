@@ -42,6 +42,7 @@ class CheckInput:
     prompts_per_rollout: int = 1    # --rollout-batch-size
     spec_draft_sampling: bool = False  # ours (--spec-draft-sampling): embedded engine only
     spec_auto: bool = False            # ours (--spec-auto): embedded engine only
+    weight_sync_transport: str | None = None  # --weight-sync-transport (None: by --colocate)
 
     @cached_property
     def resolved(self) -> tuple[SpecConfig | None, list[Finding]]:
@@ -98,9 +99,13 @@ def check_context_length(inp: CheckInput) -> list[Finding]:
     if effective and inp.longest_prompt_tokens is not None and inp.max_response_len is not None:
         need = inp.longest_prompt_tokens + inp.max_response_len
         if need > effective:
-            out.append(Rule.SPEC_CONTEXT_PROMPT_TOO_LONG.finding(
+            # a prompt that fills the context leaves nothing a shorter response could fit in: leave it out
+            rule = (Rule.SPEC_CONTEXT_RESPONSE_TOO_LONG if inp.max_response_len >= effective
+                    else Rule.SPEC_CONTEXT_PROMPT_EXCEEDS if inp.longest_prompt_tokens >= effective
+                    else Rule.SPEC_CONTEXT_PROMPT_TOO_LONG)
+            out.append(rule.finding(
                 prompt=inp.longest_prompt_tokens, response=inp.max_response_len, need=need, ctx=effective,
-                fit=max(1, effective - inp.longest_prompt_tokens)))
+                fit=effective - inp.longest_prompt_tokens, limit=max(1, effective - inp.max_response_len)))
     return out
 
 
@@ -219,6 +224,8 @@ def check_model_flags(inp: CheckInput, shape_flags: dict) -> list[Finding]:
                 continue
             msg = f"--untie-embeddings-and-output-weights is {'set' if ours else 'unset'} but config.json has tie_word_embeddings={not hf_val}"
         elif kind == "qkv_bias":
+            if inp.model_flags.get("multi_latent_attention"):
+                continue  # Megatron builds MLA's projections without bias: --add-qkv-bias changes nothing there
             hf_bias = bool(cfg.get("attention_bias", cfg.get("model_type") in ("qwen2", "mimo")))
             if hf_bias == bool(value):
                 continue
@@ -234,11 +241,12 @@ def check_model_flags(inp: CheckInput, shape_flags: dict) -> list[Finding]:
     return out
 
 
-TRAINER_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mimo": "MiMoForCausalLM"}
+TRAINER_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "qwen3_moe": "Qwen3MoeForCausalLM", "mimo": "MiMoForCausalLM"}
 
 
 def check_trainer_support(inp: CheckInput) -> list[Finding]:
-    """The trainer builds Llama, Qwen2 and MiMo with plain or llama3-scaled RoPE and SwiGLU (trainer/model.py)."""
+    """The trainer builds Llama, Qwen2, Qwen3, Qwen3-MoE and MiMo with plain or llama3-scaled RoPE and SwiGLU (trainer/model.py)."""
     cfg = inp.target_config
     if inp.debug_rollout_only or cfg is None:
         return []
@@ -296,6 +304,15 @@ def check_history(inp: CheckInput) -> list[Finding]:
         out.append(Rule.SPEC_HISTORY_CORPUS_BUDGET.finding(per_prompt=inp.history_max_tokens,
                                                            prompts=inp.prompts_per_rollout, budget=corpus))
     return out
+def check_sync_pipeline_parallel(inp: CheckInput) -> list[Finding]:
+    """SGLang joins the weight-update group as rank_offset + tp_rank: pipeline stages of one engine collide."""
+    pp = int(inp.sglang.get("pp_size") or 1)
+    transport = inp.weight_sync_transport or ("tensor" if inp.colocate else "distributed")
+    if pp > 1 and not inp.debug_rollout_only and transport == "distributed":
+        return [Rule.SYNC_PIPELINE_PARALLEL.finding(pp=pp)]
+    return []
+
+
 def check_own_spec_options(inp: CheckInput) -> list[Finding]:
     """Our speculative options exist only in the embedded engine: real SGLang would refuse them at start."""
     own = [flag for flag, on in (("--spec-draft-sampling", inp.spec_draft_sampling), ("--spec-auto", inp.spec_auto))
@@ -322,7 +339,7 @@ def run_checks(inp: CheckInput, shape_flags: dict | None = None) -> list[Finding
     findings: list[Finding] = []
     for check in (check_speculative, check_dtype, check_context_length, check_sglang_version, check_mtp_training,
                   check_draft_training, check_trainer_support, check_history, check_own_spec_options,
-                  check_adaptive_recommended):
+                  check_adaptive_recommended, check_sync_pipeline_parallel):
         findings += check(inp)
     if inp.backend == "sglang":
         findings += check_flashinfer(inp) + check_cuda_graph_bs(inp) + check_colocate(inp)

@@ -1,5 +1,7 @@
+import argparse
 import subprocess
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -143,10 +145,11 @@ def test_config_defaults_are_the_flag_defaults():
     assert config.rollout == RolloutConfig(hf_checkpoint="/m")
     assert config.train == TrainConfig(hf_checkpoint="/m")
     assert config.weight_sync == WeightSyncConfig()
-    assert config.wandb == WandbConfig()
+    wandb = WandbConfig(wandb_dir=flags.default("output_dir"))  # wandb's files: under the run's output dir
+    assert config.wandb == wandb
     assert config == Config(cluster=ClusterConfig(), engine=config.engine, rollout=RolloutConfig(hf_checkpoint="/m"),
                             train=TrainConfig(hf_checkpoint="/m"), weight_sync=WeightSyncConfig(),
-                            wandb=WandbConfig())
+                            wandb=wandb)
     assert config.engine.seed == flags.default("seed") == 1234
     with pytest.raises(KeyError, match="not a flag dest"):
         flags.default("max_concurrency")
@@ -202,3 +205,61 @@ def test_demo_argv_parses_and_passes_doctor(tmp_path, mimo7b, size_name):
     assert parsed.unknown_flags == []
     _, findings = diagnose(parsed, launching=False)
     assert [f for f in findings if f.level == "error"] == []
+
+
+SLIME_FLAGS = (Path(__file__).parent / "data" / "slime_scripts" / "slime_flags.txt").read_text().split()
+
+
+def test_every_flag_of_slime_and_its_scripts_parses_and_is_classified():
+    """slime_flags.txt: every flag of slime's train.py (slime/utils/arguments.py) and every Megatron flag that
+    slime's scripts/*.sh and scripts/models/*.sh pass. Each parses and is acted on or classified."""
+    options = {opt for entries in flags.GROUPS.values() for opt, _ in entries}
+    options |= {"--no-" + opt[2:] for entries in flags.GROUPS.values() for opt, kw in entries
+                if kw.get("action") is argparse.BooleanOptionalAction}
+    assert len(SLIME_FLAGS) > 300 and not [f for f in SLIME_FLAGS if f not in options]
+
+
+def test_did_you_mean_only_for_near_misses_of_our_names(mimo7b):
+    base = ["--hf-checkpoint", str(mimo7b)]
+    assert parse([*base, "--no-rope-fusion", "--no-position-embedding", "--moe-token-drop-policy", "probs"]) \
+        .unknown_flags == []
+    with pytest.raises(ArgsError) as e:  # a valid Megatron flag slime's scripts do not pass: no guess
+        parse_config([*base, "--no-bias-dropout-fusion"])
+    assert "did you mean" not in str(e.value)
+    with pytest.raises(ArgsError, match=r"--hiden-size; did you mean --hidden-size\?"):
+        parse_config([*base, "--hiden-size", "8"])
+
+
+def test_colocate_gets_slimes_engine_defaults(mimo7b):
+    base = ["--hf-checkpoint", str(mimo7b), "--rollout-backend", "sglang", "--colocate", "--actor-num-gpus-per-node",
+            "8", "--rollout-num-gpus-per-engine", "2"]
+    config, _ = parse_config(base)
+    assert config.cluster.rollout_num_gpus == 8 and config.num_engines == 4  # one engine per 2 of the 8 GPUs
+    assert config.engine.forwarded_argv == ("--enable-memory-saver", "--enable-draft-weights-cpu-backup",
+                                            "--cuda-graph-backend-prefill", "disabled")
+    assert config.engine.server_args["enable_memory_saver"] is True
+    config, _ = parse_config([*base, "--no-offload-rollout", "--rollout-num-gpus", "4"])
+    assert config.num_engines == 2 and config.engine.forwarded_argv == ("--enable-draft-weights-cpu-backup",)
+    config, _ = parse_config([*base, "--sglang-cuda-graph-backend-prefill", "full"])  # the user's choice stays
+    assert config.engine.forwarded_argv == ("--cuda-graph-backend-prefill", "full", "--enable-memory-saver",
+                                            "--enable-draft-weights-cpu-backup")
+    for other in (["--debug-rollout-only"], ["--rollout-backend", "embedded"]):
+        config, _ = parse_config([*base, *other])
+        assert config.engine.forwarded_argv == ()
+    config, _ = parse_config(base[:4] + ["--actor-num-gpus-per-node", "8"])  # not colocated: as given
+    assert config.cluster.rollout_num_gpus is None
+
+
+def test_slime_names_of_weight_sync_flags_act(mimo7b):
+    base = ["--hf-checkpoint", str(mimo7b)]
+    config, _ = parse_config([*base, "--check-weight-update-equal", "--update-weight-transport", "disk"])
+    assert config.weight_sync.check_weight_sync and config.weight_sync.weight_sync_transport == "disk"
+    config, _ = parse_config([*base, "--update-weight-transport", "nccl", "--colocate"])
+    assert config.weight_sync.weight_sync_transport == "tensor"  # slime's colocated sync: CUDA tensors, not NCCL
+
+
+def test_wandb_files_go_under_the_output_dir(mimo7b, tmp_path):
+    config, _ = parse_config(["--hf-checkpoint", str(mimo7b), "--output-dir", str(tmp_path / "run")])
+    assert config.wandb.wandb_dir == str(tmp_path / "run")
+    config, _ = parse_config(["--hf-checkpoint", str(mimo7b), "--wandb-dir", str(tmp_path / "w")])
+    assert config.wandb.wandb_dir == str(tmp_path / "w")

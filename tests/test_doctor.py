@@ -66,3 +66,41 @@ def test_embedded_backend_refusals_are_found_before_launch(capsys, mimo7b):
     assert rc == 2 and "--sglang-quantization='fp8'" in f["message"] and "mem-fraction" not in f["message"]
     rc, out = run(capsys, "--hf-checkpoint", str(mimo7b), "--rollout-backend", "sglang", "--sglang-quantization", "fp8")
     assert "EMBEDDED_FLAG_REFUSED" not in {f["code"] for f in out["findings"]}
+
+
+def test_flags_that_change_nothing_read_as_one_line_per_reason(capsys, mimo7b):
+    rc, out = run(capsys, "--hf-checkpoint", str(mimo7b), "--rollout-backend", "embedded", "--recompute-granularity",
+                  "full", "--recompute-method", "uniform", "--sequence-parallel", "--attention-dropout", "0.0",
+                  "--pipeline-model-parallel-size", "1", "--no-rope-fusion")
+    assert rc == 0
+    lines = [f["message"] for f in out["findings"] if f["code"] == "FLAG_NOT_HONOURED"]
+    assert len(lines) == 2, lines
+    knobs = next(m for m in lines if "Megatron memory/speed knob" in m)
+    assert knobs.endswith("--no-rope-fusion, --recompute-granularity, --recompute-method, --sequence-parallel")
+    assert any(m.endswith("--attention-dropout 0.0, --pipeline-model-parallel-size 1") for m in lines)
+
+
+def test_balance_data_is_refused_only_where_nothing_balances_by_tokens(capsys, mimo7b):
+    two_ranks = ["--hf-checkpoint", str(mimo7b), "--rollout-backend", "embedded", "--actor-num-gpus-per-node", "2",
+                 "--balance-data", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2"]
+    rc, out = run(capsys, *two_ranks)
+    assert rc == 2 and [f["fix"] for f in out["findings"] if f["code"] == "FLAG_NOT_SUPPORTED"] == [
+        "add --max-tokens-per-gpu N (packed micro-batches; each step's samples balanced by tokens over the "
+        "data-parallel ranks)"]
+    for enough in (["--max-tokens-per-gpu", "4096"], ["--actor-num-gpus-per-node", "1"]):
+        rc, out = run(capsys, *two_ranks, *enough)
+        assert not [f for f in out["findings"] if f["level"] == "error"], out["findings"]
+
+
+def test_ref_load_must_be_readable_by_the_trainer(capsys, mimo7b, tmp_path):
+    base = ["--hf-checkpoint", str(mimo7b), "--rollout-backend", "embedded", "--use-kl-loss"]
+    rc, out = run(capsys, *base, "--ref-load", str(tmp_path / "nope"))
+    assert rc == 2 and "does not exist" in next(f for f in out["findings"] if f["code"] == "REF_LOAD_UNREADABLE")["message"]
+    torch_dist = tmp_path / "Model_torch_dist"
+    (torch_dist / "iter_0000000").mkdir(parents=True)
+    (torch_dist / "latest_checkpointed_iteration.txt").write_text("release")
+    rc, out = run(capsys, *base, "--ref-load", str(torch_dist))
+    assert rc == 2 and "Megatron (torch_dist)" in next(
+        f for f in out["findings"] if f["code"] == "REF_LOAD_UNREADABLE")["message"]
+    rc, out = run(capsys, *base, "--ref-load", str(mimo7b))
+    assert rc == 0

@@ -144,11 +144,20 @@ def test_trainer_unsupported_model_unless_rollout_only():
 
 def test_colocated_sglang_needs_memory_saver_and_draft_backup():
     found = codes(sglang=mtp(), colocate=True)
-    assert found["COLOCATE_MEMORY_SAVER"].fix == "--sglang-enable-memory-saver"
+    assert found["COLOCATE_MEMORY_SAVER"].fix.startswith("drop --no-offload-rollout")
     assert "collapses" in found["COLOCATE_DRAFT_BACKUP"].message
     ok = mtp(enable_memory_saver=True, enable_draft_weights_cpu_backup=True)
     assert not {"COLOCATE_MEMORY_SAVER", "COLOCATE_DRAFT_BACKUP"} & set(codes(sglang=ok, colocate=True))
     assert "COLOCATE_MEMORY_SAVER" not in codes(sglang=mtp(), colocate=True, backend="embedded")
+
+
+def test_pipeline_parallel_engines_cannot_join_the_distributed_weight_sync():
+    """SGLang 0.5.23 joins the weight-update group as rank_offset + tp_rank: two pipeline stages, one rank."""
+    found = codes(sglang=mtp(pp_size=2))
+    assert found["SYNC_PIPELINE_PARALLEL"].level == "error" and "rank_offset + tp_rank" in found["SYNC_PIPELINE_PARALLEL"].message
+    assert "SYNC_PIPELINE_PARALLEL" not in codes(sglang=mtp(pp_size=2), weight_sync_transport="disk")
+    assert "SYNC_PIPELINE_PARALLEL" not in codes(sglang=mtp(pp_size=2), debug_rollout_only=True)  # no sync
+    assert "SYNC_PIPELINE_PARALLEL" not in codes(sglang=mtp(pp_size=1))
 
 
 def test_version_suffixes_do_not_bleed_into_the_patch_number():

@@ -109,39 +109,32 @@ def _fmt(v) -> str:
 
 
 def format_metrics_line(m: dict) -> str:
-    """One readable console line per rollout, with a per-engine accept-length tail."""
-    parts = [f"rollout {m['rollout_id']}: {m['num_samples']} samples", f"{m['response_tokens']} tokens",
-             f"{m['rollout_time_s']:.2f}s", f"{m['tokens_per_s']:.1f} tok/s",
-             f"accept_len {_fmt(m['spec_accept_length'])} (token-weighted {_fmt(m['spec_accept_length_token_weighted'])})",
-             f"accept_rate {_fmt(m['spec_accept_rate'])}", f"verify {m['spec_verify_ct']}",
-             f"truncated {m['truncated_ratio']:.0%}", f"reward {_fmt(m['reward_mean'])}",
-             f"restarts {m['engine_restarts']}"]
-    if m["aborted"]:
+    """One console line per rollout that reads at a glance; every other key (per-engine accept lengths, time
+    shares, token-weighted accept length, verify counts, ...) is in the metrics JSONL."""
+    parts = [f"rollout {m['rollout_id']}", f"reward {_fmt(m['reward_mean'])}"]
+    if m.get("truncated_ratio"):
+        parts.append(f"truncated {m['truncated_ratio']:.0%}")
+    if m.get("spec_verify_ct"):  # speculative decoding ran
+        parts.append(f"accept_len {m['spec_accept_length']:.2f}")
+    parts.append(f"{m['num_samples']} samples, {m['tokens_per_s']:.0f} tok/s, {m['rollout_time_s']:.1f}s")
+    if m.get("aborted"):
         parts.append(f"ABORTED {m['aborted']}")
-    if m.get("time_share_engine") is not None:
-        phases = " ".join(f"{p} {m[f'time_share_{p}']:.0%}" for p in SPEC_PHASES if f"time_share_{p}" in m)
-        parts.append(f"time: engine {m['time_share_engine']:.0%}" + (f" ({phases})" if phases else "")
-                     + f", outside (HTTP, queues) {m['time_share_outside_engine']:.0%}")
-    engines = sorted({k.split("/")[0] for k in m if k.startswith("engine_") and "/" in k})
-    if engines:
-        parts.append("per engine accept_len " + " ".join(
-            f"{e[len('engine_'):]}:{_fmt(m[f'{e}/spec_accept_length'])}" for e in engines))
+    if m.get("engine_restarts"):
+        parts.append(f"engine restarts {m['engine_restarts']}")
     return " | ".join(parts)
 
 
 def format_speedup(m: dict) -> str | None:
-    """The `--spec-speedup-interval` measurement of a step, or None when the step has none."""
+    """The `--spec-speedup-interval` measurement of a step in a few words, or None when the step has none (its
+    accept lengths and rates, passes and token counts are in the metrics JSONL)."""
     if m.get("spec_speedup") is None:
         return None
     passes = m.get("spec_speedup_passes") or 1
     median = f", median of {passes} passes" if passes > 1 else ""
-    line = (f"spec_speedup {m['spec_speedup']:.2f}x (plain {m['spec_speedup_plain_s']:.2f}s / speculative "
-            f"{m['spec_speedup_spec_s']:.2f}s on the same prompts{median}, accept_len "
-            f"{m['spec_speedup_accept_length']:.2f})")
+    line = f"spec_speedup {m['spec_speedup']:.2f}x ({m['spec_speedup_plain_s']:.2f}s plain / " \
+           f"{m['spec_speedup_spec_s']:.2f}s speculative{median})"
     if m.get("spec_speedup_frozen") is not None:
-        line += (f" | draft frozen {m['spec_speedup_frozen']:.2f}x ({m['spec_speedup_frozen_s']:.2f}s, accept_len "
-                 f"{m['spec_speedup_frozen_accept_length']:.2f}, accept_rate "
-                 f"{_fmt(m.get('spec_speedup_frozen_accept_rate'))} vs {_fmt(m.get('spec_speedup_accept_rate'))})")
+        line += f", draft frozen {m['spec_speedup_frozen']:.2f}x"
     return line
 
 
@@ -173,7 +166,7 @@ TRAIN_KEYS = {"loss", "pg_loss", "kl", "clip_fraction", "entropy", "mtp_loss", "
 STEP_METRICS = (("rollout/step", ("rollout/*", "perf/*")), ("train/step", ("train/*",)), ("eval/step", ("eval/*",)))
 
 
-def _eval_name(key: str) -> str:
+def eval_key(key: str) -> str:
     """`eval/<name>/reward_mean` -> `eval/<name>` (slime's eval reward), `.../truncated_ratio` ->
     `eval/<name>-truncated_ratio`; other eval keys keep their name."""
     head, _, metric = key.rpartition("/")
@@ -201,7 +194,7 @@ def slime_log_keys(step: dict, train_steps_per_rollout: int = 1) -> dict:
         elif key in TRAIN_KEYS:
             out[f"train/{key}"] = value
         elif key.startswith("eval/"):
-            out[_eval_name(key)] = value
+            out[eval_key(key)] = value
         elif key.startswith("spec_speedup"):  # a timing, as slime's perf/ keys
             out[f"perf/{key}"] = value
         else:
@@ -252,6 +245,8 @@ class WandbLogger:
         if cfg.wandb_key and mode == "online":
             wandb.login(key=cfg.wandb_key, host=cfg.wandb_host, relogin=True)
         self.train_steps_per_rollout = train_steps_per_rollout
+        if cfg.wandb_dir:  # wandb writes its files (offline runs too) under <dir>/wandb
+            os.makedirs(cfg.wandb_dir, exist_ok=True)
         self.run = wandb.init(entity=cfg.wandb_team, project=cfg.wandb_project or "slime-spec", group=cfg.wandb_group,
                               dir=cfg.wandb_dir, mode=mode, id=cfg.wandb_run_id,
                               resume="allow" if cfg.wandb_run_id else None, config=run_config or {},

@@ -1,4 +1,8 @@
-"""Rewards: `--rm-type exact_match | math | deepscaler | scratchpad | scratchpad_concise` or a user function (`--custom-rm-path`).
+"""Rewards: `--rm-type deepscaler | math | exact_match | math_lenient | scratchpad | scratchpad_concise` or a user
+function (`--custom-rm-path`).
+
+`deepscaler` and `math` are slime's graders under slime's names and give slime's reward for the same response and
+label (rollout/math_grader.py). The others are slime-spec's own.
 
 A custom reward function is loaded by dotted path `package.module.function` and called once per
 sample, after generation, with the finished `Sample` (prompt, response, label, tokens, status,
@@ -20,6 +24,7 @@ from typing import Awaitable, Callable
 
 from slime_spec.config import RolloutConfig
 from slime_spec.demo_task import terse_solution
+from slime_spec.rollout import math_grader
 from slime_spec.rollout.sample import Sample, Status
 
 def load_function(path: str, flag: str) -> Callable:
@@ -37,7 +42,26 @@ def load_function(path: str, flag: str) -> Callable:
     return fn
 
 
-# ---- the math answer checker ----
+# ---- slime's math graders ----
+
+def _need_label(rm_type: str, label) -> None:
+    if label is None:
+        raise ValueError(f"--rm-type {rm_type} needs a label: set --label-key to the answer field of --prompt-data")
+
+
+def deepscaler_reward(response: str, label) -> float:
+    """slime's `deepscaler`: the boxed answer after `</think>`, graded as slime grades (math_grader.py)."""
+    _need_label("deepscaler", label)
+    return math_grader.deepscaler_reward(response, label)
+
+
+def slime_math_reward(response: str, label) -> float:
+    """slime's `math`: the response's last boxed answer, graded as slime grades (math_grader.py)."""
+    _need_label("math", label)
+    return math_grader.math_reward(response, label)
+
+
+# ---- slime-spec's lenient math checker (`math_lenient`) ----
 
 def _last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} (or \\fbox{...}), braces balanced."""
@@ -99,20 +123,23 @@ def normalize_answer(ans: str) -> str:
 
 
 def math_reward(response: str, label: str | None) -> float:
-    """1.0 when the response's final answer equals the label after normalisation, else 0.0."""
+    """`math_lenient`: 1.0 when the response's final answer (boxed, else 'the answer is X', else the last number)
+    equals the label after normalisation, else 0.0. For models that do not box their answers."""
     if label is None:
-        raise ValueError("--rm-type math needs a label: set --label-key to the answer field of --prompt-data")
+        raise ValueError("--rm-type math_lenient needs a label: set --label-key to the answer field of --prompt-data")
     pred = extract_answer(response)
     if pred is None:
         return 0.0
+    label = str(label)
     gold = _last_boxed(label) or label
     return float(normalize_answer(pred) == normalize_answer(gold))
 
 
 def exact_match_reward(response: str, label: str | None) -> float:
     if label is None:
-        raise ValueError("--rm-type exact_match needs a label: set --label-key")
-    return float(response.strip() == label.strip())
+        raise ValueError("--rm-type exact_match needs a label and this sample has none: set --label-key to the "
+                         "label field of --prompt-data")
+    return float(response.strip() == str(label).strip())
 
 
 SCRATCHPAD_STEP_CREDIT = 0.2
@@ -159,8 +186,9 @@ def scratchpad_concise_reward(response: str, label: str | None) -> float:
     return base - min(SCRATCHPAD_MAX_LENGTH_COST, SCRATCHPAD_CHAR_COST * extra)
 
 
-RULES = {"exact_match": exact_match_reward, "math": math_reward, "deepscaler": math_reward,
-         "scratchpad": scratchpad_reward, "scratchpad_concise": scratchpad_concise_reward}
+RULES = {"deepscaler": deepscaler_reward, "math": slime_math_reward, "exact_match": exact_match_reward,
+         "math_lenient": math_reward, "scratchpad": scratchpad_reward,
+         "scratchpad_concise": scratchpad_concise_reward}
 RM_TYPES = tuple(RULES)
 
 
