@@ -7,6 +7,7 @@ from safetensors.torch import load_file
 from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
 from slime_spec.spec import resolve_or_raise
 from slime_spec.tiny_model import make_tiny_model
+from tests.helpers.engine_runs import run_to_completion
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +21,7 @@ def ckpts(tmp_path_factory):
 
 
 def run(engine, *requests):
-    for r in requests:
-        engine.add_request(r)
-    outs = {}
-    while engine.has_work():
-        for o in engine.step():
-            outs[o.rid] = o
-    return outs
+    return run_to_completion(engine, requests)
 
 
 def greedy(rid, ids, n=40, **kw):

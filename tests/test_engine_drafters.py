@@ -10,6 +10,7 @@ from slime_spec.spec import resolve_or_raise
 from slime_spec.engine.model import load_model
 from slime_spec.tiny_model import make_tiny_model
 from slime_spec.engine.sampling import chi_square_pvalue
+from tests.helpers.engine_runs import DEVICES, assert_logprobs_equal_a_full_forward
 
 PROMPTS = ["hello world", "the cat sat on the mat. the cat sat on the", "a", "1 2 3 4 5 6 7 8 1 2 3",
            "abcabcabcabcabc", "Q: why? A:", "xyz " * 8, "no", "repeat repeat repeat repeat", "!", "tail end",
@@ -182,27 +183,14 @@ def test_mtp_only_update_changes_acceptance_not_greedy_output(ckpts):
     assert [again[r].spec_accept_token_num for r in after] == [after[r].spec_accept_token_num for r in after]
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                               reason="needs a CUDA device (runs on the GPU machine)"))]
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_logprobs_under_speculation_equal_a_full_forward(ckpts, device):
     """On CUDA the engine replays CUDA graphs (float32 here: the tolerance is float32's, 1e-3 for GPU kernels)."""
     engine = EngineCore(str(ckpts["llama"]), SpecConfig("STANDALONE", 2, 1, 3, str(ckpts["draft"])),
                         max_running_requests=4, seed=3, device=device)
     outs = generate(engine, make_requests(engine.tokenizer, temps=[0.0, 0.7], logprob=True))
-    model, _ = load_model(ckpts["llama"])
-    for i, req in enumerate(make_requests(engine.tokenizer, temps=[0.0, 0.7])):
-        o = outs[req.rid]
-        seq = req.input_ids + o.output_ids
-        logits = model.logits(model(torch.tensor([seq]), torch.arange(len(seq))[None], model.new_cache(1, len(seq)),
-                                    torch.tensor([0])))[0]
-        temp = req.params.temperature or 1.0
-        ref = torch.log_softmax(logits[len(req.input_ids) - 1: -1] / temp, -1)
-        ref = ref.gather(-1, torch.tensor(o.output_ids)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(o.output_logprobs), ref, atol=1e-4 if device == "cpu" else 1e-3,
-                                   rtol=0)
+    requests = make_requests(engine.tokenizer, temps=[0.0, 0.7])
+    assert_logprobs_equal_a_full_forward(load_model(ckpts["llama"])[0], requests, outs, device)
 
 
 def _exact_marginals(path, prompt, temperature):

@@ -8,44 +8,32 @@ loss or gradient norm is not finite is skipped and counted, and the run stops af
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
 
-from slime_spec.config import TrainConfig
 from slime_spec.rollout.reward_runner import record_failure
 from slime_spec.rollout.sample import Sample
-from slime_spec.tiny_model import make_tiny_model
-from slime_spec.trainer import losses, parallel
+from slime_spec.trainer import losses
 from slime_spec.trainer import trainer as trainer_module
 from slime_spec.trainer.actor import TrainActor
 from slime_spec.trainer.finite_guard import NonFiniteError, SkipTracker, grpo_advantages_without
 from slime_spec.trainer.trainer import Trainer
+from tests.helpers.trainers import random_rollout, tiny_mimo, train_config
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    parallel.init_single_process(seed=0)
-    return make_tiny_model(tmp_path_factory.mktemp("mimo"), arch="mimo", mtp_layers=1, num_layers=1, seed=1)
+    return tiny_mimo(tmp_path_factory.mktemp("mimo"))
 
 
-def rollout(n_prompts: int = 2, n: int = 3, seed: int = 0) -> list[Sample]:
-    rng = random.Random(seed)
-    out = []
-    for g in range(n_prompts):
-        prompt = [rng.randrange(5, 100) for _ in range(5)]
-        for j in range(n):
-            response = [rng.randrange(5, 100) for _ in range(6)]
-            out.append(Sample(index=len(out), group_index=g, prompt="p", tokens=prompt + response,
-                              response_length=len(response), reward=float(j % 2)))
-    return out
+def rollout() -> list[Sample]:
+    return random_rollout(n=3, reward_of=lambda j: float(j % 2))
 
 
 def make_trainer(path, **kw) -> Trainer:
-    base = dict(hf_checkpoint=str(path), mtp_num_layers=1, lr=1e-3, global_batch_size=6, micro_batch_size=2,
-                n_samples_per_prompt=3)
-    return Trainer(TrainConfig(**{**base, **kw}))
+    return Trainer(train_config(path, **{"global_batch_size": 6, "micro_batch_size": 2, "n_samples_per_prompt": 3,
+                                         **kw}))
 
 
 def params(trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -13,11 +13,12 @@ from safetensors.torch import load_file
 from slime_spec.config import TrainConfig
 from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
 from slime_spec.engine.model import load_model
-from slime_spec.spec import resolve_or_raise
 from slime_spec.tiny_model import make_tiny_model
 from slime_spec.trainer import model as M
 from slime_spec.trainer import parallel
 from slime_spec.weight_sync import convert
+from tests.helpers.engine_runs import (DEVICES, assert_greedy_speculation_equals_plain,
+                                       assert_logprobs_equal_a_full_forward, run_to_completion)
 
 # The keys of Qwen/Qwen3-30B-A3B's config.json (transformers_version left out).
 QWEN3_30B_A3B_CONFIG_KEYS = {
@@ -148,33 +149,12 @@ def test_engine_equals_hf_full_and_cached(ckpts):
     torch.testing.assert_close(torch.cat(steps, 1), ref, atol=1e-5, rtol=0)
 
 
-def generate(engine, requests):
-    for r in requests:
-        engine.add_request(r)
-    outs = {}
-    while engine.has_work():
-        for o in engine.step():
-            outs[o.rid] = o
-    return outs
-
-
 def test_greedy_with_speculation_equals_plain_decoding(ckpts):
     def requests(tok):
         return [Request(f"r{i}", tok(t)["input_ids"], SamplingParams(temperature=0.0, max_new_tokens=12,
                                                                      ignore_eos=True)) for i, t in enumerate(PROMPTS)]
 
-    plain = EngineCore(str(ckpts["target"]), None, max_running_requests=4)
-    base = generate(plain, requests(plain.tokenizer))
-    ngram = resolve_or_raise({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4})
-    for spec in (ngram, SpecConfig("STANDALONE", 3, 1, 4, str(ckpts["draft"]))):
-        engine = EngineCore(str(ckpts["target"]), spec, max_running_requests=4)
-        outs = generate(engine, requests(engine.tokenizer))
-        assert {r: o.output_ids for r, o in outs.items()} == {r: o.output_ids for r, o in base.items()}, spec
-        assert sum(o.spec_verify_ct for o in outs.values()) > 0
-
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                               reason="needs a CUDA device (runs on the GPU machine)"))]
+    assert_greedy_speculation_equals_plain(ckpts["target"], ckpts["draft"], requests)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -185,14 +165,5 @@ def test_logprobs_under_speculation_equal_a_full_forward(ckpts, device):
     requests = [Request(f"r{i}", engine.tokenizer(t)["input_ids"],
                         SamplingParams(temperature=(0.0, 0.7)[i % 2], max_new_tokens=10, ignore_eos=True),
                         return_logprob=True) for i, t in enumerate(PROMPTS)]
-    outs = generate(engine, requests)
-    model, _ = load_model(ckpts["target"])
-    for req in requests:
-        o = outs[req.rid]
-        seq = req.input_ids + o.output_ids
-        logits = model.logits(model(torch.tensor([seq]), torch.arange(len(seq))[None], model.new_cache(1, len(seq)),
-                                    torch.tensor([0])))[0]
-        ref = torch.log_softmax(logits[len(req.input_ids) - 1: -1] / (req.params.temperature or 1.0), -1)
-        ref = ref.gather(-1, torch.tensor(o.output_ids)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(o.output_logprobs), ref, atol=1e-4 if device == "cpu" else 1e-3,
-                                   rtol=0)
+    outs = run_to_completion(engine, requests)
+    assert_logprobs_equal_a_full_forward(load_model(ckpts["target"])[0], requests, outs, device)

@@ -7,36 +7,14 @@ import random
 import pytest
 import torch
 
-from slime_spec.config import TrainConfig
-from slime_spec.tiny_model import make_tiny_model
 from slime_spec.rollout.sample import Sample
-from slime_spec.trainer import parallel
 from slime_spec.trainer.trainer import Trainer
+from tests.helpers.trainers import random_rollout as rollout, tiny_mimo, train_config as config
 
 
 @pytest.fixture(scope="module")
 def mimo(tmp_path_factory):
-    parallel.init_single_process(seed=0)
-    return make_tiny_model(tmp_path_factory.mktemp("mimo"), arch="mimo", mtp_layers=1, num_layers=1, seed=1)
-
-
-def rollout(n_prompts: int = 2, n: int = 2, seed: int = 0) -> list[Sample]:
-    """Random prompts/responses; within a prompt, reward = sample number (so advantages differ)."""
-    rng = random.Random(seed)
-    out = []
-    for g in range(n_prompts):
-        prompt = [rng.randrange(5, 100) for _ in range(5)]
-        for j in range(n):
-            response = [rng.randrange(5, 100) for _ in range(6)]
-            out.append(Sample(index=len(out), group_index=g, prompt="p", tokens=prompt + response,
-                              response_length=len(response), reward=float(j)))
-    return out
-
-
-def config(path, **kw) -> TrainConfig:
-    base = dict(hf_checkpoint=str(path), mtp_num_layers=1, lr=1e-3, global_batch_size=2, micro_batch_size=1,
-                n_samples_per_prompt=2)
-    return TrainConfig(**{**base, **kw})
+    return tiny_mimo(tmp_path_factory.mktemp("mimo"))
 
 
 def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ It runs in its own process because SGLang keeps the parallel state and platform 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -97,6 +98,18 @@ def run_job(job: dict) -> dict:
     state = {role: {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
              for role, model in runners.items()}
     return {"payload": _merge_checksum_payloads(payloads), "state": state}
+
+
+def answers_in_own_process(jobs: list[dict], workdir: Path) -> list[dict]:
+    """Run this module on `jobs` in a fresh process (IN/OUT files kept in `workdir`); its answer per job, in order."""
+    import torch
+
+    root = Path(__file__).resolve().parents[2]
+    (workdir / "in.json").write_text(json.dumps(jobs))
+    proc = subprocess.run([sys.executable, "-m", "tests.conformance.sglang_models", str(workdir / "in.json"),
+                           str(workdir / "out.pt")], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(workdir / "out.pt")
 
 
 def main(argv: list[str]) -> int:

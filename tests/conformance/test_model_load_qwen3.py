@@ -19,16 +19,14 @@ its fused MoE's `w13_weight` / `w2_weight`. Qwen3-MoE's checksums are compared i
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from slime_spec.weight_sync.sglang_params import RunnerLayout, ServedChecksums, served_tensors
+from tests.conformance.sglang_models import answers_in_own_process
 
-ROOT = Path(__file__).resolve().parents[2]
 CASES = {"tied_fp32": dict(arch="qwen3", tie_word_embeddings=True, dtype="float32", seed=31),
          "untied_bf16": dict(arch="qwen3", tie_word_embeddings=False, dtype="bfloat16", seed=32),
          "moe_bf16": dict(arch="qwen3_moe", tie_word_embeddings=False, dtype="bfloat16", seed=33)}
@@ -69,11 +67,7 @@ def cases(tmp_path_factory):
                          config=str(path / "config.json"), dtype=c["dtype"]))
         out[name] = {"sent": sent, "config": json.loads((path / "config.json").read_text()), "path": path,
                      "dtype": getattr(torch, c["dtype"])}
-    (tmp / "in.json").write_text(json.dumps(jobs))
-    proc = subprocess.run([sys.executable, "-m", "tests.conformance.sglang_models", str(tmp / "in.json"),
-                           str(tmp / "out.pt")], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for name, answer in zip(CASES, torch.load(tmp / "out.pt")):
+    for name, answer in zip(CASES, answers_in_own_process(jobs, tmp)):
         out[name].update(answer)
     return out
 

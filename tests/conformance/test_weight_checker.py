@@ -15,8 +15,6 @@ computations of the same weights must agree in every name and every checksum, an
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,8 +23,8 @@ from safetensors.torch import load_file
 
 from slime_spec.weight_sync import convert
 from slime_spec.weight_sync.sglang_params import RunnerLayout, ServedChecksums, served_tensors
+from tests.conformance.sglang_models import answers_in_own_process
 
-ROOT = Path(__file__).resolve().parents[2]
 SKIPPED_BY_SGLANG = ("cos_sin_cache",)  # rotary caches: derived, never hashed (weight_checker.py)
 ARCHS = ["mimo", "llama", "qwen2", "qwen3_moe"]
 
@@ -71,11 +69,7 @@ def cases(tmp_path_factory):
                      "dtype": getattr(torch, dtype), "path": path}
     out["llama"]["eagle3"] = list(load_file(str(eagle3 / "model.safetensors")).items())
     out["llama"]["eagle3_path"] = eagle3
-    (tmp / "in.json").write_text(json.dumps(jobs))
-    proc = subprocess.run([sys.executable, "-m", "tests.conformance.sglang_models", str(tmp / "in.json"),
-                           str(tmp / "out.pt")], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for arch, answer in zip(made, torch.load(tmp / "out.pt")):
+    for arch, answer in zip(made, answers_in_own_process(jobs, tmp)):
         out[arch].update(answer)
     return out
 
