@@ -216,6 +216,9 @@ class FakeSGLangServer:
             return {"message": "Generation continued successfully.", "status": "ok"}
         if path == "/flush_cache":
             return {}
+        if path == "/update_weight_version":  # SGLang's route answers 200 with no body fields
+            self.weight_version = body["new_version"]
+            return {}
         if path == "/begin_weight_update":
             if self.session is not None:
                 raise RuntimeError("a weight-update session is already open")

@@ -248,6 +248,13 @@ def continue_payload() -> dict:
     return {}
 
 
+def weight_version_payload(new_version: str) -> dict:
+    """Label the weights served once a sync has ended. SGLang relabels after each successful update that carries
+    a `weight_version`, so a version sent with every bucket would name weights a failed sync never finished;
+    sent once at the end, the label changes only with a complete sync. Generation is paused: nothing to abort."""
+    return {"new_version": new_version, "abort_all_requests": False}
+
+
 # The io_struct class each route's body must build (checked in tests with sglang_contract.validate_payload).
 ROUTE_STRUCTS = {
     "/begin_weight_update": "BeginWeightUpdateReqInput",
@@ -261,6 +268,7 @@ ROUTE_STRUCTS = {
     "/get_weights_by_name": "GetWeightsByNameReqInput",
     "/pause_generation": "PauseGenerationReqInput",
     "/continue_generation": "ContinueGenerationReqInput",
+    "/update_weight_version": "UpdateWeightVersionReqInput",
 }
 
 

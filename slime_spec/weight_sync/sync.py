@@ -221,7 +221,7 @@ class WeightSyncer:
             for bucket in stream:
                 selector = {"target": plan.target, "mtp": plan.mtp, "draft": plan.draft}[bucket.kind]
                 with clock("send"):
-                    replies = self.transport.send(bucket, selector, weight_version)
+                    replies = self.transport.send(bucket, selector, None)  # labelled once it has all landed
                 clock.add_engine(*engine_seconds(replies), snapshot_s=engine_timing(replies, "snapshot_s"))
                 buckets += 1
                 buckets_applied += self.transport_name != "disk"  # disk buckets only load in finish()
@@ -240,6 +240,9 @@ class WeightSyncer:
                     session_open = False
             with clock("flush"):
                 post_all(self.clients, "/flush_cache", {})
+            if weight_version is not None and self.transport_name != "disk":  # disk's one update carried it
+                with clock("control"):
+                    post_all(self.clients, "/update_weight_version", protocol.weight_version_payload(weight_version))
         except Exception as e:
             raise self._failed(e, buckets_applied, session_open, weight_version) from e
         transfer_s = time.perf_counter() - t0

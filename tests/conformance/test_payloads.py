@@ -44,6 +44,7 @@ def protocol_bodies(session: bool) -> list[tuple[str, dict]]:
         ("/get_weights_by_name", protocol.get_weights_payload("model.norm.weight", 4)),
         *[("/pause_generation", protocol.pause_payload(mode)) for mode in ("abort", "retract", "in_place")],
         ("/continue_generation", protocol.continue_payload()),
+        ("/update_weight_version", protocol.weight_version_payload("v3")),
     ]
 
 

@@ -2,7 +2,7 @@
 through the train actor's own path (`TrainActor.connect_engines` / `sync_weights`).
 
 Each trainer rank is a process of its own running `TrainActor` directly (what `TrainGroup` runs inside a Ray
-actor); the engines are the embedded engine's HTTP app served from threads of this process. Engine e is on the
+actor); the engines are two `python -m slime_spec.engine` server processes. Engine e is on the
 GPU of trainer rank e, so it must serve rank e's bytes: after the train step, rank 1 adds 1 to its own copy of the
 final norm (real DP replicas hold equal weights), so an entry that came from the wrong rank is seen. A second
 sync, in which rank 1's tensor stream fails midway, must fail on both ranks (no hang) and leave both engines on
@@ -20,7 +20,7 @@ import torch
 
 from slime_spec.net import free_port
 from slime_spec.tiny_model import make_tiny_model
-from tests.test_weight_sync_engine import EAGLE_FLAGS, InProcessEngine
+from tests.helpers.engine_server import EAGLE_FLAGS, EngineServer
 
 EAGLE = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 2, "speculative_eagle_topk": 1,
          "speculative_num_draft_tokens": 3}
@@ -87,16 +87,17 @@ def run_trainer_rank(rank: int, port: int, model: str, urls: list[str], out_path
         actor.shutdown()
 
 
-def served(engine: InProcessEngine, name: str) -> torch.Tensor:
-    reply = engine.client.post("/get_weights_by_name", {"name": name, "truncate_size": 1 << 20})
-    return torch.tensor(reply.get("result") if isinstance(reply, dict) else reply)
+def served(engine: EngineServer, name: str) -> torch.Tensor:
+    return engine.served(name)
 
 
 def test_each_colocated_engine_serves_its_own_trainer_ranks_trained_weights(tmp_path):
     model = make_tiny_model(tmp_path / "model", arch="mimo", mtp_layers=1, hidden_size=32, num_layers=1,
                             intermediate_size=64, max_position_embeddings=128, seed=3)
-    engines = [InProcessEngine(model, EAGLE_FLAGS) for _ in range(2)]
+    engines = [EngineServer(model, EAGLE_FLAGS, log_path=tmp_path / f"engine{e}.log").launch() for e in range(2)]
     try:
+        for engine in engines:
+            engine.wait_ready()
         checkpoint = {n: served(engines[0], n) for n in (NORM, EMBED)}
         ctx = multiprocessing.get_context("spawn")
         port, outs = free_port(), [tmp_path / f"rank{r}.pkl" for r in range(2)]
