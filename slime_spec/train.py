@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -57,6 +58,7 @@ def init_ray() -> None:
             pin_private_ray_to_loopback(os.environ)
             start_reaper()
         ray.init(**ray_init_kwargs(os.environ, os.cpu_count()))
+        exit_on_sigterm()  # ray.init installs its own SIGTERM handler (it aborts): SIGTERM must unwind instead
 
 
 RESYNC_POLL_S = 1.0
@@ -323,7 +325,8 @@ def exit_on_sigterm() -> None:
     def handler(signum, frame):
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, handler)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,8 +27,9 @@ SCRIPT = ROOT / "scripts" / "run-eagle3-llama3.1-8B.sh"
 
 def test_eagle3_script_trains_the_draft_online_on_a_tiny_stand_in(workdir):  # noqa: F811
     tmp, ray_tmp = workdir
+    # 2048 positions: the script serves --sglang-context-length 2048, which SGLang refuses above the model's own
     model = make_tiny_model(tmp / "model", arch="llama", hidden_size=32, num_layers=4, intermediate_size=64,
-                            max_position_embeddings=128, seed=3, rope_scaling=LLAMA31_ROPE_SCALING)
+                            max_position_embeddings=2048, seed=3, rope_scaling=LLAMA31_ROPE_SCALING)
     draft = make_tiny_eagle3_draft(tmp / "draft", model)
     data = tmp / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "label": str(2 * a)}) + "\n" for a in range(12)))
