@@ -309,15 +309,31 @@ class Trainer:
 
     def check_weights_finite(self, purpose: str) -> None:
         """Raise NonFiniteError naming every non-finite tensor before the weights are `purpose` (synced, saved).
-        Collective: every rank checks its shard and all learn whether any rank found one."""
-        bad = nonfinite_tensors(itertools.chain(self.named_megatron_params(), self.named_draft_tensors()))
-        flag = torch.tensor([float(len(bad))], dtype=torch.float64, device=self.device)
+        Collective: every rank checks its shard and all learn what any rank found. A rank that fails to read its
+        weights still joins the collective (else the others would wait on it), and every rank names it."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        try:
+            report = (rank, nonfinite_tensors(itertools.chain(self.named_megatron_params(),
+                                                              self.named_draft_tensors())), None)
+        except Exception as e:
+            own_error, report = e, (rank, [], f"{type(e).__name__}: {e}")
+        else:
+            own_error = None
+        reports = [report]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag)
-        if float(flag[0]) == 0:
+            reports = [None] * dist.get_world_size()
+            dist.all_gather_object(reports, report)
+        if own_error is not None:
+            raise own_error
+        failed = [(r, error) for r, _, error in reports if error]
+        if failed:
+            raise RuntimeError("; ".join(f"trainer rank {r} failed reading its weights before they are {purpose}: "
+                                         f"{error}" for r, error in failed))
+        total = sum(len(bad) for _, bad, _ in reports)
+        if total == 0:
             return
-        mine = f"rank {self.tp.rank}: {bad}" if bad else f"rank {self.tp.rank} holds none of them"
-        raise NonFiniteError(f"{int(flag[0])} weight tensor(s) hold NaN or inf, so they are not {purpose}; {mine}")
+        found = "; ".join(f"rank {r}: {bad}" for r, bad, _ in reports if bad)
+        raise NonFiniteError(f"{total} weight tensor(s) hold NaN or inf, so they are not {purpose}; {found}")
 
     def gradients(self, samples: list[Sample], loss_type: str | None = None) -> dict[str, torch.Tensor]:
         """The data-parallel-averaged, unclipped float32 gradient of one optimizer step (exactly
