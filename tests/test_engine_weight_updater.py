@@ -1,9 +1,11 @@
 """Weight routes of the embedded engine, with this test process as the trainer (rank 0 of a gloo group).
 
-One EAGLE server on a tiny MiMo checkpoint (its MTP layer is the draft). Every test that changes
-weights restores the checkpoint from disk at the end (`/update_weights_from_disk`). Routes, request checks and
-reply shapes are SGLang's (its front end runs unchanged); checksums are SGLang's WeightChecker's, keyed by the
-names SGLang's model classes serve (fused qkv_proj; MiMoMTP's own `model.` names, prefixed `draft.`).
+The requests run through SGLang's own SchedulerWeightUpdaterManager over our runners (engine/weight_updater.py);
+the in-process tests at the end drive that manager with SGLang's request structs. One EAGLE server on a tiny MiMo
+checkpoint (its MTP layer is the draft). Every test that changes weights restores the checkpoint from disk at the
+end (`/update_weights_from_disk`). Routes, request checks and reply shapes are SGLang's (its front end runs
+unchanged); checksums are SGLang's WeightChecker's, keyed by the names SGLang's model classes serve (fused
+qkv_proj; MiMoMTP's own `model.` names, prefixed `draft.`).
 """
 
 import base64
@@ -23,7 +25,7 @@ from slime_spec.engines.process import embedded_server_process
 from slime_spec.net import free_port
 from slime_spec.tiny_model import make_tiny_model
 from slime_spec.weight_sync.sglang_params import MIMO_MTP, RunnerLayout, served_name
-from slime_spec.weight_sync.transports import serialize_named_tensors
+from slime_spec.weight_sync.tensor_payload import serialize_named_tensors
 
 PROMPTS = ["hello world", "the cat sat on", "abc abc abc", "Once upon a time"]
 NORM = "model.norm.weight"
@@ -237,8 +239,11 @@ def test_in_place_receive_converts_a_different_dtype_through_a_buffer(server, tr
 
 
 def end_rolled_back(server):
+    """SGLang's manager ends a session whose update failed like any other (the failed update's own reply said the
+    session was rolled back); the next end finds no session."""
     r = post(server, "/end_weight_update", {})
-    assert r.status_code == 400 and not r.json()["success"] and "keep serving" in r.json()["message"]
+    assert r.status_code == 200 and r.json() == {"success": True, "message": "Success"}, r.text
+    assert post(server, "/end_weight_update", {}).status_code == 400
 
 
 def test_a_session_that_fails_half_way_rolls_back_every_bucket(server, trainer, model, restore):
@@ -251,7 +256,7 @@ def test_a_session_that_fails_half_way_rolls_back_every_bucket(server, trainer, 
     r = push(server, trainer, [("model.layers.0.mlp.up_proj.weight", torch.zeros(7, 7))], "all")
     assert r.status_code == 400 and "rolled back" in r.json()["message"]
     assert outputs(server)[0] == base_ids and checksums(server) == base_sums
-    # the rest of a failed session is refused (its broadcast still completes), and end says what happened
+    # the rest of a failed session is refused (its broadcast still completes)
     r = push(server, trainer, [(NORM, torch.ones(32))], "all")
     assert r.status_code == 400 and "earlier update of this session failed" in r.json()["message"]
     end_rolled_back(server)
@@ -381,6 +386,36 @@ def test_a_disk_update_in_a_failed_session_is_refused(server, model, tmp_path):
 
 
 
+def engine_weights(core, device: str = "cpu"):
+    """The engine thread's weight side (SGLang's SchedulerWeightUpdaterManager over our runners), in this process."""
+    from slime_spec.engine.weight_updater import EngineWeights
+
+    return EngineWeights(core, "v0", device)
+
+
+def request(kind: str, **fields):
+    """SGLang's own request struct, as its TokenizerManager sends it to the scheduler."""
+    sglang_stand_ins.install()
+    from sglang.srt.managers import io_struct
+
+    return getattr(io_struct, kind)(**fields)
+
+
+def begin(weights, selector: str):
+    return weights.handle(request("BeginWeightUpdateReqInput", selector=selector))
+
+
+def tensor_update(weights, selector: str, named):
+    return weights.handle(request("UpdateWeightsFromTensorReqInput", selector=selector,
+                                  serialized_named_tensors=[serialize_named_tensors(named)]))
+
+
+def abort(weights):
+    from slime_spec.engine.http_server import ABORT_SESSION_RID
+
+    return weights.handle(request("EndWeightUpdateReqInput", rid=ABORT_SESSION_RID))
+
+
 def test_the_reply_comes_after_the_device_has_finished_the_copies(model, monkeypatch):
     """On CUDA the copy out of a CUDA-IPC bucket is queued on the device; the sender may free or reuse that memory
     the moment it reads the reply, so the update settles the device after the copy and before replying.
@@ -394,11 +429,10 @@ def test_the_reply_comes_after_the_device_has_finished_the_copies(model, monkeyp
     real_load = core.load_weights
     monkeypatch.setattr(core, "load_weights", lambda named, selector="all": (real_load(named, selector),
                                                                              events.append("copy")))
-    updater = wu.WeightUpdater("v0", str(model), "cuda", has_draft=False)
-    assert updater.begin(core, {"selector": "target"})["success"]
-    out = updater.update_from_tensor(core, {"serialized_named_tensors": [
-        serialize_named_tensors([(NORM, torch.zeros(32))])], "selector": "target"})
-    assert out["success"], out
+    weights = engine_weights(core, "cuda")
+    assert begin(weights, "target").success
+    out = tensor_update(weights, "target", [(NORM, torch.zeros(32))])
+    assert out.success, out
     assert events == ["copy", "settle cuda"]
     assert torch.equal(core.named_weights("target")[NORM], torch.zeros(32))
 
@@ -412,7 +446,6 @@ def test_a_failure_after_buckets_landed_restores_every_old_byte_from_either_snap
     """The session's snapshot is kept on the tensors' own device while the budget lasts, the rest in host buffers
     (on a CPU engine both are host memory, but the device tier's own code runs: fresh buffers per session, dropped
     when it ends). Two buckets land, the third is refused: every byte of every served tensor is as before."""
-    from slime_spec.engine import weight_updater as wu
     from slime_spec.engine.core import EngineCore
 
     core = EngineCore(str(model), None, max_running_requests=2)
@@ -421,28 +454,29 @@ def test_a_failure_after_buckets_landed_restores_every_old_byte_from_either_snap
     names = [n for n in target if n.startswith("model.layers.")][:4]
     budget = sum(target[n].numel() * target[n].element_size() for n in names[:budget_tensors]) \
         if budget_tensors < len(names) else 1 << 40
-    updater = wu.WeightUpdater("v0", str(model), "cpu", has_draft=False)
-    updater.session.snapshot_budget = lambda device: budget
-    assert updater.begin(core, {"selector": "target"})["success"]
-    replies = [updater.update_from_tensor(core, {"serialized_named_tensors": [serialize_named_tensors(
-        [(n, torch.full_like(target[n], 7.0)) for n in bucket])], "selector": "target"})
-        for bucket in (names[:2], names[2:])]
-    assert all(r["success"] for r in replies), replies
-    timings = [r["slime_spec_engine_timing"] for r in replies]
+    weights = engine_weights(core)
+    weights.session.snapshot_budget = lambda device: budget
+    assert begin(weights, "target").success
+    timings = []
+    for bucket in (names[:2], names[2:]):
+        reply = tensor_update(weights, "target", [(n, torch.full_like(target[n], 7.0)) for n in bucket])
+        assert reply.success, reply
+        timings.append(weights.last_timing)
     device = sum(t["snapshot_device_bytes"] for t in timings)
     host = sum(t["snapshot_host_bytes"] for t in timings)
     assert device + host == sum(target[n].numel() * target[n].element_size() for n in names)
     assert (device > 0) == (budget_tensors > 0) and (host > 0) == (budget_tensors < len(names))
     assert torch.equal(core.named_weights("target")[names[0]], torch.full_like(target[names[0]], 7.0))
-    bad = updater.update_from_tensor(core, {"serialized_named_tensors": [serialize_named_tensors(
-        [(NORM, torch.zeros(3))])], "selector": "target"})
-    assert not bad["success"] and "were rolled back" in bad["message"], bad
+    bad = tensor_update(weights, "target", [(NORM, torch.zeros(3))])
+    assert not bad.success and "were rolled back" in bad.message, bad
     after = served_bytes(core)
     assert after.keys() == before.keys()
     assert all(torch.equal(after[k], before[k]) for k in before), [k for k in before if not torch.equal(after[k],
                                                                                                      before[k])]
-    assert updater.session.snapshots.device_bytes_held == 0  # the device copies are dropped once restored
-    assert updater.end(core, {})["rolled_back"] is True
+    assert weights.session.snapshots.device_bytes_held == 0  # the device copies are dropped once restored
+    end = weights.handle(request("EndWeightUpdateReqInput"))
+    assert (end.success, end.message) == (True, "Success")  # SGLang's manager closes the session as it always does
+    assert not weights.session.open and all(torch.equal(served_bytes(core)[k], before[k]) for k in before)
 
 
 def test_device_snapshot_budget_is_free_memory_less_headroom():
@@ -463,8 +497,8 @@ def test_device_snapshot_budget_is_free_memory_less_headroom():
 
 def test_a_tensor_both_runners_serve_is_snapshotted_once(model):
     """MiMo's MTP runner serves the target's embedding and lm_head: with selector "all" the snapshot keeps one copy
-    of each (on MiMo-7B 2.5 GB less to copy per sync), and a rollback still restores both runners' view of it."""
-    from slime_spec.engine import weight_updater as wu
+    of each (on MiMo-7B 2.5 GB less to copy per sync), and a rollback still restores both runners' view of it.
+    SGLang's manager calls the target's loader and then the draft's: the update is loaded once, by the first."""
     from slime_spec.engine.core import EngineCore
     from slime_spec.spec import SpecConfig
 
@@ -472,22 +506,16 @@ def test_a_tensor_both_runners_serve_is_snapshotted_once(model):
     embed = "model.embed_tokens.weight"
     assert core.named_weights("draft")[embed].data_ptr() == core.named_weights("target")[embed].data_ptr()
     before = core.named_weights("target")[embed].clone()
-    updater = wu.WeightUpdater("v0", str(model), "cpu", has_draft=True)
-    assert updater.begin(core, {"selector": "all"})["success"]
-    reply = updater.update_from_tensor(core, {"serialized_named_tensors": [serialize_named_tensors(
-        [(embed, torch.zeros_like(before))])], "selector": "all"})
-    assert reply["success"], reply
-    timing = reply["slime_spec_engine_timing"]
+    weights = engine_weights(core)
+    assert [role for role, _ in weights.manager._select_runners("all")] == ["target", "draft"]
+    assert begin(weights, "all").success
+    reply = tensor_update(weights, "all", [(embed, torch.zeros_like(before))])
+    assert reply.success, reply
+    timing = weights.last_timing
     assert timing["snapshot_device_bytes"] + timing["snapshot_host_bytes"] == before.numel() * before.element_size()
-    bad = updater.update_from_tensor(core, {"serialized_named_tensors": [serialize_named_tensors(
-        [(NORM, torch.zeros(3))])], "selector": "all"})
-    assert not bad["success"] and "were rolled back" in bad["message"], bad
+    bad = tensor_update(weights, "all", [(NORM, torch.zeros(3))])
+    assert not bad.success and "were rolled back" in bad.message, bad
     assert torch.equal(core.named_weights("draft")[embed], before)
-
-
-def _tensor_update(updater, core, selector, named):
-    return updater.update_from_tensor(core, {"serialized_named_tensors": [serialize_named_tensors(named)],
-                                             "selector": selector})
 
 
 @pytest.mark.parametrize("budget", [0, 1 << 40])  # host tier, device tier
@@ -496,28 +524,28 @@ def test_a_shared_tensor_reached_by_two_selectors_is_copied_once_and_restored_to
     """MiMo's embedding is served by the target and the MTP runner. Update 1 (selector target) writes it, update 2
     (selector draft) writes it again: the session keeps the one copy taken before update 1, so the rollback
     restores the value from before begin (a second copy, taken of update 1's value, was restored last), and
-    the snapshot bytes the replies report equal the memory the copies hold."""
-    from slime_spec.engine import weight_updater as wu
+    the snapshot bytes the updates report equal the memory the copies hold."""
     from slime_spec.engine.core import EngineCore
     from slime_spec.spec import SpecConfig
 
     core = EngineCore(str(model), SpecConfig("EAGLE", 2, 1, 3), max_running_requests=2)
     embed = "model.embed_tokens.weight"
     before = core.named_weights("target")[embed].clone()
-    updater = wu.WeightUpdater("v0", str(model), "cpu", has_draft=True)
-    updater.session.snapshot_budget = lambda device: budget
-    assert updater.begin(core, {"selector": "all"})["success"]
-    replies = [_tensor_update(updater, core, selector, [(embed, torch.full_like(before, value))])
-               for selector, value in (("target", 0.0), ("draft", 1.0))]
-    assert all(r["success"] for r in replies), replies
-    timings = [r["slime_spec_engine_timing"] for r in replies]
+    weights = engine_weights(core)
+    weights.session.snapshot_budget = lambda device: budget
+    assert begin(weights, "all").success
+    timings = []
+    for selector, value in (("target", 0.0), ("draft", 1.0)):
+        reply = tensor_update(weights, selector, [(embed, torch.full_like(before, value))])
+        assert reply.success, reply
+        timings.append(weights.last_timing)
     reported = [t["snapshot_device_bytes"] + t["snapshot_host_bytes"] for t in timings]
     assert reported == [before.numel() * before.element_size(), 0]  # the second update found its copy
-    store = updater.session.snapshots
+    store = weights.session.snapshots
     assert sum(t["snapshot_device_bytes"] for t in timings) == store.device_bytes_held
     assert torch.equal(core.named_weights("draft")[embed], torch.ones_like(before))
-    aborted = updater.abort(core, {})
-    assert aborted["rolled_back"] is True, aborted
+    aborted = abort(weights)
+    assert aborted.success, aborted
     assert torch.equal(core.named_weights("target")[embed], before)
     assert torch.equal(core.named_weights("draft")[embed], before)
 
@@ -560,24 +588,36 @@ def test_an_in_place_update_decides_its_copies_once_and_counts_their_bytes_once(
 def test_rollback_and_close_are_one_idempotent_path(model):
     """A failed update rolls the session back; the abort that follows (the syncer's) restores nothing twice,
     says how many tensors the session restored, and a second abort or end finds no session."""
-    from slime_spec.engine import weight_updater as wu
     from slime_spec.engine.core import EngineCore
 
     core = EngineCore(str(model), None, max_running_requests=2)
     target = core.named_weights("target")
     name = next(n for n in target if n.startswith("model.layers."))
     before = target[name].clone()
-    updater = wu.WeightUpdater("v0", str(model), "cpu", has_draft=False)
-    assert updater.begin(core, {"selector": "target"})["success"]
-    assert _tensor_update(updater, core, "target", [(name, torch.zeros_like(before))])["success"]
-    bad = _tensor_update(updater, core, "target", [(NORM, torch.zeros(3))])
+    weights = engine_weights(core)
+    assert begin(weights, "target").success
+    assert tensor_update(weights, "target", [(name, torch.zeros_like(before))]).success
+    bad = tensor_update(weights, "target", [(NORM, torch.zeros(3))])
     # the refused update's own tensor was copied before its load was refused: restored too, unchanged
-    assert not bad["success"] and "2 earlier tensor write(s) were rolled back" in bad["message"], bad
+    assert not bad.success and "2 earlier tensor write(s) were rolled back" in bad.message, bad
     assert torch.equal(core.named_weights("target")[name], before)
-    assert updater.session.rollback(core) == 2  # nothing left to restore: the count stays the session's
-    aborted = updater.abort(core, {})
-    assert aborted["rolled_back"] is True and "rolled back 2 tensor(s)" in aborted["message"], aborted
-    assert updater.abort(core, {})["rolled_back"] is False
-    assert not updater.end(core, {})["success"]
-    assert updater.session.close(core) == 2 and not updater.session.open
+    assert weights.session.rollback(core) == 2  # nothing left to restore: the count stays the session's
+    aborted = abort(weights)
+    assert aborted.success and "rolled back 2 tensor(s)" in aborted.message, aborted
+    assert not abort(weights).success
+    end = weights.handle(request("EndWeightUpdateReqInput"))
+    assert not end.success and end.message == "no weight-update session is open; call begin_weight_update() first"
+    assert weights.session.close(core) == 2 and not weights.session.open
     assert torch.equal(core.named_weights("target")[name], before)
+
+
+def test_a_malformed_tensor_payload_fails_the_update_not_the_engine(model):
+    """SGLang's manager lets a payload that is not SGLang's pickle raise out of its handler; the embedded engine
+    answers the update as failed instead (and fails the session), naming the cause."""
+    from slime_spec.engine.core import EngineCore
+
+    weights = engine_weights(EngineCore(str(model), None, max_running_requests=2))
+    assert begin(weights, "target").success
+    r = weights.handle(request("UpdateWeightsFromTensorReqInput", serialized_named_tensors=["bm90IGEgcGlja2xl"]))
+    assert not r.success and "Failed to deserialize serialized_named_tensors" in r.message
+    assert weights.session.error is not None

@@ -16,14 +16,15 @@ import pytest
 import torch
 
 from slime_spec.config import TrainConfig, WeightSyncConfig
-from slime_spec.tiny_model import make_tiny_model
 from slime_spec.engines.client import EngineClient
+from slime_spec.net import free_port
+from slime_spec.tiny_model import make_tiny_model
 from slime_spec.weight_sync.gather import NamedTensor, iter_hf_state, iter_hf_tensors
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer, WeightSyncError
-from slime_spec.net import free_port
-from tests.helpers.engine_server import (EAGLE_FLAGS, TINY, EngineServer, checkpoint_config as _config,
-                                         checkpoint_state as _state, expected_checksums)
+from tests.helpers.engine_server import EAGLE_FLAGS, TINY, EngineServer, expected_checksums
+from tests.helpers.engine_server import checkpoint_config as _config
+from tests.helpers.engine_server import checkpoint_state as _state
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,8 @@ def core_logits(tensors: dict[str, torch.Tensor], like: Path, flags: list[str], 
     from slime_spec.engine.server_args import parse_server_args
 
     shutil.copytree(like, out, ignore=shutil.ignore_patterns("*.safetensors"))
-    save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     args = parse_server_args(["--model-path", str(out), *flags])
     return engine_logits(make_core_factory(args)().model, ids)
 
@@ -270,8 +272,9 @@ def _tp_worker(rank: int, tp_size: int, port: int, trained: str, engine_url: str
     ids = torch.randint(0, hf_config["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = M.forward(model, ids, hf_config["vocab_size"], mtp_zero_first_token=True)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
     sent = {t.name: t.tensor.detach().clone() for t in iter_hf_tensors(  # collective: every rank gathers
-        model.named_parameters(), hf_config, tp_group=parallel_state.get_tensor_model_parallel_group(), tp_size=tp_size)}
+        model.named_parameters(), hf_config, tp_group=tp_group, tp_size=tp_size)}
     if rank == 0:
         torch.save({"ids": ids, "logits": ref.logits, "mtp_logits": ref.mtp_logits[0], "metrics": metrics,
                     "sent": sent}, out)

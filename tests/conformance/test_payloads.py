@@ -20,7 +20,7 @@ from slime_spec.rollout.sample import Sample
 from slime_spec.rollout.sampling_params import sampling_params
 from slime_spec.weight_sync import protocol
 from slime_spec.weight_sync.canary import AcceptanceCanary
-from slime_spec.weight_sync.transports import serialize_named_tensors
+from slime_spec.weight_sync.tensor_payload import serialize_named_tensors
 from tests.conformance.sglang_io import build, build_generate
 
 VOCAB = 151680

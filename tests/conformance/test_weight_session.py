@@ -20,11 +20,12 @@ import pytest
 import torch
 
 from slime_spec.dist_group import join_group
+from slime_spec.engines.client import post_all
 from slime_spec.net import free_port
 from slime_spec.weight_sync import protocol
-from slime_spec.engines.client import post_all
 from slime_spec.weight_sync.gather import Bucket, NamedTensor
-from slime_spec.weight_sync.transports import TensorTransport, serialize_for_tp_ranks
+from slime_spec.weight_sync.tensor_payload import serialize_for_tp_ranks
+from slime_spec.weight_sync.transports import TensorTransport
 from tests.conformance.sglang_io import build, io_struct
 
 
@@ -109,7 +110,8 @@ def engine(tp_cpu_group):
         manager = weight_updater.SchedulerWeightUpdaterManager(
             tp_worker=StandInTpWorker(target, draft), draft_worker=None, memory_saver_adapter=None,
             flush_cache=lambda **_: True, is_fully_idle=lambda **_: True,
-            scheduler=types.SimpleNamespace(record_weight_version_change=lambda new_version: versions.append(new_version)))
+            scheduler=types.SimpleNamespace(
+                record_weight_version_change=lambda new_version: versions.append(new_version)))
         manager.draft_worker = types.SimpleNamespace(weight_update_runners=lambda: [("draft", draft)])
         yield types.SimpleNamespace(hop=SchedulerHop(manager), target=target, draft=draft, versions=versions)
 
