@@ -1,6 +1,7 @@
 """The embedded server's per-request cost: one batched /generate of N prompts vs N concurrent single calls.
 
     python bench/engine_http.py [--quick] [--model DIR] [--requests 8,32,128] [--max-new-tokens N] [--repeats N]
+                                [--server-flags "SGLANG FLAGS"] [--return-logprob] [--plain-twins]
                                 [--baseline-pythonpath DIR]
 
 The server is `python -m slime_spec.engine` in a child process (as the rollout talks to it): SGLang's HTTP
@@ -8,13 +9,18 @@ server, TokenizerManager and DetokenizerManager in front of our scheduler proces
 into engine compute (`engine_step_s` of /server_info's internal state: the sum of EngineCore.step calls) and
 everything outside it: HTTP, JSON, tokenization, the ZMQ hops to the scheduler and the detokenizer, the engine
 thread's queues, and steps that run with part of the batch because requests arrived one by one. The two shapes
-run interleaved, `--repeats` times; each row reports the median.
+run interleaved, `--repeats` times; each row reports the median. "front-end CPU ms / request" is the CPU time of the
+server's processes other than its scheduler process (SGLang's HTTP server and TokenizerManager, its
+DetokenizerManager) per request: the work those processes take from the cores the engine runs on.
 
 `--baseline-pythonpath DIR` also starts the server `python -m slime_spec.engine` runs with its slime_spec imported
-from DIR (e.g. a copy of an earlier slime_spec); both serve at once, each repeat runs every shape on one and then
-the other (so a change in the machine's load hits both alike), and both are printed side by side with the ratio
-of wall times.
-Default model: the demo's shape (random MiMo, hidden 128, 6 layers), temperature 1, EOS ignored.
+from DIR (e.g. a copy of an earlier slime_spec); both serve at once, each repeat runs every shape on both, the
+order alternating between repeats (so a change in the machine's load hits both alike), and both are printed side
+by side with the ratio of wall times.
+Default model: the demo's shape (random MiMo, hidden 128, 6 layers), temperature 1, EOS ignored. `--server-flags`
+adds SGLang flags to every server (e.g. the demo's NEXTN flags); `--return-logprob` asks for the output logprobs,
+as the rollout does. `--plain-twins` (with speculative `--server-flags`) starts a plain server beside each one, timed in
+turn with the others, and prints each side's spec_speedup (plain wall / speculative wall), as the demo measures it.
 """
 
 from __future__ import annotations
@@ -27,8 +33,11 @@ import time
 from pathlib import Path
 
 import aiohttp
+import psutil
 
 from slime_spec.tiny_model import make_tiny_model
+
+SCHEDULER_TITLE = "sglang::schedul"  # the scheduler process's title (psutil gives it whole, the kernel 15 characters)
 
 
 async def engine_seconds(session: aiohttp.ClientSession, url: str) -> float:
@@ -43,57 +52,81 @@ async def generate(session: aiohttp.ClientSession, url: str, payload: dict) -> l
         return await r.json()
 
 
-async def one_run(session, url: str, prompts: list[list[int]], params: dict, batched: bool) -> tuple[float, float, int]:
-    """(wall seconds, engine step seconds, generated tokens) for one shape."""
-    before = await engine_seconds(session, url)
+def front_end_cpu_seconds(pid: int) -> float:
+    """CPU seconds so far of the server process `pid` and its children, its scheduler process left out."""
+    total = 0.0
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            if not proc.name().startswith(SCHEDULER_TITLE):
+                t = proc.cpu_times()
+                total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+async def one_run(session, url: str, pid: int, prompts: list[list[int]], params: dict, batched: bool,
+                  return_logprob: bool) -> tuple[float, float, int, float]:
+    """(wall seconds, engine step seconds, generated tokens, front-end CPU seconds) for one shape."""
+    before, cpu_before = await engine_seconds(session, url), front_end_cpu_seconds(pid)
     start = time.perf_counter()
+    extra = {"return_logprob": True} if return_logprob else {}
     if batched:
-        outs = await generate(session, url, {"input_ids": prompts, "sampling_params": params})
+        outs = await generate(session, url, {"input_ids": prompts, "sampling_params": params, **extra})
     else:
-        outs = await asyncio.gather(*(generate(session, url, {"input_ids": p, "sampling_params": params})
+        outs = await asyncio.gather(*(generate(session, url, {"input_ids": p, "sampling_params": params, **extra})
                                       for p in prompts))
     wall = time.perf_counter() - start
+    cpu = front_end_cpu_seconds(pid) - cpu_before
     spent = await engine_seconds(session, url) - before
-    return wall, spent, sum(o["meta_info"]["completion_tokens"] for o in outs)
+    return wall, spent, sum(o["meta_info"]["completion_tokens"] for o in outs), cpu
 
 
-async def measure(urls: list[str], sizes: list[int], max_new: int, repeats: int) -> list[list[dict]]:
-    """Rows per server; every server runs each shape in turn within one repeat, so load drift hits them alike."""
+async def measure(servers: list[tuple[str, int]], sizes: list[int], max_new: int, repeats: int,
+                  return_logprob: bool = False) -> list[list[dict]]:
+    """Rows per server (url, pid); within one repeat every server runs each shape, the order of the servers
+    alternating between repeats, so load drift hits them alike."""
     params = {"temperature": 1.0, "max_new_tokens": max_new, "ignore_eos": True}
-    rows: list[list[dict]] = [[] for _ in urls]
-    connector = aiohttp.TCPConnector(limit=0)
+    rows: list[list[dict]] = [[] for _ in servers]
+    # Idle connections close after 1 s, before uvicorn's 5 s keep-alive timeout can close one under a new request.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=1.0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
-        for url in urls:
-            await one_run(session, url, [[5, 6, 7]] * 2, params, batched=True)  # warm-up
+        for url, pid in servers:
+            await one_run(session, url, pid, [[5, 6, 7]] * 2, params, True, return_logprob)  # warm-up
         for n in sizes:
             prompts = [[5 + (i * 7 + j) % 40 for j in range(12)] for i in range(n)]
-            runs = [{True: [], False: []} for _ in urls]
-            for _ in range(repeats):
-                for k, url in enumerate(urls):
+            runs = [{True: [], False: []} for _ in servers]
+            for r in range(repeats):
+                order = list(enumerate(servers))
+                for k, (url, pid) in order if r % 2 == 0 else order[::-1]:
                     for batched in (True, False):
-                        runs[k][batched].append(await one_run(session, url, prompts, params, batched))
-            for k in range(len(urls)):
+                        runs[k][batched].append(await one_run(session, url, pid, prompts, params, batched,
+                                                              return_logprob))
+            for k in range(len(servers)):
                 for batched, rs in runs[k].items():
                     wall = statistics.median(r[0] for r in rs)
                     spent = statistics.median(r[1] for r in rs)
                     tokens = statistics.median(r[2] for r in rs)
                     rows[k].append({"shape": "one batched /generate" if batched else f"{n} concurrent single calls",
                                     "n": n, "wall_s": wall, "engine_s": spent, "outside": 1 - spent / wall,
-                                    "tokens_per_s": tokens / wall})
+                                    "tokens_per_s": tokens / wall,
+                                    "front_cpu_ms": 1e3 * statistics.median(r[3] for r in rs) / n})
             print(to_markdown(rows[0][-2:]), flush=True)
     return rows
 
 
 def to_markdown(rows: list[dict]) -> str:
-    lines = ["| requests | shape | wall s | engine step s | share outside the engine | tokens/s |",
-             "| ---: | --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| requests | shape | wall s | engine step s | share outside the engine | tokens/s | "
+             "front-end CPU ms / request |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r['n']} | {r['shape']} | {r['wall_s']:.3f} | {r['engine_s']:.3f} | {r['outside']:.0%} | "
-                     f"{r['tokens_per_s']:.0f} |")
+                     f"{r['tokens_per_s']:.0f} | {r['front_cpu_ms']:.2f} |")
     return "\n".join(lines)
 
 
-def server_process(model: str, max_running: int, log_dir: Path, baseline_path: str | None = None):
+def server_process(model: str, max_running: int, log_dir: Path, baseline_path: str | None = None,
+                   server_flags: tuple[str, ...] = (), log_name: str | None = None):
     """`python -m slime_spec.engine` (its slime_spec imported from `baseline_path` if given, ahead of the working
     directory that `-m` puts first on sys.path)."""
     import sys
@@ -101,23 +134,41 @@ def server_process(model: str, max_running: int, log_dir: Path, baseline_path: s
     from slime_spec.engines.process import ServerProcess, embedded_server_process
     from slime_spec.net import free_port
 
-    flags = ["--max-running-requests", str(max_running), "--skip-server-warmup"]
+    flags = ["--max-running-requests", str(max_running), "--skip-server-warmup", *server_flags]
     if baseline_path is None:
-        return embedded_server_process(model, flags, log_path=log_dir / "server.log")
+        return embedded_server_process(model, flags, log_path=log_dir / (log_name or "server.log"))
     port = free_port()
     run = (f"import runpy, sys; sys.path.insert(0, {baseline_path!r}); "
            "runpy.run_module('slime_spec.engine', run_name='__main__', alter_sys=True)")
     return ServerProcess([sys.executable, "-c", run, "--model-path", model, "--host", "127.0.0.1", "--port",
-                          str(port), *flags], host="127.0.0.1", port=port, log_path=log_dir / "baseline.log",
+                          str(port), *flags], host="127.0.0.1", port=port,
+                         log_path=log_dir / (log_name or "baseline.log"),
                          expect_model_path=model)
 
 
 def side_by_side(rows: list[dict], base: list[dict]) -> str:
     lines = ["| requests | shape | wall s | baseline wall s | wall / baseline | share outside the engine | "
-             "baseline share outside |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "baseline share outside | front-end CPU ms / request |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r, b in zip(rows, base):
         lines.append(f"| {r['n']} | {r['shape']} | {r['wall_s']:.3f} | {b['wall_s']:.3f} | "
-                     f"{r['wall_s'] / b['wall_s']:.2f} | {r['outside']:.0%} | {b['outside']:.0%} |")
+                     f"{r['wall_s'] / b['wall_s']:.2f} | {r['outside']:.0%} | {b['outside']:.0%} | "
+                     f"{r['front_cpu_ms']:.2f} |")
+    return "\n".join(lines)
+
+
+def speedups(spec: list[list[dict]], plain: list[list[dict]]) -> str:
+    """spec_speedup per shape for the current server and, when there is one, the baseline, with their ratio."""
+    both = len(spec) == 2
+    lines = ["| requests | shape | spec_speedup | " + ("baseline spec_speedup | ratio |" if both else ""),
+             "| ---: | --- | ---: | " + ("---: | ---: |" if both else "")]
+    for i, r in enumerate(spec[0]):
+        cur = plain[0][i]["wall_s"] / r["wall_s"]
+        line = f"| {r['n']} | {r['shape']} | {cur:.3f} |"
+        if both:
+            base = plain[1][i]["wall_s"] / spec[1][i]["wall_s"]
+            line += f" {base:.3f} | {cur / base:.2f} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -129,9 +180,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (--quick 32)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved runs per row (default 3, --quick 1)")
     p.add_argument("--out", default=None, help="also write the markdown table here")
+    p.add_argument("--server-flags", default="", help="SGLang flags added to every server, e.g. the demo's "
+                   "\"--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 "
+                   "--speculative-num-draft-tokens 4\"")
+    p.add_argument("--return-logprob", action="store_true", help="ask for the output logprobs (as the rollout does)")
+    p.add_argument("--plain-twins", action="store_true", help="with speculative --server-flags: also a plain server "
+                   "beside each one, all timed in turn, and spec_speedup (plain wall / speculative wall) per server")
     p.add_argument("--baseline-pythonpath", default=None,
                    help="also measure the server whose slime_spec is imported from this directory, side by side")
     a = p.parse_args(argv)
+    if a.plain_twins and "--speculative-algorithm" not in a.server_flags:
+        p.error("--plain-twins compares plain with speculative servers: give --server-flags with "
+                "--speculative-algorithm ...")
     sizes = [int(x) for x in (a.requests or ("8,32" if a.quick else "8,32,128")).split(",")]
     max_new = a.max_new_tokens or (32 if a.quick else 64)
     repeats = a.repeats or (1 if a.quick else 3)
@@ -139,23 +199,32 @@ def main(argv: list[str] | None = None) -> int:
                                            hidden_size=128, num_layers=6, intermediate_size=384, num_heads=4,
                                            num_kv_heads=2, max_position_embeddings=512))
     log_dir = Path(tempfile.mkdtemp(prefix="bench_http_logs_"))
-    servers = [server_process(model, max(sizes), log_dir)]
-    if a.baseline_pythonpath:
-        servers.append(server_process(model, max(sizes), log_dir, a.baseline_pythonpath))
+    flags = tuple(a.server_flags.split())
+    paths = [None, a.baseline_pythonpath] if a.baseline_pythonpath else [None]
+    servers = [server_process(model, max(sizes), log_dir, path, flags, f"server{k}.log")
+               for k, path in enumerate(paths)]
+    if a.plain_twins:  # servers: [current, baseline?, current plain, baseline plain?]
+        servers += [server_process(model, max(sizes), log_dir, path, log_name=f"plain{k}.log")
+                    for k, path in enumerate(paths)]
     try:
         for server in servers:
             server.launch()
         for server in servers:
             server.wait_ready(600)
-        rows = asyncio.run(measure([s.url for s in servers], sizes, max_new, repeats))
+        rows = asyncio.run(measure([(s.url, s.pid) for s in servers], sizes, max_new, repeats, a.return_logprob))
     finally:
         for server in servers:
             server.stop()
-    table = (f"Embedded server, per-request cost: {model}, temperature 1, {max_new} new tokens per request, "
+    table = (f"Embedded server, per-request cost: {model}, temperature 1, {max_new} new tokens per request"
+             f"{', logprobs' if a.return_logprob else ''}{', flags ' + a.server_flags if flags else ''}, "
              f"median of {repeats} interleaved runs.\n\n" + to_markdown(rows[0]))
     if a.baseline_pythonpath:
         table += (f"\n\nAgainst the baseline server (slime_spec from {a.baseline_pythonpath}), both serving at once, "
                   f"runs alternating between them:\n\n" + side_by_side(rows[0], rows[1]))
+    if a.plain_twins:
+        n = len(paths)
+        table += ("\n\nspec_speedup (plain wall / speculative wall), each plain twin timed in turn with the others:\n\n"
+                  + speedups(rows[:n], rows[n:]))
     print("\n" + table)
     if a.out:
         Path(a.out).write_text(table + "\n")

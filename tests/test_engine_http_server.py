@@ -234,6 +234,49 @@ def test_openai_compatible_routes(plain):
     assert r.status_code == 200 and chunks[-1] == b"data: [DONE]" and len(chunks) >= 2
 
 
+def stream(server, body, headers):
+    """The JSON chunks of a streamed /generate (SGLang's SSE lines, `[DONE]` dropped)."""
+    import json
+
+    with requests.post(server.url + "/generate", json={**body, "stream": True}, headers=headers, timeout=60,
+                       stream=True) as r:
+        assert r.status_code == 200, r.text
+        lines = [line for line in r.iter_lines() if line.startswith(b"data:")]
+    assert lines[-1] == b"data: [DONE]"
+    return [json.loads(line[len(b"data:"):]) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("name", ["plain", "spec"])
+def test_generate_streams_step_by_step(servers, name):
+    """As SGLang's scheduler with --stream-interval 1: a chunk after every engine step that produced tokens, each
+    one SGLang's text and ids so far, the last equal to the request's non-streamed answer (greedy, and with logprobs).
+    Text that may be the start of a stop string is held back, so no chunk shows what the end trims."""
+    server, headers = (servers[0], AUTH) if name == "plain" else (servers[1], {})
+    body = {"text": "hello", "sampling_params": greedy(12), "return_logprob": True}
+    whole = generate(server, body, headers=headers)
+    chunks = stream(server, body, headers)
+    lengths = [len(c["output_ids"]) for c in chunks]
+    assert len(chunks) >= 4 and lengths == sorted(set(lengths)) and lengths[-1] == 12  # incremental, not one chunk
+    assert all(whole["text"].startswith(c["text"]) for c in chunks)
+    assert chunks[-1]["output_ids"] == whole["output_ids"] and chunks[-1]["text"] == whole["text"]
+    assert len(chunks[-1]["meta_info"]["output_token_logprobs"]) == 12
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    # a request's own stream_interval: the first tokens at once, then at least 4 new tokens a chunk, then the end
+    sparse = [len(c["output_ids"]) for c in stream(server, {**body, "sampling_params": {**greedy(12),
+                                                                                          "stream_interval": 4}},
+                                                   headers)]
+    assert len(sparse) < len(lengths) and sparse[-1] == 12
+    assert all(b - a >= 4 for a, b in zip(sparse, sparse[1:-1]))
+
+    stop = whole["text"][5:8]  # a stop string from inside the greedy text: its start is streamed, then trimmed
+    body = {"text": "hello", "sampling_params": {"temperature": 0, "max_new_tokens": 30, "stop": [stop]}}
+    stopped = generate(server, body, headers=headers)
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    chunks = stream(server, body, headers)
+    assert chunks[-1]["text"] == stopped["text"] and all(stopped["text"].startswith(c["text"]) for c in chunks)
+
+
 def test_api_key(plain):
     r = requests.post(plain.url + "/generate", json={"text": "a"}, timeout=10)
     assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
@@ -362,10 +405,10 @@ def test_freeze_gc_reaches_the_engine(plain):
 
 def test_the_engine_thread_blocks_while_released(tmp_path):
     """The scheduler's engine loop refuses a generate while memory is released and makes no pass while idle."""
+    from slime_spec.engine.request import Request, SamplingParams
     from slime_spec.engine.scheduler import EngineLoop, Unavailable
     from slime_spec.engine.scheduler_process import make_core_factory
     from slime_spec.engine.server_args import parse_server_args
-    from slime_spec.engine.request import Request, SamplingParams
 
     model = make_tiny_model(tmp_path / "llama", arch="llama", hidden_size=32, num_layers=1, seed=1)
     loop = EngineLoop(make_core_factory(parse_server_args(["--model-path", str(model), "--random-seed", "0"])))

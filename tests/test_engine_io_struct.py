@@ -4,8 +4,16 @@ SamplingParams, `BatchTokenIDOutput` out, read back by SGLang's own DetokenizerM
 import pytest
 
 from slime_spec.engine import sglang_stand_ins
-from slime_spec.engine.io_struct import (UnsupportedRequest, history_extra_key, history_of, rejection,
-                                         to_core_request, token_id_output)
+from slime_spec.engine.io_struct import (
+    OutputChunk,
+    UnsupportedRequest,
+    ends_in_stop_prefix,
+    history_extra_key,
+    history_of,
+    rejection,
+    to_core_request,
+    token_id_output,
+)
 from slime_spec.engine.request import Output
 
 sglang_stand_ins.install()
@@ -56,22 +64,51 @@ def test_history_extension_round_trips_through_extra_key():
             history_extra_key(bad)
 
 
+def output(ids, finish=None, logprobs=None, verify=0, accept=0):
+    return Output(rid="r", output_ids=list(ids), output_logprobs=logprobs, finish_reason=finish, prompt_tokens=9,
+                  completion_tokens=len(ids), spec_verify_ct=verify, spec_accept_token_num=accept,
+                  spec_draft_token_num=3 * verify, text="")
+
+
 def test_token_id_output_is_what_sglangs_detokenizer_reads():
     """The one message of a finished request: prompt tail + output ids, read offset at the output, counters."""
     from sglang.srt.managers.io_struct import BatchTokenIDOutput
 
     req = tokenized(ids=list(range(3, 12)), temperature=0, max_new_tokens=3)
-    out = Output(rid="r", output_ids=[20, 21, 2], output_logprobs=None, finish_reason={"type": "stop", "matched": 2},
-                 prompt_tokens=9, completion_tokens=3, spec_verify_ct=2, spec_accept_token_num=1,
-                 spec_draft_token_num=6, text="")
-    msg = token_id_output([(out, req, 0)], spec_enabled=True)
+    out = output([20, 21, 2], finish={"type": "stop", "matched": 2}, verify=2, accept=1)
+    msg = token_id_output([OutputChunk(req, out)], spec_enabled=True)
     assert isinstance(msg, BatchTokenIDOutput) and msg.rids == ["r"]
     assert list(msg.decode_ids[0]) == [7, 8, 9, 10, 11, 20, 21, 2] and msg.read_offsets == [5]
     assert list(msg.output_ids[0]) == [20, 21, 2] and msg.finished_reasons == [{"type": "stop", "matched": 2}]
     assert msg.spec_verify_ct == [2] and msg.spec_num_correct_drafts == [1]
     assert msg.completion_tokens == [3] and msg.prompt_tokens == [9] and msg.retraction_counts == [0]
-    plain = token_id_output([(out, req, 0)], spec_enabled=False)
+    plain = token_id_output([OutputChunk(req, out)], spec_enabled=False)
     assert plain.spec_verify_ct is None  # SGLang sends no spec counters without speculation
+
+
+def test_streamed_messages_carry_only_the_new_tokens():
+    """As SGLang's output streamer: the first message has the prompt tail, later ones only the ids (and logprobs)
+    since the last; counters are cumulative; finish_reason is None until the last."""
+    req = tokenized(ids=list(range(3, 12)), temperature=0, max_new_tokens=4)
+    req.return_logprob = True
+    first = token_id_output([OutputChunk(req, output([20], logprobs=[-0.5], verify=1))], spec_enabled=True)
+    assert list(first.decode_ids[0]) == [7, 8, 9, 10, 11, 20] and first.finished_reasons == [None]
+    assert first.output_token_logprobs_val == [[-0.5]] and first.output_token_logprobs_idx == [[20]]
+    last = token_id_output([OutputChunk(req, output([20, 21, 22, 23], finish={"type": "length", "length": 4},
+                                                    logprobs=[-0.5, -1.0, -1.5, -2.0], verify=3, accept=1),
+                                        sent=1)], spec_enabled=True)
+    assert list(last.decode_ids[0]) == [21, 22, 23] and list(last.output_ids[0]) == [21, 22, 23]
+    assert last.output_token_logprobs_val == [[-1.0, -1.5, -2.0]]
+    assert last.completion_tokens == [4] and last.spec_verify_ct == [3]
+    assert last.finished_reasons == [{"type": "length", "length": 4}]
+
+
+def test_stop_string_prefix_holds_a_stream_back():
+    """SGLang's Req.check_match_stop_str_prefix."""
+    assert ends_in_stop_prefix("the answer is 4\nEN", ["\nEND"])
+    assert ends_in_stop_prefix("done END more", ["END"])
+    assert not ends_in_stop_prefix("the answer is 4", ["\nEND"])
+    assert not ends_in_stop_prefix("abc", [""])
 
 
 def test_a_refusal_is_sglangs_abort_with_a_status():

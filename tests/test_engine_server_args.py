@@ -4,11 +4,21 @@ import dataclasses
 
 import pytest
 
-from slime_spec.engine.server_args import (IMPLEMENTED, PERFORMANCE_ONLY, REFUSAL_REASONS, ServerArgsError,
-                                           classify_flags, defaults_of, option_names, parse_server_args,
-                                           resolve_device, resolve_dtype, sglang_parser)
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.engine.server_args import (
+    IMPLEMENTED,
+    PERFORMANCE_ONLY,
+    REFUSAL_REASONS,
+    ServerArgsError,
+    classify_flags,
+    defaults_of,
+    option_names,
+    parse_server_args,
+    resolve_device,
+    resolve_dtype,
+    sglang_parser,
+)
 from slime_spec.spec import SpecConfig
+from slime_spec.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +80,8 @@ def test_parse_server_args(mimo, parser):
                               "--random-seed", "7"], cuda_available=False)
     assert (args.host, args.port, args.device, args.dtype, args.random_seed) == ("127.0.0.1", 1234, "cpu", "float32", 7)
     spec = args.spec  # NEXTN is SGLang's alias of EAGLE
-    assert (spec.speculative_algorithm, spec.speculative_num_steps, spec.speculative_num_draft_tokens) == ("EAGLE", 2, 3)
+    assert (spec.speculative_algorithm, spec.speculative_num_steps,
+            spec.speculative_num_draft_tokens) == ("EAGLE", 2, 3)
     assert args.api_key == "k" and "api_key" not in args.sglang_args
     assert args.ignored_flags == ("--mem-fraction-static=0.6",)
     assert option_names(parser)["speculative_draft_model_path"] == "--speculative-draft-model-path"
@@ -93,8 +104,8 @@ def test_parse_refuses_result_changing_flags_all_at_once(mimo):
 
 
 def test_engine_refuses_what_it_cannot_draft(llama, mimo):
-    from slime_spec.engine.scheduler_process import make_core_factory
     from slime_spec.engine.scheduler import EngineLoop
+    from slime_spec.engine.scheduler_process import make_core_factory
 
     # A tree larger than SGLang allows (num_draft_tokens <= topk + (steps - 1) * topk^2 + 1) is refused while
     # parsing the flags (spec.resolve), before a model loads.

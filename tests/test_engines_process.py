@@ -70,7 +70,8 @@ def test_restart_uses_same_argv_and_url(tmp_path):
 
 
 def test_server_that_dies_at_start_reports_exit_code_and_log_tail(tmp_path):
-    script = "import sys\nfor i in range(100): print(f'line {i}')\nprint('ValueError: bad --speculative-num-steps')\nsys.exit(3)"
+    script = ("import sys\nfor i in range(100): print(f'line {i}')\n"
+              "print('ValueError: bad --speculative-num-steps')\nsys.exit(3)")
     proc = ServerProcess([sys.executable, "-c", script], host="127.0.0.1", port=free_port(),
                          log_path=tmp_path / "bad.log")
     with pytest.raises(EngineStartError) as e:
@@ -136,3 +137,19 @@ def test_start_waits_while_the_server_is_alive_and_not_yet_serving(tmp_path):
     finally:
         proc.stop()
 
+
+
+def test_an_embedded_engine_that_fails_to_load_exits_with_its_reason(tmp_path):
+    """The scheduler process fails (no weights), SGLang's launcher raises: the whole server exits, its detokenizer
+    process included, and the start reports the reason instead of waiting out the start timeout."""
+    from slime_spec.tiny_model import make_tiny_model
+    from tests.helpers.engine_server import EngineServer
+
+    model = make_tiny_model(tmp_path / "model", arch="llama")
+    for f in model.glob("*.safetensors"):
+        f.unlink()
+    server = EngineServer(model, [], log_path=tmp_path / "engine.log").launch()
+    with pytest.raises(EngineStartError) as e:
+        server.wait_ready(timeout_s=300)
+    assert e.value.exit_code not in (None, 0) and "no *.safetensors files" in e.value.log_tail, str(e.value)
+    assert not server.process.alive()

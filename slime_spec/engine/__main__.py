@@ -15,6 +15,7 @@ hf_configs.register()
 
 import functools  # noqa: E402
 import logging  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 
 from slime_spec.engine.server_args import ServerArgsError, parse_server_args, sglang_argv  # noqa: E402
@@ -49,9 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     install_extensions(http_server.app)
     logger.info("serving %s on http://%s:%d through SGLang's front end (device %s, dtype %s, speculative %s)",
                 args.model_path, args.host, args.port, args.device, args.dtype, args.spec)
-    http_server.launch_server(server_args,
-                              run_scheduler_process_func=functools.partial(run_scheduler_process, args),
-                              run_detokenizer_process_func=run_detokenizer_process)
+    try:
+        http_server.launch_server(server_args,
+                                  run_scheduler_process_func=functools.partial(run_scheduler_process, args),
+                                  run_detokenizer_process_func=run_detokenizer_process)
+    finally:
+        # A failed start raises here with the detokenizer process still running, and interpreter exit would wait
+        # for it forever: the server's processes end with it, whichever way it ends.
+        from sglang.srt.utils import kill_process_tree
+
+        kill_process_tree(os.getpid(), include_parent=False)
     return 0
 
 

@@ -5,8 +5,8 @@ through `normalize` and `verify`) when it reaches the scheduler. What is left to
 - the sampling fields the embedded engine does not implement are refused by name (`UnsupportedRequest`, answered
   as SGLang's scheduler answers a request it cannot serve: an abort with status 400);
 - the stop and EOS rules (EngineCore applies them; SGLang's DetokenizerManager trims the matched stop);
-- the reply: one `BatchTokenIDOutput` per batch of finished requests, with the counters SGLang's
-  TokenizerManager turns into `meta_info` (`spec_verify_ct`, `spec_num_correct_drafts`, token counts).
+- the reply: `BatchTokenIDOutput` messages (the tokens since a request's last message, with the counters SGLang's
+  TokenizerManager turns into `meta_info`: `spec_verify_ct`, `spec_num_correct_drafts`, token counts).
 
 History drafting (a slime-spec extension) travels in `extra_key`, the one free-form string SGLang's
 GenerateReqInput forwards to the scheduler (it names a prefix-cache namespace there; the embedded engine keeps
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from array import array
+from dataclasses import dataclass
 from typing import Any
 
 HISTORY_FIELD = "slime_history"  # slime-spec extension of /generate: {"group": str, "corpus_id": str}
@@ -99,41 +100,54 @@ def history_of(extra_key: str | None):
 
 
 # ------------------------------------------------------------------ outputs out
-def token_id_output(items: list[tuple[Any, Any, Any]], spec_enabled: bool):
-    """Finished engine Outputs as one SGLang BatchTokenIDOutput.
+@dataclass
+class OutputChunk:
+    """One request's row in a BatchTokenIDOutput: `out` is what it has produced so far (finish_reason None while it
+    runs), `sent` how many of those output tokens earlier messages carried, `req` the TokenizedGenerateReqInput."""
+    req: Any
+    out: Any
+    sent: int = 0
 
-    items: (Output, the TokenizedGenerateReqInput it answers, retraction count). The first and only message of a
-    request carries, as SGLang's Req.init_incremental_detokenize does, the prompt's last ids (the detokenizer's
-    surrounding context) followed by the output ids, and read_offset = how many of them are prompt."""
+
+def token_id_output(chunks: list[OutputChunk], spec_enabled: bool):
+    """Chunks as one SGLang BatchTokenIDOutput, as SGLang's scheduler streams it (output_streamer.py).
+
+    Each row carries the output ids after `sent` (with their logprobs) and cumulative counters. A request's first
+    message puts, as SGLang's Req.init_incremental_detokenize does, the prompt's last ids (the detokenizer's
+    surrounding context) before its output ids, read_offset = how many of them are prompt; a later message carries
+    only the new ids, which the DetokenizerManager appends to what it holds for the request."""
     from sglang.srt.managers.io_struct import BatchTokenIDOutput
 
-    n = len(items)
+    n = len(chunks)
     decode_ids, read_offsets, output_ids, logprob_val, logprob_idx = [], [], [], [], []
-    any_logprob = any(req.return_logprob for _, req, _ in items)
-    for out, req, _ in items:
-        prompt = list(req.input_ids)
-        tail = prompt[max(len(prompt) - INIT_DETOKENIZE_TAIL, 0):]
-        decode_ids.append(array("l", tail + list(out.output_ids)))
+    any_logprob = any(c.req.return_logprob for c in chunks)
+    for c in chunks:
+        new = list(c.out.output_ids[c.sent:])
+        tail = []
+        if c.sent == 0:
+            prompt = c.req.input_ids
+            tail = list(prompt[max(len(prompt) - INIT_DETOKENIZE_TAIL, 0):])
+        decode_ids.append(array("l", tail + new))
         read_offsets.append(len(tail))
-        output_ids.append(array("l", out.output_ids))
-        if req.return_logprob:
-            logprob_val.append([float(v) for v in out.output_logprobs or []])
-            logprob_idx.append([int(t) for t in out.output_ids])
+        output_ids.append(array("l", new))
+        if c.req.return_logprob:
+            logprob_val.append([float(v) for v in (c.out.output_logprobs or [])[c.sent:]])
+            logprob_idx.append(new)
         else:
             logprob_val.append([])
             logprob_idx.append([])
-    sp = [req.sampling_params for _, req, _ in items]
+    sp = [c.req.sampling_params for c in chunks]
     empty = [[] for _ in range(n)] if any_logprob else None
     return BatchTokenIDOutput(
-        rids=[out.rid for out, _, _ in items],
-        http_worker_ipcs=[getattr(req, "http_worker_ipc", None) for _, req, _ in items],
-        finished_reasons=[dict(out.finish_reason) for out, _, _ in items],
+        rids=[c.out.rid for c in chunks],
+        http_worker_ipcs=[getattr(c.req, "http_worker_ipc", None) for c in chunks],
+        finished_reasons=[None if c.out.finish_reason is None else dict(c.out.finish_reason) for c in chunks],
         decoded_texts=[""] * n, decode_ids=decode_ids, read_offsets=read_offsets, output_ids=output_ids,
         skip_special_tokens=[bool(s.skip_special_tokens) for s in sp],
         spaces_between_special_tokens=[bool(s.spaces_between_special_tokens) for s in sp],
         no_stop_trim=[bool(s.no_stop_trim) for s in sp],
-        prompt_tokens=[out.prompt_tokens for out, _, _ in items],
-        reasoning_tokens=[0] * n, completion_tokens=[out.completion_tokens for out, _, _ in items],
+        prompt_tokens=[c.out.prompt_tokens for c in chunks],
+        reasoning_tokens=[0] * n, completion_tokens=[c.out.completion_tokens for c in chunks],
         cached_tokens=[0] * n,
         input_token_logprobs_val=empty, input_token_logprobs_idx=empty,
         output_token_logprobs_val=logprob_val if any_logprob else None,
@@ -144,10 +158,23 @@ def token_id_output(items: list[tuple[Any, Any, Any]], spec_enabled: bool):
         output_token_ids_logprobs_val=empty, output_token_ids_logprobs_idx=empty,
         output_token_entropy_val=None, output_token_sampling_mask=None, output_hidden_states=None,
         routed_experts=None, indexer_topk=None, placeholder_tokens_idx=None, placeholder_tokens_val=None,
-        retraction_counts=[count for _, _, count in items],
-        spec_verify_ct=[out.spec_verify_ct for out, _, _ in items] if spec_enabled else None,
-        spec_num_correct_drafts=[out.spec_accept_token_num for out, _, _ in items] if spec_enabled else None,
+        retraction_counts=[0] * n,
+        spec_verify_ct=[c.out.spec_verify_ct for c in chunks] if spec_enabled else None,
+        spec_num_correct_drafts=[c.out.spec_accept_token_num for c in chunks] if spec_enabled else None,
     )
+
+
+def ends_in_stop_prefix(tail: str, stops: list[str]) -> bool:
+    """SGLang's Req.check_match_stop_str_prefix: whether the decoded tail of a streaming request contains a stop
+    string or ends in the start of one; its tokens are then held back, as they may yet be trimmed."""
+    for stop in stops:
+        if not stop:
+            continue
+        if stop in tail:
+            return True
+        if any(tail.endswith(stop[:i]) for i in range(1, min(len(tail), len(stop)) + 1)):
+            return True
+    return False
 
 
 def rejection(rid: str, message: str, http_worker_ipc: str | None = None, status_code: int = 400):

@@ -1,13 +1,17 @@
 """The engine thread (SGLang's scheduler event loop): the only thread that touches EngineCore.
 
 The scheduler process (scheduler_process.py, which receives SGLang's requests) never calls the engine; it posts
-work here and is answered through a concurrent Future:
-- `generate(requests)`: admitted into the engine at the next iteration unless generation is paused
+work here and is answered through a concurrent Future, resolved on this thread:
+- `generate(request, on_done)`: admitted into the engine at the next iteration unless generation is paused
   or a weight update is waiting for the engine to drain;
 - `call(fn)`: runs `fn(core)` between two steps (info, aborts, pause/continue);
 - `call(fn, needs_idle=True)`: SGLang runs weight updates under a writer lock that waits for every
   in-flight request to finish (or at once if generation is paused); same here: requests already
   running finish on the old weights, requests arriving meanwhile wait, then `fn` runs.
+
+After every pass of the loop (a step, or the calls it ran), before it may block, `after_pass()` runs on this
+thread: there the scheduler process sends what the pass finished, and `progress()` of the requests it streams, in
+one message, as SGLang's scheduler sends one per step.
 
 The loop records which operation (a step, or a call such as a weight update) it is inside and since when
 (`busy`). While memory is released
@@ -29,7 +33,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Container
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +68,13 @@ class _Retracted:
 
 
 class EngineLoop:
-    def __init__(self, make_core: Callable[[], Any], clock: Callable[[], float] = time.monotonic):
-        """clock: the time source of `busy` (tests pass a fake one to simulate a stuck operation)."""
+    def __init__(self, make_core: Callable[[], Any], clock: Callable[[], float] = time.monotonic,
+                 after_pass: Callable[[], None] | None = None):
+        """clock: the time source of `busy` (tests pass a fake one to simulate a stuck operation); after_pass: see
+        the module docstring."""
         self._make_core = make_core
         self._clock = clock
+        self._after_pass = after_pass
         self.busy: tuple[str, float] | None = None  # (operation, since) while the engine thread is inside one
         self.iterations = 0  # loop passes: constant while idle (the loop blocks on its inbox; tests read it)
         self._inbox: queue.Queue = queue.Queue()
@@ -114,8 +121,12 @@ class EngineLoop:
         self._thread.join(timeout=10)
 
     # ------------------------------------------------------------------ API for HTTP handlers
-    def generate(self, request: Any) -> Future:
+    def generate(self, request: Any, on_done: Callable[[Future], Any] | None = None) -> Future:
+        """on_done(future) runs on the engine thread when the request ends (attached before the request is posted,
+        so it never runs on the caller's thread)."""
         fut: Future = Future()
+        if on_done is not None:
+            fut.add_done_callback(on_done)
         self._inbox.put(_Generate(request, fut))
         return fut
 
@@ -160,6 +171,31 @@ class EngineLoop:
     def resume(self) -> None:
         self.paused = False
 
+    def progress(self, rids: Container[str]) -> list:
+        """Engine thread: what each running request among `rids` has produced so far (tokens before a retraction
+        included), as Outputs whose finish_reason is None. A request not yet admitted, or finished in the last step
+        (its Output is delivered through its future), is left out."""
+        from slime_spec.engine.core import Output
+
+        outs = []
+        for row in self.core.running:
+            rid = row.req.rid
+            if row.finish is not None or rid not in rids:
+                continue
+            prev = self._retracted.get(rid)
+            ids = row.output_ids
+            logprobs = list(row.logprobs) if row.req.return_logprob else None
+            verify, accept, draft, prompt = row.verify_ct, row.accept_num, row.draft_num, row.prompt_len
+            if prev is not None:
+                ids = prev.output_ids + ids
+                logprobs = None if logprobs is None else prev.logprobs + logprobs
+                verify, accept, draft = verify + prev.verify_ct, accept + prev.accept_num, draft + prev.draft_num
+                prompt = prev.prompt_tokens
+            outs.append(Output(rid=rid, output_ids=ids, output_logprobs=logprobs, finish_reason=None,
+                               prompt_tokens=prompt, completion_tokens=len(ids), spec_verify_ct=verify,
+                               spec_accept_token_num=accept, spec_draft_token_num=draft, text=""))
+        return outs
+
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
         try:
@@ -171,16 +207,24 @@ class EngineLoop:
         self._ready.set()
         while not self._stop:
             self.iterations += 1
-            self._drain(block=not self._can_progress())
-            if self._stop:
-                break
-            if not self.paused and not self._idle_calls:
-                self._admit()
-            if self._idle_calls and (self.paused or not self.core.has_work()):
-                self._run_call(self._idle_calls.popleft())
-                continue
-            if not self.paused and self.core.has_work():
-                self._step()
+            self._pass()
+            if self._after_pass is not None:
+                try:
+                    self._after_pass()
+                except Exception:  # the engine keeps serving the other requests; these get no answer
+                    logger.exception("sending this pass's outputs failed; the requests in it get no answer")
+
+    def _pass(self) -> None:
+        self._drain(block=not self._can_progress())
+        if self._stop:
+            return
+        if not self.paused and not self._idle_calls:
+            self._admit()
+        if self._idle_calls and (self.paused or not self.core.has_work()):
+            self._run_call(self._idle_calls.popleft())
+            return
+        if not self.paused and self.core.has_work():
+            self._step()
 
     def _can_progress(self) -> bool:
         """False means: block on the inbox (nothing to do until a message arrives), never spin."""

@@ -3,14 +3,16 @@
 SGLang's launcher (`http_server.launch_server(..., run_scheduler_process_func=...)`) spawns this process in place
 of its own Scheduler. Like SGLang's, it connects (never binds) to the ZMQ channels of `PortArgs`:
 - `scheduler_input_ipc_name` (PULL): tokenized requests and control requests from the TokenizerManager;
-- `detokenizer_ipc_name` (PUSH): one `BatchTokenIDOutput` per finished request, to SGLang's DetokenizerManager;
+- `detokenizer_ipc_name` (PUSH): `BatchTokenIDOutput`s to SGLang's DetokenizerManager, one per engine-loop pass
+  that finished or streamed a request (output_stream.py);
 - `tokenizer_ipc_name` (PUSH): the `...Output` reply of every control request that awaits one, refusals
   (`AbortReq` with a status) and health acknowledgements.
 Messages go through SGLang's own `io_struct.sock_send` / `sock_recv`.
 
 The engine runs on its own thread (`scheduler.EngineLoop`, the only thread that touches EngineCore); this
 process's main thread receives messages and posts them there. Replies are sent from whichever thread finishes the
-work, under one lock (ZMQ sockets are not thread-safe). Weight routes run on `weight_updater.WeightUpdater`.
+work, under one lock (ZMQ sockets are not thread-safe). Weight routes run through SGLang's own
+SchedulerWeightUpdaterManager over our runners (`weight_updater.EngineWeights`).
 
 SGLang starts its children with `spawn`, and a child imports the module of its target function before anything
 else: importing this module installs what SGLang's imports need on this machine (sglang_stand_ins, hf_configs), so
@@ -34,8 +36,6 @@ import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Callable
-
-from slime_spec.engine.http_server import ABORT_SESSION_RID
 
 logger = logging.getLogger("slime_spec.engine.scheduler")
 
@@ -76,8 +76,9 @@ class EmbeddedScheduler:
         import zmq
         from sglang.srt.utils.network import get_zmq_socket
 
+        from slime_spec.engine.output_stream import OutputStream
         from slime_spec.engine.scheduler import EngineLoop
-        from slime_spec.engine.weight_updater import WeightUpdater
+        from slime_spec.engine.weight_updater import EngineWeights
 
         self.args, self.server_args = engine_args, server_args
         self.spec_enabled = engine_args.spec is not None
@@ -89,12 +90,13 @@ class EmbeddedScheduler:
         self._to_tokenizer = get_zmq_socket(self._context, zmq.PUSH, port_args.tokenizer_ipc_name, False)
         self._send_lock = threading.Lock()
         self._inflight: dict[str, Any] = {}  # rid -> its TokenizedGenerateReqInput, until its output is sent
+        self.outputs = OutputStream(functools.partial(self._send, self._to_detokenizer), self.spec_enabled,
+                                    server_args.stream_interval)
         t0 = time.perf_counter()
-        self.loop = EngineLoop(make_core_factory(engine_args))
+        self.loop = EngineLoop(make_core_factory(engine_args), after_pass=lambda: self.outputs.flush(self.loop))
         self.loop.start()  # raises the engine's construction error
         self.load_seconds = time.perf_counter() - t0
-        self.weights = WeightUpdater(server_args.weight_version, engine_args.model_path, engine_args.device,
-                                     engine_args.has_draft_model)
+        self.weights = EngineWeights(self.loop.core, server_args.weight_version, engine_args.device)
         self.startup_time = time.time()
         self._handlers = self._control_handlers()
 
@@ -168,17 +170,20 @@ class EmbeddedScheduler:
             self.reply(rejection(req.rid, str(e), req.http_worker_ipc))
             return
         self._inflight[req.rid] = req
-        self.loop.generate(request).add_done_callback(functools.partial(self._finished, req))
+        self.outputs.add_stream(req)
+        self.loop.generate(request, on_done=functools.partial(self._finished, req))
 
     def _finished(self, req, fut: Future) -> None:
-        from slime_spec.engine.io_struct import rejection, token_id_output
+        """Engine thread: the output goes out with the rest of the pass's (output_stream.py); an error at once."""
+        from slime_spec.engine.io_struct import rejection
         from slime_spec.engine.scheduler import Unavailable
 
         self._inflight.pop(req.rid, None)
         error = fut.exception()
         if error is None:
-            self._send(self._to_detokenizer, token_id_output([(fut.result(), req, 0)], self.spec_enabled))
+            self.outputs.finished(req, fut.result())
             return
+        self.outputs.forget(req.rid)
         status = 503 if isinstance(error, Unavailable) else 400 if isinstance(error, ValueError) else 500
         self.reply(rejection(req.rid, str(error), req.http_worker_ipc, status))
 
@@ -197,32 +202,19 @@ class EmbeddedScheduler:
         fut.add_done_callback(done)
 
     def _control_handlers(self) -> dict[str, Callable[[Any], None]]:
-        import msgspec
         from sglang.srt.managers import io_struct as io
+
+        from slime_spec.engine.weight_updater import MANAGER_METHODS, WHILE_IDLE, failure_reply
 
         w = self.weights
 
-        def as_dict(msg) -> dict:
-            return {k: v for k, v in msgspec.structs.asdict(msg).items() if k != "http_worker_ipc"}
-
-        def result(cls, f: Future, **extra):
-            if f.exception() is not None:
-                return cls(success=False, message=f"{f.exception()}", **extra)
-            out = f.result()
-            return cls(success=bool(out["success"]), message=str(out["message"]), **extra)
-
-        def weight_route(cls, method, needs_idle: bool, label: str):
-            def handle(msg):
-                body = as_dict(msg)
-                ipc = msg.http_worker_ipc
-
-                def run(core):
-                    out = method(core, body)
-                    if "slime_spec_engine_timing" in out:  # SGLang's reply struct has no field for it
-                        logger.info("%s: %s", label, out["slime_spec_engine_timing"])
-                    return out
-                self._on_engine(run, lambda f: _with_ipc(result(cls, f), ipc), needs_idle=needs_idle, label=label)
-            return handle
+        def weight_request(msg):
+            """SGLang's SchedulerWeightUpdaterManager answers, on the engine thread (weight_updater.py)."""
+            kind = type(msg).__name__
+            self._on_engine(lambda core: w.handle(msg),
+                            lambda f: _with_ipc(f.result() if f.exception() is None
+                                                else failure_reply(msg, f"{f.exception()}"), msg.http_worker_ipc),
+                            needs_idle=kind in WHILE_IDLE, label=MANAGER_METHODS[kind])
 
         def flush(msg):
             self._on_engine(lambda core: core.flush_cache(),
@@ -258,12 +250,6 @@ class EmbeddedScheduler:
                                                                    http_worker_ipc=msg.http_worker_ipc),
                             label="/server_info")
 
-        def weights_by_name(msg):
-            self._on_engine(lambda core: w.get_weights_by_name(core, as_dict(msg)),
-                            lambda f: io.GetWeightsByNameReqOutput(parameter=None if f.exception() else f.result(),
-                                                                   http_worker_ipc=msg.http_worker_ipc),
-                            label="/get_weights_by_name")
-
         def release(msg):
             self._on_engine(lambda core: core.release_memory(msg.tags),
                             lambda f: io.ReleaseMemoryOccupationReqOutput(http_worker_ipc=msg.http_worker_ipc),
@@ -274,55 +260,20 @@ class EmbeddedScheduler:
                             lambda f: io.ResumeMemoryOccupationReqOutput(http_worker_ipc=msg.http_worker_ipc),
                             label="/resume_memory_occupation")
 
-        def check(msg):
-            body = as_dict(msg)
-            self._on_engine(lambda core: check_weights_reply(core, body),
-                            lambda f: _with_ipc(f.result() if not f.exception() else io.CheckWeightsReqOutput(
-                                success=False, message=repr(f.exception())), msg.http_worker_ipc),
-                            label="/weights_checker")
-
         def freeze(msg):
             frozen = freeze_gc(self.args.gc_threshold)
             logger.debug("froze the collector: %d objects in the permanent generation", frozen)
 
-        def disk(msg):
-            body = as_dict(msg)
-            ipc = msg.http_worker_ipc
-            self._on_engine(lambda core: w.update_from_disk(core, body),
-                            lambda f: _with_ipc(result(io.UpdateWeightFromDiskReqOutput, f), ipc),
-                            needs_idle=True, label="/update_weights_from_disk")
-
         handlers = {
             "FlushCacheReqInput": flush, "AbortReq": abort, "PauseGenerationReqInput": pause,
             "ContinueGenerationReqInput": resume, "UpdateWeightVersionReqInput": update_weight_version,
-            "GetInternalStateReq": internal_state, "GetWeightsByNameReqInput": weights_by_name,
+            "GetInternalStateReq": internal_state,
             "ReleaseMemoryOccupationReqInput": release, "ResumeMemoryOccupationReqInput": resume_memory,
-            "CheckWeightsReqInput": check, "FreezeGCReq": freeze, "UpdateWeightFromDiskReqInput": disk,
-            "ConfigureLoggingReq": lambda msg: None,
-            "BeginWeightUpdateReqInput": weight_route(io.BeginWeightUpdateReqOutput, w.begin, True,
-                                                      "/begin_weight_update"),
-            "EndWeightUpdateReqInput": weight_route(io.EndWeightUpdateReqOutput, self._end_or_abort, True,
-                                                    "/end_weight_update"),
-            "InitWeightsUpdateGroupReqInput": weight_route(io.InitWeightsUpdateGroupReqOutput, w.init_group, False,
-                                                           "/init_weights_update_group"),
-            "DestroyWeightsUpdateGroupReqInput": weight_route(io.DestroyWeightsUpdateGroupReqOutput, w.destroy_group,
-                                                              False, "/destroy_weights_update_group"),
-            "UpdateWeightsFromDistributedReqInput": weight_route(io.UpdateWeightsFromDistributedReqOutput,
-                                                                 w.update_from_distributed, True,
-                                                                 "/update_weights_from_distributed"),
-            "UpdateWeightsFromTensorReqInput": weight_route(io.UpdateWeightsFromTensorReqOutput,
-                                                            w.update_from_tensor, True, "/update_weights_from_tensor"),
+            "FreezeGCReq": freeze, "ConfigureLoggingReq": lambda msg: None,
         }
+        handlers.update({kind: weight_request for kind in MANAGER_METHODS})
         handlers.update(self._corpus_handlers())
         return handlers
-
-    def _end_or_abort(self, core, body: dict) -> dict:
-        """End the session; or, for http_server's /abort_weight_update (rid ABORT_SESSION_RID), roll it back and
-        close it, answering success = whether a session was rolled back."""
-        if body.get("rid") != ABORT_SESSION_RID:
-            return self.weights.end(core, body)
-        out = self.weights.abort(core, body)
-        return {"success": out["rolled_back"], "message": out["message"]}
 
     def _corpus_handlers(self) -> dict[str, Callable[[Any], None]]:
         """NGRAM external corpora (SGLang's routes; SGLang's TokenizerManager has tokenized the documents)."""
@@ -333,7 +284,7 @@ class EmbeddedScheduler:
         off = "Ngram speculative decoding is not enabled."  # SGLang's scheduler's answer
 
         def corpora(core):
-            return core.drafter if getattr(core.drafter, "add_corpus", None) is not None else None
+            return core.drafter if core.drafter is not None and core.drafter.holds_corpora else None
 
         def add(msg):
             def load(core):
@@ -391,28 +342,6 @@ class EmbeddedScheduler:
     def close(self) -> None:
         self.loop.stop()
         self._context.destroy(linger=0)
-
-
-def check_weights_reply(core, body: dict):
-    """/weights_checker as SGLang's SchedulerWeightUpdaterManager.check_weights answers it: SGLang's WeightChecker
-    over our model under SGLang's names (engine/weight_checker.py), one ChecksumInfo per rank, "Success."; an error
-    becomes success false with its message. The `names` action (a slime-spec extension) has no place in SGLang's
-    reply struct, so through SGLang's front end it is refused with that reason."""
-    import msgspec
-    from sglang.srt.managers.io_struct import CheckWeightsReqOutput, ChecksumInfo
-
-    from slime_spec.engine.weight_checker import NAMES_ACTION, check_weights
-
-    if body.get("action") == NAMES_ACTION:
-        return CheckWeightsReqOutput(success=False, message=f"action={NAMES_ACTION!r} is not carried by SGLang's "
-                                     "CheckWeightsReqOutput; use action='checksum'")
-    try:
-        payload = check_weights(core, body)
-    except Exception as e:  # SGLang's scheduler answers any error as success false with its message
-        logger.warning("check_weights failed: %s", e)
-        return CheckWeightsReqOutput(success=False, message=f"{e}")
-    return CheckWeightsReqOutput(success=True, message="Success.",
-                                 payload=None if payload is None else [msgspec.convert(payload, ChecksumInfo)])
 
 
 def _with_ipc(obj, http_worker_ipc):

@@ -26,17 +26,17 @@ from typing import Any
 
 from slime_spec import spec
 from slime_spec.args import sglang_parser
+from slime_spec.doctor_codes import SERVER_PREFIX, Rule, errors
+from slime_spec.dtypes import canonical_dtype, config_dtype
 from slime_spec.engine.cuda_graph import CudaGraphSettings
 from slime_spec.engine.kernels.ops import Kernels
 from slime_spec.engine.spec_policy import check_spec_options
-from slime_spec.dtypes import canonical_dtype, config_dtype
-from slime_spec.doctor_codes import SERVER_PREFIX, Rule, errors
 
 IMPLEMENTED = frozenset({
     "model_path", "tokenizer_path", "host", "port", "dtype", "device", "base_gpu_id", "context_length",
     "max_running_requests", "random_seed", "api_key", "admin_api_key", "served_model_name",
     "weight_version", "skip_tokenizer_init", "log_level", "trust_remote_code",
-    "enable_deterministic_inference", "tp_size",
+    "enable_deterministic_inference", "tp_size", "stream_interval",
     "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
     "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_ngram_max_trie_depth",
     "speculative_adaptive", "speculative_adaptive_config",
@@ -55,7 +55,7 @@ PERFORMANCE_ONLY = frozenset({
     "disable_chunked_prefix_cache", "num_continuous_decode_steps",
     "scheduler_recv_interval", "enable_mixed_chunk", "nccl_port", "dist_timeout", "watchdog_timeout",
     "soft_watchdog_timeout", "sleep_on_idle", "skip_server_warmup", "warmups",
-    "stream_interval", "batch_notify_size", "gpu_id_step", "numa_node", "enable_p2p_check",
+    "batch_notify_size", "gpu_id_step", "numa_node", "enable_p2p_check",
     "log_level_http", "log_requests", "log_requests_level", "log_requests_format", "log_requests_target",
     "uvicorn_access_log_exclude_prefixes", "crash_dump_folder", "show_time_cost", "enable_metrics",
     "enable_mfu_metrics", "enable_metrics_for_all_schedulers", "decode_log_interval",
