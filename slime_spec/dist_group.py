@@ -127,6 +127,10 @@ class GroupCloseTimeout(TimeoutError):
     """A group's teardown did not finish in time: some rank never destroyed it."""
 
 
+class GroupBroken(RuntimeError):
+    """A collective of the group failed (a member died or left): the group cannot be used again; destroy it."""
+
+
 def destroy_bounded(pg, timeout_s: float, what: str) -> None:
     """`destroy_process_group(pg)`, given up after `timeout_s`: then the communicator is aborted (local, it waits
     for no peer) and GroupCloseTimeout names `what` and the likely cause."""
@@ -174,7 +178,17 @@ class WeightUpdateGroup:
                               timedelta(seconds=timeout_s))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        broadcast(self._pg, tensor, src)
+        """Raises GroupBroken when a member is gone. The error holds no reference to the group, so `destroy` then
+        frees it, which closes its connections: the other members' pending receives fail at once instead of
+        waiting for the group's timeout (a gloo group lives, connections open, while anything references it, and
+        a caught error's traceback references the frames that hold it)."""
+        try:
+            broadcast(self._pg, tensor, src)
+            return
+        except RuntimeError as e:
+            failure = str(e)
+        raise GroupBroken(f"broadcast in weight-update group {self.group_name!r} (rank {self.rank} of "
+                          f"{self.world_size}, {self.backend}) failed: {failure}")
 
     def barrier(self) -> None:
         t = torch.zeros(1, device="cuda" if self.backend == "nccl" else "cpu")

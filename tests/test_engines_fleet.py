@@ -13,16 +13,15 @@ import textwrap
 
 import pytest
 import ray
-import torch
 from safetensors.torch import load_file
 
 from slime_spec.config import EngineConfig, RolloutConfig, WeightSyncConfig
-from slime_spec.tiny_model import make_tiny_model
 from slime_spec.engines.client import EngineClient, EngineGroupError
 from slime_spec.engines.fleet import NoEngineAvailable, Router, pick_engine
 from slime_spec.net import free_port
 from slime_spec.rollout.manager import RolloutManagerActor, exclude_stale
 from slime_spec.rollout.sample import Sample, Status
+from slime_spec.tiny_model import make_tiny_model
 from slime_spec.train import generate_fenced, run_all
 from slime_spec.weight_sync.gather import iter_hf_state
 from slime_spec.weight_sync.protocol import SpecSetup
@@ -215,7 +214,7 @@ class _RecordingActor:
             out = self.fn(*args)
             return await out if asyncio.iscoroutine(out) else out
 
-    def _ensure_alive(self):
+    def _ensure_alive(self, generate=False, stuck=None):  # Engine.ensure_alive's signature
         self.restarts += 1
         return True
 
@@ -246,7 +245,8 @@ def test_a_request_failing_during_shutdown_restarts_nothing(monkeypatch):
 def test_engine_command_lines_go_to_a_file_and_one_short_line(tmp_path):
     from slime_spec.engines.fleet import COMMANDS_FILE, ready_line, write_commands
 
-    engine = EngineConfig(backend="embedded", model_path="/models/m", forwarded_argv=("--speculative-algorithm", "NGRAM"),
+    engine = EngineConfig(backend="embedded", model_path="/models/m",
+                          forwarded_argv=("--speculative-algorithm", "NGRAM"),
                           server_args={"speculative_algorithm": "NGRAM"})
     commands = [engine.server_argv("127.0.0.1", port, engine_index=i) for i, port in enumerate((30001, 30002))]
     path = write_commands(tmp_path / "logs", commands)
@@ -268,9 +268,9 @@ class _ProbedActor(_RecordingActor):
         self.weight_version = self._Remote(lambda: "default")
         self.get_url = self._Remote(lambda: "http://127.0.0.1:1")
 
-    def _probe(self, generate=False):
+    def _probe(self, generate=False, stuck=None):  # Engine.ensure_alive's signature and rule: `stuck` restarts
         self.checks.append(generate)
-        problem, self.problem = self.problem, None
+        problem, self.problem = stuck or self.problem, None
         return problem
 
 
@@ -303,7 +303,7 @@ def test_liveness_check_restarts_a_dead_or_hung_engine_and_fences_it():
 
 def test_a_dead_engine_that_cannot_restart_is_routed_around():
     class _Gone(_ProbedActor):
-        def _probe(self, generate=False):
+        def _probe(self, generate=False, stuck=None):
             raise ray.exceptions.RayActorError()
 
     fleet = _fleet([_ProbedActor(), _Gone()])
@@ -311,4 +311,19 @@ def test_a_dead_engine_that_cannot_restart_is_routed_around():
     async def main():
         assert await fleet.check_engines() == []
         assert fleet.router.dead == [False, True] and fleet.live() == [0]
+    asyncio.run(main())
+
+
+def test_an_engine_found_stuck_is_restarted_though_its_probe_answers():
+    """A sync names an engine stuck in its broken broadcast (SGLang's /ping answers while the scheduler waits):
+    the fleet restarts that one, whatever its probe says, and fences it until the trainer re-syncs it."""
+    stuck, live = _ProbedActor(), _ProbedActor()
+    fleet = _fleet([live, stuck])
+    fleet.urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+
+    async def main():
+        assert await fleet.restart_stuck(["http://127.0.0.1:2"], "stuck in a broken weight-update broadcast") == [1]
+        assert live.checks == [] and stuck.checks == [False]
+        assert fleet.engines_needing_sync() == [1] and fleet.router.available == [True, False]
+        assert fleet.generation == [0, 1] and fleet.total_restarts == 1
     asyncio.run(main())

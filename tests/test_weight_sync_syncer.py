@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from slime_spec.config import WeightSyncConfig
-from slime_spec.tiny_model import make_config, make_weights
 from slime_spec.engines.client import EngineClient, EngineError
+from slime_spec.net import free_port
+from slime_spec.tiny_model import make_config, make_weights
 from slime_spec.weight_sync.gather import iter_hf_state
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer, WeightSyncError
 from tests.test_weight_sync_fake_server import FakeSGLangServer, fuse_hf_state
-from slime_spec.net import free_port
 
 MIMO = make_config("mimo", vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                    intermediate_size=64, max_position_embeddings=128, dtype="float32", mtp_layers=1,
@@ -249,8 +249,8 @@ def _injecting(tensors, at: int, inject):
 
 
 def _embedded(tmp_path):
-    from tests.helpers.engine_server import EAGLE_FLAGS, TINY, EngineServer
     from slime_spec.tiny_model import make_tiny_model
+    from tests.helpers.engine_server import EAGLE_FLAGS, TINY, EngineServer
 
     served = make_tiny_model(tmp_path / "served", arch="mimo", seed=0, **TINY)
     new = make_tiny_model(tmp_path / "new", arch="mimo", seed=1, **TINY)
@@ -267,7 +267,8 @@ def _embedded_syncer(clients, served):
 
 
 def _new_state(path):
-    from tests.helpers.engine_server import checkpoint_config as _config, checkpoint_state as _state
+    from tests.helpers.engine_server import checkpoint_config as _config
+    from tests.helpers.engine_server import checkpoint_state as _state
 
     return list(iter_hf_state(_state(path), _config(path)))
 
@@ -328,7 +329,8 @@ def test_engine_killed_mid_sync_survivor_is_verified_and_continues(tmp_path):
     """Two engines; the second dies (connections refused) after the first buckets landed. The survivor rolls
     its session back and is verified on the previous weights by checksum, so generation continues on it (the
     dead engine serves nothing, and a restarted one is re-synced before it serves); the message names the dead one."""
-    from tests.helpers.engine_server import checkpoint_config as _config, checkpoint_state as _state
+    from tests.helpers.engine_server import checkpoint_config as _config
+    from tests.helpers.engine_server import checkpoint_state as _state
 
     served, new, engine = _embedded(tmp_path)
     victim = FakeSGLangServer(_state(served), _config(served), draft="mtp")
@@ -403,7 +405,7 @@ EAGLE3 = SpecSetup("EAGLE3", "/eagle3", "/ckpt")
 def eagle3_state(seed: int) -> dict[str, torch.Tensor]:
     """An EAGLE3 draft's own tensors (checkpoint names) for MIMO's shapes: one of them, lm_head.weight, is
     also a target name, with a different (draft-vocabulary) shape."""
-    from slime_spec.trainer.eagle3_draft import Eagle3Draft
+    from slime_spec.common.eagle3_draft import Eagle3Draft
 
     config = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
               "vocab_size": 48, "draft_vocab_size": 16, "max_position_embeddings": 128, "rms_norm_eps": 1e-6}

@@ -17,7 +17,7 @@ from pathlib import Path
 import ray
 
 from slime_spec.config import EngineConfig
-from slime_spec.engines.client import EngineAuth, EngineClient, EngineError
+from slime_spec.engines.client import EngineAuth, EngineClient, EngineError, weight_version_of
 from slime_spec.engines.process import ServerProcess, engine_server_process
 
 DEFAULT_START_TIMEOUT_S = 1800.0
@@ -87,13 +87,13 @@ class Engine:
             return f"its server process exited (code {code})"
         return self.client.liveness_problem(generate)
 
-    def ensure_alive(self, generate: bool = False) -> str | None:
-        """Restart the server if its process died or stopped answering; returns why it was restarted, None
-        when it serves. After `shutdown` (a request failing because shutdown just stopped the server) it never
-        restarts."""
+    def ensure_alive(self, generate: bool = False, stuck: str | None = None) -> str | None:
+        """Restart the server if its process died or stopped answering, or if the caller found it `stuck` (why, in
+        words) where no probe sees it; returns why it was restarted, None when it serves. After `shutdown` (a
+        request failing because shutdown just stopped the server) it never restarts."""
         if self.stopped:
             return None
-        problem = self.liveness_problem(generate)
+        problem = stuck or self.liveness_problem(generate)
         if problem is None:
             return None
         print(f"[engine {self.index}] {self.url}: {problem}; restarting", flush=True)
@@ -115,8 +115,6 @@ class Engine:
     def weight_version(self) -> str | None:
         """The version of the weights this engine serves, as it reports it: SGLang's `/model_info` (its
         `/server_info` is the startup configuration and keeps the version the engine started with)."""
-        from slime_spec.weight_sync.served_state import weight_version_of
-
         return weight_version_of(self.client)
 
     def generate(self, payload: dict) -> dict:

@@ -186,6 +186,17 @@ class EngineClient:
         self._session.close()
 
 
+def weight_version_of(client: EngineClient) -> str | None:
+    """`weight_version` as SGLang reports it (`/model_info`; `/get_model_info` on servers without it)."""
+    for path in ("/model_info", "/get_model_info"):
+        try:
+            return client.get(path).get("weight_version")
+        except EngineError as e:
+            if e.status != 404:
+                raise
+    return None
+
+
 def async_session(read_timeout_s: float | None) -> aiohttp.ClientSession:
     """A session for many concurrent requests: no total timeout, only connect and idle-read bounds."""
     return aiohttp.ClientSession(

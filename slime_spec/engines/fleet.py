@@ -13,7 +13,8 @@ of any other version is visible and excluded (`stale_samples`), never trained on
 Liveness. An engine is restarted when a request to it fails unreachable, and whenever the driver asks
 (`check_engines`: at every phase boundary and every few seconds while a rollout, an eval or a sync runs): its
 process exited, or its probe (`Engine.liveness_problem`: SGLang's /ping, or /health_generate where it should be
-serving) went unanswered past a bound, as a hung (stopped) server's does.
+serving) went unanswered past a bound, as a hung (stopped) server's does; and when a failed sync names it stuck in
+its broken broadcast (`restart_stuck`), which no probe sees.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from slime_spec.config import EngineConfig
 from slime_spec.engines.actor import EngineActor
 from slime_spec.net import free_ports_below_ephemeral
 from slime_spec.placement import ENGINE_GPU_FRACTION, Placement, create_placement, in_bundle, remove_placement
-
 
 # What an engine serves right after start when it does not report a weight_version: the checkpoint.
 CHECKPOINT = "checkpoint"
@@ -187,10 +187,11 @@ class EngineFleet:
         return [i for i in range(self.num_engines) if not self.router.dead[i]]
 
     # ---- restart and the fence ----
-    async def recover(self, idx: int, generation: int, generate: bool = False) -> bool:
+    async def recover(self, idx: int, generation: int, generate: bool = False, stuck: str | None = None) -> bool:
         """Restart engine `idx` if it died or hangs (only the first failure of an engine generation does this);
         a restarted engine that does not serve the current weights stays fenced until `confirm_weights`.
         `generate`: the engine should be serving, so it must generate a token (`Engine.liveness_problem`).
+        `stuck`: the caller found it stuck (why, in words), so it is restarted whatever its probe says.
         Returns whether it was restarted."""
         async with self.lock(idx):
             if self.stopping:
@@ -200,7 +201,7 @@ class EngineFleet:
                 return False
             await self.router.set_available(idx, False)
             try:
-                restarted = await self.actors[idx].ensure_alive.remote(generate)
+                restarted = await self.actors[idx].ensure_alive.remote(generate, stuck)
                 version = (await self.actors[idx].weight_version.remote() or CHECKPOINT) if restarted \
                     else self.served[idx]
             except ray.exceptions.RayError as e:  # the restart failed (EngineStartError) or the actor is gone
@@ -230,6 +231,13 @@ class EngineFleet:
         live = [i for i in self.live() if not self.lock(i).locked()]
         restarted = await asyncio.gather(*[self.recover(i, self.generation[i], generate) for i in live])
         return [i for i, r in zip(live, restarted) if r]
+
+    async def restart_stuck(self, urls: list[str], why: str) -> list[int]:
+        """Restart the engines at `urls`, found stuck where no probe sees it (SGLang's /ping answers while the
+        scheduler is blocked in a broken collective); fenced like any restarted engine. Returns those restarted."""
+        stuck = [i for i in self.live() if self.urls[i] in set(urls)]
+        restarted = await asyncio.gather(*[self.recover(i, self.generation[i], stuck=why) for i in stuck])
+        return [i for i, r in zip(stuck, restarted) if r]
 
     def engines_needing_sync(self) -> list[int]:
         return sorted(self.needs_sync)

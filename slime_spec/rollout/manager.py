@@ -35,8 +35,13 @@ from slime_spec.rollout.data import PromptDataset
 from slime_spec.rollout.debug_data import load_rollout, save_rollout
 from slime_spec.rollout.generate import GenerateFn, RolloutEngineClient, default_generate
 from slime_spec.rollout.history_sync import make_history_sync
-from slime_spec.rollout.metrics import (WandbLogger, format_metrics_line, rollout_metrics, time_shares,
-                                        write_metrics_line)
+from slime_spec.rollout.metrics import (
+    WandbLogger,
+    format_metrics_line,
+    rollout_metrics,
+    time_shares,
+    write_metrics_line,
+)
 from slime_spec.rollout.reward_runner import RewardRunner, report_failures, reward_failure_metrics
 from slime_spec.rollout.rewards import load_function
 from slime_spec.rollout.sample import Sample, Status
@@ -137,8 +142,8 @@ class RolloutManager:
         self.fleet: EngineFleet | None = None
         # Replaying saved rollouts (--debug-train-only) needs no engine.
         if rollout.load_debug_rollout_data is None:
-            self.fleet = EngineFleet(engine, num_engines, max_concurrency=rollout.sglang_server_concurrency, log_dir=log_dir,
-                                     start_timeout_s=rollout.engine_start_timeout,
+            self.fleet = EngineFleet(engine, num_engines, max_concurrency=rollout.sglang_server_concurrency,
+                                     log_dir=log_dir, start_timeout_s=rollout.engine_start_timeout,
                                      rollout_num_gpus=rollout_num_gpus, placement=placement)
         try:  # the data loads while the engines start
             self.tokenizer = self._load_tokenizer() if (rollout.prompt_data or eval_prompt_data) else None
@@ -194,6 +199,10 @@ class RolloutManager:
     async def check_engines(self, generate: bool = False) -> list[int]:
         """Every engine's liveness now; a dead or hung one is restarted and fenced (EngineFleet.check_engines)."""
         return await self.fleet.check_engines(generate) if self.fleet else []
+
+    async def restart_stuck(self, urls: list[str], why: str) -> list[int]:
+        """Restart engines found stuck where no probe sees it (EngineFleet.restart_stuck)."""
+        return await self.fleet.restart_stuck(urls, why) if self.fleet else []
 
     async def confirm_weights(self, version: str) -> list[int]:
         """The trainer synced `version` into the engines: unfence those serving it; returns those still stale."""

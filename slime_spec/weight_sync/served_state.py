@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from slime_spec.engines.client import EngineClient, EngineError
+from slime_spec.engines.client import EngineClient, EngineError, weight_version_of
 from slime_spec.weight_sync import protocol
 
 Serves = Literal["previous", "checkpoint", "mix", "unreachable", "unverified"]
@@ -84,17 +84,6 @@ def read_served(client: EngineClient, session: bool) -> ServedState | None:
             return None
         raise
     return ServedState(weight_version_of(client), checksums_of(reply))
-
-
-def weight_version_of(client: EngineClient) -> str | None:
-    """`weight_version` as SGLang reports it (`/model_info`; `/get_model_info` on servers without it)."""
-    for path in ("/model_info", "/get_model_info"):
-        try:
-            return client.get(path).get("weight_version")
-        except EngineError as e:
-            if e.status != 404:
-                raise
-    return None
 
 
 def judge(url: str, now: ServedState | None, previous: ServedState | None,

@@ -29,7 +29,9 @@ state it verified:
   count; the fix is to sync again (a full sync is idempotent) or restart the engines.
 - a failed verification leaves the new weights loaded and generation paused.
 With the distributed transport, an engine that rejects a request before joining the broadcast
-leaves rank 0 waiting in the broadcast until the group's timeout (`timeout_s`).
+leaves rank 0 waiting in the broadcast until the group's timeout (`timeout_s`). An engine lost mid-broadcast
+fails it at once: rank 0 leaves the broken group, which ends the other engines' receives (transports.py); one
+still stuck in it is named in `WeightSyncError.stuck_urls` and asked nothing more (the driver restarts it).
 """
 
 from __future__ import annotations
@@ -49,21 +51,29 @@ from slime_spec.weight_sync import protocol, readback, served_state, sglang_para
 from slime_spec.weight_sync.colocated import RankBuckets
 from slime_spec.weight_sync.gather import NamedTensor, make_buckets, only_wanted
 from slime_spec.weight_sync.report import Clock, SyncReport, SyncSplit, one_intra_op_thread
-from slime_spec.weight_sync.transports import (DiskTransport, DistributedTransport, TensorTransport, engine_seconds,
-                                               engine_timing)
+from slime_spec.weight_sync.transports import (
+    BroadcastStuck,
+    DiskTransport,
+    DistributedTransport,
+    TensorTransport,
+    engine_seconds,
+    engine_timing,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class WeightSyncError(RuntimeError):
     """A sync failed; `engines_serve_previous_weights` says whether generation was resumed on old weights
-    (every engine that answers was verified to serve them); `engines` says what each engine was verified to serve."""
+    (every engine that answers was verified to serve them); `engines` says what each engine was verified to serve;
+    `stuck_urls`: engines left stuck in a broken broadcast, which serve nothing until restarted."""
 
     def __init__(self, message: str, engines_serve_previous_weights: bool,
-                 engines: Sequence[served_state.EngineVerdict] = ()):
+                 engines: Sequence[served_state.EngineVerdict] = (), stuck_urls: Sequence[str] = ()):
         super().__init__(message)
         self.engines_serve_previous_weights = engines_serve_previous_weights
         self.engines = list(engines)
+        self.stuck_urls = list(stuck_urls)
 
     def metrics(self) -> dict:
         out = {"weight_sync_failed": 1, "weight_sync_resumed_on_previous": int(self.engines_serve_previous_weights)}
@@ -291,12 +301,13 @@ class WeightSyncer:
         back, and continue generation only if each engine that answers was verified, by its own checksums, to
         serve the previous weights. No step's failure skips the ones after it; each is named in the error."""
         notes: list[str] = []
+        stuck = error.urls if isinstance(error, BroadcastStuck) else []  # their routes would wait on the collective
         self._end_other_ranks(error, notes)
         if session_open:
-            rolled_back = self._close_session(notes)
+            rolled_back = self._close_session(notes, skip=stuck)
             notes.insert(0, f"{len(rolled_back)} of {len(self.clients)} engine(s) rolled the session back "
                             f"(/abort_weight_update){': ' + ', '.join(rolled_back) if rolled_back else ''}")
-        verdicts = self._judge_engines()
+        verdicts = self._judge_engines(stuck)
         serving = [v for v in verdicts if v.serves != "unreachable"]
         previous = bool(serving) and all(v.serves == "previous" for v in serving)
         state = self._resume_on_previous(serving, len(verdicts)) if previous else (
@@ -306,7 +317,7 @@ class WeightSyncer:
                    f"{buckets_applied} applied bucket(s): {error}. Per engine: "
                    + "; ".join(v.describe() for v in verdicts) + f". {state}."
                    + (f" Undo: {'; '.join(notes)}." if notes else ""))
-        return WeightSyncError(message, engines_serve_previous_weights=previous, engines=verdicts)
+        return WeightSyncError(message, engines_serve_previous_weights=previous, engines=verdicts, stuck_urls=stuck)
 
     def _end_other_ranks(self, error: Exception, notes: list[str]) -> None:
         """The other colocated trainer ranks wait in the bucket exchange for this sync's next message: end it
@@ -337,13 +348,15 @@ class WeightSyncer:
         self._checkpoint = {c.url: served_state.read_served(c, self.protocol.session) for c in self.clients}
         self._verified = dict(self._checkpoint)
 
-    def _close_session(self, notes: list[str]) -> list[str]:
+    def _close_session(self, notes: list[str], skip: Sequence[str] = ()) -> list[str]:
         """Per engine: roll the open session back (`/abort_weight_update`); where the engine has no rollback
         (404: SGLang) or had no session left to roll back, close it with `/end_weight_update`. What the
         engines serve afterwards is read back by `_judge_engines`, never assumed from these replies.
         Returns the URLs of the engines that say they rolled back."""
         rolled_back = []
         for client in self.clients:
+            if client.url in skip:
+                continue
             try:
                 reply = client.post("/abort_weight_update", {})
                 if isinstance(reply, dict) and reply.get("rolled_back") is True:
@@ -364,11 +377,16 @@ class WeightSyncer:
                     notes.append(f"closing the weight-update session on {client.url} failed: {e}")
         return rolled_back
 
-    def _judge_engines(self) -> list[served_state.EngineVerdict]:
+    def _judge_engines(self, stuck: Sequence[str] = ()) -> list[served_state.EngineVerdict]:
         """What every engine serves, read back. An engine whose read-back fails is `unverified`, naming why:
-        the report claims nothing it did not read, and the sync's own error is not replaced by this one."""
+        the report claims nothing it did not read, and the sync's own error is not replaced by this one. An engine
+        `stuck` in a broken broadcast is not asked (its scheduler is blocked): it serves nothing until restarted."""
         verdicts = []
         for client in self.clients:
+            if client.url in stuck:
+                verdicts.append(served_state.EngineVerdict(client.url, "unreachable", reason=(
+                    "stuck in the broken broadcast; it serves nothing until it is restarted")))
+                continue
             try:
                 now = served_state.read_served(client, self.protocol.session)
             except EngineError as e:

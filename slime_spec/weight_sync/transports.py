@@ -11,8 +11,8 @@ verification are the syncer's job (sync.py).
   each tensor in that order. nccl on GPU, gloo on CPU.
 - tensor (colocated): `/update_weights_from_tensor` with each bucket flattened into one tensor
   (`load_format: "flattened_bucket"`, as upstream slime sends it) and serialized the way SGLang's
-  MultiprocessingSerializer reads it (pickle, base64 over HTTP), one entry per engine TP rank, each
-  serialized on its own; a CUDA bucket as one IPC handle naming the device by UUID. With per-rank buckets
+  MultiprocessingSerializer reads it (pickle, base64 over HTTP; tensor_payload.py), one entry per engine TP
+  rank, each serialized on its own; a CUDA bucket as one IPC handle naming the device by UUID. With per-rank buckets
   (colocated.py) entry r is the bucket of the trainer rank on engine TP rank r's GPU.
 - disk: the whole model written as an HF checkpoint (safetensors shards + index + the original
   config/tokenizer files), then `/update_weights_from_disk`. One request per sync, so all-or-nothing.
@@ -20,11 +20,8 @@ verification are the syncer's job (sync.py).
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import logging
-import pickle
 import shutil
 import threading
 import time
@@ -35,7 +32,9 @@ import torch
 
 from slime_spec.engines.client import EngineClient, EngineGroupError, post_all
 from slime_spec.weight_sync import protocol
+from slime_spec.weight_sync.colocated import RankFailure
 from slime_spec.weight_sync.gather import Bucket
+from slime_spec.weight_sync.tensor_payload import FLATTENED_BUCKET, compact, serialize_bucket, stage_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +45,19 @@ HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
 def dtype_name(dtype: torch.dtype) -> str:
     """'bfloat16' for torch.bfloat16: the spelling SGLang's receiver feeds to getattr(torch, ...)."""
     return str(dtype).removeprefix("torch.")
+
+
+# After a failed broadcast: how long the engines get to answer once this side has left the group (gloo ends their
+# receives at once; an engine still silent is stuck in the broken collective, as an NCCL receive is).
+BROKEN_GROUP_REPLY_S = 30.0
+
+
+class BroadcastStuck(RuntimeError):
+    """A broadcast failed and engines at `urls` are still stuck in it: they serve nothing until restarted."""
+
+    def __init__(self, urls: list[str], message: str):
+        super().__init__(message)
+        self.urls = list(urls)
 
 
 class DistributedTransport:
@@ -92,33 +104,46 @@ class DistributedTransport:
             bucket.names, [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors],
             group_name=self.group_name, selector=selector, weight_version=weight_version,
             flush_cache=False, session=self.session)
-        posts = BackgroundCall(lambda: post_all(self.clients, "/update_weights_from_distributed", payload))
-        broken = False
+        posts = PostEach(self.clients, "/update_weights_from_distributed", payload)
         try:
             for t in tensors:
                 self.group.broadcast(t, src=0)
-        except BaseException:
-            # A member is gone (an engine died mid-sync): a collective with a dead member never completes, so
-            # this side leaves the group now and the next sync forms a new one.
-            broken = True
-            self.group.destroy()
-            raise
-        finally:
-            posts.join()
-            if broken:
-                self._drop_broken_group()
+        except BaseException as e:
+            self._leave_broken_group(posts, e)  # raises
+        posts.join()
         return posts.result()
 
-    def _drop_broken_group(self) -> None:
-        """After a failed broadcast: the engines leave the group too, and the next sync forms a new one. An engine
-        that is gone, or dropped the group already, cannot leave it: said in the log, the broadcast's error is
-        the one raised."""
-        self.group = None
+    def _leave_broken_group(self, posts: "PostEach", error: BaseException) -> None:
+        """After a failed broadcast (a member is gone: a collective with a dead member never completes): leave the
+        group here, which ends the engines' receives at once with gloo (dist_group.GroupBroken), wait a bounded time
+        for their replies, and have those that answered leave it too; the next sync forms a new group. An NCCL
+        receive cannot tell that a peer is gone (it waits out the group's timeout, 30 min by SGLang's default): an
+        engine still silent after BROKEN_GROUP_REPLY_S is named in BroadcastStuck, to be restarted, and is asked
+        nothing more. Otherwise the broadcast's error is the one raised; an engine that cannot leave the group
+        (gone, or it dropped the group already) is said in the log."""
+        from slime_spec.dist_group import GroupCloseTimeout
+
+        group, self.group = self.group, None
         try:
-            post_all(self.clients, "/destroy_weights_update_group", protocol.destroy_group_payload(self.group_name))
+            if group is not None:
+                group.destroy()
+        except GroupCloseTimeout as e:  # its communicator was aborted: this side has left all the same
+            logger.warning("after a failed broadcast: %s", e)
+        wait_s = min(self.timeout_s, BROKEN_GROUP_REPLY_S)
+        stuck = posts.join(wait_s)
+        answered = [c for c in self.clients if c.url not in stuck]
+        try:
+            if answered:
+                post_all(answered, "/destroy_weights_update_group", protocol.destroy_group_payload(self.group_name))
         except EngineGroupError as e:
             logger.warning("after a failed broadcast, leaving the weight-update group failed on %d engine(s): %s",
                            len(e.failures), e)
+        if stuck:
+            raise BroadcastStuck(stuck, f"a broadcast of weight-update group {self.group_name!r} failed ({error}); "
+                                        f"engine(s) {', '.join(stuck)} did not answer /update_weights_from_distributed "
+                                        f"within {wait_s:g} s after this side left the group: they still wait in the "
+                                        "broken collective for a member that is gone. Restart them") from error
+        raise error
 
     def close(self) -> None:
         """Leave the group here and on every engine at once, as it was formed: NCCL's teardown waits for every
@@ -144,128 +169,6 @@ class DistributedTransport:
                 f"{timeout_s:g} s (this side left the group): an engine stuck in its teardown or busy elsewhere; "
                 f"restart it, or set NCCL_CUMEM_ENABLE=0 in it (then its teardown waits for no peer)")
         posts.result()
-
-
-def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
-    """One TP rank's entry of `serialized_named_tensors`: what SGLang's MultiprocessingSerializer.deserialize
-    (its SafeUnpickler) reads back, a pickle of [(name, tensor)] in base64.
-
-    CPU tensors are pickled with their bytes inline, which any process can read (torch's shared-memory
-    CPU path needs a file-descriptor handshake between related processes). CUDA tensors travel as CUDA
-    IPC handles, zero copy, naming the device by UUID as SGLang's `monkey_patch_torch_reductions` does
-    on both sides, so the engine opens the handle on its own GPU whatever its device numbering. The
-    caller must keep the tensors alive until the engine has replied (the engine copies from them).
-    """
-    buf = io.BytesIO()
-    if any(t.is_cuda for _, t in named):
-        cuda_ipc_pickler(buf).dump([(n, t.detach()) for n, t in named])
-    else:
-        pickle.dump([(n, compact(t)) for n, t in named], buf)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def serialize_for_tp_ranks(named: list[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
-    """`serialized_named_tensors` for one engine: entry r is TP rank r's, and each rank reads only its own.
-
-    Every entry is serialized on its own: a CUDA IPC handle is reference-counted per deserialization,
-    so ranks must not share one (SGLang's tp_worker.deserialize_own_rank says the same).
-    """
-    if tp_size < 1:
-        raise ValueError(f"engine tp size must be >= 1, got {tp_size}: pass the engines' --tp-size")
-    return [serialize_named_tensors(named) for _ in range(tp_size)]
-
-
-def _reduce_cuda_tensor_by_uuid(tensor: torch.Tensor):
-    """torch's CUDA IPC reduction with the device index replaced by the device UUID (argument 6 of
-    `rebuild_cuda_tensor`), the form SGLang's patched `rebuild_cuda_tensor` maps back to a local device."""
-    from torch.multiprocessing import reductions
-
-    rebuild, args = reductions.reduce_tensor(tensor)
-    if tensor.is_cuda:
-        device = args[CUDA_DEVICE_ARG]
-        args = (*args[:CUDA_DEVICE_ARG], str(torch.cuda.get_device_properties(device).uuid),
-                *args[CUDA_DEVICE_ARG + 1:])
-    return rebuild, args
-
-
-CUDA_DEVICE_ARG = 6  # position of the device index in rebuild_cuda_tensor's arguments (torch 2.x)
-
-
-def cuda_ipc_pickler(buf: io.BytesIO):
-    """A ForkingPickler whose tensor reduction names devices by UUID; torch's global reductions stay as they are."""
-    import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
-    from multiprocessing.reduction import ForkingPickler
-
-    pickler = ForkingPickler(buf)
-    pickler.dispatch_table = {**pickler.dispatch_table, torch.Tensor: _reduce_cuda_tensor_by_uuid,
-                              torch.nn.Parameter: _reduce_cuda_tensor_by_uuid}
-    return pickler
-
-
-def compact(t: torch.Tensor) -> torch.Tensor:
-    """A tensor that owns exactly its bytes: pickling a view would carry its whole storage (e.g. a padded vocab)."""
-    t = t.detach().contiguous()
-    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
-        t = t.clone()
-    return t
-
-
-FLATTENED_BUCKET = "flattened_bucket"
-
-
-def flatten_bucket(named: list[tuple[str, torch.Tensor]]) -> dict:
-    """The `{"flattened_tensor", "metadata"}` object SGLang's `_update_weights_from_flattened_bucket` reads: every
-    tensor's bytes in one uint8 tensor on their device, and SGLang's own FlattenedTensorMetadata per tensor.
-
-    Wider dtypes come first, so every tensor starts at a multiple of its element size (the receiver views each
-    byte range as its dtype, which needs that alignment); the order of names does not matter to a load.
-    """
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
-
-    if not named:
-        raise ValueError("cannot flatten an empty bucket")
-    ordered = sorted(named, key=lambda nt: -nt[1].element_size())
-    parts, metadata, offset = [], [], 0
-    for name, t in ordered:
-        flat = t.detach().reshape(-1).view(torch.uint8)
-        metadata.append(FlattenedTensorMetadata(name=name, shape=t.shape, dtype=t.dtype, start_idx=offset,
-                                                end_idx=offset + flat.numel(), numel=flat.numel()))
-        parts.append(flat)
-        offset += flat.numel()
-    return {"flattened_tensor": torch.cat(parts), "metadata": metadata}
-
-
-def serialize_flattened(obj: dict, tp_size: int) -> list[str]:
-    """`serialized_named_tensors` of one flattened bucket, one entry per engine TP rank (each its own handle)."""
-    if tp_size < 1:
-        raise ValueError(f"engine tp size must be >= 1, got {tp_size}: pass the engines' --tp-size")
-    return [_serialize(obj, obj["flattened_tensor"].is_cuda) for _ in range(tp_size)]
-
-
-def stage_bucket(named: list[tuple[str, torch.Tensor]], flatten: bool):
-    """What an engine reads out of this process for one bucket: the bucket flattened into one tensor (one device
-    copy here, one IPC handle there) or the tensors as they are. The engine reads from another process, so on
-    CUDA the bytes are written (device sync) before this returns. Keep it alive until the engines have replied."""
-    staged = flatten_bucket(named) if flatten else named
-    cuda = next((t.device for _, t in named if t.is_cuda), None)
-    if cuda is not None:
-        torch.cuda.synchronize(cuda)
-    return staged
-
-
-def serialize_bucket(staged, flatten: bool, count: int) -> list[str]:
-    """`count` entries of `serialized_named_tensors` of a staged bucket, each serialized on its own (a CUDA IPC
-    handle is opened by one reader only): one per engine TP rank, or one for this trainer rank's own entry."""
-    return serialize_flattened(staged, count) if flatten else serialize_for_tp_ranks(staged, count)
-
-
-def _serialize(obj, cuda: bool) -> str:
-    buf = io.BytesIO()
-    if cuda:
-        cuda_ipc_pickler(buf).dump(obj)
-    else:
-        pickle.dump(obj, buf)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 class TensorTransport:
@@ -316,8 +219,6 @@ class TensorTransport:
         """Engine e's entries come from its own GPUs' trainer ranks (colocated.py); every rank keeps its bucket
         until the engines have replied, then `release` lets them drop it. Rank 0 makes its entry as every other
         rank does (stage_bucket, serialize_bucket: colocated.follow_sync)."""
-        from slime_spec.weight_sync.colocated import RankFailure
-
         channel, staged = self.rank_buckets, None
         try:
             staged = self._stage(bucket)
@@ -435,7 +336,35 @@ class BackgroundCall:
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
+    def error(self) -> BaseException | None:
+        return self._error
+
     def result(self):
         if self._error is not None:
             raise self._error
         return self._result
+
+
+class PostEach:
+    """One POST per engine, each on its own thread (they block on a collective), so a caller that stops waiting
+    knows which engines have not answered."""
+
+    def __init__(self, clients: Sequence[EngineClient], path: str, payload: dict):
+        self.clients, self.path = list(clients), path
+        self._calls = [BackgroundCall(lambda c=c: c.post(path, payload)) for c in self.clients]
+
+    def join(self, timeout_s: float | None = None) -> list[str]:
+        """Wait for every reply (at most `timeout_s` in all); the URLs of the engines that have not answered."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for call in self._calls:
+            call.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return [c.url for c, call in zip(self.clients, self._calls) if not call.join(0)]
+
+    def result(self) -> list[dict]:
+        """Every engine's reply, once all answered; EngineGroupError naming each engine that failed (as post_all)."""
+        errors = {c.url: call.error() for c, call in zip(self.clients, self._calls)}
+        failures = {url: e for url, e in errors.items() if e is not None}
+        if failures:
+            raise EngineGroupError(self.path, failures, [url for url, e in errors.items() if e is None]) \
+                from next(iter(failures.values()))
+        return [call.result() for call in self._calls]

@@ -8,8 +8,8 @@ environment has FAULT_PLAN_ENV, that wraps the one function where each phase hap
 - after_rollout (between the rollout and the sync) and hang: the driver's `TrainGroup.train_step` called with the
   rollout's samples, before anything goes to the trainer (driver)
 - mid_train: `TrainGroup.train_step` submitted to the trainer, not yet finished (driver)
-- mid_sync: `DistributedTransport.send` of the sync's first bucket, the group formed and the session open
-  (trainer rank 0)
+- mid_sync: the first bucket's `send` of the sync of the planned version (`WeightSyncer.sync_report`'s
+  weight_version), the group formed and the session open (trainer rank 0)
 Each fault fires once; it appends one JSON line (phase, engine, pid, signal) to `FAULT_LOG_ENV`'s file.
 Engine i is found by its port in the run's engine_commands.txt (a restart keeps the port).
 """
@@ -129,20 +129,35 @@ def _patch_train_group(module) -> None:
     module.TrainGroup.train_step = train_step
 
 
-def _patch_transport(module) -> None:
-    original = module.DistributedTransport.send
+def _patch_syncer(module) -> None:
+    """mid_sync keys on the sync's own version (the argument of `WeightSyncer.sync_report`; buckets carry none):
+    that sync's transport kills the engine as its first bucket is about to go out."""
+    original = module.WeightSyncer.sync_report
 
-    def send(self, bucket, selector, weight_version):
+    def sync_report(self, tensors, weight_version=None):
         at = plan().get("mid_sync")
-        if at and weight_version == str(at["rollout_id"]):
-            strike("mid_sync", engine=at["engine"])
-        return original(self, bucket, selector, weight_version)
+        if not at or weight_version != str(at["rollout_id"]) or fired("mid_sync"):
+            return original(self, tensors, weight_version)
+        self.prepare()  # idempotent: the transport exists from here on
+        transport = self.transport
+        send = transport.send
 
-    module.DistributedTransport.send = send
+        def send_striking(bucket, selector, version):
+            strike("mid_sync", engine=at["engine"])
+            return send(bucket, selector, version)
+
+        transport.send = send_striking
+        try:
+            return original(self, tensors, weight_version)
+        finally:
+            if transport.__dict__.get("send") is send_striking:
+                del transport.send
+
+    module.WeightSyncer.sync_report = sync_report
 
 
 PATCHES = {"slime_spec.trainer.group": _patch_train_group,
-           "slime_spec.weight_sync.transports": _patch_transport}
+           "slime_spec.weight_sync.sync": _patch_syncer}
 
 
 class _PatchAfterImport:
