@@ -44,9 +44,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from engine_models import (  # run as `python bench/engine.py`
+    make_anti_draft,
+    make_exact_pair,
+    trained_eagle3_model,
+    trained_mtp_model,
+)
 
-from engine_models import (make_anti_draft, make_exact_pair, trained_eagle3_model,  # run as `python bench/engine.py`
-                           trained_mtp_model)
 from slime_spec.engine.core import EngineCore, Request, SamplingParams
 from slime_spec.rollout.data import read_jsonl
 from slime_spec.spec import resolve, resolve_or_raise
@@ -142,7 +146,8 @@ def make_engine(regime: Regime, s: Setting, batch: int, device: str, dtype: str)
                       draft_sampling=s.draft_sampling, spec_auto=s.spec_auto)
 
 
-def run_batch(core: EngineCore, prompts: list[list[int]], params: SamplingParams, tag: str) -> tuple[float, int, int, int]:
+def run_batch(core: EngineCore, prompts: list[list[int]], params: SamplingParams,
+              tag: str) -> tuple[float, int, int, int]:
     """(seconds, generated tokens, verify passes, accepted drafts) for one batch run to completion."""
     for i, ids in enumerate(prompts):
         core.add_request(Request(f"{tag}-{i}", ids, params))
@@ -226,7 +231,8 @@ def regimes(tmp: Path, a: argparse.Namespace, quick: bool) -> list[Regime]:
         mtp_rows = [Setting("plain")] + [Setting(f"NEXTN k={k}", nextn(k)) for k in ([2] if quick else [1, 2, 3])]
         mtp_rows += [Setting(f"NEXTN k={k} draft sampling", nextn(k), draft_sampling=True)
                      for k in ([2] if quick else [2, 3])]
-        mtp_rows += [Setting("NEXTN adaptive, draft sampling", nextn(3, speculative_adaptive=True), draft_sampling=True),
+        mtp_rows += [Setting("NEXTN adaptive, draft sampling", nextn(3, speculative_adaptive=True),
+                             draft_sampling=True),
                      Setting("NEXTN auto k<=3", nextn(3), spec_auto=True),
                      Setting("NEXTN auto k<=3, draft sampling", nextn(3), draft_sampling=True, spec_auto=True)]
         out.append(Regime("trained MTP, temperature 1", trained, eval_prompts, rollout, mtp_rows, MIMO))
@@ -254,7 +260,7 @@ def step_costs(model: Path, prompts: list[list[int]], batches: list[int], device
                steps: int = 20, repeats: int = 3) -> str:
     """Per-step cost of fixed NEXTN k = 1..3 over plain decoding at each batch size (temperature 1, EOS off, the
     same prompts; median of interleaved repeats, process CPU time so other processes on a shared machine weigh
-    less), and where a k = 3 step's time goes (speculative.StepTimes)."""
+    less), and where a k = 3 step's time goes (engine/speculative: StepTimes)."""
     clock = time.thread_time if device == "cpu" else time.perf_counter
     params = SamplingParams(temperature=1.0, max_new_tokens=4 * steps + 16, ignore_eos=True)  # no row finishes
     lines = ["| batch | plain ms/step | k=1 / plain | k=2 / plain | k=3 / plain | k=3: draft | verify | sampling |",
@@ -270,7 +276,7 @@ def step_costs(model: Path, prompts: list[list[int]], batches: list[int], device
                     core.add_request(Request(f"c{rep}-{j}", prompts[j % len(prompts)], params))
                 core.step()  # prefill
                 if i == 3:
-                    core.step_times = type(core.step_times)()
+                    core.spec_worker.times = type(core.step_times)()
                 sync(device)
                 start = clock()
                 for _ in range(steps):
@@ -354,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtp-model", default=None,
                    help="measure the trained-MTP rows on this MiMo checkpoint instead of training one (e.g. "
                         "outputs/demo/model_sft); needs --mtp-prompts")
-    p.add_argument("--mtp-prompts", default=None, help="JSONL with a `prompt` field per line (outputs/demo/data/eval.jsonl)")
+    p.add_argument("--mtp-prompts", default=None,
+                   help="JSONL with a `prompt` field per line (outputs/demo/data/eval.jsonl)")
     p.add_argument("--step-costs", action="store_true",
                    help="only the per-step cost of k = 1..3 over plain on the trained-MTP target (and its phases)")
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32; --quick 1,8)")

@@ -38,7 +38,6 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from slime_spec.engine import speculative
 from slime_spec.engine.core import EngineCore, Request, SamplingParams
 from slime_spec.engine.cuda_graph import CudaGraphSettings
 from slime_spec.spec import SpecConfig
@@ -67,9 +66,10 @@ def decode(core: EngineCore, batch: int, tokens: int, seed: int, times: list | N
 class StepPhases:
     """Where one decode's wall time goes, by engine step (no profiler): each `step()` timed and filed under the k
     the step policy chose (0: a plain step; plain decoding's steps too) and whether fewer than TAIL_BATCH rows ran;
-    the prefill and the drafter's catch-up before a draft (speculative.catch_up) timed inside it, each followed by
-    a sync so their device time counts (their host time alone is kept too), and the garbage collector's pauses. Why: a speculative engine at batch 128
-    ran slower than plain decoding with equal steady steps, so the time had to be somewhere else."""
+    the prefill and the drafter's catch-up before a draft (SpecWorker.catch_up) timed inside it, each followed by
+    a sync so their device time counts (their host time alone is kept too), and the garbage collector's pauses.
+    Why: a speculative engine at batch 128 ran slower than plain decoding with equal steady steps, so the time had
+    to be somewhere else."""
 
     TAIL_BATCH = 64  # SGLang's adaptive tiers: below it the tier of 32 (candidates 0 and 1) decides
 
@@ -88,8 +88,10 @@ class StepPhases:
 
     @contextmanager
     def watching(self, core: EngineCore):
-        """Instrument `core` (and speculative.catch_up) while the block runs."""
-        chose, real_step, real_prefill, real_catch_up = [0], core.step, core._prefill, speculative.catch_up
+        """Instrument `core` (and its speculative worker's catch_up) while the block runs."""
+        worker = core.spec_worker
+        chose, real_step, real_prefill = [0], core.step, core._prefill
+        real_catch_up = worker.catch_up if worker is not None else None
         sync = torch.cuda.synchronize if core.device.type == "cuda" else (lambda: None)  # engine_gpu.py --device cpu
         real_choose = core.policy.choose if core.policy is not None else None
 
@@ -104,11 +106,11 @@ class StepPhases:
             sync()
             self.prefill_s += time.perf_counter() - t
 
-        def catch_up(engine, rows):
-            pending = getattr(getattr(engine.drafter, "mtp", engine.drafter), "pending", None) or {}
+        def catch_up(rows):
+            pending = getattr(getattr(core.drafter, "mtp", core.drafter), "pending", None) or {}
             behind = [len(pending[r.slot]) for r in rows if r.slot in pending]
             t = time.perf_counter()
-            switch_s = real_catch_up(engine, rows)
+            switch_s = real_catch_up(rows)
             self.catch_up_host_s += time.perf_counter() - t
             sync()
             self.catch_up_s += time.perf_counter() - t
@@ -123,7 +125,9 @@ class StepPhases:
             self.steps.append((chose[0], rows, time.perf_counter() - t))
             return out
 
-        core.step, core._prefill, speculative.catch_up = step, prefill, catch_up
+        core.step, core._prefill = step, prefill
+        if worker is not None:
+            worker.catch_up = catch_up
         if real_choose is not None:
             core.policy.choose = choose
         gc.callbacks.append(self._on_gc)
@@ -131,7 +135,9 @@ class StepPhases:
             yield self
         finally:
             gc.callbacks.remove(self._on_gc)
-            core.step, core._prefill, speculative.catch_up = real_step, real_prefill, real_catch_up
+            core.step, core._prefill = real_step, real_prefill
+            if worker is not None:
+                worker.catch_up = real_catch_up
             if real_choose is not None:
                 core.policy.choose = real_choose
 
@@ -174,7 +180,8 @@ def profile_engine(core: EngineCore, batch: int, tokens: int, top: int) -> list[
         short, long = (short + gap, long) if gap <= GAP_US else (short, long + gap)
     ms = lambda us: us / 1e3 / steps  # noqa: E731
     lines = [f"{steps} steps: wall {wall * 1e3 / steps:.3f} ms/step, device busy {ms(busy):.3f} ms/step "
-             f"({busy / 1e6 / wall:.0%}), idle {wall * 1e3 / steps - ms(busy):.3f} ms/step, {count / steps:.0f} kernels/step",
+             f"({busy / 1e6 / wall:.0%}), idle {wall * 1e3 / steps - ms(busy):.3f} ms/step, "
+             f"{count / steps:.0f} kernels/step",
              f"  gaps between kernels: {ms(short):.3f} ms/step of at most {GAP_US:g} us (launch latency), "
              f"{ms(long):.3f} ms/step longer (waiting for the host, or for the profiler)"]
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
@@ -202,7 +209,8 @@ def timed(core: EngineCore, batch: int, tokens: int) -> str:
     if not waits:
         return f"unprofiled: wall {wall:.3f} ms/step"
     wait = (core.overlap.wait_s - waited) * 1e3 / steps
-    return f"unprofiled: wall {wall:.3f} ms/step, host waiting for read-backs {wait:.3f} ms/step, host busy {wall - wait:.3f}"
+    return (f"unprofiled: wall {wall:.3f} ms/step, host waiting for read-backs {wait:.3f} ms/step, "
+            f"host busy {wall - wait:.3f}")
 
 
 def graph_alone(core: EngineCore, replays: int = 200) -> str:

@@ -170,7 +170,8 @@ def test_selectors_reach_the_runners_sglang_would(ckpts):
 
 
 def test_release_and_resume_memory(ckpts):
-    engine = EngineCore(str(ckpts["llama"]), resolve_or_raise({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 3}))
+    spec = resolve_or_raise({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 3})
+    engine = EngineCore(str(ckpts["llama"]), spec)
     ids = engine.tokenizer("memory memory memory")["input_ids"]
     before = run(engine, greedy("m0", ids, ignore_eos=True))["m0"]
     engine.add_request(greedy("busy", ids))
@@ -246,7 +247,8 @@ def test_a_mixed_batch_picks_its_sampled_rows_by_index_as_boolean_masks_would(ck
     reference = torch.Generator().set_state(engine.generator.get_state())
     with no_device_reads(monkeypatch):
         tokens, logprobs = engine._pick_on_device(rows, logits)
-    p, sampled = engine._params(rows), torch.tensor([not sampling.is_greedy(x.temperature, x.top_k) for x in MIXED])
+    p = engine.batch_params(rows)
+    sampled = torch.tensor([not sampling.is_greedy(x.temperature, x.top_k) for x in MIXED])
     expected = logits.argmax(-1)
     expected[sampled] = sampling.sample(mask_reference(logits[sampled], p.temps[sampled], p.top_ks[sampled],
                                                        p.top_ps[sampled], p.min_ps[sampled]), reference)

@@ -6,57 +6,23 @@ import pytest
 import torch
 
 from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
-from slime_spec.spec import resolve_or_raise
 from slime_spec.engine.model import load_model
-from slime_spec.tiny_model import make_tiny_model
 from slime_spec.engine.sampling import chi_square_pvalue
 from tests.helpers.engine_runs import DEVICES, assert_logprobs_equal_a_full_forward
-
-PROMPTS = ["hello world", "the cat sat on the mat. the cat sat on the", "a", "1 2 3 4 5 6 7 8 1 2 3",
-           "abcabcabcabcabc", "Q: why? A:", "xyz " * 8, "no", "repeat repeat repeat repeat", "!", "tail end",
-           "mixing it up here"]
+from tests.helpers.spec_runs import (
+    PROMPTS,
+    copy_target_into_mtp,
+    exact_marginals,
+    generate,
+    make_requests,
+    make_spec_checkpoints,
+    ngram,
+)
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec_models")
-    llama = make_tiny_model(root / "llama", hidden_size=32, num_layers=2, seed=11)
-    return {
-        "llama": llama,
-        "draft": make_tiny_model(root / "draft", hidden_size=32, num_layers=1, seed=12, init_from=str(llama)),
-        "mimo": make_tiny_model(root / "mimo", arch="mimo", hidden_size=32, num_layers=1, seed=13),
-        "v16": make_tiny_model(root / "v16", vocab_size=16, hidden_size=32, num_layers=1, seed=14),
-        "v16_draft": make_tiny_model(root / "v16d", vocab_size=16, hidden_size=32, num_layers=1, seed=15),
-        "v16_mimo": make_tiny_model(root / "v16m", arch="mimo", vocab_size=16, hidden_size=32, num_layers=1, seed=16),
-    }
-
-
-def generate(engine, requests, join_every=2, first_wave=5):
-    """Run requests to completion; the first wave starts together, the rest join mid-flight every few steps."""
-    pending, outs, steps = list(requests), {}, 0
-    for r in pending[:first_wave]:
-        engine.add_request(r)
-    pending = pending[first_wave:]
-    while engine.has_work() or pending:
-        if pending and steps % join_every == 0:
-            engine.add_request(pending.pop(0))
-        for o in engine.step():
-            outs[o.rid] = o
-        steps += 1
-    return outs
-
-
-def make_requests(tok, temps=None, logprob=False):
-    reqs = []
-    for i, text in enumerate(PROMPTS):
-        temp = 0.0 if temps is None else temps[i % len(temps)]
-        params = SamplingParams(temperature=temp, max_new_tokens=8 + 7 * (i % 6), ignore_eos=i % 3 != 0)
-        reqs.append(Request(f"r{i}", tok(text)["input_ids"], params, return_logprob=logprob))
-    return reqs
-
-
-def ngram(draft_tokens: int) -> SpecConfig:
-    return resolve_or_raise({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": draft_tokens})
+    return make_spec_checkpoints(tmp_path_factory.mktemp("spec_models"))
 
 
 SPECS = {
@@ -129,23 +95,9 @@ def _reference_mtp_drafts(model, tokens, k):
     return drafts
 
 
-def _copy_target_into_mtp(engine):
-    """An MTP layer that imitates the 1-layer target on the next token (hidden input ignored): a good draft."""
-    w = engine.named_weights("all")
-    h = w["model.embed_tokens.weight"].shape[1]
-    update = [(n.replace("model.layers.0.", "model.mtp_layers.0."), t.clone()) for n, t in w.items()
-              if n.startswith("model.layers.0.")]
-    proj = torch.zeros(h, 2 * h)
-    proj[:, h:] = torch.eye(h)
-    update += [("model.mtp_layers.0.input_proj.weight", proj),
-               ("model.mtp_layers.0.token_layernorm.weight", torch.ones(h)),
-               ("model.mtp_layers.0.final_layernorm.weight", w["model.norm.weight"].clone())]
-    engine.load_weights(update, selector="draft")
-
-
 def test_mtp_drafts_match_reference_recurrence(ckpts):
     engine = EngineCore(str(ckpts["mimo"]), SpecConfig("NEXTN", 3, 1, 4), max_running_requests=4)
-    _copy_target_into_mtp(engine)  # so that acceptance varies and rollback paths run
+    copy_target_into_mtp(engine)  # so that acceptance varies and rollback paths run
     checked = []
     propose = engine.drafter.propose
 
@@ -169,7 +121,7 @@ def test_mtp_only_update_changes_acceptance_not_greedy_output(ckpts):
     before = generate(before_engine, make_requests(before_engine.tokenizer))
     engine = EngineCore(str(ckpts["mimo"]), spec, max_running_requests=8)
     target_before = {n: t.clone() for n, t in engine.named_weights("target").items()}
-    _copy_target_into_mtp(engine)
+    copy_target_into_mtp(engine)
     assert all(torch.equal(t, engine.named_weights("target")[n]) for n, t in target_before.items())
     after = generate(engine, make_requests(engine.tokenizer))
     assert all(before[r].output_ids == after[r].output_ids for r in before)
@@ -191,24 +143,6 @@ def test_logprobs_under_speculation_equal_a_full_forward(ckpts, device):
     outs = generate(engine, make_requests(engine.tokenizer, temps=[0.0, 0.7], logprob=True))
     requests = make_requests(engine.tokenizer, temps=[0.0, 0.7])
     assert_logprobs_equal_a_full_forward(load_model(ckpts["llama"])[0], requests, outs, device)
-
-
-def _exact_marginals(path, prompt, temperature):
-    """P(t2) and P(t3) of the plain sampler, by enumerating t1 and (t1, t2) with batched full forwards."""
-    model, config = load_model(path)
-    V = config["vocab_size"]
-
-    def next_probs(seqs):
-        ids = torch.tensor(seqs)
-        pos = torch.arange(ids.shape[1])[None].expand_as(ids)
-        logits = model.logits(model(ids, pos, model.new_cache(len(seqs), ids.shape[1]), torch.arange(len(seqs))))
-        return torch.softmax(logits[:, -1].double() / temperature, -1)
-
-    p1 = next_probs([prompt])[0]
-    p2 = next_probs([prompt + [a] for a in range(V)])  # [V(t1), V(t2)]
-    p3 = next_probs([prompt + [a, b] for a in range(V) for b in range(V)]).view(V, V, V)
-    joint2 = p1[:, None] * p2
-    return joint2.sum(0), (joint2[..., None] * p3).sum((0, 1))
 
 
 @pytest.mark.parametrize("target,spec,draft_sampling", [
@@ -235,7 +169,7 @@ def test_speculative_sampling_follows_the_target_distribution(ckpts, target, spe
         outs += engine.step()
     assert sum(o.spec_accept_token_num for o in outs) > 0.05 * n  # drafts are accepted, and rejected
     assert sum(o.spec_accept_token_num for o in outs) < sum(o.spec_draft_token_num for o in outs)
-    p2, p3 = _exact_marginals(path, prompt, temperature)
+    p2, p3 = exact_marginals(path, prompt, temperature)
     t2 = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=16)
     t3 = torch.bincount(torch.tensor([o.output_ids[2] for o in outs]), minlength=16)
     assert chi_square_pvalue(t2, p2) > 1e-3
@@ -327,3 +261,24 @@ def test_deferring_plain_steps_leaves_no_object_per_row_for_the_garbage_collecto
         drafter.defer(rows, hidden, [2 + step] * 64)
     assert len(gc.get_objects()) - before <= 20 * 8  # a few per step (its entry), none per row (1,280 rows)
     assert [len(q) for q in drafter.pending.values()] == [21] * 64
+
+
+def test_every_drafter_implements_the_hooks_its_capabilities_declare():
+    """The engine calls a hook only where a capability says so (base.Drafter); each declaration has its hook."""
+    from slime_spec.engine import drafters
+    from slime_spec.engine.drafters.base import Drafter
+
+    classes = [drafters.MTPDrafter, drafters.Eagle3Drafter, drafters.StandaloneDrafter, drafters.NgramDrafter,
+               drafters.HistoryDrafter, drafters.HybridDrafter]
+    for cls in classes:
+        assert issubclass(cls, Drafter) and cls.propose is not Drafter.propose, cls
+        if cls.supports_tree:
+            assert cls.tree_draft is not Drafter.tree_draft, cls
+        if cls.extends_before_read_back:
+            assert cls.verify_extend is not Drafter.verify_extend, cls
+        if cls.defers_plain_steps:
+            assert cls.catch_up_deferred is not Drafter.catch_up_deferred, cls
+        if cls.holds_corpora:
+            assert all(hasattr(cls, name) for name in ("add_corpus", "remove_corpus", "list_corpora")), cls
+    with pytest.raises(NotImplementedError, match="chains only"):
+        drafters.NgramDrafter(3, 4, 1, "cpu").tree_draft([], None)

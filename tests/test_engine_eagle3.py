@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
+from slime_spec.common import eagle3_draft
 from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
 from slime_spec.engine.drafters.eagle3 import load_eagle3_drafter
 from slime_spec.engine.model import load_model
 from slime_spec.engine.sampling import chi_square_pvalue
 from slime_spec.tiny_model import make_tiny_eagle3_draft, make_tiny_model
-from slime_spec.trainer import eagle3_draft
-from tests.test_engine_drafters import _exact_marginals, generate, make_requests
+from tests.helpers.spec_runs import exact_marginals, generate, make_requests
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
@@ -123,7 +123,7 @@ def test_sampled_output_follows_the_target_distribution(ckpts):
         outs += engine.step()
     assert sum(o.spec_accept_token_num for o in outs) > 0.02 * n
     assert sum(o.spec_accept_token_num for o in outs) < sum(o.spec_draft_token_num for o in outs)
-    p2, p3 = _exact_marginals(str(ckpts["v16"]), prompt, temperature)
+    p2, p3 = exact_marginals(str(ckpts["v16"]), prompt, temperature)
     t2 = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=16)
     t3 = torch.bincount(torch.tensor([o.output_ids[2] for o in outs]), minlength=16)
     assert chi_square_pvalue(t2, p2) > 1e-3
@@ -133,7 +133,8 @@ def test_sampled_output_follows_the_target_distribution(ckpts):
 def _chain_outputs_with_graphs(ckpts, device, capture):
     """EAGLE3 chain k=3 greedy outputs with the aux-returning target forward and the draft head's steps and
     extend served by GraphedForward (captured on CUDA; capture=False runs the same padded shapes eagerly)."""
-    from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model
+    from slime_spec.engine.cuda_graph import CudaGraphSettings
+    from slime_spec.engine.model_graphs import graph_model
 
     spec = SpecConfig("EAGLE3", 3, 1, 4, str(ckpts["llama_draft"]))
     engine = EngineCore(str(ckpts["llama"]), spec, max_running_requests=4, device=device)
@@ -179,7 +180,7 @@ def test_plain_steps_extend_the_draft_from_the_aux_states(ckpts):
 
     spec = SpecConfig("EAGLE3", 3, 1, 4, str(ckpts["llama_draft"]))
     engine = EngineCore(str(ckpts["llama"]), spec, max_running_requests=2)
-    engine.policy = CyclingSteps()
+    engine.spec_worker.policy = CyclingSteps()
     prompt = engine.tokenizer("the plain steps")["input_ids"]
     engine.add_request(Request("r", prompt, SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)))
     done = []

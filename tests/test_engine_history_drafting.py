@@ -8,8 +8,12 @@ import torch
 from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
 from slime_spec.engine.drafters.history import SEPARATOR, HistoryRef, SuffixAutomaton, best_draft
 from slime_spec.engine.sampling import chi_square_pvalue
-from tests.test_engine_drafters import (PROMPTS, _exact_marginals, ckpts, generate, make_requests,  # noqa: F401
-                                        ngram)
+from tests.helpers.spec_runs import PROMPTS, exact_marginals, generate, make_requests, make_spec_checkpoints, ngram
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return make_spec_checkpoints(tmp_path_factory.mktemp("spec_models"))
 
 
 def _brute_match(text, context, max_depth):
@@ -84,7 +88,7 @@ def test_history_drafting_sampling_follows_the_target_distribution(ckpts):
         outs += engine.step()
     assert sum(o.spec_accept_token_num for o in outs) > 0.05 * n
     assert sum(o.spec_accept_token_num for o in outs) < sum(o.spec_draft_token_num for o in outs)
-    p2, p3 = _exact_marginals(path, prompt, temperature)
+    p2, p3 = exact_marginals(path, prompt, temperature)
     t2 = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=16)
     t3 = torch.bincount(torch.tensor([o.output_ids[2] for o in outs]), minlength=16)
     assert chi_square_pvalue(t2, p2) > 1e-3
@@ -210,7 +214,7 @@ def test_hybrid_without_the_extension_drafts_exactly_as_mtp(ckpts):
     from slime_spec.engine.drafters import MTPDrafter
 
     plain_mtp = EngineCore(str(ckpts["mimo"]), spec, max_running_requests=4)
-    plain_mtp.drafter = MTPDrafter(plain_mtp.model, 3, 5, plain_mtp.max_seq)
+    plain_mtp.spec_worker.drafter = MTPDrafter(plain_mtp.model, 3, 5, plain_mtp.max_seq)
     ref = generate(plain_mtp, make_requests(plain_mtp.tokenizer))
     assert [outs[r].spec_accept_token_num for r in ref] == [ref[r].spec_accept_token_num for r in ref]
 
@@ -232,7 +236,7 @@ def test_hybrid_sampling_follows_the_target_distribution(ckpts, draft_sampling):
     assert engine.drafter.history_rows > 0 and engine.drafter.mtp_rows > 0
     assert sum(o.spec_accept_token_num for o in outs) > 0.05 * n
     assert sum(o.spec_accept_token_num for o in outs) < sum(o.spec_draft_token_num for o in outs)
-    p2, p3 = _exact_marginals(path, prompt, temperature)
+    p2, p3 = exact_marginals(path, prompt, temperature)
     t2 = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=16)
     t3 = torch.bincount(torch.tensor([o.output_ids[2] for o in outs]), minlength=16)
     assert chi_square_pvalue(t2, p2) > 1e-3

@@ -11,7 +11,7 @@ import torch
 from slime_spec.engine.core import EngineCore, Request, SamplingParams
 from slime_spec.spec import resolve_or_raise
 from slime_spec.tiny_model import make_tiny_model
-from tests.test_engine_drafters import _copy_target_into_mtp
+from tests.helpers.spec_runs import copy_target_into_mtp
 
 
 @pytest.fixture(scope="module")
@@ -154,9 +154,9 @@ def test_plain_steps_of_speculative_engines_overlap_without_changing_output_or_d
         engine = EngineCore(str(target), spec, max_running_requests=7, context_length=96, overlap_schedule=overlap,
                             device=device)
         assert (engine.overlap is not None) == overlap
-        engine.policy = CyclingSteps()
+        engine.spec_worker.policy = CyclingSteps()
         if algorithm == "NEXTN":
-            _copy_target_into_mtp(engine)  # a draft that is often right: its drafts depend on its KV cache
+            copy_target_into_mtp(engine)  # a draft that is often right: its drafts depend on its KV cache
         outs.append(run(engine, requests(engine)))
         caches.append(engine.drafter.mtp.cache.k[0] if algorithm == "NEXTN" else engine.drafter.cache.k[0])
     a, b = outs
@@ -194,8 +194,14 @@ def test_overlap_schedule_refuses_drafters_that_need_every_step(tmp_path, llama)
 
 def test_overlap_eligibility_is_the_drafters_capability(llama, monkeypatch):
     """Which chains' plain steps overlap is each drafter's `defers_plain_steps`, not a list in the engine."""
-    from slime_spec.engine.drafters import (Eagle3Drafter, HistoryDrafter, HybridDrafter, MTPDrafter, NgramDrafter,
-                                            StandaloneDrafter)
+    from slime_spec.engine.drafters import (
+        Eagle3Drafter,
+        HistoryDrafter,
+        HybridDrafter,
+        MTPDrafter,
+        NgramDrafter,
+        StandaloneDrafter,
+    )
 
     expected = {MTPDrafter: True, HybridDrafter: True, StandaloneDrafter: True, Eagle3Drafter: False,
                 NgramDrafter: False, HistoryDrafter: False}
@@ -220,7 +226,7 @@ def test_rows_just_prefilled_are_put_on_the_device_once(tmp_path, llama, specula
                                  "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 3,
                                  "speculative_draft_model_path": str(llama)})
         engine = EngineCore(str(llama), spec, max_running_requests=3, context_length=96, overlap_schedule=True)
-        engine.policy = CyclingSteps()
+        engine.spec_worker.policy = CyclingSteps()
     put, step = [], [0]
     after_prefill = engine.overlap.after_prefill
     engine.overlap.after_prefill = lambda rows: put.extend((step[0], r.req.rid) for r in rows) or after_prefill(rows)
@@ -235,7 +241,8 @@ def test_rows_just_prefilled_are_put_on_the_device_once(tmp_path, llama, specula
 def _install_decode_graph(engine, mtp_cache=None, max_draft_tokens: int = 0):
     """The whole plain step as the engine captures it on CUDA ("decode", decode_graph.py), run eagerly
     (capture=False) with its padding (batch 1 pads to 2); the engine's other graphs are left out."""
-    from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model
+    from slime_spec.engine.cuda_graph import CudaGraphSettings
+    from slime_spec.engine.model_graphs import graph_model
 
     engine.model.graphs = graph_model(engine.model, engine.cache, mtp_cache, CudaGraphSettings(batch_sizes=(2, 3)),
                                       max_running_requests=engine.max_running_requests,
@@ -274,11 +281,11 @@ def test_plain_steps_of_a_chain_through_the_captured_step_keep_drafts(tmp_path):
     target = make_tiny_model(tmp_path / "mimo", arch="mimo", hidden_size=32, num_layers=1, seed=5)
     spec = resolve_or_raise({"speculative_algorithm": "NEXTN", "speculative_num_steps": 3,
                              "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4})
-    outs, caches, calls = [], [], 0
+    outs, caches = [], []
     for overlap in (False, True):
         engine = EngineCore(str(target), spec, max_running_requests=7, context_length=96, overlap_schedule=overlap)
-        engine.policy = CyclingSteps()
-        _copy_target_into_mtp(engine)
+        engine.spec_worker.policy = CyclingSteps()
+        copy_target_into_mtp(engine)
         if overlap:
             step = _install_decode_graph(engine, engine.drafter.mtp.cache, max_draft_tokens=3)
         outs.append(run(engine, requests(engine)))

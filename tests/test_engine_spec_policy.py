@@ -116,7 +116,7 @@ def test_mtp_catch_up_after_plain_steps_equals_an_extend_over_the_whole_sequence
                              "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 3},
                             target_config={"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1})
     engine = EngineCore(str(mimo), spec, max_running_requests=3)
-    engine.policy = ScriptedSteps([2, 0, 0, 0, 2, 0, 0])
+    engine.spec_worker.policy = ScriptedSteps([2, 0, 0, 0, 2, 0, 0])
     drafter = engine.drafter.mtp  # NEXTN/EAGLE: the MTP drafter inside the history hybrid
     tok = engine.tokenizer
     for i in range(3):
@@ -128,7 +128,7 @@ def test_mtp_catch_up_after_plain_steps_equals_an_extend_over_the_whole_sequence
     rows = list(engine.running)
     assert drafter.catch_up_deferred(rows)
     assert not drafter.pending
-    assert not drafter.catch_up_deferred(rows)  # nothing left: nothing runs (speculative.catch_up then skips its sync)
+    assert not drafter.catch_up_deferred(rows)  # nothing left: nothing runs (SpecWorker.catch_up then skips its sync)
     for r in rows:
         assert_as_one_extend(engine, drafter, r)
 
@@ -141,7 +141,7 @@ def test_a_catch_up_of_rows_admitted_apart_gathers_each_rows_own_hidden_states(m
                              "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 3},
                             target_config={"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1})
     engine = EngineCore(str(mimo), spec, max_running_requests=3)
-    engine.policy = ScriptedSteps([0])
+    engine.spec_worker.policy = ScriptedSteps([0])
     drafter, tok = engine.drafter.mtp, engine.tokenizer
     for i in range(3):
         engine.add_request(Request(f"r{i}", tok(f"w{i} " * (2 * i + 3))["input_ids"],
@@ -184,7 +184,7 @@ def test_the_extend_queued_before_the_read_back_leaves_the_mtp_layer_where_a_who
                             target_config={"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1})
     plain, engine = EngineCore(str(mimo), None, max_running_requests=3), EngineCore(str(mimo), spec,
                                                                                    max_running_requests=3)
-    engine.policy = ScriptedSteps([3])
+    engine.spec_worker.policy = ScriptedSteps([3])
     truth = {rid: out.output_ids for rid, out in run(plain, n=3, max_new=40).items()}
     real_draft, vocab = engine.drafter.sample_draft, engine.model.lm_head.weight.shape[0]
 
@@ -209,8 +209,8 @@ def test_the_extend_queued_before_the_read_back_leaves_the_mtp_layer_where_a_who
         for r in engine.running:
             if r.verify_ct:
                 assert_as_one_extend(engine, drafter, r)
-    accepted = engine._accept_tokens - engine._verify_passes
-    assert 0 < accepted < 3 * engine._verify_passes  # drafts accepted in part
+    accepted = engine.spec_worker.accept_tokens - engine.spec_worker.verify_passes
+    assert 0 < accepted < 3 * engine.spec_worker.verify_passes  # drafts accepted in part
 
 
 def test_a_request_that_never_drafts_never_runs_the_mtp_layer(mimo):
@@ -220,7 +220,7 @@ def test_a_request_that_never_drafts_never_runs_the_mtp_layer(mimo):
                              "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 3},
                             target_config={"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1})
     engine = EngineCore(str(mimo), spec, max_running_requests=2)
-    engine.policy = ScriptedSteps([0])
+    engine.spec_worker.policy = ScriptedSteps([0])
     calls = []
     original = engine.model.mtp_forward
     engine.model.mtp_forward = lambda *a, **kw: calls.append(1) or original(*a, **kw)
@@ -229,7 +229,7 @@ def test_a_request_that_never_drafts_never_runs_the_mtp_layer(mimo):
     while engine.has_work():
         engine.step()
     assert calls == []
-    engine.policy = ScriptedSteps([2])
+    engine.spec_worker.policy = ScriptedSteps([2])
     engine.add_request(Request("s", engine.tokenizer("1+2=")["input_ids"],
                                SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)))
     engine.step()  # prefill, then a draft: the catch-up runs the prompt's extend first

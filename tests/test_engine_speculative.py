@@ -1,4 +1,4 @@
-"""One speculative step (engine/speculative.py): sampling mixed batches without reading the device, and what the
+"""One speculative step (engine/speculative/): sampling mixed batches without reading the device, and what the
 step policy and the drafters are told of each step (drained plain steps, catch-ups), once."""
 
 import time
@@ -70,7 +70,7 @@ def test_mixed_batch_sampling_issues_no_stream_sync_on_cuda(tmp_path):
     engine = EngineCore(str(target), None, device="cuda", cuda_graph=CudaGraphSettings(disable=True))
     vocab = engine.vocab_size
     rows = [Row(Request(f"r{i}", [5, 6], params, return_logprob=i == 1)) for i, params in enumerate(MIXED)]
-    p = engine._params(rows)
+    p = engine.batch_params(rows)
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(len(rows), 4, vocab, device="cuda") * 3
     drafts = torch.randint(vocab, (len(rows), 3), device="cuda")
@@ -120,7 +120,7 @@ def engine_for(models, algorithm: str, ks: list[int], **kw) -> EngineCore:
         spec = resolve_or_raise({"speculative_algorithm": "NEXTN", "speculative_num_steps": 3,
                                  "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4})
         engine = EngineCore(str(models["mimo"]), spec, max_running_requests=4, **kw)
-    engine.policy = RecordingSteps(ks)
+    engine.spec_worker.policy = RecordingSteps(ks)
     for i in range(3):
         engine.add_request(Request(f"r{i}", engine.tokenizer(f"prompt {i} " * (i + 2))["input_ids"],
                                    SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True)))

@@ -10,12 +10,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from slime_spec.engine import tree, tree_graphs
-from slime_spec.engine.drafters.eagle3 import load_eagle3_drafter
 from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
 from slime_spec.engine.cuda_graph import CudaGraphSettings, key_buckets
+from slime_spec.engine.drafters.eagle3 import load_eagle3_drafter
 from slime_spec.engine.sampling import chi_square_pvalue
 from slime_spec.tiny_model import make_tiny_eagle3_draft, make_tiny_model
-from tests.test_engine_drafters import _copy_target_into_mtp, _exact_marginals, generate, make_requests
+from tests.helpers.spec_runs import copy_target_into_mtp, exact_marginals, generate, make_requests
 
 # A topk-2 tree of 3 steps: flat ids 0, 1 (the root's children), 2..5 (step 1: children of the frontier 0, 1),
 # 6..9 (step 2: children of the step-1 frontier, flat ids 3 and 4).
@@ -209,7 +209,7 @@ def _check_sampling(ckpts, target, spec, min_accept):
         outs += engine.step()
     accepted = sum(o.spec_accept_token_num for o in outs)
     assert min_accept * n < accepted < sum(o.spec_draft_token_num for o in outs)
-    p2, p3 = _exact_marginals(str(ckpts[target]), prompt, temperature)
+    p2, p3 = exact_marginals(str(ckpts[target]), prompt, temperature)
     t2 = torch.bincount(torch.tensor([o.output_ids[1] for o in outs]), minlength=16)
     t3 = torch.bincount(torch.tensor([o.output_ids[2] for o in outs]), minlength=16)
     assert chi_square_pvalue(t2, p2) > 1e-3
@@ -218,7 +218,7 @@ def _check_sampling(ckpts, target, spec, min_accept):
 
 @pytest.mark.parametrize("steps,topk,tokens", TREES)
 def test_mtp_tree_greedy_equals_plain_decoding(ckpts, steps, topk, tokens):
-    accept = _check_lossless(ckpts, "mimo", _tree_spec("EAGLE", steps, topk, tokens), prepare=_copy_target_into_mtp)
+    accept = _check_lossless(ckpts, "mimo", _tree_spec("EAGLE", steps, topk, tokens), prepare=copy_target_into_mtp)
     assert accept > 1.8  # a good draft's trees are accepted: the moved KV and the draft's catch-up are exercised
 
 
@@ -272,7 +272,7 @@ def test_tree_nodes_are_the_top_k_of_their_parents_draft_distribution(ckpts, tar
     engine = EngineCore(str(ckpts[target]), _tree_spec(algorithm, steps, topk, tokens, draft and ckpts[draft]),
                         max_running_requests=4)
     if algorithm == "EAGLE":
-        _copy_target_into_mtp(engine)
+        copy_target_into_mtp(engine)
     recorded = []
     draft_tree = engine.drafter.tree_draft
 
@@ -356,7 +356,7 @@ def _tree_engine(ckpts, target, algorithm, draft, shape=(3, 4, 8), **kwargs):
     engine = EngineCore(str(ckpts[target]), _tree_spec(algorithm, *shape, draft and ckpts[draft]),
                         max_running_requests=4, **kwargs)
     if algorithm == "EAGLE":
-        _copy_target_into_mtp(engine)  # a good draft: accepted paths of every length
+        copy_target_into_mtp(engine)  # a good draft: accepted paths of every length
     return engine
 
 
@@ -400,7 +400,7 @@ def test_graphed_tree_greedy_equals_plain_decoding(ckpts, target, algorithm, dra
 
     def prepare(engine):
         if algorithm == "EAGLE":
-            _copy_target_into_mtp(engine)
+            copy_target_into_mtp(engine)
         graphs.update(_install_tree_graphs(engine))
 
     _check_lossless(ckpts, target, _tree_spec(algorithm, 3, 4, 8, draft and ckpts[draft]), prepare=prepare)
@@ -445,7 +445,7 @@ def test_cuda_graphed_tree_equals_eager_tree_and_plain_decoding(ckpts, target, a
     """On CUDA a tree engine captures its verify and draft graphs: greedy output equals the eager tree's
     (--disable-cuda-graph) and plain decoding's on the same device (CPU and CUDA kernels may round differently),
     every graph replayed, and the accept length is the eager tree's (an MTP layer updated in place after capture,
-    as `_copy_target_into_mtp` does, is read by the graphs)."""
+    as `copy_target_into_mtp` does, is read by the graphs)."""
     plain = EngineCore(str(ckpts[target]), None, device="cuda", max_running_requests=4)
     base = generate(plain, make_requests(plain.tokenizer))
     for shape in TREES:

@@ -8,22 +8,21 @@ Called from a single thread (the server's engine thread); nothing here locks.
 from __future__ import annotations
 
 from collections import deque
-from functools import partial
 from pathlib import Path
 
 import torch
 
 from slime_spec.dtypes import canonical_dtype
-from slime_spec.engine.cuda_graph import CudaGraphSettings, graph_model, prefill_graph
-from slime_spec.engine.kernels.ops import Kernels
 from slime_spec.engine import sampling, spec_policy, tree, weight_updater
-from slime_spec.engine.drafters import HybridDrafter, MTPDrafter, make_drafter
-from slime_spec.engine.drafters.eagle3 import Eagle3Drafter
+from slime_spec.engine.cuda_graph import CudaGraphSettings
+from slime_spec.engine.drafters import Drafter, HybridDrafter, MTPDrafter, make_drafter
+from slime_spec.engine.kernels.ops import Kernels
 from slime_spec.engine.model import CausalLM, load_model
+from slime_spec.engine.model_graphs import graph_model, prefill_graph
 from slime_spec.engine.overlap import OverlapDecode
-from slime_spec.engine.request import NAN_FINISH, Output, Request, SamplingParams, Row, eos_ids
+from slime_spec.engine.request import NAN_FINISH, Output, Request, Row, SamplingParams, eos_ids
+from slime_spec.engine.speculative import SpecWorker, StepTimes
 from slime_spec.engine.transfer import device_tensor
-from slime_spec.engine.speculative import StepTimes, after_overlapped_step, spec_step
 from slime_spec.engine.tree_graphs import capture_tree_graphs
 from slime_spec.spec import SpecConfig, check_resolved
 from slime_spec.threads import intra_op_threads
@@ -56,9 +55,7 @@ class EngineCore:
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests={max_running_requests}: must be at least 1")
         spec_policy.check_spec_options(spec, draft_sampling, spec_auto)
-        self.draft_sampling = draft_sampling
-        self.policy = spec_policy.make_policy(spec, spec_auto)
-        self.timed = isinstance(self.policy, spec_policy.AutoSteps)  # costs are measured (CUDA: synchronized)
+        policy = spec_policy.make_policy(spec, spec_auto)
         self.device = torch.device(device)
         self.model, self.model_config = load_model(model_path, dtype=dtype, device=device)
         if spec is not None:
@@ -69,10 +66,13 @@ class EngineCore:
         self.context_length = int(context_length or self.model.args.max_position_embeddings)
         self.eos_token_ids = eos_ids(Path(model_path), self.model_config, self.tokenizer)
         self.max_running_requests = max_running_requests
-        k = self.policy.max_k if self.policy is not None else 0
+        k = policy.max_k if policy is not None else 0
         self.max_seq = self.context_length + k + 1  # a verify pass writes k positions past the last token
         self.cache = self.model.new_cache(max_running_requests + 1, self.max_seq)  # + the scratch slot
-        self.drafter = make_drafter(spec, self.model, max_running_requests + 1, self.max_seq, dtype, device, k=k)
+        drafter = make_drafter(spec, self.model, max_running_requests + 1, self.max_seq, dtype, device, k=k)
+        self.spec_worker = None if spec is None else SpecWorker(self, drafter, policy,
+                                                                tree_shape=tree.tree_shape(spec),
+                                                                draft_sampling=draft_sampling)
         if self.device.type == "cuda":
             for model in self._causal_lms():
                 model.fuse_projections()
@@ -87,7 +87,7 @@ class EngineCore:
                              "steps of EAGLE/NEXTN or STANDALONE chains; set --disable-overlap-schedule")
         if overlap_schedule is None:
             overlap_schedule = self.device.type == "cuda" and overlaps_plain_steps
-        on_appended = None if self.drafter is None else partial(after_overlapped_step, self)
+        on_appended = None if self.spec_worker is None else self.spec_worker.after_overlapped_step
         self.overlap = OverlapDecode(self, on_appended) if overlap_schedule else None  # before capture: its buffer
         self.cuda_graph = cuda_graph or CudaGraphSettings()
         self.graph_capture_seconds = 0.0
@@ -99,9 +99,6 @@ class EngineCore:
         self._aborted_waiting = 0             # rows in `waiting` marked aborted, removed at the next step
         self.free_slots = list(range(max_running_requests))
         self._finished_early: list[Row] = []
-        self._accept_tokens = 0  # sum over verify passes of (accepted + 1), as SGLang's avg_spec_accept_length
-        self._verify_passes = 0
-        self.step_times = StepTimes()  # speculative steps' seconds per phase (speculative.StepTimes)
         self._released: set[str] = set()
         self._weight_backup: dict[int, torch.Tensor] = {}
         self._params_key: tuple = ()           # the rows `_params_value` was built for
@@ -162,7 +159,22 @@ class EngineCore:
     @property
     def avg_spec_accept_length(self) -> float:
         """Accepted tokens (drafts + bonus) per (request, verify pass) since start, as SGLang's scheduler counts."""
-        return self._accept_tokens / self._verify_passes if self._verify_passes else 1.0
+        return self.spec_worker.avg_accept_length if self.spec_worker is not None else 1.0
+
+    @property
+    def step_times(self) -> StepTimes:
+        """Speculative steps' seconds per phase (speculative.StepTimes); all zero without speculation."""
+        return self.spec_worker.times if self.spec_worker is not None else StepTimes()
+
+    @property
+    def drafter(self) -> Drafter | None:
+        """The speculative worker's drafter; None without speculation."""
+        return self.spec_worker.drafter if self.spec_worker is not None else None
+
+    @property
+    def policy(self) -> spec_policy.StepPolicy | None:
+        """How many draft tokens each speculative step proposes (the speculative worker's); None without."""
+        return self.spec_worker.policy if self.spec_worker is not None else None
 
     # ------------------------------------------------------------------ scheduling
     def step(self) -> list[Output]:
@@ -185,16 +197,16 @@ class EngineCore:
         if new_rows:
             self._prefill(new_rows)
             # With nothing in flight, a speculative engine's next plain step puts every row's last token itself
-            # (speculative.overlapped_plain_step), and a speculative step reads them on the host.
+            # (SpecWorker.overlapped_plain_step), and a speculative step reads them on the host.
             if self.overlap is not None and (self.drafter is None or self.overlap.in_flight is not None):
                 self.overlap.after_prefill([r for r in new_rows if r.finish is None])
         active = [r for r in self.running if r.finish is None]
-        if self.drafter is not None and active:
-            self._spec_step(active)
+        if self.spec_worker is not None and active:
+            self.spec_worker.step(active)
         elif self.overlap is not None:
             self.overlap.step(active)  # with no row (always, for a speculative engine): the step in flight is read
         elif active:
-            self._decode(active)
+            self.decode(active)
         return self._collect()
 
     def _drop_aborted_waiting(self) -> None:
@@ -214,7 +226,7 @@ class EngineCore:
             self._rows.pop(r.req.rid, None)
         return [self._output(r) for r in done]
 
-    def _params(self, rows: list[Row]) -> sampling.BatchParams:
+    def batch_params(self, rows: list[Row]) -> sampling.BatchParams:
         """The rows' sampling parameters (sampling.BatchParams). Built once per batch composition: between
         admissions and finishes every step reuses them; a rebuild is one pinned, non-blocking copy."""
         key = tuple(rows)  # rows compare by identity, and the tuple keeps them alive, so no id is reused
@@ -224,7 +236,7 @@ class EngineCore:
         return self._params_value
 
     @staticmethod
-    def _non_finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
+    def non_finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
         """sampling.mask_non_finite with the broken rows read back as indices (prefill, tree verify)."""
         logits, broken = sampling.mask_non_finite(logits)
         return logits, set(broken.nonzero().flatten().tolist())
@@ -236,11 +248,11 @@ class EngineCore:
 
     def plain_greedy(self, rows: list[Row]) -> bool:
         """Whether every row takes the argmax and no row asks for logprobs (a captured step's own pick serves)."""
-        return self._params(rows).all_greedy and not any(r.req.return_logprob for r in rows)
+        return self.batch_params(rows).all_greedy and not any(r.req.return_logprob for r in rows)
 
     def _pick_on_device(self, rows: list[Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`_pick` without reading back: tokens [B] and logprobs [B] (or None) stay on the device."""
-        p = self._params(rows)
+        p = self.batch_params(rows)
         if p.all_sampled:  # the RL case: no per-row copies
             tokens = sampling.sample(p.sampled_probs(logits), self.generator)
         else:
@@ -256,7 +268,7 @@ class EngineCore:
     def _prefill(self, rows: list[Row]) -> None:
         dev = self.device
         width = max(len(r.tokens) for r in rows)
-        graph = prefill_graph(self.model.graphs, len(rows), width)  # captured on CUDA (cuda_graph.prefill_graphs)
+        graph = prefill_graph(self.model.graphs, len(rows), width)  # captured on CUDA (model_graphs.prefill_graphs)
         if graph is not None:
             width = graph.token_counts[0]
         # one host-to-device copy: each row's padded prompt, its slot and its last prompt position
@@ -264,18 +276,18 @@ class EngineCore:
                                 for r in rows], dev)
         ids, slots, last = inputs[:, :width], inputs[:, width], inputs[:, width + 1]
         positions = torch.arange(width, device=dev)[None].expand(len(rows), width)
-        aux_ids = getattr(self.drafter, "aux_layer_ids", None)  # EAGLE3 drafts from the target's aux states
+        aux_ids = self.drafter.aux_layer_ids if self.drafter else None  # EAGLE3 drafts from the target's aux states
         if graph is not None:
             out = graph(ids, positions, slots, width)
         else:
             out = self.model(ids, positions, self.cache, slots, aux_layer_ids=aux_ids)
         hidden, features = out if aux_ids else (out, out)
-        logits, broken = self._non_finite_rows(self.model.logits(hidden[torch.arange(len(rows), device=dev), last]))
+        logits, broken = self.non_finite_rows(self.model.logits(hidden[torch.arange(len(rows), device=dev), last]))
         tokens, logprobs = self._pick(rows, logits)
         alive = []
         for i, row in enumerate(rows):
             row.kv_len = len(row.tokens)
-            self._append(row, [tokens[i]], None if logprobs is None else [logprobs[i]])
+            self.append_tokens(row, [tokens[i]], None if logprobs is None else [logprobs[i]])
             if i in broken:
                 row.finish = dict(NAN_FINISH)
             if row.finish is None:
@@ -283,7 +295,7 @@ class EngineCore:
         if self.drafter is not None and alive:
             self.drafter.on_prefill([rows[i] for i in alive], features[device_tensor(alive, dev)])
 
-    def _decode(self, rows: list[Row]) -> torch.Tensor:
+    def decode(self, rows: list[Row]) -> torch.Tensor:
         """One plain step for every row; returns what a drafter keeps of it (decode_forward's features).
         One host-to-device copy in (token, position, slot per row) and one read back (tokens, the non-finite
         flags, logprobs): on a GPU every extra copy or sync is time the device sits idle."""
@@ -297,7 +309,7 @@ class EngineCore:
         """A decode step on the device, nothing read back: (features [B, 1, ...], tokens [B], values [2 or 3, B]:
         the token, its non-finite flag and, when asked, its logprob per row). Each row's kv_len counts the step.
         features: what a drafter keeps of the step, the target's hidden states, or an EAGLE3 draft's aux states."""
-        aux_ids = getattr(self.drafter, "aux_layer_ids", None)
+        aux_ids = self.drafter.aux_layer_ids if self.drafter else None
         out = self.model(ids, positions, self.cache, slots, max(r.kv_len for r in rows) + 1, aux_layer_ids=aux_ids)
         hidden, features = out if aux_ids else (out, out)
         logits, broken = sampling.mask_non_finite(self.model.logits(hidden[:, 0]))  # a broken row ends on append
@@ -313,15 +325,12 @@ class EngineCore:
         for i, row in enumerate(rows):
             if row.finish is not None:
                 continue
-            self._append(row, [int(values[0][i])], [values[2][i]] if len(values) == 3 else None)
+            self.append_tokens(row, [int(values[0][i])], [values[2][i]] if len(values) == 3 else None)
             if values[1][i]:
                 row.finish = dict(NAN_FINISH)
 
-    def _spec_step(self, rows: list[Row]) -> None:
-        spec_step(self, rows)
-
     # ------------------------------------------------------------------ finishing
-    def _append(self, row: Row, tokens: list[int], logprobs: list[float] | None) -> None:
+    def append_tokens(self, row: Row, tokens: list[int], logprobs: list[float] | None) -> None:
         """Append tokens one by one, stopping at the first finish (SGLang's order: stop string, token, length)."""
         p = row.req.params
         for j, t in enumerate(tokens):
@@ -383,8 +392,8 @@ class EngineCore:
         if tags & {"kv_cache", "weights", "cuda_graph"}:
             for model in self._causal_lms():
                 model.graphs = {}  # they captured the storage being freed; captured again on resume
-            if isinstance(self.drafter, Eagle3Drafter):
-                self.drafter.graphs = {}
+            if self.drafter is not None:
+                self.drafter.drop_graphs()
         if "kv_cache" in tags and "kv_cache" not in self._released:
             self.cache = None
             if self.drafter is not None:
@@ -431,7 +440,7 @@ class EngineCore:
         self.model.graphs = graph_model(self.model, self.cache, mtp_cache, self.cuda_graph,
                                         max_running_requests=self.max_running_requests,
                                         max_draft_tokens=widest, max_seq=self.max_seq,
-                                        aux_layer_ids=getattr(self.drafter, "aux_layer_ids", None),
+                                        aux_layer_ids=self.drafter.aux_layer_ids if self.drafter else None,
                                         chain_lengths=self.policy.draft_lengths() if self.policy is not None else (),
                                         last_token=self.overlap.last_token if self.overlap is not None else None,
                                         prefill=True)
@@ -443,12 +452,12 @@ class EngineCore:
                                           max_running_requests=self.max_running_requests, max_draft_tokens=widest,
                                           max_seq=self.max_seq)
         self.graph_capture_seconds = sum(g.capture_seconds for m in self._causal_lms() for g in m.graphs.values())
-        if isinstance(self.drafter, Eagle3Drafter):  # its chain steps and extend
+        if self.drafter is not None:  # its own chain graphs (EAGLE3's steps and extend)
             self.graph_capture_seconds += self.drafter.capture_graphs(self.cuda_graph, self.max_running_requests)
 
     def _causal_lms(self) -> list:
         """The target, and a STANDALONE draft model: what fuses projections and captures graphs on CUDA."""
-        draft = getattr(self.drafter, "draft", None)
+        draft = self.drafter.draft if self.drafter is not None else None
         return [self.model] + ([draft] if isinstance(draft, CausalLM) else [])
 
     @staticmethod
@@ -462,7 +471,7 @@ class EngineCore:
     def _unique_params(self) -> list[torch.nn.Parameter]:
         """Every parameter the engine serves once (shared embedding/lm_head included once), drafts included."""
         params = list(self.model.parameters())
-        draft = getattr(self.drafter, "draft", None)
+        draft = self.drafter.draft if self.drafter is not None else None
         return params + (list(draft.parameters()) if draft is not None else [])
 
     # ------------------------------------------------------------------ weights

@@ -39,7 +39,7 @@ class InFlight:
 class OverlapDecode:
     def __init__(self, engine, on_appended: Callable[[InFlight, list[int]], None] | None = None):
         """on_appended(step, live): called after a step's tokens were appended, with the indices of the rows that
-        received one (a speculative engine's per-step bookkeeping, speculative.after_overlapped_step)."""
+        received one (a speculative engine's per-step bookkeeping, SpecWorker.after_overlapped_step)."""
         self.engine = engine
         self.on_appended = on_appended
         self.last_token = torch.zeros(engine.max_running_requests + 1, dtype=torch.long, device=engine.device)

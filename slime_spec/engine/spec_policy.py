@@ -15,7 +15,7 @@ did through `observe(...)` after it. `max_k` sizes the caches.
 switch seconds: a drafter's one-off catch-up after plain steps (MTP's deferred extends, the tokens a STANDALONE
 draft has not seen), the price of leaving k = 0 rather than of drafting, so it is kept out of the step's cost
 estimate. A plain step that the overlap schedule launched is observed when it is read back, at the latest by the next
-speculative step (speculative.drain_plain_step).
+speculative step (SpecWorker.drain_plain_step).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import json
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from slime_spec.engine.tree import tree_shape
 from slime_spec.spec import ADAPTIVE_TIERS, Algorithm, SpecConfig
@@ -35,6 +36,19 @@ ADAPTIVE_KNOB_DEFAULTS = {"ema_alpha": 0.2, "update_interval": 5, "warmup_batche
 # SGLang's default tiers also set the hysteresis per tier (batch 1 keeps the -0.25 default, the others 0).
 DEFAULT_TIER_KNOBS = {1: {"down_hysteresis": -0.25}, 8: {"down_hysteresis": 0.0}, 32: {"down_hysteresis": 0.0},
                       64: {"down_hysteresis": 0.0}}
+
+
+class StepPolicy(Protocol):
+    """What every policy answers (module docstring); the speculative worker holds one."""
+
+    max_k: int
+
+    def choose(self, batch_size: int) -> int: ...
+
+    def draft_lengths(self) -> tuple[int, ...]: ...
+
+    def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float,
+                switch_s: float = 0.0) -> None: ...
 
 
 class FixedSteps:
@@ -200,12 +214,13 @@ class AutoSteps:
     `best_steps`. From plain steps a probe tries the most promising drafting k (`_best_draft`), from a drafting
     best k its neighbours. A later bucket starts from the nearest warmed bucket's estimates, scaled by what it has
     measured itself (`_estimates`): a rollout's batch shrinks through every bucket as requests finish, and
-    re-measuring every k in each would spend its short life probing. Each bucket tries a neighbour of the best k every `explore_every` steps so the estimates stay fresh,
-    doubling the interval (up to `max_explore_every`) while the best k does not change: each probe of a losing k
-    costs a step, and after a run of plain steps the MTP drafter's catch-up too. Two bounds hold after the
-    warm-up: probes are at most one step in `explore_every`, and a probe waits while what probes have cost beyond
-    the best k's estimated step cost (catch-ups included) exceeds `explore_budget` of the bucket's measured time,
-    so a draft that never pays costs at most that share. The per-token accept rate is the
+    re-measuring every k in each would spend its short life probing. Each bucket tries a neighbour of the best k
+    every `explore_every` steps so the estimates stay fresh, doubling the interval (up to `max_explore_every`) while
+    the best k does not change: each probe of a losing k costs a step, and after a run of plain steps the MTP
+    drafter's catch-up too. Two bounds hold after the warm-up: probes are at most one step in `explore_every`, and a
+    probe waits while what probes have cost beyond the best k's estimated step cost (catch-ups included) exceeds
+    `explore_budget` of the bucket's measured time, so a draft that never pays costs at most that share. The
+    per-token accept rate is the
     geometric MLE over all rows, accepted drafts / (accepted + rejections), from counts with one pseudo-count each,
     decayed by 1 - alpha per step of the largest batch seen so far, and by (1 - alpha) ** (rows / largest) for a
     step of fewer rows: the rate is evidence per row, so the one-row tail of a rollout (a few unlucky drafts of

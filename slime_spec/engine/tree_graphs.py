@@ -91,7 +91,7 @@ def capture_tree_graphs(engine, shape: tree.TreeShape, capture: bool | None = No
     memory pool; returns the capture seconds. capture=False runs the same padded shapes eagerly (CPU tests).
     The target's decode graph is not captured: a tree engine takes no plain steps and prefills eagerly."""
     common = tree_graph_common(engine, capture)
-    aux = getattr(engine.drafter, "aux_layer_ids", None)
+    aux = engine.drafter.aux_layer_ids
     verify = tree_graph(tree_forward_fn(engine.model, engine.cache, aux, graphed=True), nodes=shape.num_draft_tokens,
                         region=shape.num_draft_tokens, cache=engine.cache, common=common)
     engine.model.graphs = {"tree": verify}

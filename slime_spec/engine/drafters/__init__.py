@@ -21,12 +21,21 @@ __all__ = ["Drafter", "Eagle3Drafter", "HistoryDrafter", "HybridDrafter", "MTPDr
 
 
 def make_drafter(spec: SpecConfig | None, target: CausalLM, slots: int, max_seq: int, dtype: str,
-                 device: str, k: int | None = None) -> Drafter | None:
+                 device: str, k: int) -> Drafter | None:
     """The drafter for `spec` (None without speculation); `spec.check_resolved` must have passed.
-    k: the most draft tokens a step may ask for (adaptive speculation's largest candidate), default the spec's."""
+    k: the most draft tokens a step may ask for (the step policy's `max_k`: num_draft_tokens - 1, which is a
+    chain's speculative_num_steps; under adaptive speculation the largest candidate)."""
     if spec is None:
         return None
-    k = spec.draft_tokens_per_verify if k is None else k
+    drafter = _build_drafter(spec, target, slots, max_seq, dtype, device, k)
+    if tree_shape(spec) is not None and not drafter.supports_tree:
+        raise ValueError(f"speculative_eagle_topk={spec.speculative_eagle_topk}: {type(drafter).__name__} drafts "
+                         "chains only; use --speculative-eagle-topk 1")
+    return drafter
+
+
+def _build_drafter(spec: SpecConfig, target: CausalLM, slots: int, max_seq: int, dtype: str, device: str,
+                   k: int) -> Drafter:
     shape = tree_shape(spec)
     if shape is not None:  # a draft tree's frontier nodes take cache locations past the row's length
         max_seq += shape.draft_region

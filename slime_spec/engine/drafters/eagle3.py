@@ -1,7 +1,7 @@
 """EAGLE3 drafting with a LlamaForCausalLMEagle3 draft head (SGLang's EAGLE3 worker: a chain, or a tree).
 
-The draft head is the trainer's `Eagle3Draft` (trainer/eagle3_draft.py: the checkpoint layout and the step's
-math), run here against its own KV cache. Draft position p reads (token x_{p+1}, hidden h_p): after each
+The draft head is `Eagle3Draft`, the class the trainer trains (common/eagle3_draft.py: the checkpoint layout and
+the step's math), run here against its own KV cache. Draft position p reads (token x_{p+1}, hidden h_p): after each
 target forward, a draft extend runs over the newly verified positions with h_p = fc(the target's aux states
 at p) (tokens shifted left by one); its last output gives the first draft token and the pre-norm hidden
 state that the next draft step reads instead of fc(aux). Draft logits cover the draft vocabulary; draft id d
@@ -14,15 +14,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from slime_spec.common import eagle3_draft
 from slime_spec.engine import tree, tree_graphs
 from slime_spec.engine.cuda_graph import CudaGraphSettings, GraphedForward, capture_on_one_pool, key_buckets
-from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of, tree_frame
+from slime_spec.engine.drafters.base import Drafter, DraftPick, argmax_pick, chain, pad, slots_of, tree_frame
 from slime_spec.engine.model import CausalLM, KVCache, attention_backends, causal_mask
 from slime_spec.engine.transfer import device_tensor
-from slime_spec.trainer import eagle3_draft
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(Drafter):
+    supports_tree = True
     defers_plain_steps = False  # on_verify extends the head from each plain step's aux states, when it runs (base.py)
 
     def __init__(self, target: CausalLM, draft: eagle3_draft.Eagle3Draft, aux_layer_ids: list[int], k: int,
@@ -45,6 +46,9 @@ class Eagle3Drafter:
 
     def drop_cache(self) -> None:
         self.cache = None
+        self.graphs = {}
+
+    def drop_graphs(self) -> None:
         self.graphs = {}
 
     def capture_graphs(self, settings: CudaGraphSettings, max_running_requests: int,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from slime_spec.engine.drafters.base import Drafter
 from slime_spec.engine.drafters.ngram import NgramDrafter
 from slime_spec.engine.transfer import device_tensor
 
@@ -175,7 +176,7 @@ def best_draft(context: list[int], sources, k: int, max_depth: int) -> tuple[int
     return first_len, draft
 
 
-class HistoryDrafter:
+class HistoryDrafter(Drafter):
     """NGRAM on the embedded engine: the shared n-gram cache plus SAM sources (module docstring).
 
     ngram None: history sources only (the hybrid drafter's history half, see hybrid.py). Each row keeps one
@@ -183,6 +184,7 @@ class HistoryDrafter:
     O(new tokens + k) per source instead of re-matching the context.
     """
 
+    holds_corpora = True
     defers_plain_steps = False  # as NgramDrafter: NGRAM does not run under the overlap schedule
 
     def __init__(self, ngram: NgramDrafter | None, max_depth: int, k: int | None = None, device=None):
@@ -203,17 +205,11 @@ class HistoryDrafter:
         if self.ngram is not None:
             self.ngram.k = k
 
-    def new_cache(self) -> None:
-        return None
-
     def drop_cache(self) -> None:
         """The shared n-gram cache and the sibling automata go; external corpora stay (SGLang keeps them)."""
         if self.ngram is not None:
             self.ngram.drop_cache()
         self.groups.clear()
-
-    def weight_runner(self) -> None:
-        return None
 
     # ------------------------------------------------------------------ external corpora (SGLang's endpoints)
     def add_corpus(self, corpus_id: str, chunks: list[list[int]]) -> int:
@@ -311,6 +307,3 @@ class HistoryDrafter:
     def propose(self, rows) -> torch.Tensor:
         self.catch_up(rows)
         return device_tensor([self.draft_for(r) for r in rows], self.device, torch.long)
-
-    def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
-        return None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from slime_spec.engine.drafters.base import DraftPick, argmax_pick
+from slime_spec.engine.drafters.base import Drafter, DraftPick, argmax_pick
 from slime_spec.engine.drafters.history import HistoryDrafter
 from slime_spec.engine.drafters.mtp import MTPDrafter
 from slime_spec.engine.transfer import device_tensor
@@ -28,10 +28,13 @@ def length_bucket(length: int) -> int:
     return min(length.bit_length() - 1, BUCKETS - 1)
 
 
-class HybridDrafter:
+class HybridDrafter(Drafter):
     """MTP for every row, history for rows whose history match is expected to accept more (module docstring).
     The engine reaches the MTP layer itself (CUDA graphs, weight updates) through `mtp`."""
 
+    supports_tree = True
+    extends_before_read_back = True
+    holds_corpora = True
     defers_plain_steps = True  # the MTP layer defers its extend; history reads the tokens when it drafts (base.py)
 
     def __init__(self, mtp: MTPDrafter, history: HistoryDrafter):

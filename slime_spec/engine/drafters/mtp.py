@@ -1,18 +1,20 @@
-"""NEXTN / EAGLE drafting with MiMo's MTP layer 0 (SGLang's EAGLE worker: a chain, or a tree with eagle_topk > 1)."""
+"""NEXTN / EAGLE drafting with the model's MTP layer 0 (MiMo's, or GLM-4.5's NextN layer; SGLang's EAGLE worker: a
+chain, or a tree with eagle_topk > 1)."""
 
 from __future__ import annotations
 
 import torch
 
 from slime_spec.engine import tree, tree_graphs
-from slime_spec.engine.cuda_graph import GraphedForward, key_buckets, mtp_chain_name
-from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, slots_of, tree_frame
+from slime_spec.engine.cuda_graph import GraphedForward, key_buckets
+from slime_spec.engine.drafters.base import Drafter, DraftPick, argmax_pick, chain, slots_of, tree_frame
 from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names
+from slime_spec.engine.model_graphs import mtp_chain_name
 from slime_spec.engine.transfer import device_tensor
 
 
-class MTPDrafter:
-    """NEXTN / EAGLE with MiMo's MTP layer 0, driven like SGLang's EAGLE worker drives one MTP layer.
+class MTPDrafter(Drafter):
+    """NEXTN / EAGLE with the model's MTP layer 0, driven like SGLang's EAGLE worker drives one MTP layer.
 
     Draft position p reads (token x_{p+1}, hidden h_p). After each target forward, a draft extend runs over the
     newly verified positions with the target's hidden states (tokens shifted left by one); its last output gives
@@ -27,6 +29,8 @@ class MTPDrafter:
     """
 
     defers_plain_steps = True  # a plain step's extend waits in `pending` anyway (base.py)
+    supports_tree = True
+    extends_before_read_back = True
 
     def __init__(self, target: CausalLM, k: int, slots: int, max_seq: int):
         self.target, self.k, self.slots, self.max_seq = target, k, slots, max_seq
@@ -133,8 +137,8 @@ class MTPDrafter:
     def sample_draft(self, rows, pick: DraftPick) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k draft tokens per row, each picked from the MTP layer's logits: one batched MTP + lm_head call per
         step for all rows. The first reads the hidden state the last extend left; each further one runs the layer
-        on its own output. The engine runs `catch_up_deferred` first (speculative.catch_up). Greedy drafting (SGLang's)
-        replays the whole chain as one captured graph where there is one (cuda_graph.mtp_chain)."""
+        on its own output. The engine runs `catch_up_deferred` first (SpecWorker.catch_up). Greedy drafting (SGLang's)
+        replays the whole chain as one captured graph where there is one (model_graphs.mtp_chain)."""
         if pick is argmax_pick:
             drafted = self._take_ahead(rows)
             if drafted is not None:
@@ -267,8 +271,9 @@ class MTPDrafter:
                 waiting.append(self._step_id)
 
     def weight_runner(self) -> dict[str, torch.nn.Parameter]:
-        """SGLang's MiMoMTP draft runner loads the MTP layers plus the embedding and lm_head it shares."""
+        """SGLang's MTP draft runner (MiMoMTP, Glm4MoeForCausalLMNextN) loads the MTP layers plus the embedding and
+        lm_head it shares with the target."""
         params = dict(self.target.named_parameters(remove_duplicate=False))
-        names = [n for n in hf_weight_names(self.target) if n.startswith("model.mtp_layers.")]
+        names = [n for n in hf_weight_names(self.target) if self.target.is_mtp_weight(n)]
         names += ["model.embed_tokens.weight"] + ([] if self.target.args.tie_word_embeddings else ["lm_head.weight"])
         return {n: params[n] for n in names}

@@ -6,6 +6,7 @@ import itertools
 
 import torch
 
+from slime_spec.engine.drafters.base import Drafter
 from slime_spec.engine.transfer import device_tensor
 
 DEFAULT_CAPACITY = 262_144  # n-gram entries; past it the oldest quarter goes (SGLang: --speculative-ngram-capacity)
@@ -39,7 +40,7 @@ class PrefixHashes:
         return (self.prefix[end] - self.prefix[start] * PrefixHashes.powers[end - start]) % MOD + (end - start) * MOD
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """NGRAM: copy the continuation of the latest earlier occurrence of the row's longest suffix (up to
     max_window tokens) in the n-gram cache.
 
@@ -59,9 +60,6 @@ class NgramDrafter:
         self.k, self.max_window, self.min_window, self.device = k, max_window, min_window, device
         self.capacity = capacity
         self.index: dict[int, tuple[list[int], int]] = {}
-
-    def new_cache(self) -> None:
-        return None
 
     def drop_cache(self) -> None:
         """Released with the KV cache (and flushed with it, as SGLang's flush_cache resets its trie)."""
@@ -120,9 +118,3 @@ class NgramDrafter:
         for r in rows:  # every row's tokens are in the shared cache before any row drafts
             self._index(r)
         return device_tensor([self.draft_for(r) for r in rows], self.device, torch.long)
-
-    def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
-        return None
-
-    def weight_runner(self) -> None:
-        return None

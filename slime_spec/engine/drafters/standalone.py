@@ -6,14 +6,14 @@ import torch
 
 from slime_spec.engine import tree, tree_graphs
 from slime_spec.engine.cuda_graph import GraphedForward, key_buckets
-from slime_spec.engine.drafters.base import DraftPick, argmax_pick, chain, pad, slots_of
+from slime_spec.engine.drafters.base import Drafter, DraftPick, argmax_pick, chain, pad, slots_of
 from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names
 from slime_spec.engine.transfer import device_tensor
 
 VERIFY_UNSEEN = 2  # tokens a chain verify leaves the draft to feed: the new pending one, and d_k if all k passed
 
 
-class StandaloneDrafter:
+class StandaloneDrafter(Drafter):
     """STANDALONE: a separate small causal LM with its own KV cache, drafting greedily k tokens per verify.
 
     `r.draft_cached_len` counts the tokens of row r whose keys/values the draft cache holds; after a verify only the
@@ -22,6 +22,7 @@ class StandaloneDrafter:
     through `catch_up_deferred` before drafting, so it is timed as the switch from k = 0, not as drafting.
     """
 
+    supports_tree = True
     defers_plain_steps = True  # a plain step only adds tokens, fed at the next catch-up (base.py)
 
     def __init__(self, draft: CausalLM, k: int, slots: int, max_seq: int):
