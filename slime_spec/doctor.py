@@ -46,7 +46,8 @@ def longest_prompt_tokens(config: Config) -> tuple[int | None, list[Finding]]:
     if not Path(r.prompt_data).is_file():
         return None, [Rule.PROMPT_DATA_MISSING.finding(path=r.prompt_data)]
     tok, unchecked = None, []
-    if (Path(r.hf_checkpoint) / "tokenizer_config.json").exists() or (Path(r.hf_checkpoint) / "tokenizer.json").exists():
+    checkpoint = Path(r.hf_checkpoint)
+    if (checkpoint / "tokenizer_config.json").exists() or (checkpoint / "tokenizer.json").exists():
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(r.hf_checkpoint)
@@ -139,7 +140,8 @@ def embedded_flag_findings(config: Config) -> list[Finding]:
 
 def engine_argvs(config: Config) -> list[dict]:
     return [{"index": i, "backend": config.engine.backend,
-             "argv": config.engine.server_argv("127.0.0.1", 30000 + i, base_gpu_id=i * config.engine.num_gpus_per_engine,
+             "argv": config.engine.server_argv("127.0.0.1", 30000 + i,
+                                                base_gpu_id=i * config.engine.num_gpus_per_engine,
                                                 python=DISPLAY_PYTHON, engine_index=i)}
             for i in range(config.num_engines)]
 
@@ -173,6 +175,7 @@ def diagnose(parsed: ParsedArgs, launching: bool = False) -> tuple[Config | None
         prompts_per_rollout=config.rollout.rollout_batch_size,
         spec_draft_sampling=config.engine.spec_draft_sampling, spec_auto=config.engine.spec_auto,
         weight_sync_transport=config.weight_sync.weight_sync_transport,
+        tensor_model_parallel_size=config.train.tensor_model_parallel_size,
     ), F.MODEL_SHAPE_FLAGS)
     findings += (flag_findings(parsed) + embedded_flag_findings(config) + rm_type_findings(config)
                  + ref_load_findings(config))

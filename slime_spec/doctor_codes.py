@@ -262,9 +262,15 @@ class Rule(Enum):
         "make MODEL_ARGS match the checkpoint (scripts/models/*.sh) or point --hf-checkpoint at the right model")
     TRAINER_UNSUPPORTED_FAMILY = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
-        "the trainer builds Llama, Qwen2, Qwen3, Qwen3-MoE and MiMo models; this checkpoint is {family} (its weights convert, but "
-        "it cannot be trained yet)",
-        "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / Qwen3 / MiMo model")
+        "the trainer builds Llama, Qwen2, Qwen3, Qwen3-MoE, MiMo and GLM-4.5 models; this checkpoint is {family} "
+        "(its weights convert, but it cannot be trained yet)",
+        "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / Qwen3 / MiMo / GLM-4.5 model")
+    TRAINER_MOE_TP = _Entry(
+        "TRAINER_UNSUPPORTED_MODEL", "error",
+        "--tensor-model-parallel-size {tp} with a {family} model: the trainer builds MoE layers at tensor parallel "
+        "size 1 only (megatron-core's MoE layer needs sequence parallelism under TP, which its local layer spec "
+        "does not build)",
+        "train with --tensor-model-parallel-size 1, or run rollouts alone with --debug-rollout-only")
     TRAINER_UNSUPPORTED_ROPE = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
         "rope_scaling type {rope_type!r}: the trainer implements plain RoPE and Llama-3.1's 'llama3' scaling only",

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from slime_spec import spec
-from slime_spec.dtypes import config_dtype
 from slime_spec.doctor_codes import Finding, Rule
+from slime_spec.dtypes import config_dtype
 from slime_spec.spec import Algorithm, SpecConfig, native_mtp_layers
 
 __all__ = ["CheckInput", "Finding", "run_checks"]
@@ -43,6 +43,7 @@ class CheckInput:
     spec_draft_sampling: bool = False  # ours (--spec-draft-sampling): embedded engine only
     spec_auto: bool = False            # ours (--spec-auto): embedded engine only
     weight_sync_transport: str | None = None  # --weight-sync-transport (None: by --colocate)
+    tensor_model_parallel_size: int = 1  # the trainer's (Megatron's --tensor-model-parallel-size)
 
     @cached_property
     def resolved(self) -> tuple[SpecConfig | None, list[Finding]]:
@@ -119,8 +120,8 @@ def check_flashinfer(inp: CheckInput) -> list[Finding]:
     if backend == "flashinfer":
         why = "--sglang-attention-backend flashinfer is set"
     elif backend is None:
-        why = ("no --sglang-attention-backend is set, and SGLang then picks flashinfer "
-               + ("(with --sglang-speculative-eagle-topk > 1 even on Hopper)" if topk > 1 else "on GPUs other than Hopper"))
+        where = "(with --sglang-speculative-eagle-topk > 1 even on Hopper)" if topk > 1 else "on GPUs other than Hopper"
+        why = "no --sglang-attention-backend is set, and SGLang then picks flashinfer " + where
     else:
         return []
     return [Rule.SPEC_FLASHINFER.finding(why=why, algorithm=algo)]
@@ -143,7 +144,8 @@ def check_cuda_graph_bs(inp: CheckInput) -> list[Finding]:
     else:
         missing = [b for b in range(1, dense_upto + 1) if b not in bs]
         if missing:
-            problems.append(f"batch sizes {missing[:8]}{'...' if len(missing) > 8 else ''} are not captured and get padded")
+            shown = f"{missing[:8]}{'...' if len(missing) > 8 else ''}"
+            problems.append(f"batch sizes {shown} are not captured and get padded")
         if bs[-1] < max_running:
             problems.append(f"the largest captured batch ({bs[-1]}) is below the max running requests ({max_running})")
     if not problems:
@@ -184,7 +186,7 @@ EAGLE3_DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 def eagle3_aux_layer_ids(draft_config: dict | None, num_target_layers: int) -> list[int]:
     """The target layers an EAGLE3 draft reads: its eagle_config ids, else SGLang's default (outputs of
-    layers 1, L//2 - 1, L - 4); the same rule as trainer/eagle3_draft.py, without torch."""
+    layers 1, L//2 - 1, L - 4); the same rule as common/eagle3_draft.py, without torch."""
     explicit = ((draft_config or {}).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     return list(explicit) if explicit else [1, num_target_layers // 2 - 1, num_target_layers - 4]
 
@@ -222,7 +224,8 @@ def check_model_flags(inp: CheckInput, shape_flags: dict) -> list[Finding]:
             hf_val, ours = not bool(cfg.get("tie_word_embeddings", False)), bool(value)
             if hf_val == ours:
                 continue
-            msg = f"--untie-embeddings-and-output-weights is {'set' if ours else 'unset'} but config.json has tie_word_embeddings={not hf_val}"
+            msg = (f"--untie-embeddings-and-output-weights is {'set' if ours else 'unset'} but config.json has "
+                   f"tie_word_embeddings={not hf_val}")
         elif kind == "qkv_bias":
             if inp.model_flags.get("multi_latent_attention"):
                 continue  # Megatron builds MLA's projections without bias: --add-qkv-bias changes nothing there
@@ -234,7 +237,9 @@ def check_model_flags(inp: CheckInput, shape_flags: dict) -> list[Finding]:
             if key is None:
                 continue
             hf_val = cfg[key]
-            if (kind == "int" and int(hf_val) == int(value)) or (kind == "float" and abs(float(hf_val) - float(value)) <= 1e-9 * max(1.0, abs(float(hf_val)))):
+            if kind == "int" and int(hf_val) == int(value):
+                continue
+            if kind == "float" and abs(float(hf_val) - float(value)) <= 1e-9 * max(1.0, abs(float(hf_val))):
                 continue
             msg = f"--{dest.replace('_', '-')} {value} but config.json has {key}={hf_val}"
         out.append(Rule.MODEL_ARGS_MISMATCH.finding(detail=msg))
@@ -242,11 +247,15 @@ def check_model_flags(inp: CheckInput, shape_flags: dict) -> list[Finding]:
 
 
 TRAINER_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "qwen3_moe": "Qwen3MoeForCausalLM", "mimo": "MiMoForCausalLM"}
+                    "qwen3_moe": "Qwen3MoeForCausalLM", "mimo": "MiMoForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+
+
+MOE_TRAINER_FAMILIES = ("qwen3_moe", "glm4_moe")  # trainer/model.py moe_config: tensor parallel size 1 only
 
 
 def check_trainer_support(inp: CheckInput) -> list[Finding]:
-    """The trainer builds Llama, Qwen2, Qwen3, Qwen3-MoE and MiMo with plain or llama3-scaled RoPE and SwiGLU (trainer/model.py)."""
+    """The trainer builds Llama, Qwen2, Qwen3, Qwen3-MoE, MiMo and GLM-4.5 with plain or llama3-scaled RoPE and SwiGLU
+    (trainer/model.py)."""
     cfg = inp.target_config
     if inp.debug_rollout_only or cfg is None:
         return []
@@ -255,6 +264,8 @@ def check_trainer_support(inp: CheckInput) -> list[Finding]:
         next((f for f, a in TRAINER_FAMILIES.items() if a in archs), None)
     if family is None:
         return [Rule.TRAINER_UNSUPPORTED_FAMILY.finding(family=cfg.get("model_type") or archs)]
+    if family in MOE_TRAINER_FAMILIES and inp.tensor_model_parallel_size > 1:
+        return [Rule.TRAINER_MOE_TP.finding(family=family, tp=inp.tensor_model_parallel_size)]
     scaling = cfg.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type not in ("default", "llama3"):

@@ -111,7 +111,8 @@ def _moe_mtp_megatron_state(family: str, h: int = 16) -> dict[str, torch.Tensor]
         names[t + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (16, h)
         names[t + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, 8)
     if family == "deepseek_v3":
-        names.update({t + "self_attention.linear_q_down_proj.weight": (8, h), t + "self_attention.q_layernorm.weight": (8,),
+        names.update({t + "self_attention.linear_q_down_proj.weight": (8, h),
+                      t + "self_attention.q_layernorm.weight": (8,),
                       t + "self_attention.linear_q_up_proj.weight": (4 * 12, 8),
                       t + "self_attention.linear_kv_down_proj.weight": (8 + 4, h),
                       t + "self_attention.kv_layernorm.weight": (8,),
@@ -179,3 +180,71 @@ def test_tp_split_then_merge_is_identity_and_vocab_padding_is_cut(tiny):
         assert torch.equal(merged, full), name
         for hf_name, tensor in convert.megatron_to_hf(family, name, merged, hf_config):
             assert torch.equal(tensor, hf_state[hf_name]), hf_name
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def tiny_moe_mtp(request, tmp_path_factory):
+    """A make-tiny-model DeepSeek-V3 / GLM-4.5 checkpoint: a dense layer, a sparse one, one MTP layer."""
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param, mtp_layers=1)
+    return json.loads((path / "config.json").read_text()), load_file(str(path / "model.safetensors"))
+
+
+def test_deepseek_glm_round_trip_is_exact(tiny_moe_mtp):
+    """Every tensor of the released layout comes back, but the MTP layer's copies of the embedding and head, which
+    Megatron's MTP shares with the main model (SGLang's NextN draft takes the target's too)."""
+    hf_config, hf_state = tiny_moe_mtp
+    family = convert.family_of(hf_config)
+    megatron_state = convert.hf_to_megatron(family, hf_state, hf_config)
+    back = to_hf(family, megatron_state, hf_config)
+    n = hf_config["num_hidden_layers"]
+    assert sorted(set(hf_state) - set(back)) == [f"model.layers.{n}.embed_tokens.weight",
+                                                 f"model.layers.{n}.shared_head.head.weight"]
+    assert set(back) <= set(hf_state)
+    for name, tensor in back.items():
+        assert torch.equal(tensor, hf_state[name]), name
+    again = convert.hf_to_megatron(family, back, hf_config)
+    assert sorted(again) == sorted(megatron_state)
+
+
+def test_deepseek_glm_megatron_names(tiny_moe_mtp):
+    """megatron-core's names: MLA's down/up projections and their norms (local spec), the router and its expert bias,
+    sequential experts, shared experts, a dense MLP in the layers before first_k_dense_replace."""
+    hf_config, hf_state = tiny_moe_mtp
+    family = convert.family_of(hf_config)
+    mg = convert.hf_to_megatron(family, hf_state, hf_config)
+    dense, sparse, mtp = "decoder.layers.0.", "decoder.layers.1.", "mtp.layers.0.transformer_layer."
+    assert dense + "mlp.linear_fc1.weight" in mg and dense + "mlp.router.weight" not in mg
+    for p in (sparse, mtp):
+        assert torch.equal(mg[p + "mlp.router.expert_bias"],
+                           hf_state[(p.replace("decoder.layers.1.", "model.layers.1.")
+                                     .replace(mtp, "model.layers.2.")) + "mlp.gate.e_score_correction_bias"])
+        e = hf_config["n_routed_experts"]
+        assert {f"{p}mlp.experts.local_experts.{x}.linear_fc{k}.weight" for x in range(e) for k in (1, 2)} <= set(mg)
+        assert mg[p + "mlp.shared_experts.linear_fc1.weight"].shape[0] == 2 * hf_config["moe_intermediate_size"]
+    attention = {n.split("self_attention.")[1] for n in mg if n.startswith(dense + "self_attention.")}
+    if family == "deepseek_v3":
+        assert attention == {"linear_q_down_proj.weight", "q_layernorm.weight", "linear_q_up_proj.weight",
+                             "linear_kv_down_proj.weight", "kv_layernorm.weight", "linear_kv_up_proj.weight",
+                             "linear_proj.weight"}
+        # TransformerEngine's spec fuses the norms into the up projections; those names map to the same HF tensors.
+        for te, local in (("linear_q_up_proj.layer_norm_weight", "q_layernorm.weight"),
+                          ("linear_kv_up_proj.layer_norm_weight", "kv_layernorm.weight")):
+            t = mg[dense + "self_attention." + local]
+            assert convert.megatron_to_hf(family, dense + "self_attention." + te, t, hf_config) == \
+                convert.megatron_to_hf(family, dense + "self_attention." + local, t, hf_config)
+    else:
+        assert attention == {"linear_qkv.weight", "linear_qkv.bias", "linear_proj.weight"}  # use_qk_norm false
+    assert {n for n in mg if n.startswith("mtp.layers.0.") and "transformer_layer" not in n} == {
+        f"mtp.layers.0.{x}.weight" for x in ("enorm", "hnorm", "eh_proj", "final_layernorm")}
+
+
+def test_deepseek_glm_tp_split_then_merge_is_identity(tiny_moe_mtp):
+    hf_config, hf_state = tiny_moe_mtp
+    family = convert.family_of(hf_config)
+    for name, full in convert.hf_to_megatron(family, hf_state, hf_config).items():
+        if name.endswith("word_embeddings.weight") or name == "output_layer.weight":
+            full = torch.cat([full, torch.zeros(1, full.shape[1])])  # vocab padded to a multiple of TP=2
+        shards = [convert.split_tp_shard(name, full, r, 2) for r in range(2)]
+        assert torch.equal(convert.merge_tp_shards(name, shards), full), name
+        if name.endswith(("router.weight", "router.expert_bias", "layernorm.weight")):
+            assert convert.tp_split_dim(name) is None, name

@@ -421,14 +421,14 @@ def test_docs_relative_links_resolve(lang):
 
 def test_training_a_model_the_trainer_cannot_build_is_a_doctor_error(doctor_runs):
     """Without DEBUG_ROLLOUT_ONLY the doctor names the limitation instead of letting training crash later."""
-    from slime_spec.doctor import diagnose
     from slime_spec.args import parse
+    from slime_spec.doctor import diagnose
 
-    _, _, flags = doctor_runs["run-glm4.5-mtp.sh"]
+    _, _, flags = doctor_runs["run-deepseek-v3-mtp.sh"]
     _, findings = diagnose(parse([f for f in flags if f != "--debug-rollout-only"]))
     errors = [f for f in findings if f.level == "error"]
     unsupported = [f for f in errors if f.code == "TRAINER_UNSUPPORTED_MODEL"]
-    assert len(unsupported) == 1 and "glm4_moe" in unsupported[0].message
+    assert len(unsupported) == 1 and "deepseek_v3" in unsupported[0].message
 
 
 def test_eagle3_script_trains_the_draft_online(doctor_runs):

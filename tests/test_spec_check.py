@@ -8,8 +8,10 @@ from slime_spec.spec_check import CheckInput, run_checks
 LLAMA = {"torch_dtype": "bfloat16", "max_position_embeddings": 131072, "num_hidden_layers": 32, "hidden_size": 4096,
          "tie_word_embeddings": False, "model_type": "llama"}
 EAGLE3 = {"torch_dtype": "float16", "max_position_embeddings": 2048}
-MIMO = {"torch_dtype": "bfloat16", "max_position_embeddings": 32768, "num_nextn_predict_layers": 1, "model_type": "mimo"}
-GOOD_GPU = {"attention_backend": "fa3", "cuda_graph_bs_decode": list(range(1, 33)) + [40, 48], "max_running_requests": 48}
+MIMO = {"torch_dtype": "bfloat16", "max_position_embeddings": 32768, "num_nextn_predict_layers": 1,
+        "model_type": "mimo"}
+GOOD_GPU = {"attention_backend": "fa3", "cuda_graph_bs_decode": list(range(1, 33)) + [40, 48],
+            "max_running_requests": 48}
 
 
 def codes(**kw):
@@ -33,8 +35,8 @@ def test_good_configurations_are_silent():
     assert codes(sglang=eagle3(), target_config=LLAMA, draft_config=EAGLE3) == {}
     assert codes(sglang=mtp()) == {}
     assert codes(sglang=mtp(), enable_mtp_training=True, mtp_num_layers=1, mtp_unroll_steps=3) == {}
-    assert codes(sglang={"speculative_algorithm": "NGRAM"}, backend="embedded") == {
-        "SGLANG_ONLY_CHECKS_SKIPPED": codes(sglang={"speculative_algorithm": "NGRAM"}, backend="embedded")["SGLANG_ONLY_CHECKS_SKIPPED"]}
+    embedded_ngram = codes(sglang={"speculative_algorithm": "NGRAM"}, backend="embedded")
+    assert embedded_ngram == {"SGLANG_ONLY_CHECKS_SKIPPED": embedded_ngram["SGLANG_ONLY_CHECKS_SKIPPED"]}
     assert codes(sglang={}) == {}
 
 
@@ -52,7 +54,8 @@ def test_context_length_draft_shorter():
 def test_context_length_prompt_plus_response():
     f = codes(sglang=mtp(context_length=1024), longest_prompt_tokens=900, max_response_len=200)["SPEC_CONTEXT_LENGTH"]
     assert "1100" in f.message and "--rollout-max-response-len to 124" in f.fix
-    assert "SPEC_CONTEXT_LENGTH" not in codes(sglang=mtp(context_length=1024), longest_prompt_tokens=800, max_response_len=200)
+    fits = codes(sglang=mtp(context_length=1024), longest_prompt_tokens=800, max_response_len=200)
+    assert "SPEC_CONTEXT_LENGTH" not in fits
 
 
 @pytest.mark.parametrize("backend", ["flashinfer", None])
@@ -87,18 +90,21 @@ def test_no_mtp():
 
 
 def test_eagle3_without_draft():
-    assert codes(sglang=eagle3(speculative_draft_model_path=None), target_config=LLAMA)["SPEC_EAGLE3_NO_DRAFT"].level == "error"
+    found = codes(sglang=eagle3(speculative_draft_model_path=None), target_config=LLAMA)
+    assert found["SPEC_EAGLE3_NO_DRAFT"].level == "error"
 
 
 def test_old_sglang_with_external_draft():
-    f = codes(sglang=eagle3(), target_config=LLAMA, draft_config=EAGLE3, sglang_version="0.4.10.post2")["SPEC_SGLANG_VERSION"]
+    external = dict(sglang=eagle3(), target_config=LLAMA, draft_config=EAGLE3)
+    f = codes(**external, sglang_version="0.4.10.post2")["SPEC_SGLANG_VERSION"]
     assert "#9388" in f.message
-    assert "SPEC_SGLANG_VERSION" not in codes(sglang=eagle3(), target_config=LLAMA, draft_config=EAGLE3, sglang_version="0.5.1")
+    assert "SPEC_SGLANG_VERSION" not in codes(**external, sglang_version="0.5.1")
 
 
 def test_mtp_training():
     assert "--mtp-num-layers 1" in codes(enable_mtp_training=True, mtp_num_layers=0)["SPEC_MTP_TRAINING"].fix
-    assert "no MTP layers" in codes(enable_mtp_training=True, mtp_num_layers=1, target_config=LLAMA)["SPEC_MTP_TRAINING"].message
+    no_mtp = codes(enable_mtp_training=True, mtp_num_layers=1, target_config=LLAMA)["SPEC_MTP_TRAINING"]
+    assert "no MTP layers" in no_mtp.message
 
 
 def test_mtp_unroll_recommended_when_one_layer_drafts_several_steps():
@@ -126,15 +132,22 @@ def test_unsupported_by_embedded_backend():
 def test_model_args_mismatch():
     f = codes(target_config=LLAMA, model_flags={"num_layers": 32, "hidden_size": 4000})["MODEL_ARGS_MISMATCH"]
     assert "--hidden-size 4000" in f.message and "hidden_size=4096" in f.message
-    assert "MODEL_ARGS_MISMATCH" not in codes(target_config=LLAMA, model_flags={"num_layers": 32, "untie_embeddings_and_output_weights": True})
-    assert "MODEL_ARGS_MISMATCH" in codes(target_config=LLAMA, model_flags={"untie_embeddings_and_output_weights": False})
+    untied = {"num_layers": 32, "untie_embeddings_and_output_weights": True}
+    assert "MODEL_ARGS_MISMATCH" not in codes(target_config=LLAMA, model_flags=untied)
+    tied = {"untie_embeddings_and_output_weights": False}
+    assert "MODEL_ARGS_MISMATCH" in codes(target_config=LLAMA, model_flags=tied)
 
 
 def test_trainer_unsupported_model_unless_rollout_only():
-    glm = {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "num_nextn_predict_layers": 1}
-    f = codes(target_config=glm)["TRAINER_UNSUPPORTED_MODEL"]
+    gemma = {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}
+    f = codes(target_config=gemma)["TRAINER_UNSUPPORTED_MODEL"]
     assert f.level == "error" and "--debug-rollout-only" in f.fix
-    assert "TRAINER_UNSUPPORTED_MODEL" not in codes(target_config=glm, debug_rollout_only=True)
+    assert "TRAINER_UNSUPPORTED_MODEL" not in codes(target_config=gemma, debug_rollout_only=True)
+    glm = {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "num_nextn_predict_layers": 1}
+    assert "TRAINER_UNSUPPORTED_MODEL" not in codes(target_config=glm)  # GLM-4.5 trains (trainer/model.py)
+    moe_tp = codes(target_config=glm, tensor_model_parallel_size=4)["TRAINER_UNSUPPORTED_MODEL"]  # MoE: TP 1 only
+    assert "--tensor-model-parallel-size 4" in moe_tp.message and "--tensor-model-parallel-size 1" in moe_tp.fix
+    assert "TRAINER_UNSUPPORTED_MODEL" not in codes(target_config=LLAMA, tensor_model_parallel_size=4)
     yarn = {**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
     assert "'yarn'" in codes(target_config=yarn)["TRAINER_UNSUPPORTED_MODEL"].message
     llama31 = {**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}  # the trainer builds Llama-3.1
@@ -154,7 +167,8 @@ def test_colocated_sglang_needs_memory_saver_and_draft_backup():
 def test_pipeline_parallel_engines_cannot_join_the_distributed_weight_sync():
     """SGLang 0.5.23 joins the weight-update group as rank_offset + tp_rank: two pipeline stages, one rank."""
     found = codes(sglang=mtp(pp_size=2))
-    assert found["SYNC_PIPELINE_PARALLEL"].level == "error" and "rank_offset + tp_rank" in found["SYNC_PIPELINE_PARALLEL"].message
+    f = found["SYNC_PIPELINE_PARALLEL"]
+    assert f.level == "error" and "rank_offset + tp_rank" in f.message
     assert "SYNC_PIPELINE_PARALLEL" not in codes(sglang=mtp(pp_size=2), weight_sync_transport="disk")
     assert "SYNC_PIPELINE_PARALLEL" not in codes(sglang=mtp(pp_size=2), debug_rollout_only=True)  # no sync
     assert "SYNC_PIPELINE_PARALLEL" not in codes(sglang=mtp(pp_size=1))

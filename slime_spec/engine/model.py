@@ -1,5 +1,6 @@
 """A gpt-fast-style decoder for Llama, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm before RoPE, its own head_dim),
-Qwen3-MoE (Qwen3 with top-k routed experts) and MiMo (Qwen2 + MTP layers), by HF names.
+Qwen3-MoE (Qwen3 with top-k routed experts), MiMo (Qwen2 + MTP layers) and GLM-4.5 (qkv bias, partial RoPE, dense
+then grouped-top-k MoE layers, NextN MTP layers), by HF names.
 
 Module attribute paths equal the HF checkpoint names (`model.layers.0.self_attn.q_proj.weight`, ...),
 so `state_dict()` is the checkpoint and weight updates need no name mapping.
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, replace
-from functools import lru_cache
+from dataclasses import replace
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -30,12 +31,10 @@ from slime_spec.engine.kernels import dependent_launches
 from slime_spec.engine.kernels.decode_attention import MAX_QUERY_TOKENS
 from slime_spec.engine.kernels.decode_attention import supports as attention_kernel_supports
 from slime_spec.engine.kernels.ops import Kernels, add_rms_norm, decode_attention, gated_linear, linear, rms_norm
-from slime_spec.engine.moe import SparseMoeBlock, moe_fields
-from slime_spec.trainer import rope as rope_math
+from slime_spec.engine.model_args import ModelArgs
+from slime_spec.engine.model_args import rope_cos_sin as rope_cos_sin  # re-exported: tests build cos/sin by it
+from slime_spec.engine.moe import BiasedRouter, GroupedTopkMoeBlock, SparseMoeBlock
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "MiMoForCausalLM")
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Attention backends for eager calls on CUDA: all but cuDNN's, which builds an execution plan for every new shape
 # (about 35 ms on an H100), while eager steps (prefill, a draft's catch-up, a tree verify, an EAGLE3 draft step)
 # read a new key count nearly every step. Captured graphs have static shapes and keep cuDNN.
@@ -49,63 +48,6 @@ def attention_backends(device: torch.device, graphed: bool = False):
     with sdpa_kernel(EAGER_SDPA_BACKENDS) if device.type == "cuda" and not graphed else nullcontext(), \
             dependent_launches(graphed):
         yield
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    mtp_layers: int
-    rope_llama3: tuple[tuple[str, float], ...] | None = None  # Llama-3.1's rope_scaling fields (trainer/rope.py)
-    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head (weights [head_dim]) before RoPE
-    num_experts: int = 0  # Qwen3-MoE: routed experts per layer (0: dense MLPs)
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
-
-    @classmethod
-    def from_hf_config(cls, config: dict) -> "ModelArgs":
-        arch = (config.get("architectures") or ["?"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architectures={config.get('architectures')}: the embedded engine runs "
-                             f"{SUPPORTED_ARCHITECTURES}; use --rollout-backend sglang for other models")
-        try:
-            rope_spec = rope_math.rope_spec(config)
-        except ValueError as e:
-            raise ValueError(f"{e}; the embedded engine runs the same RoPE kinds") from None
-        if arch in QK_NORM_ARCHITECTURES and config.get("attention_bias"):
-            raise ValueError(f"attention_bias=true in a {arch} config.json (q/k/v and o_proj biases): the "
-                             "embedded engine serves Qwen3 as its checkpoints are, without biases; use "
-                             "--rollout-backend sglang")
-        heads = config["num_attention_heads"]
-        rope = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-        return cls(
-            vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"], num_layers=config["num_hidden_layers"],
-            num_heads=heads, num_kv_heads=config.get("num_key_value_heads", heads),
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(rope),
-            max_position_embeddings=config.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=arch in ("Qwen2ForCausalLM", "MiMoForCausalLM") or bool(config.get("attention_bias", False)),
-            mtp_layers=int(config.get("num_nextn_predict_layers", 0)) if arch == "MiMoForCausalLM" else 0,
-            rope_llama3=tuple(sorted(rope_spec.llama3.items())) if rope_spec.llama3 else None,
-            qk_norm=arch in QK_NORM_ARCHITECTURES,
-            **moe_fields(config, arch),
-        )
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        return rope_cos_sin(positions, self.head_dim, self.rope_theta, dtype, self.rope_llama3)
 
 
 class RMSNorm(nn.Module):
@@ -129,26 +71,11 @@ class RMSNorm(nn.Module):
         return self(h), h
 
 
-@lru_cache(maxsize=None)
-def inv_freq_on(device: torch.device, head_dim: int, theta: float,
-                llama3: tuple[tuple[str, float], ...] | None = None) -> torch.Tensor:
-    """RoPE's float32 inverse frequencies on `device`, computed once: a forward must not copy from the host (a
-    pageable copy stalls the stream, and is refused while a CUDA graph is being captured)."""
-    spec = rope_math.RopeSpec(theta, "llama3", dict(llama3)) if llama3 else rope_math.RopeSpec(theta, "default")
-    return rope_math.inv_freq(spec, head_dim).to(device)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
-                 llama3: tuple[tuple[str, float], ...] | None = None):
-    """cos/sin `[B, T, head_dim]` for HF's rotate-half RoPE, computed in float32 like transformers;
-    `llama3`: Llama-3.1's rescaled frequencies (the trainer's math, trainer/rope.py)."""
-    freqs = positions.float()[..., None] * inv_freq_on(positions.device, head_dim, theta, llama3)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, D]; cos/sin: [B, T, D]."""
+    """x: [B, T, H, D]; cos/sin: [B, T, R]: rotate-half RoPE over the first R <= D dims, the rest passed through."""
+    if cos.shape[-1] < x.shape[-1]:
+        r = cos.shape[-1]
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -252,18 +179,28 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def feed_forward(a: ModelArgs, sparse: bool) -> nn.Module:
+    """A layer's `mlp`: dense, or (a MoE model's sparse layer) routed experts, GLM-4.5's with its shared experts."""
+    if not (a.num_experts and sparse):
+        return MLP(a)
+    experts = (MLP(a, a.moe_intermediate_size) for _ in range(a.num_experts))
+    if not a.grouped_topk:
+        return SparseMoeBlock(a, experts)
+    shared = MLP(a, a.moe_intermediate_size * a.n_shared_experts) if a.n_shared_experts else None
+    return GroupedTopkMoeBlock(a, experts, shared)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, sparse: bool = True):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = Attention(a)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.mlp = (SparseMoeBlock(a, (MLP(a, a.moe_intermediate_size) for _ in range(a.num_experts)))
-                    if a.num_experts else MLP(a))
+        self.mlp = feed_forward(a, sparse)
 
     def mlps(self) -> list[MLP]:
-        """The layer's SwiGLU MLPs: its one dense MLP, or its experts."""
-        return list(self.mlp.experts) if isinstance(self.mlp, SparseMoeBlock) else [self.mlp]
+        """The layer's SwiGLU MLPs: its one dense MLP, or its experts (and shared experts)."""
+        return [m for m in self.mlp.modules() if isinstance(m, MLP)]
 
     def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, mask, num_keys: int):
         delta = self.self_attn(self.input_layernorm(x), cos, sin, cache_k, cache_v, slots, positions, mask, num_keys)
@@ -293,14 +230,48 @@ class MTPLayer(DecoderLayer):
         self.input_proj = nn.Linear(2 * a.hidden_size, a.hidden_size, bias=False)
         self.final_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
+    def input_states(self, embeds, hidden, positions, kernels: Kernels) -> torch.Tensor:
+        """SGLang's mimo_mtp.py: the token embedding zeroed at position 0, after the hidden state in the concat."""
+        embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)
+        return linear(torch.cat((self.hidden_layernorm(hidden), self.token_layernorm(embeds)), dim=-1),
+                      self.input_proj.weight, None, kernels)
+
+    def output_norm(self) -> RMSNorm:
+        return self.final_layernorm
+
+
+class NextNLayer(DecoderLayer):
+    """GLM-4.5's `model.layers.{N + i}` as SGLang's Glm4MoeModelNextN runs it: enorm/hnorm/eh_proj in front of a
+    sparse decoder layer, shared_head.norm after it. The checkpoint's copies of the embedding and head
+    (`embed_tokens`, `shared_head.head`) are not held: SGLang's NextN runner uses the target's."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__(a, sparse=True)
+        self.enorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.hnorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * a.hidden_size, a.hidden_size, bias=False)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def input_states(self, embeds, hidden, positions, kernels: Kernels) -> torch.Tensor:
+        return linear(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1), self.eh_proj.weight, None, kernels)
+
+    def output_norm(self) -> RMSNorm:
+        return self.shared_head.norm
+
+
+NEXTN_SKIPPED = ("embed_tokens.weight", "shared_head.head.weight")  # a NextN layer's copies of the target's
+
 
 class Backbone(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(a, sparse=i >= a.first_k_dense_replace) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        if a.mtp_layers:
+        if a.mtp_layers and a.nextn_mtp:
+            self.layers.extend(NextNLayer(a) for _ in range(a.mtp_layers))
+        elif a.mtp_layers:
             self.mtp_layers = nn.ModuleList(MTPLayer(a) for _ in range(a.mtp_layers))
 
 
@@ -325,6 +296,19 @@ class CausalLM(nn.Module):
     def _decoder_layers(self) -> list[DecoderLayer]:
         return list(self.model.layers) + list(getattr(self.model, "mtp_layers", []))
 
+    def mtp_stack(self) -> list[MTPLayer | NextNLayer]:
+        """The MTP layers: MiMo's `model.mtp_layers`, or the NextN layers past the target's in `model.layers`."""
+        if self.args.nextn_mtp:
+            return list(self.model.layers)[self.args.num_layers:]
+        return list(getattr(self.model, "mtp_layers", []))
+
+    def is_mtp_weight(self, name: str) -> bool:
+        """Whether checkpoint name `name` is an MTP layer's (the draft runner's, not the target's)."""
+        if not self.args.nextn_mtp:
+            return name.startswith("model.mtp_layers.")
+        parts = name.split(".")
+        return name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= self.args.num_layers
+
     def fuse_projections(self) -> None:
         """One matmul for q/k/v and one for gate/up in every layer (fewer, larger kernels: on a GPU a decode step
         is bound by kernel count). The separate parameters stay, as views of the fused tensors, so weight
@@ -338,7 +322,8 @@ class CausalLM(nn.Module):
     def use_kernels(self, kernels: Kernels) -> None:
         """Route this model's few-row matmuls, causal attention and norms through the Triton kernels (engine/kernels);
         the attention kernel only where it runs this head size."""
-        kernels = replace(kernels, attention=kernels.attention and attention_kernel_supports(self.args.head_dim))
+        kernels = replace(kernels, attention=kernels.attention and attention_kernel_supports(self.args.head_dim)
+                          and self.args.rotary_dim in (0, self.args.head_dim))  # the kernel rotates whole heads
         self.kernels = kernels
         for layer in self._decoder_layers():
             layer.self_attn.kernels = kernels
@@ -401,7 +386,7 @@ class CausalLM(nn.Module):
         write = positions if cache_positions is None else cache_positions
         aux, pending = [], None  # pending: the last layer's residual delta, added by the next norm
         with attention_backends(x.device, graphed):
-            for i, layer in enumerate(self.model.layers):
+            for i, layer in enumerate(islice(self.model.layers, self.args.num_layers)):  # NextN layers follow
                 if compiled:
                     x = self.compiled_layer()(layer, x, cos, sin, cache.k[i], cache.v[i], slots, write, mask, num_keys)
                 else:
@@ -441,12 +426,13 @@ class CausalLM(nn.Module):
 
     def mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
                     cache: KVCache, slots: torch.Tensor, layer: int = 0, num_keys: int | None = None) -> torch.Tensor:
-        """One MiMo MTP layer, as SGLang's MiMoMultiTokenPredictorLayer runs it.
+        """One MTP layer, as SGLang's MiMoMultiTokenPredictorLayer or Glm4MoeModelNextN runs it.
 
         At position p it reads the token x_{p+1} and the hidden state of position p (the target's final-normed
-        hidden, or this layer's own output when drafting further), zeroes the token embedding at position 0,
-        projects `cat(hidden_layernorm(hidden), token_layernorm(embed))`, runs the decoder layer, and returns
-        final_layernorm(out): both what the shared lm_head reads and the hidden state of the next draft step.
+        hidden, or this layer's own output when drafting further), projects the normed pair (`input_states`: MiMo
+        `cat(hidden_layernorm(hidden), token_layernorm(embed))` with the embedding zeroed at position 0, NextN
+        `eh_proj(cat(enorm(embed), hnorm(hidden)))`), runs the decoder layer, and returns its output norm: both what
+        the shared lm_head reads and the hidden state of the next draft step.
         """
         graph = self.graphs.get("mtp") if layer == 0 else None
         if graph is not None and graph.serves(cache, input_ids, num_keys):
@@ -460,20 +446,17 @@ class CausalLM(nn.Module):
                           attn_mask: torch.Tensor | None = None, graphed: bool = False) -> torch.Tensor:
         """cache_positions / attn_mask / graphed: as in `eager_forward` (tree drafting: each draft-tree node at a
         cache location of its own, seeing its ancestors)."""
-        mtp = self.model.mtp_layers[layer]
-        embeds = self.model.embed_tokens(input_ids)
-        embeds = embeds.masked_fill((positions == 0)[..., None], 0.0)
-        x = linear(torch.cat((mtp.hidden_layernorm(prev_hidden), mtp.token_layernorm(embeds)), dim=-1),
-                   mtp.input_proj.weight, None, self.kernels)
+        mtp = self.mtp_stack()[layer]
+        x = mtp.input_states(self.model.embed_tokens(input_ids), prev_hidden, positions, self.kernels)
         cos, sin = self.args.cos_sin(positions, x.dtype)
         num_keys, mask = self._attention_keys(positions, num_keys, attn_mask)
         write = positions if cache_positions is None else cache_positions
         with attention_backends(x.device, graphed):
             if compiled:
-                return mtp.final_layernorm(self.compiled_layer()(mtp, x, cos, sin, cache.k[0], cache.v[0], slots,
-                                                                 write, mask, num_keys))
+                return mtp.output_norm()(self.compiled_layer()(mtp, x, cos, sin, cache.k[0], cache.v[0], slots,
+                                                               write, mask, num_keys))
             x, pending = mtp.residual_forward(x, None, cos, sin, cache.k[0], cache.v[0], slots, write, mask, num_keys)
-        return mtp.final_layernorm.add_forward(x, pending)[0]
+        return mtp.output_norm().add_forward(x, pending)[0]
 
 
 def hf_weight_names(model: CausalLM) -> list[str]:
@@ -493,6 +476,9 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
     with torch.device("meta"):
         model = CausalLM(args)
     model = model.to_empty(device=device).to(weight_dtype)
+    for module in model.modules():
+        if isinstance(module, BiasedRouter):
+            module.keep_float32()
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     files = sorted(path.glob("*.safetensors"))
@@ -502,7 +488,8 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
     for f in files:
         state.update(load_file(str(f)))
     expected = set(hf_weight_names(model))
-    ignored = {n for n in state if "rotary_emb.inv_freq" in n or (n == "lm_head.weight" and args.tie_word_embeddings)}
+    ignored = {n for n in state if "rotary_emb.inv_freq" in n or (n == "lm_head.weight" and args.tie_word_embeddings)
+               or (model.is_mtp_weight(n) and n.endswith(NEXTN_SKIPPED))}
     missing = expected - set(state)
     unknown = set(state) - expected - ignored
     if missing or unknown:

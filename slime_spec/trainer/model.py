@@ -5,7 +5,11 @@ Local (non-TransformerEngine) layer spec: RMSNorm, SwiGLU, RoPE (plain or Llama-
 linear bias except Qwen2's q/k/v bias. Qwen3's per-head q/k RMSNorm is megatron-core's qk_layernorm (applied before
 RoPE, as in HF and SGLang), its head_dim megatron's kv_channels. Qwen3-MoE's routed experts are megatron-core's MoE
 layer: its top-k router (softmax, renormalized over the k as `norm_topk_prob` asks) and token dispatcher over
-sequential local experts. Parameters are float32 (training on CPU, and exact comparisons with HF), or bfloat16 with
+sequential local experts. GLM-4.5 (partial RoPE over the first `partial_rotary_factor` of each head, q/k/v bias)
+has dense layers before `first_k_dense_replace`, then megatron-core's MoE layer with sigmoid routing, the
+checkpoint's correction bias as the router's expert bias (held fixed: policy training moves the router only by the
+loss), `routed_scaling_factor` and one shared expert; its MTP layers are megatron-core's MTP block over its last
+(sparse) layer spec. Parameters are float32 (training on CPU, and exact comparisons with HF), or bfloat16 with
 --bf16 (the optimizer then keeps float32 master copies: precision.py).
 Needs `parallel.init_parallel` first (Megatron's TP groups and RNG trackers).
 """
@@ -20,13 +24,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from slime_spec.common import rope
 from slime_spec.config import TrainConfig
-from slime_spec.trainer import rope
 from slime_spec.trainer.packing import causal_mask
 from slime_spec.weight_sync import convert
 
-BUILDABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo")
+BUILDABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "glm4_moe")
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+DENSE_FIRST_FAMILIES = ("glm4_moe",)  # MoE from `first_k_dense_replace` on, with shared experts and sigmoid routing
 
 
 def read_hf_config(checkpoint: str | Path) -> dict:
@@ -55,12 +60,15 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 
 
 def transformer_config(hf_config: dict, train: TrainConfig):
-    """Megatron TransformerConfig equivalent to an HF Llama / Qwen2 / Qwen3 / Qwen3-MoE / MiMo config."""
+    """Megatron TransformerConfig equivalent to an HF Llama / Qwen2 / Qwen3 / Qwen3-MoE / MiMo / GLM-4.5 config."""
     from megatron.core.transformer import TransformerConfig
 
     family = convert.family_of(hf_config)
     if family not in BUILDABLE_FAMILIES:
-        raise ValueError(f"the trainer builds {', '.join(BUILDABLE_FAMILIES)} models; {family} is conversion-only")
+        raise ValueError(f"the trainer builds {', '.join(BUILDABLE_FAMILIES)} models; {family} is conversion-only"
+                         + (" (megatron-core 0.16.1 builds multi-latent attention only with TransformerEngine: "
+                            "its local DotProductAttention takes no separate k / v head dims)"
+                            if family == "deepseek_v3" else ""))
     if hf_config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf_config['hidden_act']!r}: the trainer builds SwiGLU (silu) MLPs only")
     if hf_config.get("mlp_bias"):
@@ -71,7 +79,8 @@ def transformer_config(hf_config: dict, train: TrainConfig):
     hf_mtp = int(hf_config.get("num_nextn_predict_layers", 0) or 0)
     if train.mtp_num_layers and family not in convert.MTP_FAMILIES:
         raise ValueError(f"--mtp-num-layers {train.mtp_num_layers}: {family} checkpoints have no MTP layers for "
-                         f"the engines to serve; use a MiMo checkpoint or --mtp-num-layers 0")
+                         f"the engines to serve; use a checkpoint with MTP layers ({', '.join(convert.MTP_FAMILIES)}) "
+                         f"or --mtp-num-layers 0")
     if train.mtp_num_layers > hf_mtp and not train.load:
         raise ValueError(f"--mtp-num-layers {train.mtp_num_layers}: the HF checkpoint has only "
                          f"num_nextn_predict_layers={hf_mtp} MTP layers to load")
@@ -91,7 +100,7 @@ def transformer_config(hf_config: dict, train: TrainConfig):
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=family in ("qwen2", "mimo") or bool(hf_config.get("attention_bias")),
-        qk_layernorm=family in QK_NORM_FAMILIES,
+        qk_layernorm=family in QK_NORM_FAMILIES or bool(family == "glm4_moe" and hf_config.get("use_qk_norm")),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -111,13 +120,15 @@ def transformer_config(hf_config: dict, train: TrainConfig):
 
 
 def moe_config(hf_config: dict, family: str, train: TrainConfig) -> dict:
-    """megatron-core's MoE fields for a Qwen3-MoE config (none for a dense family)."""
-    if family != "qwen3_moe":
+    """megatron-core's MoE fields for a Qwen3-MoE or GLM-4.5 config (none for a dense family)."""
+    if family not in convert.MOE_FAMILIES:
         return {}
     if train.tensor_model_parallel_size > 1:
-        raise ValueError(f"--tensor-model-parallel-size {train.tensor_model_parallel_size} with a qwen3_moe model: "
+        raise ValueError(f"--tensor-model-parallel-size {train.tensor_model_parallel_size} with a {family} model: "
                          f"megatron-core's MoE layer trains under TP only with sequence parallelism, which the "
                          f"trainer's local layer spec (torch norms) does not build; use --tensor-model-parallel-size 1")
+    if family in DENSE_FIRST_FAMILIES:
+        return dense_first_moe_config(hf_config)
     if hf_config.get("mlp_only_layers") or int(hf_config.get("decoder_sparse_step", 1)) != 1:
         raise ValueError(f"mlp_only_layers={hf_config.get('mlp_only_layers')}, decoder_sparse_step="
                          f"{hf_config.get('decoder_sparse_step')}: the trainer builds Qwen3-MoE with every layer "
@@ -138,17 +149,58 @@ def moe_config(hf_config: dict, family: str, train: TrainConfig) -> dict:
     )
 
 
+def dense_first_moe_config(hf_config: dict) -> dict:
+    """GLM-4.5's MoE as megatron-core's: sigmoid scores, the top-k chosen on score + correction bias (the router's
+    expert bias), weighted by the chosen scores renormalized and scaled by `routed_scaling_factor`, a shared expert
+    beside the routed ones, dense layers before `first_k_dense_replace`; the router in float32, as HF and SGLang
+    compute it."""
+    layers, dense = int(hf_config["num_hidden_layers"]), int(hf_config.get("first_k_dense_replace", 0))
+    if not hf_config.get("norm_topk_prob", True):
+        raise ValueError("norm_topk_prob=false: megatron-core's sigmoid routing renormalizes the top-k weights; the "
+                         "trainer builds this family with norm_topk_prob true (as GLM-4.5 ships)")
+    if int(hf_config.get("n_group") or 1) > 1:
+        raise ValueError(f"n_group={hf_config['n_group']}: group-limited routing is not built for this family; "
+                         f"the trainer builds GLM-4.5's n_group 1")
+    if not 0 <= dense <= layers:
+        raise ValueError(f"first_k_dense_replace={dense}: choose 0..num_hidden_layers={layers}")
+    shared = int(hf_config.get("n_shared_experts") or 0)
+    return dict(
+        num_moe_experts=int(hf_config["n_routed_experts"]),
+        moe_router_topk=int(hf_config["num_experts_per_tok"]),
+        moe_ffn_hidden_size=int(hf_config["moe_intermediate_size"]),
+        moe_shared_expert_intermediate_size=shared * int(hf_config["moe_intermediate_size"]) if shared else None,
+        moe_layer_freq=[0] * dense + [1] * (layers - dense),
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.0,  # the checkpoint's correction bias, kept: no load-balancing updates
+        moe_router_topk_scaling_factor=float(hf_config.get("routed_scaling_factor") or 1.0),
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
+        moe_grouped_gemm=False,
+    )
+
+
 def build_gpt_model(hf_config: dict, train: TrainConfig):
     """A randomly initialised GPTModel shaped like the HF model (load weights with `load_hf_weights`)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
 
     config = transformer_config(hf_config, train)
     if config.num_moe_experts:
         _define_te_general_gemm()
     rope_spec = rope.rope_spec(hf_config)
-    layer_spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
-                                          normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    if convert.family_of(hf_config) in DENSE_FIRST_FAMILIES:  # a spec per layer, dense or MoE by moe_layer_freq
+        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    else:
+        layer_spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                              normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    rotary_percent = float(hf_config.get("partial_rotary_factor") or 1.0)
     mtp_spec = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
                 if train.mtp_num_layers else None)
     model = GPTModel(
@@ -159,14 +211,18 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
         parallel_output=False,
         share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
+        rotary_percent=rotary_percent,
         rotary_base=rope_spec.theta,
         mtp_block_spec=mtp_spec,
     )
     # Megatron's own llama3 scaling has fixed numbers: use the checkpoint's (set before the first forward,
     # whose RoPE table Megatron caches).
-    model.rotary_pos_emb.inv_freq = rope.inv_freq(rope_spec, rope.head_dim_of(hf_config))
+    model.rotary_pos_emb.inv_freq = rope.inv_freq(rope_spec, int(rope.head_dim_of(hf_config) * rotary_percent))
     if train.bf16:  # as Megatron's Float16Module: every parameter, norms included (torch's RMSNorm is built float32)
         model.bfloat16()
+        for module in model.modules():  # but the routers' expert bias, which megatron-core keeps in float32
+            if hasattr(module, "_maintain_float32_expert_bias"):
+                module._maintain_float32_expert_bias()
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if config.qk_layernorm and train.tensor_model_parallel_size > 1:
@@ -202,6 +258,13 @@ def sum_qk_norm_grads_over_tp(model) -> None:
             param.register_hook(summed)
 
 
+def named_weights(model):
+    """(Megatron name, tensor) of every parameter, then of every router's expert bias: a float32 buffer in
+    megatron-core, a weight of the checkpoint (`e_score_correction_bias`) that the engines serve."""
+    yield from model.named_parameters()
+    yield from ((n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias"))
+
+
 def load_hf_weights(model, hf_state: dict[str, torch.Tensor], hf_config: dict, tp_rank: int, tp_size: int) -> None:
     """Copy an HF state dict into this rank's shards (HF -> Megatron names, MTP included); strict."""
     family = convert.family_of(hf_config)
@@ -209,8 +272,12 @@ def load_hf_weights(model, hf_state: dict[str, torch.Tensor], hf_config: dict, t
     if family == "mimo":  # the checkpoint may carry more MTP layers than the trainer runs
         hf_state = {k: v for k, v in hf_state.items()
                     if not k.startswith("model.mtp_layers.") or int(k.split(".")[2]) < mtp_layers}
+    elif family in convert.MTP_FAMILIES:  # MTP layers are model.layers.{num_hidden_layers + i}
+        last = int(hf_config["num_hidden_layers"]) + mtp_layers
+        hf_state = {k: v for k, v in hf_state.items()
+                    if not k.startswith("model.layers.") or int(k.split(".")[2]) < last}
     full = convert.hf_to_megatron(family, hf_state, hf_config)
-    params = dict(model.named_parameters())
+    params = dict(named_weights(model))
     missing = sorted(set(params) - set(full))
     unexpected = sorted(set(full) - set(params))
     if missing or unexpected:

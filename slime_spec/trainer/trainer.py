@@ -21,14 +21,20 @@ import torch.distributed as dist
 from slime_spec.config import TrainConfig
 from slime_spec.rollout.sample import Sample, Status
 from slime_spec.trainer import checkpoint, losses, mtp_loss
-from slime_spec.trainer.finite_guard import (NonFiniteError, SkipTracker, describe_value, grpo_advantages_without,
-                                             nonfinite_tensors, reward_left_out)
-from slime_spec.trainer.eagle3_online import OnlineDraft
 from slime_spec.trainer import model as M
 from slime_spec.trainer.batch import TokenBatch, collate, packed_step_slices, step_slices
+from slime_spec.trainer.eagle3_online import OnlineDraft
+from slime_spec.trainer.finite_guard import (
+    NonFiniteError,
+    SkipTracker,
+    describe_value,
+    grpo_advantages_without,
+    nonfinite_tensors,
+    reward_left_out,
+)
 from slime_spec.trainer.packing import ModelRows, model_rows
-from slime_spec.trainer.precision import MasterParams
 from slime_spec.trainer.parallel import TPInfo, current_tp_info
+from slime_spec.trainer.precision import MasterParams
 from slime_spec.trainer.timing import PartTimer
 from slime_spec.weight_sync import convert
 
@@ -141,8 +147,8 @@ class Trainer:
             self._copy_into_model(current)
 
     def named_megatron_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Megatron name, this rank's TP shard) for every parameter, in a fixed order (for the weight sync)."""
-        for name, p in self.model.named_parameters():
+        """(Megatron name, this rank's TP shard) for every weight, in a fixed order (for the weight sync)."""
+        for name, p in M.named_weights(self.model):
             yield name, p.detach()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

@@ -3,21 +3,30 @@
 What a sync sends is checkpoint-named (convert.py); what SGLang's `/weights_checker {"action": "checksum"}`
 hashes is every parameter of each runner's model as SGLang builds it (utils/weight_checker.py):
 
-- q/k/v stacked into `qkv_proj` and gate/up into `gate_up_proj` (the models' `stacked_params_mapping`);
-- Qwen3-MoE's routed experts stacked per layer into `FusedMoE`'s two parameters (layers/moe/fused_moe_triton,
-  `make_expert_params_mapping` and `_load_w13`): `mlp.experts.w13_weight` `[experts, 2 * moe_intermediate, hidden]`,
-  each expert's gate rows then its up rows, and `mlp.experts.w2_weight` `[experts, hidden, moe_intermediate]`
-  (down), in expert order; the router stays `mlp.gate.weight`;
+- q/k/v stacked into `qkv_proj` and gate/up into `gate_up_proj` (the models' `stacked_params_mapping`, shared experts'
+  gate/up too); DeepSeek-V3's MLA down projections `q_a_proj` and `kv_a_proj_with_mqa` stacked into
+  `fused_qkv_a_proj_with_mqa` (models/deepseek_common/deepseek_weight_loader.py; `kv_b_proj` stays a parameter, the
+  `w_kc` / `w_vc` SGLang splits from it after a load are plain attributes, never hashed);
+- the routed experts of Qwen3-MoE, DeepSeek-V3 and GLM-4.5 stacked per layer into `FusedMoE`'s two parameters
+  (layers/moe/fused_moe_triton, `make_expert_params_mapping` and `_load_w13`): `mlp.experts.w13_weight`
+  `[experts, 2 * moe_intermediate, hidden]`, each expert's gate rows then its up rows, and `mlp.experts.w2_weight`
+  `[experts, hidden, moe_intermediate]` (down), in expert order; the router stays `mlp.gate.weight` (with
+  `e_score_correction_bias` for DeepSeek-V3 and GLM-4.5); SGLang holds the correction bias in float32, and GLM-4.5's
+  router weight too (`MoEGate`, `Glm4MoeGate`), whatever the engine's dtype;
 - the embedding and an untied lm_head padded to SGLang's vocabulary padding (`VocabParallelEmbedding`'s
   `pad_vocab_size`), the padding rows zero (its weight loader fills them); a tied lm_head is the embedding's
   module and listed once, as `model.embed_tokens.weight`;
 - MiMo's MTP draft runner (`MiMoMTP`, models/mimo_mtp.py) renames `model.mtp_layers.{i}.` to `model.` for its
   own norms and `input_proj`, to `model.mtp_block.` for the decoder layer; its embedding and lm_head are the
   target's (`set_embed_and_head`). SGLang's MiMoMTP has one block: a later MTP layer overwrites an earlier one;
+- DeepSeek-V3's and GLM-4.5's NextN draft runners (`DeepseekV3ForCausalLMNextN`, `Glm4MoeForCausalLMNextN`) load
+  the one MTP layer `model.layers.{num_hidden_layers}`: its enorm / hnorm / eh_proj / shared_head.norm as `model.`,
+  the rest as `model.decoder.`, its own embedding and head copies skipped for the target's (`set_embed_and_head`);
+  the target runner skips every layer from `num_hidden_layers` on;
 - an EAGLE3 draft (`LlamaForCausalLMEagle3`, models/llama_eagle3.py) renames `midlayer` to `layers.0`, prefixes
   `model.`, takes the target's embedding (`set_embed`), keeps its own lm_head over the draft vocabulary, and holds
   d2t / t2d outside its parameters;
-- every tensor in the engine's own dtype; rotary caches and other derived buffers are skipped by SGLang.
+- every other tensor in the engine's own dtype; rotary caches and other derived buffers are skipped by SGLang.
 
 `ServedChecksums` streams sent tensors into exactly those served tensors (a fused parameter waits for its parts,
 one layer's at most) and hashes each with `sglang.srt.managers.mm_utils.tensor_hash`, SGLang's own function, on
@@ -35,7 +44,8 @@ from typing import Iterable
 import torch
 
 # (fused name, parts in stacked order), as SGLang's models declare stacked_params_mapping
-STACKED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+STACKED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")),
+           ("fused_qkv_a_proj_with_mqa", ("q_a_proj", "kv_a_proj_with_mqa")))
 VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")  # padded to SGLang's vocabulary padding
 MTP_OWN = ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")  # MiMoMTP's `model.` names
 _MTP_LAYER = re.compile(r"^model\.mtp_layers\.\d+\.")
@@ -44,41 +54,65 @@ EXPERT_STACKED = (("w13_weight", ("gate_proj", "up_proj")), ("w2_weight", ("down
 _EXPERT_PART = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_FUSED = re.compile(r"\.experts\.(w13_weight|w2_weight)$")
 _SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# DeepSeek-V3 / GLM-4.5: MTP layers at model.layers.{num_hidden_layers + i}; the NextN loaders' own names
+# (`nextn_spec_weight_names`, matched as substrings as SGLang does) and the copies they skip.
+NEXTN_FAMILIES = ("deepseek_v3", "glm4_moe")
+NEXTN_OWN = ("shared_head.norm", "eh_proj", "enorm", "hnorm")
+NEXTN_SKIPPED = ("shared_head.head", "embed_tokens")
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+# Parameters SGLang allocates in float32 whatever the engine's dtype (name suffixes, per model type).
+FLOAT32_PARAMS = {"deepseek_v3": ("mlp.gate.e_score_correction_bias",),
+                  "glm4_moe": ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")}
 
-# Runner kinds: the target (any Llama-style causal LM: llama, qwen2, qwen3, mimo), MiMo's MTP draft, an EAGLE3
-# draft; a STANDALONE draft is a `causal_lm` of its own config.
-CAUSAL_LM, MIMO_MTP, EAGLE3 = "causal_lm", "mimo_mtp", "eagle3"
+# Runner kinds: the target (a Llama-style causal LM: llama, qwen2, qwen3, mimo; and qwen3_moe, deepseek_v3,
+# glm4_moe), MiMo's MTP draft, DeepSeek-V3's / GLM-4.5's NextN draft, an EAGLE3 draft; a STANDALONE draft is a
+# `causal_lm` of its own config.
+CAUSAL_LM, MIMO_MTP, NEXTN, EAGLE3 = "causal_lm", "mimo_mtp", "nextn", "eagle3"
 
 
 @dataclass(frozen=True)
 class RunnerLayout:
     """How one SGLang runner serves a model: which class (`kind`), whether its lm_head is its embedding, the
-    engine's dtype (None: keep the tensors' own) and the routed experts per MoE layer (0: dense). Vocabulary rows
-    are padded from the tensors' own row counts, which SGLang's weight loader requires to equal the model's
-    vocabulary."""
+    engine's dtype (None: keep the tensors' own), the routed experts per MoE layer (0: dense), the first checkpoint
+    layer that is an MTP layer (`model.layers.{mtp_layer}`; None: the MTP layers live elsewhere or not at all) and
+    the parameters SGLang keeps in float32 (name suffixes). Vocabulary rows are padded from the tensors' own row
+    counts, which SGLang's weight loader requires to equal the model's vocabulary."""
 
     kind: str
     tie_word_embeddings: bool = False
     dtype: torch.dtype | None = None
     num_experts: int = 0
+    mtp_layer: int | None = None
+    float32: tuple[str, ...] = ()
 
     @classmethod
     def target(cls, hf_config: dict, dtype: torch.dtype | None) -> "RunnerLayout":
-        experts = int(hf_config.get("num_experts") or 0) if hf_config.get("model_type") == "qwen3_moe" else 0
-        return cls(CAUSAL_LM, bool(hf_config.get("tie_word_embeddings", False)), dtype, experts)
+        model_type = hf_config.get("model_type")
+        experts = {"qwen3_moe": "num_experts", "deepseek_v3": "n_routed_experts",
+                   "glm4_moe": "n_routed_experts"}.get(model_type)
+        mtp_layer = int(hf_config["num_hidden_layers"]) if model_type in NEXTN_FAMILIES else None
+        return cls(CAUSAL_LM, bool(hf_config.get("tie_word_embeddings", False)), dtype,
+                   int(hf_config.get(experts) or 0) if experts else 0, mtp_layer, FLOAT32_PARAMS.get(model_type, ()))
 
     @classmethod
     def mtp_draft(cls, hf_config: dict, dtype: torch.dtype | None) -> "RunnerLayout":
-        return cls(MIMO_MTP, bool(hf_config.get("tie_word_embeddings", False)), dtype)
+        """The draft runner of a model's own MTP layers: MiMoMTP, or for DeepSeek-V3 / GLM-4.5 the NextN class."""
+        model_type = hf_config.get("model_type")
+        tied = bool(hf_config.get("tie_word_embeddings", False))
+        if model_type not in NEXTN_FAMILIES:
+            return cls(MIMO_MTP, tied, dtype)
+        layers = int(hf_config["num_hidden_layers"])
+        return cls(NEXTN, tied, dtype, int(hf_config.get("n_routed_experts") or 0),
+                   0 if layers == 1 else layers,  # SGLang's `nextn_layer_id` ("compatible with old design")
+                   FLOAT32_PARAMS[model_type])
 
     @classmethod
     def eagle3_draft(cls, dtype: torch.dtype | None) -> "RunnerLayout":
         return cls(EAGLE3, False, dtype)
 
 
-# Model types whose served layout this module reproduces (Llama-style decoders, Qwen3-MoE and MiMo); others
-# (DeepSeek-V3's MLA and MoE, GLM-4.5) are served in layouts not modelled here, so their checksums are not predicted.
-MODELLED_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo")
+# Model types whose served layout this module reproduces; others' checksums are not predicted.
+MODELLED_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "deepseek_v3", "glm4_moe")
 
 
 def sync_roles(hf_config: dict, dtype: torch.dtype | None, *, mtp_draft: bool) -> dict[str, RunnerLayout] | None:
@@ -89,7 +123,7 @@ def sync_roles(hf_config: dict, dtype: torch.dtype | None, *, mtp_draft: bool) -
         return None
     roles = {"target": RunnerLayout.target(hf_config, dtype)}
     if mtp_draft:
-        if model_type != "mimo":
+        if model_type not in ("mimo", *NEXTN_FAMILIES):
             return None
         roles["draft"] = RunnerLayout.mtp_draft(hf_config, dtype)
     return roles
@@ -156,7 +190,20 @@ def served_name(hf_name: str, layout: RunnerLayout) -> tuple[str, int] | None:
     if layout.kind == CAUSAL_LM:
         if hf_name.startswith("model.mtp_layers."):
             return None  # MiMoForCausalLM.load_weights leaves the MTP layers to the draft runner
+        m = _LAYER_INDEX.match(hf_name)
+        if layout.mtp_layer is not None and m is not None and int(m.group(1)) >= layout.mtp_layer:
+            return None  # DeepSeek-V3 / GLM-4.5 loaders leave the MTP layers to the NextN draft runner
         return fuse(hf_name)
+    if layout.kind == NEXTN:
+        if hf_name in VOCAB_ROWS:
+            return hf_name, 0  # the target's, shared (set_embed_and_head)
+        prefix = f"model.layers.{layout.mtp_layer}."
+        if not hf_name.startswith(prefix) or any(s in hf_name for s in NEXTN_SKIPPED):
+            return None
+        rest = hf_name[len(prefix):]
+        if any(own in rest for own in NEXTN_OWN):
+            return "model." + rest, 0
+        return fuse("model.decoder." + rest)
     if layout.kind == MIMO_MTP:
         if hf_name in VOCAB_ROWS:
             return hf_name, 0
@@ -174,7 +221,7 @@ def served_name(hf_name: str, layout: RunnerLayout) -> tuple[str, int] | None:
         if name == "model.embed_tokens.weight" or name == "lm_head.weight":
             return name, 0
         return fuse(name if name.startswith("model.") else "model." + name)
-    raise ValueError(f"unknown runner kind {layout.kind!r}; expected {CAUSAL_LM}, {MIMO_MTP} or {EAGLE3}")
+    raise ValueError(f"unknown runner kind {layout.kind!r}; expected {CAUSAL_LM}, {MIMO_MTP}, {NEXTN} or {EAGLE3}")
 
 
 def fused_parts(served: str, index: int, layout: RunnerLayout) -> list[str] | None:
@@ -226,7 +273,9 @@ def served_value(served: str, parts: list[torch.Tensor], layout: RunnerLayout) -
                          for i in range(0, len(parts), group)])
     else:
         t = (parts[0] if len(parts) == 1 else stacked(parts)).detach()
-    if layout.dtype is not None:
+    if served.endswith(layout.float32):
+        t = t.to(torch.float32)
+    elif layout.dtype is not None:
         t = t.to(layout.dtype)
     rows = padded_rows(served, t.shape[0])
     if rows is not None and rows != t.shape[0]:
@@ -256,7 +305,7 @@ def served_tensors(named: Iterable[tuple[str, torch.Tensor]], layout: RunnerLayo
     if pending:
         raise ValueError(f"fused parameters with missing parts: "
                          f"{ {n: sorted(p) for n, p in list(pending.items())[:4]} } "
-                         "(send every q/k/v, gate/up and every expert's gate/up/down)")
+                         "(send every q/k/v, gate/up, q_a/kv_a and every expert's gate/up/down)")
     return out
 
 

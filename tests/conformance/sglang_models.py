@@ -1,18 +1,20 @@
 """SGLang 0.5.23's own model classes and WeightChecker on CPU, in a process of their own.
 
 Run as `python -m tests.conformance.sglang_models IN.json OUT.pt`. IN holds a list of jobs
-`{"arch": "mimo" | "llama" | "qwen2" | "qwen3" | "qwen3_moe", "weights": PATH.safetensors, "config": PATH.json,
-"dtype": "bfloat16", "eagle3_weights": ..., "eagle3_config": ...}`. For each job this builds the target runner's
-model (`MiMoForCausalLM`, `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`) and
-the draft runner's (`MiMoMTP` for MiMo; the EAGLE3 draft `LlamaForCausalLMEagle3` when given) the way SGLang's
-runners do (default dtype set to the engine's, the draft sharing the target's embedding and lm_head as the EAGLE
-worker's `init_lm_head` does), loads the weights through each model's own `load_weights`, and answers
-`/weights_checker {"action": "checksum"}` as the scheduler does: `WeightChecker.handle` per runner, merged by
-`_merge_checksum_payloads`. OUT gets, per job, that merged payload and every parameter and buffer of each runner
-(SGLang's names and values).
+`{"arch": "mimo" | "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "deepseek_v3" | "glm4_moe", "weights": PATH.safetensors,
+"config": PATH.json, "dtype": "bfloat16", "eagle3_weights": ..., "eagle3_config": ...}`. For each job this builds the
+target runner's model (`MiMoForCausalLM`, `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
+`Qwen3MoeForCausalLM`, `DeepseekV3ForCausalLM`, `Glm4MoeForCausalLM`) and the draft runner's (`MiMoMTP` for MiMo,
+`DeepseekV3ForCausalLMNextN` / `Glm4MoeForCausalLMNextN` for a DeepSeek-V3 / GLM-4.5 with MTP layers; the EAGLE3
+draft `LlamaForCausalLMEagle3` when given) the way SGLang's runners do (default dtype set to the engine's, the draft
+sharing the target's embedding and lm_head as the EAGLE worker's `init_lm_head` does), loads the weights through each
+model's own `load_weights`, and answers `/weights_checker {"action": "checksum"}` as the scheduler does:
+`WeightChecker.handle` per runner, merged by `_merge_checksum_payloads`. OUT gets, per job, that merged payload and
+every parameter and buffer of each runner (SGLang's names and values).
 
 Test doubles: a one-rank gloo process group stands in for the GPU's; `vllm` (a fallback rotary kernel that
-SGLang picks on a device it does not know, never called here: nothing runs a forward) is an absent module.
+SGLang picks on a device it does not know, never called here: nothing runs a forward) is an absent module;
+`torch.cuda.synchronize` is a no-op while DeepSeek-V3's / GLM-4.5's `set_embed_and_head` runs (it calls it directly).
 It runs in its own process because SGLang keeps the parallel state and platform in process globals.
 """
 
@@ -45,12 +47,13 @@ def _setup(model_path: str) -> None:
 
 
 def _hf_config(arch: str, config: dict):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     # MiMo has no config class in transformers or SGLang (it needs --trust-remote-code): its config is Qwen2's
     # plus num_nextn_predict_layers, which a Qwen2Config keeps as an extra attribute.
     cls = LlamaConfig if arch == "llama" or config.get("architectures") == ["LlamaForCausalLMEagle3"] else Qwen2Config
-    cls = {"qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}.get(arch, cls)
+    cls = {"qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig, "deepseek_v3": DeepseekV3Config,
+           "glm4_moe": Glm4MoeConfig}.get(arch, cls)
     return cls(**{k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype")})
 
 
@@ -61,10 +64,27 @@ def _build(cls, hf_config, dtype):
         return cls(hf_config)
 
 
+def _without_cuda_synchronize():
+    """DeepSeek-V2/V3's and GLM-4.5's `set_embed_and_head` end with `torch.cuda.synchronize()` (MiMoMTP's with the
+    platform's own), which raises on a torch built without CUDA; a device barrier, it changes no value, so it is a
+    no-op here where no CUDA device exists."""
+    from unittest import mock
+
+    import torch
+
+    if torch.cuda.is_available():
+        return mock.patch.object(torch.cuda, "synchronize", torch.cuda.synchronize)
+    return mock.patch.object(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+
+
 def run_job(job: dict) -> dict:
     import torch
     from safetensors.torch import load_file
     from sglang.srt.managers.scheduler_components.weight_updater import _merge_checksum_payloads
+    from sglang.srt.models.deepseek_nextn import DeepseekV3ForCausalLMNextN
+    from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
+    from sglang.srt.models.glm4_moe import Glm4MoeForCausalLM
+    from sglang.srt.models.glm4_moe_nextn import Glm4MoeForCausalLMNextN
     from sglang.srt.models.llama import LlamaForCausalLM
     from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
     from sglang.srt.models.mimo import MiMoForCausalLM
@@ -78,14 +98,18 @@ def run_job(job: dict) -> dict:
     config = json.loads(Path(job["config"]).read_text())
     weights = list(load_file(job["weights"]).items())
     target_cls = {"mimo": MiMoForCausalLM, "llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
-                  "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM}[job["arch"]]
+                  "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM,
+                  "deepseek_v3": DeepseekV3ForCausalLM, "glm4_moe": Glm4MoeForCausalLM}[job["arch"]]
     runners = {"target": _build(target_cls, _hf_config(job["arch"], config), dtype)}
     runners["target"].load_weights(weights)
     embed, head = runners["target"].get_embed_and_head()
-    if job["arch"] == "mimo":
-        draft = _build(MiMoMTP, _hf_config("mimo", config), dtype)
+    draft_cls = {"mimo": MiMoMTP, "deepseek_v3": DeepseekV3ForCausalLMNextN,
+                 "glm4_moe": Glm4MoeForCausalLMNextN}.get(job["arch"])
+    if draft_cls is not None and config.get("num_nextn_predict_layers"):
+        draft = _build(draft_cls, _hf_config(job["arch"], config), dtype)
         draft.load_weights(weights)
-        draft.set_embed_and_head(embed, head)  # eagle_worker_v2.init_lm_head (not EAGLE3)
+        with _without_cuda_synchronize():
+            draft.set_embed_and_head(embed, head)  # eagle_worker_v2.init_lm_head (not EAGLE3)
         runners["draft"] = draft
     if job.get("eagle3_config"):
         draft_config = json.loads(Path(job["eagle3_config"]).read_text())

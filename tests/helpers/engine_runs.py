@@ -51,3 +51,20 @@ def assert_greedy_speculation_equals_plain(target, draft, make_requests) -> list
         assert sum(o.spec_verify_ct for o in outs.values()) > 0
         engines.append(engine)
     return engines
+
+
+def assert_greedy_with_specs_equals_plain(target, specs, make_requests) -> list:
+    """Engines of `target` with each of `specs` (e.g. a model's own MTP layer: NEXTN, an EAGLE tree) decode greedily
+    the tokens plain decoding does, verifying drafts on the way; their outputs, for further checks."""
+    from slime_spec.engine.core import EngineCore
+
+    plain = EngineCore(str(target), None, max_running_requests=4)
+    base = run_to_completion(plain, make_requests(plain.tokenizer))
+    runs = []
+    for spec in specs:
+        engine = EngineCore(str(target), spec, max_running_requests=4)
+        outs = run_to_completion(engine, make_requests(engine.tokenizer))
+        assert {r: o.output_ids for r, o in outs.items()} == {r: o.output_ids for r, o in base.items()}, spec
+        assert sum(o.spec_verify_ct for o in outs.values()) > 0
+        runs.append(outs)
+    return runs
