@@ -10,6 +10,12 @@
    (`--spec-speedup-frozen-draft`), all three with the current target weights: what speculation and what online
    draft training buy, side by side on one policy.
 Outputs under outputs/demo/: metrics.jsonl, summary.json, plot.png.
+
+On a machine with CUDA (`--device cuda`, the default there) the target has 0.5B parameters and trains in bfloat16
+with float32 master weights; `--layout split` puts the trainer on GPU 0 and the engine on GPU 1 (weights over NCCL),
+`--layout colocate` both on one GPU, the engine's memory released while the trainer trains and the trainer's moved
+to host memory while the engine generates. metrics.jsonl then also has, per step, the rollout, train, sync, offload
+and onload seconds and the peak memory of each GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from pathlib import Path
 
 from slime_spec.demo_task import split_problems, write_jsonl
 from slime_spec.rollout.metrics import SPEC_PHASES
+from slime_spec.spec_stats import accept_length
 
 SIZES = {  # name: model, data and loop sizes
     "full": dict(hidden=128, layers=12, ffn=256, sft_steps=200, sft_batch=32, n_train=2000, n_eval=32,
@@ -32,7 +39,14 @@ SIZES = {  # name: model, data and loop sizes
     "smoke": dict(hidden=64, layers=2, ffn=128, sft_steps=20, sft_batch=16, n_train=80, n_eval=8,
                   grpo_steps=2, prompts=4, samples=4, updates_per_rollout=2, digits=2, max_response_len=96,
                   speedup_interval=2, speedup_repeats=2, terse_share=0.35, rm_type="scratchpad_concise"),
+    # --device cuda: a 0.5B-parameter target (34 layers of hidden 1024, 16 heads, 4 KV heads; one MTP layer), trained
+    # in bfloat16 with float32 master weights, with learning rates a model this deep takes
+    "gpu": dict(hidden=1024, layers=34, ffn=4096, heads=16, kv_heads=4, sft_steps=200, sft_batch=64, sft_lr="3e-4",
+                n_train=8000, n_eval=64, grpo_steps=8, prompts=16, samples=8, updates_per_rollout=2, digits=3,
+                max_response_len=128, speedup_interval=2, speedup_repeats=3, terse_share=0.35,
+                rm_type="scratchpad_concise", grpo_lr="1e-5"),
 }
+LAYOUTS = ("split", "colocate")
 # NEXTN with the MTP layer, 3 steps on every engine: the online and the frozen draft's speed-ups then differ only by
 # their drafts. With --spec-auto each engine chose its own k from its own cost history, and the frozen-draft engine,
 # which serves only the measurements, settled on a cheaper k than engine 0 (docs/en/benchmarks.md, the demo).
@@ -55,10 +69,12 @@ def make_model_and_data(out: Path, size: dict, seed: int, arch: str = "mimo") ->
 
     family = dict(mtp_layers=1) if arch == "mimo" else dict(rope_scaling=LLAMA31_ROPE_SCALING)
     model = make_tiny_model(out / "model_init", arch=arch, hidden_size=size["hidden"], num_layers=size["layers"],
-                            num_heads=4, num_kv_heads=2, intermediate_size=size["ffn"], max_position_embeddings=256,
+                            num_heads=size.get("heads", 4), num_kv_heads=size.get("kv_heads", 2),
+                            intermediate_size=size["ffn"], max_position_embeddings=256,
                             seed=seed, **family)
     train, evals = split_problems(size["n_train"], size["n_eval"], seed, size["digits"], size["terse_share"])
-    return model, write_jsonl(train, out / "data" / "train.jsonl"), write_jsonl(evals, out / "data" / "eval.jsonl"), train
+    data = out / "data"
+    return model, write_jsonl(train, data / "train.jsonl"), write_jsonl(evals, data / "eval.jsonl"), train
 
 
 def sft_samples(rows: list[dict], tokenizer) -> list:
@@ -88,7 +104,7 @@ def native_bf16() -> bool:
 
 def sft_argv(model: Path, size: dict, seed: int, out: Path, mtp: bool = True, bf16: bool = False) -> list[str]:
     """The SFT warm-up's trainer flags (bench/demo_sft.py trains with the same)."""
-    return ["--hf-checkpoint", str(model), "--loss-type", "sft", "--lr", "3e-3",
+    return ["--hf-checkpoint", str(model), "--loss-type", "sft", "--lr", size.get("sft_lr", "3e-3"),
             "--global-batch-size", str(size["sft_batch"]), "--micro-batch-size", str(size["sft_batch"]),
             "--rollout-backend", "embedded", "--output-dir", str(out), "--seed", str(seed),
             *(["--bf16"] if bf16 else []), *([*MTP_FLAGS, "--enable-mtp-training"] if mtp else [])]
@@ -133,10 +149,44 @@ def sft_warmup(model: Path, rows: list[dict], out: Path, size: dict, seed: int, 
     return dst
 
 
-def grpo_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path, size: dict, seed: int) -> list[str]:
-    """The demo's GRPO run: MTP trained online, timed against plain and against its draft frozen at the start."""
-    argv = grpo_task_argv(model, train_data, eval_data, run_dir, size, seed)
-    return argv + [*MTP_FLAGS, *SPEC_FLAGS, "--enable-mtp-training", "--spec-speedup-frozen-draft"]
+def grpo_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path, size: dict, seed: int,
+              layout: str | None = None) -> list[str]:
+    """The demo's GRPO run: MTP trained online, timed against plain and against its draft frozen at the start.
+    `layout` (on GPUs): "split", trainer on GPU 0 and the engine on GPU 1, weights over NCCL; "colocate", both on
+    GPU 0, each one's memory released while the other works."""
+    argv = grpo_task_argv(model, train_data, eval_data, run_dir, size, seed, lr=size.get("grpo_lr", GRPO_LR))
+    return argv + [*MTP_FLAGS, *SPEC_FLAGS, "--enable-mtp-training", "--spec-speedup-frozen-draft",
+                   *gpu_layout_argv(layout)]
+
+
+def gpu_layout_argv(layout: str | None) -> list[str]:
+    """The flags of a GPU layout (None: the CPU demo): bfloat16 training with float32 master weights, a bfloat16
+    engine, and one GPU each for trainer and engine (split) or one shared (colocate)."""
+    if layout is None:
+        return []
+    if layout not in LAYOUTS:
+        raise ValueError(f"--layout={layout!r}: one of {LAYOUTS}")
+    argv = ["--bf16", "--sglang-dtype", "bfloat16", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"]
+    return argv + (["--colocate"] if layout == "colocate" else [])
+
+
+def resolve_device(device: str, gpus: int) -> str:
+    """--device auto: cuda where torch sees a GPU."""
+    if device == "auto":
+        return "cuda" if gpus else "cpu"
+    if device == "cuda" and not gpus:
+        raise ValueError("--device cuda: torch sees no CUDA device here; use --device cpu (or auto)")
+    return device
+
+
+def resolve_layout(layout: str | None, gpus: int) -> str:
+    """--layout on GPUs: split needs two (trainer on GPU 0, engine on GPU 1); unset, split where two are seen."""
+    if layout is None:
+        return "split" if gpus >= 2 else "colocate"
+    if layout == "split" and gpus < 2:
+        raise ValueError(f"--layout split puts the trainer and the engine on a GPU each, and torch sees {gpus}; "
+                         "use --layout colocate (both on one GPU)")
+    return layout
 
 
 def grpo_task_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path, size: dict, seed: int,
@@ -183,21 +233,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="a small run that still goes through every stage")
     p.add_argument("--out", default="outputs/demo")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda where torch sees a GPU; on cuda the target has 0.5B parameters (--smoke: the "
+                        "smoke size)")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="on cuda: split (trainer GPU 0, engine GPU 1, NCCL weight sync; the default with 2 GPUs) or "
+                        "colocate (one GPU shared, each side's memory offloaded while the other works)")
     args = p.parse_args(argv)
-    size = SIZES["smoke" if args.smoke else "full"]
+    import torch
+
+    gpus = torch.cuda.device_count()
+    try:
+        device = resolve_device(args.device, gpus)
+        if device == "cpu" and args.layout is not None:
+            raise ValueError("--layout places trainer and engine on GPUs: drop it with --device cpu")
+        layout = resolve_layout(args.layout, gpus) if device == "cuda" else None
+    except ValueError as e:
+        p.error(str(e))
+    size = SIZES["smoke" if args.smoke else ("gpu" if device == "cuda" else "full")]
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
     t0 = time.perf_counter()
     print(f"[demo] building a tiny MiMo model and an addition task under {out}", flush=True)
     model, train_data, eval_data, rows = make_model_and_data(out, size, args.seed)
-    bf16 = native_bf16()
+    bf16 = device == "cuda" or native_bf16()
     print(f"[demo] SFT warm-up: {size['sft_steps']} steps of {size['sft_batch']} problems, "
-          f"{'bfloat16 (the CPU multiplies it natively)' if bf16 else 'float32'}", flush=True)
+          f"{'bfloat16' if bf16 else 'float32'} on {device}", flush=True)
     sft_model = sft_warmup(model, rows, out, size, args.seed, bf16=bf16)
-    print("[demo] GRPO with NEXTN speculative rollout and online MTP training", flush=True)
-    title = demo_title(size)
-    run = grpo(grpo_argv(sft_model, train_data, eval_data, out / "run", size, args.seed))
+    where = f" on {gpus} GPU(s), layout {layout}" if layout else ""
+    print(f"[demo] GRPO with NEXTN speculative rollout and online MTP training{where}", flush=True)
+    title = demo_title(size) + (f" ({layout}, {torch.cuda.get_device_name(0)})" if layout else "")
+    run = grpo(grpo_argv(sft_model, train_data, eval_data, out / "run", size, args.seed, layout))
     return finish(out, run, time.perf_counter() - t0, title, smoke=args.smoke)
 
 
@@ -226,8 +293,8 @@ def run_time_and_accept(rollouts: list[dict]) -> dict:
         seconds = sum(t for _, t in timed)
         out[f"time_share_{name}"] = sum(v * t for v, t in timed) / seconds if seconds else None
     verify = sum(r.get("spec_verify_ct") or 0 for r in rollouts)
-    out["accept_length_token_weighted"] = (sum(r.get("spec_completion_tokens") or 0 for r in rollouts) / verify
-                                           if verify else None)
+    completion = sum(r.get("spec_completion_tokens") or 0 for r in rollouts)
+    out["accept_length_token_weighted"] = accept_length(completion, verify) if verify else None
     per_sample = [r["spec_accept_length"] for r in rollouts if r.get("spec_accept_length") is not None]
     out["accept_length_per_sample"] = sum(per_sample) / len(per_sample) if per_sample else None
     return out

@@ -97,6 +97,17 @@ def check_engines(manager, generate: bool) -> list[int]:
     return ray.get(manager.check_engines.remote(generate))
 
 
+def restart_stuck(manager, error: BaseException) -> list[int]:
+    """The engines a failed sync left stuck in its broken broadcast (`WeightSyncError.stuck_urls`; Ray's error
+    wrapping it reads the attribute through) are restarted: SGLang's /ping answers while their scheduler waits."""
+    import ray
+
+    urls = getattr(error, "stuck_urls", None) or []
+    if not urls:
+        return []
+    return ray.get(manager.restart_stuck.remote(urls, "stuck in a broken weight-update broadcast"))
+
+
 def sync_and_confirm(manager, version: str, restarted_urls: list[str],
                      sync: Callable[[str, list[str]], dict]) -> dict:
     """`sync(version, restarted_urls)`, then every engine must report `version` (which lifts its fence)."""
@@ -138,6 +149,7 @@ def sync_engines(manager, version: str, sync: Callable[[str, list[str]], dict], 
             return {**metrics, "weight_sync_attempts": attempt,
                     "weight_sync_engines_restarted": restarted + len(lost)}
         except Exception as e:
+            lost += restart_stuck(manager, e)
             lost += check_engines(manager, generate=False)
             restarted += len(lost)
             if not lost or attempt == SYNC_ATTEMPTS:
@@ -250,19 +262,24 @@ def _loop(config: Config, trainer, manager) -> dict:
     """The steps, with the plain engine of `--spec-speedup-interval` (if set) beside the fleet."""
     import ray
 
+    from slime_spec.gpu_memory import GpuMemoryMonitor
+
     report = LoopReport(config)
     start = trainer.start_rollout_id()
     probe = None
+    memory = GpuMemoryMonitor.start_if_available()  # peak memory per GPU, per step
     try:
         if manager is not None and config.spec_speedup_interval:
             probe = spec_speedup.SpeedupProbe(config, ray.get(manager.engine_urls.remote())[0])
-        return _steps(config, trainer, manager, report, start, probe)
+        return _steps(config, trainer, manager, report, start, probe, memory)
     finally:
         if probe is not None:
             probe.shutdown()
+        if memory is not None:
+            memory.close()
 
 
-def _steps(config: Config, trainer, manager, report: LoopReport, start: int, probe) -> dict:
+def _steps(config: Config, trainer, manager, report: LoopReport, start: int, probe, memory=None) -> dict:
     import ray
 
     from slime_spec.rollout.debug_data import load_rollout
@@ -278,6 +295,9 @@ def _steps(config: Config, trainer, manager, report: LoopReport, start: int, pro
             sync_all(trainer, manager, str(start - 1))
         if config.eval_interval and start == 0 and not config.skip_eval_before_train:  # as slime: a baseline
             report.set_initial_eval(eval_fenced(manager, 0, resync))
+    offloads = config.cluster.colocate and manager is not None and trainer.uses_gpu
+    if offloads:  # the trainer's GPU memory is the engines' while they generate
+        trainer.offload()
     for rollout_id in range(start, config.rollout.num_rollout):
         step = {"rollout_id": rollout_id}
         if manager is None:
@@ -288,22 +308,34 @@ def _steps(config: Config, trainer, manager, report: LoopReport, start: int, pro
             step.update(ray.get(manager.get_last_metrics.remote()))
             step.update(resync_metrics)
         if config.cluster.colocate and manager is not None:
+            t0 = time.perf_counter()
             ray.get(manager.release_memory.remote())
+            step["engine_release_s"] = time.perf_counter() - t0
+        if offloads:
+            step.update(trainer.onload())
         t0 = time.perf_counter()
         step.update(trainer.train_step(samples, rollout_id))
         step["train_time_s"] = time.perf_counter() - t0
         if config.cluster.colocate and manager is not None:
+            t0 = time.perf_counter()
             ray.get(manager.resume_memory.remote())
+            step["engine_resume_s"] = time.perf_counter() - t0
         if manager is not None:
+            t0 = time.perf_counter()
             step.update(sync_all(trainer, manager, str(rollout_id), probe_samples=samples))
+            step["sync_time_s"] = time.perf_counter() - t0
         if probe is not None and spec_speedup.due(config.spec_speedup_interval, rollout_id, config.rollout.num_rollout,
                                                   first_rollout=start):
             step.update(probe.measure(samples, trainer.hf_state_dict(), str(rollout_id)))
         last = rollout_id + 1 == config.rollout.num_rollout
         if config.train.save and (last or save_due(config.train.save_interval, rollout_id)):
             trainer.save(rollout_id, None if manager is None else ray.get(manager.data_position.remote(rollout_id)))
+        if offloads:  # after the save, which reads the weights where they train
+            step.update(trainer.offload())
         if manager is not None and config.eval_interval and (rollout_id + 1) % config.eval_interval == 0:
             step.update(eval_fenced(manager, rollout_id, resync))
+        if memory is not None:
+            step.update(memory.take_peaks())
         report.add(step)
     return report.finish()
 

@@ -49,3 +49,28 @@ def test_bf16_sft_only_where_the_cpu_multiplies_bfloat16_natively():
     older = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw\nbugs\t\t: avx512_bf16_lookalike\n"
     assert cpu_has_bf16(zen4) and cpu_has_bf16(sapphire)
     assert not cpu_has_bf16(older) and not cpu_has_bf16("")
+
+
+def test_gpu_layouts_train_in_bf16_on_one_gpu_each_or_one_shared():
+    from slime_spec.demo import gpu_layout_argv
+
+    split, colocate = gpu_layout_argv("split"), gpu_layout_argv("colocate")
+    for argv in (split, colocate):
+        assert "--bf16" in argv and argv[argv.index("--sglang-dtype") + 1] == "bfloat16"
+        assert argv[argv.index("--rollout-num-gpus") + 1] == "1"
+    assert "--colocate" in colocate and "--colocate" not in split
+    assert gpu_layout_argv(None) == []
+    with pytest.raises(ValueError, match="--layout='tp2'"):
+        gpu_layout_argv("tp2")
+
+
+def test_device_and_layout_follow_the_gpus_seen_and_refuse_what_cannot_run():
+    from slime_spec.demo import resolve_device, resolve_layout
+
+    assert resolve_device("auto", 0) == "cpu" and resolve_device("auto", 2) == "cuda"
+    with pytest.raises(ValueError, match="--device cuda: torch sees no CUDA device"):
+        resolve_device("cuda", 0)
+    assert resolve_layout(None, 2) == "split" and resolve_layout(None, 1) == "colocate"
+    assert resolve_layout("colocate", 2) == "colocate"
+    with pytest.raises(ValueError, match="--layout split .* torch sees 1; use --layout colocate"):
+        resolve_layout("split", 1)

@@ -24,6 +24,7 @@ OTHER_TOOL_FLAGS = {
     "--json": "doctor.py",  # slime-spec doctor
     "--smoke": "demo.py",  # python -m slime_spec.demo
     "--out": "demo.py",
+    "--layout": "demo.py",
     "--worker-urls": "rollout/manager.py",  # sglang_router.launch_router, started for --use-sglang-router
     "--health-check-endpoint": "rollout/manager.py",
     "--health-check-interval-secs": "rollout/manager.py",

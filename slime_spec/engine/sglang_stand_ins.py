@@ -15,8 +15,8 @@ every spawned child does first.
 from __future__ import annotations
 
 import importlib.abc
-import importlib.util
 import importlib.machinery
+import importlib.util
 import sys
 import types
 
@@ -119,3 +119,19 @@ def install() -> None:
     if "torchvision" in absent:
         assert not import_utils.is_torchvision_available()  # cached: transformers never sees the double
     sys.meta_path.insert(0, AbsentModuleFinder(absent))
+    _no_sglang_kernels_without_sgl_kernel()
+
+
+def _no_sglang_kernels_without_sgl_kernel() -> None:
+    """On a CUDA host without sgl_kernel (SGLang's CUDA kernels, absent where only SGLang's Python sources are
+    installed), SGLang's modules import sgl_kernel unguarded wherever its `is_cuda()` holds. No SGLang kernel runs in
+    the embedded engine's processes (the front end serves HTTP and tokenizes; the scheduler runs our own model), so
+    SGLang is told it has no CUDA device there. A host with sgl_kernel, and every CPU host, is left as it is."""
+    import torch
+
+    if importlib.util.find_spec("sgl_kernel") is not None or not torch.cuda.is_available():
+        return
+    from sglang.srt import utils
+    from sglang.srt.utils import common
+
+    common.is_cuda = utils.is_cuda = lambda: False

@@ -14,8 +14,8 @@ from typing import Any
 import ray
 
 from slime_spec.config import TrainConfig, WeightSyncConfig
-from slime_spec.rollout.sample import Sample
 from slime_spec.net import free_port
+from slime_spec.rollout.sample import Sample
 
 
 class TrainActor:
@@ -28,6 +28,7 @@ class TrainActor:
         self.canary = None
         self.rank_buckets = None  # colocated.RankBuckets of this rank, when the colocated engines take per-rank buckets
         self.colocated_ranks = 0  # W: trainer ranks 0..W-1 hand their own buckets over (0: rank 0 sends alone)
+        self.offload_state = None  # offload.TrainerOffload, made at the first offload (--colocate on GPUs)
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the process group's store."""
@@ -69,6 +70,20 @@ class TrainActor:
 
     def hf_state_dict(self) -> dict:
         return self._ready().hf_state_dict()
+
+    def offload(self) -> dict[str, float]:
+        """This rank's GPU tensors to host memory (colocated engines generate meanwhile)."""
+        return self._offloader().offload()
+
+    def onload(self) -> dict[str, float]:
+        return self._offloader().onload()
+
+    def _offloader(self):
+        from slime_spec.trainer.offload import TrainerOffload
+
+        if self.offload_state is None:
+            self.offload_state = TrainerOffload(self._ready())
+        return self.offload_state
 
     def forward_logits(self, input_ids: list[list[int]]) -> dict:
         return self._ready().forward_logits(input_ids)

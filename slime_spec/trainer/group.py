@@ -50,6 +50,7 @@ class TrainGroup:
             if use_gpu is None:
                 use_gpu = ray.cluster_resources().get("GPU", 0) >= n
             num_gpus = 1 if use_gpu else 0
+        self.uses_gpu = use_gpu  # the ranks train on GPUs (with --colocate their memory is offloaded meanwhile)
         actor_cls = ray.remote(num_gpus=num_gpus, num_cpus=1)(TrainActor)
         self.actors = []
         for rank in range(n):
@@ -85,6 +86,14 @@ class TrainGroup:
     def hf_state_dict(self) -> dict:
         return self._all("hf_state_dict")[0]
 
+    def offload(self) -> dict[str, float]:
+        """Every rank's GPU tensors to host memory (colocated engines generate meanwhile); the slowest rank's
+        seconds (trainer/offload.py)."""
+        return _slowest(self._all("offload"))
+
+    def onload(self) -> dict[str, float]:
+        return _slowest(self._all("onload"))
+
     def forward_logits(self, input_ids: list[list[int]]) -> dict:
         return self._all("forward_logits", input_ids)[0]
 
@@ -110,3 +119,8 @@ class TrainGroup:
             for a in self.actors:
                 ray.kill(a)
             self.actors = []
+
+
+def _slowest(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the largest value over the ranks (a collective move ends when its slowest rank does)."""
+    return {k: max(m[k] for m in per_rank if k in m) for k in {k for m in per_rank for k in m}}

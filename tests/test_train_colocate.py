@@ -1,0 +1,111 @@
+"""A colocated step's hand-over on GPUs (slime_spec/train.py `_steps`): the trainer is offloaded while the engines
+generate and onloaded only after they released their memory; the engines resume before the sync; each move is
+timed, and the peak memory per GPU is in the step's metrics.
+
+The trainer group, the rollout manager, the step report and the GPU memory monitor are test doubles (no Ray cluster
+or GPU here) answering the calls `_steps` makes of TrainGroup, RolloutManager, LoopReport and GpuMemoryMonitor."""
+
+import pytest
+import ray
+
+from slime_spec import train
+from slime_spec.args import parse_config
+from slime_spec.tiny_model import make_tiny_model
+
+
+class _Call:
+    def __init__(self, log, name, result=None):
+        self.log, self.name, self.result = log, name, result
+
+    def remote(self, *args):
+        self.log.append(self.name)
+        return self.result(*args) if callable(self.result) else self.result
+
+
+class _Manager:
+    """RolloutManager double: one engine, always alive, serving whatever version it is confirmed."""
+
+    def __init__(self, log):
+        self.engine_urls = _Call([], "engine_urls", ["http://e0"])
+        self.check_engines = _Call([], "check", [])
+        self.engines_needing_sync = _Call([], "needing", [])
+        self.confirm_weights = _Call([], "confirm", [])
+        self.generate = _Call(log, "rollout", lambda rollout_id: ["sample"])
+        self.get_last_metrics = _Call([], "metrics", {"rollout_time_s": 1.0})
+        self.release_memory = _Call(log, "engine release", None)
+        self.resume_memory = _Call(log, "engine resume", None)
+
+
+class _Trainer:
+    """TrainGroup double on GPUs: records the order of its calls."""
+
+    uses_gpu = True
+
+    def __init__(self, log):
+        self.log = log
+
+    def connect_engines(self, urls):
+        pass
+
+    def offload(self):
+        self.log.append("trainer offload")
+        return {"trainer_offload_s": 0.5, "trainer_offload_gib": 2.0}
+
+    def onload(self):
+        self.log.append("trainer onload")
+        return {"trainer_onload_s": 0.25}
+
+    def train_step(self, samples, rollout_id):
+        self.log.append("train")
+        return {"loss": 0.0}
+
+    def sync_weights(self, version, probe_samples=None, restarted_urls=None):
+        self.log.append("sync")
+        return {"weight_sync_params": 1}
+
+
+class _Report:
+    def __init__(self):
+        self.steps = []
+
+    def add(self, step):
+        self.steps.append(step)
+
+    def finish(self):
+        return {"rollouts": self.steps}
+
+
+class _Memory:
+    def take_peaks(self):
+        return {"gpu0_peak_memory_gib": 7.5}
+
+
+@pytest.fixture(autouse=True)
+def no_ray(monkeypatch):
+    monkeypatch.setattr(ray, "get", lambda value, **kw: value)
+    monkeypatch.setattr(ray, "wait", lambda refs, **kw: (refs, []))
+
+
+def _config(tmp_path, *flags):
+    model = make_tiny_model(tmp_path / "m", arch="mimo", mtp_layers=1, num_layers=1)
+    config, _ = parse_config(["--hf-checkpoint", str(model), "--rollout-backend", "embedded", "--num-rollout", "2",
+                              "--rollout-num-gpus", "1", "--output-dir", str(tmp_path / "run"), *flags])
+    return config
+
+
+def test_colocated_steps_offload_the_trainer_while_engines_generate_and_time_every_move(tmp_path):
+    log = []
+    out = train._steps(_config(tmp_path, "--colocate"), _Trainer(log), _Manager(log), _Report(), 0, None, _Memory())
+    step = ["rollout", "engine release", "trainer onload", "train", "engine resume", "sync", "trainer offload"]
+    assert log == ["trainer offload", *step, *step]
+    for metrics in out["rollouts"]:
+        assert metrics["trainer_offload_s"] == 0.5 and metrics["trainer_onload_s"] == 0.25
+        assert {"engine_release_s", "engine_resume_s", "train_time_s", "sync_time_s"} <= set(metrics)
+        assert metrics["gpu0_peak_memory_gib"] == 7.5
+
+
+def test_split_steps_move_nothing(tmp_path):
+    log = []
+    out = train._steps(_config(tmp_path), _Trainer(log), _Manager(log), _Report(), 0, None, None)
+    assert log == ["rollout", "train", "sync"] * 2
+    assert not any(k.startswith(("trainer_", "engine_", "gpu")) for m in out["rollouts"] for k in m)
