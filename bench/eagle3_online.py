@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from engine_models import sample_outputs, train_eagle3_draft  # run as `python bench/eagle3_online.py`
+
 from slime_spec import demo
 
 SIZES = {  # the demo's keys, plus the offline draft's training
@@ -36,7 +37,8 @@ SIZES = {  # the demo's keys, plus the offline draft's training
                   rm_type="scratchpad"),
 }
 DRAFT_LR = "3e-3"  # 1e-3 fell behind a policy moving at lr 1e-3; docs/en/benchmarks.md
-POLICY_LR = "3e-4"  # GRPO's policy lr for this bench's tables (the demo's own is 2e-4: its deeper policy degrades at 3e-4)
+# GRPO's policy lr for this bench's tables (the demo's own is 2e-4: its deeper policy degrades at 3e-4)
+POLICY_LR = "3e-4"
 TTT_STEPS = "3"
 # A fixed chain: accept length then counts what the draft earns, not what an adaptive k chose.
 SPEC_FLAGS = ["--sglang-speculative-algorithm", "EAGLE3", "--sglang-speculative-num-steps", "3",
@@ -51,7 +53,8 @@ def eagle3_argv(model: Path, draft: Path, train_data: Path, eval_data: Path, run
     """The demo's GRPO run with EAGLE3 chain drafting, at this bench's policy lr."""
     argv = demo.grpo_task_argv(model, train_data, eval_data, run_dir, size, seed, lr=policy_lr)
     argv += [*SPEC_FLAGS, "--sglang-speculative-draft-model-path", str(draft)]
-    return argv + (["--enable-draft-training", "--draft-lr", draft_lr, "--draft-ttt-steps", TTT_STEPS] if online else [])
+    online_flags = ["--enable-draft-training", "--draft-lr", draft_lr, "--draft-ttt-steps", TTT_STEPS]
+    return argv + (online_flags if online else [])
 
 
 def offline_draft(policy: Path, rows: list[dict], out: Path, size: dict, seed: int) -> Path:
@@ -122,9 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="a tiny run through every stage (no verdict)")
     p.add_argument("--out", default="outputs/bench_eagle3_online")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policy-lr", default=POLICY_LR, help=f"GRPO's --lr for the policy (default {POLICY_LR}, where this "
-                   "bench's tables were measured; the demo's is lower): a larger one moves the policy further from the "
-                   "draft's training data in 20 steps")
+    p.add_argument("--policy-lr", default=POLICY_LR,
+                   help=f"GRPO's --lr for the policy (default {POLICY_LR}, where this bench's tables were measured; "
+                   "the demo's is lower): a larger one moves the policy further from the draft's training data "
+                   "in 20 steps")
     p.add_argument("--draft-lr", default=DRAFT_LR, help=f"--draft-lr of the online run (default {DRAFT_LR})")
     p.add_argument("--reuse-models", action="store_true",
                    help="keep the SFT'd policy and the offline draft already under --out (same size and seed): "

@@ -43,8 +43,8 @@ import torch
 from engine_models import make_exact_pair, save_checkpoint, sft_target  # run as `python bench/engine_gpu.py`
 from step_profile_gpu import StepPhases
 
-from slime_spec.engine.core import EngineCore, Request, SamplingParams
 from slime_spec.demo_task import split_problems
+from slime_spec.engine.core import EngineCore, Request, SamplingParams
 from slime_spec.engine.cuda_graph import CudaGraphSettings
 from slime_spec.engine.kernels.ops import Kernels
 from slime_spec.engine.model import CausalLM, load_model
@@ -443,7 +443,8 @@ def main(argv=None) -> None:
         ref = max(dyn or 0.0, static or 0.0)
         print(f"| {b} | {s['eager']:,.0f} | {s['graphs_torch']:,.0f} | {s['graphs']:,.0f} | "
               f"{cell(s.get('compiled_torch'))} | {cell(s.get('compiled'))} | {best / before:.2f}x | "
-              f"{1e3 * b / best:.3f} | {share} | {cell(dyn)} | {cell(static)} | {f'{best / ref:.1f}x' if ref else ''} |")
+              f"{1e3 * b / best:.3f} | {share} | {cell(dyn)} | {cell(static)} | "
+              f"{f'{best / ref:.1f}x' if ref else ''} |")
     del cores
     if a.skip_speculative:
         return

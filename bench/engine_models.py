@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from slime_spec.common import eagle3_draft
 from slime_spec.demo_task import split_problems
 from slime_spec.engine.model import CausalLM, hf_weight_names, load_model
 from slime_spec.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_eagle3_draft, make_tiny_model
-from slime_spec.trainer import eagle3_draft
 from slime_spec.trainer.eagle3_ttt import ttt_loss
 
 TRAIN_BATCH = 16  # sequences per training step: small, so a CPU trains the bench's model in minutes

@@ -39,8 +39,8 @@ from slime_spec.engine.drafters.history import HistoryRef
 from slime_spec.engine.model import CausalLM, hf_weight_names, load_model
 from slime_spec.rollout.history import HistoryStore
 from slime_spec.rollout.history_sync import REQUEST_EXTENSION, HistorySync
-from slime_spec.rollout.rewards import scratchpad_reward
 from slime_spec.rollout.sample import Sample
+from slime_spec.rollout.scratchpad import scratchpad_reward
 from slime_spec.spec import resolve_or_raise
 from slime_spec.tiny_model import make_tiny_model
 

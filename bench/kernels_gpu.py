@@ -3,8 +3,9 @@
     python bench/kernels_gpu.py            # the 0.7B shape of bench/engine_gpu.py (hidden 1536, 24 layers)
     python bench/kernels_gpu.py --sweep    # also gemv tile configurations at 1, 2, 4 and 8 rows
 
-gemv: each decoder matmul of the shape at 1 to 8 rows (a decode, a verify of k + 1 tokens), as the 24 layers run it (24 distinct weight matrices in
-one graph, so weights stream from HBM as in a step, not from L2), cuBLAS (F.linear) against the gemv kernel;
+gemv: each decoder matmul of the shape at 1 to 8 rows (a decode, a verify of k + 1 tokens), as the 24 layers run it
+(24 distinct weight matrices in one graph, so weights stream from HBM as in a step, not from L2), cuBLAS (F.linear)
+against the gemv kernel;
 GB/s is weight bytes over time. decode_attention: a decode (1 token) and a k=3 verify (4 tokens) over the static
 cache, SDPA's path (rotate q and k, write the cache, gather the rows' keys, mask, cuDNN as in a captured graph)
 against the fused kernel, for 24 layers. rms_norm: a layer's residual add and RMSNorm, eager (HF's module: upcast,
@@ -86,7 +87,7 @@ def matmul_rows(s: dict, sweep: bool) -> list[str]:
         elif sweep:
             line += " - |"
         out.append(line)
-        del ws
+        ws = None  # free this shape's weights before the next is allocated
     return out
 
 

@@ -182,7 +182,7 @@ def main(argv=None) -> None:
           f"{a.num_kv_heads}, vocab {a.vocab_size}, {a.num_layers} layers + 1 MTP layer; {a.samples} samples/step, "
           f"lengths median {statistics.median(lengths):.0f}, max {max(lengths)}, mean {real / len(lengths):.0f} "
           f"tokens; median of {a.steps} GRPO steps")
-    print(f"\n| micro-batches | step s | train tokens/s | computed / real tokens | micro-batches/step | speed-up |")
+    print("\n| micro-batches | step s | train tokens/s | computed / real tokens | micro-batches/step | speed-up |")
     print("|---|---|---|---|---|---|")
     for name, secs, tps, waste, n_mb in rows:
         print(f"| {name} | {secs:.3f} | {tps:,.0f} | {waste:.2f} | {n_mb} | {rows[0][1] / secs:.2f}x |")
@@ -194,7 +194,7 @@ def main(argv=None) -> None:
               f"{(secs - base_secs) / full_step * 100:+.1f}% |")
     print(f"\nper trunk layer {per_layer:.4f} s/step (no-MTP step at {half_layers} layers: {half:.3f} s); "
           f"no-MTP step at {a.full_depth_layers} layers: {full_step:.3f} s (extrapolated)")
-    print(f"\n| seconds per step, timed apart (GPU synchronised per part) | "
+    print("\n| seconds per step, timed apart (GPU synchronised per part) | "
           + " | ".join(PARTS) + " |")
     print("|---|" + "---|" * len(PARTS))
     for name, _, parts in mtp_rows:

@@ -33,14 +33,12 @@ import requests
 import torch
 
 from slime_spec.config import TrainConfig, WeightSyncConfig
-from slime_spec.tiny_model import make_tiny_model
 from slime_spec.engines.client import EngineClient
+from slime_spec.net import free_port
+from slime_spec.tiny_model import make_tiny_model
 from slime_spec.weight_sync.gather import iter_hf_tensors
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer
-from slime_spec.net import free_port
-
-
 
 
 def start_engine(model_path: Path, device: str, gpu: str | None, log: Path,

@@ -15,9 +15,21 @@ import importlib.util
 from dataclasses import dataclass, field, fields
 
 from slime_spec import flags as F
-from slime_spec.config import (Backend, ClusterConfig, Config, EngineConfig, RolloutConfig, TrainConfig, WandbConfig,
-                               WeightSyncConfig, colocated_engine_flags, resolve_global_batch_size, resolve_loss_type,
-                               resolve_rollout_gpus, resolve_transport)
+from slime_spec.config import (
+    Backend,
+    ClusterConfig,
+    Config,
+    EngineConfig,
+    RolloutConfig,
+    TrainConfig,
+    WandbConfig,
+    WeightSyncConfig,
+    colocated_engine_flags,
+    resolve_global_batch_size,
+    resolve_loss_type,
+    resolve_rollout_gpus,
+    resolve_transport,
+)
 
 SGLANG_PREFIX = "--sglang-"
 # SGLang flags renamed between releases: old -> new. Applied only when the installed SGLang

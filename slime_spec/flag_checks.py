@@ -129,7 +129,8 @@ def derived_values(values: dict) -> dict:
     actor_gpus = values["actor_num_nodes"] * values["actor_num_gpus_per_node"]
     tp = values["tensor_model_parallel_size"]
     dp = actor_gpus // tp if tp >= 1 and actor_gpus % tp == 0 else 0
-    return {**values, "global_batch": global_batch, "actor_gpus": actor_gpus, "dp_size": dp, "micro_dp": values["micro_batch_size"] * dp}
+    return {**values, "global_batch": global_batch, "actor_gpus": actor_gpus, "dp_size": dp,
+            "micro_dp": values["micro_batch_size"] * dp}
 
 
 def check(values: dict) -> list[Finding]:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 
 from slime_spec import flags_upstream as U
+from slime_spec.flags_upstream import EXTENSION_FIX as _EXTENSION_FIX
 from slime_spec.flags_upstream import FROM_CONFIG_JSON as _FROM_CONFIG_JSON
 from slime_spec.flags_upstream import MEGATRON_PERF as _MEGATRON_PERF
-from slime_spec.flags_upstream import EXTENSION_FIX as _EXTENSION_FIX
 from slime_spec.flags_upstream import Ignored
 from slime_spec.flags_upstream import refused as _refused
 from slime_spec.flags_upstream import trainer as _trainer
@@ -59,8 +59,9 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--rm-type", {"default": None}),
         ("--custom-rm-path", {"default": None}),
         ("--rm-timeout", {**_F, "default": 300.0,
-                          "help": "seconds one sample's reward may take; past it (or when the reward raises or is not "
-                                  "a finite number) the sample is left out of training and counted in reward_failures"}),
+                          "help": "seconds one sample's reward may take; past it (or when the reward raises or is "
+                                  "not a finite number) the sample is left out of training and counted in "
+                                  "reward_failures"}),
         ("--custom-generate-function-path", {"default": None}),
         ("--num-rollout", {**_I, "default": 1}),
         ("--num-epoch", {**_I, "default": None}),
@@ -102,7 +103,8 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--skip-eval-before-train", {**_ON, "help": "no eval before the first step (slime's switch)"}),
     ],
     "grpo": [
-        ("--advantage-estimator", {"default": "grpo", "choices": ["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]}),
+        ("--advantage-estimator", {"default": "grpo", "choices": ["grpo", "gspo", "reinforce_plus_plus",
+                                                                  "reinforce_plus_plus_baseline", "ppo"]}),
         ("--loss-type", {"default": "policy_loss", "choices": ["policy_loss", "sft", "sft_loss"]}),
         ("--eps-clip", {**_F, "default": 0.2}),
         ("--eps-clip-high", {**_F, "default": None}),
@@ -127,9 +129,9 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--adam-eps", {**_F, "default": 1e-8}),
         ("--clip-grad", {**_F, "default": 1.0}),
         ("--max-consecutive-skipped-steps", {**_I, "default": 3,
-                                             "help": "ours: an optimizer step whose loss or gradient norm is not finite "
-                                                     "is skipped (as Megatron skips it); after this many in a row the "
-                                                     "run stops naming what was not finite (0: never stop)"}),
+                                             "help": "ours: an optimizer step whose loss or gradient norm is not "
+                                                     "finite is skipped (as Megatron skips it); after this many in a "
+                                                     "row the run stops naming what was not finite (0: never stop)"}),
         ("--optimizer-cpu-offload", _ON),
         ("--overlap-cpu-optimizer-d2h-h2d", _ON),
         ("--use-precision-aware-optimizer", _ON),
@@ -241,7 +243,8 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--overlap-param-gather", _ON),
     ],
     "slime-spec": [
-        ("--config", {"default": None, "help": "YAML file; keys are flag names without dashes; command-line flags win"}),
+        ("--config", {"default": None,
+                      "help": "YAML file; keys are flag names without dashes; command-line flags win"}),
         ("--rollout-backend", {"default": None, "choices": ["sglang", "embedded"],
                                "help": "default: sglang when a CUDA GPU and a full SGLang are present, else embedded"}),
         ("--rollout-num-engines", {**_I, "default": 1, "help": "engines on machines without GPUs"}),
@@ -346,7 +349,8 @@ ACTED_ON = {
     "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine", "colocate",
     "hf_checkpoint", "load", "save", "ref_load", "save_interval",
     "prompt_data", "input_key", "label_key", "apply_chat_template", "rollout_shuffle", "rollout_seed", "rm_type",
-    "custom_rm_path", "rm_timeout", "max_consecutive_skipped_steps", "custom_generate_function_path", "num_rollout", "rollout_batch_size", "n_samples_per_prompt",
+    "custom_rm_path", "rm_timeout", "max_consecutive_skipped_steps", "custom_generate_function_path", "num_rollout",
+    "rollout_batch_size", "n_samples_per_prompt",
     "rollout_max_response_len", "rollout_max_prompt_len", "rollout_temperature", "rollout_top_p", "rollout_top_k",
     "rollout_stop", "rollout_stop_token_ids", "rollout_skip_special_tokens", "global_batch_size", "micro_batch_size",
     "sglang_server_concurrency", "use_sglang_router",

@@ -160,22 +160,25 @@ def axis_limits(values: list[float], floor: float, ceiling: float | None = None)
     return floor, top + 0.1 * max(top - floor, 1e-9)
 
 
+# The accept-length panel is token-weighted throughout (rollouts, eval, canary, speed-up probe: spec_stats.py);
+# slime's per-sample `spec_accept_length` is a different mean and stays in the table and metrics.jsonl.
+ACCEPT_LENGTH = "spec_accept_length_token_weighted"
 PANELS = (  # (key, y label, baseline, range kept when the data fits in it)
     ("reward_mean", "reward (mean per rollout)", 0.0, 1.0),
-    ("spec_accept_length", "accept length (tokens per verify; 1 = none accepted)", 1.0, None),
+    (ACCEPT_LENGTH, "accept length, token-weighted (tokens per verify pass; 1 = none accepted)", 1.0, None),
 )
 ACCEPT_RATE_PANEL = ("spec_accept_rate", "accept rate (accepted / drafted tokens: the draft's quality)", 0.0, 1.0)
 SPEEDUP_PANEL = ("spec_speedup", "spec_speedup (plain time / spec. time)", 0.0, None)
 FROZEN_SERIES = {"spec_speedup": "spec_speedup_frozen", "spec_accept_rate": "spec_speedup_frozen_accept_rate",
-                 "spec_accept_length": "spec_speedup_frozen_accept_length"}
+                 ACCEPT_LENGTH: "spec_speedup_frozen_accept_length"}
 FROZEN_COLOR = "tab:red"
 
 
 def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[str, list[dict]] | None = None,
          label: str = "this run") -> None:
-    """Reward and accept length over steps, each raw (faint) and smoothed; held-out eval and canary series
-    when present; the accept rate per drafted token (the draft's quality, which accept length mixes with the k
-    an adaptive policy chose) and the measured speed-up (`--spec-speedup-interval`) in further panels when any
+    """Reward and token-weighted accept length over steps, each raw (faint) and smoothed; held-out eval and canary
+    series when present; the accept rate per drafted token (the draft's quality, which accept length mixes with the
+    k an adaptive policy chose) and the measured speed-up (`--spec-speedup-interval`) in further panels when any
     run has them; `extra` overlays other runs (e.g. a frozen draft).
 
     Axes start at their baselines (reward 0, accept length 1.0 = no token accepted, speed-up 0 with a line at
@@ -227,7 +230,7 @@ def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[s
                     ax.plot(exs, eys, color=color, linestyle="--", marker="s", markersize=4,
                             label=f"{name}: held-out eval '{ev}'")
                     shown += eys
-            if key == "spec_accept_length":
+            if key == ACCEPT_LENGTH:
                 cxs, cys = _series(run_steps, "spec_canary_accept_length")
                 if cys:
                     ax.plot(cxs, cys, color=color, linestyle=":", marker="^", markersize=4,

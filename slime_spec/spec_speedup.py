@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from slime_spec.config import Config, EngineConfig
+from slime_spec.spec_stats import SpecStats, accept_length, accept_rate
 
 
 def without_speculative_flags(argv: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -119,13 +120,13 @@ class TimedHalf:
 
     @property
     def accept_length(self) -> float:
-        """Token-weighted (SGLang's meaning): tokens per verify pass; 1.0 without speculation."""
-        return self.response_tokens / self.verify_ct if self.verify_ct else 1.0
+        """Token-weighted (spec_stats.py): tokens per verify pass; 1.0 without speculation."""
+        return accept_length(self.response_tokens, self.verify_ct)
 
     @property
     def accept_rate(self) -> float | None:
         """Accepted over drafted tokens: the draft's quality, apart from the k a policy chose."""
-        return self.accepted / self.drafted if self.drafted else None
+        return accept_rate(self.accepted, self.drafted)
 
 
 def median_half(passes: list[TimedHalf]) -> TimedHalf:
@@ -207,11 +208,9 @@ async def time_generation(url: str, auth, prompts: list[list[int]], params: dict
         metas = await asyncio.gather(*(one(ids) for ids in prompts))
         seconds = time.perf_counter() - start
 
-    def total(key: str) -> int:
-        return sum(int(m.get(key) or 0) for m in metas)
-
-    return TimedHalf(seconds, total("completion_tokens"), total("spec_verify_ct"), total("spec_num_correct_drafts"),
-                     total("spec_num_proposed_drafts"))  # SGLang 0.5.23's meta_info names
+    total = SpecStats.total(SpecStats.from_meta_info(m) for m in metas)
+    return TimedHalf(seconds, total.completion_tokens, total.verify_ct, total.accept_token_num or 0,
+                     total.draft_token_num or 0)
 
 
 class SpeedupProbe:

@@ -7,8 +7,15 @@ import pytest
 
 from slime_spec import flags
 from slime_spec.args import ArgsError, parse, parse_config
-from slime_spec.config import (ClusterConfig, Config, RolloutConfig, TrainConfig, WandbConfig, WeightSyncConfig,
-                               resolve_transport)
+from slime_spec.config import (
+    ClusterConfig,
+    Config,
+    RolloutConfig,
+    TrainConfig,
+    WandbConfig,
+    WeightSyncConfig,
+    resolve_transport,
+)
 from tests.conftest import EXAMPLES
 
 
@@ -25,8 +32,8 @@ def test_eagle3_example_round_trips_to_exact_argv(llama8b, eagle3_draft):
     config, _ = parse_config(["--hf-checkpoint", str(llama8b), "--rollout-backend", "sglang", *tokens])
     argv = config.engine.server_argv("127.0.0.1", 31000, base_gpu_id=2, python="python3")
     assert argv == [
-        "python3", "-m", "sglang.launch_server", "--model-path", str(llama8b), "--trust-remote-code", "--host", "127.0.0.1",
-        "--port", "31000", "--tp-size", "1", "--random-seed", "1234", "--base-gpu-id", "2",
+        "python3", "-m", "sglang.launch_server", "--model-path", str(llama8b), "--trust-remote-code",
+        "--host", "127.0.0.1", "--port", "31000", "--tp-size", "1", "--random-seed", "1234", "--base-gpu-id", "2",
         "--mem-fraction-static", "0.8",
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(eagle3_draft),
         "--speculative-num-steps", "5", "--speculative-eagle-topk", "8", "--speculative-num-draft-tokens", "32",
@@ -68,7 +75,8 @@ def test_unknown_sglang_flag_names_closest(mimo7b):
 
 
 def test_framework_owned_sglang_flag_refused(mimo7b):
-    with pytest.raises(ArgsError, match="--sglang-tp-size is not forwarded: it is set from --rollout-num-gpus-per-engine"):
+    with pytest.raises(ArgsError,
+                       match="--sglang-tp-size is not forwarded: it is set from --rollout-num-gpus-per-engine"):
         parse(["--hf-checkpoint", str(mimo7b), "--sglang-tp-size", "2"])
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from slime_spec.common import eagle3_draft
 from slime_spec.engine.model import load_model
 from slime_spec.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_model
-from slime_spec.trainer import eagle3_draft
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 

@@ -174,4 +174,5 @@ def test_a_response_length_that_fills_the_context_gets_a_fix_that_helps(tiny, tm
     path = write_lines(tmp_path, [json.dumps({"input": "1+1="})])
     (f,) = doctor(tiny, tmp_path, "--prompt-data", path, "--rollout-max-response-len", "64")["SPEC_CONTEXT_LENGTH"]
     assert "--rollout-max-response-len 64 alone reaches the context length 64" in f.message
-    assert f.fix.startswith("lower --rollout-max-response-len to at most 60") and "--rollout-max-prompt-len" not in f.fix
+    assert f.fix.startswith("lower --rollout-max-response-len to at most 60")
+    assert "--rollout-max-prompt-len" not in f.fix

@@ -2,40 +2,8 @@ import re
 
 import pytest
 
-from slime_spec.demo_task import (ANSWER_PREFIX, TERSE, VERBOSE, column_line, split_problems, terse_solution,
-                                  worked_addition)
-
-
-def test_worked_addition_carries_column_by_column_and_ends_with_the_answer():
-    assert worked_addition(347, 589).splitlines() == [
-        "ones: 7+9+0=16, write 6, carry 1",
-        "tens: 4+8+1=13, write 3, carry 1",
-        "hundreds: 3+5+1=9, write 9, carry 0",
-        "answer: 936",
-    ]
-    assert worked_addition(999, 1).splitlines()[-1] == "answer: 1000"
-    assert worked_addition(5, 0) == "ones: 5+0+0=5, write 5, carry 0\nanswer: 5"
-
-
-def test_each_part_of_a_column_can_be_written_tersely():
-    assert column_line("ones", 7, 9, 0) == "ones: 7+9+0=16, write 6, carry 1"
-    assert column_line("ones", 7, 9, 0, (True, False, False)) == "7+9+0=16, write 6, carry 1"
-    assert column_line("ones", 7, 9, 0, (False, True, False)) == "ones: 7+9+0=16 -> 6, carry 1"
-    assert column_line("ones", 7, 9, 0, (False, False, True)) == "ones: 7+9+0=16, write 6 c1"
-    assert worked_addition(347, 589, [TERSE, VERBOSE, (False, False, True)]).splitlines() == [
-        "7+9+0=16 -> 6 c1",
-        "tens: 4+8+1=13, write 3, carry 1",
-        "hundreds: 3+5+1=9, write 9 c0",
-        "answer: 936",
-    ]
-    with pytest.raises(ValueError, match="2 styles for 3 columns"):
-        worked_addition(347, 589, [TERSE] * 2)
-
-
-def test_terse_solution_rewrites_every_column_and_keeps_the_answer():
-    mixed = worked_addition(347, 589, [(True, False, True), VERBOSE, (False, True, False)])
-    assert terse_solution(mixed) == worked_addition(347, 589, [TERSE] * 3)
-    assert terse_solution("garbage\nanswer: 936") == "garbage\nanswer: 936"
+from slime_spec.demo_task import split_problems
+from slime_spec.rollout.scratchpad import ANSWER_PREFIX, column_line, worked_addition
 
 
 def test_terse_share_is_the_seeded_share_of_terse_parts():

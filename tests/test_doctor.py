@@ -11,7 +11,8 @@ def run(capsys, *argv):
 
 
 def test_json_shape_and_eagle3_example_is_clean(capsys, llama8b, eagle3_draft):
-    tokens = [str(eagle3_draft) if t.startswith("/root/") else t for t in sglang_args_of("sglang-args-eagle3-llama3.1-8B.sh")]
+    example = sglang_args_of("sglang-args-eagle3-llama3.1-8B.sh")
+    tokens = [str(eagle3_draft) if t.startswith("/root/") else t for t in example]
     rc, out = run(capsys, "--hf-checkpoint", str(llama8b), "--rollout-backend", "sglang", *tokens)
     assert rc == 0, out["findings"]
     assert set(out) == {"sglang_version", "findings", "engines"} and out["sglang_version"] == "0.5.23"
@@ -22,7 +23,8 @@ def test_json_shape_and_eagle3_example_is_clean(capsys, llama8b, eagle3_draft):
 
 def test_errors_exit_2_with_code_message_fix(capsys, llama8b, eagle3_draft):
     rc, out = run(capsys, "--hf-checkpoint", str(llama8b), "--rollout-backend", "sglang",
-                  "--sglang-speculative-algorithm", "EAGLE3", "--sglang-speculative-draft-model-path", str(eagle3_draft))
+                  "--sglang-speculative-algorithm", "EAGLE3",
+                  "--sglang-speculative-draft-model-path", str(eagle3_draft))
     assert rc == 2
     by_code = {f["code"]: f for f in out["findings"]}
     assert by_code["SPEC_DTYPE_MISMATCH"]["fix"] == "--sglang-dtype float16"
@@ -49,7 +51,8 @@ def test_unknown_sglang_flag_and_unhonoured_flags(capsys, mimo7b):
 
 
 def test_text_output(capsys, mimo7b):
-    rc = main(["--hf-checkpoint", str(mimo7b), "--sglang-speculative-algorithm", "NEXTN", "--rollout-backend", "embedded"])
+    rc = main(["--hf-checkpoint", str(mimo7b), "--sglang-speculative-algorithm", "NEXTN",
+               "--rollout-backend", "embedded"])
     out = capsys.readouterr().out
     assert rc == 0 and "engine 0 (embedded" in out and "slime_spec.engine" in out and "0 error(s)" in out
 
@@ -95,7 +98,8 @@ def test_balance_data_is_refused_only_where_nothing_balances_by_tokens(capsys, m
 def test_ref_load_must_be_readable_by_the_trainer(capsys, mimo7b, tmp_path):
     base = ["--hf-checkpoint", str(mimo7b), "--rollout-backend", "embedded", "--use-kl-loss"]
     rc, out = run(capsys, *base, "--ref-load", str(tmp_path / "nope"))
-    assert rc == 2 and "does not exist" in next(f for f in out["findings"] if f["code"] == "REF_LOAD_UNREADABLE")["message"]
+    unreadable = next(f for f in out["findings"] if f["code"] == "REF_LOAD_UNREADABLE")
+    assert rc == 2 and "does not exist" in unreadable["message"]
     torch_dist = tmp_path / "Model_torch_dist"
     (torch_dist / "iter_0000000").mkdir(parents=True)
     (torch_dist / "latest_checkpointed_iteration.txt").write_text("release")

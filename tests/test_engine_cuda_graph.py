@@ -171,10 +171,10 @@ def test_llama31_rope_target_captures_graphs(tmp_path):
 def test_mtp_chain_graph_drafts_what_the_step_by_step_chain_drafts(tmp_path):
     """The whole greedy MTP chain as one padded static forward (capture=False: the graph's shapes, run eagerly on
     CPU) gives the tokens the step-by-step chain gives, for every k, on a batch padded to a captured size."""
-    from slime_spec.engine.cuda_graph import graph_model, mtp_chain_name
     from slime_spec.engine.drafters.base import argmax_pick
     from slime_spec.engine.drafters.mtp import MTPDrafter
     from slime_spec.engine.model import load_model
+    from slime_spec.engine.model_graphs import graph_model, mtp_chain_name
     from slime_spec.engine.request import Row
     from slime_spec.tiny_model import make_tiny_model
 
@@ -243,11 +243,11 @@ def test_the_chain_drafted_ahead_of_the_read_back_is_the_chain_the_next_step_wou
 
 
 def test_prefills_padded_to_a_captured_width_keep_greedy_output(tmp_path):
-    """Prefills through the captured widths (cuda_graph.prefill_graphs, run eagerly here with their padding: a
+    """Prefills through the captured widths (model_graphs.prefill_graphs, run eagerly here with their padding: a
     prompt padded to 16 or 32 tokens, a batch of 3 to 4 rows) give the eager prefill's outputs; a prompt wider than
     every captured width runs eagerly."""
     from slime_spec.engine.core import EngineCore, Request, SamplingParams
-    from slime_spec.engine.cuda_graph import graph_model
+    from slime_spec.engine.model_graphs import graph_model
     from slime_spec.tiny_model import make_tiny_model
 
     path = make_tiny_model(tmp_path / "m", hidden_size=32, num_layers=2, max_position_embeddings=256)

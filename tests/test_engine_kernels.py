@@ -76,7 +76,8 @@ def test_decode_attention_writes_rotated_keys_and_equals_masked_sdpa_over_the_ca
             ref_v[slots[:, None], pos] = v.reshape(B, T, KVH, D)
             keys = ref_k[slots].repeat_interleave(H // KVH, 2).transpose(1, 2)
             vals = ref_v[slots].repeat_interleave(H // KVH, 2).transpose(1, 2)
-            mask = (torch.arange(max_seq)[None, None, :] <= pos[:, :, None])[:, None] & (torch.arange(max_seq) < num_keys)
+            causal = (torch.arange(max_seq)[None, None, :] <= pos[:, :, None])[:, None]
+            mask = causal & (torch.arange(max_seq) < num_keys)
             ref = F.scaled_dot_product_attention(q.transpose(1, 2).double(), keys.double(), vals.double(),
                                                  attn_mask=mask).transpose(1, 2)
             got = decode_attention(qkv, cos, sin, ck, cv, slots, pos, num_keys, H, KVH, splits=splits,

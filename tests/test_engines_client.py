@@ -8,8 +8,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import requests
 
-from slime_spec.engines.client import (AsyncEngineClient, EngineAuth, EngineClient, EngineError, async_session,
-                                       parse_response)
+from slime_spec.engines.client import (
+    AsyncEngineClient,
+    EngineAuth,
+    EngineClient,
+    EngineError,
+    async_session,
+    parse_response,
+)
 
 
 def test_parse_response():
@@ -18,7 +24,8 @@ def test_parse_response():
     assert parse_response("u", "/p", 200, '{"success": true, "message": "ok"}') == {"success": True, "message": "ok"}
     with pytest.raises(EngineError, match="HTTP 400") as e:
         parse_response("u", "/p", 400, '{"error": {"message": "bad"}}')
-    assert (e.value.url, e.value.path, e.value.status, e.value.body) == ("u", "/p", 400, '{"error": {"message": "bad"}}')
+    assert (e.value.url, e.value.path, e.value.status, e.value.body) == \
+        ("u", "/p", 400, '{"error": {"message": "bad"}}')
     with pytest.raises(EngineError, match="must run between"):  # a 200 that says it failed is a failure
         parse_response("u", "/p", 200, '{"success": false, "message": "must run between begin and end"}')
 
@@ -36,8 +43,8 @@ def test_auth_headers_follow_sglang_route_levels():
 
 @pytest.fixture(scope="module")
 def keyed_engine(tmp_path_factory):
-    from slime_spec.tiny_model import make_tiny_model
     from slime_spec.engines.process import embedded_server_process
+    from slime_spec.tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("keyed_engine")
     model = make_tiny_model(root / "llama", arch="llama", hidden_size=32, num_layers=1, seed=0)

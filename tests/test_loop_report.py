@@ -12,9 +12,11 @@ def steps(n: int) -> list[dict]:
     out = []
     for i in range(n):
         s = {"rollout_id": i, "reward_mean": 0.4 + 0.05 * math.sin(i) + 0.003 * i,
-             "spec_accept_length": 1.8 + 0.01 * i + 0.1 * math.cos(i), "spec_canary_accept_length": 1.9 + 0.01 * i}
+             "spec_accept_length": 1.7 + 0.01 * i, "spec_canary_accept_length": 1.9 + 0.01 * i,
+             "spec_accept_length_token_weighted": 1.8 + 0.01 * i + 0.1 * math.cos(i)}
         if i % 5 == 4:
-            s.update({"eval/aime/reward_mean": 0.35 + 0.004 * i, "eval/aime/spec_accept_length": 1.85 + 0.01 * i})
+            s.update({"eval/aime/reward_mean": 0.35 + 0.004 * i, "eval/aime/spec_accept_length": 1.75 + 0.01 * i,
+                      "eval/aime/spec_accept_length_token_weighted": 1.85 + 0.01 * i})
         out.append(s)
     return out
 
@@ -70,6 +72,19 @@ def test_plot_writes_a_png_with_eval_and_canary(tmp_path, monkeypatch):
     assert "this run (rollouts, mean of 5)" in reward["lines"] and "this run: held-out eval 'aime'" in reward["lines"]
     assert "this run: canary after weight sync" in accept["lines"]
     assert "draft frozen: held-out eval 'aime'" in accept["lines"]
+
+
+def test_the_accept_length_panel_draws_token_weighted_series_only(tmp_path, monkeypatch):
+    """Rollouts, eval, canary and speed-up probe all in one meaning (tokens per verify pass over summed counters);
+    slime's per-sample mean `spec_accept_length` is another quantity and is not drawn beside them."""
+    run = steps(10)
+    _, (_, accept) = plotted(monkeypatch, run, tmp_path / "plot.png")
+    assert accept["ylabel"].startswith("accept length, token-weighted")
+    assert accept["lines"]["this run: held-out eval 'aime'"] == pytest.approx(
+        [s["eval/aime/spec_accept_length_token_weighted"] for s in run if "eval/aime/reward_mean" in s])
+    drawn = {y for line in accept["lines"].values() for y in line}
+    assert not drawn & {s["spec_accept_length"] for s in run}
+    assert not drawn & {s["eval/aime/spec_accept_length"] for s in run if "eval/aime/spec_accept_length" in s}
 
 
 def with_speedup(n: int, plain_s: float) -> list[dict]:
@@ -149,7 +164,7 @@ def test_plot_draws_the_frozen_draft_in_the_speedup_and_accept_panels(tmp_path, 
     assert by_label["spec_speedup (plain"][frozen] == pytest.approx([3.0 / (2.0 + 0.25 * j) for j in range(5)])
     assert by_label["spec_speedup (plain"]["MTP trained online (measured every few steps)"] == [1.5] * 5
     assert by_label["accept rate"][frozen] == pytest.approx([0.9 - 0.02 * j for j in range(5)])
-    assert by_label["accept length"][frozen] == pytest.approx([3.6 - 0.1 * j for j in range(5)])
+    assert by_label["accept length,"][frozen] == pytest.approx([3.6 - 0.1 * j for j in range(5)])
     assert frozen not in by_label["reward (mean"]
 
 
@@ -158,7 +173,7 @@ def test_plot_and_axes_skip_nonfinite_values(tmp_path, monkeypatch):
     run = steps(8)
     run[2]["reward_mean"] = float("nan")
     run[3]["reward_mean"] = float("inf")
-    run[4]["spec_accept_length"] = float("-inf")
+    run[4]["spec_accept_length_token_weighted"] = float("-inf")
     assert axis_limits([0.5, float("nan"), float("inf")], 0.0, 1.0) == (0.0, 1.0)
     _, (reward, accept) = plotted(monkeypatch, run, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").is_file()

@@ -16,8 +16,12 @@ from slime_spec.tiny_model import main as make_tiny_model_cli
 from slime_spec.tiny_model import make_tiny_model
 from slime_spec.trainer import model as M
 from slime_spec.trainer import parallel
-from tests.helpers.engine_runs import (DEVICES, assert_greedy_speculation_equals_plain,
-                                       assert_logprobs_equal_a_full_forward, run_to_completion)
+from tests.helpers.engine_runs import (
+    DEVICES,
+    assert_greedy_speculation_equals_plain,
+    assert_logprobs_equal_a_full_forward,
+    run_to_completion,
+)
 
 PROMPTS = ["hello world", "the cat sat on the mat. the cat sat on the", "a", "1 2 3 4 5 6 7 8 1 2 3",
            "abcabcabcabcabc", "Q: why? A:", "xyz " * 8, "repeat repeat repeat repeat"]
@@ -120,7 +124,8 @@ def test_tp2_equals_tp1_and_syncs_into_the_engine(ray_cluster, tmp_path):
     from slime_spec.engines.process import engine_server_process
     from slime_spec.trainer.group import TrainGroup
     from slime_spec.trainer.trainer import Trainer
-    from tests.helpers.tp_runs import assert_same_adam_step, tp2_config, tp_rollout as rollout
+    from tests.helpers.tp_runs import assert_same_adam_step, tp2_config
+    from tests.helpers.tp_runs import tp_rollout as rollout
 
     path = make_tiny_model(tmp_path / "m", arch="qwen3", seed=2)  # vocab 101: TP 2 pads it to 102
     kw = dict(hf_checkpoint=str(path), lr=1e-3, global_batch_size=4, micro_batch_size=2, n_samples_per_prompt=2,

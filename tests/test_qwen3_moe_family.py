@@ -17,8 +17,12 @@ from slime_spec.tiny_model import make_tiny_model
 from slime_spec.trainer import model as M
 from slime_spec.trainer import parallel
 from slime_spec.weight_sync import convert
-from tests.helpers.engine_runs import (DEVICES, assert_greedy_speculation_equals_plain,
-                                       assert_logprobs_equal_a_full_forward, run_to_completion)
+from tests.helpers.engine_runs import (
+    DEVICES,
+    assert_greedy_speculation_equals_plain,
+    assert_logprobs_equal_a_full_forward,
+    run_to_completion,
+)
 
 # The keys of Qwen/Qwen3-30B-A3B's config.json (transformers_version left out).
 QWEN3_30B_A3B_CONFIG_KEYS = {

@@ -6,8 +6,14 @@ import json
 import ray
 from ray.runtime_env.runtime_env import _merge_runtime_env
 
-from slime_spec.ray_env import (JOB_CONFIG_ENV_VAR, WORKER_SETUP_HOOK, job_runtime_env, ray_init_kwargs,
-                                runtime_env_for_init, wanted_runtime_env)
+from slime_spec.ray_env import (
+    JOB_CONFIG_ENV_VAR,
+    WORKER_SETUP_HOOK,
+    job_runtime_env,
+    ray_init_kwargs,
+    runtime_env_for_init,
+    wanted_runtime_env,
+)
 
 # What scripts/common.sh passes to `ray job submit --runtime-env-json`.
 SCRIPT_JOB_ENV = {"env_vars": {"PYTHONUNBUFFERED": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_NVLS_ENABLE": "0",

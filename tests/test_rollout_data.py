@@ -17,7 +17,8 @@ class CharTokenizer:
         return [ord(c) for c in text]
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
 
 
 def _write(tmp_path, rows):
@@ -50,7 +51,8 @@ def test_shuffle_is_seeded_per_epoch(tmp_path):
 
 
 def test_chat_template_and_errors(tmp_path):
-    path = _write(tmp_path, [{"q": "hi"}, {"q": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}])
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    path = _write(tmp_path, [{"q": "hi"}, {"q": chat}])
     ds = PromptDataset(path, CharTokenizer(), input_key="q", apply_chat_template=True)
     assert [p.text for p in ds.prompts] == ["<user>hi<assistant>", "<system>s<user>u<assistant>"]
     with pytest.raises(ValueError, match="--apply-chat-template"):

@@ -8,12 +8,12 @@ import pytest
 import ray
 
 from slime_spec.config import EngineConfig, RolloutConfig
-from slime_spec.tiny_model import make_tiny_model
-from slime_spec.rollout.debug_data import load_rollout
 from slime_spec.engines.client import EngineError
+from slime_spec.rollout.debug_data import load_rollout
 from slime_spec.rollout.manager import RolloutFailed, RolloutManagerActor, check_not_all_failed
 from slime_spec.rollout.metrics import REQUIRED_KEYS
 from slime_spec.rollout.sample import Sample, Status
+from slime_spec.tiny_model import make_tiny_model
 
 BATCH, N_SAMPLES, MAX_LEN = 4, 2, 12
 

@@ -3,10 +3,18 @@ import json
 import pytest
 
 from slime_spec.rollout.generate import apply_generate_output
-from slime_spec.rollout.metrics import (REQUIRED_KEYS, format_metrics_line, format_speedup, rollout_metrics,
-                                        slime_log_keys,
-                                        spec_summary, time_shares, wandb_logged_in, wandb_mode,
-                                        write_metrics_line)
+from slime_spec.rollout.metrics import (
+    REQUIRED_KEYS,
+    format_metrics_line,
+    format_speedup,
+    rollout_metrics,
+    slime_log_keys,
+    spec_summary,
+    time_shares,
+    wandb_logged_in,
+    wandb_mode,
+    write_metrics_line,
+)
 from slime_spec.rollout.sample import Sample, SpecStats, Status
 
 

@@ -5,8 +5,15 @@ import textwrap
 import pytest
 
 from slime_spec.config import RolloutConfig
-from slime_spec.rollout.rewards import (RULES, assign_reward, exact_match_reward, extract_answer, make_reward_fn,
-                                        math_reward, normalize_answer)
+from slime_spec.rollout.rewards import (
+    RULES,
+    assign_reward,
+    exact_match_reward,
+    extract_answer,
+    make_reward_fn,
+    math_reward,
+    normalize_answer,
+)
 from slime_spec.rollout.sample import Sample, Status
 
 # slime's rewards for realistic responses: each row's two rewards are what slime's own graders
@@ -167,59 +174,6 @@ def test_custom_rm(tmp_path, monkeypatch):
     with pytest.raises(AttributeError, match="--custom-rm-path"):
         make_reward_fn(RolloutConfig(hf_checkpoint="x", custom_rm_path="my_rm.missing"))
     sys.modules.pop("my_rm", None)
-
-
-def test_scratchpad_reward_checks_the_last_line_and_gives_partial_credit_for_steps():
-    from slime_spec.demo_task import worked_addition
-    from slime_spec.rollout.rewards import SCRATCHPAD_STEP_CREDIT, scratchpad_reward
-
-    label = worked_addition(347, 589)
-    assert scratchpad_reward(label, label) == 1.0
-    assert scratchpad_reward("garbage\nanswer: 936", label) == 1.0  # the answer is what is checked
-    wrong_answer = label.replace("answer: 936", "answer: 935")
-    assert scratchpad_reward(wrong_answer, label) == pytest.approx(SCRATCHPAD_STEP_CREDIT)
-    one_step = label.splitlines()[0] + "\nanswer: 1"
-    assert scratchpad_reward(one_step, label) == pytest.approx(SCRATCHPAD_STEP_CREDIT / 3)
-    assert scratchpad_reward("", label) == 0.0
-    with pytest.raises(ValueError, match="--label-key"):
-        scratchpad_reward("x", None)
-
-
-def test_scratchpad_step_credit_is_the_same_in_either_wording():
-    from slime_spec.demo_task import worked_addition
-    from slime_spec.rollout.rewards import SCRATCHPAD_STEP_CREDIT, scratchpad_reward, step_facts
-
-    verbose = worked_addition(347, 589)
-    terse = worked_addition(347, 589, [(True, True, True), (False, True, False), (True, False, True)])
-    assert verbose != terse
-    for a, b in zip(verbose.splitlines(), terse.splitlines()):
-        assert step_facts(a) == step_facts(b)
-    assert step_facts("ones: 7+9+0=16 -> 6 c1") != step_facts("ones: 7+9+0=16 -> 6 c0")
-    wrong_answer = terse.replace("answer: 936", "answer: 935")
-    assert scratchpad_reward(wrong_answer, verbose) == pytest.approx(SCRATCHPAD_STEP_CREDIT)
-
-
-def test_scratchpad_concise_charges_for_length_past_the_terse_solution_but_never_prefers_a_wrong_answer():
-    from slime_spec.demo_task import terse_solution, worked_addition
-    from slime_spec.rollout.rewards import (SCRATCHPAD_CHAR_COST, SCRATCHPAD_MAX_LENGTH_COST,
-                                            SCRATCHPAD_STEP_CREDIT, scratchpad_concise_reward)
-
-    verbose = worked_addition(347, 589)
-    terse = worked_addition(347, 589, [(True, True, True)] * 3)
-    mixed = worked_addition(347, 589, [(True, False, False), (False, True, True), (True, True, True)])
-    assert terse_solution(verbose) == terse_solution(mixed) == terse
-    assert scratchpad_concise_reward(terse, mixed) == 1.0  # the label's own wording does not matter
-    assert scratchpad_concise_reward(verbose, terse) == pytest.approx(
-        1.0 - SCRATCHPAD_CHAR_COST * (len(verbose) - len(terse)))
-    wrong = verbose.replace("answer: 936", "answer: 935")  # every step right, the answer wrong: partial credit, less
-    assert scratchpad_concise_reward(wrong, verbose) == pytest.approx(
-        SCRATCHPAD_STEP_CREDIT - SCRATCHPAD_CHAR_COST * (len(wrong) - len(terse)))
-    assert scratchpad_concise_reward(terse, verbose) > scratchpad_concise_reward(mixed, verbose) \
-        > scratchpad_concise_reward(verbose, verbose)
-    long_and_right = "x" * 500 + "\n" + verbose
-    assert scratchpad_concise_reward(long_and_right, verbose) == 1.0 - SCRATCHPAD_MAX_LENGTH_COST
-    assert scratchpad_concise_reward(long_and_right, verbose) > SCRATCHPAD_STEP_CREDIT  # the best a wrong one gets
-    assert scratchpad_concise_reward("x" * 500 + "\nanswer: 1", verbose) == -SCRATCHPAD_MAX_LENGTH_COST  # the floor
 
 
 def test_scratchpad_is_a_registered_rm_type():

@@ -7,7 +7,8 @@ def test_spec_counters_sum_over_requests_in_both_sglang_spellings():
     s.add_meta_info({"completion_tokens": 9, "spec_verify_ct": 3, "spec_num_correct_drafts": 6,
                      "spec_num_proposed_drafts": 9})
     # releases around PR #13754: spec_accept_token_num / spec_draft_token_num
-    s.add_meta_info({"completion_tokens": 1, "spec_verify_ct": 1, "spec_accept_token_num": 0, "spec_draft_token_num": 3})
+    s.add_meta_info({"completion_tokens": 1, "spec_verify_ct": 1, "spec_accept_token_num": 0,
+                     "spec_draft_token_num": 3})
     assert (s.completion_tokens, s.verify_ct, s.accept_token_num, s.draft_token_num) == (10, 4, 6, 12)
     assert s.accept_length == 2.5  # token-weighted over both requests, not the mean of 3.0 and 1.0
 

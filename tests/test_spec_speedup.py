@@ -5,8 +5,17 @@ import gc
 import pytest
 
 from slime_spec.args import parse_config
-from slime_spec.spec_speedup import (TimedHalf, check_config, collector_paused, due, half_order, median_half,
-                                     plain_engine_config, speedup_metrics, without_speculative_flags)
+from slime_spec.spec_speedup import (
+    TimedHalf,
+    check_config,
+    collector_paused,
+    due,
+    half_order,
+    median_half,
+    plain_engine_config,
+    speedup_metrics,
+    without_speculative_flags,
+)
 
 SPEC = ["--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-num-steps", "2",
         "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "3"]

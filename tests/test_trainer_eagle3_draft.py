@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from slime_spec.common import eagle3_draft as E
 from slime_spec.tiny_model import LLAMA31_ROPE_SCALING, main, make_tiny_eagle3_draft, make_tiny_model
-from slime_spec.trainer import eagle3_draft as E
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,8 @@ def hf_reference_step(draft: E.Eagle3Draft, embeds, aux, positions):
     mlp = LlamaMLP(LlamaConfig(hidden_size=h, intermediate_size=c["intermediate_size"], hidden_act="silu"))
     for name in ("gate_proj", "up_proj", "down_proj"):
         getattr(mlp, name).weight.data.copy_(getattr(draft.midlayer.mlp, name).weight)
-    rotary = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in c.items() if k not in ("architectures", "eagle_config")}))
+    rotary_config = LlamaConfig(**{k: v for k, v in c.items() if k not in ("architectures", "eagle_config")})
+    rotary = LlamaRotaryEmbedding(rotary_config)
 
     def rms(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c["rms_norm_eps"]) * w

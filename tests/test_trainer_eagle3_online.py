@@ -7,12 +7,12 @@ import random
 import pytest
 import torch
 
+from slime_spec.common import eagle3_draft as E
 from slime_spec.config import TrainConfig
 from slime_spec.rollout.sample import Sample
 from slime_spec.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_eagle3_draft, make_tiny_model
-from slime_spec.trainer import eagle3_draft as E
-from slime_spec.trainer import parallel
 from slime_spec.trainer import model as M
+from slime_spec.trainer import parallel
 from slime_spec.trainer.eagle3_ttt import ttt_loss
 from slime_spec.trainer.trainer import Trainer
 

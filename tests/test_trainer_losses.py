@@ -112,7 +112,8 @@ def test_collate_masks_and_pads():
     b = batch.collate([s0, s1])
     assert b.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 7, 0, 0, 0]]
     assert b.loss_mask.tolist() == [[0, 0, 1, 0, 1], [0, 0, 0, 0, 0]]
-    assert b.rollout_log_probs[0].tolist() == [0, 0, -1.0, -2.0, -3.0] and b.has_rollout_log_probs.tolist() == [True, False]
+    assert b.rollout_log_probs[0].tolist() == [0, 0, -1.0, -2.0, -3.0]
+    assert b.has_rollout_log_probs.tolist() == [True, False]
     with pytest.raises(ValueError, match="loss_mask has 2 entries"):
         batch.collate([sample(0, 0, [5], [7, 8, 9], loss_mask=[1, 1])])
 

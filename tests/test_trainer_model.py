@@ -28,8 +28,7 @@ def build(path, **train_kwargs):
 
 def hf_model(hf_config: dict, hf_state: dict, num_layers: int | None = None):
     """transformers' Llama/Qwen2/Qwen3 (MiMo's trunk is a Qwen2) with the checkpoint's trunk weights."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     fields = {k: v for k, v in hf_config.items() if k not in ("num_nextn_predict_layers", "architectures")}
     if num_layers is not None:
@@ -73,7 +72,8 @@ def mimo_mtp_step(hf_config: dict, hf_state: dict, h: torch.Tensor, next_ids: to
     emb = hf_state["model.embed_tokens.weight"][next_ids].clone()
     if zero_first:
         emb[:, 0] = 0  # SGLang zeroes the MTP token embedding at position 0
-    x = torch.cat([rms(h, hf_state[p + "hidden_layernorm.weight"]), rms(emb, hf_state[p + "token_layernorm.weight"])], -1)
+    x = torch.cat([rms(h, hf_state[p + "hidden_layernorm.weight"]),
+                   rms(emb, hf_state[p + "token_layernorm.weight"])], -1)
     x = x @ hf_state[p + "input_proj.weight"].T
     # One Qwen2 decoder layer = a one-layer Qwen2 model fed with inputs_embeds (its norm = MTP final_layernorm).
     layer_state = {k.replace(p, "model.layers.0."): v for k, v in hf_state.items()

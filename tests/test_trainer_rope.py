@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slime_spec.common import rope
 from slime_spec.config import TrainConfig
 from slime_spec.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_model
-from slime_spec.trainer import parallel, rope
 from slime_spec.trainer import model as M
+from slime_spec.trainer import parallel
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -9,7 +9,9 @@ import torch
 
 from slime_spec.rollout.sample import Sample
 from slime_spec.trainer.trainer import Trainer
-from tests.helpers.trainers import random_rollout as rollout, tiny_mimo, train_config as config
+from tests.helpers.trainers import random_rollout as rollout
+from tests.helpers.trainers import tiny_mimo
+from tests.helpers.trainers import train_config as config
 
 
 @pytest.fixture(scope="module")

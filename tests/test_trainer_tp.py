@@ -8,12 +8,13 @@ import torch
 from safetensors.torch import load_file
 
 from slime_spec.config import EngineConfig, TrainConfig
-from slime_spec.tiny_model import make_tiny_model
 from slime_spec.engines.process import engine_server_process
+from slime_spec.tiny_model import make_tiny_model
 from slime_spec.trainer import parallel
 from slime_spec.trainer.group import TrainGroup
 from slime_spec.trainer.trainer import Trainer
-from tests.helpers.tp_runs import assert_same_adam_step, local_ray_cluster, tp2_config, tp_rollout as rollout
+from tests.helpers.tp_runs import assert_same_adam_step, local_ray_cluster, tp2_config
+from tests.helpers.tp_runs import tp_rollout as rollout
 
 EAGLE = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 2, "speculative_eagle_topk": 1,
          "speculative_num_draft_tokens": 3}
@@ -64,7 +65,8 @@ def test_tp2_equals_tp1_forward_gather_and_train_step(ray_cluster, tmp_path):
         server.start(timeout_s=120)
         group.connect_engines([server.url])
         metrics = group.sync_weights("0", probe_samples=rollout())
-        assert metrics["weight_sync_params"] > 0 and metrics["weight_sync_mtp_params"] == 16  # HF tensors: q/k/v, gate/up split
+        # HF tensors: q/k/v, gate/up split
+        assert metrics["weight_sync_params"] > 0 and metrics["weight_sync_mtp_params"] == 16
         assert metrics["spec_canary_accept_length"] >= 1.0
     finally:
         group.shutdown()

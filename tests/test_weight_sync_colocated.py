@@ -177,7 +177,7 @@ def test_each_engine_tp_rank_loads_the_bucket_of_the_trainer_rank_on_its_gpu(res
 
 @pytest.mark.parametrize("case,flatten", [("tp2_flat", True), ("tp2_direct", False)])
 def test_rank_0_makes_its_entry_as_the_transport_does_and_reports_its_wait(results, case, flatten):
-    """Rank 0's own entry is staged and serialized by the tensor transport's one path (transports.stage_bucket,
+    """Rank 0's own entry is staged and serialized by the tensor transport's one path (tensor_payload.stage_bucket,
     serialize_bucket, as follow_sync does on the other ranks), so its flatten counts as flatten (it counted as
     serialize); the time it waited for the other ranks' entries is measured (weight_sync_ranks_wait_s)."""
     seconds = results[case][0]["seconds"]

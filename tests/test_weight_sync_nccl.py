@@ -11,10 +11,10 @@ the case that hung when the two sides destroyed the group one after the other.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-
-import os
 
 from slime_spec.config import WeightSyncConfig
 from slime_spec.engines.client import EngineClient, EngineGroupError

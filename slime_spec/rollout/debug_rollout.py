@@ -10,6 +10,7 @@ import ray
 
 from slime_spec.config import Config
 from slime_spec.rollout.manager import start_rollout_manager
+from slime_spec.spec_stats import accept_length
 
 
 def summarize(per_rollout: list[dict]) -> dict:
@@ -25,7 +26,7 @@ def summarize(per_rollout: list[dict]) -> dict:
         "response_tokens": tokens,
         "rollout_time_s": time_s,
         "tokens_per_s": tokens / time_s if time_s > 0 else 0.0,
-        "spec_accept_length_token_weighted": completion / verify if verify else 1.0,
+        "spec_accept_length_token_weighted": accept_length(completion, verify),
         "spec_verify_ct": verify,
         "aborted": sum(m["aborted"] for m in per_rollout),
         "reward_mean": sum(rewards) / len(rewards) if rewards else None,
@@ -38,7 +39,8 @@ def format_summary(s: dict) -> str:
     reward = "n/a" if s["reward_mean"] is None else f"{s['reward_mean']:.3f}"
     return (f"debug-rollout-only: {s['num_rollouts']} rollouts, {s['num_samples']} samples, "
             f"{s['response_tokens']} tokens in {s['rollout_time_s']:.2f}s ({s['tokens_per_s']:.1f} tok/s), "
-            f"accept length (token-weighted) {s['spec_accept_length_token_weighted']:.3f} over {s['spec_verify_ct']} verify passes, "
+            f"accept length (token-weighted) {s['spec_accept_length_token_weighted']:.3f} over "
+            f"{s['spec_verify_ct']} verify passes, "
             f"reward {reward}, aborted {s['aborted']}, engine restarts {s['engine_restarts']}")
 
 

@@ -17,8 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slime_spec.rollout.history import (HistoryStore, corpus_documents, corpus_id, fit_documents,
-                                        global_corpus_id, prompt_key)
+from slime_spec.rollout.history import (
+    HistoryStore,
+    corpus_documents,
+    corpus_id,
+    fit_documents,
+    global_corpus_id,
+    prompt_key,
+)
 from slime_spec.rollout.sample import Sample, Status
 
 REQUEST_EXTENSION = "request_extension"  # Sample.metadata key: fields default_generate adds to its /generate

@@ -4,13 +4,12 @@
 (`format_metrics_line`), to wandb (`WandbLogger`) and to `--metrics-jsonl` (`write_metrics_line`,
 which other parts call with their own keys for the same rollout line).
 
-Accept length is reported two ways because they disagree on skewed batches:
+Accept length is reported two ways because they disagree on skewed batches (definitions: spec_stats.py):
 - `spec_accept_length`: the mean of per-sample ratios, slime's meaning under slime's name (short
   samples weigh as much as long ones);
 - `spec_accept_length_token_weighted`: sum(completion_tokens) / sum(verify passes), what the engines
-  saw per verify pass.
-A sample that made several requests contributes its summed raw counters (see `SpecStats`).
-Without any verify pass (no speculation) the accept length is 1.0, as in SGLang's tests.
+  saw per verify pass, the meaning of every other accept length (canary, speed-up probe).
+A sample that made several requests contributes its summed raw counters (`SpecStats`).
 """
 
 from __future__ import annotations
@@ -25,25 +24,22 @@ from urllib.parse import urlparse
 
 from slime_spec.config import WandbConfig
 from slime_spec.rollout.sample import Sample, Status
+from slime_spec.spec_stats import SpecStats, mean_accept_length
 
 REQUIRED_KEYS = ("rollout_id", "num_samples", "response_tokens", "rollout_time_s", "tokens_per_s",
                  "spec_accept_length", "spec_verify_ct", "reward_mean", "engine_restarts")
 
 
 def spec_summary(samples: list[Sample]) -> dict:
-    """Speculative counters and ratios over a set of samples (no key prefix)."""
-    completion = sum(s.spec.completion_tokens for s in samples)
-    verify = sum(s.spec.verify_ct for s in samples)
-    ratios = [s.spec.accept_length for s in samples if s.spec.verify_ct > 0]
-    reporting = [s for s in samples if s.spec.accept_token_num is not None and s.spec.draft_token_num is not None]
-    drafted = sum(s.spec.draft_token_num for s in reporting)
+    """Speculative counters and ratios over a set of samples (no key prefix; definitions: spec_stats.py)."""
+    total = SpecStats.total(s.spec for s in samples)
     return {
-        "spec_completion_tokens": completion,
-        "spec_verify_ct": verify,
-        "spec_accept_length": sum(ratios) / len(ratios) if ratios else 1.0,
-        "spec_accept_length_token_weighted": completion / verify if verify else 1.0,
-        "spec_accept_rate": (sum(s.spec.accept_token_num for s in reporting) / drafted) if drafted else None,
-        "spec_draft_tokens": drafted if reporting else None,
+        "spec_completion_tokens": total.completion_tokens,
+        "spec_verify_ct": total.verify_ct,
+        "spec_accept_length": mean_accept_length(s.spec for s in samples),
+        "spec_accept_length_token_weighted": total.accept_length,
+        "spec_accept_rate": total.accept_rate,
+        "spec_draft_tokens": total.draft_token_num,
     }
 
 

@@ -2,7 +2,8 @@
 function (`--custom-rm-path`).
 
 `deepscaler` and `math` are slime's graders under slime's names and give slime's reward for the same response and
-label (rollout/math_grader.py). The others are slime-spec's own.
+label (rollout/math_grader.py). The others are slime-spec's own; the scratchpad ones, with the format they
+grade, are in rollout/scratchpad.py.
 
 A custom reward function is loaded by dotted path `package.module.function` and called once per
 sample, after generation, with the finished `Sample` (prompt, response, label, tokens, status,
@@ -23,9 +24,10 @@ from fractions import Fraction
 from typing import Awaitable, Callable
 
 from slime_spec.config import RolloutConfig
-from slime_spec.demo_task import terse_solution
 from slime_spec.rollout import math_grader
 from slime_spec.rollout.sample import Sample, Status
+from slime_spec.rollout.scratchpad import scratchpad_concise_reward, scratchpad_reward
+
 
 def load_function(path: str, flag: str) -> Callable:
     """`pkg.module.fn` -> the function, with an error naming the flag."""
@@ -140,50 +142,6 @@ def exact_match_reward(response: str, label: str | None) -> float:
         raise ValueError("--rm-type exact_match needs a label and this sample has none: set --label-key to the "
                          "label field of --prompt-data")
     return float(response.strip() == str(label).strip())
-
-
-SCRATCHPAD_STEP_CREDIT = 0.2
-SCRATCHPAD_CHAR_COST = 0.008  # scratchpad_concise: per character past the shortest worked solution ...
-SCRATCHPAD_MAX_LENGTH_COST = 0.5  # ... up to this, so a right answer (>= 0.5) always beats a wrong one (<= 0.2)
-
-
-def step_facts(line: str) -> tuple[str, ...]:
-    """What a scratchpad line states, whatever its wording: its numbers, in order ("ones: 7+9+0=16, write 6,
-    carry 1" and "7+9+0=16 -> 6 c1" state the same; lines are compared at the same index, which names the place)."""
-    return tuple(re.findall(r"\d+", line))
-
-
-def scratchpad_reward(response: str, label: str | None) -> float:
-    """A worked solution against the reference one (`label`: step lines, the answer on the last line).
-
-    1.0 when the response's last line equals the label's (the final answer); otherwise partial credit,
-    up to SCRATCHPAD_STEP_CREDIT, for the share of the label's step lines the response states at the
-    same line, in either wording (`step_facts`): a signal for GRPO while few answers are right, never
-    worth as much as a right answer.
-    """
-    if label is None:
-        raise ValueError("--rm-type scratchpad needs the reference solution as label: set --label-key")
-    want = label.strip().splitlines()
-    got = response.strip().splitlines()
-    if got and got[-1].strip() == want[-1].strip():
-        return 1.0
-    steps = want[:-1]
-    if not steps:
-        return 0.0
-    right = sum(i < len(got) and step_facts(got[i]) == step_facts(step) for i, step in enumerate(steps))
-    return SCRATCHPAD_STEP_CREDIT * right / len(steps)
-
-
-def scratchpad_concise_reward(response: str, label: str | None) -> float:
-    """`scratchpad_reward` less a length penalty, as RL runs that want concise reasoning add: SCRATCHPAD_CHAR_COST
-    per character past the shortest worked solution of the problem (demo_task.terse_solution), at most
-    SCRATCHPAD_MAX_LENGTH_COST, so a right answer of any length beats a wrong one. The reward lies in [-0.5, 1]:
-    a long wrong answer pays for its length too (scaling the reward down instead, so that it stayed in [0, 1],
-    left wrong answers, most samples early on, almost no length signal, and the policy's wording did not move
-    in the demo's 20 steps)."""
-    base = scratchpad_reward(response, label)
-    extra = max(0, len(response.strip()) - len(terse_solution(label)))
-    return base - min(SCRATCHPAD_MAX_LENGTH_COST, SCRATCHPAD_CHAR_COST * extra)
 
 
 RULES = {"deepscaler": deepscaler_reward, "math": slime_math_reward, "exact_match": exact_match_reward,

@@ -5,43 +5,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
+from slime_spec.spec_stats import SpecStats
+
 
 class Status(str, Enum):
     COMPLETED = "completed"
     TRUNCATED = "truncated"  # hit max_new_tokens / context length
     ABORTED = "aborted"  # failed repeatedly or was aborted; `error` says why
-
-
-@dataclass
-class SpecStats:
-    """Raw speculative counters summed over every request this sample made.
-
-    Summing raw counters (not averaging per-request ratios) keeps a sample that spans several
-    requests (partial rollout, multi-turn) weighted by its tokens.
-    """
-
-    completion_tokens: int = 0
-    verify_ct: int = 0
-    accept_token_num: int | None = None  # only where the server reports it
-    draft_token_num: int | None = None
-
-    # meta_info names of the accepted / drafted counters: SGLang 0.5.23 first, then the names of the
-    # releases around PR #13754. A server sends one spelling (the embedded engine sends both, equal).
-    ACCEPTED_KEYS = ("spec_num_correct_drafts", "spec_accept_token_num")
-    DRAFTED_KEYS = ("spec_num_proposed_drafts", "spec_draft_token_num")
-
-    def add_meta_info(self, meta: dict) -> None:
-        self.completion_tokens += int(meta.get("completion_tokens", 0))
-        self.verify_ct += int(meta.get("spec_verify_ct") or 0)
-        for keys, attr in ((self.ACCEPTED_KEYS, "accept_token_num"), (self.DRAFTED_KEYS, "draft_token_num")):
-            value = next((meta[k] for k in keys if meta.get(k) is not None), None)
-            if value is not None:
-                setattr(self, attr, (getattr(self, attr) or 0) + int(value))
-
-    @property
-    def accept_length(self) -> float:
-        """Tokens per verify pass, as SGLang's tests compute it (1.0 without a verify pass)."""
-        return self.completion_tokens / self.verify_ct if self.verify_ct else 1.0
 
 
 @dataclass

@@ -5,8 +5,6 @@ process per GPU.
 - parallel.py: torch.distributed + Megatron TP/DP groups (gloo on CPU, nccl on CUDA).
 - model.py: GPTModel from an HF config, HF weights loaded, the trunk's logits, each MTP layer's hidden states
   (and, for an EAGLE3 draft, the detached outputs of its aux layers and the embeddings).
-- rope.py: RoPE inverse frequencies, plain and Llama-3.1's llama3 scaling (as transformers computes them).
-- eagle3_draft.py: the EAGLE3 draft head in SGLang's LlamaForCausalLMEagle3 layout, one reference step.
 - eagle3_ttt.py: EAGLE3's training-time-test loss over several unrolled draft steps (pure).
 - eagle3_online.py: `OnlineDraft`, the draft trained next to the policy (--enable-draft-training).
 - losses.py: GRPO advantages, PPO clip, KL estimators, entropy, SFT and MTP losses (pure).
@@ -20,4 +18,5 @@ process per GPU.
 - checkpoint.py: --save / --load format.
 - trainer.py: `Trainer`, one process's model + optimizer + steps.
 - actor.py / group.py: `TrainActor` (Ray) and `TrainGroup` (all actors, weight sync into the engines).
+RoPE (common/rope.py) and the EAGLE3 draft head (common/eagle3_draft.py) are shared with the embedded engine.
 """

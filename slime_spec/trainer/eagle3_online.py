@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from slime_spec.common import eagle3_draft
 from slime_spec.config import TrainConfig
-from slime_spec.trainer import eagle3_draft
 from slime_spec.trainer.eagle3_ttt import TTTResult, ttt_loss
 
 METRICS = ("draft_loss", "draft_acc_step0", "draft_acc_last")

@@ -15,9 +15,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from slime_spec.trainer.eagle3_draft import Eagle3Draft
+from slime_spec.common.eagle3_draft import Eagle3Draft
 
 STEP_DECAY = 0.8
 

@@ -15,8 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from slime_spec.trainer import cpu_compat
 from slime_spec.net import free_port
+from slime_spec.trainer import cpu_compat
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ wrapper's `main_grad` buffers; this trainer runs on CPU too and reduces gradient
 from __future__ import annotations
 
 import torch
-
 from megatron.core import tensor_parallel
 
 

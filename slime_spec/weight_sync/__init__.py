@@ -5,6 +5,8 @@
 - protocol.py: which SGLang weight protocol the engine speaks, which `selector` each tensor kind gets,
   and every request body (pure).
 - transports.py: distributed (process group + broadcast), tensor (colocated), disk.
+- tensor_payload.py: tensors as `/update_weights_from_tensor` entries (CUDA IPC handles or bytes, flattened buckets).
+- colocated.py: per-rank buckets of colocated trainer ranks, each engine TP rank's entry from its own GPU.
 - verify.py: coverage of the served weights and checksum comparison (pure).
 - sglang_params.py: sent tensors -> the parameters SGLang's model classes serve, hashed by SGLang's own function.
 - readback.py: served values against the sent tensors (/get_weights_by_name slices; CPU checksums).

@@ -2,8 +2,8 @@
 
 The training loop runs it around every sync, including the full sync a restarted engine gets before it serves
 again. A fixed probe (greedy, a few prompts taken once from the policy's own recent samples) goes through
-`/generate` on every engine; accept length is summed raw counters, sum(completion_tokens) /
-sum(spec_verify_ct), as SGLang's own tests compute it. The reading before a sync is the one taken on the
+`/generate` on every engine; accept length is token-weighted, sum(completion_tokens) / sum(spec_verify_ct)
+(spec_stats.py), as SGLang's own tests compute it. The reading before a sync is the one taken on the
 weights that sync replaces: before the first sync a probe of its own, later the previous sync's reading (the
 same prompts, greedy, the same weights). `judge_canary` (pure) compares the two:
 - acceptance at about 1.0 before and after: the draft proposes nothing the target accepts yet (a fresh MTP layer,
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from slime_spec.engines.client import EngineClient
+from slime_spec.spec_stats import SpecStats
 from slime_spec.weight_sync.protocol import SpecSetup
 
 logger = logging.getLogger(__name__)
@@ -53,10 +54,8 @@ class SyncRecord:
 
 
 def accept_length(meta_infos: Sequence[dict]) -> float:
-    """sum(completion_tokens) / sum(spec_verify_ct) over the probe's requests; 1.0 without any verify pass."""
-    completion = sum(int(m.get("completion_tokens", 0)) for m in meta_infos)
-    verify = sum(int(m.get("spec_verify_ct", 0)) for m in meta_infos)
-    return completion / verify if verify else 1.0
+    """Token-weighted accept length over the probe's requests (spec_stats.py); 1.0 without any verify pass."""
+    return SpecStats.total(SpecStats.from_meta_info(m) for m in meta_infos).accept_length
 
 
 RESUME_CAUSE = ("the draft's weights were lost when engine memory was released and resumed (enable "

@@ -21,12 +21,12 @@ ends it on every rank at once. The other ranks run `follow_sync`; a failure of t
 to rank 0 in the next exchange. The train actor (trainer/actor.py) wires this up with `colocated_rank_buckets`.
 
 Why the group is gloo, on the host, with no host round trip of the weights: on GPU each rank's bucket is made and
-kept on its own device (transports.stage_bucket flattens it there) and its entry is a base64 string naming a
+kept on its own device (tensor_payload.stage_bucket flattens it there) and its entry is a base64 string naming a
 CUDA IPC handle, with the bucket's metadata (KiB, not the bucket's bytes). What the group carries (bucket names,
 entries, outcomes) is host objects the HTTP body is made of: gloo moves them as they are, where an NCCL object
 collective would copy each pickle to the device and back and queue on the trainer's stream. Only a CPU bucket
 travels inline in its entry (bytes in the pickle): a CPU tensor has no handle another process can open
-(transports.serialize_named_tensors), and it is in host memory already.
+(tensor_payload.serialize_named_tensors), and it is in host memory already.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Iterable
 import torch.distributed as dist
 
 from slime_spec.weight_sync.gather import Bucket, NamedTensor, make_buckets, only_wanted_kinds
-from slime_spec.weight_sync.transports import serialize_bucket, stage_bucket
+from slime_spec.weight_sync.tensor_payload import serialize_bucket, stage_bucket
 
 logger = logging.getLogger(__name__)
 

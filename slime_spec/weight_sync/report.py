@@ -65,7 +65,8 @@ class SyncReport:
         """The keys the training loop merges into each rollout's metrics line."""
         return {"weight_sync_s": self.seconds, "weight_sync_gbps": self.gbps, "rollout_paused_s": self.seconds,
                 "weight_sync_params": self.target_tensors, "weight_sync_mtp_params": self.mtp_tensors,
-                "weight_sync_draft_params": self.draft_tensors, "weight_sync_bytes": self.bytes, "weight_sync_buckets": self.buckets,
+                "weight_sync_draft_params": self.draft_tensors, "weight_sync_bytes": self.bytes,
+                "weight_sync_buckets": self.buckets,
                 "weight_sync_checked": int(self.checked), "weight_sync_covered": int(self.covered),
                 **self.split.metrics()}
 

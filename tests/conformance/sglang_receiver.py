@@ -26,8 +26,9 @@ def main(plan_path: str, out_path: str) -> int:
     dist.init_process_group("gloo", init_method=f"file://{plan['default_group_file']}", rank=0, world_size=1)
     unused = None
     updater = WeightUpdater(tp_rank=plan["tp_rank"], device="cpu", gpu_id=0, model_config=unused,
-                            custom_weight_loaders={}, get_model=lambda: unused, update_model_fields=lambda *a, **k: None,
-                            recapture_cuda_graph=lambda: None, get_model_runner=lambda: unused)
+                            custom_weight_loaders={}, get_model=lambda: unused,
+                            update_model_fields=lambda *a, **k: None, recapture_cuda_graph=lambda: None,
+                            get_model_runner=lambda: unused)
     ok, message = updater.init_weights_update_group(plan["master_address"], plan["master_port"], plan["rank_offset"],
                                                     plan["world_size"], plan["group_name"], backend="gloo")
     if not ok:

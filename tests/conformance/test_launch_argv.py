@@ -50,7 +50,8 @@ def stand_in_checkpoints(base: Path) -> Path:
 
 def script_flags(name: str, base: Path, log: Path, env: dict) -> list[str]:
     fake = write_executable(log / "fake-python", FAKE_DOCTOR)
-    proc = subprocess.run(["bash", str(SCRIPTS / name)], env=script_env(base, PYTHON=str(fake), FAKE_LOG=str(log), **env),
+    proc = subprocess.run(["bash", str(SCRIPTS / name)],
+                          env=script_env(base, PYTHON=str(fake), FAKE_LOG=str(log), **env),
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     return (log / "doctor.args").read_text().splitlines()[2:]

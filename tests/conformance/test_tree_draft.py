@@ -45,7 +45,7 @@ def test_draft_loop_and_selection_follow_sglang(b, topk, steps, tokens):
     topk_p, topk_index = draft_probs(b)
     hidden = torch.randn(b, hidden_size, generator=gen)
     # SGLang's loop
-    scores, sg_levels, sg_hidden = None, [], []
+    scores, sg_levels = None, []
     # ours
     frontier, our_scores, level = tree.first_level(topk_p, topk_index)
     our_levels = [level]

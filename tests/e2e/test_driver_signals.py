@@ -14,7 +14,8 @@ import pytest
 from tests.e2e.run_processes import Run, make_run_inputs, wait_gone
 
 GONE_WITHIN_S = 15.0  # after the driver exits, every process of the run is gone within this
-DRIVER_EXIT_S = 60.0  # a graceful unwind (engines, Ray) takes a few seconds; a generous bound for a loaded 2-core machine
+# a graceful unwind (engines, Ray) takes a few seconds; a generous bound for a loaded 2-core machine
+DRIVER_EXIT_S = 60.0
 
 
 @pytest.fixture(scope="module")

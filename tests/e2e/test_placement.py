@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from slime_spec.tiny_model import make_tiny_model
 from slime_spec.placement import create_placement, remove_placement
+from slime_spec.tiny_model import make_tiny_model
 from slime_spec.train import main
 
 ROOT = Path(__file__).resolve().parents[2]

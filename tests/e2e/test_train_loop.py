@@ -71,7 +71,8 @@ def test_colocate_two_steps(setup):
     assert [m["rollout_id"] for m in steps] == [0, 1]
     for m in steps:
         assert m["num_samples"] == 4 and m["spec_accept_length"] >= 1.0
-        assert m["weight_sync_params"] > 0 and m["weight_sync_mtp_params"] > 0  # target AND MTP layers reached the engine
+        # target AND MTP layers reached the engine
+        assert m["weight_sync_params"] > 0 and m["weight_sync_mtp_params"] > 0
         assert m["spec_canary_accept_length"] >= 1.0 and "loss" in m
     summary = json.loads((root / "colocate" / "summary.json").read_text())
     assert summary["num_steps"] == STEPS and (root / "colocate" / "plot.png").stat().st_size > 1000
@@ -119,7 +120,8 @@ def test_demo_smoke_writes_sane_outputs(tmp_path):
     for run in ("mtp_trained", "draft_frozen"):
         assert summary["spec_speedup"][run] > 0
     assert summary["draft_frozen"]["spec_speedup_frozen"] == summary["spec_speedup"]["draft_frozen"]
-    assert "(draft frozen)" in proc.stdout and (out / "run" / "spec_speedup" / "frozen_engine" / "engine_0.log").exists()
+    assert "(draft frozen)" in proc.stdout
+    assert (out / "run" / "spec_speedup" / "frozen_engine" / "engine_0.log").exists()
     assert "spec_speedup" in proc.stdout and "did NOT rise" not in proc.stdout
     assert "smoke run: too few steps to learn" in proc.stdout
     # where the rollout's time went (engine phases, outside the engine) and accept length both ways

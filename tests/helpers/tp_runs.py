@@ -8,8 +8,15 @@ from contextlib import contextmanager
 import ray
 import torch
 
-from slime_spec.config import (ClusterConfig, Config, EngineConfig, RolloutConfig, TrainConfig, WandbConfig,
-                               WeightSyncConfig)
+from slime_spec.config import (
+    ClusterConfig,
+    Config,
+    EngineConfig,
+    RolloutConfig,
+    TrainConfig,
+    WandbConfig,
+    WeightSyncConfig,
+)
 from slime_spec.rollout.sample import Sample
 
 

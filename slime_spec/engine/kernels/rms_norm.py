@@ -53,7 +53,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
     n = x.shape[-1]
     if weight.shape != (n,) or (delta is not None and delta.shape != x.shape):
         raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, delta "
-                         f"{None if delta is None else tuple(delta.shape)}: the weight must be [{n}] and delta x's shape")
+                         f"{None if delta is None else tuple(delta.shape)}: "
+                         f"the weight must be [{n}] and delta x's shape")
     x2 = as_rows(x)
     d2 = as_rows(delta) if delta is not None else x2
     rows = x2.shape[0]

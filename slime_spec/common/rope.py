@@ -4,7 +4,8 @@ Llama-3.1 stretches the low frequencies of RoPE by `factor` (wavelengths longer 
 original_max_position_embeddings / low_freq_factor), keeps the high ones (shorter than
 original_max_position_embeddings / high_freq_factor), and blends linearly in between: the rule
 transformers applies (`rope_type: llama3`) and SGLang serves. Megatron's own `rope_scaling` hard-codes
-factor 8 / 1 / 4 / 8192, so the trainer computes the table here from the checkpoint's numbers.
+factor 8 / 1 / 4 / 8192, so the trainer computes the table here from the checkpoint's numbers (the embedded
+engine computes its own with the same functions).
 """
 
 from __future__ import annotations

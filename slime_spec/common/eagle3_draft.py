@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slime_spec.trainer import rope
+from slime_spec.common import rope
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 AUX_IDS_FIELD = "eagle_aux_hidden_state_layer_ids"  # in the draft config's `eagle_config`
