@@ -163,8 +163,8 @@ class EngineClient:
 
         generate=False: SGLang's /ping (200 while generation is paused for a weight sync or memory is released),
         the check during a rollout or a sync; its 503 means SGLang marked the server unhealthy (a failed health
-        check), or, on the embedded engine, that one operation has run past SGLANG_HEALTH_CHECK_TIMEOUT, as a
-        weight update waiting for a dead peer does. generate=True: /health_generate, one token generated within
+        check). /ping reads a flag only: a scheduler blocked in a collective still answers 200, so a sync names
+        such engines itself (WeightSyncError.stuck_urls). generate=True: /health_generate, one token generated within
         SGLANG_HEALTH_CHECK_TIMEOUT (503 after it, and while paused or released), so only for an engine that
         should be serving. Silence past `timeout_s` (default `probe_timeout_s(generate)`) is a hang, as a
         stopped process gives. Servers without the route (404: older SGLang) fall back to /health.

@@ -37,25 +37,21 @@ def assert_logprobs_equal_a_full_forward(model, requests, outs, device) -> None:
 def assert_greedy_speculation_equals_plain(target, draft, make_requests) -> list:
     """NGRAM and a STANDALONE `draft` each decode greedily the tokens plain decoding of `target` does, verifying
     drafts on the way; the speculative engines, for further checks."""
-    from slime_spec.engine.core import EngineCore, SpecConfig
+    from slime_spec.engine.core import SpecConfig
     from slime_spec.spec import resolve_or_raise
 
-    plain = EngineCore(str(target), None, max_running_requests=4)
-    base = run_to_completion(plain, make_requests(plain.tokenizer))
     ngram = resolve_or_raise({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4})
-    engines = []
-    for spec in (ngram, SpecConfig("STANDALONE", 3, 1, 4, str(draft))):
-        engine = EngineCore(str(target), spec, max_running_requests=4)
-        outs = run_to_completion(engine, make_requests(engine.tokenizer))
-        assert {r: o.output_ids for r, o in outs.items()} == {r: o.output_ids for r, o in base.items()}, spec
-        assert sum(o.spec_verify_ct for o in outs.values()) > 0
-        engines.append(engine)
-    return engines
+    specs = (ngram, SpecConfig("STANDALONE", 3, 1, 4, str(draft)))
+    return [engine for engine, _ in _greedy_runs_equal_plain(target, specs, make_requests)]
 
 
 def assert_greedy_with_specs_equals_plain(target, specs, make_requests) -> list:
     """Engines of `target` with each of `specs` (e.g. a model's own MTP layer: NEXTN, an EAGLE tree) decode greedily
     the tokens plain decoding does, verifying drafts on the way; their outputs, for further checks."""
+    return [outs for _, outs in _greedy_runs_equal_plain(target, specs, make_requests)]
+
+
+def _greedy_runs_equal_plain(target, specs, make_requests) -> list:
     from slime_spec.engine.core import EngineCore
 
     plain = EngineCore(str(target), None, max_running_requests=4)
@@ -66,5 +62,5 @@ def assert_greedy_with_specs_equals_plain(target, specs, make_requests) -> list:
         outs = run_to_completion(engine, make_requests(engine.tokenizer))
         assert {r: o.output_ids for r, o in outs.items()} == {r: o.output_ids for r, o in base.items()}, spec
         assert sum(o.spec_verify_ct for o in outs.values()) > 0
-        runs.append(outs)
+        runs.append((engine, outs))
     return runs
