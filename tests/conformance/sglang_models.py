@@ -150,5 +150,23 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+SKIPPED_BY_SGLANG = ("cos_sin_cache",)  # rotary caches: derived, never hashed (weight_checker.py)
+
+
+def assert_served_equals_sglang(case: dict, layouts: dict) -> None:
+    """Every tensor SGLang's runners hold (`case["state"][role]`) equals our model of the served layout of what was
+    sent (`sglang_params.served_tensors`), name for name, dtype and bits."""
+    import torch
+
+    from slime_spec.weight_sync.sglang_params import served_tensors
+
+    for role, layout in layouts.items():
+        theirs = {n: t for n, t in case["state"][role].items() if not n.endswith(SKIPPED_BY_SGLANG)}
+        mine = served_tensors(case["sent"], layout)
+        assert sorted(mine) == sorted(theirs), role
+        for name, tensor in theirs.items():
+            assert mine[name].dtype == tensor.dtype and torch.equal(mine[name], tensor), f"{role}:{name}"
+
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -35,11 +35,10 @@ import pytest
 import torch
 
 from slime_spec.weight_sync import verify
-from slime_spec.weight_sync.sglang_params import RunnerLayout, ServedChecksums, served_tensors
-from tests.conformance.sglang_models import answers_in_own_process
+from slime_spec.weight_sync.sglang_params import RunnerLayout, ServedChecksums
+from tests.conformance.sglang_models import answers_in_own_process, assert_served_equals_sglang
 
 CASES = {"deepseek_v3": dict(dtype="bfloat16", seed=41), "glm4_moe": dict(dtype="bfloat16", seed=42)}
-SKIPPED_BY_SGLANG = ("cos_sin_cache",)  # rotary caches: derived, never hashed
 
 
 def megatron_weights(checkpoint: Path, config: dict) -> list[tuple[str, torch.Tensor]]:
@@ -159,12 +158,7 @@ def test_sglang_nextn_draft_loads_the_mtp_layer(cases, arch):
 @pytest.mark.parametrize("arch", CASES)
 def test_served_layout_equals_sglang_parameters_by_value(cases, arch):
     c = cases[arch]
-    for role, layout in layouts(c).items():
-        theirs = {n: t for n, t in c["state"][role].items() if not n.endswith(SKIPPED_BY_SGLANG)}
-        mine = served_tensors(c["sent"], layout)
-        assert sorted(mine) == sorted(theirs), role
-        for name, tensor in theirs.items():
-            assert mine[name].dtype == tensor.dtype and torch.equal(mine[name], tensor), f"{role}:{name}"
+    assert_served_equals_sglang(c, layouts(c))
 
 
 @pytest.mark.parametrize("arch", CASES)

@@ -23,9 +23,8 @@ from safetensors.torch import load_file
 
 from slime_spec.weight_sync import convert
 from slime_spec.weight_sync.sglang_params import RunnerLayout, ServedChecksums, served_tensors
-from tests.conformance.sglang_models import answers_in_own_process
+from tests.conformance.sglang_models import answers_in_own_process, assert_served_equals_sglang
 
-SKIPPED_BY_SGLANG = ("cos_sin_cache",)  # rotary caches: derived, never hashed (weight_checker.py)
 ARCHS = ["mimo", "llama", "qwen2", "qwen3_moe"]
 
 
@@ -114,12 +113,7 @@ def test_trainer_checksums_equal_sglang_weight_checker(cases, arch):
 def test_served_tensors_equal_sglang_parameters_by_value(cases, arch):
     """Not only the hashes: every tensor SGLang's model holds equals ours, name for name, bit for bit."""
     case = cases[arch]
-    for role, layout in layouts(case).items():
-        theirs = {n: t for n, t in case["state"][role].items() if not n.endswith(SKIPPED_BY_SGLANG)}
-        mine = served_tensors(case["sent"], layout)
-        assert sorted(mine) == sorted(theirs), role
-        for name, tensor in theirs.items():
-            assert mine[name].dtype == tensor.dtype and torch.equal(mine[name], tensor), f"{role}:{name}"
+    assert_served_equals_sglang(case, layouts(case))
 
 
 def test_sglang_pads_the_vocabulary_with_zero_rows(cases):
