@@ -38,10 +38,9 @@ def make_trainer(model: Path, size: dict, seed: int, bf16: bool, out: str):
     """A trainer with the demo's SFT flags (demo.sft_argv), in this process."""
     import torch
 
-    from slime_spec import demo
-    from slime_spec.args import parse_config
+    from slime_spec.config.args import parse_config
+    from slime_spec.demo import run as demo
     from slime_spec.trainer.trainer import Trainer
-
     config, _ = parse_config(demo.sft_argv(model, size, seed, Path(out), bf16=bf16))
     torch.manual_seed(seed)
     return Trainer(config.train)
@@ -63,10 +62,9 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from slime_spec import demo
-    from slime_spec.logging_setup import quiet_known_noise
+    from slime_spec.common.logging_setup import quiet_known_noise
+    from slime_spec.demo import run as demo
     from slime_spec.trainer import parallel
-
     quiet_known_noise()
     size = demo.SIZES["smoke" if a.quick else "full"]
     steps = a.steps or size["sft_steps"]

@@ -2,7 +2,7 @@
 
     python bench/eagle3_online.py [--smoke] [--out DIR] [--seed N] [--policy-lr LR] [--reuse-models]
 
-The demo's structure (slime_spec/demo.py) on a Llama-shaped policy:
+The demo's structure (slime_spec/demo/run.py) on a Llama-shaped policy:
 1. A tiny Llama (llama3 RoPE scaling) and the demo's task (scratchpad addition, `--rm-type scratchpad`).
 2. The demo's SFT warm-up of the policy (the trainer, no MTP layer).
 3. An EAGLE3 draft trained briefly offline on the SFT'd policy's own sampled outputs (bench/engine_models.py:
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from engine_models import sample_outputs, train_eagle3_draft  # run as `python bench/eagle3_online.py`
 
-from slime_spec import demo
+from slime_spec.demo import run as demo
 
 SIZES = {  # the demo's keys, plus the offline draft's training
     "full": dict(hidden=96, layers=6, ffn=288, sft_steps=150, sft_batch=32, n_train=2000, n_eval=16,
@@ -100,8 +100,7 @@ def table(runs: dict[str, dict]) -> str:
 
 
 def finish(out: Path, online: dict, frozen: dict, title: str, elapsed_s: float, smoke: bool) -> bool:
-    from slime_spec.loop_report import plot
-
+    from slime_spec.driver.report import plot
     plot(online["rollouts"], out / "plot.png", title, extra={FROZEN: frozen["rollouts"]}, label=ONLINE)
     held, sentence = verdict(online, frozen)
     if smoke:
@@ -118,8 +117,7 @@ def finish(out: Path, online: dict, frozen: dict, title: str, elapsed_s: float, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from slime_spec.logging_setup import quiet_known_noise
-
+    from slime_spec.common.logging_setup import quiet_known_noise
     quiet_known_noise()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="a tiny run through every stage (no verdict)")

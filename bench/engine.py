@@ -51,10 +51,10 @@ from engine_models import (  # run as `python bench/engine.py`
     trained_mtp_model,
 )
 
-from slime_spec.engine.core import EngineCore, Request, SamplingParams
+from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
 from slime_spec.rollout.data import read_jsonl
-from slime_spec.spec import resolve, resolve_or_raise
-from slime_spec.tiny_model import CHARACTERS, full_vocab_size, make_tiny_model
+from slime_spec.speculative.settings import resolve, resolve_or_raise
+from slime_spec.tools.tiny_model import CHARACTERS, full_vocab_size, make_tiny_model
 
 REPETITIVE = ["the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat",
               "1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2 3",

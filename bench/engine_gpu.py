@@ -43,13 +43,13 @@ import torch
 from engine_models import make_exact_pair, save_checkpoint, sft_target  # run as `python bench/engine_gpu.py`
 from step_profile_gpu import StepPhases
 
-from slime_spec.demo_task import split_problems
-from slime_spec.engine.core import EngineCore, Request, SamplingParams
-from slime_spec.engine.cuda_graph import CudaGraphSettings
+from slime_spec.demo.task import split_problems
 from slime_spec.engine.kernels.ops import Kernels
-from slime_spec.engine.model import CausalLM, load_model
-from slime_spec.spec import SpecConfig, resolve_or_raise
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
+from slime_spec.engine.model_executor.cuda_graph import CudaGraphSettings
+from slime_spec.engine.model_executor.model import CausalLM, load_model
+from slime_spec.speculative.settings import SpecConfig, resolve_or_raise
+from slime_spec.tools.tiny_model import make_tiny_model
 
 SHAPES = {"full": dict(hidden_size=1536, num_layers=24, num_heads=12, num_kv_heads=2, intermediate_size=4096),
           "quick": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512)}
@@ -126,7 +126,7 @@ def run_long_tail(core: EngineCore, batch: list[list[int]], lengths: list[int], 
 
 # ---- the target: random, or trained on the scratchpad task (so its outputs have structure a draft can learn)
 class ScratchpadTask:
-    """Worked-addition problems (slime_spec.demo_task) for the trained target: training rows over 1..5-digit
+    """Worked-addition problems (slime_spec.demo.task) for the trained target: training rows over 1..5-digit
     operands, and held-out prompts as token ids, handed out without repeats (`take`) so no row of the speculative
     table sees a prompt twice (NGRAM's cache keeps what it saw)."""
 

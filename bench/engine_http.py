@@ -35,7 +35,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.tools.tiny_model import make_tiny_model
 
 SCHEDULER_TITLE = "sglang::schedul"  # the scheduler process's title (psutil gives it whole, the kernel 15 characters)
 
@@ -131,9 +131,8 @@ def server_process(model: str, max_running: int, log_dir: Path, baseline_path: s
     directory that `-m` puts first on sys.path)."""
     import sys
 
-    from slime_spec.engines.process import ServerProcess, embedded_server_process
-    from slime_spec.net import free_port
-
+    from slime_spec.common.net import free_port
+    from slime_spec.fleet.process import ServerProcess, embedded_server_process
     flags = ["--max-running-requests", str(max_running), "--skip-server-warmup", *server_flags]
     if baseline_path is None:
         return embedded_server_process(model, flags, log_path=log_dir / (log_name or "server.log"))

@@ -2,7 +2,8 @@
 learn from the target's own outputs (the regime where speculation should pay): a MiMo with its MTP layer, and a
 Llama (llama3 RoPE) with an EAGLE3 draft head.
 
-Training runs the engine's own model (slime_spec.engine.model) with autograd: a fresh KV cache per batch is just
+Training runs the engine's own model (slime_spec.engine.model_executor.model) with autograd: a fresh KV cache per batch
+is just
 scratch space. Trained checkpoints are cached under `--model-cache` by their settings, so reruns only measure.
 """
 
@@ -20,9 +21,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from slime_spec.common import eagle3_draft
-from slime_spec.demo_task import split_problems
-from slime_spec.engine.model import CausalLM, hf_weight_names, load_model
-from slime_spec.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_eagle3_draft, make_tiny_model
+from slime_spec.demo.task import split_problems
+from slime_spec.engine.model_executor.model import CausalLM, hf_weight_names, load_model
+from slime_spec.tools.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_eagle3_draft, make_tiny_model
 from slime_spec.trainer.eagle3_ttt import ttt_loss
 
 TRAIN_BATCH = 16  # sequences per training step: small, so a CPU trains the bench's model in minutes
@@ -172,8 +173,7 @@ def save_checkpoint(model: CausalLM, like: Path, out: Path) -> Path:
 
 def sample_outputs(model_path: Path, prompts: list[list[int]], max_new: int, seed: int) -> list[tuple[list[int], int]]:
     """The target's own temperature-1 completions (prompt + output, prompt length): what the MTP layer learns."""
-    from slime_spec.engine.core import EngineCore, Request, SamplingParams
-
+    from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
     core = EngineCore(str(model_path), None, max_running_requests=64, seed=seed)
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new)
     for i, p in enumerate(prompts):

@@ -2,7 +2,7 @@
 
     python bench/history.py [--quick] [--steps N] [--methods ...] [--max-tokens N ...] [--out FILE]
 
-Task: the demo's scratchpad addition (slime_spec/demo_task.py: "347+589=" answered column by column, ~100
+Task: the demo's scratchpad addition (slime_spec/demo/task.py: "347+589=" answered column by column, ~100
 tokens), every prompt sampled n times per step and again every step (one step is one epoch), so answers repeat
 across epochs with variation. Policy: the demo's tiny MiMo (6 layers + 1 MTP layer, hidden 128, character
 tokenizer) after a brief bench-local SFT of the policy and its MTP layer (cached under --sft-dir), so answers
@@ -33,16 +33,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from slime_spec.demo_task import split_problems
-from slime_spec.engine.core import EngineCore, Request, SamplingParams
+from slime_spec.demo.task import split_problems
 from slime_spec.engine.drafters.history import HistoryRef
-from slime_spec.engine.model import CausalLM, hf_weight_names, load_model
+from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
+from slime_spec.engine.model_executor.model import CausalLM, hf_weight_names, load_model
 from slime_spec.rollout.history import HistoryStore
 from slime_spec.rollout.history_sync import REQUEST_EXTENSION, HistorySync
 from slime_spec.rollout.sample import Sample
 from slime_spec.rollout.scratchpad import scratchpad_reward
-from slime_spec.spec import resolve_or_raise
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.speculative.settings import resolve_or_raise
+from slime_spec.tools.tiny_model import make_tiny_model
 
 METHODS = ("plain", "ngram", "history-group", "history-epochs", "history-both", "mtp", "mtp+history")
 MODEL = dict(hidden_size=128, num_layers=6, intermediate_size=384, num_heads=4, num_kv_heads=2)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from slime_spec.engine.kernels.decode_attention import decode_attention
 from slime_spec.engine.kernels.gemv import GemvConfig, gemv, gemv_config
 from slime_spec.engine.kernels.rms_norm import rms_norm
-from slime_spec.engine.model import RMSNorm, apply_rope, causal_mask, rope_cos_sin
+from slime_spec.engine.model_executor.model import RMSNorm, apply_rope, causal_mask, rope_cos_sin
 
 SHAPE = dict(hidden=1536, layers=24, heads=12, kv_heads=2, head_dim=128, ffn=4096, vocab=32000)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 import ray
 
-from slime_spec.config import EngineConfig, RolloutConfig
+from slime_spec.config.run_config import EngineConfig, RolloutConfig
 from slime_spec.rollout.data import PromptDataset
 from slime_spec.rollout.manager import RolloutManagerActor
 from slime_spec.rollout.sampling_params import sampling_params
@@ -64,8 +64,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench_rollout_"))
     model = args.model_path
     if model is None:
-        from slime_spec.tiny_model import make_tiny_model
-
+        from slime_spec.tools.tiny_model import make_tiny_model
         model = str(make_tiny_model(work / "llama", arch="llama"))
     write_prompts(work / "prompts.jsonl", args.num_samples)
     rollout = RolloutConfig(hf_checkpoint=model, prompt_data=str(work / "prompts.jsonl"), label_key="label",

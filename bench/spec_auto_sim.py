@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from slime_spec.engine.spec_policy import AutoSteps, expected_tokens
+from slime_spec.engine.speculative.policy import AutoSteps, expected_tokens
 
 
 def main(argv: list[str] | None = None) -> None:

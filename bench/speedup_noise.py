@@ -74,8 +74,7 @@ def table(seconds: dict[str, list[float]], stalls: dict[str, list[float]], repea
 
 
 def prompts_for(tokenizer, n_prompts: int, samples: int, seed: int) -> list[list[int]]:
-    from slime_spec.demo_task import split_problems
-
+    from slime_spec.demo.task import split_problems
     rows, _ = split_problems(n_prompts, 0, seed + 1, digits=3)
     return [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in rows for _ in range(samples)]
 
@@ -85,10 +84,9 @@ def main(argv=None) -> int:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from slime_spec.engines.client import EngineAuth
-    from slime_spec.engines.process import embedded_server_process
-    from slime_spec.spec_speedup import collector_paused, time_generation
-
+    from slime_spec.fleet.client import EngineAuth
+    from slime_spec.fleet.process import embedded_server_process
+    from slime_spec.speculative.speedup import collector_paused, time_generation
     a = parse_args(argv)
     model = Path(a.model)
     if not (model / "config.json").exists():

@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from slime_spec.engine.core import EngineCore, Request, SamplingParams
-from slime_spec.engine.cuda_graph import CudaGraphSettings
-from slime_spec.spec import SpecConfig
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
+from slime_spec.engine.model_executor.cuda_graph import CudaGraphSettings
+from slime_spec.speculative.settings import SpecConfig
+from slime_spec.tools.tiny_model import make_tiny_model
 
 GAP_US = 4.0  # gaps between kernels at most this long count as launch latency, longer ones as waits for the host
 SHAPE = dict(hidden_size=1536, num_layers=24, num_heads=12, num_kv_heads=2, intermediate_size=4096, vocab_size=32000)

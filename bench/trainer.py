@@ -73,7 +73,6 @@ def sample_lengths(a, rng) -> list[int]:
 
 def make_samples(lengths: list[int], a, rng):
     from slime_spec.rollout.sample import Sample
-
     out = []
     for i, n in enumerate(lengths):
         tokens = [rng.randrange(5, a.vocab_size) for _ in range(n)]
@@ -90,7 +89,6 @@ def time_steps(train_config, samples, steps: int, split: bool = False) -> tuple[
 
     from slime_spec.trainer.timing import PartTimer
     from slime_spec.trainer.trainer import Trainer
-
     trainer = Trainer(train_config)
     plan = trainer.plan(samples)
     trainer.train_step(samples, 0)
@@ -129,11 +127,10 @@ def main(argv=None) -> None:
 
     import torch
 
-    from slime_spec.config import TrainConfig
-    from slime_spec.tiny_model import make_tiny_model
+    from slime_spec.config.run_config import TrainConfig
+    from slime_spec.tools.tiny_model import make_tiny_model
     from slime_spec.trainer import parallel
     from slime_spec.trainer.timing import PARTS
-
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU here; use --device cpu (or --quick)")
     parallel.init_single_process(seed=a.seed)

@@ -32,10 +32,10 @@ from pathlib import Path
 import requests
 import torch
 
-from slime_spec.config import TrainConfig, WeightSyncConfig
-from slime_spec.engines.client import EngineClient
-from slime_spec.net import free_port
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.common.net import free_port
+from slime_spec.config.run_config import TrainConfig, WeightSyncConfig
+from slime_spec.fleet.client import EngineClient
+from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.weight_sync.gather import iter_hf_tensors
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer
@@ -84,8 +84,7 @@ def visible_gpus(gpus: str | None):
 
 def receiver(port: int, specs: list[tuple[list[int], str]], backend: str, device: str, rounds: int) -> None:
     """The raw baseline's other end: join the group and receive each tensor, `rounds` times."""
-    from slime_spec.dist_group import WeightUpdateGroup
-
+    from slime_spec.common.dist_group import WeightUpdateGroup
     group = WeightUpdateGroup("127.0.0.1", port, rank=1, world_size=2, group_name="raw", backend=backend)
     buffers = [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for shape, dtype in specs]
     for _ in range(rounds):
@@ -100,8 +99,7 @@ class RawBroadcast:
     def __init__(self, tensors: list[torch.Tensor], backend: str, device: str, recv_gpu: str | None, rounds: int):
         import torch.multiprocessing as mp
 
-        from slime_spec.dist_group import WeightUpdateGroup
-
+        from slime_spec.common.dist_group import WeightUpdateGroup
         port = free_port()
         specs = [(list(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
         recv_device = "cuda:0" if backend == "nccl" else "cpu"
@@ -156,7 +154,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from slime_spec.trainer import model as M
     from slime_spec.trainer import parallel
-
     work = Path(tempfile.mkdtemp(prefix="bench_weight_sync_"))
     preset = PRESETS[a.preset]
     hidden = a.hidden_size or preset["hidden_size"]

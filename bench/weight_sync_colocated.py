@@ -33,19 +33,18 @@ import requests
 import torch
 
 from bench.weight_sync import PRESETS, add_shape_args, start_engine
-from slime_spec.config import TrainConfig, WeightSyncConfig
-from slime_spec.engines.client import EngineClient
+from slime_spec.config.run_config import TrainConfig, WeightSyncConfig
+from slime_spec.fleet.client import EngineClient
 from slime_spec.weight_sync.gather import iter_hf_tensors
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer
-from slime_spec.weight_sync.transports import TensorTransport, engine_timing
+from slime_spec.weight_sync.transports.http_transports import TensorTransport, engine_timing
 
 ENGINE_FLAGS = ("--disable-cuda-graph", "--context-length", "256", "--max-running-requests", "2")  # start fast
 
 
 def model_config(a) -> dict:
-    from slime_spec.tiny_model import make_config
-
+    from slime_spec.tools.tiny_model import make_config
     preset = PRESETS[a.preset]
     hidden = a.hidden_size or preset["hidden_size"]
     return make_config("mimo", vocab_size=a.vocab or preset["vocab_size"], hidden_size=hidden,
@@ -59,8 +58,7 @@ def cached_checkpoint(cache: Path, config: dict, model) -> Path:
     """The checkpoint the engine starts from: written from `model` the first time this shape is asked for."""
     from safetensors.torch import save_file
 
-    from slime_spec.tiny_model import BOS_ID, EOS_ID, PAD_ID, write_tokenizer
-
+    from slime_spec.tools.tiny_model import BOS_ID, EOS_ID, PAD_ID, write_tokenizer
     key = (f"mimo-h{config['hidden_size']}-l{config['num_hidden_layers']}-v{config['vocab_size']}-"
            f"i{config['intermediate_size']}-{config['torch_dtype']}")
     path = cache / key
@@ -133,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from slime_spec.trainer import model as M
     from slime_spec.trainer import parallel
-
     parallel.init_single_process(seed=0)
     config = model_config(a)
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 # Launch steps shared by scripts/run-*.sh. Source it, then call `slime_spec_launch <train flags>`.
 #
 #   1. The environment overrides below are applied to the script's flags (then EXTRA_ARGS, last wins).
-#   2. `$PYTHON -m slime_spec.doctor <flags>`: stop with exit code 2 and the doctor's message on an error.
+#   2. `$PYTHON -m slime_spec.doctor.diagnose <flags>`: stop with exit code 2 and the doctor's message on an error.
 #      DOCTOR_ONLY=1 stops here (exit 0 when the configuration is clean).
 #   3. With RAY_ADDRESS set: the job goes to that cluster (started by you; this script never stops it).
 #      Without it: `ray start --head --block` in the background, in its own process group and temp dir, every
@@ -218,7 +218,7 @@ slime_spec_port_open() {
 slime_spec_start_head() {
    local -a ports
    read -r -a ports < <(PYTHONPATH="$1" "$2" -c 'import sys
-from slime_spec.net import free_ports
+from slime_spec.common.net import free_ports
 print(*free_ports(9, sys.argv[1]))' "$MASTER_ADDR")
    if [ "${#ports[@]}" != 9 ]; then
       echo "[slime-spec] could not choose free ports for the Ray head on $MASTER_ADDR (PYTHON=$2)" >&2
@@ -279,11 +279,11 @@ slime_spec_launch() {
    SLIME_SPEC_RAY=("$(dirname -- "$py")/ray")
    [ -x "${SLIME_SPEC_RAY[0]}" ] || SLIME_SPEC_RAY=("$py" -m ray.scripts.scripts)
 
-   echo "[slime-spec] checking the configuration: $py -m slime_spec.doctor"
+   echo "[slime-spec] checking the configuration: $py -m slime_spec.doctor.diagnose"
    local rc=0 doctor_log
    doctor_log="$(slime_spec_output_dir "${train_args[@]}")/doctor.txt"
    mkdir -p "$(dirname -- "$doctor_log")"
-   PYTHONPATH="$pythonpath" "$py" -m slime_spec.doctor "${train_args[@]}" > "$doctor_log" 2>&1 || rc=$?
+   PYTHONPATH="$pythonpath" "$py" -m slime_spec.doctor.diagnose "${train_args[@]}" > "$doctor_log" 2>&1 || rc=$?
    slime_spec_short_doctor_report "$doctor_log"
    if [ "$rc" = 2 ]; then
       echo "[slime-spec] doctor found errors (above): fix them before launching; nothing was started" >&2

@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 SUBCOMMANDS = {
-    "doctor": ("slime_spec.doctor", "check a configuration (the same flags as training) before launch"),
-    "train": ("slime_spec.train", "run the RL loop (same as python -m slime_spec.train)"),
-    "push-weights": ("slime_spec.push_weights", "push a checkpoint into running engines through the trainer's "
+    "doctor": ("slime_spec.doctor.diagnose", "check a configuration (the same flags as training) before launch"),
+    "train": ("slime_spec.driver.loop", "run the RL loop (same as python -m slime_spec.train)"),
+    "push-weights": ("slime_spec.driver.push_weights", "push a checkpoint into running engines through the trainer's "
                                                  "weight sync, --check reads values back"),
-    "make-tiny-model": ("slime_spec.tiny_model", "write a small random HF checkpoint"),
+    "make-tiny-model": ("slime_spec.tools.tiny_model", "write a small random HF checkpoint"),
     "bench": (None, "run a benchmark under bench/: slime-spec bench engine|rollout|weight_sync [flags]"),
 }
 

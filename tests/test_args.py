@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from slime_spec import flags
-from slime_spec.args import ArgsError, parse, parse_config
-from slime_spec.config import (
+from slime_spec.config import flags
+from slime_spec.config.args import ArgsError, parse, parse_config
+from slime_spec.config.run_config import (
     ClusterConfig,
     Config,
     RolloutConfig,
@@ -121,15 +121,13 @@ def test_existing_slime_flags_parse_and_unknown_ones_are_collected(mimo7b):
 
 def test_missing_hf_checkpoint_is_a_clear_error():
     p = parse(["--rollout-batch-size", "2"])
-    from slime_spec.args import to_config
-
+    from slime_spec.config.args import to_config
     with pytest.raises(ArgsError, match="--hf-checkpoint is required"):
         to_config(p)
 
 
 def test_help_lists_framework_owned_flags():
-    from slime_spec.args import build_parser
-
+    from slime_spec.config.args import build_parser
     text = " ".join(build_parser().format_help().split())
     assert "--tp-size (set from --rollout-num-gpus-per-engine)" in text
     assert "--sglang-<flag>" in text
@@ -203,9 +201,8 @@ def test_slime_extension_points_parse_and_are_refused_by_name():
 
 @pytest.mark.parametrize("size_name", ["smoke", "full"])
 def test_demo_argv_parses_and_passes_doctor(tmp_path, mimo7b, size_name):
-    from slime_spec.demo import SIZES, grpo_argv
-    from slime_spec.doctor import diagnose
-
+    from slime_spec.demo.run import SIZES, grpo_argv
+    from slime_spec.doctor.diagnose import diagnose
     data = tmp_path / "t.jsonl"
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')
     argv = grpo_argv(mimo7b, data, data, tmp_path / "run", SIZES[size_name], 0)

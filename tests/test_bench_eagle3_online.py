@@ -3,9 +3,9 @@
 
 import pytest
 
-from slime_spec.args import parse
-from slime_spec.demo_task import split_problems, write_jsonl
-from slime_spec.tiny_model import make_tiny_eagle3_draft
+from slime_spec.config.args import parse
+from slime_spec.demo.task import split_problems, write_jsonl
+from slime_spec.tools.tiny_model import make_tiny_eagle3_draft
 from tests.bench_scripts import bench_script
 
 
@@ -39,9 +39,8 @@ def test_verdict_says_whether_the_claim_held(bench, online, frozen, held):
 
 
 def test_the_two_runs_differ_only_in_online_draft_training(bench, tmp_path):
-    from slime_spec.doctor import diagnose
-    from slime_spec.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_model
-
+    from slime_spec.doctor.diagnose import diagnose
+    from slime_spec.tools.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_model
     size = bench.SIZES["full"]
     model = make_tiny_model(tmp_path / "model", arch="llama", hidden_size=32, num_layers=size["layers"],
                             intermediate_size=64, max_position_embeddings=256, rope_scaling=LLAMA31_ROPE_SCALING)

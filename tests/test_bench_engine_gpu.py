@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from slime_spec.engine.cuda_graph import CudaGraphSettings
-from slime_spec.engine.model import load_model
-from slime_spec.spec import SpecConfig
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.engine.model_executor.cuda_graph import CudaGraphSettings
+from slime_spec.engine.model_executor.model import load_model
+from slime_spec.speculative.settings import SpecConfig
+from slime_spec.tools.tiny_model import make_tiny_model
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 

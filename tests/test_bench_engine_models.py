@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from slime_spec.common import eagle3_draft
-from slime_spec.engine.model import load_model
-from slime_spec.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_model
+from slime_spec.engine.model_executor.model import load_model
+from slime_spec.tools.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_model
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 

@@ -34,8 +34,7 @@ def test_refuses_a_missing_checkpoint(bench, tmp_path):
 
 
 def test_a_short_run_times_identical_engines_and_prints_the_table(bench, tmp_path, capsys):
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.tools.tiny_model import make_tiny_model
     model = make_tiny_model(tmp_path / "mimo", arch="mimo", hidden_size=32, num_layers=1, mtp_layers=1)
     assert bench.main(["--model", str(model), "--rounds", "2", "--repeats", "2", "--prompts", "1", "--samples", "2",
                        "--max-new-tokens", "6"]) == 0

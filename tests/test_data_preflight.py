@@ -95,16 +95,14 @@ def test_data_position_resumes_the_stream_whatever_the_batch_size(tmp_path, shuf
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.tools.tiny_model import make_tiny_model
     return make_tiny_model(tmp_path_factory.mktemp("tiny"), arch="llama", hidden_size=32, num_layers=1,
                            intermediate_size=64, max_position_embeddings=64, seed=0)
 
 
 def doctor(tiny, tmp_path, *argv) -> dict[str, list]:
-    from slime_spec.args import parse
-    from slime_spec.doctor import diagnose
-
+    from slime_spec.config.args import parse
+    from slime_spec.doctor.diagnose import diagnose
     _, findings = diagnose(parse(["--hf-checkpoint", str(tiny), "--rollout-backend", "embedded", "--output-dir",
                                   str(tmp_path / "out"), *argv]))
     out: dict[str, list] = {}
@@ -140,8 +138,7 @@ def test_a_prompt_longer_than_the_context_gets_a_fix_that_helps(tiny, tmp_path):
 def test_doctor_checks_the_output_dirs_and_room_for_a_checkpoint(tiny, tmp_path, monkeypatch):
     from collections import namedtuple
 
-    from slime_spec import run_preflight
-
+    from slime_spec.doctor import preflight as run_preflight
     a_file = tmp_path / "file"
     a_file.write_text("x")
     (f,) = doctor(tiny, tmp_path, "--save", str(a_file))["OUTPUT_NOT_WRITABLE"]
@@ -156,7 +153,6 @@ def test_doctor_checks_the_output_dirs_and_room_for_a_checkpoint(tiny, tmp_path,
 
 def test_doctor_refuses_a_load_save_pair_that_would_overwrite(tiny, tmp_path):
     from slime_spec.trainer import checkpoint
-
     save = tmp_path / "save"
     save.mkdir()
     checkpoint.mark_latest(save, 4)
@@ -165,8 +161,7 @@ def test_doctor_refuses_a_load_save_pair_that_would_overwrite(tiny, tmp_path):
 
 
 def run_preflight_config(tiny):
-    from slime_spec.args import parse_config
-
+    from slime_spec.config.args import parse_config
     return parse_config(["--hf-checkpoint", str(tiny)])[0]
 
 

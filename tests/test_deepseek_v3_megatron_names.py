@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.trainer import model as M
 from slime_spec.trainer import parallel
 from slime_spec.weight_sync import convert

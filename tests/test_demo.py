@@ -2,7 +2,7 @@
 
 import pytest
 
-from slime_spec.demo import format_time_and_accept, online_draft_gain, run_time_and_accept
+from slime_spec.demo.run import format_time_and_accept, online_draft_gain, run_time_and_accept
 
 
 def test_time_shares_are_weighted_by_rollout_time_and_accept_length_reported_both_ways():
@@ -42,8 +42,7 @@ def test_online_draft_gain_is_frozen_time_over_online_time_on_the_same_prompts()
 
 
 def test_bf16_sft_only_where_the_cpu_multiplies_bfloat16_natively():
-    from slime_spec.demo import cpu_has_bf16
-
+    from slime_spec.demo.run import cpu_has_bf16
     zen4 = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n"
     sapphire = "flags\t\t: avx2 avx512f amx_bf16 amx_tile\n"
     older = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw\nbugs\t\t: avx512_bf16_lookalike\n"
@@ -52,8 +51,7 @@ def test_bf16_sft_only_where_the_cpu_multiplies_bfloat16_natively():
 
 
 def test_gpu_layouts_train_in_bf16_on_one_gpu_each_or_one_shared():
-    from slime_spec.demo import gpu_layout_argv
-
+    from slime_spec.demo.run import gpu_layout_argv
     split, colocate = gpu_layout_argv("split"), gpu_layout_argv("colocate")
     for argv in (split, colocate):
         assert "--bf16" in argv and argv[argv.index("--sglang-dtype") + 1] == "bfloat16"
@@ -65,8 +63,7 @@ def test_gpu_layouts_train_in_bf16_on_one_gpu_each_or_one_shared():
 
 
 def test_device_and_layout_follow_the_gpus_seen_and_refuse_what_cannot_run():
-    from slime_spec.demo import resolve_device, resolve_layout
-
+    from slime_spec.demo.run import resolve_device, resolve_layout
     assert resolve_device("auto", 0) == "cpu" and resolve_device("auto", 2) == "cuda"
     with pytest.raises(ValueError, match="--device cuda: torch sees no CUDA device"):
         resolve_device("cuda", 0)

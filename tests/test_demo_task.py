@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from slime_spec.demo_task import split_problems
+from slime_spec.demo.task import split_problems
 from slime_spec.rollout.scratchpad import ANSWER_PREFIX, column_line, worked_addition
 
 

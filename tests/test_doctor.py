@@ -1,6 +1,6 @@
 import json
 
-from slime_spec.doctor import main
+from slime_spec.doctor.diagnose import main
 from tests.test_args import sglang_args_of
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from slime_spec.dtypes import DTYPES, canonical_dtype, config_dtype, torch_dtype
+from slime_spec.common.dtypes import DTYPES, canonical_dtype, config_dtype, torch_dtype
 
 
 def test_every_spelling_maps_to_one_canonical_name():

@@ -4,9 +4,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
-from slime_spec.spec import resolve_or_raise
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams, SpecConfig
+from slime_spec.speculative.settings import resolve_or_raise
+from slime_spec.tools.tiny_model import make_tiny_model
 from tests.helpers.engine_runs import run_to_completion
 
 
@@ -237,8 +237,8 @@ def test_admission_and_abort_are_linear_in_the_number_of_requests(engine):
 def test_a_mixed_batch_picks_its_sampled_rows_by_index_as_boolean_masks_would(ckpts, monkeypatch):
     """Greedy and sampled rows, some filtered: the pick reads nothing back (no boolean mask, no bool() of a device
     test) and draws bitwise the tokens, from the same generator draws, that picking rows by boolean masks does."""
-    from slime_spec.engine import sampling
-    from slime_spec.engine.request import Row
+    from slime_spec.engine.managers.request import Row
+    from slime_spec.engine.model_executor import sampling
     from tests.test_engine_sampling import MIXED, mask_reference, no_device_reads
 
     engine = EngineCore(str(ckpts["llama"]), None, seed=4)

@@ -4,8 +4,8 @@ and on a GPU the engine's greedy output with graphs equals its output without th
 import pytest
 import torch
 
-from slime_spec.engine.cuda_graph import CudaGraphSettings, GraphedForward, key_buckets
-from slime_spec.engine.model import CausalLM, ModelArgs
+from slime_spec.engine.model_executor.cuda_graph import CudaGraphSettings, GraphedForward, key_buckets
+from slime_spec.engine.model_executor.model import CausalLM, ModelArgs
 
 CONFIG = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=64, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1e4,
@@ -43,8 +43,7 @@ def test_padded_static_forward_equals_eager_and_leaves_other_slots_alone():
 
 def greedy_outputs(core) -> dict[str, list[int]]:
     """Five prompts of different lengths decoded greedily to their own lengths: rid -> output ids."""
-    from slime_spec.engine.core import Request, SamplingParams
-
+    from slime_spec.engine.managers.engine_core import Request, SamplingParams
     for i, text in enumerate(["abc", "hello world", "1+1=", "zz", "a longer prompt than the others"]):
         core.add_request(Request(rid=str(i), input_ids=core.tokenizer.encode(text),
                                  params=SamplingParams(temperature=0.0, max_new_tokens=8 + 5 * i, ignore_eos=True)))
@@ -56,11 +55,10 @@ def greedy_outputs(core) -> dict[str, list[int]]:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_engine_greedy_output_is_the_same_with_and_without_cuda_graphs(tmp_path):
-    from slime_spec.engine.core import EngineCore
-    from slime_spec.engine.cuda_graph import CudaGraphSettings
-    from slime_spec.spec import SpecConfig
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.engine.managers.engine_core import EngineCore
+    from slime_spec.engine.model_executor.cuda_graph import CudaGraphSettings
+    from slime_spec.speculative.settings import SpecConfig
+    from slime_spec.tools.tiny_model import make_tiny_model
     model = make_tiny_model(tmp_path / "m", arch="mimo", mtp_layers=1, hidden_size=64, num_layers=2)
     spec = SpecConfig("EAGLE", 3, 1, 4)
     outputs = []
@@ -99,11 +97,10 @@ def test_fused_projections_give_the_same_output_and_take_in_place_updates():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_standalone_draft_steps_replay_graphs_and_keep_greedy_output(tmp_path):
     """A STANDALONE draft model's one-token chain steps replay their own graphs; greedy output is unchanged."""
-    from slime_spec.engine.core import EngineCore, Request, SamplingParams
-    from slime_spec.engine.cuda_graph import CudaGraphSettings
-    from slime_spec.spec import resolve_or_raise
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
+    from slime_spec.engine.model_executor.cuda_graph import CudaGraphSettings
+    from slime_spec.speculative.settings import resolve_or_raise
+    from slime_spec.tools.tiny_model import make_tiny_model
     target = make_tiny_model(tmp_path / "t", arch="llama", mtp_layers=0, hidden_size=64, num_layers=2, seed=1)
     draft = make_tiny_model(tmp_path / "d", arch="llama", mtp_layers=0, hidden_size=64, num_layers=1, seed=2)
     spec = resolve_or_raise({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(draft),
@@ -130,8 +127,7 @@ def test_capture_runs_with_garbage_collected_and_the_collector_frozen():
     import gc
     import weakref
 
-    from slime_spec.engine.cuda_graph import CudaGraphSettings, freeze_gc
-
+    from slime_spec.engine.model_executor.cuda_graph import CudaGraphSettings, freeze_gc
     class Node:
         pass
 
@@ -152,9 +148,8 @@ def test_capture_runs_with_garbage_collected_and_the_collector_frozen():
 def test_llama31_rope_target_captures_graphs(tmp_path):
     """Llama-3.1's rescaled RoPE frequencies are computed once on the device: a forward that copied them from the
     host could not be captured (and stalled the stream eagerly)."""
-    from slime_spec.engine.core import EngineCore, Request, SamplingParams
-    from slime_spec.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_model
-
+    from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
+    from slime_spec.tools.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_model
     model = make_tiny_model(tmp_path / "m", hidden_size=64, num_layers=2, rope_scaling=LLAMA31_ROPE_SCALING)
     outputs = []
     for settings in (CudaGraphSettings(disable=True), CudaGraphSettings()):
@@ -173,11 +168,10 @@ def test_mtp_chain_graph_drafts_what_the_step_by_step_chain_drafts(tmp_path):
     CPU) gives the tokens the step-by-step chain gives, for every k, on a batch padded to a captured size."""
     from slime_spec.engine.drafters.base import argmax_pick
     from slime_spec.engine.drafters.mtp import MTPDrafter
-    from slime_spec.engine.model import load_model
-    from slime_spec.engine.model_graphs import graph_model, mtp_chain_name
-    from slime_spec.engine.request import Row
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.engine.managers.request import Row
+    from slime_spec.engine.model_executor.model import load_model
+    from slime_spec.engine.model_executor.model_graphs import graph_model, mtp_chain_name
+    from slime_spec.tools.tiny_model import make_tiny_model
     path = make_tiny_model(tmp_path / "m", arch="mimo", mtp_layers=1, hidden_size=64, num_layers=2, vocab_size=128)
     model, _ = load_model(path)
     drafter = MTPDrafter(model, 4, slots=5, max_seq=64)
@@ -214,11 +208,10 @@ def test_the_chain_drafted_ahead_of_the_read_back_is_the_chain_the_next_step_wou
     """MTPDrafter._draft_ahead queues the next step's greedy chain before the read-back; the next step takes it for
     the rows it covers (a finished row dropped, new rows drafted afresh). Each time it is taken it must equal the
     chain drafted then, and greedy output stays the plain engine's."""
-    from slime_spec.engine.core import EngineCore
     from slime_spec.engine.drafters.base import argmax_pick
-    from slime_spec.spec import SpecConfig
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.engine.managers.engine_core import EngineCore
+    from slime_spec.speculative.settings import SpecConfig
+    from slime_spec.tools.tiny_model import make_tiny_model
     model = make_tiny_model(tmp_path / "m", arch="mimo", mtp_layers=1, hidden_size=64, num_layers=2)
     outputs = []
     for spec in (None, SpecConfig("EAGLE", 3, 1, 4)):
@@ -246,10 +239,9 @@ def test_prefills_padded_to_a_captured_width_keep_greedy_output(tmp_path):
     """Prefills through the captured widths (model_graphs.prefill_graphs, run eagerly here with their padding: a
     prompt padded to 16 or 32 tokens, a batch of 3 to 4 rows) give the eager prefill's outputs; a prompt wider than
     every captured width runs eagerly."""
-    from slime_spec.engine.core import EngineCore, Request, SamplingParams
-    from slime_spec.engine.model_graphs import graph_model
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
+    from slime_spec.engine.model_executor.model_graphs import graph_model
+    from slime_spec.tools.tiny_model import make_tiny_model
     path = make_tiny_model(tmp_path / "m", hidden_size=32, num_layers=2, max_position_embeddings=256)
     outs = []
     for graphed in (False, True):

@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
-from slime_spec.engine.model import load_model
-from slime_spec.engine.sampling import chi_square_pvalue
+from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams, SpecConfig
+from slime_spec.engine.model_executor.model import load_model
+from slime_spec.engine.model_executor.sampling import chi_square_pvalue
 from tests.helpers.engine_runs import DEVICES, assert_logprobs_equal_a_full_forward
 from tests.helpers.spec_runs import (
     PROMPTS,
@@ -249,7 +249,6 @@ def test_deferring_plain_steps_leaves_no_object_per_row_for_the_garbage_collecto
     from types import SimpleNamespace
 
     from slime_spec.engine.drafters.mtp import MTPDrafter
-
     model, _ = load_model(ckpts["mimo"], dtype="float32", device="cpu")
     drafter = MTPDrafter(model, 2, 65, 64)
     rows = [SimpleNamespace(slot=i, tokens=[5, 6, 7]) for i in range(64)]
@@ -267,7 +266,6 @@ def test_every_drafter_implements_the_hooks_its_capabilities_declare():
     """The engine calls a hook only where a capability says so (base.Drafter); each declaration has its hook."""
     from slime_spec.engine import drafters
     from slime_spec.engine.drafters.base import Drafter
-
     classes = [drafters.MTPDrafter, drafters.Eagle3Drafter, drafters.StandaloneDrafter, drafters.NgramDrafter,
                drafters.HistoryDrafter, drafters.HybridDrafter]
     for cls in classes:

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from slime_spec.common import eagle3_draft
-from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
 from slime_spec.engine.drafters.eagle3 import load_eagle3_drafter
-from slime_spec.engine.model import load_model
-from slime_spec.engine.sampling import chi_square_pvalue
-from slime_spec.tiny_model import make_tiny_eagle3_draft, make_tiny_model
+from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams, SpecConfig
+from slime_spec.engine.model_executor.model import load_model
+from slime_spec.engine.model_executor.sampling import chi_square_pvalue
+from slime_spec.tools.tiny_model import make_tiny_eagle3_draft, make_tiny_model
 from tests.helpers.spec_runs import exact_marginals, generate, make_requests
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -133,9 +133,8 @@ def test_sampled_output_follows_the_target_distribution(ckpts):
 def _chain_outputs_with_graphs(ckpts, device, capture):
     """EAGLE3 chain k=3 greedy outputs with the aux-returning target forward and the draft head's steps and
     extend served by GraphedForward (captured on CUDA; capture=False runs the same padded shapes eagerly)."""
-    from slime_spec.engine.cuda_graph import CudaGraphSettings
-    from slime_spec.engine.model_graphs import graph_model
-
+    from slime_spec.engine.model_executor.cuda_graph import CudaGraphSettings
+    from slime_spec.engine.model_executor.model_graphs import graph_model
     spec = SpecConfig("EAGLE3", 3, 1, 4, str(ckpts["llama_draft"]))
     engine = EngineCore(str(ckpts["llama"]), spec, max_running_requests=4, device=device)
     if not capture:

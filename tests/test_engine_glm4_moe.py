@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
-from slime_spec.engine.model import NextNLayer, load_model
-from slime_spec.engine.moe import GroupedTopkMoeBlock, grouped_topk_weights
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams, SpecConfig
+from slime_spec.engine.model_executor.model import NextNLayer, load_model
+from slime_spec.engine.model_executor.moe import GroupedTopkMoeBlock, grouped_topk_weights
+from slime_spec.tools.tiny_model import make_tiny_model
 from tests.helpers.engine_runs import DEVICES, assert_logprobs_equal_a_full_forward, run_to_completion
 from tests.helpers.engine_runs import assert_greedy_with_specs_equals_plain as assert_greedy_equals_plain
 
@@ -77,8 +77,7 @@ def test_bf16_keeps_the_router_in_float32(glm):
 
 
 def test_config_that_grouped_routing_cannot_serve_is_refused_by_name(glm):
-    from slime_spec.engine.model_args import ModelArgs
-
+    from slime_spec.engine.model_executor.model_args import ModelArgs
     config = json.loads((glm / "config.json").read_text())
     for bad in ({"n_group": 3}, {"topk_group": 2}, {"num_experts_per_tok": 5}):
         with pytest.raises(ValueError, match=f"{next(iter(bad))}={next(iter(bad.values()))}"):
@@ -89,7 +88,6 @@ def sglang_biased_grouped_topk():
     """SGLang's biased_grouped_topk_impl as plain Python (it is wrapped in torch.compile, which only adds compile
     time on a CPU)."""
     from slime_spec.engine import sglang_stand_ins
-
     sglang_stand_ins.install()
     from sglang.srt.layers.moe.topk import biased_grouped_topk_impl
 

@@ -5,9 +5,9 @@ sampling, as tests/test_engine_drafters.py checks the other drafters."""
 import pytest
 import torch
 
-from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
 from slime_spec.engine.drafters.history import SEPARATOR, HistoryRef, SuffixAutomaton, best_draft
-from slime_spec.engine.sampling import chi_square_pvalue
+from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams, SpecConfig
+from slime_spec.engine.model_executor.sampling import chi_square_pvalue
 from tests.helpers.spec_runs import PROMPTS, exact_marginals, generate, make_requests, make_spec_checkpoints, ngram
 
 
@@ -152,7 +152,6 @@ def test_streaming_match_follows_a_growing_automaton():
 def test_ngram_cache_finds_the_longest_suffix_seen_before():
     """The rolling-hash n-gram cache against a brute force over every token list it indexed."""
     from slime_spec.engine.drafters.ngram import NgramDrafter
-
     class Row:  # what the drafter reads of request.Row
         def __init__(self, tokens):
             self.tokens, self.ngram_upto, self.draft_state = tokens, 1, {}
@@ -187,7 +186,6 @@ def _hybrid_requests(tok, temps, corpus_id=None):
 def test_hybrid_mtp_and_history_is_lossless_for_greedy_rows(ckpts, draft_sampling):
     """NEXTN with `slime_history` requests: history and MTP rows mixed in one batch, greedy rows equal plain."""
     from slime_spec.engine.drafters import HybridDrafter
-
     path = str(ckpts["mimo"])
     base_engine = EngineCore(path, None, max_running_requests=4)
     tok = base_engine.tokenizer
@@ -212,7 +210,6 @@ def test_hybrid_without_the_extension_drafts_exactly_as_mtp(ckpts):
     outs = generate(engine, make_requests(engine.tokenizer))
     assert engine.drafter.history_rows == 0
     from slime_spec.engine.drafters import MTPDrafter
-
     plain_mtp = EngineCore(str(ckpts["mimo"]), spec, max_running_requests=4)
     plain_mtp.spec_worker.drafter = MTPDrafter(plain_mtp.model, 3, 5, plain_mtp.max_seq)
     ref = generate(plain_mtp, make_requests(plain_mtp.tokenizer))

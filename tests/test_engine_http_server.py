@@ -12,8 +12,8 @@ import time
 import pytest
 import requests
 
-from slime_spec.engines.process import embedded_server_process
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.fleet.process import embedded_server_process
+from slime_spec.tools.tiny_model import make_tiny_model
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -405,11 +405,10 @@ def test_freeze_gc_reaches_the_engine(plain):
 
 def test_the_engine_thread_blocks_while_released(tmp_path):
     """The scheduler's engine loop refuses a generate while memory is released and makes no pass while idle."""
-    from slime_spec.engine.request import Request, SamplingParams
-    from slime_spec.engine.scheduler import EngineLoop, Unavailable
-    from slime_spec.engine.scheduler_process import make_core_factory
+    from slime_spec.engine.managers.request import Request, SamplingParams
+    from slime_spec.engine.managers.scheduler import EngineLoop, Unavailable
+    from slime_spec.engine.managers.scheduler_process import make_core_factory
     from slime_spec.engine.server_args import parse_server_args
-
     model = make_tiny_model(tmp_path / "llama", arch="llama", hidden_size=32, num_layers=1, seed=1)
     loop = EngineLoop(make_core_factory(parse_server_args(["--model-path", str(model), "--random-seed", "0"])))
     loop.start()
@@ -476,9 +475,8 @@ def test_history_extension_travels_in_extra_key():
     """The middleware's rewrite (pure): `slime_history` out of the body SGLang parses, into `extra_key`."""
     import json
 
-    from slime_spec.engine.http_server import rewrite_generate_body
-    from slime_spec.engine.io_struct import history_extra_key
-
+    from slime_spec.engine.entrypoints.http_server import rewrite_generate_body
+    from slime_spec.engine.managers.io_struct import history_extra_key
     raw = json.dumps({"input_ids": [1, 2], "slime_history": {"group": "g", "corpus_id": "h"}}).encode()
     body, error = rewrite_generate_body(raw)
     sent = json.loads(body)

@@ -4,7 +4,7 @@ SamplingParams, `BatchTokenIDOutput` out, read back by SGLang's own DetokenizerM
 import pytest
 
 from slime_spec.engine import sglang_stand_ins
-from slime_spec.engine.io_struct import (
+from slime_spec.engine.managers.io_struct import (
     OutputChunk,
     UnsupportedRequest,
     ends_in_stop_prefix,
@@ -14,7 +14,7 @@ from slime_spec.engine.io_struct import (
     to_core_request,
     token_id_output,
 )
-from slime_spec.engine.request import Output
+from slime_spec.engine.managers.request import Output
 
 sglang_stand_ins.install()
 

@@ -48,7 +48,6 @@ def test_gemv_equals_linear_for_every_row_count_with_and_without_bias():
 
 def test_gemv_refuses_more_rows_than_it_holds():
     from slime_spec.engine.kernels.gemv import gemv
-
     with pytest.raises(ValueError, match="at most 8 rows"):
         gemv(torch.randn(9, 8), torch.randn(4, 8))
 
@@ -57,7 +56,7 @@ def test_decode_attention_writes_rotated_keys_and_equals_masked_sdpa_over_the_ca
     out = run_interpreted("""
         import torch, torch.nn.functional as F
         from slime_spec.engine.kernels.decode_attention import decode_attention
-        from slime_spec.engine.model import apply_rope, rope_cos_sin
+        from slime_spec.engine.model_executor.model import apply_rope, rope_cos_sin
         torch.manual_seed(0)
         B, T, H, KVH, D, max_seq = 3, 2, 6, 2, 32, 700
         qkv = torch.randn(B, T, (H + 2 * KVH) * D)
@@ -99,7 +98,7 @@ def test_decode_attention_serves_a_short_prompt_whole():
     out = run_interpreted("""
         import torch, torch.nn.functional as F
         from slime_spec.engine.kernels.decode_attention import MAX_QUERY_TOKENS, decode_attention
-        from slime_spec.engine.model import apply_rope, causal_mask, rope_cos_sin
+        from slime_spec.engine.model_executor.model import apply_rope, causal_mask, rope_cos_sin
         torch.manual_seed(0)
         B, T, H, KVH, D = 2, 20, 4, 2, 32
         assert T <= MAX_QUERY_TOKENS
@@ -141,7 +140,7 @@ def test_rms_norm_equals_hf_rmsnorm_with_and_without_the_residual_add():
     out = run_interpreted("""
         import torch
         from slime_spec.engine.kernels.rms_norm import rms_norm
-        from slime_spec.engine.model import RMSNorm
+        from slime_spec.engine.model_executor.model import RMSNorm
         torch.manual_seed(0)
         for dim, lead in ((96, (3,)), (200, (2, 5))):   # not powers of two; leading dimensions kept
             for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -6)):
@@ -163,8 +162,7 @@ def test_rms_norm_equals_hf_rmsnorm_with_and_without_the_residual_add():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU machine)")
 def test_cuda_rms_norm_rounds_where_hf_rmsnorm_and_the_add_round():
     from slime_spec.engine.kernels.rms_norm import rms_norm
-    from slime_spec.engine.model import RMSNorm
-
+    from slime_spec.engine.model_executor.model import RMSNorm
     torch.manual_seed(0)
     norm = RMSNorm(1536, 1e-6).to("cuda", torch.bfloat16)
     norm.weight.data = torch.randn(1536, device="cuda").to(torch.bfloat16)
@@ -177,7 +175,6 @@ def test_cuda_rms_norm_rounds_where_hf_rmsnorm_and_the_add_round():
 
 def test_rms_norm_refuses_a_weight_of_another_width():
     from slime_spec.engine.kernels.rms_norm import rms_norm
-
     with pytest.raises(ValueError, match="weight must be"):
         rms_norm(torch.randn(2, 8), torch.randn(6), 1e-6)
 
@@ -188,8 +185,8 @@ def test_the_model_with_kernels_equals_the_model_without():
     with them off."""
     out = run_interpreted("""
         import tempfile, torch
-        from slime_spec.tiny_model import make_tiny_model
-        from slime_spec.engine.model import load_model
+        from slime_spec.tools.tiny_model import make_tiny_model
+        from slime_spec.engine.model_executor.model import load_model
         from slime_spec.engine.kernels.ops import Kernels
         path = make_tiny_model(tempfile.mkdtemp() + "/m", arch="mimo", mtp_layers=1, hidden_size=128, num_layers=2,
                                num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=97)
@@ -229,8 +226,7 @@ def test_flags_pick_the_kernels():
 
 def test_engine_flags_reach_the_kernels(tmp_path):
     from slime_spec.engine.server_args import parse_server_args
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.tools.tiny_model import make_tiny_model
     path = make_tiny_model(tmp_path / "m", arch="llama", mtp_layers=0, hidden_size=32, num_layers=1, num_heads=2,
                            num_kv_heads=1, intermediate_size=64, vocab_size=64)
     args = parse_server_args(["--model-path", str(path), "--bf16-gemm-backend", "torch", "--attention-backend",
@@ -250,9 +246,8 @@ def test_gemv_serves_one_or_two_rows_of_small_matrices_and_splits_depend_on_rows
 def test_cuda_engine_with_kernels_decodes_as_without(tmp_path):
     """Greedy decoding through captured graphs, the kernels on against cuBLAS + SDPA, float32 (IEEE dot products in
     the kernels, TF32 off): the same tokens."""
-    from slime_spec.engine.core import EngineCore, Request, SamplingParams
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
+    from slime_spec.tools.tiny_model import make_tiny_model
     torch.backends.cuda.matmul.allow_tf32 = False
     path = make_tiny_model(tmp_path / "m", arch="llama", mtp_layers=0, hidden_size=256, num_layers=4, num_heads=8,
                            num_kv_heads=2, intermediate_size=512, vocab_size=512, max_position_embeddings=1024)

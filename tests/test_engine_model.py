@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from slime_spec.engine.model import load_model
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.engine.model_executor.model import load_model
+from slime_spec.tools.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The overlap schedule (engine/overlap.py): launching step t + 1 before reading step t changes no output.
+"""The overlap schedule (engine/managers/overlap.py): launching step t + 1 before reading step t changes no output.
 
 On CPU the schedule runs synchronously, so these tests pin its bookkeeping (device-side last tokens, dropped tokens
 of rows that finished while a step was in flight, admission into freed slots, aborts, logprobs); the GPU run of
@@ -8,9 +8,9 @@ tests/test_engine_cuda_graph.py covers it with real asynchrony.
 import pytest
 import torch
 
-from slime_spec.engine.core import EngineCore, Request, SamplingParams
-from slime_spec.spec import resolve_or_raise
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
+from slime_spec.speculative.settings import resolve_or_raise
+from slime_spec.tools.tiny_model import make_tiny_model
 from tests.helpers.spec_runs import copy_target_into_mtp
 
 
@@ -239,11 +239,11 @@ def test_rows_just_prefilled_are_put_on_the_device_once(tmp_path, llama, specula
 
 
 def _install_decode_graph(engine, mtp_cache=None, max_draft_tokens: int = 0):
-    """The whole plain step as the engine captures it on CUDA ("decode", decode_graph.py), run eagerly
+    """The whole plain step as the engine captures it on CUDA ("decode", engine/model_executor/decode_graph.py), run
+    eagerly
     (capture=False) with its padding (batch 1 pads to 2); the engine's other graphs are left out."""
-    from slime_spec.engine.cuda_graph import CudaGraphSettings
-    from slime_spec.engine.model_graphs import graph_model
-
+    from slime_spec.engine.model_executor.cuda_graph import CudaGraphSettings
+    from slime_spec.engine.model_executor.model_graphs import graph_model
     engine.model.graphs = graph_model(engine.model, engine.cache, mtp_cache, CudaGraphSettings(batch_sizes=(2, 3)),
                                       max_running_requests=engine.max_running_requests,
                                       max_draft_tokens=max_draft_tokens, max_seq=engine.max_seq, capture=False,

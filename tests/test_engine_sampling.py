@@ -5,9 +5,9 @@ import contextlib
 import pytest
 import torch
 
-from slime_spec.engine import sampling
-from slime_spec.engine.request import SamplingParams
-from slime_spec.engine.sampling import chi_square_pvalue
+from slime_spec.engine.managers.request import SamplingParams
+from slime_spec.engine.model_executor import sampling
+from slime_spec.engine.model_executor.sampling import chi_square_pvalue
 
 # Greedy (temperature 0, and top_k 1 with its filter) and sampled rows, with top-p, top-k and min-p on some rows.
 MIXED = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8), SamplingParams(temperature=1.0),

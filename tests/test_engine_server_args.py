@@ -17,8 +17,8 @@ from slime_spec.engine.server_args import (
     resolve_dtype,
     sglang_parser,
 )
-from slime_spec.spec import SpecConfig
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.speculative.settings import SpecConfig
+from slime_spec.tools.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +104,8 @@ def test_parse_refuses_result_changing_flags_all_at_once(mimo):
 
 
 def test_engine_refuses_what_it_cannot_draft(llama, mimo):
-    from slime_spec.engine.scheduler import EngineLoop
-    from slime_spec.engine.scheduler_process import make_core_factory
-
+    from slime_spec.engine.managers.scheduler import EngineLoop
+    from slime_spec.engine.managers.scheduler_process import make_core_factory
     # A tree larger than SGLang allows (num_draft_tokens <= topk + (steps - 1) * topk^2 + 1) is refused while
     # parsing the flags (spec.resolve), before a model loads.
     with pytest.raises(ServerArgsError, match="SPEC_TOPK_TOKENS"):
@@ -126,7 +125,6 @@ def test_engine_refuses_what_it_cannot_draft(llama, mimo):
 
 def test_server_refuses_to_start_with_a_harmful_flag(mimo, capsys):
     from slime_spec.engine.__main__ import main
-
     assert main(["--model-path", str(mimo), "--port", "1", "--quantization", "fp8"]) == 2
     err = capsys.readouterr().err
     assert "--quantization='fp8'" in err and "change the logits" in err
@@ -135,8 +133,7 @@ def test_server_refuses_to_start_with_a_harmful_flag(mimo, capsys):
 
 
 def test_own_speculative_flags_parse_and_are_checked(tmp_path):
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.tools.tiny_model import make_tiny_model
     model = str(make_tiny_model(tmp_path / "m", arch="mimo", hidden_size=32, num_layers=1))
     args = parse_server_args(["--model-path", model, "--speculative-algorithm", "NEXTN", "--spec-draft-sampling",
                               "--spec-auto"], cuda_available=False)
@@ -150,9 +147,8 @@ def test_own_speculative_flags_parse_and_are_checked(tmp_path):
 
 
 def test_own_flags_travel_from_the_slime_command_line_to_the_embedded_server(tmp_path):
-    from slime_spec.args import parse_config
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.config.args import parse_config
+    from slime_spec.tools.tiny_model import make_tiny_model
     model = str(make_tiny_model(tmp_path / "m", arch="mimo", hidden_size=32, num_layers=1))
     flags = ["--hf-checkpoint", model, "--sglang-speculative-algorithm", "NEXTN", "--spec-auto",
              "--spec-draft-sampling"]
@@ -168,9 +164,8 @@ def test_own_flags_travel_from_the_slime_command_line_to_the_embedded_server(tmp
 def test_cuda_graph_flags_are_honoured_with_sglangs_capture_list(tmp_path):
     """SGLang's graph flags are implemented (not ignored): parsed into CudaGraphSettings, and the default
     capture list is SGLang's decode list clamped to --max-running-requests."""
-    from slime_spec.engine.cuda_graph import CudaGraphSettings
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.engine.model_executor.cuda_graph import CudaGraphSettings
+    from slime_spec.tools.tiny_model import make_tiny_model
     model = make_tiny_model(tmp_path / "m", arch="llama", mtp_layers=0, hidden_size=32, num_layers=1)
     args = parse_server_args(["--model-path", str(model), "--cuda-graph-max-bs-decode", "6",
                               "--cuda-graph-bs-decode", "1", "2", "3", "--disable-cuda-graph"], cuda_available=False)
@@ -181,10 +176,10 @@ def test_cuda_graph_flags_are_honoured_with_sglangs_capture_list(tmp_path):
 
 
 def test_disable_overlap_schedule_is_honoured(tmp_path):
-    """SGLang's --disable-overlap-schedule turns the embedded engine's overlap schedule off (engine/overlap.py);
+    """SGLang's --disable-overlap-schedule turns the embedded engine's overlap schedule off
+    (engine/managers/overlap.py);
     without it the engine picks its default (on for plain decoding on CUDA)."""
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.tools.tiny_model import make_tiny_model
     model = make_tiny_model(tmp_path / "m", arch="llama", mtp_layers=0, hidden_size=32, num_layers=1)
     args = parse_server_args(["--model-path", str(model), "--disable-overlap-schedule"], cuda_available=False)
     assert args.overlap_schedule is False and "--disable-overlap-schedule" not in args.ignored_flags
@@ -204,7 +199,6 @@ def test_sglang_argv_names_the_served_dtype(tmp_path, given):
     """SGLang's /server_info reports `dtype` as launched; the engine's 'auto' is resolved first (float32 on CPU, for
     a bfloat16 checkpoint too), so a trainer reading it hashes the bytes the engine serves."""
     from slime_spec.engine.server_args import sglang_argv
-
     model = make_tiny_model(tmp_path / "m", arch="llama", hidden_size=32, num_layers=1, dtype="bfloat16")
     argv = ["--model-path", str(model), *given]
     out = sglang_argv(argv, parse_server_args(argv, cuda_available=False))

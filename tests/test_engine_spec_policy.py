@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from slime_spec.engine.core import EngineCore, Request, SamplingParams
-from slime_spec.engine.spec_policy import AutoSteps, best_steps, bucket_of, expected_tokens
-from slime_spec.spec import resolve_or_raise
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
+from slime_spec.engine.speculative.policy import AutoSteps, best_steps, bucket_of, expected_tokens
+from slime_spec.speculative.settings import resolve_or_raise
+from slime_spec.tools.tiny_model import make_tiny_model
 
 
 def test_expected_tokens_is_the_truncated_geometric_sum():
@@ -161,7 +161,6 @@ def assert_as_one_extend(engine, drafter, row):
     """The drafter's next hidden state and MTP cache for `row` equal a fresh MTP layer's after one extend over the
     row's whole committed sequence (MTP positions 0..n-1 read committed tokens 1..n)."""
     from slime_spec.engine.drafters.mtp import MTPDrafter
-
     fresh = MTPDrafter(engine.model, engine.max_running_requests + 1, 3, engine.max_seq)
     ids = torch.tensor([row.tokens])
     hidden = engine.model(ids, torch.arange(len(row.tokens))[None], engine.model.new_cache(1, engine.max_seq),
@@ -374,8 +373,7 @@ def test_auto_charges_a_probe_when_its_own_step_is_observed():
 def test_adaptive_acceptance_moves_only_with_drafting_steps():
     """A plain step observed after the tier moved to k > 0 (read back by the first speculative step under the
     overlap schedule) counts as a batch, not as zero accepted drafts."""
-    from slime_spec.engine.spec_policy import AdaptiveSteps
-
+    from slime_spec.engine.speculative.policy import AdaptiveSteps
     adaptive = AdaptiveSteps(3)
     tier = adaptive.tier(1)
     ema, batches = tier.ema, tier.batches
@@ -456,8 +454,7 @@ def test_auto_probes_around_a_best_k_it_has_not_measured_yet():
 
 
 def test_auto_describes_its_estimates_per_bucket_and_the_k_it_would_choose():
-    from slime_spec.engine.spec_policy import AutoSteps
-
+    from slime_spec.engine.speculative.policy import AutoSteps
     policy = AutoSteps(2)
     verify = {0: 1.0e-3, 1: 1.1e-3, 2: 1.2e-3}
     for _ in range(12):
@@ -470,8 +467,7 @@ def test_auto_describes_its_estimates_per_bucket_and_the_k_it_would_choose():
 
 def test_each_policy_names_the_draft_lengths_it_may_choose():
     """What the engine captures a greedy draft-chain graph for: every k > 0 a step may ask for."""
-    from slime_spec.engine.spec_policy import AdaptiveSteps, AutoSteps, FixedSteps
-
+    from slime_spec.engine.speculative.policy import AdaptiveSteps, AutoSteps, FixedSteps
     assert FixedSteps(3).draft_lengths() == (3,) and FixedSteps(0).draft_lengths() == ()
     assert AutoSteps(3).draft_lengths() == (1, 2, 3)
     adaptive = AdaptiveSteps(3)

@@ -6,13 +6,13 @@ import time
 import pytest
 import torch
 
-from slime_spec.engine import sampling
-from slime_spec.engine.core import EngineCore, Request, SamplingParams
-from slime_spec.engine.cuda_graph import CudaGraphSettings
-from slime_spec.engine.request import Row
+from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
+from slime_spec.engine.managers.request import Row
+from slime_spec.engine.model_executor import sampling
+from slime_spec.engine.model_executor.cuda_graph import CudaGraphSettings
 from slime_spec.engine.speculative import accept_drafts, draft_pick
-from slime_spec.spec import resolve_or_raise
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.speculative.settings import resolve_or_raise
+from slime_spec.tools.tiny_model import make_tiny_model
 from tests.test_engine_sampling import MIXED, mask_reference, no_device_reads
 
 V = 50

@@ -1,6 +1,7 @@
-"""Tree drafting (eagle_topk > 1): the tree math of engine/tree.py on hand-checked trees, and the embedded
+"""Tree drafting (eagle_topk > 1): the tree math of engine/speculative/tree.py on hand-checked trees, and the embedded
 engine's tree steps for MTP, EAGLE3 and STANDALONE (greedy equal to plain decoding, sampled output following
-the target distribution, logprobs the target's), and those steps through the tree graphs (tree_graphs.py: on CPU
+the target distribution, logprobs the target's), and those steps through the tree graphs
+(engine/speculative/tree_graphs.py: on CPU
 their padded shapes run eagerly). SGLang's own selection code is compared in tests/conformance/test_tree_draft.py."""
 
 import dataclasses
@@ -9,12 +10,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from slime_spec.engine import tree, tree_graphs
-from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
-from slime_spec.engine.cuda_graph import CudaGraphSettings, key_buckets
 from slime_spec.engine.drafters.eagle3 import load_eagle3_drafter
-from slime_spec.engine.sampling import chi_square_pvalue
-from slime_spec.tiny_model import make_tiny_eagle3_draft, make_tiny_model
+from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams, SpecConfig
+from slime_spec.engine.model_executor.cuda_graph import CudaGraphSettings, key_buckets
+from slime_spec.engine.model_executor.sampling import chi_square_pvalue
+from slime_spec.engine.speculative import tree, tree_graphs
+from slime_spec.tools.tiny_model import make_tiny_eagle3_draft, make_tiny_model
 from tests.helpers.spec_runs import copy_target_into_mtp, exact_marginals, generate, make_requests
 
 # A topk-2 tree of 3 steps: flat ids 0, 1 (the root's children), 2..5 (step 1: children of the frontier 0, 1),
@@ -329,7 +330,7 @@ def test_standalone_tree_sampling_follows_the_target_distribution(ckpts):
     _check_sampling(ckpts, "v16", _tree_spec("STANDALONE", 2, 4, 6, ckpts["v16_small"]), min_accept=0.02)
 
 
-# ------------------------------------------------------------------ the tree graphs (tree_graphs.py)
+# ------------------------------------------------------------------ the tree graphs (engine/speculative/tree_graphs.py)
 GRAPHED = [("mimo", "EAGLE", None), ("llama", "EAGLE3", "llama_eagle3"), ("llama", "STANDALONE", "llama_small")]
 # What each tree engine replays: the target's verify, and its drafter's tree step and extend (or catch-up).
 GRAPH_NAMES = {"EAGLE": {"target.tree", "target.mtp", "target.mtp_tree"},

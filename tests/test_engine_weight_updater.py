@@ -1,6 +1,6 @@
 """Weight routes of the embedded engine, with this test process as the trainer (rank 0 of a gloo group).
 
-The requests run through SGLang's own SchedulerWeightUpdaterManager over our runners (engine/weight_updater.py);
+The requests run through SGLang's own SchedulerWeightUpdaterManager over our runners (engine/weights/updater.py);
 the in-process tests at the end drive that manager with SGLang's request structs. One EAGLE server on a tiny MiMo
 checkpoint (its MTP layer is the draft). Every test that changes weights restores the checkpoint from disk at the
 end (`/update_weights_from_disk`). Routes, request checks and reply shapes are SGLang's (its front end runs
@@ -19,13 +19,13 @@ import requests
 import torch
 from safetensors.torch import load_file
 
-from slime_spec.dist_group import WeightUpdateGroup
+from slime_spec.common.dist_group import WeightUpdateGroup
+from slime_spec.common.net import free_port
 from slime_spec.engine import sglang_stand_ins
-from slime_spec.engines.process import embedded_server_process
-from slime_spec.net import free_port
-from slime_spec.tiny_model import make_tiny_model
-from slime_spec.weight_sync.sglang_params import MIMO_MTP, RunnerLayout, served_name
-from slime_spec.weight_sync.tensor_payload import serialize_named_tensors
+from slime_spec.fleet.process import embedded_server_process
+from slime_spec.tools.tiny_model import make_tiny_model
+from slime_spec.weight_sync.transports.tensor_payload import serialize_named_tensors
+from slime_spec.weight_sync.verify.sglang_params import MIMO_MTP, RunnerLayout, served_name
 
 PROMPTS = ["hello world", "the cat sat on", "abc abc abc", "Once upon a time"]
 NORM = "model.norm.weight"
@@ -388,8 +388,7 @@ def test_a_disk_update_in_a_failed_session_is_refused(server, model, tmp_path):
 
 def engine_weights(core, device: str = "cpu"):
     """The engine thread's weight side (SGLang's SchedulerWeightUpdaterManager over our runners), in this process."""
-    from slime_spec.engine.weight_updater import EngineWeights
-
+    from slime_spec.engine.weights.updater import EngineWeights
     return EngineWeights(core, "v0", device)
 
 
@@ -411,8 +410,7 @@ def tensor_update(weights, selector: str, named):
 
 
 def abort(weights):
-    from slime_spec.engine.http_server import ABORT_SESSION_RID
-
+    from slime_spec.engine.entrypoints.http_server import ABORT_SESSION_RID
     return weights.handle(request("EndWeightUpdateReqInput", rid=ABORT_SESSION_RID))
 
 
@@ -420,9 +418,8 @@ def test_the_reply_comes_after_the_device_has_finished_the_copies(model, monkeyp
     """On CUDA the copy out of a CUDA-IPC bucket is queued on the device; the sender may free or reuse that memory
     the moment it reads the reply, so the update settles the device after the copy and before replying.
     `settle` (torch.cuda.synchronize) is the one piece that cannot run here: it is replaced by a recorder."""
-    from slime_spec.engine import weight_updater as wu
-    from slime_spec.engine.core import EngineCore
-
+    from slime_spec.engine.managers.engine_core import EngineCore
+    from slime_spec.engine.weights import updater as wu
     core = EngineCore(str(model), None, max_running_requests=2)
     events = []
     monkeypatch.setattr(wu, "settle", lambda device: events.append(f"settle {device}"))
@@ -446,8 +443,7 @@ def test_a_failure_after_buckets_landed_restores_every_old_byte_from_either_snap
     """The session's snapshot is kept on the tensors' own device while the budget lasts, the rest in host buffers
     (on a CPU engine both are host memory, but the device tier's own code runs: fresh buffers per session, dropped
     when it ends). Two buckets land, the third is refused: every byte of every served tensor is as before."""
-    from slime_spec.engine.core import EngineCore
-
+    from slime_spec.engine.managers.engine_core import EngineCore
     core = EngineCore(str(model), None, max_running_requests=2)
     before = served_bytes(core)
     target = core.named_weights("target")
@@ -480,8 +476,7 @@ def test_a_failure_after_buckets_landed_restores_every_old_byte_from_either_snap
 
 
 def test_device_snapshot_budget_is_free_memory_less_headroom():
-    from slime_spec.engine.weight_receive import SnapshotStore, device_snapshot_budget
-
+    from slime_spec.engine.weights.receive import SnapshotStore, device_snapshot_budget
     assert device_snapshot_budget("cpu") == 0  # a CPU engine snapshots into reused host buffers
     store = SnapshotStore()
     store.begin_session(100 * 4)
@@ -499,9 +494,8 @@ def test_a_tensor_both_runners_serve_is_snapshotted_once(model):
     """MiMo's MTP runner serves the target's embedding and lm_head: with selector "all" the snapshot keeps one copy
     of each (on MiMo-7B 2.5 GB less to copy per sync), and a rollback still restores both runners' view of it.
     SGLang's manager calls the target's loader and then the draft's: the update is loaded once, by the first."""
-    from slime_spec.engine.core import EngineCore
-    from slime_spec.spec import SpecConfig
-
+    from slime_spec.engine.managers.engine_core import EngineCore
+    from slime_spec.speculative.settings import SpecConfig
     core = EngineCore(str(model), SpecConfig("EAGLE", 2, 1, 3), max_running_requests=2)
     embed = "model.embed_tokens.weight"
     assert core.named_weights("draft")[embed].data_ptr() == core.named_weights("target")[embed].data_ptr()
@@ -525,9 +519,8 @@ def test_a_shared_tensor_reached_by_two_selectors_is_copied_once_and_restored_to
     (selector draft) writes it again: the session keeps the one copy taken before update 1, so the rollback
     restores the value from before begin (a second copy, taken of update 1's value, was restored last), and
     the snapshot bytes the updates report equal the memory the copies hold."""
-    from slime_spec.engine.core import EngineCore
-    from slime_spec.spec import SpecConfig
-
+    from slime_spec.engine.managers.engine_core import EngineCore
+    from slime_spec.speculative.settings import SpecConfig
     core = EngineCore(str(model), SpecConfig("EAGLE", 2, 1, 3), max_running_requests=2)
     embed = "model.embed_tokens.weight"
     before = core.named_weights("target")[embed].clone()
@@ -554,10 +547,9 @@ def test_an_in_place_update_decides_its_copies_once_and_counts_their_bytes_once(
     """The in-place receive copies each tensor just before its broadcast lands, but which tensors the update
     must copy is decided once for all its names (one WeightSession.snapshot_for per update), and the bytes are
     counted where the copy is made, once."""
-    from slime_spec.engine import weight_session
-    from slime_spec.engine.core import EngineCore
-    from slime_spec.engine.weight_receive import EngineTiming, receive_in_place
-
+    from slime_spec.engine.managers.engine_core import EngineCore
+    from slime_spec.engine.weights import session as weight_session
+    from slime_spec.engine.weights.receive import EngineTiming, receive_in_place
     core = EngineCore(str(model), None, max_running_requests=2)
     target = core.named_weights("target")
     names = [n for n in target if n.startswith("model.layers.")][:3]
@@ -588,8 +580,7 @@ def test_an_in_place_update_decides_its_copies_once_and_counts_their_bytes_once(
 def test_rollback_and_close_are_one_idempotent_path(model):
     """A failed update rolls the session back; the abort that follows (the syncer's) restores nothing twice,
     says how many tensors the session restored, and a second abort or end finds no session."""
-    from slime_spec.engine.core import EngineCore
-
+    from slime_spec.engine.managers.engine_core import EngineCore
     core = EngineCore(str(model), None, max_running_requests=2)
     target = core.named_weights("target")
     name = next(n for n in target if n.startswith("model.layers."))
@@ -614,8 +605,7 @@ def test_rollback_and_close_are_one_idempotent_path(model):
 def test_a_malformed_tensor_payload_fails_the_update_not_the_engine(model):
     """SGLang's manager lets a payload that is not SGLang's pickle raise out of its handler; the embedded engine
     answers the update as failed instead (and fails the session), naming the cause."""
-    from slime_spec.engine.core import EngineCore
-
+    from slime_spec.engine.managers.engine_core import EngineCore
     weights = engine_weights(EngineCore(str(model), None, max_running_requests=2))
     assert begin(weights, "target").success
     r = weights.handle(request("UpdateWeightsFromTensorReqInput", serialized_named_tensors=["bm90IGEgcGlja2xl"]))

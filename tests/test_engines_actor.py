@@ -1,8 +1,8 @@
-"""engines/actor.py: the engine actor's control routes send SGLang's own payloads."""
+"""fleet/actor.py: the engine actor's control routes send SGLang's own payloads."""
 
-from slime_spec.config import EngineConfig
-from slime_spec.engines.actor import Engine
-from slime_spec.sglang_contract import validate_payload
+from slime_spec.config.run_config import EngineConfig
+from slime_spec.fleet.actor import Engine
+from slime_spec.fleet.sglang_contract import validate_payload
 
 ROUTE_STRUCTS = {
     "/pause_generation": "PauseGenerationReqInput", "/continue_generation": "ContinueGenerationReqInput",
@@ -51,8 +51,7 @@ def test_a_shut_down_engine_is_never_restarted(tmp_path):
     the engine must stay down (before the fix it restarted a server that outlived the run)."""
     import pytest
 
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.tools.tiny_model import make_tiny_model
     model = make_tiny_model(tmp_path / "m", arch="llama", hidden_size=32, num_layers=1, intermediate_size=64,
                             max_position_embeddings=128, seed=0)
     engine = Engine(EngineConfig(backend="embedded", model_path=str(model)), 0, log_dir=str(tmp_path / "logs"),
@@ -73,9 +72,8 @@ def test_memory_is_released_only_once_the_engine_is_idle(monkeypatch):
     """SGLang flushes only an idle engine (400 while requests run) and asserts idleness in release: retried, bounded."""
     import pytest
 
-    from slime_spec.engines import actor
-    from slime_spec.engines.client import EngineError
-
+    from slime_spec.fleet import actor
+    from slime_spec.fleet.client import EngineError
     monkeypatch.setattr(actor, "FLUSH_RETRY_S", 0.0)
     engine, calls = _recording_engine()
     busy = iter([400, 400])
@@ -98,9 +96,8 @@ def test_memory_is_released_only_once_the_engine_is_idle(monkeypatch):
 
 
 def test_each_engine_gets_its_own_nccl_port_unless_the_flags_give_one():
-    from slime_spec.engines.actor import with_nccl_port
-    from slime_spec.net import free_ports_below_ephemeral
-
+    from slime_spec.common.net import free_ports_below_ephemeral
+    from slime_spec.fleet.actor import with_nccl_port
     ports = free_ports_below_ephemeral(4)
     assert len(set(ports)) == 4 and all(22000 <= p < 30000 for p in ports)  # SGLang's range for it
     argv = ["python", "-m", "sglang.launch_server", "--port", "30000"]

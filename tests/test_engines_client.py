@@ -1,4 +1,4 @@
-"""engines/client.py: answers and errors, the API key on every route, idle (not total) timeouts, /server_info."""
+"""fleet/client.py: answers and errors, the API key on every route, idle (not total) timeouts, /server_info."""
 
 import asyncio
 import threading
@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import requests
 
-from slime_spec.engines.client import (
+from slime_spec.fleet.client import (
     AsyncEngineClient,
     EngineAuth,
     EngineClient,
@@ -43,9 +43,8 @@ def test_auth_headers_follow_sglang_route_levels():
 
 @pytest.fixture(scope="module")
 def keyed_engine(tmp_path_factory):
-    from slime_spec.engines.process import embedded_server_process
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.fleet.process import embedded_server_process
+    from slime_spec.tools.tiny_model import make_tiny_model
     root = tmp_path_factory.mktemp("keyed_engine")
     model = make_tiny_model(root / "llama", arch="llama", hidden_size=32, num_layers=1, seed=0)
     with embedded_server_process(model, ["--api-key", "K", "--admin-api-key", "A"],
@@ -195,8 +194,7 @@ def test_a_hung_engine_is_found_within_the_bound():
 
 
 def test_probe_bounds_follow_sglang_health_check_timeout():
-    from slime_spec.engines.client import PROBE_MARGIN_S, probe_timeout_s
-
+    from slime_spec.fleet.client import PROBE_MARGIN_S, probe_timeout_s
     assert probe_timeout_s(False, {}) == 20 + PROBE_MARGIN_S  # SGLang's default SGLANG_HEALTH_CHECK_TIMEOUT
     assert probe_timeout_s(True, {"SGLANG_HEALTH_CHECK_TIMEOUT": "3"}) == 6 + PROBE_MARGIN_S
     with pytest.raises(ValueError, match="SGLANG_HEALTH_CHECK_TIMEOUT"):

@@ -1,8 +1,8 @@
-"""engines/fleet.py: least-loaded routing, and a restarted engine fenced until it serves the current weights.
+"""fleet/fleet.py: least-loaded routing, and a restarted engine fenced until it serves the current weights.
 
 The restart test runs the real pieces: two embedded engines under a RolloutManager on Ray, the trainer's
 side as a WeightSyncer over the distributed transport (gloo) in this process, and the driver's own
-`generate_fenced` / `run_all` from slime_spec/train.py.
+`generate_fenced` / `run_all` from slime_spec/driver/loop.py.
 """
 
 import asyncio
@@ -15,14 +15,14 @@ import pytest
 import ray
 from safetensors.torch import load_file
 
-from slime_spec.config import EngineConfig, RolloutConfig, WeightSyncConfig
-from slime_spec.engines.client import EngineClient, EngineGroupError
-from slime_spec.engines.fleet import NoEngineAvailable, Router, pick_engine
-from slime_spec.net import free_port
+from slime_spec.common.net import free_port
+from slime_spec.config.run_config import EngineConfig, RolloutConfig, WeightSyncConfig
+from slime_spec.driver.loop import generate_fenced, run_all
+from slime_spec.fleet.client import EngineClient, EngineGroupError
+from slime_spec.fleet.fleet import NoEngineAvailable, Router, pick_engine
 from slime_spec.rollout.manager import RolloutManagerActor, exclude_stale
 from slime_spec.rollout.sample import Sample, Status
-from slime_spec.tiny_model import make_tiny_model
-from slime_spec.train import generate_fenced, run_all
+from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.weight_sync.gather import iter_hf_state
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer
@@ -222,8 +222,7 @@ class _RecordingActor:
 def test_a_request_failing_during_shutdown_restarts_nothing(monkeypatch):
     """The SIGINT race: shutdown is stopping the engines, a request in flight fails and calls `recover`;
     the fleet must not ask the engine to come back, and routes nothing more to it."""
-    from slime_spec.engines.fleet import EngineFleet
-
+    from slime_spec.fleet.fleet import EngineFleet
     fleet = EngineFleet.__new__(EngineFleet)  # no Ray: the routing and restart state only
     actor = _RecordingActor()
     fleet.actors, fleet.num_engines, fleet.generation = [actor], 1, [0]
@@ -243,8 +242,7 @@ def test_a_request_failing_during_shutdown_restarts_nothing(monkeypatch):
 
 
 def test_engine_command_lines_go_to_a_file_and_one_short_line(tmp_path):
-    from slime_spec.engines.fleet import COMMANDS_FILE, ready_line, write_commands
-
+    from slime_spec.fleet.fleet import COMMANDS_FILE, ready_line, write_commands
     engine = EngineConfig(backend="embedded", model_path="/models/m",
                           forwarded_argv=("--speculative-algorithm", "NGRAM"),
                           server_args={"speculative_algorithm": "NGRAM"})
@@ -275,8 +273,7 @@ class _ProbedActor(_RecordingActor):
 
 
 def _fleet(actors, current="3"):
-    from slime_spec.engines.fleet import EngineFleet
-
+    from slime_spec.fleet.fleet import EngineFleet
     fleet = EngineFleet.__new__(EngineFleet)  # no Ray: the routing, restart and fence state only
     n = len(actors)
     fleet.actors, fleet.num_engines, fleet.generation, fleet.total_restarts = actors, n, [0] * n, 0

@@ -1,4 +1,4 @@
-"""engines/process.py: server process lifecycle against trivial child processes (python's http.server), no Ray."""
+"""fleet/process.py: server process lifecycle against trivial child processes (python's http.server), no Ray."""
 
 import os
 import sys
@@ -7,8 +7,8 @@ import time
 import pytest
 import requests
 
-from slime_spec.engines.process import EngineStartError, ServerProcess
-from slime_spec.net import free_port
+from slime_spec.common.net import free_port
+from slime_spec.fleet.process import EngineStartError, ServerProcess
 
 
 def _pid_alive(pid):
@@ -98,8 +98,8 @@ def test_server_dies_with_a_killed_parent(tmp_path):
     (root / "health").write_text("ok")
     parent_code = f"""
 import sys, time
-from slime_spec.engines.process import ServerProcess
-from slime_spec.net import free_port
+from slime_spec.fleet.process import ServerProcess
+from slime_spec.common.net import free_port
 port = free_port()
 p = ServerProcess([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", {str(root)!r}],
                   host="127.0.0.1", port=port, log_path={str(tmp_path / "s.log")!r})
@@ -142,7 +142,7 @@ def test_start_waits_while_the_server_is_alive_and_not_yet_serving(tmp_path):
 def test_an_embedded_engine_that_fails_to_load_exits_with_its_reason(tmp_path):
     """The scheduler process fails (no weights), SGLang's launcher raises: the whole server exits, its detokenizer
     process included, and the start reports the reason instead of waiting out the start timeout."""
-    from slime_spec.tiny_model import make_tiny_model
+    from slime_spec.tools.tiny_model import make_tiny_model
     from tests.helpers.engine_server import EngineServer
 
     model = make_tiny_model(tmp_path / "model", arch="llama")

@@ -2,10 +2,10 @@
 
 import pytest
 
-from slime_spec import flag_checks
-from slime_spec.args import parse
-from slime_spec.cluster_check import compare_gpus
-from slime_spec.doctor import diagnose
+from slime_spec.cluster.gpu_check import compare_gpus
+from slime_spec.config.args import parse
+from slime_spec.doctor import flag_checks
+from slime_spec.doctor.diagnose import diagnose
 
 BASE = ["--rollout-backend", "embedded"]
 
@@ -39,7 +39,7 @@ GOOD = [
     ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--micro-batch-size", "4"],
     ["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--global-batch-size", "6",
      "--micro-batch-size", "3"],
-    # the client sends these keys (slime_spec/engines/client.py EngineAuth): accepted, no finding
+    # the client sends these keys (slime_spec/fleet/client.py EngineAuth): accepted, no finding
     ["--sglang-api-key", "k1", "--sglang-admin-api-key", "k2"],
     ["--rm-type", "math", "--recompute-granularity", "full", "--pipeline-model-parallel-size", "1",
      "--lr-decay-style", "constant", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216"],
@@ -117,7 +117,7 @@ def test_sglang_backend_without_gpus_stops_a_launch(mimo7b, monkeypatch):
     import ray._private.services
 
     monkeypatch.setattr(ray._private.services, "find_gcs_addresses", lambda: [])
-    monkeypatch.setattr("slime_spec.cluster_check.local_gpus", lambda: 0)
+    monkeypatch.setattr("slime_spec.cluster.gpu_check.local_gpus", lambda: 0)
     parsed = parse(["--hf-checkpoint", str(mimo7b), "--rollout-backend", "sglang"])
     _, findings = diagnose(parsed, launching=True)
     assert "GPUS_UNAVAILABLE" in {f.code for f in findings if f.level == "error"}

@@ -1,6 +1,6 @@
 """Every `--flag` that slime_spec's messages, docstrings and argv lists name is a flag that exists.
 
-Exists means: in the flag table (`slime_spec/flags.py`), in the installed SGLang's own server parser
+Exists means: in the flag table (`slime_spec/config/flags.py`), in the installed SGLang's own server parser
 (as `--x` for the engine command line and as `--sglang-x` on ours), an older SGLang spelling the CLI
 translates (`args.SGLANG_RENAMED`), `slime-spec push-weights`' own flags, `slime-spec make-tiny-model`'s own
 options (the `add_argument` calls of tiny_model.main), or one of the few flags of the other tools listed below.
@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from slime_spec import push_weights
-from slime_spec.args import SGLANG_PREFIX, SGLANG_RENAMED, build_parser, sglang_parser
+from slime_spec.config.args import SGLANG_PREFIX, SGLANG_RENAMED, build_parser, sglang_parser
+from slime_spec.driver import push_weights
 
 PACKAGE = Path(__file__).resolve().parents[1] / "slime_spec"
 FLAG_TOKEN = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 # Flags of the other command lines slime-spec has or starts -> the module that defines or passes them.
 OTHER_TOOL_FLAGS = {
-    "--runtime-env-json": "ray_env.py",  # ray job submit (the job's runtime env)
+    "--runtime-env-json": "cluster/ray_env.py",  # ray job submit (the job's runtime env)
     "--json": "doctor.py",  # slime-spec doctor
     "--smoke": "demo.py",  # python -m slime_spec.demo
     "--out": "demo.py",
@@ -37,7 +37,7 @@ OTHER_TOOL_FLAGS = {
 def tiny_model_flags() -> set[str]:
     """`slime-spec make-tiny-model`'s options: the `--` names its `main` passes to `add_argument` (the parser is
     built inside `main`, so it is read from the source rather than called)."""
-    tree = ast.parse((PACKAGE / "tiny_model.py").read_text())
+    tree = ast.parse((PACKAGE / "tools/tiny_model.py").read_text())
     main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
     return {arg.value for node in ast.walk(main)
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"
@@ -81,8 +81,7 @@ def test_other_tool_flags_are_still_used_where_listed():
 
 def test_tiny_model_flags_are_its_parsers(capsys):
     """The options read from tiny_model's source are the ones its parser accepts (its --help lists each)."""
-    from slime_spec import tiny_model
-
+    from slime_spec.tools import tiny_model
     flags = tiny_model_flags()
     assert {"--arch", "--head-dim", "--num-experts-per-tok", "--out"} <= flags
     with pytest.raises(SystemExit) as exited:

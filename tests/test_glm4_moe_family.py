@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime_spec.config import TrainConfig
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.config.run_config import TrainConfig
+from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.trainer import model as M
 from slime_spec.trainer import parallel
 
@@ -57,7 +57,6 @@ def test_trainer_is_megatrons_moe_and_equals_hf(glm):
 
 def test_forward_backward_with_mtp_and_sync_tensors(glm):
     from slime_spec.weight_sync.gather import iter_hf_tensors
-
     hf_config, model = built(glm, mtp_num_layers=1, enable_mtp_training=True)
     ids = torch.randint(0, hf_config["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(1))
     out = M.forward(model.train(), ids, hf_config["vocab_size"])

@@ -3,7 +3,7 @@ nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex, nvmlDeviceGetMemoryInfo(handle).
 
 import types
 
-from slime_spec.gpu_memory import GIB, GpuMemoryMonitor
+from slime_spec.driver.gpu_memory import GIB, GpuMemoryMonitor
 
 
 class FakeNvml:

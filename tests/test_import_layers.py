@@ -22,24 +22,20 @@ ROOT = "slime_spec"
 # Top to bottom: a module imports modules of its own layer and of layers below it, never of one above.
 # An entry names a module or a package (all of it); the longest entry that covers a module places it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("demo", ("slime_spec.demo", "slime_spec.demo_task")),
-    ("driver", ("slime_spec.train", "slime_spec.cli", "slime_spec.doctor", "slime_spec.spec_check",
-                "slime_spec.flag_checks", "slime_spec.run_preflight", "slime_spec.loop_report",
-                "slime_spec.spec_speedup", "slime_spec.push_weights", "slime_spec.tiny_model", "slime_spec.gpu_memory",
-                "slime_spec.ray_env", "slime_spec.ray_reaper", "slime_spec.run_lock")),
+    ("demo", ("slime_spec.demo",)),
+    ("driver", ("slime_spec.driver", "slime_spec.train", "slime_spec.cli", "slime_spec.doctor", "slime_spec.tools",
+                "slime_spec.speculative.speedup")),
     ("trainer", ("slime_spec.trainer",)),
     ("rollout", ("slime_spec.rollout",)),
     ("weight_sync", ("slime_spec.weight_sync",)),
-    ("engines", ("slime_spec.engines",)),
-    ("placement", ("slime_spec.placement", "slime_spec.cluster_check")),
+    ("fleet", ("slime_spec.fleet",)),
+    ("cluster", ("slime_spec.cluster",)),
     ("engine", ("slime_spec.engine",)),
     # what slime-spec knows of SGLang itself: its parameter layout, its meta_info counters, importing it on CPU
-    ("sglang", ("slime_spec.sglang_contract", "slime_spec.spec_stats", "slime_spec.engine.sglang_stand_ins",
-                "slime_spec.weight_sync.sglang_params")),
-    ("config", ("slime_spec.flags_upstream", "slime_spec.flags", "slime_spec.config", "slime_spec.args",
-                "slime_spec.spec", "slime_spec.doctor_codes")),
-    ("common", (ROOT, "slime_spec.common", "slime_spec.dtypes", "slime_spec.net", "slime_spec.threads",
-                "slime_spec.logging_setup", "slime_spec.dist_group")),
+    ("sglang", ("slime_spec.speculative.stats", "slime_spec.engine.sglang_stand_ins",
+                "slime_spec.weight_sync.verify.sglang_params")),
+    ("config", ("slime_spec.config", "slime_spec.speculative", "slime_spec.doctor.codes")),
+    ("common", (ROOT, "slime_spec.common")),
 )
 
 # The embedded engine is another process, reached over HTTP: of the layers above it only the driver imports it
@@ -55,8 +51,8 @@ NEVER_IMPORTS = {
     "rollout": ("megatron",),
 }
 
-# Third-party packages only these layers import: engines are reached through engines/client.py alone.
-ONLY_IMPORTED_IN = {"requests": ("engines",), "aiohttp": ("engines",)}
+# Third-party packages only these layers import: engines are reached through fleet/client.py alone.
+ONLY_IMPORTED_IN = {"requests": ("fleet",), "aiohttp": ("fleet",)}
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 import logging
 import warnings
 
-from slime_spec.logging_setup import quiet_known_noise
+from slime_spec.common.logging_setup import quiet_known_noise
 
 
 def test_known_noise_is_dropped_and_other_warnings_are_not(caplog):
@@ -29,8 +29,7 @@ def test_known_noise_is_dropped_and_other_warnings_are_not(caplog):
 
 
 def test_rays_token_auth_enabled_notice_is_dropped_and_the_disabled_warning_is_not(caplog):
-    from slime_spec.logging_setup import RAY_TOKEN_AUTH_LOGGER
-
+    from slime_spec.common.logging_setup import RAY_TOKEN_AUTH_LOGGER
     quiet_known_noise()
     log = logging.getLogger(RAY_TOKEN_AUTH_LOGGER)
     with caplog.at_level(logging.WARNING, logger=RAY_TOKEN_AUTH_LOGGER):

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from slime_spec.loop_report import axis_limits, eval_names, plot, smooth, speedup_summary, summarize
+from slime_spec.driver.report import axis_limits, eval_names, plot, smooth, speedup_summary, summarize
 
 
 def steps(n: int) -> list[dict]:
@@ -183,8 +183,7 @@ def test_plot_and_axes_skip_nonfinite_values(tmp_path, monkeypatch):
 
 
 def test_step_line_reads_at_a_glance_with_slimes_eval_keys_and_the_drafts_loss():
-    from slime_spec.loop_report import draft_loss_key, step_line
-
+    from slime_spec.driver.report import draft_loss_key, step_line
     step = {"rollout_id": 3, "num_samples": 64, "response_tokens": 9000, "rollout_time_s": 4.2,
             "tokens_per_s": 2142.9, "spec_accept_length": 2.5, "spec_verify_ct": 3600, "reward_mean": 0.4,
             "truncated_ratio": 0.0, "aborted": 0, "engine_restarts": 0, "engine_0/spec_accept_length": 2.5,

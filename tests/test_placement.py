@@ -2,8 +2,8 @@
 
 import pytest
 
-from slime_spec.cluster_check import layout
-from slime_spec.placement import assign, node_key, sorted_bundles
+from slime_spec.cluster.gpu_check import layout
+from slime_spec.cluster.placement import assign, node_key, sorted_bundles
 from slime_spec.rollout.manager import ROUTER_HEALTH_INTERVAL_S, sglang_router_argv
 
 
@@ -85,10 +85,9 @@ def test_sglang_router_parses_the_argv():
 
 
 def test_placement_timeout_flag_reaches_the_run_and_doctor_bounds_it(mimo7b):
-    from slime_spec.args import parse
-    from slime_spec.doctor import diagnose
-    from slime_spec.placement import PLACEMENT_TIMEOUT_S
-
+    from slime_spec.cluster.placement import PLACEMENT_TIMEOUT_S
+    from slime_spec.config.args import parse
+    from slime_spec.doctor.diagnose import diagnose
     def check(*extra):
         config, findings = diagnose(parse(["--hf-checkpoint", str(mimo7b), "--rollout-backend", "embedded", *extra]))
         return config, [f for f in findings if f.level == "error"]

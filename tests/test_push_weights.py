@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slime_spec.cli import main as cli_main
-from slime_spec.engines.process import embedded_server_process
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.fleet.process import embedded_server_process
+from slime_spec.tools.tiny_model import make_tiny_model
 
 TINY = dict(arch="mimo", vocab_size=64, hidden_size=32, num_layers=2, intermediate_size=64,
             max_position_embeddings=256)

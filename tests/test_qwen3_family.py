@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime_spec.config import TrainConfig
-from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
-from slime_spec.engine.model import load_model
-from slime_spec.tiny_model import main as make_tiny_model_cli
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.config.run_config import TrainConfig
+from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams, SpecConfig
+from slime_spec.engine.model_executor.model import load_model
+from slime_spec.tools.tiny_model import main as make_tiny_model_cli
+from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.trainer import model as M
 from slime_spec.trainer import parallel
 from tests.helpers.engine_runs import (
@@ -101,8 +101,7 @@ def test_logprobs_under_speculation_equal_a_full_forward(ckpts, device):
 
 
 def test_engine_refuses_qwen3_with_attention_bias(ckpts, tmp_path):
-    from slime_spec.engine.model import ModelArgs
-
+    from slime_spec.engine.model_executor.model import ModelArgs
     config = json.loads((ckpts["target"] / "config.json").read_text())
     assert ModelArgs.from_hf_config(config).qk_norm and not ModelArgs.from_hf_config(config).qkv_bias
     with pytest.raises(ValueError, match="attention_bias=true"):
@@ -120,8 +119,8 @@ def ray_cluster():
 def test_tp2_equals_tp1_and_syncs_into_the_engine(ray_cluster, tmp_path):
     """Each TP rank normalizes only its own heads with the whole q/k norm weight: their gradients are partial sums
     that must be added over the TP group (as Megatron's finalize_model_grads does), or the update differs."""
-    from slime_spec.config import EngineConfig
-    from slime_spec.engines.process import engine_server_process
+    from slime_spec.config.run_config import EngineConfig
+    from slime_spec.fleet.process import engine_server_process
     from slime_spec.trainer.group import TrainGroup
     from slime_spec.trainer.trainer import Trainer
     from tests.helpers.tp_runs import assert_same_adam_step, tp2_config

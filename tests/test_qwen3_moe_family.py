@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime_spec.config import TrainConfig
-from slime_spec.engine.core import EngineCore, Request, SamplingParams, SpecConfig
-from slime_spec.engine.model import load_model
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.config.run_config import TrainConfig
+from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams, SpecConfig
+from slime_spec.engine.model_executor.model import load_model
+from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.trainer import model as M
 from slime_spec.trainer import parallel
 from slime_spec.weight_sync import convert

@@ -6,7 +6,7 @@ import json
 import ray
 from ray.runtime_env.runtime_env import _merge_runtime_env
 
-from slime_spec.ray_env import (
+from slime_spec.cluster.ray_env import (
     JOB_CONFIG_ENV_VAR,
     WORKER_SETUP_HOOK,
     job_runtime_env,
@@ -74,8 +74,7 @@ def test_a_private_ray_is_pinned_to_loopback(monkeypatch):
     node IP Ray resolves for 127.0.0.1 stays 127.0.0.1 (so every Ray server binds loopback)."""
     from ray._private import ray_constants, services
 
-    from slime_spec.ray_env import LOOPBACK_ONLY_ENV_VAR, pin_private_ray_to_loopback, starts_private_ray
-
+    from slime_spec.cluster.ray_env import LOOPBACK_ONLY_ENV_VAR, pin_private_ray_to_loopback, starts_private_ray
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", ray_constants.ENABLE_RAY_CLUSTER)
     assert starts_private_ray({}) and starts_private_ray({"RAY_ADDRESS": ""})
     assert not starts_private_ray({"RAY_ADDRESS": "127.0.0.1:6379"})

@@ -1,4 +1,4 @@
-"""ray_reaper.py: when the driver dies without cleaning up, its descendants are stopped; nothing else is."""
+"""cluster/ray_reaper.py: when the driver dies without cleaning up, its descendants are stopped; nothing else is."""
 
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import time
 
 import psutil
 
-from slime_spec.ray_reaper import start_reaper
+from slime_spec.cluster.ray_reaper import start_reaper
 
 # A "driver" that starts a grandchild in a session of its own (as Ray and the engine launcher do), prints
 # the grandchild's pid and then waits to be killed.

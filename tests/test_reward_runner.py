@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from slime_spec.config import RolloutConfig
+from slime_spec.config.run_config import RolloutConfig
 from slime_spec.rollout.reward_runner import RewardRunner, failure_of, reward_failure_metrics
 from slime_spec.rollout.sample import Sample, Status
 

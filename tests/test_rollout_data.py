@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from slime_spec.config import RolloutConfig
+from slime_spec.config.run_config import RolloutConfig
 from slime_spec.rollout.data import PromptDataError, PromptDataset
 from slime_spec.rollout.debug_data import load_rollout, save_rollout
 from slime_spec.rollout.sample import Sample, SpecStats, Status
@@ -101,9 +101,8 @@ def test_save_load_roundtrip(tmp_path):
 def test_manager_replays_saved_rollout_without_engines(tmp_path):
     import asyncio
 
-    from slime_spec.config import EngineConfig
+    from slime_spec.config.run_config import EngineConfig
     from slime_spec.rollout.manager import RolloutManager
-
     samples = [Sample(index=i, group_index=i, prompt="p", tokens=[1, 2, 3], response_length=1,
                       spec=SpecStats(1, 1)) for i in range(3)]
     template = str(tmp_path / "rollout_{rollout_id}.pt")
@@ -117,9 +116,8 @@ def test_manager_replays_saved_rollout_without_engines(tmp_path):
 def test_sglang_router_asked_but_not_installed(tmp_path):
     import importlib.util
 
-    from slime_spec.config import EngineConfig
+    from slime_spec.config.run_config import EngineConfig
     from slime_spec.rollout.manager import RolloutManager
-
     if importlib.util.find_spec("sglang_router") is not None:
         pytest.skip("sglang-router is installed here: the missing-package error cannot happen")
     with pytest.raises(ImportError, match="--use-sglang-router.*not installed"):
@@ -129,7 +127,6 @@ def test_sglang_router_asked_but_not_installed(tmp_path):
 
 def test_fresh_copy_shares_no_mutable_state():
     from slime_spec.rollout.manager import fresh_copy
-
     s = Sample(index=0, group_index=0, prompt="p", tokens=[1], rollout_log_probs=[-1.0], loss_mask=[1],
                meta_info={"a": [1]}, spec=SpecStats(1, 1), metadata={"k": [1]})
     c = fresh_copy(s)

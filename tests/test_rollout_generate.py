@@ -2,11 +2,11 @@
 
 import asyncio
 
-from slime_spec.config import RolloutConfig
+from slime_spec.config.run_config import RolloutConfig
+from slime_spec.fleet.sglang_contract import validate_payload
 from slime_spec.rollout.generate import apply_generate_output, default_generate
 from slime_spec.rollout.sample import Sample
 from slime_spec.rollout.sampling_params import sampling_params
-from slime_spec.sglang_contract import validate_payload
 
 
 def test_generate_payload_matches_sglang():

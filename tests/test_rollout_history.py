@@ -124,10 +124,9 @@ def test_sglang_sync_keeps_one_global_corpus_within_budget():
 
 
 def test_embedded_sync_names_group_and_prompt_corpus_per_request(tmp_path):
-    from slime_spec.engine.core import EngineCore
-    from slime_spec.spec import resolve_or_raise
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.engine.managers.engine_core import EngineCore
+    from slime_spec.speculative.settings import resolve_or_raise
+    from slime_spec.tools.tiny_model import make_tiny_model
     engine = EngineCore(str(make_tiny_model(tmp_path / "m", hidden_size=32, num_layers=1, seed=1)),
                         resolve_or_raise({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 3}))
 
@@ -161,8 +160,7 @@ def test_embedded_sync_names_group_and_prompt_corpus_per_request(tmp_path):
 
 def test_doctor_accepts_nextn_with_history_on_the_embedded_engine_only():
     """The hybrid MTP + history drafter exists only in the embedded engine; SGLang still needs NGRAM."""
-    from slime_spec.spec_check import CheckInput, check_history
-
+    from slime_spec.doctor.spec_checks import CheckInput, check_history
     nextn = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2, "speculative_eagle_topk": 1,
              "speculative_num_draft_tokens": 3}
     embedded = CheckInput(sglang=nextn, backend="embedded", sglang_version="0.5.23", target_config=None,

@@ -7,13 +7,13 @@ import textwrap
 import pytest
 import ray
 
-from slime_spec.config import EngineConfig, RolloutConfig
-from slime_spec.engines.client import EngineError
+from slime_spec.config.run_config import EngineConfig, RolloutConfig
+from slime_spec.fleet.client import EngineError
 from slime_spec.rollout.debug_data import load_rollout
 from slime_spec.rollout.manager import RolloutFailed, RolloutManagerActor, check_not_all_failed
 from slime_spec.rollout.metrics import REQUIRED_KEYS
 from slime_spec.rollout.sample import Sample, Status
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.tools.tiny_model import make_tiny_model
 
 BATCH, N_SAMPLES, MAX_LEN = 4, 2, 12
 
@@ -196,7 +196,6 @@ def test_progress_off_a_terminal_is_one_line_per_rollout():
     import time
 
     from slime_spec.rollout.manager import progress_bar, progress_done
-
     stream = io.StringIO()  # not a tty, like a Ray worker's stderr
     bar = progress_bar(50, "rollout 7", True, stream)
     for _ in range(50):

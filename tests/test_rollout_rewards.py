@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 
-from slime_spec.config import RolloutConfig
+from slime_spec.config.run_config import RolloutConfig
 from slime_spec.rollout.rewards import (
     RULES,
     assign_reward,
@@ -178,5 +178,4 @@ def test_custom_rm(tmp_path, monkeypatch):
 
 def test_scratchpad_is_a_registered_rm_type():
     from slime_spec.rollout.rewards import RM_TYPES
-
     assert "scratchpad" in RM_TYPES and "scratchpad_concise" in RM_TYPES

@@ -1,4 +1,4 @@
-"""One run per output directory (slime_spec/run_lock.py): a second run is refused naming the first; a lock
+"""One run per output directory (slime_spec/driver/run_lock.py): a second run is refused naming the first; a lock
 whose run is gone is taken over; the lock goes when the run ends."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from slime_spec.run_lock import LOCK_NAME, RunLock, RunLocked
+from slime_spec.driver.run_lock import LOCK_NAME, RunLock, RunLocked
 
 
 def test_second_run_into_the_same_dir_is_refused_naming_the_first(tmp_path):
@@ -42,9 +42,8 @@ def test_a_lock_from_another_host_is_refused_with_the_file_to_delete(tmp_path):
 
 
 def test_training_into_a_locked_output_dir_is_refused_before_anything_starts(tmp_path, capsys):
-    from slime_spec.tiny_model import make_tiny_model
-    from slime_spec.train import main
-
+    from slime_spec.driver.loop import main
+    from slime_spec.tools.tiny_model import make_tiny_model
     model = make_tiny_model(tmp_path / "model", arch="llama", hidden_size=32, num_layers=1, intermediate_size=64,
                             max_position_embeddings=256, seed=0)
     data = tmp_path / "prompts.jsonl"

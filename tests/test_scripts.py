@@ -93,7 +93,7 @@ def script_env(base: Path, **extra) -> dict:
     return env
 
 
-# Test double for the doctor's interpreter: records the argv a script hands to `python -m slime_spec.doctor`;
+# Test double for the doctor's interpreter: records the argv a script hands to `python -m slime_spec.doctor.diagnose`;
 # the script's own import check (`python -c ...`) goes to the real interpreter.
 FAKE_DOCTOR = """#!/bin/bash
 if [ "$1" = -c ]; then exec "$REAL_PY" "$@"; fi
@@ -118,8 +118,7 @@ def doctor_runs(tmp_path_factory):
                               env=script_env(base, EXTRA_ARGS="--sglang-dtype auto",  # its own doctor.txt
                                              OUTPUT_DIR=str(base / "outputs-broken")), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    from slime_spec.doctor import main as doctor_main
-
+    from slime_spec.doctor.diagnose import main as doctor_main
     runs = {}
     for name, (env, _, _) in CLEAN_RUNS.items():
         log = tmp_path_factory.mktemp(name.removesuffix(".sh"))
@@ -129,7 +128,7 @@ def doctor_runs(tmp_path_factory):
         assert proc.returncode == 0, proc.stderr
         assert "DOCTOR_ONLY=1: configuration is clean; not launching" in proc.stdout
         argv = (log / "doctor.args").read_text().splitlines()
-        assert argv[:2] == ["-m", "slime_spec.doctor"]
+        assert argv[:2] == ["-m", "slime_spec.doctor.diagnose"]
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             rc = doctor_main([*argv[2:], "--json"])
@@ -145,9 +144,8 @@ SMALL_RUNS = ("run-mimo-7B-rl-mtp.sh", "run-glm4.5-mtp.sh", "run-deepseek-v3-mtp
 @pytest.fixture(scope="module")
 def small_machine_runs(tmp_path_factory):
     """Each script's flags under SMALL_MACHINE=1 with a tiny model, checked by the real doctor in this process."""
-    from slime_spec.doctor import main as doctor_main
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.doctor.diagnose import main as doctor_main
+    from slime_spec.tools.tiny_model import make_tiny_model
     base = tmp_path_factory.mktemp("small")
     model = make_tiny_model(base / "tiny-mimo", arch="mimo", mtp_layers=1, hidden_size=32, num_layers=1,
                             intermediate_size=64, max_position_embeddings=128)
@@ -314,7 +312,7 @@ def test_starts_a_head_only_without_ray_address_and_stops_only_that(fakes, tmp_p
     assert head_gone(log)  # ... the head's own process group was stopped instead
     doctor_args = (log / "doctor.args").read_text().splitlines()
     entry = (log / "entrypoint.args").read_text().splitlines()
-    assert doctor_args[:2] == ["-m", "slime_spec.doctor"] and entry[1:3] == ["-m", "slime_spec.train"]
+    assert doctor_args[:2] == ["-m", "slime_spec.doctor.diagnose"] and entry[1:3] == ["-m", "slime_spec.train"]
     assert entry[0] == str(fakes[0] / "fake-doctor-python")  # the job runs PYTHON, not whatever python3 is
     assert doctor_args[2:] == entry[3:]  # the job gets exactly the flags the doctor checked
     assert "--debug-rollout-only" in entry and "--rollout-backend" in entry
@@ -398,7 +396,7 @@ def test_no_script_runs_ray_stop():
 DOCS = ROOT / "docs"
 
 
-# The speculative guide's doctor-code tables are checked against slime_spec/doctor_codes.py in tests/test_spec.py.
+# The speculative guide's doctor-code tables are checked against slime_spec/doctor/codes.py in tests/test_spec.py.
 
 
 def heading_anchors(page: Path) -> set[str]:
@@ -421,9 +419,8 @@ def test_docs_relative_links_resolve(lang):
 
 def test_training_a_model_the_trainer_cannot_build_is_a_doctor_error(doctor_runs):
     """Without DEBUG_ROLLOUT_ONLY the doctor names the limitation instead of letting training crash later."""
-    from slime_spec.args import parse
-    from slime_spec.doctor import diagnose
-
+    from slime_spec.config.args import parse
+    from slime_spec.doctor.diagnose import diagnose
     _, _, flags = doctor_runs["run-deepseek-v3-mtp.sh"]
     _, findings = diagnose(parse([f for f in flags if f != "--debug-rollout-only"]))
     errors = [f for f in findings if f.level == "error"]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from slime_spec.doctor import main
+from slime_spec.doctor.diagnose import main
 from tests.helpers.slime_scripts import DENSE, SCRIPTS, script_argv
 
 # What the trainer may not build yet: MoE families, pipeline and context parallelism (nothing else may stop them).

@@ -1,4 +1,5 @@
-"""slime_spec.spec: SGLang 0.5.23's resolution of the speculative flags, once; and the doctor-code registry."""
+"""slime_spec.speculative.settings: SGLang 0.5.23's resolution of the speculative flags, once; and the doctor-code
+registry."""
 
 import re
 import subprocess
@@ -8,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from slime_spec import spec
-from slime_spec.doctor_codes import CODES, LEVELS, Rule
-from slime_spec.spec import Algorithm, SpecConfig, SpecError, check_resolved, resolve, resolve_or_raise
+from slime_spec.doctor.codes import CODES, LEVELS, Rule
+from slime_spec.speculative import settings as spec
+from slime_spec.speculative.settings import Algorithm, SpecConfig, SpecError, check_resolved, resolve, resolve_or_raise
 
 ROOT = Path(__file__).resolve().parents[1]
 MIMO = {"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1}
@@ -48,7 +49,6 @@ def test_defaults_match_the_installed_sglang():
     from sglang.srt.speculative.adaptive_spec_params import DEFAULT_ADAPTIVE_CONFIG
 
     from slime_spec.engine.server_args import defaults_of, sglang_parser
-
     defaults = defaults_of(sglang_parser())
     assert defaults["speculative_ngram_max_bfs_breadth"] == spec.NGRAM_MAX_BFS_BREADTH
     assert defaults["speculative_ngram_max_trie_depth"] == spec.NGRAM_MAX_TRIE_DEPTH
@@ -98,7 +98,7 @@ def test_embedded_backend_runs_eagle_eagle3_standalone_ngram_chains_and_trees():
     tree = found({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/d",
                   "speculative_num_steps": 2, "speculative_eagle_topk": 2, "speculative_num_draft_tokens": 4},
                  backend="embedded")
-    assert tree == {}  # tree drafting (engine/tree.py); SGLang's tree-size checks still apply:
+    assert tree == {}  # tree drafting (engine/speculative/tree.py); SGLang's tree-size checks still apply:
     too_big = found({"speculative_algorithm": "EAGLE", "speculative_num_steps": 2, "speculative_eagle_topk": 2,
                      "speculative_num_draft_tokens": 8}, backend="embedded")
     assert too_big["SPEC_TOPK_TOKENS"].level == "error" and "at most 7 nodes" in too_big["SPEC_TOPK_TOKENS"].message
@@ -181,7 +181,8 @@ def test_resolved_configs_are_fixed_points_and_others_are_refused():
 
 
 def test_spec_does_not_import_torch():
-    code = "import sys, slime_spec.spec, slime_spec.spec_check; assert 'torch' not in sys.modules, 'torch'"
+    code = ("import sys, slime_spec.speculative.settings, slime_spec.doctor.spec_checks; "
+            "assert 'torch' not in sys.modules, 'torch'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
@@ -282,7 +283,7 @@ def codes_used_in_source() -> set[str]:
                          r"EMBEDDED)_[A-Z0-9_]+)[\"':]")
     found_codes = set()
     for path in (ROOT / "slime_spec").rglob("*.py"):
-        if path.name != "doctor_codes.py":
+        if path.name != "doctor/codes.py":
             found_codes |= set(pattern.findall(path.read_text()))
     return found_codes - SGLANG_ENV_VARS
 
@@ -292,7 +293,7 @@ def test_every_code_used_in_slime_spec_is_in_the_registry():
     assert used - CODES == set()
     # Checks reach codes only through the registry: no Finding is built from a literal code.
     for path in (ROOT / "slime_spec").rglob("*.py"):
-        if path.name != "doctor_codes.py":
+        if path.name != "doctor/codes.py":
             assert not re.search(r"Finding\(\s*[\"']", path.read_text()), path
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from slime_spec.flags import MODEL_SHAPE_FLAGS
-from slime_spec.spec_check import CheckInput, run_checks
+from slime_spec.config.flags import MODEL_SHAPE_FLAGS
+from slime_spec.doctor.spec_checks import CheckInput, run_checks
 
 LLAMA = {"torch_dtype": "bfloat16", "max_position_embeddings": 131072, "num_hidden_layers": 32, "hidden_size": 4096,
          "tie_word_embeddings": False, "model_type": "llama"}
@@ -123,7 +123,7 @@ def test_unsupported_by_embedded_backend():
     f = codes(sglang=eagle3(speculative_algorithm="DFLASH"), backend="embedded", target_config=LLAMA,
               draft_config=EAGLE3)["SPEC_UNSUPPORTED_BY_BACKEND"]
     assert f.level == "error"
-    # The seeds' EAGLE3 tree (5 / 8 / 32) runs on the embedded engine (tree drafting, engine/tree.py).
+    # The seeds' EAGLE3 tree (5 / 8 / 32) runs on the embedded engine (tree drafting, engine/speculative/tree.py).
     assert "SPEC_UNSUPPORTED_BY_BACKEND" not in codes(sglang=eagle3(), backend="embedded", target_config=LLAMA,
                                                       draft_config=EAGLE3)
     assert "SPEC_UNSUPPORTED_BY_BACKEND" not in codes(sglang=mtp(), backend="embedded")

@@ -4,8 +4,8 @@ import gc
 
 import pytest
 
-from slime_spec.args import parse_config
-from slime_spec.spec_speedup import (
+from slime_spec.config.args import parse_config
+from slime_spec.speculative.speedup import (
     TimedHalf,
     check_config,
     collector_paused,

@@ -4,13 +4,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from slime_spec.spec_stats import SpecStats, accept_length, accept_rate, mean_accept_length
+from slime_spec.speculative.stats import SpecStats, accept_length, accept_rate, mean_accept_length
 
 
 def sglang_meta_info(monkeypatch, completion_tokens: int, verify_ct: int, correct: int, num_draft_tokens: int) -> dict:
     """The speculative keys SGLang 0.5.23's own TokenizerManager puts into one request's meta_info."""
     from slime_spec.engine.sglang_stand_ins import install
-
     install()
     from sglang.srt.managers import tokenizer_manager
 

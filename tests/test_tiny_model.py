@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from slime_spec.tiny_model import EOS_ID, full_vocab_size, main, make_tiny_model
+from slime_spec.tools.tiny_model import EOS_ID, full_vocab_size, main, make_tiny_model
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "deepseek_v3", "glm4_moe"])

@@ -1,4 +1,4 @@
-"""A colocated step's hand-over on GPUs (slime_spec/train.py `_steps`): the trainer is offloaded while the engines
+"""A colocated step's hand-over on GPUs (slime_spec/driver/loop.py `_steps`): the trainer is offloaded while the engines
 generate and onloaded only after they released their memory; the engines resume before the sync; each move is
 timed, and the peak memory per GPU is in the step's metrics.
 
@@ -8,9 +8,9 @@ or GPU here) answering the calls `_steps` makes of TrainGroup, RolloutManager, L
 import pytest
 import ray
 
-from slime_spec import train
-from slime_spec.args import parse_config
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.config.args import parse_config
+from slime_spec.driver import loop as train
+from slime_spec.tools.tiny_model import make_tiny_model
 
 
 class _Call:

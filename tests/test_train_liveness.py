@@ -1,4 +1,4 @@
-"""The driver's liveness around a sync (slime_spec/train.py): an engine lost during a sync is restarted and the
+"""The driver's liveness around a sync (slime_spec/driver/loop.py): an engine lost during a sync is restarted and the
 sync runs again in full, the restarted engine rejoining; a failure with every engine alive is raised as it is.
 
 The rollout manager is a test double (a Ray actor cannot run here without a cluster) answering the same calls
@@ -9,7 +9,7 @@ import threading
 import pytest
 import ray
 
-from slime_spec import train
+from slime_spec.driver import loop as train
 
 
 class _Call:

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from slime_spec.common import eagle3_draft as E
-from slime_spec.tiny_model import LLAMA31_ROPE_SCALING, main, make_tiny_eagle3_draft, make_tiny_model
+from slime_spec.tools.tiny_model import LLAMA31_ROPE_SCALING, main, make_tiny_eagle3_draft, make_tiny_model
 
 
 @pytest.fixture(scope="module")

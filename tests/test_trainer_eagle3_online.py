@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from slime_spec.common import eagle3_draft as E
-from slime_spec.config import TrainConfig
+from slime_spec.config.run_config import TrainConfig
 from slime_spec.rollout.sample import Sample
-from slime_spec.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_eagle3_draft, make_tiny_model
+from slime_spec.tools.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_eagle3_draft, make_tiny_model
 from slime_spec.trainer import model as M
 from slime_spec.trainer import parallel
 from slime_spec.trainer.eagle3_ttt import ttt_loss
@@ -103,7 +103,6 @@ def test_synced_names_are_exactly_the_drafts_own(llama):
     assert set(names) == checkpoint_names and len(names) == len(set(names))
     assert not any("embed" in n for n in names)
     from slime_spec.weight_sync.gather import iter_draft_tensors
-
     assert {(t.name, t.kind) for t in iter_draft_tensors(trainer.named_draft_tensors())} == \
         {(n, "draft") for n in names}
 
@@ -139,7 +138,6 @@ def test_bf16_policy_trains_a_float32_draft(llama):
 def test_ttt_attention_sees_the_context_then_its_own_later_steps():
     """Step k at position i attends to step-0 keys 0..i and to its own keys of steps 1..k (brute force)."""
     from slime_spec.trainer.eagle3_ttt import _attend
-
     gen = torch.Generator().manual_seed(0)
     b, heads, kv, s, d, steps = 2, 4, 2, 6, 8, 3
     q = torch.randn(b, heads, s, d, generator=gen)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slime_spec.config import TrainConfig
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.config.run_config import TrainConfig
+from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.trainer import cpu_compat, parallel
 from slime_spec.trainer import model as M
 

@@ -10,7 +10,6 @@ from tests.helpers.trainers import random_rollout, tiny_mimo, train_config
 
 def _trainer(tmp_path, **kw):
     from slime_spec.trainer.trainer import Trainer
-
     return Trainer(train_config(tiny_mimo(tmp_path / "m"), **kw))
 
 

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from slime_spec.config import TrainConfig
+from slime_spec.config.run_config import TrainConfig
 from slime_spec.rollout.sample import Sample
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.trainer import batch as B
 from slime_spec.trainer import model as M
 from slime_spec.trainer import packing, parallel

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slime_spec import flags
-from slime_spec.args import parse_config
-from slime_spec.config import TrainConfig
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.config import flags
+from slime_spec.config.args import parse_config
+from slime_spec.config.run_config import TrainConfig
+from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.trainer import parallel
 from slime_spec.trainer.precision import MasterParams
 from slime_spec.trainer.trainer import Trainer

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from slime_spec.common import rope
-from slime_spec.config import TrainConfig
-from slime_spec.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_model
+from slime_spec.config.run_config import TrainConfig
+from slime_spec.tools.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_model
 from slime_spec.trainer import model as M
 from slime_spec.trainer import parallel
 

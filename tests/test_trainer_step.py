@@ -51,7 +51,6 @@ def test_grpo_raises_log_prob_of_rewarded_response_and_mtp_loss_falls(mimo):
 
     def response_log_prob(s):
         from slime_spec.trainer.losses import token_log_probs
-
         logits = trainer.forward_logits([s.tokens])["logits"]
         return float(token_log_probs(logits, torch.tensor([s.tokens]))[0, -s.response_length:].sum())
 
@@ -100,8 +99,7 @@ def test_bad_inputs_are_clear_errors(mimo):
 
 
 def _generate(engine, prompts: list[list[int]], n: int, temperature: float, max_new_tokens: int) -> list:
-    from slime_spec.engine.core import Request, SamplingParams
-
+    from slime_spec.engine.managers.engine_core import Request, SamplingParams
     for i, p in enumerate(prompts):
         for j in range(n):
             engine.add_request(Request(f"{i}-{j}", p, SamplingParams(temperature=temperature, ignore_eos=True,
@@ -121,8 +119,7 @@ def test_online_mtp_training_raises_acceptance_on_the_policys_own_outputs(mimo):
     """The loop in miniature, twice: engine rollout -> GRPO step -> sync (target + MTP) into the engine.
     With --enable-mtp-training the draft learns the policy's own outputs and acceptance rises; a frozen
     draft stays where it was."""
-    from slime_spec.engine.core import EngineCore, SpecConfig
-
+    from slime_spec.engine.managers.engine_core import EngineCore, SpecConfig
     rng = random.Random(3)
     prompts = [[rng.randrange(5, 100) for _ in range(6)] for _ in range(4)]
     accept = {}

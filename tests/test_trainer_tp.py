@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime_spec.config import EngineConfig, TrainConfig
-from slime_spec.engines.process import engine_server_process
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.config.run_config import EngineConfig, TrainConfig
+from slime_spec.fleet.process import engine_server_process
+from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.trainer import parallel
 from slime_spec.trainer.group import TrainGroup
 from slime_spec.trainer.trainer import Trainer

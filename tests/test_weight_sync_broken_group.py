@@ -16,14 +16,14 @@ import threading
 
 import pytest
 
-from slime_spec.config import WeightSyncConfig
-from slime_spec.engines.client import EngineClient
-from slime_spec.net import free_port
-from slime_spec.tiny_model import make_config, make_weights
-from slime_spec.weight_sync import transports
+from slime_spec.common.net import free_port
+from slime_spec.config.run_config import WeightSyncConfig
+from slime_spec.fleet.client import EngineClient
+from slime_spec.tools.tiny_model import make_config, make_weights
 from slime_spec.weight_sync.gather import iter_hf_state
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer, WeightSyncError
+from slime_spec.weight_sync.transports import http_transports as transports
 from tests.test_weight_sync_fake_server import FakeSGLangServer
 
 MIMO = make_config("mimo", vocab_size=48, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,

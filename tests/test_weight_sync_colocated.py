@@ -1,4 +1,4 @@
-"""Per-trainer-rank colocated buckets (weight_sync/colocated.py), with real gloo groups on CPU.
+"""Per-trainer-rank colocated buckets (weight_sync/transports/colocated.py), with real gloo groups on CPU.
 
 Every trainer rank is a process of its own (a default gloo group, as Megatron's); rank 0 runs the tensor
 transport and the others `follow_sync`. The engines are test doubles for the HTTP hop: each request body is read
@@ -16,8 +16,8 @@ import traceback
 import pytest
 import torch
 
-from slime_spec.net import free_port
-from slime_spec.weight_sync.colocated import ColocatedLayout
+from slime_spec.common.net import free_port
+from slime_spec.weight_sync.transports.colocated import ColocatedLayout
 
 TENSORS = [("model.embed_tokens.weight", (64, 16), torch.float32), ("model.layers.0.mlp.up_proj.weight", (32, 16),
            torch.bfloat16), ("model.norm.weight", (16,), torch.float32), ("model.mtp_layers.0.norm.weight", (16,),
@@ -27,7 +27,6 @@ TENSORS = [("model.embed_tokens.weight", (64, 16), torch.float32), ("model.layer
 def rank_tensors(rank: int, drift: bool = False):
     """What trainer rank `rank` holds after the TP all-gather (plus `rank`, to tell the ranks' entries apart)."""
     from slime_spec.weight_sync.gather import NamedTensor
-
     g = torch.Generator().manual_seed(0)
     out = []
     for name, shape, dtype in TENSORS:
@@ -66,10 +65,9 @@ def run_case(rank: int, world: int, case: dict) -> dict:
     """One sync of `case` on the group every case shares: each case must end on every rank for the next to run."""
     import torch.distributed as dist
 
-    from slime_spec.weight_sync.colocated import RankBuckets, follow_sync
     from slime_spec.weight_sync.gather import make_buckets, only_wanted_kinds
-    from slime_spec.weight_sync.transports import TensorTransport
-
+    from slime_spec.weight_sync.transports.colocated import RankBuckets, follow_sync
+    from slime_spec.weight_sync.transports.http_transports import TensorTransport
     result = {}
     try:
         channel = RankBuckets(dist.group.WORLD, ColocatedLayout.of(world, case["engine_tp"]))

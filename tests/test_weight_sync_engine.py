@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from slime_spec.config import TrainConfig, WeightSyncConfig
-from slime_spec.engines.client import EngineClient
-from slime_spec.net import free_port
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.common.net import free_port
+from slime_spec.config.run_config import TrainConfig, WeightSyncConfig
+from slime_spec.fleet.client import EngineClient
+from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.weight_sync.gather import NamedTensor, iter_hf_state, iter_hf_tensors
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer, WeightSyncError
@@ -49,8 +49,7 @@ def engine_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor 
     the target's hidden state at p), as `CausalLM.mtp_forward` does, including SGLang's rule that the token
     embedding at position 0 is zeroed (the trainer applies the same rule for MiMo).
     """
-    from slime_spec.engine.model import DecoderLayer, causal_mask, rope_cos_sin
-
+    from slime_spec.engine.model_executor.model import DecoderLayer, causal_mask, rope_cos_sin
     B, T = ids.shape
     positions = torch.arange(T)[None].expand(B, T)
     slots = torch.arange(B)
@@ -74,9 +73,8 @@ def core_logits(tensors: dict[str, torch.Tensor], like: Path, flags: list[str], 
 
     from safetensors.torch import save_file
 
-    from slime_spec.engine.scheduler_process import make_core_factory
+    from slime_spec.engine.managers.scheduler_process import make_core_factory
     from slime_spec.engine.server_args import parse_server_args
-
     shutil.copytree(like, out, ignore=shutil.ignore_patterns("*.safetensors"))
     save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
@@ -96,13 +94,11 @@ def assert_serves(engine: EngineServer, tensors: dict[str, torch.Tensor], hf_con
 @pytest.fixture(scope="module")
 def megatron():
     from slime_spec.trainer import parallel
-
     parallel.init_single_process(seed=0)
 
 
 def megatron_policy(path: Path, mtp_layers: int):
     from slime_spec.trainer import model as M
-
     hf_config, hf_state = M.read_hf_config(path), M.read_hf_state(path)
     train = TrainConfig(hf_checkpoint=str(path), mtp_num_layers=mtp_layers)
     model = M.build_gpt_model(hf_config, train)
@@ -117,7 +113,6 @@ def megatron_policy(path: Path, mtp_layers: int):
 ])
 def test_engine_serves_megatron_weights_after_sync(request, megatron, tmp_path, arch, transport, flags):
     from slime_spec.trainer import model as M
-
     mtp = 1 if arch == "mimo" else 0
     if arch == "mimo":  # the module's engine serves exactly this checkpoint with these flags
         engine, own = request.getfixturevalue("engine"), None
@@ -252,7 +247,6 @@ def _tp_worker(rank: int, tp_size: int, port: int, trained: str, engine_url: str
 
     from slime_spec.trainer import model as M
     from slime_spec.trainer import parallel
-
     parallel.init_parallel(rank, tp_size, "127.0.0.1", port, tp_size=tp_size, seed=0)
     hf_config, hf_state = M.read_hf_config(trained), M.read_hf_state(trained)
     model = M.build_gpt_model(hf_config, TrainConfig(hf_checkpoint=trained, mtp_num_layers=1,
@@ -303,8 +297,7 @@ def test_engine_serves_megatron_tp2_weights_after_sync(engine, tmp_path):
 def test_standalone_draft_survives_syncs_and_canary_tracks_acceptance(tmp_path):
     """An untrained external draft keeps its weights through every sync (selector "target"); the canary reads
     accept length after each sync and after a release/resume cycle."""
-    from slime_spec.weight_sync.canary import AcceptanceCanary
-
+    from slime_spec.weight_sync.verify.canary import AcceptanceCanary
     served = make_tiny_model(tmp_path / "served", arch="llama", seed=0, **TINY)
     draft = make_tiny_model(tmp_path / "draft", arch="llama", seed=0, **TINY)  # drafts exactly what the target says
     flags = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(draft),
@@ -341,8 +334,7 @@ def test_standalone_draft_survives_syncs_and_canary_tracks_acceptance(tmp_path):
 def test_colocated_sync_lands_and_reports_its_split(engine, tmp_path, flatten):
     """The tensor transport of --colocate, flattened buckets (upstream slime's form) or one tensor at a time: every
     served tensor equals the sent one, and the split the colocated bench prints is measured, not zero."""
-    from slime_spec.weight_sync.transports import TensorTransport
-
+    from slime_spec.weight_sync.transports.http_transports import TensorTransport
     served = engine.model_path
     new = make_tiny_model(tmp_path / "new", arch="mimo", seed=1, **TINY)
     syncer = WeightSyncer([engine.client], WeightSyncConfig(update_weight_buffer_size=4096, check_weight_sync=True),

@@ -11,7 +11,8 @@ read from sglang 0.5.23 (scheduler_components/weight_updater.py, http_server.py)
 - updates outside a session fail; `selector` picks runners; disk reloads every runner; the
   distributed path receives over a real gloo group; each request is all-or-nothing;
 - `/weights_checker` answers what SGLang's WeightChecker computes for those runners (names and values by
-  sglang_params.py, which tests/conformance/test_weight_checker.py checks against SGLang's model classes);
+  weight_sync/verify/sglang_params.py, which tests/conformance/test_weight_checker.py checks against SGLang's model
+  classes);
 - `session_routes=False` models an older SGLang: no session routes (404), no `selector`, distributed
   loads the target only (sglang#27718), tensor and disk load every runner.
 """
@@ -28,8 +29,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from slime_spec.sglang_contract import struct, validate_payload
-from slime_spec.weight_sync import protocol, sglang_params, verify
+from slime_spec.fleet.sglang_contract import struct, validate_payload
+from slime_spec.weight_sync import protocol
+from slime_spec.weight_sync.verify import coverage as verify
+from slime_spec.weight_sync.verify import sglang_params
 
 _STRUCTS = {**protocol.ROUTE_STRUCTS, "/generate": None, "/flush_cache": None}
 
@@ -230,8 +233,7 @@ class FakeSGLangServer:
             self.session = None
             return ok
         if path == "/init_weights_update_group":
-            from slime_spec.dist_group import WeightUpdateGroup
-
+            from slime_spec.common.dist_group import WeightUpdateGroup
             self.group = WeightUpdateGroup(body["master_address"], body["master_port"], body["rank_offset"],
                                            body["world_size"], body["group_name"], body["backend"])
             return ok
@@ -312,8 +314,7 @@ class FakeSGLangServer:
 # ---------------------------------------------------------------- tests of the protocol against the double
 
 def _tiny_state(seed: int = 0, mtp: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
-    from slime_spec.tiny_model import make_config, make_weights
-
+    from slime_spec.tools.tiny_model import make_config, make_weights
     config = make_config("mimo" if mtp else "llama", vocab_size=48, hidden_size=32, num_layers=1, num_heads=4,
                          num_kv_heads=2, intermediate_size=64, max_position_embeddings=128, dtype="float32",
                          mtp_layers=1 if mtp else 0, tie_word_embeddings=False)
@@ -334,9 +335,8 @@ def servers():
 
 
 def test_protocol_detected_from_new_and_old_server(servers):
-    from slime_spec.engines.client import EngineClient
+    from slime_spec.fleet.client import EngineClient
     from slime_spec.weight_sync.protocol import detect_engine_protocol
-
     state, config = _tiny_state()
     new = detect_engine_protocol(EngineClient(servers(state, config).url))
     old = detect_engine_protocol(EngineClient(servers(state, config, session_routes=False).url))
@@ -345,8 +345,7 @@ def test_protocol_detected_from_new_and_old_server(servers):
 
 
 def test_fake_rejects_update_outside_session_and_bad_fields(servers):
-    from slime_spec.engines.client import EngineClient, EngineError
-
+    from slime_spec.fleet.client import EngineClient, EngineError
     state, config = _tiny_state()
     client = EngineClient(servers(state, config).url)
     with pytest.raises(EngineError, match="begin_weight_update"):

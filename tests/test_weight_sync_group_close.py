@@ -14,12 +14,12 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from slime_spec import dist_group
-from slime_spec.config import WeightSyncConfig
-from slime_spec.dist_group import GroupCloseTimeout, WeightUpdateGroup
-from slime_spec.engines.client import EngineClient
-from slime_spec.net import free_port
-from slime_spec.tiny_model import make_config, make_weights
+from slime_spec.common import dist_group
+from slime_spec.common.dist_group import GroupCloseTimeout, WeightUpdateGroup
+from slime_spec.common.net import free_port
+from slime_spec.config.run_config import WeightSyncConfig
+from slime_spec.fleet.client import EngineClient
+from slime_spec.tools.tiny_model import make_config, make_weights
 from slime_spec.weight_sync.gather import iter_hf_state
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer
@@ -113,7 +113,6 @@ def test_a_destroy_that_never_finishes_is_aborted_and_named(monkeypatch):
 
 def test_train_actors_turn_nccls_cumem_buffers_off():
     from slime_spec.trainer.group import train_actor_env
-
     assert train_actor_env(True, 2, environ={}) == {"NCCL_CUMEM_ENABLE": "0"}
     assert train_actor_env(True, 2, environ={"NCCL_CUMEM_ENABLE": "1"}) == {"NCCL_CUMEM_ENABLE": "1"}  # the job's
     cpu = train_actor_env(False, 2, environ={})

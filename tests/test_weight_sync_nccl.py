@@ -16,11 +16,11 @@ import os
 import pytest
 import torch
 
-from slime_spec.config import WeightSyncConfig
-from slime_spec.engines.client import EngineClient, EngineGroupError
-from slime_spec.engines.process import embedded_server_process
-from slime_spec.net import free_port
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.common.net import free_port
+from slime_spec.config.run_config import WeightSyncConfig
+from slime_spec.fleet.client import EngineClient, EngineGroupError
+from slime_spec.fleet.process import embedded_server_process
+from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.weight_sync.gather import iter_hf_state
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer, WeightSyncError

@@ -7,10 +7,10 @@ import itertools
 import pytest
 import torch
 
-from slime_spec.config import WeightSyncConfig
-from slime_spec.engines.client import EngineClient, EngineError
-from slime_spec.net import free_port
-from slime_spec.tiny_model import make_config, make_weights
+from slime_spec.common.net import free_port
+from slime_spec.config.run_config import WeightSyncConfig
+from slime_spec.fleet.client import EngineClient, EngineError
+from slime_spec.tools.tiny_model import make_config, make_weights
 from slime_spec.weight_sync.gather import iter_hf_state
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer, WeightSyncError
@@ -59,8 +59,7 @@ def assert_serves(server: FakeSGLangServer, state: dict[str, torch.Tensor], runn
 
 @pytest.fixture
 def ckpt(tmp_path):
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.tools.tiny_model import make_tiny_model
     make_tiny_model(tmp_path / "ckpt", arch="mimo", vocab_size=48, hidden_size=32, num_layers=2,
                     intermediate_size=64, max_position_embeddings=128)
     return tmp_path
@@ -249,7 +248,7 @@ def _injecting(tensors, at: int, inject):
 
 
 def _embedded(tmp_path):
-    from slime_spec.tiny_model import make_tiny_model
+    from slime_spec.tools.tiny_model import make_tiny_model
     from tests.helpers.engine_server import EAGLE_FLAGS, TINY, EngineServer
 
     served = make_tiny_model(tmp_path / "served", arch="mimo", seed=0, **TINY)
@@ -406,7 +405,6 @@ def eagle3_state(seed: int) -> dict[str, torch.Tensor]:
     """An EAGLE3 draft's own tensors (checkpoint names) for MIMO's shapes: one of them, lm_head.weight, is
     also a target name, with a different (draft-vocabulary) shape."""
     from slime_spec.common.eagle3_draft import Eagle3Draft
-
     config = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
               "vocab_size": 48, "draft_vocab_size": 16, "max_position_embeddings": 128, "rms_norm_eps": 1e-6}
     torch.manual_seed(seed)
@@ -420,7 +418,6 @@ def eagle3_state(seed: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("transport", ["distributed", "tensor"])
 def test_trained_eagle3_draft_is_synced_with_selector_draft_and_never_touches_the_target(make_server, transport):
     from slime_spec.weight_sync.gather import iter_draft_tensors
-
     server = make_server(draft="external", draft_state=eagle3_state(0))
     shared = server.target.weights["model.embed_tokens.weight"]
     server.draft.weights["model.embed_tokens.weight"] = shared  # SGLang shares the target's embedding
@@ -448,7 +445,6 @@ def test_trained_eagle3_draft_is_synced_with_selector_draft_and_never_touches_th
 def test_trained_draft_changed_outside_the_sync_is_still_caught(make_server):
     """Tensors of the trained draft that the sync does not send must stay as loaded (the frozen check)."""
     from slime_spec.weight_sync.gather import iter_draft_tensors
-
     server = make_server(draft="external", draft_state=eagle3_state(0))
     syncer = make_syncer([server], "tensor", spec=EAGLE3, trains_draft=True, check=False)
     draft = {n: t for n, t in eagle3_state(1).items() if n != "norm.weight"}
@@ -461,7 +457,6 @@ def test_trained_draft_changed_outside_the_sync_is_still_caught(make_server):
 
 def test_draft_tensors_to_a_frozen_draft_are_refused(make_server):
     from slime_spec.weight_sync.gather import iter_draft_tensors
-
     server = make_server(draft="external", draft_state=eagle3_state(0))
     before = {n: t.clone() for n, t in server.draft.weights.items()}
     syncer = make_syncer([server], "tensor", spec=EAGLE3)
@@ -478,8 +473,7 @@ class OneRankBuckets:
     (`on_message`) instead of broadcast, so the syncer's per-rank path runs without other processes."""
 
     def __new__(cls, on_message):
-        from slime_spec.weight_sync.colocated import ENDED, ColocatedLayout, RankBuckets
-
+        from slime_spec.weight_sync.transports.colocated import ENDED, ColocatedLayout, RankBuckets
         class Channel(RankBuckets):
             def __init__(self):
                 self.group, self.layout, self.rank, self.state, self.wait_s = None, ColocatedLayout(1, 1), 0, ENDED, 0.0

@@ -7,10 +7,12 @@ import hashlib
 import pytest
 import torch
 
-from slime_spec.sglang_contract import validate_payload
-from slime_spec.weight_sync import canary, protocol, verify
+from slime_spec.fleet.sglang_contract import validate_payload
+from slime_spec.weight_sync import protocol
 from slime_spec.weight_sync.gather import NamedTensor, hf_mtp_matcher, make_buckets
 from slime_spec.weight_sync.protocol import SpecSetup, plan_selectors
+from slime_spec.weight_sync.verify import canary
+from slime_spec.weight_sync.verify import coverage as verify
 
 
 def _t(name: str, numel: int, kind: str = "target") -> NamedTensor:
@@ -191,8 +193,7 @@ def test_fused_names_and_parts():
 
 
 def test_checksum_is_sglang_cpu_tensor_hash_and_stacking_views_copies_nothing():
-    from slime_spec.weight_sync.sglang_params import checksum, stacked
-
+    from slime_spec.weight_sync.verify.sglang_params import checksum, stacked
     a, b = torch.arange(6.0).reshape(2, 3), torch.ones(1, 3)
     digest = hashlib.sha256(a.numpy().tobytes()).digest()[:8]
     assert checksum(a) == f"{int.from_bytes(digest, 'big'):016x}"  # on CPU: the first 8 bytes of a sha256
@@ -219,8 +220,7 @@ def test_coverage_maps_fused_and_draft_names():
 def test_served_checksums_name_and_compare_what_sglang_serves():
     """The trainer side names each checksum as SGLang serves it (fused, MTP block renamed, vocabulary padded with
     zeros) and compare_checksums catches one changed weight (conformance: tests/conformance/test_weight_checker)."""
-    from slime_spec.weight_sync.sglang_params import RunnerLayout, ServedChecksums, checksum
-
+    from slime_spec.weight_sync.verify.sglang_params import RunnerLayout, ServedChecksums, checksum
     q, k, v = torch.randn(4, 2), torch.randn(2, 2), torch.randn(2, 2)
     embed = torch.randn(100, 2)
     rec = ServedChecksums({"target": RunnerLayout.target({"tie_word_embeddings": True}, torch.float32),
@@ -320,8 +320,7 @@ def test_canary_ok_warning_and_off():
 # ---- engine timing ----
 
 def test_engine_seconds_take_the_slowest_engine_and_zero_where_none_reports():
-    from slime_spec.weight_sync.transports import engine_seconds
-
+    from slime_spec.weight_sync.transports.http_transports import engine_seconds
     fast = {"success": True, "slime_spec_engine_timing": {"receive_s": 0.1, "load_s": 0.4}}
     slow = {"success": True, "slime_spec_engine_timing": {"receive_s": 0.3, "load_s": 0.2}}
     assert engine_seconds([fast, slow]) == (0.3, 0.4)  # engines work side by side
@@ -330,8 +329,7 @@ def test_engine_seconds_take_the_slowest_engine_and_zero_where_none_reports():
 
 
 def test_judge_recognises_the_checkpoint_without_a_verified_previous_state():
-    from slime_spec.weight_sync.served_state import ServedState, judge
-
+    from slime_spec.weight_sync.verify.served_state import ServedState, judge
     checkpoint = ServedState("default", {"a": "1", "b": "2"})
     assert judge("u", ServedState("default", {"a": "1", "b": "2"}), None, checkpoint).serves == "checkpoint"
     assert judge("u", ServedState("7", {"a": "1", "b": "9"}), None, checkpoint).serves == "unverified"

@@ -7,8 +7,10 @@ OpenAI-compatible serving, auth, pause/continue, weight version); its scheduler 
 
 from __future__ import annotations
 
+from slime_spec.engine import sglang_stand_ins
+
 # First, before anything imports SGLang here (the processes SGLang spawns install them through scheduler_process).
-from slime_spec.engine import hf_configs, sglang_stand_ins
+from slime_spec.engine.model_executor import hf_configs
 
 sglang_stand_ins.install()
 hf_configs.register()
@@ -24,8 +26,7 @@ logger = logging.getLogger("slime_spec.engine")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from slime_spec.logging_setup import quiet_known_noise
-
+    from slime_spec.common.logging_setup import quiet_known_noise
     quiet_known_noise()  # an engine server is no Ray worker: it installs the filters itself
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -43,9 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     from sglang.srt.entrypoints import http_server
     from sglang.srt.server_args import prepare_server_args
 
-    from slime_spec.engine.http_server import install_extensions
-    from slime_spec.engine.scheduler_process import run_detokenizer_process, run_scheduler_process
-
+    from slime_spec.engine.entrypoints.http_server import install_extensions
+    from slime_spec.engine.managers.scheduler_process import run_detokenizer_process, run_scheduler_process
     server_args = prepare_server_args(sglang_argv(argv, args))
     install_extensions(http_server.app)
     logger.info("serving %s on http://%s:%d through SGLang's front end (device %s, dtype %s, speculative %s)",

@@ -11,7 +11,7 @@ looked up in one data table:
   parallelism, ...) or is simply not implemented, so the server refuses to start and names it.
 
 `classify_flags` and the `resolve_*` helpers are pure; `parse_server_args` is the one entry point.
-The speculative flags are resolved by `slime_spec.spec.resolve`, the same function doctor runs.
+The speculative flags are resolved by `slime_spec.speculative.settings.resolve`, the same function doctor runs.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slime_spec import spec
-from slime_spec.args import sglang_parser
-from slime_spec.doctor_codes import SERVER_PREFIX, Rule, errors
-from slime_spec.dtypes import canonical_dtype, config_dtype
-from slime_spec.engine.cuda_graph import CudaGraphSettings
+from slime_spec.common.dtypes import canonical_dtype, config_dtype
+from slime_spec.config.args import sglang_parser
+from slime_spec.doctor.codes import SERVER_PREFIX, Rule, errors
 from slime_spec.engine.kernels.ops import Kernels
-from slime_spec.engine.spec_policy import check_spec_options
+from slime_spec.engine.model_executor.cuda_graph import CudaGraphSettings
+from slime_spec.engine.speculative.policy import check_spec_options
+from slime_spec.speculative import settings as spec
 
 IMPLEMENTED = frozenset({
     "model_path", "tokenizer_path", "host", "port", "dtype", "device", "base_gpu_id", "context_length",

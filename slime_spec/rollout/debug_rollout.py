@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import ray
 
-from slime_spec.config import Config
+from slime_spec.config.run_config import Config
 from slime_spec.rollout.manager import start_rollout_manager
-from slime_spec.spec_stats import accept_length
+from slime_spec.speculative.stats import accept_length
 
 
 def summarize(per_rollout: list[dict]) -> dict:

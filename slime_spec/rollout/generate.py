@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from slime_spec.config import RolloutConfig
-from slime_spec.engines.client import AsyncEngineClient
+from slime_spec.config.run_config import RolloutConfig
+from slime_spec.fleet.client import AsyncEngineClient
 from slime_spec.rollout.sample import Sample, Status
 
 GenerateFn = Callable[["RolloutEngineClient", Sample, dict], Awaitable[Sample]]

@@ -1,6 +1,6 @@
 """`RolloutManager`: turns a rollout id into a list of finished `Sample`s, over an `EngineFleet`.
 
-One Ray actor (async). Its `EngineFleet` (engines/fleet.py) starts and owns the engines, routes
+One Ray actor (async). Its `EngineFleet` (fleet/fleet.py) starts and owns the engines, routes
 (least-loaded, at most `--sglang-server-concurrency` in flight per engine), restarts a dead engine and fences a
 restarted one until the trainer has synced it. For each rollout every sample's request goes straight
 to an engine URL through the engines' async client; a request that fails on a dead engine restarts it
@@ -25,12 +25,12 @@ from pathlib import Path
 import ray
 from tqdm import tqdm
 
-from slime_spec.config import Config, EngineConfig, RolloutConfig, WandbConfig
-from slime_spec.engines.client import EngineAuth, EngineError, async_session
-from slime_spec.engines.fleet import EngineFleet
-from slime_spec.engines.process import ServerProcess
-from slime_spec.net import free_port
-from slime_spec.placement import Placement
+from slime_spec.cluster.placement import Placement
+from slime_spec.common.net import free_port
+from slime_spec.config.run_config import Config, EngineConfig, RolloutConfig, WandbConfig
+from slime_spec.fleet.client import EngineAuth, EngineError, async_session
+from slime_spec.fleet.fleet import EngineFleet
+from slime_spec.fleet.process import ServerProcess
 from slime_spec.rollout.data import PromptDataset
 from slime_spec.rollout.debug_data import load_rollout, save_rollout
 from slime_spec.rollout.generate import GenerateFn, RolloutEngineClient, default_generate

@@ -4,7 +4,7 @@
 (`format_metrics_line`), to wandb (`WandbLogger`) and to `--metrics-jsonl` (`write_metrics_line`,
 which other parts call with their own keys for the same rollout line).
 
-Accept length is reported two ways because they disagree on skewed batches (definitions: spec_stats.py):
+Accept length is reported two ways because they disagree on skewed batches (definitions: speculative/stats.py):
 - `spec_accept_length`: the mean of per-sample ratios, slime's meaning under slime's name (short
   samples weigh as much as long ones);
 - `spec_accept_length_token_weighted`: sum(completion_tokens) / sum(verify passes), what the engines
@@ -22,16 +22,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlparse
 
-from slime_spec.config import WandbConfig
+from slime_spec.config.run_config import WandbConfig
 from slime_spec.rollout.sample import Sample, Status
-from slime_spec.spec_stats import SpecStats, mean_accept_length
+from slime_spec.speculative.stats import SpecStats, mean_accept_length
 
 REQUIRED_KEYS = ("rollout_id", "num_samples", "response_tokens", "rollout_time_s", "tokens_per_s",
                  "spec_accept_length", "spec_verify_ct", "reward_mean", "engine_restarts")
 
 
 def spec_summary(samples: list[Sample]) -> dict:
-    """Speculative counters and ratios over a set of samples (no key prefix; definitions: spec_stats.py)."""
+    """Speculative counters and ratios over a set of samples (no key prefix; definitions: speculative/stats.py)."""
     total = SpecStats.total(s.spec for s in samples)
     return {
         "spec_completion_tokens": total.completion_tokens,

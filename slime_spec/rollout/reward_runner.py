@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TextIO
 
-from slime_spec.config import RolloutConfig
+from slime_spec.config.run_config import RolloutConfig
 from slime_spec.rollout.sample import Sample, Status
 
 REWARD_FAILURE_KEY = "reward_failure"  # Sample.metadata: {"kind": timeout|error|nonfinite, "message": ...}
@@ -33,7 +33,6 @@ REPORT_EVERY_S = 60.0
 def reward_call(cfg: RolloutConfig) -> tuple[Callable[[Sample], Any], bool] | None:
     """(function of a sample, whether it is async) for --custom-rm-path or --rm-type; None without a reward."""
     from slime_spec.rollout.rewards import RM_TYPES, RULES, load_function
-
     if cfg.custom_rm_path:
         user_fn = load_function(cfg.custom_rm_path, "--custom-rm-path")
         takes_args = len(inspect.signature(user_fn).parameters) >= 2  # slime's (args, sample), or (sample)

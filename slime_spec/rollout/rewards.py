@@ -23,7 +23,7 @@ import re
 from fractions import Fraction
 from typing import Awaitable, Callable
 
-from slime_spec.config import RolloutConfig
+from slime_spec.config.run_config import RolloutConfig
 from slime_spec.rollout import math_grader
 from slime_spec.rollout.sample import Sample, Status
 from slime_spec.rollout.scratchpad import scratchpad_concise_reward, scratchpad_reward

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
-from slime_spec.spec_stats import SpecStats
+from slime_spec.speculative.stats import SpecStats
 
 
 class Status(str, Enum):

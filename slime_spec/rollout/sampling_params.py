@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from slime_spec.config import RolloutConfig
+from slime_spec.config.run_config import RolloutConfig
 
 
 def sampling_params(cfg: RolloutConfig) -> dict:

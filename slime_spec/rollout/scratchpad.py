@@ -11,7 +11,7 @@ line:
 Each of a column's three parts may be written tersely, on its own: the place ("ones: " left out), the digit
 written (" -> 6") and the carry (" c1"), so "7+9+0=16 -> 6 c1" is the tersest column. The label is the whole
 reference solution, so the rewards can give partial credit for right steps in either wording and charge for
-length past the tersest solution. The demo's task (demo_task.py) generates its data in this format.
+length past the tersest solution. The demo's task (demo/task.py) generates its data in this format.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Besides training it holds, on global rank 0, the `WeightSyncer` that pushes the weights into the
 engines; every rank takes part in a sync because gathering TP shards is collective. With --colocate and engines
 spread over several trainer GPUs, every trainer rank on an engine's GPU hands that engine TP rank its own bucket
-(weight_sync/colocated.py): rank 0 leads the exchange, the others follow it.
+(weight_sync/transports/colocated.py): rank 0 leads the exchange, the others follow it.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 import ray
 
-from slime_spec.config import TrainConfig, WeightSyncConfig
-from slime_spec.net import free_port
+from slime_spec.common.net import free_port
+from slime_spec.config.run_config import TrainConfig, WeightSyncConfig
 from slime_spec.rollout.sample import Sample
 
 
@@ -37,7 +37,6 @@ class TrainActor:
     def init(self, train: TrainConfig, master_addr: str, master_port: int, draft_model_path: str | None = None) -> dict:
         from slime_spec.trainer.parallel import init_parallel
         from slime_spec.trainer.trainer import Trainer
-
         init_parallel(self.rank, self.world_size, master_addr, master_port, train.tensor_model_parallel_size,
                       train.seed)
         self.trainer = Trainer(train, draft_model_path)
@@ -80,7 +79,6 @@ class TrainActor:
 
     def _offloader(self):
         from slime_spec.trainer.offload import TrainerOffload
-
         if self.offload_state is None:
             self.offload_state = TrainerOffload(self._ready())
         return self.offload_state
@@ -95,19 +93,17 @@ class TrainActor:
         engine e's TP rank r gets the bucket of trainer rank e * engine_tp_size + r, the one on its GPU."""
         import torch
 
-        from slime_spec.config import resolve_transport
-        from slime_spec.weight_sync.colocated import colocated_rank_buckets
-
+        from slime_spec.config.run_config import resolve_transport
+        from slime_spec.weight_sync.transports.colocated import colocated_rank_buckets
         if colocate and resolve_transport(weight_sync.weight_sync_transport, colocate) == "tensor":
             self.rank_buckets, self.colocated_ranks = colocated_rank_buckets(self.rank, self.world_size, len(urls),
                                                                              engine_tp_size)
         if self.rank != 0:
             return
-        from slime_spec.engines.client import EngineAuth, EngineClient
-        from slime_spec.weight_sync.canary import AcceptanceCanary
+        from slime_spec.fleet.client import EngineAuth, EngineClient
         from slime_spec.weight_sync.protocol import SpecSetup
         from slime_spec.weight_sync.sync import WeightSyncer
-
+        from slime_spec.weight_sync.verify.canary import AcceptanceCanary
         trainer = self._ready()
         spec = SpecSetup.from_server_args(server_args, model_path)
         address, port = self.master_address()
@@ -132,9 +128,8 @@ class TrainActor:
         """
         from megatron.core import parallel_state as ps
 
-        from slime_spec.weight_sync.colocated import follow_sync
         from slime_spec.weight_sync.gather import iter_draft_tensors, iter_hf_tensors
-
+        from slime_spec.weight_sync.transports.colocated import follow_sync
         trainer = self._ready()
         trainer.check_weights_finite(f"synced into the engines as weight version {weight_version!r} (the engines keep "
                                      "serving the weights they have)")
@@ -166,7 +161,6 @@ class TrainActor:
     def shutdown(self) -> None:
         """Leave the weight-update group and the process groups; the latter even if the former fails."""
         from slime_spec.trainer.parallel import destroy_parallel
-
         try:
             if self.syncer is not None:
                 self.syncer.close()

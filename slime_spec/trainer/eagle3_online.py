@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from slime_spec.common import eagle3_draft
-from slime_spec.config import TrainConfig
+from slime_spec.config.run_config import TrainConfig
 from slime_spec.trainer.eagle3_ttt import TTTResult, ttt_loss
 
 METRICS = ("draft_loss", "draft_acc_step0", "draft_acc_last")
@@ -68,8 +68,7 @@ class OnlineDraft:
 
     def export(self, directory) -> None:
         """The draft as an SGLang EAGLE3 checkpoint (config.json + model.safetensors) in its config's dtype."""
-        from slime_spec.dtypes import torch_dtype
-
+        from slime_spec.common.dtypes import torch_dtype
         eagle3_draft.save_draft(self.draft, directory, torch_dtype(self.draft.config.get("torch_dtype") or "float32"))
 
     def state_dict(self) -> dict:

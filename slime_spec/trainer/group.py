@@ -13,8 +13,8 @@ from pathlib import Path
 
 import ray
 
-from slime_spec.config import Config
-from slime_spec.placement import TRAIN_GPU_FRACTION, Placement, in_bundle
+from slime_spec.cluster.placement import TRAIN_GPU_FRACTION, Placement, in_bundle
+from slime_spec.config.run_config import Config
 from slime_spec.rollout.sample import Sample
 from slime_spec.trainer.actor import TrainActor
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from slime_spec.common import rope
-from slime_spec.config import TrainConfig
+from slime_spec.config.run_config import TrainConfig
 from slime_spec.trainer.packing import causal_mask
 from slime_spec.weight_sync import convert
 

@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from slime_spec.net import free_port
+from slime_spec.common.net import free_port
 from slime_spec.trainer import cpu_compat
 
 

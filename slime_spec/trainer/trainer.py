@@ -18,7 +18,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from slime_spec.config import TrainConfig
+from slime_spec.config.run_config import TrainConfig
 from slime_spec.rollout.sample import Sample, Status
 from slime_spec.trainer import checkpoint, losses, mtp_loss
 from slime_spec.trainer import model as M
@@ -156,7 +156,6 @@ class Trainer:
         from megatron.core import parallel_state as ps
 
         from slime_spec.weight_sync.gather import iter_hf_tensors
-
         group = ps.get_tensor_model_parallel_group() if self.tp.tp_size > 1 else None
         return {t.name: t.tensor.cpu() for t in iter_hf_tensors(self.named_megatron_params(), self.hf_config,
                                                                  tp_group=group, tp_size=self.tp.tp_size)}

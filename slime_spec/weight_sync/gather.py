@@ -120,7 +120,6 @@ def make_buckets(tensors: Iterable[NamedTensor], buffer_bytes: int) -> Iterator[
 def gather_tp_param(megatron_name: str, shard: torch.Tensor, tp_group=None, tp_size: int = 1) -> torch.Tensor:
     """All-gather one parameter's shards over the TP group (collective: every TP rank must call it)."""
     from slime_spec.weight_sync import convert
-
     shard = shard.detach()
     if tp_size == 1 or convert.tp_split_dim(megatron_name) is None:
         return shard
@@ -134,7 +133,6 @@ def iter_hf_tensors(named_params: Iterable[tuple[str, torch.Tensor]], hf_config:
                     tp_group=None, tp_size: int = 1) -> Iterator[NamedTensor]:
     """Megatron (name, local shard) pairs -> HF-named full tensors, MTP layers marked `kind="mtp"`."""
     from slime_spec.weight_sync import convert
-
     family = convert.family_of(hf_config)
     for megatron_name, shard in named_params:
         full = gather_tp_param(megatron_name, shard, tp_group, tp_size)

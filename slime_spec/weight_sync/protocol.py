@@ -1,6 +1,7 @@
 """The weight-update protocol of the SGLang in use: session or not, and which runners load what.
 
-Pure functions only (the HTTP calls live in transports.py and sync.py), so every decision and
+Pure functions only (the HTTP calls live in weight_sync/transports/http_transports.py and sync.py), so every decision
+and
 every payload is unit tested against SGLang's own io_struct definitions.
 
 Protocols (read from sglang 0.5.23's scheduler_components/weight_updater.py):
@@ -18,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from slime_spec.spec import Algorithm
+from slime_spec.speculative.settings import Algorithm
 
 Selector = Literal["target", "draft", "all"]
 Transport = Literal["distributed", "tensor", "disk"]

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
-from slime_spec.threads import intra_op_threads
+from slime_spec.common.threads import intra_op_threads
 
 
 @dataclass(frozen=True)

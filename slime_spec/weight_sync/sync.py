@@ -8,7 +8,7 @@ One sync:
   -> coverage: every weight the updated runners serve (target, and the MTP draft) was written; every sent
      tensor of a trained separate draft (--enable-draft-training) is served by the draft runner, and the
      draft's other tensors (neither sent nor shared with the target) are unchanged
-  -> with check_weight_sync: served VALUES equal the sent tensors' (readback.py: /get_weights_by_name
+  -> with check_weight_sync: served VALUES equal the sent tensors' (weight_sync/verify/readback.py: /get_weights_by_name
      slices where the model serves them; /weights_checker checksums only on engines with device cpu)
   -> continue generation.
 
@@ -18,7 +18,8 @@ after a failure the syncer undoes first and reports after: it ends the sync on t
 ranks (per-rank buckets), closes the session on every engine that may hold it open (from the first
 `/begin_weight_update` until every engine took `/end_weight_update`) with `/abort_weight_update` (a slime-spec
 extension that restores every tensor the session wrote, where the engine has it; `/end_weight_update` on
-SGLang, which cannot roll back), then reads every engine back (served_state.py: its own `/weights_checker`
+SGLang, which cannot roll back), then reads every engine back (weight_sync/verify/served_state.py: its own
+`/weights_checker`
 checksums and weight_version; an engine whose read-back fails is `unverified`) and compares with the last
 state it verified:
 - generation continues only when every engine that answers was verified to serve the previous weights
@@ -30,7 +31,8 @@ state it verified:
 - a failed verification leaves the new weights loaded and generation paused.
 With the distributed transport, an engine that rejects a request before joining the broadcast
 leaves rank 0 waiting in the broadcast until the group's timeout (`timeout_s`). An engine lost mid-broadcast
-fails it at once: rank 0 leaves the broken group, which ends the other engines' receives (transports.py); one
+fails it at once: rank 0 leaves the broken group, which ends the other engines' receives
+(weight_sync/transports/http_transports.py); one
 still stuck in it is named in `WeightSyncError.stuck_urls` and asked nothing more (the driver restarts it).
 """
 
@@ -44,14 +46,14 @@ from typing import Iterable, Sequence
 
 import torch
 
-from slime_spec.config import WeightSyncConfig, resolve_transport
-from slime_spec.engines.client import EngineClient, EngineError, EngineGroupError, post_all
-from slime_spec.net import free_port
-from slime_spec.weight_sync import protocol, readback, served_state, sglang_params, verify
-from slime_spec.weight_sync.colocated import RankBuckets
+from slime_spec.common.net import free_port
+from slime_spec.config.run_config import WeightSyncConfig, resolve_transport
+from slime_spec.fleet.client import EngineClient, EngineError, EngineGroupError, post_all
+from slime_spec.weight_sync import protocol
 from slime_spec.weight_sync.gather import NamedTensor, make_buckets, only_wanted
 from slime_spec.weight_sync.report import Clock, SyncReport, SyncSplit, one_intra_op_thread
-from slime_spec.weight_sync.transports import (
+from slime_spec.weight_sync.transports.colocated import RankBuckets
+from slime_spec.weight_sync.transports.http_transports import (
     BroadcastStuck,
     DiskTransport,
     DistributedTransport,
@@ -59,6 +61,8 @@ from slime_spec.weight_sync.transports import (
     engine_seconds,
     engine_timing,
 )
+from slime_spec.weight_sync.verify import coverage as verify
+from slime_spec.weight_sync.verify import readback, served_state, sglang_params
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +113,8 @@ class WeightSyncer:
                  trains_draft: bool = False, rank_buckets: RankBuckets | None = None):
         """trains_draft: the trainer also sends a separate draft's own tensors (`NamedTensor.kind == "draft"`,
         --enable-draft-training), loaded with selector `draft`. rank_buckets: colocated engines get one bucket per
-        trainer rank (colocated.py; the other ranks run colocated.follow_sync); None: rank 0's bucket for all."""
+        trainer rank (weight_sync/transports/colocated.py; the other ranks run colocated.follow_sync); None: rank 0's
+        bucket for all."""
         if not clients:
             raise ValueError("WeightSyncer needs at least one engine")
         self.clients, self.config, self.hf_config = list(clients), config, hf_config
@@ -470,7 +475,7 @@ class WeightSyncer:
 
     def _check_values(self, client: EngineClient, reply: dict | None, recorded: "Recorded", sent: set[str],
                       roles: set[str], draft_sent: set[str]) -> readback.ValueCheck:
-        """Served values against the sent tensors (readback.py says which method applies when)."""
+        """Served values against the sent tensors (weight_sync/verify/readback.py says which method applies when)."""
         checksum_problems, checksum_count = None, 0
         if reply is not None and recorded.checksums is not None:
             checksum_problems = []
@@ -512,7 +517,6 @@ class WeightSyncer:
 
     def _is_mtp_name(self, name: str) -> bool:
         from slime_spec.weight_sync.gather import hf_mtp_matcher
-
         return hf_mtp_matcher(self.hf_config)(name)
 
     def _draft_checksums(self) -> dict[str, str]:

@@ -36,8 +36,7 @@ def _setup(model_path: str) -> None:
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
-    from slime_spec.net import free_port
-
+    from slime_spec.common.net import free_port
     server_args = ServerArgs(model_path=model_path, device="cpu")
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
     init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
@@ -141,8 +140,7 @@ def main(argv: list[str]) -> int:
     sys.meta_path.insert(0, sglang_doubles.AbsentModuleFinder({"vllm"}))
     import torch
 
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.tools.tiny_model import make_tiny_model
     jobs = json.loads(Path(argv[0]).read_text())
     with tempfile.TemporaryDirectory() as tmp:  # any model SGLang's ServerArgs can resolve, for the parallel state
         _setup(str(make_tiny_model(Path(tmp) / "llama", arch="llama")))
@@ -150,7 +148,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-SKIPPED_BY_SGLANG = ("cos_sin_cache",)  # rotary caches: derived, never hashed (weight_checker.py)
+SKIPPED_BY_SGLANG = ("cos_sin_cache",)  # rotary caches: derived, never hashed (engine/weights/checker.py)
 
 
 def assert_served_equals_sglang(case: dict, layouts: dict) -> None:
@@ -158,8 +156,7 @@ def assert_served_equals_sglang(case: dict, layouts: dict) -> None:
     sent (`sglang_params.served_tensors`), name for name, dtype and bits."""
     import torch
 
-    from slime_spec.weight_sync.sglang_params import served_tensors
-
+    from slime_spec.weight_sync.verify.sglang_params import served_tensors
     for role, layout in layouts.items():
         theirs = {n: t for n, t in case["state"][role].items() if not n.endswith(SKIPPED_BY_SGLANG)}
         mine = served_tensors(case["sent"], layout)

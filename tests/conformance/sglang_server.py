@@ -30,7 +30,7 @@ import sys
 import types
 from pathlib import Path
 
-from slime_spec.engine import hf_configs
+from slime_spec.engine.model_executor import hf_configs
 from tests.conformance import sglang_doubles
 
 sglang_doubles.install()
@@ -47,8 +47,7 @@ def _parallel_state(server_args) -> None:
     from sglang.srt.layers.dp_attention import initialize_dp_attention
     from sglang.srt.runtime_context import SpawnRanks, publish
 
-    from slime_spec.net import free_port
-
+    from slime_spec.common.net import free_port
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
     init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
                                  distributed_init_method=f"tcp://127.0.0.1:{free_port()}")

@@ -6,8 +6,8 @@ import types
 
 import pytest
 
-from slime_spec.engine.spec_policy import AdaptiveSteps
-from slime_spec.spec import resolve
+from slime_spec.engine.speculative.policy import AdaptiveSteps
+from slime_spec.speculative.settings import resolve
 
 
 def sglang_adaptive(initial_steps, config_path):

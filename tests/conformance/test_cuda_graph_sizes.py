@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from slime_spec.engine.cuda_graph import decode_batch_sizes
+from slime_spec.engine.model_executor.cuda_graph import decode_batch_sizes
 
 cuda_graph_hook = pytest.importorskip("sglang.srt.arg_groups.cuda_graph_hook")
 

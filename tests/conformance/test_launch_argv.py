@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from slime_spec.args import parse_config
-from slime_spec.config import EngineConfig
+from slime_spec.config.args import parse_config
+from slime_spec.config.run_config import EngineConfig
 from tests.test_args import sglang_args_of
 from tests.test_scripts import CLEAN_RUNS, FAKE_DOCTOR, SCRIPTS, make_base_dir, script_env, write_executable
 

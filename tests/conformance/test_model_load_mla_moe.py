@@ -34,8 +34,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from slime_spec.weight_sync import verify
-from slime_spec.weight_sync.sglang_params import RunnerLayout, ServedChecksums
+from slime_spec.weight_sync.verify import coverage as verify
+from slime_spec.weight_sync.verify.sglang_params import RunnerLayout, ServedChecksums
 from tests.conformance.sglang_models import answers_in_own_process, assert_served_equals_sglang
 
 CASES = {"deepseek_v3": dict(dtype="bfloat16", seed=41), "glm4_moe": dict(dtype="bfloat16", seed=42)}
@@ -45,11 +45,10 @@ def megatron_weights(checkpoint: Path, config: dict) -> list[tuple[str, torch.Te
     """The trainer's model's weights where it builds the family (GLM-4.5), else the conversion's state dict."""
     from safetensors.torch import load_file
 
-    from slime_spec.config import TrainConfig
+    from slime_spec.config.run_config import TrainConfig
     from slime_spec.trainer import model as M
     from slime_spec.trainer import parallel
     from slime_spec.weight_sync import convert
-
     family = convert.family_of(config)
     if family not in M.BUILDABLE_FAMILIES:
         return list(convert.hf_to_megatron(family, load_file(str(checkpoint / "model.safetensors")), config).items())
@@ -62,7 +61,6 @@ def megatron_weights(checkpoint: Path, config: dict) -> list[tuple[str, torch.Te
 def sync_sends(checkpoint: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
     """The checkpoint's Megatron form, moved, through the sync's Megatron -> HF path (TP 1)."""
     from slime_spec.weight_sync.gather import iter_hf_tensors
-
     config = json.loads((checkpoint / "config.json").read_text())
     gen = torch.Generator().manual_seed(seed)
     moved = [(n, t.float() + 0.01 * torch.randn(t.shape, generator=gen))
@@ -74,8 +72,7 @@ def sync_sends(checkpoint: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
 def cases(tmp_path_factory):
     from safetensors.torch import save_file
 
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.tools.tiny_model import make_tiny_model
     tmp = tmp_path_factory.mktemp("sglang_mla_moe")
     jobs, out = [], {}
     for arch, c in CASES.items():

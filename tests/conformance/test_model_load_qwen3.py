@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slime_spec.weight_sync.sglang_params import RunnerLayout, ServedChecksums, served_tensors
+from slime_spec.weight_sync.verify.sglang_params import RunnerLayout, ServedChecksums, served_tensors
 from tests.conformance.sglang_models import answers_in_own_process
 
 CASES = {"tied_fp32": dict(arch="qwen3", tie_word_embeddings=True, dtype="float32", seed=31),
@@ -35,11 +35,10 @@ DENSE = [name for name, c in CASES.items() if c["arch"] == "qwen3"]
 
 def trainer_sends(checkpoint: Path, seed: int) -> list[tuple[str, torch.Tensor]]:
     """The trainer's model from the checkpoint, its weights moved, through the sync's Megatron -> HF path."""
-    from slime_spec.config import TrainConfig
+    from slime_spec.config.run_config import TrainConfig
     from slime_spec.trainer import model as M
     from slime_spec.trainer import parallel
     from slime_spec.weight_sync.gather import iter_hf_tensors
-
     parallel.init_single_process(seed=0)
     hf_config = M.read_hf_config(checkpoint)
     model = M.build_gpt_model(hf_config, TrainConfig(hf_checkpoint=str(checkpoint)))
@@ -55,8 +54,7 @@ def trainer_sends(checkpoint: Path, seed: int) -> list[tuple[str, torch.Tensor]]
 def cases(tmp_path_factory):
     from safetensors.torch import save_file
 
-    from slime_spec.tiny_model import make_tiny_model
-
+    from slime_spec.tools.tiny_model import make_tiny_model
     tmp = tmp_path_factory.mktemp("sglang_qwen3")
     jobs, out = [], {}
     for name, c in CASES.items():
@@ -104,9 +102,8 @@ def test_sglang_qwen3_loads_what_the_sync_sends(cases, case):
 
 @pytest.mark.parametrize("case", DENSE)
 def test_trainer_and_engine_checksums_equal_sglang_weight_checker(cases, case):
-    from slime_spec.engine.core import EngineCore
-    from slime_spec.engine.weight_checker import check_weights
-
+    from slime_spec.engine.managers.engine_core import EngineCore
+    from slime_spec.engine.weights.checker import check_weights
     c = cases[case]
     recorder = ServedChecksums({"target": RunnerLayout.target(c["config"], c["dtype"])})
     for name, tensor in c["sent"]:

@@ -13,14 +13,14 @@ import asyncio
 import pytest
 import torch
 
-from slime_spec.config import RolloutConfig
-from slime_spec.engines.actor import Engine
+from slime_spec.config.run_config import RolloutConfig
+from slime_spec.fleet.actor import Engine
 from slime_spec.rollout.generate import default_generate
 from slime_spec.rollout.sample import Sample
 from slime_spec.rollout.sampling_params import sampling_params
 from slime_spec.weight_sync import protocol
-from slime_spec.weight_sync.canary import AcceptanceCanary
-from slime_spec.weight_sync.tensor_payload import serialize_named_tensors
+from slime_spec.weight_sync.transports.tensor_payload import serialize_named_tensors
+from slime_spec.weight_sync.verify.canary import AcceptanceCanary
 from tests.conformance.sglang_io import build, build_generate
 
 VOCAB = 151680
@@ -172,10 +172,9 @@ def test_a_generate_body_sglang_would_refuse_is_refused():
 
 
 def test_history_corpus_bodies_build_sglangs_structs():
-    """The corpus calls of history drafting (engines/client.py) are SGLang 0.5.23's own structs, and carry
+    """The corpus calls of history drafting (fleet/client.py) are SGLang 0.5.23's own structs, and carry
     `documents`: its HTTP route refuses an AddExternalCorpusReqInput with only `token_chunks`."""
-    from slime_spec.engines.client import add_corpus_payload, remove_corpus_payload
-
+    from slime_spec.fleet.client import add_corpus_payload, remove_corpus_payload
     add = build("AddExternalCorpusReqInput", add_corpus_payload("slime-history/all/3", ["a b", "c"]))
     assert add.corpus_id == "slime-history/all/3" and add.documents == ["a b", "c"] and add.token_chunks is None
     assert build("RemoveExternalCorpusReqInput", remove_corpus_payload("x")).corpus_id == "x"
@@ -189,7 +188,6 @@ def test_history_extension_is_never_sent_to_real_sglang():
 
     from slime_spec.rollout.history import HistoryStore
     from slime_spec.rollout.history_sync import HistorySync
-
     with pytest.raises(Exception):
         build_generate({"input_ids": [1, 2], "slime_history": {"group": "g"}}, VOCAB)
     s = Sample(index=0, group_index=0, prompt="p", tokens=[1, 2])

@@ -1,4 +1,4 @@
-"""Our weight-update sender (slime_spec.dist_group) against SGLang's own receiver.
+"""Our weight-update sender (slime_spec.common.dist_group) against SGLang's own receiver.
 
 Rank 0 is our `WeightUpdateGroup` in this process; rank 1 is SGLang 0.5.23's model-runner
 `WeightUpdater` (init_custom_process_group + receive_weights_from_distributed) in a second process,
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from slime_spec.dist_group import WeightUpdateGroup
-from slime_spec.net import free_port
-from slime_spec.weight_sync.transports import dtype_name
+from slime_spec.common.dist_group import WeightUpdateGroup
+from slime_spec.common.net import free_port
+from slime_spec.weight_sync.transports.http_transports import dtype_name
 
 ROOT = Path(__file__).resolve().parents[2]
 JOIN_TIMEOUT_S = 60.0

@@ -23,9 +23,9 @@ import torch
 from safetensors.torch import load_file
 
 from slime_spec.cli import main as cli_main
-from slime_spec.engines.process import ServerProcess
-from slime_spec.net import free_port
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.common.net import free_port
+from slime_spec.fleet.process import ServerProcess
+from slime_spec.tools.tiny_model import make_tiny_model
 from tests.conformance.sglang_models import answers_in_own_process
 from tests.conformance.sglang_server import STATE_OUT
 

@@ -1,4 +1,4 @@
-"""Which routes take the admin key: the client's ADMIN_ROUTES (engines/client.py) against the
+"""Which routes take the admin key: the client's ADMIN_ROUTES (fleet/client.py) against the
 `@auth_level(AuthLevel.ADMIN_OPTIONAL)` decorators of SGLang 0.5.23's own http_server.py, which the embedded
 engine serves unchanged (so its auth levels are SGLang's by construction).
 
@@ -12,7 +12,7 @@ import ast
 import importlib.util
 from pathlib import Path
 
-from slime_spec.engines.client import ADMIN_ROUTES
+from slime_spec.fleet.client import ADMIN_ROUTES
 
 ROUTE_DECORATORS = {"get", "post", "put", "api_route"}
 

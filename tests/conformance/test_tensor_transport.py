@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from slime_spec.weight_sync.gather import Bucket, NamedTensor
-from slime_spec.weight_sync.tensor_payload import serialize_for_tp_ranks
-from slime_spec.weight_sync.transports import TensorTransport
+from slime_spec.weight_sync.transports.http_transports import TensorTransport
+from slime_spec.weight_sync.transports.tensor_payload import serialize_for_tp_ranks
 from tests.conformance.sglang_io import build
 
 

@@ -1,4 +1,4 @@
-"""Tree drafting (engine/tree.py) against SGLang 0.5.23's own pure-torch tree functions on the same inputs.
+"""Tree drafting (engine/speculative/tree.py) against SGLang 0.5.23's own pure-torch tree functions on the same inputs.
 
 Runs SGLang's `select_top_k_tokens` (spec_utils.py: the top-k expansion with cumulative scores) and
 `organize_draft_results` (eagle_utils.py: the best num_draft_tokens - 1 nodes, parent_list) through a whole
@@ -11,7 +11,7 @@ here; tests/test_engine_tree.py pins our build_tree and accept walk on hand-chec
 import pytest
 import torch
 
-from slime_spec.engine import tree
+from slime_spec.engine.speculative import tree
 from tests.conformance import sglang_doubles
 
 sglang_doubles.install()

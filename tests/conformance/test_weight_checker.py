@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from slime_spec.weight_sync import convert
-from slime_spec.weight_sync.sglang_params import RunnerLayout, ServedChecksums, served_tensors
+from slime_spec.weight_sync.verify.sglang_params import RunnerLayout, ServedChecksums, served_tensors
 from tests.conformance.sglang_models import answers_in_own_process, assert_served_equals_sglang
 
 ARCHS = ["mimo", "llama", "qwen2", "qwen3_moe"]
@@ -46,8 +46,7 @@ def cases(tmp_path_factory):
     """Per case: the sent tensors and SGLang's answer (merged checksum payload, each runner's state)."""
     from safetensors.torch import save_file
 
-    from slime_spec.tiny_model import make_tiny_eagle3_draft, make_tiny_model
-
+    from slime_spec.tools.tiny_model import make_tiny_eagle3_draft, make_tiny_model
     tmp = tmp_path_factory.mktemp("sglang_models")
     made = {"mimo": (make_tiny_model(tmp / "mimo", arch="mimo", vocab_size=100), "bfloat16"),
             "llama": (make_tiny_model(tmp / "llama", arch="llama", num_layers=4), "float32"),
@@ -130,10 +129,9 @@ def test_sglang_pads_the_vocabulary_with_zero_rows(cases):
 def test_embedded_engine_checksums_equal_sglang_weight_checker(cases, arch):
     """The embedded engine, after loading the same tensors, answers what SGLang's scheduler answers: the same
     merged payload (checksums, per-GPU checksum, one parallelism entry per runner)."""
-    from slime_spec.engine.core import EngineCore
-    from slime_spec.engine.weight_checker import check_weights
-    from slime_spec.spec import SpecConfig
-
+    from slime_spec.engine.managers.engine_core import EngineCore
+    from slime_spec.engine.weights.checker import check_weights
+    from slime_spec.speculative.settings import SpecConfig
     case = cases[arch]
     spec = {"mimo": SpecConfig("EAGLE", 2, 1, 3), "llama": SpecConfig("EAGLE3", 2, 1, 3, str(case.get("eagle3_path"))),
             "qwen2": None, "qwen3_moe": None}[arch]
@@ -143,10 +141,9 @@ def test_embedded_engine_checksums_equal_sglang_weight_checker(cases, arch):
 
 
 def test_embedded_engine_selector_and_skip_list(cases):
-    from slime_spec.engine.core import EngineCore
-    from slime_spec.engine.weight_checker import check_weights
-    from slime_spec.spec import SpecConfig
-
+    from slime_spec.engine.managers.engine_core import EngineCore
+    from slime_spec.engine.weights.checker import check_weights
+    from slime_spec.speculative.settings import SpecConfig
     case = cases["mimo"]
     core = EngineCore(str(case["path"]), SpecConfig("EAGLE", 2, 1, 3), dtype="bfloat16", max_running_requests=1)
     core.load_weights(case["sent"], selector="all")
@@ -165,10 +162,9 @@ def test_embedded_engine_selector_and_skip_list(cases):
 def test_embedded_engine_with_fused_projections_checks_without_copying(cases):
     """On CUDA the engine keeps q/k/v and gate/up as views of fused tensors: the same checksums, and the served
     `qkv_proj` is that fused tensor itself, not a copy (fused here on CPU, as the CUDA engine fuses)."""
-    from slime_spec.engine.core import EngineCore
-    from slime_spec.engine.weight_checker import check_weights
-    from slime_spec.weight_sync.sglang_params import served_tensors
-
+    from slime_spec.engine.managers.engine_core import EngineCore
+    from slime_spec.engine.weights.checker import check_weights
+    from slime_spec.weight_sync.verify.sglang_params import served_tensors
     case = cases["qwen2"]
     core = EngineCore(str(case["path"]), None, dtype="float16", max_running_requests=1)
     core.load_weights(case["sent"])
@@ -184,8 +180,7 @@ def test_embedded_engine_with_fused_projections_checks_without_copying(cases):
 def test_sync_coverage_of_sglang_served_names(cases, arch):
     """The coverage check (verify.check_coverage) over the names SGLang's target runner serves: what the sync sent
     writes every one (Qwen3-MoE's stacked experts included), and a left-out expert tensor is reported."""
-    from slime_spec.weight_sync import verify
-
+    from slime_spec.weight_sync.verify import coverage as verify
     case = cases[arch]
     served = {"target": {n: c for n, c in case["payload"]["checksums"].items() if not n.startswith("draft.")}}
     sent = {n for n, _ in case["sent"]}

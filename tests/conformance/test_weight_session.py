@@ -19,13 +19,13 @@ from unittest import mock
 import pytest
 import torch
 
-from slime_spec.dist_group import join_group
-from slime_spec.engines.client import post_all
-from slime_spec.net import free_port
+from slime_spec.common.dist_group import join_group
+from slime_spec.common.net import free_port
+from slime_spec.fleet.client import post_all
 from slime_spec.weight_sync import protocol
 from slime_spec.weight_sync.gather import Bucket, NamedTensor
-from slime_spec.weight_sync.tensor_payload import serialize_for_tp_ranks
-from slime_spec.weight_sync.transports import TensorTransport
+from slime_spec.weight_sync.transports.http_transports import TensorTransport
+from slime_spec.weight_sync.transports.tensor_payload import serialize_for_tp_ranks
 from tests.conformance.sglang_io import build, io_struct
 
 

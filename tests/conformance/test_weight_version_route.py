@@ -14,11 +14,11 @@ import types
 import pytest
 import requests
 
-from slime_spec.engines.actor import Engine
-from slime_spec.engines.client import EngineClient
-from slime_spec.engines.process import embedded_server_process
-from slime_spec.tiny_model import make_tiny_model
-from slime_spec.weight_sync.served_state import weight_version_of
+from slime_spec.fleet.actor import Engine
+from slime_spec.fleet.client import EngineClient
+from slime_spec.fleet.process import embedded_server_process
+from slime_spec.tools.tiny_model import make_tiny_model
+from slime_spec.weight_sync.verify.served_state import weight_version_of
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.tools.tiny_model import make_tiny_model
 
 RUN_MARKER = "SLIME_SPEC_E2E_RUN"
 REPO = Path(__file__).resolve().parents[2]

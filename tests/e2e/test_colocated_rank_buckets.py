@@ -17,8 +17,8 @@ import traceback
 
 import torch
 
-from slime_spec.net import free_port
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.common.net import free_port
+from slime_spec.tools.tiny_model import make_tiny_model
 from tests.helpers.engine_server import EAGLE_FLAGS, EngineServer
 
 EAGLE = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 2, "speculative_eagle_topk": 1,
@@ -29,7 +29,6 @@ INJECTED = "rank 1 lost a shard (injected)"
 
 def rollout():
     from slime_spec.rollout.sample import Sample
-
     gen = torch.Generator().manual_seed(0)
     out = []
     for g in range(2):
@@ -49,9 +48,8 @@ def failing_after(params, n: int):
 
 
 def run_trainer_rank(rank: int, port: int, model: str, urls: list[str], out_path: str, disk_dir: str) -> None:
-    from slime_spec.config import TrainConfig, WeightSyncConfig
+    from slime_spec.config.run_config import TrainConfig, WeightSyncConfig
     from slime_spec.trainer.actor import TrainActor
-
     result = {}
     actor = TrainActor(rank, 2)
     try:

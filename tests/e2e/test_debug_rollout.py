@@ -5,7 +5,7 @@ import json
 import pytest
 import ray
 
-from slime_spec.config import (
+from slime_spec.config.run_config import (
     ClusterConfig,
     Config,
     EngineConfig,
@@ -17,7 +17,7 @@ from slime_spec.config import (
 from slime_spec.rollout.debug_data import load_rollout
 from slime_spec.rollout.debug_rollout import run_debug_rollout_only
 from slime_spec.rollout.metrics import REQUIRED_KEYS
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.tools.tiny_model import make_tiny_model
 
 NUM_ROLLOUT, BATCH, N_SAMPLES = 2, 3, 2
 

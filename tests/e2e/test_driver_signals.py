@@ -3,7 +3,7 @@
 Each test starts a `--debug-rollout-only` run of an embedded engine on a private Ray, waits until a rollout
 request is in flight, signals the driver, and polls until no process of the run (engine servers, gcs_server,
 raylet, agents, workers) is left. SIGINT and SIGTERM unwind through the shutdown path, which must not
-restart the engines it just stopped; after SIGKILL the driver's reaper (slime_spec/ray_reaper.py) and the
+restart the engines it just stopped; after SIGKILL the driver's reaper (slime_spec/cluster/ray_reaper.py) and the
 engines' PR_SET_PDEATHSIG do it.
 """
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from slime_spec.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_eagle3_draft, make_tiny_model
+from slime_spec.tools.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_eagle3_draft, make_tiny_model
 from tests.e2e.test_ray_job import group_alive, head_ports, port_open, workdir  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[2]

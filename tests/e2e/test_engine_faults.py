@@ -18,7 +18,7 @@ import pytest
 
 from slime_spec.rollout.debug_data import load_rollout
 from slime_spec.rollout.sample import Status
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.tools.tiny_model import make_tiny_model
 from tests.e2e.run_processes import REPO, RUN_MARKER, wait_gone
 from tests.helpers import engine_faults as faults
 

@@ -4,7 +4,7 @@ step's target and MTP tensors synced and checked against the engine's runners (-
 
 import json
 
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.tools.tiny_model import make_tiny_model
 from tests.helpers.train_loops import run_grpo_steps
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from slime_spec.placement import create_placement, remove_placement
-from slime_spec.tiny_model import make_tiny_model
-from slime_spec.train import main
+from slime_spec.cluster.placement import create_placement, remove_placement
+from slime_spec.driver.loop import main
+from slime_spec.tools.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

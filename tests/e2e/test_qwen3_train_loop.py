@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.tools.tiny_model import make_tiny_model
 
 # A reward that differs between a prompt's samples (a random model never answers right), so GRPO's advantages,
 # and the step's gradients, are not all zero.

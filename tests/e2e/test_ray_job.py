@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.tools.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "run-mimo-7B-rl-mtp.sh"

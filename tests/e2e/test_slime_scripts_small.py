@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.tools.tiny_model import make_tiny_model
 from tests.helpers.slime_scripts import DENSE, small_machine_argv, without_model_args
 
 ROOT = Path(__file__).resolve().parents[2]

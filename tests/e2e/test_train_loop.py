@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.tools.tiny_model import make_tiny_model
 
 STEPS = 2
 SPEC = ["--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-num-steps", "2",

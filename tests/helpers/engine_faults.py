@@ -92,7 +92,6 @@ async def generate(client, sample, sampling_params):
     from urllib.parse import urlparse
 
     from slime_spec.rollout.generate import default_generate
-
     global _eval_calls
     p = plan()
     port = urlparse(client.url).port

@@ -37,9 +37,8 @@ def assert_logprobs_equal_a_full_forward(model, requests, outs, device) -> None:
 def assert_greedy_speculation_equals_plain(target, draft, make_requests) -> list:
     """NGRAM and a STANDALONE `draft` each decode greedily the tokens plain decoding of `target` does, verifying
     drafts on the way; the speculative engines, for further checks."""
-    from slime_spec.engine.core import SpecConfig
-    from slime_spec.spec import resolve_or_raise
-
+    from slime_spec.engine.managers.engine_core import SpecConfig
+    from slime_spec.speculative.settings import resolve_or_raise
     ngram = resolve_or_raise({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4})
     specs = (ngram, SpecConfig("STANDALONE", 3, 1, 4, str(draft)))
     return [engine for engine, _ in _greedy_runs_equal_plain(target, specs, make_requests)]
@@ -52,8 +51,7 @@ def assert_greedy_with_specs_equals_plain(target, specs, make_requests) -> list:
 
 
 def _greedy_runs_equal_plain(target, specs, make_requests) -> list:
-    from slime_spec.engine.core import EngineCore
-
+    from slime_spec.engine.managers.engine_core import EngineCore
     plain = EngineCore(str(target), None, max_running_requests=4)
     base = run_to_completion(plain, make_requests(plain.tokenizer))
     runs = []

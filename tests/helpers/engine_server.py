@@ -2,7 +2,7 @@
 HTTP only (generation, SGLang's `/weights_checker` checksums, `/get_weights_by_name`, `/ready`).
 
 `expected_checksums` is the other side of a checksum comparison: what SGLang's `/weights_checker` reports for a
-runner serving the given HF tensors (weight_sync/sglang_params.py, pinned against SGLang's own model classes by
+runner serving the given HF tensors (weight_sync/verify/sglang_params.py, pinned against SGLang's own model classes by
 tests/conformance/test_weight_checker.py), keyed as the server keys them (a draft's names prefixed `draft.`).
 """
 
@@ -14,8 +14,8 @@ from typing import Iterable
 import requests
 import torch
 
-from slime_spec.engines.client import EngineClient
-from slime_spec.engines.process import embedded_server_process
+from slime_spec.fleet.client import EngineClient
+from slime_spec.fleet.process import embedded_server_process
 
 
 class EngineServer:
@@ -80,8 +80,7 @@ class EngineServer:
 def expected_checksums(tensors: Iterable[tuple[str, torch.Tensor]], hf_config: dict, engine: EngineServer,
                        *, mtp_draft: bool) -> dict[str, str]:
     """What `engine`'s /weights_checker reports (all runners) once it serves exactly `tensors` (HF names)."""
-    from slime_spec.weight_sync import sglang_params
-
+    from slime_spec.weight_sync.verify import sglang_params
     dtype = sglang_params.served_dtype(hf_config, engine.client.server_info().get("dtype") or "auto")
     recorder = sglang_params.ServedChecksums(sglang_params.sync_roles(hf_config, dtype, mtp_draft=mtp_draft))
     for name, tensor in tensors:

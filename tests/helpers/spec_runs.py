@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from slime_spec.engine.core import Request, SamplingParams, SpecConfig
-from slime_spec.engine.model import load_model
-from slime_spec.spec import resolve_or_raise
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.engine.managers.engine_core import Request, SamplingParams, SpecConfig
+from slime_spec.engine.model_executor.model import load_model
+from slime_spec.speculative.settings import resolve_or_raise
+from slime_spec.tools.tiny_model import make_tiny_model
 
 PROMPTS = ["hello world", "the cat sat on the mat. the cat sat on the", "a", "1 2 3 4 5 6 7 8 1 2 3",
            "abcabcabcabcabc", "Q: why? A:", "xyz " * 8, "no", "repeat repeat repeat repeat", "!", "tail end",

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import ray
 import torch
 
-from slime_spec.config import (
+from slime_spec.config.run_config import (
     ClusterConfig,
     Config,
     EngineConfig,

@@ -6,9 +6,9 @@ import random
 from pathlib import Path
 from typing import Callable
 
-from slime_spec.config import TrainConfig
+from slime_spec.config.run_config import TrainConfig
 from slime_spec.rollout.sample import Sample
-from slime_spec.tiny_model import make_tiny_model
+from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.trainer import parallel
 
 

@@ -12,9 +12,9 @@ from slime_spec.engine.drafters.hybrid import HybridDrafter
 from slime_spec.engine.drafters.mtp import MTPDrafter
 from slime_spec.engine.drafters.ngram import NgramDrafter
 from slime_spec.engine.drafters.standalone import StandaloneDrafter
-from slime_spec.engine.model import CausalLM, load_model
-from slime_spec.engine.tree import tree_shape
-from slime_spec.spec import Algorithm, SpecConfig
+from slime_spec.engine.model_executor.model import CausalLM, load_model
+from slime_spec.engine.speculative.tree import tree_shape
+from slime_spec.speculative.settings import Algorithm, SpecConfig
 
 __all__ = ["Drafter", "Eagle3Drafter", "HistoryDrafter", "HybridDrafter", "MTPDrafter", "NgramDrafter",
            "StandaloneDrafter", "make_drafter"]

@@ -11,7 +11,7 @@ sampled from; verification then uses q (accept with min(1, p/q), resample from m
 
 Row state the engine keeps (see request.Row): `tokens` (prompt + output), `kv_len` (tokens whose keys/values are
 in the target cache: all but the last, pending one), `slot` (cache row). The settings come from
-`slime_spec.spec.SpecConfig`, resolved and checked for this engine before `make_drafter` runs.
+`slime_spec.speculative.settings.SpecConfig`, resolved and checked for this engine before `make_drafter` runs.
 
 Every hook of `Drafter` has a no-op default, and what a drafter can do is declared as class attributes, so the
 engine calls hooks and checks capabilities instead of probing for attributes.
@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from slime_spec.engine.transfer import device_tensor
+from slime_spec.engine.model_executor.transfer import device_tensor
 
 
 class Drafter:
@@ -36,10 +36,12 @@ class Drafter:
     # ---- capabilities
     defers_plain_steps: bool = False
     """Whether a plain step (k = 0) needs nothing from the drafter until the step is read back, a step late: then
-    the overlap schedule (engine/overlap.py) may run a chain's plain steps, handing each read-back step to `defer`;
+    the overlap schedule (engine/managers/overlap.py) may run a chain's plain steps, handing each read-back step to
+    `defer`;
     the worker runs `catch_up_deferred` before the next chain draft, timed as the switch back from k = 0."""
     supports_tree: bool = False
-    """Whether `tree_draft` drafts a tree per row (eagle_topk > 1: MTP, EAGLE3, STANDALONE; engine/tree.py)."""
+    """Whether `tree_draft` drafts a tree per row (eagle_topk > 1: MTP, EAGLE3, STANDALONE;
+    engine/speculative/tree.py)."""
     extends_before_read_back: bool = False
     """Whether a chain verify hands the drafter its device results before the step's read-back (`verify_extend`)
     and the read-back acceptance after it (`after_verify`), instead of `on_verify` after the read-back."""
@@ -108,7 +110,8 @@ class Drafter:
         return 0.0
 
     def tree_graphs(self, shape, common: dict) -> list:
-        """On CUDA, the tree draft steps and extend as graphs (engine/tree_graphs.py), installed where the drafter
+        """On CUDA, the tree draft steps and extend as graphs (engine/speculative/tree_graphs.py), installed where the
+        drafter
         replays them."""
         return []
 

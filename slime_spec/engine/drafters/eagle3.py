@@ -15,11 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from slime_spec.common import eagle3_draft
-from slime_spec.engine import tree, tree_graphs
-from slime_spec.engine.cuda_graph import CudaGraphSettings, GraphedForward, capture_on_one_pool, key_buckets
 from slime_spec.engine.drafters.base import Drafter, DraftPick, argmax_pick, chain, pad, slots_of, tree_frame
-from slime_spec.engine.model import CausalLM, KVCache, attention_backends, causal_mask
-from slime_spec.engine.transfer import device_tensor
+from slime_spec.engine.model_executor.cuda_graph import (
+    CudaGraphSettings,
+    GraphedForward,
+    capture_on_one_pool,
+    key_buckets,
+)
+from slime_spec.engine.model_executor.model import CausalLM, KVCache, attention_backends, causal_mask
+from slime_spec.engine.model_executor.transfer import device_tensor
+from slime_spec.engine.speculative import tree, tree_graphs
 
 
 class Eagle3Drafter(Drafter):

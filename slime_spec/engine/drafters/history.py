@@ -23,7 +23,7 @@ import torch
 
 from slime_spec.engine.drafters.base import Drafter
 from slime_spec.engine.drafters.ngram import NgramDrafter
-from slime_spec.engine.transfer import device_tensor
+from slime_spec.engine.model_executor.transfer import device_tensor
 
 SEPARATOR = -(2**31)  # between documents of one corpus (SGLang 0.5.23's SEPARATOR_TOKEN); no match crosses it
 MAX_GROUPS = 64  # groups whose sibling automata are kept (least recently drafted dropped first; bounds memory)

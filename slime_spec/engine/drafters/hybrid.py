@@ -18,7 +18,7 @@ import torch
 from slime_spec.engine.drafters.base import Drafter, DraftPick, argmax_pick
 from slime_spec.engine.drafters.history import HistoryDrafter
 from slime_spec.engine.drafters.mtp import MTPDrafter
-from slime_spec.engine.transfer import device_tensor
+from slime_spec.engine.model_executor.transfer import device_tensor
 
 EMA_ALPHA = 0.1
 BUCKETS = 8  # match lengths 1, 2-3, 4-7, ..., 64+ (bucket = bit length - 1)

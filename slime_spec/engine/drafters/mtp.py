@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from slime_spec.engine import tree, tree_graphs
-from slime_spec.engine.cuda_graph import GraphedForward, key_buckets
 from slime_spec.engine.drafters.base import Drafter, DraftPick, argmax_pick, chain, slots_of, tree_frame
-from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names
-from slime_spec.engine.model_graphs import mtp_chain_name
-from slime_spec.engine.transfer import device_tensor
+from slime_spec.engine.model_executor.cuda_graph import GraphedForward, key_buckets
+from slime_spec.engine.model_executor.model import CausalLM, KVCache, hf_weight_names
+from slime_spec.engine.model_executor.model_graphs import mtp_chain_name
+from slime_spec.engine.model_executor.transfer import device_tensor
+from slime_spec.engine.speculative import tree, tree_graphs
 
 
 class MTPDrafter(Drafter):

@@ -7,7 +7,7 @@ import itertools
 import torch
 
 from slime_spec.engine.drafters.base import Drafter
-from slime_spec.engine.transfer import device_tensor
+from slime_spec.engine.model_executor.transfer import device_tensor
 
 DEFAULT_CAPACITY = 262_144  # n-gram entries; past it the oldest quarter goes (SGLang: --speculative-ngram-capacity)
 MOD = (1 << 61) - 1  # rolling-hash modulus (a Mersenne prime: collisions are ~1 in 2**61 per pair)

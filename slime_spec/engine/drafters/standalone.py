@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from slime_spec.engine import tree, tree_graphs
-from slime_spec.engine.cuda_graph import GraphedForward, key_buckets
 from slime_spec.engine.drafters.base import Drafter, DraftPick, argmax_pick, chain, pad, slots_of
-from slime_spec.engine.model import CausalLM, KVCache, hf_weight_names
-from slime_spec.engine.transfer import device_tensor
+from slime_spec.engine.model_executor.cuda_graph import GraphedForward, key_buckets
+from slime_spec.engine.model_executor.model import CausalLM, KVCache, hf_weight_names
+from slime_spec.engine.model_executor.transfer import device_tensor
+from slime_spec.engine.speculative import tree, tree_graphs
 
 VERIFY_UNSEEN = 2  # tokens a chain verify leaves the draft to feed: the new pending one, and d_k if all k passed
 

@@ -4,7 +4,7 @@ worker.py  `SpecWorker`: one step's draft -> verify -> accept, its counters and 
 accept.py  how drafts are picked and accepted (greedy, and the lossless rule for sampled rows)
 timing.py  `StepTimes` (per-phase totals) and `PhaseClock` (one step's laps)
 
-The drafters themselves are in engine/drafters/, the per-step draft length in engine/spec_policy.py.
+The drafters themselves are in engine/drafters/, the per-step draft length in engine/speculative/policy.py.
 """
 
 from slime_spec.engine.speculative.accept import accept_drafts, draft_pick

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from slime_spec.engine import sampling
 from slime_spec.engine.drafters.base import DraftPick, argmax_pick
+from slime_spec.engine.model_executor import sampling
 
 
 def draft_pick(params: sampling.BatchParams, generator: torch.Generator, draft_sampling: bool) -> DraftPick:

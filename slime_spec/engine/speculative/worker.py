@@ -7,7 +7,8 @@
           (accept.py); the accepted tokens are appended and the drafter is told what was kept
 
 k comes from the step policy (spec_policy); k = 0 is a plain decode step that still keeps the drafter in sync.
-With eagle_topk > 1 a step drafts and verifies a tree instead (`tree_step`, math in engine/tree.py). The worker
+With eagle_topk > 1 a step drafts and verifies a tree instead (`tree_step`, math in engine/speculative/tree.py). The
+worker
 reaches the engine that runs the target only through `TargetEngine`.
 """
 
@@ -18,19 +19,18 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
-from slime_spec.engine import sampling, tree, tree_graphs
 from slime_spec.engine.drafters.base import Drafter, argmax_pick
-from slime_spec.engine.request import NAN_FINISH, Row
-from slime_spec.engine.spec_policy import AutoSteps, StepPolicy
+from slime_spec.engine.managers.request import NAN_FINISH, Row
+from slime_spec.engine.model_executor import sampling
+from slime_spec.engine.model_executor.transfer import device_tensor, start_read_back
+from slime_spec.engine.speculative import tree, tree_graphs
 from slime_spec.engine.speculative.accept import accept_drafts, draft_pick
+from slime_spec.engine.speculative.policy import AutoSteps, StepPolicy
 from slime_spec.engine.speculative.timing import PhaseClock, StepTimes, sync
-from slime_spec.engine.transfer import device_tensor, start_read_back
 
 if TYPE_CHECKING:
-    from slime_spec.engine.model import CausalLM, KVCache
-    from slime_spec.engine.overlap import InFlight, OverlapDecode
-
-
+    from slime_spec.engine.managers.overlap import InFlight, OverlapDecode
+    from slime_spec.engine.model_executor.model import CausalLM, KVCache
 class TargetEngine(Protocol):
     """What the worker needs of the engine that runs the target (EngineCore): the model and its KV cache, the
     batch's sampling state, and the plain decode step and token appending it shares with plain decoding."""
@@ -226,7 +226,8 @@ class SpecWorker:
         self.policy.observe(len(rows), 0, [0] * len(rows), 0.0, seconds)
 
     def overlapped_plain_step(self, rows: list[Row], clock: PhaseClock) -> None:
-        """Launch this plain step, then read the previous one back (engine/overlap.py). A run's first step puts the
+        """Launch this plain step, then read the previous one back (engine/managers/overlap.py). A run's first step
+        puts the
         rows' last tokens, known on the host after a speculative step, where the launch reads them. Its cost for the
         policy is the whole call once a step was in flight (then launch to launch: one step of the run's rhythm), so
         no sync is needed to measure it."""
@@ -267,9 +268,10 @@ class SpecWorker:
 
     # ------------------------------------------------------------------ a tree (eagle_topk > 1)
     def tree_step(self, rows: list[Row], shape: tree.TreeShape) -> None:
-        """The drafter drafts a tree per row (engine/tree.py), the target verifies the root and its
+        """The drafter drafts a tree per row (engine/speculative/tree.py), the target verifies the root and its
         num_draft_tokens - 1 nodes in one forward (each node at its own cache location, RoPE position = row length +
-        depth, attending to the context and its ancestors; a captured graph on CUDA, tree_graphs.py), the longest
+        depth, attending to the context and its ancestors; a captured graph on CUDA,
+        engine/speculative/tree_graphs.py), the longest
         accepted path is taken, and its keys/values are moved to contiguous positions. A verify counts
         num_draft_tokens - 1 drafts, as SGLang's."""
         e, dev = self.engine, self.engine.device

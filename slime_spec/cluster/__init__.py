@@ -1,0 +1,1 @@
+"""The cluster: joining Ray, GPU placement, the GPUs there are."""

@@ -1,0 +1,1 @@
+"""Flags and typed configuration: the flag table, parsing, the configs every process reads."""

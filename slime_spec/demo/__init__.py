@@ -1,0 +1,1 @@
+"""`make demo`: the whole loop on the scratchpad task."""

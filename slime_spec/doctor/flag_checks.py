@@ -1,0 +1,145 @@
+"""Ranges of single flags and relations between flags, as data, checked by one pure function.
+
+Each row is found before anything starts; without it the mistake surfaces later (a refused request,
+an engine that does not start, a trainer that asserts after the engines are up). `check(values)`
+reads plain values: flag dests (`rollout_top_p`), forwarded SGLang flags as `sglang_<dest>`, and
+the derived values `derived_values` adds (actor GPUs, data-parallel size, backend, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from slime_spec.config.run_config import resolve_global_batch_size
+from slime_spec.doctor.codes import Finding, Rule
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One flag's valid values. `name` is the key in `values`; an unset (None) value is not checked."""
+
+    name: str
+    ok: Callable[[float], bool]
+    must: str
+    fix: str
+    trainer_only: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class Relation:
+    """Flags that must agree. `holds(values)` is False when they do not; templates read `values`."""
+
+    holds: Callable[[dict], bool]
+    problem: str
+    fix: str
+    trainer_only: bool = False
+
+
+def _at_least(n: int) -> Callable[[float], bool]:
+    return lambda v: v >= n
+
+
+def _probability(v: float) -> bool:
+    return 0 < v <= 1
+
+
+def _top_k(v: int) -> bool:
+    return v == -1 or v >= 1
+
+
+BOUNDS: tuple[Bound, ...] = (
+    Bound("rollout_temperature", _at_least(0), "must be >= 0 (0 is greedy)", "--rollout-temperature 1.0"),
+    Bound("eval_temperature", _at_least(0), "must be >= 0 (0 is greedy)", "--eval-temperature 0"),
+    Bound("rollout_top_p", _probability, "must be in (0, 1]", "--rollout-top-p 1.0 (no nucleus cut)"),
+    Bound("eval_top_p", _probability, "must be in (0, 1]", "--eval-top-p 1.0"),
+    Bound("rollout_top_k", _top_k, "must be -1 (off) or >= 1", "--rollout-top-k -1"),
+    Bound("eval_top_k", _top_k, "must be -1 (off) or >= 1", "--eval-top-k -1"),
+    Bound("n_samples_per_prompt", _at_least(1), "must be >= 1", "--n-samples-per-prompt 8 (a GRPO group)"),
+    Bound("n_samples_per_eval_prompt", _at_least(1), "must be >= 1", "--n-samples-per-eval-prompt 1"),
+    Bound("rollout_batch_size", _at_least(1), "must be >= 1 (prompts per rollout)", "--rollout-batch-size 32"),
+    Bound("rollout_max_response_len", _at_least(1), "must be >= 1 token", "--rollout-max-response-len 1024"),
+    Bound("eval_max_response_len", _at_least(1), "must be >= 1 token", "--eval-max-response-len 1024"),
+    Bound("rollout_max_prompt_len", _at_least(1), "must be >= 1 token", "drop it, or a positive length"),
+    Bound("num_rollout", _at_least(1), "must be >= 1", "--num-rollout 1"),
+    Bound("rollout_num_engines", _at_least(1), "must be >= 1", "--rollout-num-engines 1"),
+    Bound("rollout_num_gpus_per_engine", _at_least(1), "must be >= 1", "--rollout-num-gpus-per-engine 1"),
+    Bound("rollout_num_gpus", _at_least(0), "must be >= 0", "--rollout-num-gpus <GPUs for the engines>"),
+    Bound("actor_num_nodes", _at_least(1), "must be >= 1", "--actor-num-nodes 1"),
+    Bound("actor_num_gpus_per_node", _at_least(1), "must be >= 1", "--actor-num-gpus-per-node 1"),
+    Bound("sglang_server_concurrency", _at_least(1), "must be >= 1 (requests in flight per engine)",
+          "--sglang-server-concurrency 64"),
+    Bound("rollout_request_retries", _at_least(0), "must be >= 0", "--rollout-request-retries 3"),
+    Bound("rm_timeout", lambda v: v > 0, "must be > 0 seconds", "--rm-timeout 300"),
+    Bound("max_consecutive_skipped_steps", _at_least(0), "must be >= 0 (0: never stop)",
+          "--max-consecutive-skipped-steps 3", True),
+    Bound("engine_start_timeout", lambda v: v > 0, "must be > 0 seconds", "--engine-start-timeout 1800"),
+    Bound("placement_timeout", _at_least(0), "must be >= 0 seconds (0 waits without bound)", "--placement-timeout 300"),
+    Bound("update_weight_buffer_size", _at_least(1), "must be >= 1 byte", "--update-weight-buffer-size 536870912"),
+    Bound("tensor_model_parallel_size", _at_least(1), "must be >= 1", "--tensor-model-parallel-size 1", True),
+    Bound("global_batch_size", _at_least(1), "must be >= 1", "drop it (one step per rollout) or a positive size",
+          True),
+    Bound("micro_batch_size", _at_least(1), "must be >= 1", "--micro-batch-size 1", True),
+    Bound("mtp_unroll_steps", _at_least(1), "must be >= 1 (1: each MTP layer trained one step ahead)",
+          "--mtp-unroll-steps N, N = --sglang-speculative-num-steps", True),
+    Bound("lr", _at_least(0), "must be >= 0", "--lr 1e-6", True),
+    Bound("weight_decay", _at_least(0), "must be >= 0", "--weight-decay 0.0", True),
+    Bound("clip_grad", _at_least(0), "must be >= 0 (0: no clipping)", "--clip-grad 1.0", True),
+    Bound("eps_clip", _at_least(0), "must be >= 0", "--eps-clip 0.2", True),
+    Bound("eps_clip_high", _at_least(0), "must be >= 0", "--eps-clip-high 0.28", True),
+    Bound("kl_loss_coef", _at_least(0), "must be >= 0", "--kl-loss-coef 0.0", True),
+    Bound("adam_beta1", lambda v: 0 <= v < 1, "must be in [0, 1)", "--adam-beta1 0.9", True),
+    Bound("adam_beta2", lambda v: 0 <= v < 1, "must be in [0, 1)", "--adam-beta2 0.999", True),
+    Bound("sglang_mem_fraction_static", lambda v: 0 < v < 1,
+          "must be in (0, 1): the fraction of GPU memory SGLang takes for weights and KV cache",
+          "--sglang-mem-fraction-static 0.7"),
+)
+
+RELATIONS: tuple[Relation, ...] = (
+    Relation(lambda v: v["actor_gpus"] % v["tensor_model_parallel_size"] == 0,
+             "{actor_gpus} actor GPU(s) (--actor-num-nodes {actor_num_nodes} x --actor-num-gpus-per-node "
+             "{actor_num_gpus_per_node}) are not divisible by --tensor-model-parallel-size "
+             "{tensor_model_parallel_size}",
+             "--tensor-model-parallel-size dividing {actor_gpus}, or more actor GPUs", trainer_only=True),
+    Relation(lambda v: v["dp_size"] == 0 or v["global_batch"] % v["micro_dp"] == 0,
+             "global batch {global_batch} is not a multiple of --micro-batch-size {micro_batch_size} x "
+             "data-parallel size {dp_size} (actor GPUs / tensor-parallel size)",
+             "--global-batch-size a multiple of {micro_dp} (or --micro-batch-size dividing "
+             "{global_batch} / {dp_size})", trainer_only=True),
+    Relation(lambda v: v["backend"] != "embedded" or v["rollout_num_gpus_per_engine"] == 1,
+             "--rollout-num-gpus-per-engine {rollout_num_gpus_per_engine} with backend embedded: the embedded "
+             "engine runs one process on one device (no tensor parallelism)",
+             "--rollout-num-gpus-per-engine 1, or --rollout-backend sglang on a GPU node"),
+    Relation(lambda v: not v["rollout_num_gpus"] or v["rollout_num_gpus"] % v["rollout_num_gpus_per_engine"] == 0,
+             "--rollout-num-gpus {rollout_num_gpus} is not a multiple of --rollout-num-gpus-per-engine "
+             "{rollout_num_gpus_per_engine}: the remainder would sit idle",
+             "--rollout-num-gpus a multiple of {rollout_num_gpus_per_engine}"),
+)
+
+
+def derived_values(values: dict) -> dict:
+    """`values` plus what the relations read: the global batch (as the trainer resolves it), actor GPUs,
+    data-parallel size, micro batch x DP."""
+    global_batch = resolve_global_batch_size(values["global_batch_size"], values["rollout_batch_size"],
+                                             values["n_samples_per_prompt"])
+    actor_gpus = values["actor_num_nodes"] * values["actor_num_gpus_per_node"]
+    tp = values["tensor_model_parallel_size"]
+    dp = actor_gpus // tp if tp >= 1 and actor_gpus % tp == 0 else 0
+    return {**values, "global_batch": global_batch, "actor_gpus": actor_gpus, "dp_size": dp,
+            "micro_dp": values["micro_batch_size"] * dp}
+
+
+def check(values: dict) -> list[Finding]:
+    """Every bound, then (when the bounds hold) every relation; `values` as `derived_values` returns them."""
+    trainer = not values.get("debug_rollout_only", False)
+    out = [Rule.FLAG_OUT_OF_RANGE.finding(flag=b.flag, value=values[b.name], must=b.must, fix=b.fix)
+           for b in BOUNDS
+           if values.get(b.name) is not None and (trainer or not b.trainer_only) and not b.ok(values[b.name])]
+    if out:
+        return out
+    return [Rule.FLAG_CONFLICT.finding(problem=r.problem.format(**values), fix=r.fix.format(**values))
+            for r in RELATIONS if (trainer or not r.trainer_only) and not r.holds(values)]

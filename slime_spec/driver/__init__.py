@@ -1,0 +1,1 @@
+"""The Ray driver: the training loop, what it reports, `push-weights`."""

@@ -1,0 +1,1 @@
+"""The embedded engine's additions to SGLang's HTTP server."""

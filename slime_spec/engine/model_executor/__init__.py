@@ -1,0 +1,1 @@
+"""The embedded engine's model, its graphs and its sampling (SGLang's model_executor/)."""

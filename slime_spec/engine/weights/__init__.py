@@ -1,0 +1,1 @@
+"""Weight updates on the embedded engine, behind SGLang's SchedulerWeightUpdaterManager."""

@@ -1,0 +1,1 @@
+"""How a bucket of tensors reaches the engines: distributed, tensor, disk, colocated."""

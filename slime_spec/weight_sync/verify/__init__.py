@@ -1,0 +1,1 @@
+"""What a sync verifies: coverage, SGLang's checksums, values read back, the acceptance canary."""
