@@ -22,8 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from engine_models import sample_outputs, train_eagle3_draft  # run as `python bench/eagle3_online.py`
+if not __package__:  # `python bench/<name>.py`: import bench as a package, from the repository root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from bench.engine_models import sample_outputs, train_eagle3_draft
 from slime_spec.demo import run as demo
 
 SIZES = {  # the demo's keys, plus the offline draft's training

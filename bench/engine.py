@@ -38,23 +38,24 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from engine_models import (  # run as `python bench/engine.py`
-    make_anti_draft,
-    make_exact_pair,
-    trained_eagle3_model,
-    trained_mtp_model,
-)
 
+if not __package__:  # `python bench/<name>.py`: import bench as a package, from the repository root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench.common import publish
+from bench.engine_models import make_anti_draft, make_exact_pair, trained_eagle3_model, trained_mtp_model
 from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
 from slime_spec.rollout.data import read_jsonl
 from slime_spec.speculative.settings import resolve, resolve_or_raise
-from slime_spec.tools.tiny_model import CHARACTERS, full_vocab_size, make_tiny_model
+from slime_spec.tools.tiny_model import full_vocab_size, make_tiny_model
+from slime_spec.tools.tiny_tokenizer import CHARACTERS
 
 REPETITIVE = ["the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat",
               "1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2 3",
@@ -402,10 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"Embedded engine, speculative vs plain: {a.device} {dtype}, torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads, vocab {full_vocab_size()}; " + "; ".join(describe(a)) +
               f"; median of {repeats} interleaved runs.")
-    table = header + "\n\n" + to_markdown(rows)
-    print("\n" + table)
-    if a.out:
-        Path(a.out).write_text(table + "\n")
+    publish(header + "\n\n" + to_markdown(rows), a.out)
     return 0
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import sys
 import tempfile
 import time
 from contextlib import nullcontext
@@ -40,9 +41,12 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from engine_models import make_exact_pair, save_checkpoint, sft_target  # run as `python bench/engine_gpu.py`
-from step_profile_gpu import StepPhases
 
+if not __package__:  # `python bench/<name>.py`: import bench as a package, from the repository root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench.engine_models import make_exact_pair, save_checkpoint, sft_target
+from bench.step_profile_gpu import StepPhases
 from slime_spec.demo.task import split_problems
 from slime_spec.engine.kernels.ops import Kernels
 from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams

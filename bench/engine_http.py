@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +36,10 @@ from pathlib import Path
 import aiohttp
 import psutil
 
+if not __package__:  # `python bench/<name>.py`: import bench as a package, from the repository root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench.common import publish
 from slime_spec.tools.tiny_model import make_tiny_model
 
 SCHEDULER_TITLE = "sglang::schedul"  # the scheduler process's title (psutil gives it whole, the kernel 15 characters)
@@ -224,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         n = len(paths)
         table += ("\n\nspec_speedup (plain wall / speculative wall), each plain twin timed in turn with the others:\n\n"
                   + speedups(rows[:n], rows[n:]))
-    print("\n" + table)
-    if a.out:
-        Path(a.out).write_text(table + "\n")
+    publish(table, a.out)
     return 0
 
 

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| seed | share of the last 200 steps at k = 0 / 1 / 2 / 3 | accept rate estimate |\n|---|---|---|")
     for seed in range(a.seeds):
         rng = random.Random(seed)
-        auto = AutoSteps(max_k=3)
+        auto = AutoSteps(max_num_steps=3)
         ks = []
         for _ in range(a.steps):
             k = auto.choose(1)

@@ -38,14 +38,20 @@ def main(argv: list[str] | None = None) -> int:
     return int(module.main(rest) or 0)
 
 
+BENCH_LIBRARIES = ("__init__", "common", "engine_models")  # modules of the bench package that are not scripts
+
+
 def _bench(rest: list[str]) -> int:
-    bench_dir = Path(__file__).resolve().parent.parent / "bench"
-    if not rest or not (bench_dir / f"{rest[0]}.py").exists():
-        found = sorted(p.stem for p in bench_dir.glob("*.py"))
-        print(f"slime-spec bench: choose one of {found}", file=sys.stderr)
+    """Run bench/<name>.py as the module bench.<name> (the bench package, from the repository root)."""
+    root = Path(__file__).resolve().parent.parent
+    scripts = sorted(p.stem for p in (root / "bench").glob("*.py") if p.stem not in BENCH_LIBRARIES)
+    if not rest or rest[0] not in scripts:
+        print(f"slime-spec bench: choose one of {scripts}", file=sys.stderr)
         return 2
-    sys.argv = [str(bench_dir / f"{rest[0]}.py"), *rest[1:]]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    sys.argv = [str(root / "bench" / f"{rest[0]}.py"), *rest[1:]]
+    runpy.run_module(f"bench.{rest[0]}", run_name="__main__", alter_sys=True)
     return 0
 
 

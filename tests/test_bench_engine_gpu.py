@@ -2,30 +2,16 @@
 EAGLE/NEXTN row serves, the distillation counts only continuation tokens up to EOS, and no held-out prompt is handed
 out twice."""
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from bench import engine_gpu
 from slime_spec.engine.model_executor.cuda_graph import CudaGraphSettings
 from slime_spec.engine.model_executor.model import load_model
 from slime_spec.speculative.settings import SpecConfig
 from slime_spec.tools.tiny_model import make_tiny_model
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-@pytest.fixture(scope="module")
-def engine_gpu():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import engine_gpu
-
-        yield engine_gpu
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +20,7 @@ def mimo(tmp_path_factory):
                            num_layers=2, intermediate_size=64, max_position_embeddings=128)
 
 
-def test_eagle_rows_serve_the_mtp_layer_trained_in_the_bench(engine_gpu, mimo):
+def test_eagle_rows_serve_the_mtp_layer_trained_in_the_bench(mimo):
     """The rows once served the checkpoint's untrained MTP layer: the weights were loaded only when the drafter
     exposed the target model, which the EAGLE drafter (MTP + history) does not."""
     trained = [(n, torch.randn_like(t)) for n, t in load_model(mimo)[0].state_dict().items() if "mtp_layers" in n]
@@ -47,7 +33,7 @@ def test_eagle_rows_serve_the_mtp_layer_trained_in_the_bench(engine_gpu, mimo):
         assert all(same) if expect_trained else not any(same)
 
 
-def test_the_corpus_counts_continuation_positions_up_to_eos(engine_gpu, mimo):
+def test_the_corpus_counts_continuation_positions_up_to_eos(mimo):
     core = engine_gpu.EngineCore(str(mimo), None, context_length=64, max_running_requests=4)
     teacher, _ = load_model(mimo)
     batch = [[5, 6, 7], [8, 9, 10, 11, 12]]
@@ -62,7 +48,7 @@ def test_the_corpus_counts_continuation_positions_up_to_eos(engine_gpu, mimo):
         assert generated[:-1].count(2) == 0  # no EOS (id 2) before the last counted token
 
 
-def test_held_out_prompts_are_handed_out_once_and_refused_when_spent(engine_gpu, mimo):
+def test_held_out_prompts_are_handed_out_once_and_refused_when_spent(mimo):
     task = engine_gpu.ScratchpadTask(AutoTokenizer.from_pretrained(str(mimo)), digits=3)
     seen = [tuple(p) for _ in range(3) for p in task.take(20)]
     assert len(set(seen)) == len(seen) == 60

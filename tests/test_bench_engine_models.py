@@ -1,31 +1,17 @@
 """bench/engine_models.py's EAGLE3 builder: a draft trained on a target's own outputs learns (its training-time-test
 loss falls) and is written in SGLang's EAGLE3 layout, loadable by the engine."""
 
-import sys
 from pathlib import Path
 
-import pytest
 import torch
 
+from bench import engine_models
 from slime_spec.common import eagle3_draft
 from slime_spec.engine.model_executor.model import load_model
 from slime_spec.tools.tiny_model import LLAMA31_ROPE_SCALING, make_tiny_model
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 
-
-@pytest.fixture(scope="module")
-def engine_models():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import engine_models
-
-        yield engine_models
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-def test_eagle3_draft_learns_from_the_targets_own_outputs(engine_models, tmp_path):
+def test_eagle3_draft_learns_from_the_targets_own_outputs(tmp_path):
     torch.manual_seed(0)
     target = make_tiny_model(tmp_path / "target", arch="llama", hidden_size=32, num_layers=4, intermediate_size=64,
                              max_position_embeddings=128, rope_scaling=LLAMA31_ROPE_SCALING)

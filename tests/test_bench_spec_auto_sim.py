@@ -1,18 +1,10 @@
 """bench/spec_auto_sim.py: the scripted GPU case prints the right answer and the policy's shares per seed."""
 
-import pytest
-
-from tests.bench_scripts import bench_script
+from bench import spec_auto_sim
 
 
-@pytest.fixture(scope="module")
-def bench():
-    with bench_script("spec_auto_sim") as module:
-        yield module
-
-
-def test_the_sim_prints_the_best_k_and_a_row_per_seed(bench, capsys):
-    bench.main(["--seeds", "2", "--steps", "400"])
+def test_the_sim_prints_the_best_k_and_a_row_per_seed(capsys):
+    spec_auto_sim.main(["--seeds", "2", "--steps", "400"])
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("best k 3")
     rows = [line for line in out if line.startswith("| 0 |") or line.startswith("| 1 |")]

@@ -188,7 +188,7 @@ def test_mtp_chain_graph_drafts_what_the_step_by_step_chain_drafts(tmp_path):
             c.normal_()
         context = [c.clone() for c in drafter.cache.k + drafter.cache.v]
         for k in (1, 2, 4):
-            drafter.k = k
+            drafter.num_steps = k
             model.graphs = {}
             eager, _ = drafter.sample_draft(rows, argmax_pick)
             written = [c.clone() for c in drafter.cache.k + drafter.cache.v]

@@ -280,3 +280,29 @@ def test_every_drafter_implements_the_hooks_its_capabilities_declare():
             assert all(hasattr(cls, name) for name in ("add_corpus", "remove_corpus", "list_corpora")), cls
     with pytest.raises(NotImplementedError, match="chains only"):
         drafters.NgramDrafter(3, 4, 1, "cpu").tree_draft([], None)
+
+
+def test_num_steps_reaches_the_drafter_under_one_name_resolved_once(ckpts, monkeypatch):
+    """--speculative-num-steps: the server's flags -> settings.resolve (SpecConfig.num_steps) -> the step policy's
+    max_num_steps -> the drafter's num_steps; resolved once in the engine's process, no drafter renames it."""
+    import pickle
+    import re
+    from pathlib import Path
+
+    from slime_spec.engine import drafters
+    from slime_spec.engine.server_args import parse_server_args
+    from slime_spec.speculative import settings
+
+    calls = []
+    resolve = settings.resolve
+    monkeypatch.setattr(settings, "resolve", lambda *a, **kw: calls.append(a) or resolve(*a, **kw))
+    args = parse_server_args(["--model-path", str(ckpts["mimo"]), "--speculative-algorithm", "NEXTN",
+                              "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+                              "--speculative-num-draft-tokens", "4"], cuda_available=False)
+    spec = pickle.loads(pickle.dumps(args.spec))  # as the server hands it to its scheduler process
+    engine = EngineCore(args.model_path, spec, max_running_requests=2)
+    assert len(calls) == 1
+    assert args.spec.speculative_num_steps == args.spec.num_steps == engine.policy.max_num_steps == 3
+    assert engine.drafter.num_steps == engine.drafter.mtp.num_steps == 3
+    for path in Path(drafters.__file__).parent.glob("*.py"):
+        assert not re.search(r"\w\.k\b", path.read_text().replace("cache.k", "")), path.name  # KV caches' k

@@ -63,7 +63,7 @@ def test_llama3_rope_matches_transformers(ckpts):
 def test_engine_draft_steps_equal_the_trainer_reference(ckpts):
     """Extend over a prompt, then chained one-token steps from the cache, equal the reference's whole-row step."""
     target, _ = load_model(ckpts["llama"])
-    drafter = load_eagle3_drafter(target, str(ckpts["llama_draft"]), k=3, slots=2, max_seq=32)
+    drafter = load_eagle3_drafter(target, str(ckpts["llama_draft"]), num_steps=3, slots=2, max_seq=32)
     ref = eagle3_draft.load_draft(ckpts["llama_draft"], 4)
     tokens = torch.tensor([[5, 9, 13, 7, 22, 31, 8, 4, 17]])
     n = tokens.shape[1]

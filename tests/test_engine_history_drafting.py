@@ -157,7 +157,7 @@ def test_ngram_cache_finds_the_longest_suffix_seen_before():
             self.tokens, self.ngram_upto, self.draft_state = tokens, 1, {}
 
     g = torch.Generator().manual_seed(2)
-    drafter = NgramDrafter(k=4, max_window=6, min_window=1, device="cpu")
+    drafter = NgramDrafter(num_steps=4, max_window=6, min_window=1, device="cpu")
     rows = [Row(torch.randint(0, 3, (5,), generator=g).tolist()) for _ in range(3)]
     for _ in range(30):
         for r in rows:

@@ -116,7 +116,7 @@ class CyclingSteps:
     CYCLE = [0, 0, 2, 0, 3, 1, 0, 0, 0, 2, 3, 0]
 
     def __init__(self):
-        self.max_k, self.i = 3, 0
+        self.max_num_steps, self.i = 3, 0
 
     def choose(self, batch_size: int) -> int:
         self.i += 1

@@ -28,7 +28,7 @@ def test_best_steps_trades_tokens_against_cost():
 
 
 def test_auto_measures_every_k_then_settles_and_keeps_exploring():
-    auto = AutoSteps(max_k=3, explore_every=8)
+    auto = AutoSteps(max_num_steps=3, explore_every=8)
     costs = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}
     seen = []
     for _ in range(64):
@@ -75,7 +75,7 @@ def test_adaptive_and_auto_keep_greedy_output_and_vary_k(mimo, mode):
     assert len(set(chosen)) > 1, chosen  # the draft length moved (0 = plain steps included for auto)
     times = engine.step_times  # every phase of the speculative steps was timed, plain (k = 0) steps apart
     assert times.draft_s > 0 and times.verify_s > 0 and times.sampling_s > 0 and (times.plain_s > 0) == (0 in chosen)
-    assert engine.max_seq >= engine.context_length + engine.policy.max_k + 1
+    assert engine.max_seq >= engine.context_length + engine.policy.max_num_steps + 1
 
 
 @pytest.mark.parametrize("algorithm", ["STANDALONE", "NGRAM"])
@@ -99,7 +99,7 @@ class ScriptedSteps:
     """A step policy that plays a fixed sequence of draft lengths (then repeats the last)."""
 
     def __init__(self, ks: list[int]):
-        self.ks, self.max_k, self.i = ks, max(ks), 0
+        self.ks, self.max_num_steps, self.i = ks, max(ks), 0
 
     def choose(self, batch_size: int) -> int:
         self.i += 1
@@ -238,7 +238,7 @@ def test_a_request_that_never_drafts_never_runs_the_mtp_layer(mimo):
 def test_auto_is_not_fooled_by_one_slow_sample():
     """A noisy machine only adds time: one slow first plain step (cold call, another process) must not keep auto
     drafting when drafts are never accepted."""
-    auto = AutoSteps(max_k=2, explore_every=1000)
+    auto = AutoSteps(max_num_steps=2, explore_every=1000)
     costs = {0: 1.0, 1: 1.3, 2: 1.6}
     seen = []
     for step in range(20):
@@ -251,7 +251,7 @@ def test_auto_is_not_fooled_by_one_slow_sample():
 
 
 def test_auto_explores_less_while_the_best_k_holds():
-    auto = AutoSteps(max_k=2, explore_every=8, max_explore_every=64)
+    auto = AutoSteps(max_num_steps=2, explore_every=8, max_explore_every=64)
     seen = []
     for _ in range(400):
         k = auto.choose(8)
@@ -263,8 +263,8 @@ def test_auto_explores_less_while_the_best_k_holds():
 
 
 def test_auto_skips_long_drafts_that_cannot_win_but_measures_those_that_can():
-    never = AutoSteps(max_k=3, explore_every=1000)
-    always = AutoSteps(max_k=3, explore_every=1000)
+    never = AutoSteps(max_num_steps=3, explore_every=1000)
+    always = AutoSteps(max_num_steps=3, explore_every=1000)
     costs = {0: 1.0, 1: 1.2, 2: 1.3, 3: 1.4}
     for auto, hit in ((never, 0), (always, 1)):
         seen = []
@@ -300,7 +300,7 @@ def test_auto_bounds_what_probes_cost_when_drafts_never_pay():
     """A draft that is never accepted, a verify that costs nearly in proportion to its tokens (CPU, large batch)
     and a catch-up of 0.15 plain steps per deferred plain step: after the warm-up, probes cost at most the
     explore budget of the time, and are at most one step in explore_every."""
-    auto = AutoSteps(max_k=3)
+    auto = AutoSteps(max_num_steps=3)
     costs = {0: 1.0, 1: 1.9, 2: 2.8, 3: 3.7}
     ks, seconds = simulate(auto, 20000, lambda step: False, costs, draft_s=0.3, catch_up_s=0.15)
     warm = 8
@@ -317,7 +317,7 @@ def test_auto_bounds_what_probes_cost_when_drafts_never_pay():
 def test_auto_keeps_the_catch_up_out_of_the_draft_cost():
     """A catch-up is the price of leaving k = 0, not of drafting: it counts in the bucket's time, not in the
     step's cost estimate."""
-    auto = AutoSteps(max_k=3)
+    auto = AutoSteps(max_num_steps=3)
     auto.observe(4, 0, [0] * 4, draft_s=0.0, verify_s=1.0)
     auto.observe(4, 2, [2] * 4, draft_s=0.1, verify_s=1.1, switch_s=30.0)
     b = auto.buckets[4]
@@ -326,7 +326,7 @@ def test_auto_keeps_the_catch_up_out_of_the_draft_cost():
 
 
 def test_auto_comes_back_to_drafting_when_drafts_start_paying():
-    auto = AutoSteps(max_k=3)
+    auto = AutoSteps(max_num_steps=3)
     costs = {0: 1.0, 1: 1.05, 2: 1.1, 3: 1.15}
     ks, _ = simulate(auto, 6000, lambda step: step >= 3000, costs, draft_s=0.05, catch_up_s=0.15, batch=4)
     assert set(ks[100:3000]) <= {0, 1} and ks[100:3000].count(0) > 0.95 * 2900
@@ -340,7 +340,7 @@ def test_a_new_bucket_starts_from_its_warmed_neighbour_instead_of_measuring_ever
     twice; the next ones start from its estimates, scaled by their own measurements, and draft at the best k from
     their first step. Their own costs still decide once measured: where a verify of more tokens is dear (a large
     batch on CPU) the borrowed shape is corrected by the bucket's own samples."""
-    auto = AutoSteps(max_k=3, explore_every=8)
+    auto = AutoSteps(max_num_steps=3, explore_every=8)
     cheap = {0: 1.0, 1: 1.05, 2: 1.1, 3: 1.15}
     ks, _ = simulate(auto, 40, lambda step: True, cheap, draft_s=0.05, catch_up_s=0.0, batch=32)
     assert ks[:4] == [0, 1, 2, 3] and ks[-1] == 3
@@ -357,7 +357,7 @@ def test_a_new_bucket_starts_from_its_warmed_neighbour_instead_of_measuring_ever
 def test_auto_charges_a_probe_when_its_own_step_is_observed():
     """Under the overlap schedule a speculative step first observes the plain step it reads back (k = 0): a probe
     of k = 1 chosen for that step is still charged to the probe budget when the probe itself is observed."""
-    auto = AutoSteps(max_k=1, explore_every=4)
+    auto = AutoSteps(max_num_steps=1, explore_every=4)
     for _ in range(8):  # warm-up and settling: plain steps win (drafts never accepted)
         k = auto.choose(4)
         auto.observe(4, k, [0] * 4, draft_s=0.5 * k, verify_s={0: 1.0, 1: 1.5}[k])
@@ -389,7 +389,7 @@ def test_a_one_row_tail_of_bad_luck_does_not_send_the_next_full_batch_to_plain_s
     full batches' evidence, so the next rollout's full batch drafts at once. (Decayed per step, the one-row tail
     wiped the full batches' evidence, the rate fell to 0.24 and the next full batch ran plain until a probe: the
     demo's rollouts with 30-40% of their engine time in plain steps.)"""
-    auto = AutoSteps(max_k=3, explore_every=1000)
+    auto = AutoSteps(max_num_steps=3, explore_every=1000)
     costs = {0: 5.0, 1: 6.0, 2: 7.0, 3: 8.0}
 
     def step(batch: int, hit) -> int:
@@ -409,7 +409,7 @@ def test_auto_reaches_a_long_draft_the_warm_up_skipped_once_acceptance_says_it_c
     while three pay well (verify cost nearly flat in tokens). The warm-up's first steps miss; once drafts are
     accepted, the policy must try the long drafts (optimistically costed until measured) and settle on 3, not stay
     between 0 and 1 probing only neighbours."""
-    auto = AutoSteps(max_k=3)
+    auto = AutoSteps(max_num_steps=3)
     costs = {0: 1.0, 1: 1.9, 2: 2.0, 3: 2.1}
     ks, _ = simulate(auto, 400, lambda step: step >= 2, costs, draft_s=0.05, catch_up_s=0.0, batch=1)
     assert ks[:2] == [0, 1]  # the first draft is rejected
@@ -424,7 +424,7 @@ def test_auto_drafts_a_captured_chain_whose_cost_is_flat_in_k():
     import random
 
     rng = random.Random(0)
-    auto = AutoSteps(max_k=3)
+    auto = AutoSteps(max_num_steps=3)
     verify = {0: 0.9, 1: 2.0, 2: 2.05, 3: 2.1}
     ks = []
     for _ in range(300):
@@ -436,7 +436,7 @@ def test_auto_drafts_a_captured_chain_whose_cost_is_flat_in_k():
 
 
 def test_auto_does_not_keep_trying_long_drafts_that_are_never_accepted():
-    auto = AutoSteps(max_k=3)
+    auto = AutoSteps(max_num_steps=3)
     costs = {0: 1.0, 1: 1.9, 2: 2.0, 3: 2.1}
     ks, _ = simulate(auto, 400, lambda step: False, costs, draft_s=0.05, catch_up_s=0.0, batch=1)
     drafting = [i for i, k in enumerate(ks) if k]
@@ -447,7 +447,7 @@ def test_auto_does_not_keep_trying_long_drafts_that_are_never_accepted():
 def test_auto_probes_around_a_best_k_it_has_not_measured_yet():
     """A best k costed optimistically (not yet measured) with a probe due: the probe is charged against that
     estimate (a KeyError once, seen in an NGRAM run)."""
-    auto = AutoSteps(max_k=3, explore_every=1, max_explore_every=1, explore_budget=1.0)
+    auto = AutoSteps(max_num_steps=3, explore_every=1, max_explore_every=1, explore_budget=1.0)
     costs = {0: 1.0, 1: 1.9, 2: 2.0, 3: 2.1}
     ks, _ = simulate(auto, 50, lambda step: step >= 2, costs, draft_s=0.05, catch_up_s=0.0, batch=1)
     assert 3 in ks
@@ -472,4 +472,4 @@ def test_each_policy_names_the_draft_lengths_it_may_choose():
     assert AutoSteps(3).draft_lengths() == (1, 2, 3)
     adaptive = AdaptiveSteps(3)
     assert adaptive.draft_lengths() == tuple(sorted({c for t in adaptive.tiers.values() for c in t.candidates} - {0}))
-    assert adaptive.max_k in adaptive.draft_lengths()
+    assert adaptive.max_num_steps in adaptive.draft_lengths()

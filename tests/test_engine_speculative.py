@@ -91,7 +91,7 @@ class RecordingSteps:
     observation as (batch size, k, draft seconds, verify seconds, switch seconds)."""
 
     def __init__(self, ks: list[int]):
-        self.ks, self.max_k, self.i, self.seen = ks, max(ks), 0, []
+        self.ks, self.max_num_steps, self.i, self.seen = ks, max(ks), 0, []
 
     def choose(self, batch_size: int) -> int:
         self.i += 1

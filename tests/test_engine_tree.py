@@ -241,7 +241,7 @@ def _reference_eagle3_logits(engine, ckpts, tokens, path):
     """The EAGLE3 draft's logits after `path`, recomputed by a fresh chain drafter: target aux states over the
     context, a draft extend over x_1..x_n, then one chained step per path token."""
     target, n = engine.model, len(tokens) - 1
-    d = load_eagle3_drafter(target, str(ckpts["llama_eagle3"]), k=1, slots=1, max_seq=n + len(path) + 2)
+    d = load_eagle3_drafter(target, str(ckpts["llama_eagle3"]), num_steps=1, slots=1, max_seq=n + len(path) + 2)
     ids, pos, slot = torch.tensor([tokens[:n]]), torch.arange(n)[None], torch.tensor([0])
     _, aux = target(ids, pos, target.new_cache(1, n + 1), slot, aux_layer_ids=d.aux_layer_ids)
     out = d.step(torch.tensor([tokens[1:]]), aux, pos, slot)

@@ -21,10 +21,10 @@ FLAG_TOKEN = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 # Flags of the other command lines slime-spec has or starts -> the module that defines or passes them.
 OTHER_TOOL_FLAGS = {
     "--runtime-env-json": "cluster/ray_env.py",  # ray job submit (the job's runtime env)
-    "--json": "doctor.py",  # slime-spec doctor
-    "--smoke": "demo.py",  # python -m slime_spec.demo
-    "--out": "demo.py",
-    "--layout": "demo.py",
+    "--json": "doctor/diagnose.py",  # slime-spec doctor
+    "--smoke": "demo/run.py",  # python -m slime_spec.demo
+    "--out": "demo/run.py",
+    "--layout": "demo/run.py",
     "--worker-urls": "rollout/manager.py",  # sglang_router.launch_router, started for --use-sglang-router
     "--health-check-endpoint": "rollout/manager.py",
     "--health-check-interval-secs": "rollout/manager.py",

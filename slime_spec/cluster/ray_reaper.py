@@ -51,18 +51,18 @@ def stop_all(known: dict[int, float], settle_s: float = SETTLE_S, grace_s: float
         except psutil.NoSuchProcess:
             continue
     _, procs = psutil.wait_procs(procs, timeout=settle_s)
+    _signal_each(procs, psutil.Process.terminate)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    _signal_each(alive, psutil.Process.kill)
+    return [p.pid for p in procs]
+
+
+def _signal_each(procs: list[psutil.Process], send) -> None:
     for p in procs:
         try:
-            p.terminate()
+            send(p)
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    return [p.pid for p in procs]
 
 
 def watch(driver_pid: int, refresh_s: float = REFRESH_S) -> list[int]:

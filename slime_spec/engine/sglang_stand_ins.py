@@ -30,13 +30,18 @@ ABSENT_ROOTS = {
 }
 
 
+def _absent_attribute(owner, name: str, module: str) -> type:
+    """An absent class for any attribute of an absent module or class, made once and kept on `owner`."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    cls = AbsentMeta(name, (Absent,), {"__module__": module})
+    setattr(owner, name, cls)
+    return cls
+
+
 class AbsentMeta(type):
     def __getattr__(cls, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        sub = AbsentMeta(name, (Absent,), {"__module__": cls.__module__})
-        setattr(cls, name, sub)
-        return sub
+        return _absent_attribute(cls, name, cls.__module__)
 
     def __iter__(cls):
         return iter(())
@@ -82,11 +87,7 @@ class Absent(metaclass=AbsentMeta):
 
 class AbsentModule(types.ModuleType):
     def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        cls = AbsentMeta(name, (Absent,), {"__module__": self.__name__})
-        setattr(self, name, cls)
-        return cls
+        return _absent_attribute(self, name, self.__name__)
 
 
 class AbsentModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

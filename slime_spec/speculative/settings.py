@@ -105,10 +105,13 @@ class SpecConfig:
             object.__setattr__(self, "speculative_algorithm", Algorithm.parse(self.speculative_algorithm))
 
     @property
-    def draft_tokens_per_verify(self) -> int:
-        """k: the draft tokens one verify pass checks, the verified root excluded (num_draft_tokens - 1).
+    def num_steps(self) -> int:
+        """The draft tokens one verify pass checks, the verified root excluded (num_draft_tokens - 1): what the
+        embedded engine's step policy and drafters call `num_steps`.
 
-        A chain of num_steps (top-k 1) has num_steps of them; NGRAM drafts num_draft_tokens - 1.
+        For a top-k 1 chain it is speculative_num_steps. NGRAM verifies num_draft_tokens nodes, the root included
+        (sglang/srt/speculative/ngram_worker.py), and its speculative_num_steps (num_draft_tokens // breadth) sizes
+        nothing it drafts, so NGRAM's is num_draft_tokens - 1; so is a tree's (top-k > 1).
         """
         if self.speculative_num_draft_tokens is None:
             raise SpecError(f"speculative_algorithm={self.speculative_algorithm}: speculative_num_draft_tokens is "
@@ -320,7 +323,10 @@ def resolve(server_args: dict, *, target_config: dict | None, backend: str,
                         shape.adaptive, get("speculative_adaptive_config"))
     if backend == "embedded":
         findings = _embedded_findings(config, sg) + findings
-    return (None if errors(findings) else config), findings
+    if errors(findings):
+        return None, findings
+    object.__setattr__(config, "_resolved_for", backend)  # not a field: equality and server_args() ignore it
+    return config, findings
 
 
 def resolve_or_raise(server_args: dict, *, target_config: dict | None = None, backend: str = "embedded",
@@ -337,8 +343,12 @@ def check_resolved(config: SpecConfig, *, target_config: dict | None, backend: s
                    sg: str = SERVER_PREFIX) -> None:
     """Raise SpecError unless `config` is what `resolve()` makes of its own fields, without an error.
 
-    Lets code that builds a SpecConfig by hand (tests, benchmarks) reach an engine only in resolved form.
+    Lets code that builds a SpecConfig by hand (tests, benchmarks) reach an engine only in resolved form. A config
+    `resolve()` returned for this backend passes without resolving again: the settings are validated once per
+    process.
     """
+    if getattr(config, "_resolved_for", None) == backend:
+        return
     resolved, findings = resolve(config.server_args(), target_config=target_config, backend=backend, sg=sg)
     bad = errors(findings)
     if bad:

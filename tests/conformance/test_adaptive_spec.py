@@ -43,7 +43,7 @@ def test_adaptive_steps_follow_sglang(tmp_path, config, initial):
         accepted = [min(k, int(rng.random() * quality * (k + 2))) for _ in range(bs)]
         theirs.on_verify_complete(accepted, bs)
         ours.observe(bs, k, accepted, 0.0, 0.0)
-    assert ours.max_k == max(theirs.candidate_steps)
+    assert ours.max_num_steps == max(theirs.candidate_steps)
 
 
 RESOLVE_CASES = [

@@ -21,13 +21,13 @@ __all__ = ["Drafter", "Eagle3Drafter", "HistoryDrafter", "HybridDrafter", "MTPDr
 
 
 def make_drafter(spec: SpecConfig | None, target: CausalLM, slots: int, max_seq: int, dtype: str,
-                 device: str, k: int) -> Drafter | None:
+                 device: str, num_steps: int) -> Drafter | None:
     """The drafter for `spec` (None without speculation); `spec.check_resolved` must have passed.
-    k: the most draft tokens a step may ask for (the step policy's `max_k`: num_draft_tokens - 1, which is a
-    chain's speculative_num_steps; under adaptive speculation the largest candidate)."""
+    num_steps: the most draft tokens a step may ask for (the step policy's `max_num_steps`: SpecConfig.num_steps,
+    under adaptive speculation the largest candidate)."""
     if spec is None:
         return None
-    drafter = _build_drafter(spec, target, slots, max_seq, dtype, device, k)
+    drafter = _build_drafter(spec, target, slots, max_seq, dtype, device, num_steps)
     if tree_shape(spec) is not None and not drafter.supports_tree:
         raise ValueError(f"speculative_eagle_topk={spec.speculative_eagle_topk}: {type(drafter).__name__} drafts "
                          "chains only; use --speculative-eagle-topk 1")
@@ -35,17 +35,17 @@ def make_drafter(spec: SpecConfig | None, target: CausalLM, slots: int, max_seq:
 
 
 def _build_drafter(spec: SpecConfig, target: CausalLM, slots: int, max_seq: int, dtype: str, device: str,
-                   k: int) -> Drafter:
+                   num_steps: int) -> Drafter:
     shape = tree_shape(spec)
     if shape is not None:  # a draft tree's frontier nodes take cache locations past the row's length
         max_seq += shape.draft_region
     algorithm = spec.speculative_algorithm
     if algorithm is Algorithm.EAGLE:
         # MTP; requests carrying `slime_history` (--rollout-history-drafting) may draft from history instead.
-        history = HistoryDrafter(None, spec.speculative_ngram_max_trie_depth, k, device)
-        return HybridDrafter(MTPDrafter(target, k, slots, max_seq), history)
+        history = HistoryDrafter(None, spec.speculative_ngram_max_trie_depth, num_steps, device)
+        return HybridDrafter(MTPDrafter(target, num_steps, slots, max_seq), history)
     if algorithm is Algorithm.EAGLE3:
-        return load_eagle3_drafter(target, spec.speculative_draft_model_path, k, slots, max_seq)
+        return load_eagle3_drafter(target, spec.speculative_draft_model_path, num_steps, slots, max_seq)
     if algorithm is Algorithm.STANDALONE:
         path = spec.speculative_draft_model_path
         draft, config = load_model(path, dtype=dtype, device=device)
@@ -53,10 +53,10 @@ def _build_drafter(spec: SpecConfig, target: CausalLM, slots: int, max_seq: int,
             raise ValueError(f"--speculative-draft-model-path {path}: vocab_size {draft.args.vocab_size} != the "
                              f"target's {target.args.vocab_size}; STANDALONE needs a draft with the target's "
                              "tokenizer")
-        return StandaloneDrafter(draft, k, slots, max_seq)
+        return StandaloneDrafter(draft, num_steps, slots, max_seq)
     if algorithm is Algorithm.NGRAM:
         # SGLang 0.5.23's trie matches suffixes of every length up to max_trie_depth (no minimum-window flag).
         depth = spec.speculative_ngram_max_trie_depth
-        return HistoryDrafter(NgramDrafter(k, depth, 1, device), depth)
+        return HistoryDrafter(NgramDrafter(num_steps, depth, 1, device), depth)
     raise ValueError(f"speculative_algorithm={algorithm}: no drafter in the embedded engine "
                      "(spec.check_resolved refuses it first)")

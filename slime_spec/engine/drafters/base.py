@@ -29,8 +29,9 @@ from slime_spec.engine.model_executor.transfer import device_tensor
 class Drafter:
     """What the engine calls on a drafter, and when. Subclasses override `propose` and the hooks they need.
 
-    k: draft tokens of the next verify; the worker sets it per step (adaptive and auto speculation, 0 = a plain
-    step) at most to the speculative_num_steps the drafter was built with; read it in propose and on_verify.
+    num_steps: draft tokens of the next verify (SGLang's speculative_num_steps; NGRAM's num_draft_tokens - 1, see
+    SpecConfig.num_steps). The worker sets it per step (adaptive and auto speculation, 0 = a plain step), at most to
+    the value the drafter was built with; read it in propose and on_verify. k below is short for it.
     """
 
     # ---- capabilities
@@ -52,7 +53,7 @@ class Drafter:
     draft: torch.nn.Module | None = None
     """The drafter's own network, when it has one apart from the target (STANDALONE, EAGLE3)."""
 
-    k: int
+    num_steps: int
 
     # ---- drafting
     def propose(self, rows) -> torch.Tensor:

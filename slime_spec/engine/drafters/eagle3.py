@@ -31,10 +31,11 @@ class Eagle3Drafter(Drafter):
     supports_tree = True
     defers_plain_steps = False  # on_verify extends the head from each plain step's aux states, when it runs (base.py)
 
-    def __init__(self, target: CausalLM, draft: eagle3_draft.Eagle3Draft, aux_layer_ids: list[int], k: int,
-                 slots: int, max_seq: int):
-        self.target, self.draft, self.k, self.slots, self.max_seq = target, draft, k, slots, max_seq
-        self.max_k = k  # the engine sets `k` per step (adaptive, auto); graphs cover every verify up to max_k
+    def __init__(self, target: CausalLM, draft: eagle3_draft.Eagle3Draft, aux_layer_ids: list[int],
+                 num_steps: int, slots: int, max_seq: int):
+        self.target, self.draft, self.num_steps, self.slots, self.max_seq = target, draft, num_steps, slots, max_seq
+        # the engine sets `num_steps` per step (adaptive, auto); graphs cover every verify up to this one
+        self.max_num_steps = num_steps
         self.aux_layer_ids = aux_layer_ids  # the engine's target forward returns these layers' outputs
         weight = target.lm_head.weight
         self.hot_ids = draft.draft_to_target().to(weight.device)  # [Vd] target id of each draft id
@@ -67,7 +68,7 @@ class Eagle3Drafter(Drafter):
                       scratch_slot=max_running_requests, device=w.device, capture=capture)
         self.graphs = {"step": GraphedForward(self._run, token_counts=[1], extra=self._hidden_input(),
                                               **self._graph_args(common)),
-                       "extend": self._extend_graph(list(range(1, self.max_k + 2)), common)}
+                       "extend": self._extend_graph(list(range(1, self.max_num_steps + 2)), common)}
         return capture_on_one_pool(list(self.graphs.values()), settings.enable_cudagraph_gc)
 
     def tree_graphs(self, shape: tree.TreeShape, common: dict) -> list[GraphedForward]:
@@ -168,7 +169,7 @@ class Eagle3Drafter(Drafter):
             hidden = self.forward(token[:, None], hidden[:, None], (pos + j - 1)[:, None], slots, max_kv + j)[:, 0]
             return self.target_vocab_logits(self.logits(hidden))
 
-        return chain(self.k, step, pick)
+        return chain(self.num_steps, step, pick)
 
     def tree_draft(self, rows, shape: tree.TreeShape) -> tree.DraftTree:
         """A draft tree per row (eagle_topk > 1), laid out as MTPDrafter.tree_draft lays out its own."""
@@ -202,7 +203,7 @@ class Eagle3Drafter(Drafter):
         return dict(self.draft.named_parameters())
 
 
-def load_eagle3_drafter(target: CausalLM, path: str, k: int, slots: int, max_seq: int) -> Eagle3Drafter:
+def load_eagle3_drafter(target: CausalLM, path: str, num_steps: int, slots: int, max_seq: int) -> Eagle3Drafter:
     """The draft at `path` (SGLang's EAGLE3 layout) on the target's device, parameters in the target's dtype."""
     weight = target.lm_head.weight
     draft = eagle3_draft.load_draft(path, target.args.num_layers).to(weight.device)
@@ -218,4 +219,4 @@ def load_eagle3_drafter(target: CausalLM, path: str, k: int, slots: int, max_seq
             p.data = p.data.to(weight.dtype)
     draft.eval().requires_grad_(False)
     ids = eagle3_draft.aux_layer_ids(draft.config, target.args.num_layers)
-    return Eagle3Drafter(target, draft, ids, k, slots, max_seq)
+    return Eagle3Drafter(target, draft, ids, num_steps, slots, max_seq)

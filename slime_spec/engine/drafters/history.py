@@ -187,23 +187,23 @@ class HistoryDrafter(Drafter):
     holds_corpora = True
     defers_plain_steps = False  # as NgramDrafter: NGRAM does not run under the overlap schedule
 
-    def __init__(self, ngram: NgramDrafter | None, max_depth: int, k: int | None = None, device=None):
+    def __init__(self, ngram: NgramDrafter | None, max_depth: int, num_steps: int | None = None, device=None):
         self.ngram, self.max_depth = ngram, max_depth
         self.device = ngram.device if ngram is not None else device
-        self._k = ngram.k if ngram is not None else k
+        self._num_steps = ngram.num_steps if ngram is not None else num_steps
         self.corpora: dict[str, SuffixAutomaton] = {}
         self.groups: OrderedDict[str, dict[str, SuffixAutomaton]] = OrderedDict()  # group -> rid -> output SAM
 
     @property
-    def k(self) -> int:
-        return self._k
+    def num_steps(self) -> int:
+        return self._num_steps
 
-    @k.setter
-    def k(self, k: int) -> None:
+    @num_steps.setter
+    def num_steps(self, num_steps: int) -> None:
         """The engine sets the draft length per step (adaptive / auto): the n-gram matcher drafts that many too."""
-        self._k = k
+        self._num_steps = num_steps
         if self.ngram is not None:
-            self.ngram.k = k
+            self.ngram.num_steps = num_steps
 
     def drop_cache(self) -> None:
         """The shared n-gram cache and the sibling automata go; external corpora stay (SGLang keeps them)."""
@@ -268,7 +268,7 @@ class HistoryDrafter(Drafter):
         cursors = r.draft_state.get("history")  # source -> [state, length, tokens read]
         if cursors is None:
             cursors = r.draft_state["history"] = {}
-        tokens, n, k = r.tokens, len(r.tokens), self._k
+        tokens, n, k = r.tokens, len(r.tokens), self._num_steps
         best_len, best = 0, []
         for sam in self._sources(r):
             cur = cursors.get(sam)
@@ -292,7 +292,7 @@ class HistoryDrafter(Drafter):
                 draft = ngram_draft
         if not draft:
             draft = [r.tokens[-1]]
-        return draft + [draft[-1]] * (self._k - len(draft))
+        return draft + [draft[-1]] * (self._num_steps - len(draft))
 
     def catch_up(self, rows) -> None:
         """Every row's n-grams and sibling automaton take its new tokens before any row drafts from them."""

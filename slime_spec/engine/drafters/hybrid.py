@@ -50,13 +50,13 @@ class HybridDrafter(Drafter):
         return self.mtp.catch_up_deferred(rows)
 
     @property
-    def k(self) -> int:
-        return self.mtp.k
+    def num_steps(self) -> int:
+        return self.mtp.num_steps
 
-    @k.setter
-    def k(self, k: int) -> None:
-        self.mtp.k = k
-        self.history.k = k
+    @num_steps.setter
+    def num_steps(self, num_steps: int) -> None:
+        self.mtp.num_steps = num_steps
+        self.history.num_steps = num_steps
 
     def new_cache(self) -> None:
         self.mtp.new_cache()
@@ -96,7 +96,7 @@ class HybridDrafter(Drafter):
         if not with_history:
             return {}
         self.history.catch_up(with_history)
-        drafts, k = {}, self.k
+        drafts, k = {}, self.num_steps
         for i, r in enumerate(rows):
             if getattr(r.req, "history", None) is None:
                 continue
@@ -124,7 +124,7 @@ class HybridDrafter(Drafter):
         mtp_idx = [i for i in range(len(rows)) if i not in history]
         device = self.mtp.next_hidden.device
         if pick is argmax_pick:
-            tokens = torch.empty(len(rows), self.k, dtype=torch.long, device=device)
+            tokens = torch.empty(len(rows), self.num_steps, dtype=torch.long, device=device)
             if mtp_idx:
                 tokens[mtp_idx] = self.mtp.sample_draft([rows[i] for i in mtp_idx], pick)[0]
             q = None
@@ -160,7 +160,7 @@ class HybridDrafter(Drafter):
 
     def after_verify(self, rows, accepted: list[int]) -> None:
         """Each row's acceptance updates the rate of the source it drafted from (after the read-back)."""
-        k = self.k
+        k = self.num_steps
         if k > 0:
             for r, a in zip(rows, accepted):
                 bucket = self.chosen.get(id(r))

@@ -1,5 +1,5 @@
-"""NEXTN / EAGLE drafting with the model's MTP layer 0 (MiMo's, or GLM-4.5's NextN layer; SGLang's EAGLE worker: a
-chain, or a tree with eagle_topk > 1)."""
+"""NEXTN / EAGLE drafting with the model's MTP layer 0 (MiMo's, or GLM-4.5's / DeepSeek-V3's NextN layer; SGLang's
+EAGLE worker: a chain, or a tree with eagle_topk > 1)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ class MTPDrafter(Drafter):
     supports_tree = True
     extends_before_read_back = True
 
-    def __init__(self, target: CausalLM, k: int, slots: int, max_seq: int):
-        self.target, self.k, self.slots, self.max_seq = target, k, slots, max_seq
+    def __init__(self, target: CausalLM, num_steps: int, slots: int, max_seq: int):
+        self.target, self.num_steps, self.slots, self.max_seq = target, num_steps, slots, max_seq
         device = target.lm_head.weight.device
         self.next_hidden = torch.zeros(slots, target.args.hidden_size, dtype=target.lm_head.weight.dtype,
                                        device=device)
@@ -147,9 +147,10 @@ class MTPDrafter(Drafter):
         slots, pos = device_tensor([(r.slot, r.kv_len) for r in rows], device).unbind(1)  # one host-to-device copy
         max_kv = max(r.kv_len for r in rows)  # host-side key count: a captured graph cannot read positions back
         hidden = self.next_hidden[slots]
-        whole = self.target.graphs.get(mtp_chain_name(self.k)) if pick is argmax_pick else None
-        if whole is not None and whole.serves(self.cache, pos[:, None], max_kv + self.k - 1):
-            return whole(pos[:, None], pos[:, None], slots, max_kv + self.k - 1, prev_hidden=hidden[:, None]), None
+        whole = self.target.graphs.get(mtp_chain_name(self.num_steps)) if pick is argmax_pick else None
+        num_keys = max_kv + self.num_steps - 1
+        if whole is not None and whole.serves(self.cache, pos[:, None], num_keys):
+            return whole(pos[:, None], pos[:, None], slots, num_keys, prev_hidden=hidden[:, None]), None
 
         def step(j: int, token: torch.Tensor | None) -> torch.Tensor:
             nonlocal hidden
@@ -158,7 +159,7 @@ class MTPDrafter(Drafter):
                                                  slots, num_keys=max_kv + j)[:, 0]
             return self.target.logits(hidden)
 
-        return chain(self.k, step, pick)
+        return chain(self.num_steps, step, pick)
 
     def tree_draft(self, rows, shape: tree.TreeShape) -> tree.DraftTree:
         """A draft tree per row (eagle_topk > 1): the root's children from the hidden state the last extend left;
@@ -198,7 +199,7 @@ class MTPDrafter(Drafter):
         return list(graphs.values())
 
     def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
-        if self.k == 0:  # a plain step: defer its extend to the next draft (see catch_up_deferred)
+        if self.num_steps == 0:  # a plain step: defer its extend to the next draft (see catch_up_deferred)
             self.defer(rows, hidden, [r.kv_len - 1 for r in rows])
             return
         device = hidden.device
@@ -233,18 +234,18 @@ class MTPDrafter(Drafter):
         changes a row's draft state first (a catch-up, a plain step's defer, a prefill, a new cache) drops it. Only
         where the chain is one captured graph (CUDA): elsewhere drafting ahead saves nothing."""
         self.ahead = None
-        whole = self.target.graphs.get(mtp_chain_name(self.k)) if self.k else None
+        whole = self.target.graphs.get(mtp_chain_name(self.num_steps)) if self.num_steps else None
         if whole is None or not whole.capture_graphs or not whole.serves(self.cache, lengths[:, None],
-                                                                        longest + self.k - 1):
+                                                                        longest + self.num_steps - 1):
             return
-        drafts = whole(lengths[:, None], lengths[:, None], slots, longest + self.k - 1,
+        drafts = whole(lengths[:, None], lengths[:, None], slots, longest + self.num_steps - 1,
                        prev_hidden=self.next_hidden[slots][:, None])
-        self.ahead = (list(rows), self.k, drafts)
+        self.ahead = (list(rows), self.num_steps, drafts)
 
     def _take_ahead(self, rows) -> torch.Tensor | None:
         """The drafts `_draft_ahead` queued for these rows at this k, or None (then the caller drafts)."""
         ahead, self.ahead = self.ahead, None
-        if ahead is None or ahead[1] != self.k:
+        if ahead is None or ahead[1] != self.num_steps:
             return None
         drafted_rows, _, drafts = ahead
         where = {id(r): i for i, r in enumerate(drafted_rows)}
@@ -271,8 +272,8 @@ class MTPDrafter(Drafter):
                 waiting.append(self._step_id)
 
     def weight_runner(self) -> dict[str, torch.nn.Parameter]:
-        """SGLang's MTP draft runner (MiMoMTP, Glm4MoeForCausalLMNextN) loads the MTP layers plus the embedding and
-        lm_head it shares with the target."""
+        """SGLang's MTP draft runner (MiMoMTP, Glm4MoeForCausalLMNextN, DeepseekV3ForCausalLMNextN) loads the MTP layers
+        plus the embedding and lm_head it shares with the target."""
         params = dict(self.target.named_parameters(remove_duplicate=False))
         names = [n for n in hf_weight_names(self.target) if self.target.is_mtp_weight(n)]
         names += ["model.embed_tokens.weight"] + ([] if self.target.args.tie_word_embeddings else ["lm_head.weight"])

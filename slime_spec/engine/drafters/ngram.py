@@ -56,8 +56,8 @@ class NgramDrafter(Drafter):
 
     defers_plain_steps = False  # NGRAM does not run under the overlap schedule (base.py; docs/en/speculative.md)
 
-    def __init__(self, k: int, max_window: int, min_window: int, device, capacity: int = DEFAULT_CAPACITY):
-        self.k, self.max_window, self.min_window, self.device = k, max_window, min_window, device
+    def __init__(self, num_steps: int, max_window: int, min_window: int, device, capacity: int = DEFAULT_CAPACITY):
+        self.num_steps, self.max_window, self.min_window, self.device = num_steps, max_window, min_window, device
         self.capacity = capacity
         self.index: dict[int, tuple[list[int], int]] = {}
 
@@ -102,13 +102,13 @@ class NgramDrafter(Drafter):
         if best is None:
             return 0, []
         w, (source, e) = best
-        return w, source[e:e + self.k]
+        return w, source[e:e + self.num_steps]
 
     def draft_for(self, r) -> list[int]:
         _, found = self.match(r)
         if not found:
-            return [r.tokens[-1]] * self.k
-        return found + [found[-1]] * (self.k - len(found))
+            return [r.tokens[-1]] * self.num_steps
+        return found + [found[-1]] * (self.num_steps - len(found))
 
     def on_prefill(self, rows, hidden: torch.Tensor) -> None:
         for r in rows:

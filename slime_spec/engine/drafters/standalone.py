@@ -25,8 +25,8 @@ class StandaloneDrafter(Drafter):
     supports_tree = True
     defers_plain_steps = True  # a plain step only adds tokens, fed at the next catch-up (base.py)
 
-    def __init__(self, draft: CausalLM, k: int, slots: int, max_seq: int):
-        self.draft, self.k, self.slots, self.max_seq = draft, k, slots, max_seq
+    def __init__(self, draft: CausalLM, num_steps: int, slots: int, max_seq: int):
+        self.draft, self.num_steps, self.slots, self.max_seq = draft, num_steps, slots, max_seq
         self.cache: KVCache | None = None
         self.new_cache()
 
@@ -86,7 +86,7 @@ class StandaloneDrafter(Drafter):
             hidden = self.draft(token[:, None], (pos + j - 1)[:, None], self.cache, slots, longest + j)  # graphed
             return self.draft.logits(hidden[:, 0])
 
-        return chain(self.k, step, pick)
+        return chain(self.num_steps, step, pick)
 
     def tree_draft(self, rows, shape: tree.TreeShape) -> tree.DraftTree:
         """A draft tree per row (eagle_topk > 1): catch up (the pending token included), then each step runs the
@@ -134,11 +134,11 @@ class StandaloneDrafter(Drafter):
             r.draft_cached_len = r.kv_len - a
 
     def on_verify(self, rows, hidden: torch.Tensor, accepted: list[int]) -> None:
-        if self.k == 0:
+        if self.num_steps == 0:
             return  # no draft step ran: the draft cache catches up at the next propose
         for r, a in zip(rows, accepted):
             # The draft consumed the old pending token and d_1..d_{k-1}; valid are the pending token and d_1..d_a.
-            r.draft_cached_len = r.kv_len - a + min(a, self.k - 1)
+            r.draft_cached_len = r.kv_len - a + min(a, self.num_steps - 1)
 
     def weight_runner(self) -> dict[str, torch.nn.Parameter]:
         params = dict(self.draft.named_parameters(remove_duplicate=False))

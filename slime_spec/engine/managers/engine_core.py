@@ -7,6 +7,7 @@ Called from a single thread (the server's engine thread); nothing here locks.
 
 from __future__ import annotations
 
+import gc
 from collections import deque
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from slime_spec.common.dtypes import canonical_dtype
 from slime_spec.common.threads import intra_op_threads
 from slime_spec.engine.drafters import Drafter, HybridDrafter, MTPDrafter, make_drafter
 from slime_spec.engine.kernels.ops import Kernels
+from slime_spec.engine.managers.finish import FinishRules
 from slime_spec.engine.managers.overlap import OverlapDecode
 from slime_spec.engine.managers.request import NAN_FINISH, Output, Request, Row, SamplingParams, eos_ids
 from slime_spec.engine.model_executor import sampling
@@ -68,11 +70,13 @@ class EngineCore:
         self.vocab_size = self.model.args.vocab_size
         self.context_length = int(context_length or self.model.args.max_position_embeddings)
         self.eos_token_ids = eos_ids(Path(model_path), self.model_config, self.tokenizer)
+        self.finish_rules = FinishRules(self.tokenizer, self.eos_token_ids, self.context_length)
         self.max_running_requests = max_running_requests
-        k = policy.max_k if policy is not None else 0
-        self.max_seq = self.context_length + k + 1  # a verify pass writes k positions past the last token
+        num_steps = policy.max_num_steps if policy is not None else 0
+        self.max_seq = self.context_length + num_steps + 1  # a verify writes num_steps positions past the last token
         self.cache = self.model.new_cache(max_running_requests + 1, self.max_seq)  # + the scratch slot
-        drafter = make_drafter(spec, self.model, max_running_requests + 1, self.max_seq, dtype, device, k=k)
+        drafter = make_drafter(spec, self.model, max_running_requests + 1, self.max_seq, dtype, device,
+                               num_steps=num_steps)
         self.spec_worker = None if spec is None else SpecWorker(self, drafter, policy,
                                                                 tree_shape=tree.tree_shape(spec),
                                                                 draft_sampling=draft_sampling)
@@ -227,7 +231,7 @@ class EngineCore:
         self._finished_early = []
         for r in done:
             self._rows.pop(r.req.rid, None)
-        return [self._output(r) for r in done]
+        return [self.finish_rules.output(r) for r in done]
 
     def batch_params(self, rows: list[Row]) -> sampling.BatchParams:
         """The rows' sampling parameters (sampling.BatchParams). Built once per batch composition: between
@@ -334,51 +338,8 @@ class EngineCore:
 
     # ------------------------------------------------------------------ finishing
     def append_tokens(self, row: Row, tokens: list[int], logprobs: list[float] | None) -> None:
-        """Append tokens one by one, stopping at the first finish (SGLang's order: stop string, token, length)."""
-        p = row.req.params
-        for j, t in enumerate(tokens):
-            row.tokens.append(t)
-            if row.req.return_logprob:
-                row.logprobs.append(logprobs[j])
-            out_len = len(row.tokens) - row.prompt_len
-            matched = self._matched_stop_str(row) if p.stop else None
-            if matched is not None:
-                row.finish = {"type": "stop", "matched": matched}
-            elif not p.ignore_eos and (t in self.eos_token_ids or t in p.stop_token_ids):
-                row.finish = {"type": "stop", "matched": t}
-            elif out_len >= p.max_new_tokens:
-                row.finish = {"type": "length", "length": p.max_new_tokens}
-            elif len(row.tokens) >= self.context_length:
-                row.finish = {"type": "length", "length": out_len}
-            if row.finish is not None:
-                return
-
-    def _matched_stop_str(self, row: Row) -> str | None:
-        p = row.req.params
-        window = max(len(s) for s in p.stop) + 1
-        tail = self.tokenizer.decode(row.output_ids[-window:])
-        for s in p.stop:
-            if s and s in tail:
-                return s
-        return None
-
-    def _output(self, row: Row) -> Output:
-        p = row.req.params
-        out = row.output_ids
-        text_ids = out
-        if row.finish and row.finish["type"] == "stop" and isinstance(row.finish["matched"], int) \
-                and not p.no_stop_trim and out:
-            text_ids = out[:-1]
-        text = self.tokenizer.decode(text_ids, skip_special_tokens=p.skip_special_tokens)
-        if row.finish and row.finish["type"] == "stop" and isinstance(row.finish["matched"], str) \
-                and not p.no_stop_trim:
-            pos = text.find(row.finish["matched"])
-            text = text[:pos] if pos != -1 else text
-        return Output(rid=row.req.rid, output_ids=list(out),
-                      output_logprobs=list(row.logprobs) if row.req.return_logprob else None,
-                      finish_reason=dict(row.finish), prompt_tokens=row.prompt_len, completion_tokens=len(out),
-                      spec_verify_ct=row.verify_ct, spec_accept_token_num=row.accept_num,
-                      spec_draft_token_num=row.draft_num, text=text)
+        """Append tokens one by one, stopping at the first finish (finish.py: SGLang's stop rules)."""
+        self.finish_rules.append_tokens(row, tokens, logprobs)
 
     # ------------------------------------------------------------------ cache and memory
     def flush_cache(self) -> bool:
@@ -409,6 +370,21 @@ class EngineCore:
                 self._weight_backup[id(param)] = param.data.to("cpu", copy=True)
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
             self._released.add("weights")
+        self._return_freed_memory()
+
+    def _return_freed_memory(self) -> None:
+        """Hand what release freed back to the driver: PyTorch's caching allocator keeps freed blocks (and the
+        dropped graphs' private pools) reserved for this process, where a colocated trainer cannot use them. The
+        cuBLAS workspaces are live allocations of that allocator, one per (handle, stream), and every graph capture
+        warms up on a stream of its own; no graph is left to use them, so they go too (PyTorch's own memory-leak
+        check and inductor's CUDA graphs clear them the same way)."""
+        if self.device.type == "cuda":
+            gc.collect()  # graphs and caches dropped above may sit in reference cycles
+            torch.cuda.synchronize(self.device)
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:
+                clear_workspaces()
+            torch.cuda.empty_cache()
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
         tags = self._check_tags(tags)
@@ -441,7 +417,7 @@ class EngineCore:
             return
         mtp = self.drafter.mtp if isinstance(self.drafter, HybridDrafter) else self.drafter
         mtp_cache = mtp.cache if isinstance(mtp, MTPDrafter) else None  # an EAGLE3 head captures its own, below
-        widest = self.policy.max_k if self.policy is not None else 0
+        widest = self.policy.max_num_steps if self.policy is not None else 0
         self.model.graphs = graph_model(self.model, self.cache, mtp_cache, self.cuda_graph,
                                         max_running_requests=self.max_running_requests,
                                         max_draft_tokens=widest, max_seq=self.max_seq,

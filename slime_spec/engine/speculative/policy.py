@@ -1,7 +1,8 @@
 """How many draft tokens the next speculative step proposes: fixed, SGLang's adaptive rule, or our auto rule.
 
-Every policy answers `choose(batch_size) -> k` (0 = a plain decode step) before a step and is told what the step
-did through `observe(...)` after it. `max_k` sizes the caches.
+Every policy answers `choose(batch_size) -> k` (0 = a plain decode step), the step's `num_steps` as the worker hands
+it to the drafter, before a step and is told what the step did through `observe(...)` after it. `max_num_steps`
+(SpecConfig.num_steps, or adaptive speculation's largest candidate) sizes the caches.
 
 - FixedSteps: SGLang's static chain (`--speculative-num-steps`).
 - AdaptiveSteps: SGLang 0.5.23's `--speculative-adaptive` (sglang/srt/speculative/adaptive_spec_params.py):
@@ -41,7 +42,7 @@ DEFAULT_TIER_KNOBS = {1: {"down_hysteresis": -0.25}, 8: {"down_hysteresis": 0.0}
 class StepPolicy(Protocol):
     """What every policy answers (module docstring); the speculative worker holds one."""
 
-    max_k: int
+    max_num_steps: int
 
     def choose(self, batch_size: int) -> int: ...
 
@@ -52,17 +53,17 @@ class StepPolicy(Protocol):
 
 
 class FixedSteps:
-    """Always k (SGLang's static speculative parameters)."""
+    """Always num_steps (SGLang's static speculative parameters)."""
 
-    def __init__(self, k: int):
-        self.max_k = k
+    def __init__(self, num_steps: int):
+        self.max_num_steps = num_steps
 
     def choose(self, batch_size: int) -> int:
-        return self.max_k
+        return self.max_num_steps
 
     def draft_lengths(self) -> tuple[int, ...]:
         """Every k > 0 `choose` may return (what the engine captures a draft chain graph for)."""
-        return (self.max_k,) if self.max_k > 0 else ()
+        return (self.max_num_steps,) if self.max_num_steps > 0 else ()
 
     def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float,
                 switch_s: float = 0.0) -> None:
@@ -137,7 +138,7 @@ class AdaptiveSteps:
             self.tiers[bs] = AdaptiveTier(candidates, current, float(current - 1),
                                           **{k: knobs[k] for k in ADAPTIVE_KNOB_DEFAULTS})
         self._sizes = sorted(self.tiers)
-        self.max_k = max(max(t.candidates) for t in self.tiers.values())
+        self.max_num_steps = max(max(t.candidates) for t in self.tiers.values())
 
     def tier(self, batch_size: int) -> AdaptiveTier:
         return self.tiers[self._sizes[max(0, bisect.bisect_right(self._sizes, batch_size) - 1)]]
@@ -203,7 +204,8 @@ class _Bucket:
 
 
 class AutoSteps:
-    """Our `--spec-auto`: k in 0..max_k per step, maximising expected tokens per second from online estimates.
+    """Our `--spec-auto`: k in 0..max_num_steps per step, maximising expected tokens per second from online
+    estimates.
 
     A step's cost is measured per k, draft and verify together, not as k times a draft step's cost: where the
     draft chain is one captured graph (MTP on CUDA) drafting 3 tokens costs about what drafting 1 does, and the
@@ -230,9 +232,9 @@ class AutoSteps:
     the policy at plain steps.
     """
 
-    def __init__(self, max_k: int, alpha: float = 0.05, explore_every: int = 32, prior_accept_rate: float = 0.5,
-                 max_explore_every: int = 512, explore_budget: float = EXPLORE_BUDGET):
-        self.max_k, self.alpha, self.explore_every = max_k, alpha, explore_every
+    def __init__(self, max_num_steps: int, alpha: float = 0.05, explore_every: int = 32,
+                 prior_accept_rate: float = 0.5, max_explore_every: int = 512, explore_budget: float = EXPLORE_BUDGET):
+        self.max_num_steps, self.alpha, self.explore_every = max_num_steps, alpha, explore_every
         self.explore_budget = explore_budget
         self.max_explore_every = max(max_explore_every, explore_every)
         self.accept_rate = prior_accept_rate
@@ -249,8 +251,8 @@ class AutoSteps:
             donor = self._donor(key)
             if donor is None:  # nothing warmed to borrow from: warm up on its own measurements
                 for passes in (1, 2):
-                    unmeasured = [k for k in range(self.max_k + 1) if len(b.step_samples.get(k, ())) < passes
-                                  and not self._dominated(b, k)]
+                    unmeasured = [k for k in range(self.max_num_steps + 1)
+                                  if len(b.step_samples.get(k, ())) < passes and not self._dominated(b, k)]
                     if unmeasured:
                         return unmeasured[0]
                 b.measured_all = True
@@ -264,7 +266,8 @@ class AutoSteps:
         b.interval = min(2 * b.interval, self.max_explore_every) if stable else self.explore_every
         b.next_explore, b.last_best = b.steps + b.interval, best
         b.explores += 1
-        probe = self._best_draft(cost) if best == 0 else min(best + 1, self.max_k) if b.explores % 2 else best - 1
+        probe = (self._best_draft(cost) if best == 0 else
+                 min(best + 1, self.max_num_steps) if b.explores % 2 else best - 1)
         b.probing = (probe, cost[best]) if probe != best else None
         return probe
 
@@ -286,8 +289,8 @@ class AutoSteps:
         return min(1.0, r + math.sqrt(r * (1.0 - r) / n))
 
     def draft_lengths(self) -> tuple[int, ...]:
-        """Every k > 0 `choose` may return: 1..max_k."""
-        return tuple(range(1, self.max_k + 1))
+        """Every k > 0 `choose` may return: 1..max_num_steps."""
+        return tuple(range(1, self.max_num_steps + 1))
 
     def describe(self) -> str:
         """What the policy believes, per batch-size bucket: the accept rate, a step's ms by k (draft and verify),
@@ -322,15 +325,15 @@ class AutoSteps:
         return self._with_unmeasured({k: own.get(k, theirs.get(k, 0.0) * scale) for k in set(own) | set(theirs)})
 
     def _with_unmeasured(self, cost: dict[int, float]) -> dict[int, float]:
-        """`cost` with each unmeasured k up to max_k at the optimistic cost of the dearest smaller k measured (a
-        longer draft and its verify never cost less), once a drafting step has been measured. A k the warm-up
+        """`cost` with each unmeasured k up to max_num_steps at the optimistic cost of the dearest smaller k measured
+        (a longer draft and its verify never cost less), once a drafting step has been measured. A k the warm-up
         skipped as dominated (`_dominated`, judged on the early accept rate) is chosen, and so measured, once the
         accept rate says it could win; without this only neighbours of the best k were ever tried, so a best k of
         0, where one draft barely pays (a GPU whose plain step is cheap), never reached the k = 3 that pays well."""
         if not any(k > 0 for k in cost):
             return cost
         filled = dict(cost)
-        for k in range(1, self.max_k + 1):
+        for k in range(1, self.max_num_steps + 1):
             if k not in filled:
                 filled[k] = max(c for j, c in filled.items() if j < k)
         return filled
@@ -371,12 +374,11 @@ def make_policy(spec, auto: bool):
     FixedSteps; None without speculation."""
     if spec is None:
         return None
-    k = spec.draft_tokens_per_verify
     if auto:
-        return AutoSteps(k)
+        return AutoSteps(spec.num_steps)
     if spec.speculative_adaptive:
         return AdaptiveSteps(spec.speculative_num_steps, spec.speculative_adaptive_config)
-    return FixedSteps(k)
+    return FixedSteps(spec.num_steps)
 
 
 def check_spec_options(spec: SpecConfig | None, draft_sampling: bool, spec_auto: bool) -> None:

@@ -1,12 +1,12 @@
-"""Where a speculative engine's step time goes: per-phase totals, and the clock one step charges them with."""
+"""Where a speculative engine's step time goes: per-phase totals of the steps' `PhaseClock` laps."""
 
 from __future__ import annotations
 
-import time
-from collections import defaultdict
 from dataclasses import asdict, dataclass
 
 import torch
+
+from slime_spec.common.phase_clock import PhaseClock
 
 
 @dataclass
@@ -33,25 +33,6 @@ class StepTimes:
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
-
-
-class PhaseClock:
-    """One step's wall time cut into laps: `lap(phase)` charges the seconds since the previous lap (or the start)
-    to `phase` and returns them. Keeps timing out of the step's logic: the step names where each lap ends."""
-
-    def __init__(self, start: float | None = None):
-        self.start = self.last = time.perf_counter() if start is None else start
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    def lap(self, phase: str) -> float:
-        now = time.perf_counter()
-        seconds, self.last = now - self.last, now
-        self.seconds[phase] += seconds
-        return seconds
-
-    def since_start(self) -> float:
-        """Seconds from the start to the last lap."""
-        return self.last - self.start
 
 
 def sync(device: torch.device) -> None:

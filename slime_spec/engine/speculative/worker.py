@@ -6,7 +6,8 @@
   accept  greedy rows accept while the draft equals the target's argmax, sampled rows by the lossless rule
           (accept.py); the accepted tokens are appended and the drafter is told what was kept
 
-k comes from the step policy (spec_policy); k = 0 is a plain decode step that still keeps the drafter in sync.
+k is the step's `num_steps`: the step policy (spec_policy) chooses it and the worker hands it to the drafter;
+k = 0 is a plain decode step that still keeps the drafter in sync.
 With eagle_topk > 1 a step drafts and verifies a tree instead (`tree_step`, math in engine/speculative/tree.py). The
 worker
 reaches the engine that runs the target only through `TargetEngine`.
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
+from slime_spec.common.phase_clock import PhaseClock
 from slime_spec.engine.drafters.base import Drafter, argmax_pick
 from slime_spec.engine.managers.request import NAN_FINISH, Row
 from slime_spec.engine.model_executor import sampling
@@ -26,7 +28,7 @@ from slime_spec.engine.model_executor.transfer import device_tensor, start_read_
 from slime_spec.engine.speculative import tree, tree_graphs
 from slime_spec.engine.speculative.accept import accept_drafts, draft_pick
 from slime_spec.engine.speculative.policy import AutoSteps, StepPolicy
-from slime_spec.engine.speculative.timing import PhaseClock, StepTimes, sync
+from slime_spec.engine.speculative.timing import StepTimes, sync
 
 if TYPE_CHECKING:
     from slime_spec.engine.managers.overlap import InFlight, OverlapDecode
@@ -101,7 +103,7 @@ class SpecWorker:
             self.tree_step(rows, self.tree_shape)
             return
         k = self.policy.choose(len(rows))
-        self.drafter.k = k
+        self.drafter.num_steps = k
         if k == 0:
             self.plain_step(rows)
             return

@@ -1,0 +1,63 @@
+"""When a request finishes and what it returns: SGLang's stop rules and stop trimming, for one engine.
+
+A token is appended, then checked in SGLang's order: a stop string, a stop token (EOS or `stop_token_ids`,
+unless `ignore_eos`), `max_new_tokens`, the context length. A finished row's text leaves out the stop token or
+what follows the stop string's start, unless `no_stop_trim`.
+"""
+
+from __future__ import annotations
+
+from slime_spec.engine.managers.request import Output, Row
+
+
+class FinishRules:
+    def __init__(self, tokenizer, eos_token_ids: set[int], context_length: int):
+        self.tokenizer, self.eos_token_ids, self.context_length = tokenizer, eos_token_ids, context_length
+
+    def append_tokens(self, row: Row, tokens: list[int], logprobs: list[float] | None) -> None:
+        """Append tokens one by one, stopping at the first finish."""
+        p = row.req.params
+        for j, t in enumerate(tokens):
+            row.tokens.append(t)
+            if row.req.return_logprob:
+                row.logprobs.append(logprobs[j])
+            out_len = len(row.tokens) - row.prompt_len
+            matched = self._matched_stop_str(row) if p.stop else None
+            if matched is not None:
+                row.finish = {"type": "stop", "matched": matched}
+            elif not p.ignore_eos and (t in self.eos_token_ids or t in p.stop_token_ids):
+                row.finish = {"type": "stop", "matched": t}
+            elif out_len >= p.max_new_tokens:
+                row.finish = {"type": "length", "length": p.max_new_tokens}
+            elif len(row.tokens) >= self.context_length:
+                row.finish = {"type": "length", "length": out_len}
+            if row.finish is not None:
+                return
+
+    def _matched_stop_str(self, row: Row) -> str | None:
+        p = row.req.params
+        window = max(len(s) for s in p.stop) + 1
+        tail = self.tokenizer.decode(row.output_ids[-window:])
+        for s in p.stop:
+            if s and s in tail:
+                return s
+        return None
+
+    def output(self, row: Row) -> Output:
+        """The finished row as returned: its tokens, the text with the stop trimmed, and its speculative counts."""
+        p = row.req.params
+        out = row.output_ids
+        text_ids = out
+        if row.finish and row.finish["type"] == "stop" and isinstance(row.finish["matched"], int) \
+                and not p.no_stop_trim and out:
+            text_ids = out[:-1]
+        text = self.tokenizer.decode(text_ids, skip_special_tokens=p.skip_special_tokens)
+        if row.finish and row.finish["type"] == "stop" and isinstance(row.finish["matched"], str) \
+                and not p.no_stop_trim:
+            pos = text.find(row.finish["matched"])
+            text = text[:pos] if pos != -1 else text
+        return Output(rid=row.req.rid, output_ids=list(out),
+                      output_logprobs=list(row.logprobs) if row.req.return_logprob else None,
+                      finish_reason=dict(row.finish), prompt_tokens=row.prompt_len, completion_tokens=len(out),
+                      spec_verify_ct=row.verify_ct, spec_accept_token_num=row.accept_num,
+                      spec_draft_token_num=row.draft_num, text=text)

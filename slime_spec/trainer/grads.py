@@ -1,0 +1,48 @@
+"""An optimizer step's gradients across ranks: the data-parallel sum, and clipping by the global norm.
+
+The float32 master gradients (precision.MasterParams) are summed over the data-parallel group; the norm counts a
+tensor-parallel shard once per shard and a replicated tensor once, as Megatron's clip_grad_norm does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def reduce_grads(params: list[torch.Tensor], dp_size: int) -> list[torch.Tensor]:
+    """Sum the gradients over data-parallel ranks; returns the parameters that have one."""
+    from megatron.core import parallel_state as ps
+
+    params = [p for p in params if p.grad is not None]
+    if dp_size > 1:
+        for p in params:
+            dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+    return params
+
+
+def clip_by_global_norm(params: list[torch.Tensor], clip_grad: float | None, tp_size: int,
+                        device: torch.device) -> float:
+    """Scale the gradients down to `clip_grad` when their global norm is above it; returns the norm.
+
+    A non-finite norm is never clipped (`nan > clip` is false): the trainer skips that step instead."""
+    from megatron.core import parallel_state as ps
+
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        sq = p.grad.double().pow(2).sum()
+        if getattr(p, "tensor_model_parallel", False):
+            sharded += sq
+        else:
+            replicated += sq
+    if tp_size > 1:
+        dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
+    norm = float((sharded + replicated).sqrt())
+    if clip_grad and clip_grad > 0 and math.isfinite(norm) and norm > clip_grad:
+        scale = clip_grad / (norm + 1e-6)
+        for p in params:
+            p.grad.mul_(scale)
+    return norm
