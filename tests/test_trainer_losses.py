@@ -142,3 +142,12 @@ def test_save_due_and_checkpoint_format(tmp_path):
     with pytest.raises(FileNotFoundError, match="latest_checkpointed_iteration"):
         checkpoint.load_shard(tmp_path / "nothing", 0, 1)
     assert len(list(tmp_path.glob("iter_*/*.pt"))) == 1
+
+
+def test_log_probs_and_entropy_at_a_temperature_are_of_the_scaled_logits():
+    logits, ids = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    lp, ent = losses.token_log_probs_and_entropy(logits, ids, temperature=0.5)
+    assert torch.allclose(lp, losses.token_log_probs(logits * 2, ids))
+    assert torch.allclose(ent, losses.token_entropy(logits * 2))
+    assert torch.allclose(losses.token_log_probs(logits, ids, temperature=0.5), lp)
+    assert torch.equal(losses.token_log_probs(logits, ids, temperature=1.0), losses.token_log_probs(logits, ids))

@@ -140,3 +140,21 @@ def test_online_mtp_training_raises_acceptance_on_the_policys_own_outputs(mimo):
     (start_t, end_t), (start_f, end_f) = accept[True], accept[False]
     assert start_t == start_f  # same checkpoint, same prompts, greedy
     assert end_t > start_t + 0.15 and end_t > end_f + 0.15, accept
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0])
+def test_log_probs_are_of_the_rollout_temperatures_distribution(mimo, temperature):
+    """SGLang returns log-probs of the temperature-scaled distribution it sampled from; the trainer's old
+    log-probs must be of that distribution too, or the importance ratio is off from the first step."""
+    samples = rollout(n_prompts=1, n=2, seed=5)
+    probe = Trainer(config(mimo))
+    for s in samples:
+        logits = probe.forward_logits([s.tokens])["logits"]
+        scaled = torch.log_softmax(logits[0, :-1].float() / temperature, dim=-1)
+        picked = scaled.gather(-1, torch.tensor(s.tokens[1:])[:, None])[:, 0]
+        s.rollout_log_probs = picked[-s.response_length:].tolist()
+    at_temperature = Trainer(config(mimo, rollout_temperature=temperature)).train_step(samples, rollout_id=0)
+    at_one = Trainer(config(mimo)).train_step(samples, rollout_id=0)
+    assert at_temperature["train_rollout_logprob_abs_diff"] < 1e-4
+    if temperature != 1.0:
+        assert at_one["train_rollout_logprob_abs_diff"] > 1e-2

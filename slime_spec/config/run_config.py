@@ -178,6 +178,8 @@ class TrainConfig:
     kl_loss_coef: float = flag_default("kl_loss_coef")
     kl_loss_type: str = flag_default("kl_loss_type")
     entropy_coef: float = flag_default("entropy_coef")
+    # the trainer's log-probs are of the distribution the engine sampled from (slime divides logits by it)
+    rollout_temperature: float = flag_default("rollout_temperature")
     lr: float = flag_default("lr")
     weight_decay: float = flag_default("weight_decay")
     adam_beta1: float = flag_default("adam_beta1")

@@ -42,10 +42,17 @@ def grpo_advantages(rewards: Sequence[float], group_index: Sequence[int], n_samp
     return adv
 
 
-def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """[b, s] log p(input_ids[:, j] | input_ids[:, <j]) from logits [b, s, V] (position i predicts i+1);
-    column 0 (no context) is 0."""
-    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 logits of positions 0..s-2, divided by the rollout temperature as slime does: SGLang returns the
+    log-probs of the temperature-scaled distribution it sampled from, so the trainer's must be of the same one."""
+    logits = logits[:, :-1].float()
+    return logits / temperature if temperature > 0 and temperature != 1.0 else logits
+
+
+def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[b, s] log p(input_ids[:, j] | input_ids[:, <j]) from logits [b, s, V] (position i predicts i+1) at
+    `temperature`; column 0 (no context) is 0."""
+    lp = torch.log_softmax(_scaled(logits, temperature), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     return F.pad(lp, (1, 0))
 
 
@@ -55,10 +62,11 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return F.pad(-(logp.exp() * logp).sum(-1), (1, 0))
 
 
-def token_log_probs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`token_log_probs` and `token_entropy` from one float32 log-softmax (the training step needs both;
-    two would hold two [b, s, V] float32 copies for the backward)."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+def token_log_probs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor,
+                                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_log_probs` and `token_entropy` at `temperature` from one float32 log-softmax (the training step
+    needs both; two would hold two [b, s, V] float32 copies for the backward)."""
+    logp = torch.log_softmax(_scaled(logits, temperature), dim=-1)
     lp = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     return F.pad(lp, (1, 0)), F.pad(-(logp.exp() * logp).sum(-1), (1, 0))
 

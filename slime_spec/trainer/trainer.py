@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from slime_spec.config.run_config import TrainConfig
 from slime_spec.rollout.sample import Sample, Status
-from slime_spec.trainer import checkpoint, losses, mtp_loss
+from slime_spec.trainer import checkpoint, grads, losses, mtp_loss, step_metrics
 from slime_spec.trainer import model as M
 from slime_spec.trainer.batch import TokenBatch, collate, packed_step_slices, step_slices
 from slime_spec.trainer.eagle3_online import OnlineDraft
@@ -40,7 +40,6 @@ from slime_spec.weight_sync import convert
 
 logger = logging.getLogger(__name__)
 EAGLE3_DRAFT_DIR = "eagle3_draft"  # in each --save iteration: the online draft as an SGLang checkpoint
-METRICS = ("loss", "pg_loss", "kl", "clip_fraction", "entropy", "mtp_loss")
 
 
 class Trainer:
@@ -213,7 +212,8 @@ class Trainer:
     def _log_probs(self, batch: TokenBatch) -> torch.Tensor:
         self.model.eval()
         rows = model_rows(batch, self.packed)
-        return rows.to_samples(losses.token_log_probs(self._trunk(rows).logits, rows.input_ids))
+        return rows.to_samples(losses.token_log_probs(self._trunk(rows).logits, rows.input_ids,
+                                                      self.train.rollout_temperature))
 
     def _mtp_loss(self, rows: ModelRows, trunk: M.TrunkOutput, loss_mask: torch.Tensor) -> torch.Tensor:
         """[n] MTP loss of a micro-batch; with a graph only for --enable-mtp-training (a frozen draft's
@@ -259,7 +259,8 @@ class Trainer:
             step_sums = torch.zeros_like(prepared.sums)
             self._backward_step(prepared, s_idx, sums=step_sums)
             with self.timer("optimizer"):
-                grad_norm = self._reduce_and_clip_grads()
+                grad_norm = grads.clip_by_global_norm(grads.reduce_grads(self.master.params, self.tp.dp_size),
+                                                      self.train.clip_grad, self.tp.tp_size, self.device)
                 reason = self._nonfinite_step(prepared, s_idx, step_sums, grad_norm, rollout_id, samples)
                 if reason is None:
                     self.optimizer.step()
@@ -281,7 +282,8 @@ class Trainer:
                 with self.timer("EAGLE3 draft"):
                     self.online_draft.step(ps.get_data_parallel_group() if self.tp.dp_size > 1 else None,
                                            self.tp.dp_size)
-        metrics = self._metrics(prepared.sums, grad_norms)
+        metrics = step_metrics.step_metrics(prepared.sums, grad_norms, self.optimizer.param_groups[0]["lr"],
+                                            self.tp.dp_size, self.device)
         metrics.update(skipped_steps=skipped, skipped_steps_total=self.skips.total,
                        reward_left_out=sum(prepared.left_out))
         if self.online_draft is not None:
@@ -349,12 +351,12 @@ class Trainer:
         prepared = self._prepare(samples, loss_type)
         self.optimizer.zero_grad(set_to_none=True)
         self._backward_step(prepared, 0, train_draft=False)
-        self._reduce_grads()
+        grads.reduce_grads(self.master.params, self.tp.dp_size)
         names = {id(p): n for n, p in self.model.named_parameters()}
-        grads = {names[id(p)]: m.grad.detach().clone() for p, m in zip(self.master.model_params, self.master.params)
-                 if m.grad is not None}
+        out = {names[id(p)]: m.grad.detach().clone() for p, m in zip(self.master.model_params, self.master.params)
+               if m.grad is not None}
         self.optimizer.zero_grad(set_to_none=True)
-        return grads
+        return out
 
     def _prepare(self, samples: list[Sample], loss_type: str | None) -> "_Prepared":
         """Micro-batches, advantages, and the old-policy (and reference) log-probs before any update."""
@@ -381,8 +383,7 @@ class Trainer:
             if self.ref_state is not None:
                 with self._reference_model():
                     ref = [[self._log_probs(b) for b in step] for step in batches]
-        sums = torch.zeros(len(METRICS) + 3, dtype=torch.float64)  # METRICS, n_samples, |lp diff|, n_tokens
-        return _Prepared(sft, steps, batches, advantages, old, ref, sums, left_out=left_out)
+        return _Prepared(sft, steps, batches, advantages, old, ref, step_metrics.new_sums(), left_out=left_out)
 
     def _backward_step(self, p: "_Prepared", s_idx: int, train_draft: bool = True,
                        sums: torch.Tensor | None = None) -> None:
@@ -400,7 +401,8 @@ class Trainer:
             with self.timer("trunk forward"):
                 trunk = self._trunk(rows, with_aux=train_draft)
                 log_probs, entropy = map(rows.to_samples,
-                                         losses.token_log_probs_and_entropy(trunk.logits, rows.input_ids))
+                                         losses.token_log_probs_and_entropy(trunk.logits, rows.input_ids,
+                                                                            t.rollout_temperature))
                 if p.sft:
                     terms = losses.sft_loss_terms(log_probs, batch.loss_mask, entropy)
                 else:
@@ -422,71 +424,12 @@ class Trainer:
                 with self.timer("EAGLE3 draft"):
                     self.online_draft.accumulate(trunk, rows.position_ids, _row_layout(rows, batch.loss_mask),
                                                  rows.attention_mask, 1.0 / len(p.batches[s_idx]))
-            self._accumulate(p.sums if sums is None else sums, terms, batch, None if p.sft else p.old[s_idx][m_idx])
+            step_metrics.accumulate(p.sums if sums is None else sums, terms, batch,
+                                    None if p.sft else p.old[s_idx][m_idx])
             nonfinite = (~torch.isfinite(terms.total.detach())).nonzero().flatten().tolist()
             if nonfinite:
                 mb = p.steps[s_idx][m_idx]
                 p.nonfinite_loss_samples.setdefault(s_idx, []).extend(mb[i] for i in nonfinite)
-
-    def _accumulate(self, sums: torch.Tensor, terms: losses.LossTerms, batch: TokenBatch,
-                    old_log_probs: torch.Tensor | None) -> None:
-        with torch.no_grad():
-            for i, key in enumerate(METRICS):
-                value = terms.total if key == "loss" else getattr(terms, key)
-                sums[i] += value.detach().double().sum().cpu()
-            sums[len(METRICS)] += batch.input_ids.shape[0]
-            if old_log_probs is not None and bool(batch.has_rollout_log_probs.any()):
-                mask = batch.loss_mask * batch.has_rollout_log_probs[:, None]
-                sums[-2] += ((old_log_probs - batch.rollout_log_probs).abs() * mask).sum().double().cpu()
-                sums[-1] += mask.sum().double().cpu()
-
-    def _metrics(self, sums: torch.Tensor, grad_norms: list[float]) -> dict[str, float]:
-        from megatron.core import parallel_state as ps
-
-        if self.tp.dp_size > 1:
-            sums = sums.to(self.device)
-            dist.all_reduce(sums, group=ps.get_data_parallel_group())
-            sums = sums.cpu()
-        n = max(float(sums[len(METRICS)]), 1.0)
-        metrics = {key: float(sums[i]) / n for i, key in enumerate(METRICS)}
-        metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else None  # None: every step skipped
-        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
-        if sums[-1] > 0:
-            metrics["train_rollout_logprob_abs_diff"] = float(sums[-2] / sums[-1])
-        return metrics
-
-    def _reduce_grads(self) -> list[torch.Tensor]:
-        """Sum the (float32 master) gradients over data-parallel ranks; returns the parameters that have one."""
-        from megatron.core import parallel_state as ps
-
-        params = [p for p in self.master.params if p.grad is not None]
-        if self.tp.dp_size > 1:
-            for p in params:
-                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
-        return params
-
-    def _reduce_and_clip_grads(self) -> float:
-        """Sum gradients over data-parallel ranks, then clip by the global norm (TP shards counted once)."""
-        from megatron.core import parallel_state as ps
-
-        params = self._reduce_grads()
-        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in params:
-            sq = p.grad.double().pow(2).sum()
-            if getattr(p, "tensor_model_parallel", False):
-                sharded += sq
-            else:
-                replicated += sq
-        if self.tp.tp_size > 1:
-            dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
-        norm = float((sharded + replicated).sqrt())
-        # a non-finite norm is never clipped (`nan > clip` is false): train_step skips that step instead
-        if self.train.clip_grad and self.train.clip_grad > 0 and math.isfinite(norm) and norm > self.train.clip_grad:
-            scale = self.train.clip_grad / (norm + 1e-6)
-            for p in params:
-                p.grad.mul_(scale)
-        return norm
 
 
 def _row_layout(rows: ModelRows, per_sample: torch.Tensor) -> torch.Tensor:
