@@ -12,8 +12,12 @@
 # through your cluster's launcher) and set RAY_ADDRESS to the head's GCS address; without RAY_ADDRESS
 # this script starts a head of its own, on one node. Engines spanning several nodes (--rollout-num-gpus-per-engine above one node's GPUs)
 # are not available yet: slime-spec does not pass SGLang's --nnodes/--node-rank/--dist-init-addr.
-# The trainer builds Llama, Qwen2 and MiMo models today, not this MoE model: until it does, run the
-# speculative rollout alone with DEBUG_ROLLOUT_ONLY=1 (engines, metrics, no trainer).
+# The trainer builds this MoE model (megatron-core's multi-latent attention, MoE and MTP block) at tensor
+# parallel size 1 only, and without pipeline stages: the doctor refuses the TP 8 (TRAINER_UNSUPPORTED_MODEL) and
+# PP 4 (FLAG_NOT_SUPPORTED) below. Train with EXTRA_ARGS="--tensor-model-parallel-size 1
+# --pipeline-model-parallel-size 1", or run the speculative rollout alone with DEBUG_ROLLOUT_ONLY=1 (engines,
+# metrics, no trainer). SMALL_MACHINE=1 with a tiny stand-in (`slime-spec make-tiny-model --arch
+# deepseek_v3`) trains it end to end on CPU: policy and MTP layer, speculative rollout, weight sync.
 #
 #   DOCTOR_ONLY=1 bash scripts/run-deepseek-v3-mtp.sh        # only check the configuration
 #   DEBUG_ROLLOUT_ONLY=1 bash scripts/run-deepseek-v3-mtp.sh # engines only, no trainer

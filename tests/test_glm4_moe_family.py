@@ -90,9 +90,9 @@ def test_refusals(glm):
     train = TrainConfig(hf_checkpoint=str(glm))
     with pytest.raises(ValueError, match="norm_topk_prob=false"):
         M.transformer_config({**hf_config, "norm_topk_prob": False}, train)
-    with pytest.raises(ValueError, match="n_group=2"):
-        M.transformer_config({**hf_config, "n_group": 2, "topk_group": 1}, train)
+    with pytest.raises(ValueError, match="num_experts_per_tok=2, topk_group=2"):
+        M.transformer_config({**hf_config, "n_group": 2, "topk_group": 2}, train)
     with pytest.raises(ValueError, match="--tensor-model-parallel-size 2 with a glm4_moe model"):
         M.transformer_config(hf_config, TrainConfig(hf_checkpoint=str(glm), tensor_model_parallel_size=2))
-    with pytest.raises(ValueError, match="deepseek_v3 is conversion-only"):
-        M.transformer_config({"model_type": "deepseek_v3"}, train)
+    with pytest.raises(ValueError, match="unsupported model: model_type='gpt2'"):
+        M.transformer_config({"model_type": "gpt2"}, train)

@@ -5,6 +5,8 @@ process per GPU.
 - parallel.py: torch.distributed + Megatron TP/DP groups (gloo on CPU, nccl on CUDA).
 - model.py: GPTModel from an HF config, HF weights loaded, the trunk's logits, each MTP layer's hidden states
   (and, for an EAGLE3 draft, the detached outputs of its aux layers and the embeddings).
+- model_config.py: megatron-core's TransformerConfig from an HF config; which families build, and how.
+- sdpa_attention.py: the core attention of multi-latent attention (DeepSeek-V3) without TransformerEngine.
 - eagle3_ttt.py: EAGLE3's training-time-test loss over several unrolled draft steps (pure).
 - eagle3_online.py: `OnlineDraft`, the draft trained next to the policy (--enable-draft-training).
 - losses.py: GRPO advantages, PPO clip, KL estimators, entropy, SFT and MTP losses (pure).

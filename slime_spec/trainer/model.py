@@ -9,8 +9,12 @@ sequential local experts. GLM-4.5 (partial RoPE over the first `partial_rotary_f
 has dense layers before `first_k_dense_replace`, then megatron-core's MoE layer with sigmoid routing, the
 checkpoint's correction bias as the router's expert bias (held fixed: policy training moves the router only by the
 loss), `routed_scaling_factor` and one shared expert; its MTP layers are megatron-core's MTP block over its last
-(sparse) layer spec. Parameters are float32 (training on CPU, and exact comparisons with HF), or bfloat16 with
---bf16 (the optimizer then keeps float32 master copies: precision.py).
+(sparse) layer spec. DeepSeek-V3 is GLM-4.5's MoE (with group-limited top-k over `n_group` groups) under
+megatron-core's multi-latent attention: its MLASelfAttention (q / kv down projections, their RMSNorms, up
+projections) with its own YaRN RoPE and softmax scale, and as core attention `sdpa_attention.SDPACoreAttention`,
+which stands in for TransformerEngine's (the local DotProductAttention takes no separate key / value head dims).
+Parameters are float32 (training on CPU, and exact comparisons with HF), or bfloat16 with --bf16 (the optimizer
+then keeps float32 master copies: precision.py).
 Needs `parallel.init_parallel` first (Megatron's TP groups and RNG trackers).
 """
 
@@ -26,12 +30,13 @@ import torch.nn.functional as F
 
 from slime_spec.common import rope
 from slime_spec.config.run_config import TrainConfig
+from slime_spec.trainer.model_config import (
+    BUILDABLE_FAMILIES,  # noqa: F401  (re-exported: which families `build_gpt_model` builds)
+    DENSE_FIRST_FAMILIES,
+    transformer_config,
+)
 from slime_spec.trainer.packing import causal_mask
 from slime_spec.weight_sync import convert
-
-BUILDABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "glm4_moe")
-QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
-DENSE_FIRST_FAMILIES = ("glm4_moe",)  # MoE from `first_k_dense_replace` on, with shared experts and sigmoid routing
 
 
 def read_hf_config(checkpoint: str | Path) -> dict:
@@ -59,129 +64,6 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // tp_size) * tp_size
 
 
-def transformer_config(hf_config: dict, train: TrainConfig):
-    """Megatron TransformerConfig equivalent to an HF Llama / Qwen2 / Qwen3 / Qwen3-MoE / MiMo / GLM-4.5 config."""
-    from megatron.core.transformer import TransformerConfig
-
-    family = convert.family_of(hf_config)
-    if family not in BUILDABLE_FAMILIES:
-        raise ValueError(f"the trainer builds {', '.join(BUILDABLE_FAMILIES)} models; {family} is conversion-only"
-                         + (" (megatron-core 0.16.1 builds multi-latent attention only with TransformerEngine: "
-                            "its local DotProductAttention takes no separate k / v head dims)"
-                            if family == "deepseek_v3" else ""))
-    if hf_config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={hf_config['hidden_act']!r}: the trainer builds SwiGLU (silu) MLPs only")
-    if hf_config.get("mlp_bias"):
-        raise ValueError("mlp_bias=true is not supported (Megatron's local spec: no MLP bias)")
-    if family in QK_NORM_FAMILIES and hf_config.get("attention_bias"):
-        raise ValueError(f"attention_bias=true in a {family} config.json: Qwen3 then has q/k/v and o_proj biases; the "
-                         "trainer builds Qwen3 without them, as Qwen3's checkpoints are (set attention_bias false)")
-    hf_mtp = int(hf_config.get("num_nextn_predict_layers", 0) or 0)
-    if train.mtp_num_layers and family not in convert.MTP_FAMILIES:
-        raise ValueError(f"--mtp-num-layers {train.mtp_num_layers}: {family} checkpoints have no MTP layers for "
-                         f"the engines to serve; use a checkpoint with MTP layers ({', '.join(convert.MTP_FAMILIES)}) "
-                         f"or --mtp-num-layers 0")
-    if train.mtp_num_layers > hf_mtp and not train.load:
-        raise ValueError(f"--mtp-num-layers {train.mtp_num_layers}: the HF checkpoint has only "
-                         f"num_nextn_predict_layers={hf_mtp} MTP layers to load")
-    if train.enable_mtp_training and not train.mtp_num_layers:
-        raise ValueError("--enable-mtp-training needs --mtp-num-layers >= 1")
-    heads = hf_config["num_attention_heads"]
-    return TransformerConfig(
-        num_layers=hf_config["num_hidden_layers"],
-        hidden_size=hf_config["hidden_size"],
-        ffn_hidden_size=hf_config["intermediate_size"],
-        num_attention_heads=heads,
-        num_query_groups=hf_config.get("num_key_value_heads") or heads,
-        kv_channels=hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
-        normalization="RMSNorm",
-        layernorm_epsilon=hf_config.get("rms_norm_eps", 1e-6),
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=family in ("qwen2", "mimo") or bool(hf_config.get("attention_bias")),
-        qk_layernorm=family in QK_NORM_FAMILIES or bool(family == "glm4_moe" and hf_config.get("use_qk_norm")),
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        params_dtype=torch.bfloat16 if train.bf16 else torch.float32,
-        bf16=train.bf16,
-        tensor_model_parallel_size=train.tensor_model_parallel_size,
-        mtp_num_layers=train.mtp_num_layers or None,
-        mtp_loss_scaling_factor=train.mtp_loss_scaling_factor,
-        **moe_config(hf_config, family, train),
-    )
-
-
-def moe_config(hf_config: dict, family: str, train: TrainConfig) -> dict:
-    """megatron-core's MoE fields for a Qwen3-MoE or GLM-4.5 config (none for a dense family)."""
-    if family not in convert.MOE_FAMILIES:
-        return {}
-    if train.tensor_model_parallel_size > 1:
-        raise ValueError(f"--tensor-model-parallel-size {train.tensor_model_parallel_size} with a {family} model: "
-                         f"megatron-core's MoE layer trains under TP only with sequence parallelism, which the "
-                         f"trainer's local layer spec (torch norms) does not build; use --tensor-model-parallel-size 1")
-    if family in DENSE_FIRST_FAMILIES:
-        return dense_first_moe_config(hf_config)
-    if hf_config.get("mlp_only_layers") or int(hf_config.get("decoder_sparse_step", 1)) != 1:
-        raise ValueError(f"mlp_only_layers={hf_config.get('mlp_only_layers')}, decoder_sparse_step="
-                         f"{hf_config.get('decoder_sparse_step')}: the trainer builds Qwen3-MoE with every layer "
-                         f"sparse (as Qwen3-30B-A3B and Qwen3-235B-A22B)")
-    return dict(
-        num_moe_experts=int(hf_config["num_experts"]),
-        moe_router_topk=int(hf_config["num_experts_per_tok"]),
-        moe_ffn_hidden_size=int(hf_config["moe_intermediate_size"]),
-        moe_router_score_function="softmax",
-        # softmax over the top-k logits is the top-k of the full softmax renormalized (norm_topk_prob); without
-        # renormalizing, the softmax comes first over every expert
-        moe_router_pre_softmax=not hf_config.get("norm_topk_prob", False),
-        moe_router_load_balancing_type="none",  # policy training: the router moves only by the policy's loss
-        moe_aux_loss_coeff=0.0,
-        # both dispatchers compute the same; the all-to-all one asks for CUDA streams when built
-        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
-        moe_grouped_gemm=False,
-    )
-
-
-def dense_first_moe_config(hf_config: dict) -> dict:
-    """GLM-4.5's MoE as megatron-core's: sigmoid scores, the top-k chosen on score + correction bias (the router's
-    expert bias), weighted by the chosen scores renormalized and scaled by `routed_scaling_factor`, a shared expert
-    beside the routed ones, dense layers before `first_k_dense_replace`; the router in float32, as HF and SGLang
-    compute it."""
-    layers, dense = int(hf_config["num_hidden_layers"]), int(hf_config.get("first_k_dense_replace", 0))
-    if not hf_config.get("norm_topk_prob", True):
-        raise ValueError("norm_topk_prob=false: megatron-core's sigmoid routing renormalizes the top-k weights; the "
-                         "trainer builds this family with norm_topk_prob true (as GLM-4.5 ships)")
-    if int(hf_config.get("n_group") or 1) > 1:
-        raise ValueError(f"n_group={hf_config['n_group']}: group-limited routing is not built for this family; "
-                         f"the trainer builds GLM-4.5's n_group 1")
-    if not 0 <= dense <= layers:
-        raise ValueError(f"first_k_dense_replace={dense}: choose 0..num_hidden_layers={layers}")
-    shared = int(hf_config.get("n_shared_experts") or 0)
-    return dict(
-        num_moe_experts=int(hf_config["n_routed_experts"]),
-        moe_router_topk=int(hf_config["num_experts_per_tok"]),
-        moe_ffn_hidden_size=int(hf_config["moe_intermediate_size"]),
-        moe_shared_expert_intermediate_size=shared * int(hf_config["moe_intermediate_size"]) if shared else None,
-        moe_layer_freq=[0] * dense + [1] * (layers - dense),
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-        moe_router_bias_update_rate=0.0,  # the checkpoint's correction bias, kept: no load-balancing updates
-        moe_router_topk_scaling_factor=float(hf_config.get("routed_scaling_factor") or 1.0),
-        moe_router_dtype="fp32",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="alltoall" if torch.cuda.is_available() else "allgather",
-        moe_grouped_gemm=False,
-    )
-
-
 def build_gpt_model(hf_config: dict, train: TrainConfig):
     """A randomly initialised GPTModel shaped like the HF model (load weights with `load_hf_weights`)."""
     from megatron.core.models.gpt import GPTModel
@@ -194,9 +76,15 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
     config = transformer_config(hf_config, train)
     if config.num_moe_experts:
         _define_te_general_gemm()
-    rope_spec = rope.rope_spec(hf_config)
+    mla = config.multi_latent_attention
+    rope_spec = None if mla else rope.rope_spec(hf_config)  # MLA: megatron's MLASelfAttention holds its own RoPE
     if convert.family_of(hf_config) in DENSE_FIRST_FAMILIES:  # a spec per layer, dense or MoE by moe_layer_freq
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        if mla:
+            from slime_spec.trainer.sdpa_attention import SDPACoreAttention
+            _mark_te_linear_absent()
+            for spec in layer_spec.layer_specs:
+                spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     else:
         layer_spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                               normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
@@ -212,12 +100,13 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
         share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
         rotary_percent=rotary_percent,
-        rotary_base=rope_spec.theta,
+        rotary_base=config.rotary_base if mla else rope_spec.theta,
         mtp_block_spec=mtp_spec,
     )
-    # Megatron's own llama3 scaling has fixed numbers: use the checkpoint's (set before the first forward,
-    # whose RoPE table Megatron caches).
-    model.rotary_pos_emb.inv_freq = rope.inv_freq(rope_spec, int(rope.head_dim_of(hf_config) * rotary_percent))
+    if not mla:
+        # Megatron's own llama3 scaling has fixed numbers: use the checkpoint's (set before the first forward,
+        # whose RoPE table Megatron caches).
+        model.rotary_pos_emb.inv_freq = rope.inv_freq(rope_spec, int(rope.head_dim_of(hf_config) * rotary_percent))
     if train.bf16:  # as Megatron's Float16Module: every parameter, norms included (torch's RMSNorm is built float32)
         model.bfloat16()
         for module in model.modules():  # but the routers' expert bias, which megatron-core keeps in float32
@@ -237,6 +126,17 @@ def _define_te_general_gemm() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _mark_te_linear_absent() -> None:
+    """Without TransformerEngine, megatron-core 0.16.1's extensions/transformer_engine.py stands a MagicMock in for
+    the `te` module, so the `TELinear` that multi_latent_attention.py imports from it is a MagicMock instance, not a
+    class, and MultiLatentAttention.__init__'s `isinstance(self.linear_proj, TELinear)` raises TypeError. A class
+    nothing is an instance of is what that test means to find where TE is absent."""
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.TELinear = type("TELinearAbsent", (), {})
 
 
 def sum_qk_norm_grads_over_tp(model) -> None:
@@ -325,13 +225,19 @@ class TrunkOutput:
     logits: torch.Tensor  # [b, s, vocab]
     position_ids: torch.Tensor  # [b, s]
     mask: torch.Tensor  # the attention mask the decoder used
-    rope: torch.Tensor
+    rope: torch.Tensor | None  # None under multi-latent attention (its layers apply RoPE)
     aux_hidden: torch.Tensor | None = None  # [b, s, n * h] outputs of the aux layers (EAGLE3), detached
     embeds: torch.Tensor | None = None  # [b, s, h] token embeddings, detached (with aux_hidden)
 
 
-def rope_for_positions(model, position_ids: torch.Tensor) -> torch.Tensor:
-    """Megatron's RoPE table [s, b, 1, d] looked up at each token's own position (packed rows restart at 0)."""
+def rope_for_positions(model, position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Megatron's RoPE table [s, b, 1, d] looked up at each token's own position (packed rows restart at 0).
+
+    None under multi-latent attention, whose layers apply RoPE themselves at row positions 0..s-1: a packed row's
+    later samples are then rotated by their offset in the row, which leaves their attention scores as they are
+    (RoPE scores depend on q / k position differences only, and the mask keeps each sample to itself)."""
+    if model.config.multi_latent_attention:
+        return None
     table = model.rotary_pos_emb(int(position_ids.max()) + 1)  # [max_pos, 1, 1, d]
     return table[:, 0, 0][position_ids.t()][:, :, None]
 

@@ -3,9 +3,9 @@
 Tiny checkpoints from make-tiny-model in each family's released layout (a dense layer, a sparse one with routed and
 shared experts and the router's correction bias, one MTP layer at `model.layers.{num_hidden_layers}`) go to their
 Megatron form, are moved (a training step's worth, so nothing can pass on the checkpoint's values) and are sent back
-through the sync's own Megatron -> HF path (`gather.iter_hf_tensors`). GLM-4.5's Megatron form is the trainer's own
-model (megatron-core's GPTModel with its MTP block, loaded from the checkpoint); DeepSeek-V3's, which the trainer does
-not build, is convert.hf_to_megatron's state dict. SGLang builds its
+through the sync's own Megatron -> HF path (`gather.iter_hf_tensors`). Their Megatron form is the trainer's own model
+(megatron-core's GPTModel with its MTP block, DeepSeek-V3's with multi-latent attention, loaded from the checkpoint).
+SGLang builds its
 target runner's `DeepseekV3ForCausalLM` / `Glm4MoeForCausalLM` and its draft runner's `DeepseekV3ForCausalLMNextN` /
 `Glm4MoeForCausalLMNextN` (the embedding and head shared from the target, as the EAGLE worker does) in a process of
 its own (sglang_models.py), each loads the tensors with its own `load_weights`, and SGLang's WeightChecker answers
@@ -42,7 +42,8 @@ CASES = {"deepseek_v3": dict(dtype="bfloat16", seed=41), "glm4_moe": dict(dtype=
 
 
 def megatron_weights(checkpoint: Path, config: dict) -> list[tuple[str, torch.Tensor]]:
-    """The trainer's model's weights where it builds the family (GLM-4.5), else the conversion's state dict."""
+    """The trainer's model's weights where it builds the family (GLM-4.5, DeepSeek-V3), else the conversion's
+    state dict."""
     from safetensors.torch import load_file
 
     from slime_spec.config.run_config import TrainConfig

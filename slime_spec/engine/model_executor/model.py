@@ -1,15 +1,11 @@
 """A gpt-fast-style decoder for Llama, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm before RoPE, its own head_dim),
-Qwen3-MoE (Qwen3 with top-k routed experts), MiMo (Qwen2 + MTP layers) and GLM-4.5 (qkv bias, partial RoPE, dense
-then grouped-top-k MoE layers, NextN MTP layers), by HF names.
+Qwen3-MoE (Qwen3 with top-k routed experts), MiMo (Qwen2 + MTP layers), GLM-4.5 (qkv bias, partial RoPE, dense
+then grouped-top-k MoE layers, NextN MTP layers) and DeepSeek-V3 (GLM-4.5's layout with multi-latent attention,
+engine/model_executor/mla.py), by HF names.
 
 Module attribute paths equal the HF checkpoint names (`model.layers.0.self_attn.q_proj.weight`, ...),
-so `state_dict()` is the checkpoint and weight updates need no name mapping.
-
-The KV cache is static: one row per request slot, `[slots, max_seq, kv_heads, head_dim]` per layer.
-A forward takes `slots` (which rows), `positions` `[B, T]` (each row starts at its own cache length)
-and writes its keys/values at those positions; queries attend to every key at a position <= their own.
-Rolling back rejected draft tokens is just resetting the row's length: stale entries past it are
-overwritten before any query can see them.
+so `state_dict()` is the checkpoint and weight updates need no name mapping. The attention of each layer and its
+static KV cache: engine/model_executor/attention.py (grouped-query) and mla.py.
 """
 
 from __future__ import annotations
@@ -30,12 +26,16 @@ from slime_spec.common.dtypes import torch_dtype
 from slime_spec.engine.kernels import dependent_launches
 from slime_spec.engine.kernels.decode_attention import MAX_QUERY_TOKENS
 from slime_spec.engine.kernels.decode_attention import supports as attention_kernel_supports
-from slime_spec.engine.kernels.ops import Kernels, add_rms_norm, decode_attention, gated_linear, linear, rms_norm
+from slime_spec.engine.kernels.ops import Kernels, gated_linear, linear
+from slime_spec.engine.model_executor.attention import Attention, KVCache, fuse_linears
+from slime_spec.engine.model_executor.attention import apply_rope as apply_rope  # re-exported: tests rotate by it
+from slime_spec.engine.model_executor.mla import MLAttention
 from slime_spec.engine.model_executor.model_args import ModelArgs
 from slime_spec.engine.model_executor.model_args import (
     rope_cos_sin as rope_cos_sin,  # re-exported: tests build cos/sin by it
 )
 from slime_spec.engine.model_executor.moe import BiasedRouter, GroupedTopkMoeBlock, SparseMoeBlock
+from slime_spec.engine.model_executor.norm import RMSNorm
 
 # Attention backends for eager calls on CUDA: all but cuDNN's, which builds an execution plan for every new shape
 # (about 35 ms on an H100), while eager steps (prefill, a draft's catch-up, a tree verify, an EAGLE3 draft step)
@@ -50,119 +50,6 @@ def attention_backends(device: torch.device, graphed: bool = False):
     with sdpa_kernel(EAGER_SDPA_BACKENDS) if device.type == "cuda" and not graphed else nullcontext(), \
             dependent_launches(graphed):
         yield
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.kernels = Kernels()  # CausalLM.use_kernels
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """HF's Llama RMSNorm (float32 statistics, weight applied in the input dtype)."""
-        if self.kernels.norm:
-            return rms_norm(x, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
-    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(RMSNorm(h), h) with h = x + delta: a residual add and this norm, one kernel where `kernels.norm`."""
-        if self.kernels.norm:
-            return add_rms_norm(x, delta, self.weight, self.eps)
-        h = x + delta
-        return self(h), h
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, D]; cos/sin: [B, T, R]: rotate-half RoPE over the first R <= D dims, the rest passed through."""
-    if cos.shape[-1] < x.shape[-1]:
-        r = cos.shape[-1]
-        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-class KVCache:
-    """Static per-slot keys/values for a stack of layers: `[slots, max_seq, kv_heads, head_dim]` each."""
-
-    def __init__(self, num_layers: int, slots: int, max_seq: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
-        shape = (slots, max_seq, kv_heads, head_dim)
-        self.max_seq = max_seq
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-
-
-def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate the linears' weights (and biases) into one tensor and make each linear's parameters views
-    of it: one matmul then serves them all, and an in-place update of any parameter lands in the fused tensor."""
-    weight = torch.cat([lin.weight.data for lin in linears])
-    bias = torch.cat([lin.bias.data for lin in linears]) if linears[0].bias is not None else None
-    start = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight.data = weight[start:start + rows]
-        if bias is not None:
-            lin.bias.data = bias[start:start + rows]
-        start += rows
-    return weight, bias
-
-
-class Attention(nn.Module):
-    def __init__(self, a: ModelArgs):
-        super().__init__()
-        self.a = a
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused q/k/v (CausalLM.fuse_projections)
-        self.kernels = Kernels()  # CausalLM.use_kernels
-        self.q_proj = nn.Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.qkv_bias)
-        self.k_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
-        self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
-        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=False)
-        if a.qk_norm:
-            self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
-            self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps)
-
-    def normed_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [B, T, heads, D], k [B, T, kv_heads, D] through Qwen3's per-head norms (unchanged without them)."""
-        if not self.a.qk_norm:
-            return q, k
-        return self.q_norm(q), self.k_norm(k)
-
-    def forward(self, x, cos, sin, cache_k, cache_v, slots, positions, mask, num_keys: int):
-        """mask None: RoPE, the cache write and causal attention over the first `num_keys` keys in one kernel
-        (kernels.decode_attention)."""
-        B, T, _ = x.shape
-        a = self.a
-        if mask is None:  # the kernel reads q, k and v from the fused projection's one tensor
-            qkv = linear(x, *self.qkv, self.kernels) if self.qkv is not None else torch.cat(
-                (self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
-            if a.qk_norm:  # the kernel rotates what it reads: normalize q and k first, as SGLang's apply_qk_norm
-                q, k, v = qkv.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim,
-                                     a.num_kv_heads * a.head_dim], dim=-1)
-                q, k = self.normed_qk(q.reshape(B, T, a.num_heads, a.head_dim),
-                                      k.reshape(B, T, a.num_kv_heads, a.head_dim))
-                qkv = torch.cat((q.reshape(B, T, -1), k.reshape(B, T, -1), v), dim=-1)
-            out = decode_attention(qkv, cos, sin, cache_k, cache_v, slots, positions, num_keys, a.num_heads,
-                                   a.num_kv_heads)
-            return linear(out.reshape(B, T, a.num_heads * a.head_dim), self.o_proj.weight, None, self.kernels)
-        if self.qkv is not None:
-            q, k, v = linear(x, *self.qkv, self.kernels).split(
-                [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q, k = self.normed_qk(q.reshape(B, T, a.num_heads, a.head_dim), k.reshape(B, T, a.num_kv_heads, a.head_dim))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = v.reshape(B, T, a.num_kv_heads, a.head_dim)
-        cache_k[slots[:, None], positions] = k
-        cache_v[slots[:, None], positions] = v
-        S = mask.shape[-1]
-        keys = cache_k[slots, :S].transpose(1, 2)
-        values = cache_v[slots, :S].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                             enable_gqa=a.num_heads != a.num_kv_heads)
-        return linear(out.transpose(1, 2).reshape(B, T, a.num_heads * a.head_dim), self.o_proj.weight, None,
-                      self.kernels)
 
 
 class MLP(nn.Module):
@@ -182,7 +69,8 @@ class MLP(nn.Module):
 
 
 def feed_forward(a: ModelArgs, sparse: bool) -> nn.Module:
-    """A layer's `mlp`: dense, or (a MoE model's sparse layer) routed experts, GLM-4.5's with its shared experts."""
+    """A layer's `mlp`: dense, or (a MoE model's sparse layer) routed experts, GLM-4.5's and DeepSeek-V3's with their
+    shared experts."""
     if not (a.num_experts and sparse):
         return MLP(a)
     experts = (MLP(a, a.moe_intermediate_size) for _ in range(a.num_experts))
@@ -196,7 +84,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, a: ModelArgs, sparse: bool = True):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.self_attn = Attention(a)
+        self.self_attn = MLAttention(a) if a.mla else Attention(a)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = feed_forward(a, sparse)
 
@@ -243,9 +131,9 @@ class MTPLayer(DecoderLayer):
 
 
 class NextNLayer(DecoderLayer):
-    """GLM-4.5's `model.layers.{N + i}` as SGLang's Glm4MoeModelNextN runs it: enorm/hnorm/eh_proj in front of a
-    sparse decoder layer, shared_head.norm after it. The checkpoint's copies of the embedding and head
-    (`embed_tokens`, `shared_head.head`) are not held: SGLang's NextN runner uses the target's."""
+    """GLM-4.5's and DeepSeek-V3's `model.layers.{N + i}` as SGLang's Glm4MoeModelNextN / DeepseekModelNextN run it:
+    enorm/hnorm/eh_proj in front of a sparse decoder layer, shared_head.norm after it. The checkpoint's copies of the
+    embedding and head (`embed_tokens`, `shared_head.head`) are not held: SGLang's NextN runner uses the target's."""
 
     def __init__(self, a: ModelArgs):
         super().__init__(a, sparse=True)
@@ -316,15 +204,15 @@ class CausalLM(nn.Module):
         is bound by kernel count). The separate parameters stay, as views of the fused tensors, so weight
         loading and checkpoints see the usual names."""
         for layer in self._decoder_layers():
-            attn = layer.self_attn
-            attn.qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+            layer.self_attn.fuse()
             for mlp in layer.mlps():
                 mlp.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])[0]
 
     def use_kernels(self, kernels: Kernels) -> None:
         """Route this model's few-row matmuls, causal attention and norms through the Triton kernels (engine/kernels);
-        the attention kernel only where it runs this head size."""
-        kernels = replace(kernels, attention=kernels.attention and attention_kernel_supports(self.args.head_dim)
+        the attention kernel only where it runs this head size (grouped-query heads: not MLA's)."""
+        kernels = replace(kernels, attention=kernels.attention and self.args.mla is None
+                          and attention_kernel_supports(self.args.head_dim)
                           and self.args.rotary_dim in (0, self.args.head_dim))  # the kernel rotates whole heads
         self.kernels = kernels
         for layer in self._decoder_layers():
@@ -338,18 +226,17 @@ class CausalLM(nn.Module):
     def unfuse_projections(self) -> None:
         """Drop the fused tensors (before weights are released, so their memory goes with the parameters')."""
         for layer in self._decoder_layers():
-            layer.self_attn.qkv = None
+            layer.self_attn.unfuse()
             for mlp in layer.mlps():
                 mlp.gate_up = None
 
-    def new_cache(self, slots: int, max_seq: int) -> KVCache:
-        p = self.lm_head.weight
-        return KVCache(self.args.num_layers, slots, max_seq, self.args.num_kv_heads, self.args.head_dim,
-                       p.dtype, p.device)
+    def new_cache(self, slots: int, max_seq: int, num_layers: int | None = None) -> KVCache:
+        a, p = self.args, self.lm_head.weight
+        return KVCache(num_layers or a.num_layers, slots, max_seq, a.num_kv_heads, a.head_dim, p.dtype, p.device,
+                       v_head_dim=a.mla.v_head_dim if a.mla else None)
 
     def new_mtp_cache(self, slots: int, max_seq: int) -> KVCache:
-        p = self.lm_head.weight
-        return KVCache(1, slots, max_seq, self.args.num_kv_heads, self.args.head_dim, p.dtype, p.device)
+        return self.new_cache(slots, max_seq, num_layers=1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor, num_keys: int | None = None, aux_layer_ids: list[int] | None = None):
@@ -429,7 +316,7 @@ class CausalLM(nn.Module):
 
     def mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
                     cache: KVCache, slots: torch.Tensor, layer: int = 0, num_keys: int | None = None) -> torch.Tensor:
-        """One MTP layer, as SGLang's MiMoMultiTokenPredictorLayer or Glm4MoeModelNextN runs it.
+        """One MTP layer, as SGLang's MiMoMultiTokenPredictorLayer or Glm4MoeModelNextN / DeepseekModelNextN runs it.
 
         At position p it reads the token x_{p+1} and the hidden state of position p (the target's final-normed
         hidden, or this layer's own output when drafting further), projects the normed pair (`input_states`: MiMo

@@ -9,13 +9,15 @@ from functools import lru_cache
 import torch
 
 from slime_spec.common import rope as rope_math
+from slime_spec.engine.model_executor.mla import MLA_ARCHITECTURES, MLAArgs, mla_fields
 from slime_spec.engine.model_executor.moe import moe_fields
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "MiMoForCausalLM", "Glm4MoeForCausalLM")
+                           "MiMoForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # MTP layers as SGLang's NextN draft classes read them: decoder layers past the last, `model.layers.{N + i}`
-NEXTN_ARCHITECTURES = ("Glm4MoeForCausalLM",)
+NEXTN_ARCHITECTURES = ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
+MTP_ARCHITECTURES = ("MiMoForCausalLM", *NEXTN_ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,10 @@ class ModelArgs:
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
+    router_float32: bool = True  # the grouped router's weight in float32 (GLM-4.5), else the model's dtype
     rotary_dim: int = 0  # the leading dims of each head RoPE rotates (GLM-4.5: a partial_rotary_factor); 0: all
     nextn_mtp: bool = False  # MTP layers are `model.layers.{num_layers + i}` (NextNLayer), not MiMo's mtp_layers
+    mla: MLAArgs | None = None  # DeepSeek-V3's multi-latent attention (head_dim: its q/k head size)
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelArgs":
@@ -54,8 +58,8 @@ class ModelArgs:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architectures={config.get('architectures')}: the embedded engine runs "
                              f"{SUPPORTED_ARCHITECTURES}; use --rollout-backend sglang for other models")
-        try:
-            rope_spec = rope_math.rope_spec(config)
+        try:  # MLA reads its own (YaRN) RoPE: mla.py
+            rope_spec = None if arch in MLA_ARCHITECTURES else rope_math.rope_spec(config)
         except ValueError as e:
             raise ValueError(f"{e}; the embedded engine runs the same RoPE kinds") from None
         if arch in QK_NORM_ARCHITECTURES and config.get("attention_bias"):  # Qwen3
@@ -66,7 +70,8 @@ class ModelArgs:
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         rope = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         glm = arch == "Glm4MoeForCausalLM"
-        return cls(
+        attention = mla_fields(config) if arch in MLA_ARCHITECTURES else {}
+        return cls(**{**dict(
             vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"], num_layers=config["num_hidden_layers"],
             num_heads=heads, num_kv_heads=config.get("num_key_value_heads", heads),
@@ -75,15 +80,17 @@ class ModelArgs:
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=arch in ("Qwen2ForCausalLM", "MiMoForCausalLM") or bool(config.get("attention_bias", False)),
-            mtp_layers=int(config.get("num_nextn_predict_layers", 0)) if arch == "MiMoForCausalLM" or glm else 0,
-            rope_llama3=tuple(sorted(rope_spec.llama3.items())) if rope_spec.llama3 else None,
+            mtp_layers=int(config.get("num_nextn_predict_layers", 0)) if arch in MTP_ARCHITECTURES else 0,
+            rope_llama3=tuple(sorted(rope_spec.llama3.items())) if rope_spec and rope_spec.llama3 else None,
             qk_norm=arch in QK_NORM_ARCHITECTURES or (glm and bool(config.get("use_qk_norm", False))),
             rotary_dim=int(head_dim * partial_rotary_factor(config)) if glm else 0,
             nextn_mtp=arch in NEXTN_ARCHITECTURES,
             **moe_fields(config, arch),
-        )
+        ), **attention})
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        if self.mla:
+            return self.mla.cos_sin(positions, dtype)
         return rope_cos_sin(positions, self.rotary_dim or self.head_dim, self.rope_theta, dtype, self.rope_llama3)
 
 

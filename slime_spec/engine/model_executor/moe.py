@@ -1,8 +1,9 @@
 """Sparse MLPs for the embedded engine (engine/model_executor/model.py): their config fields and the routed-experts
 blocks.
 
-Qwen3-MoE routes by a softmax top-k (`SparseMoeBlock`); GLM-4.5 by sigmoid scores with a correction bias, grouped
-top-k, a routed scaling factor and a shared expert (`GroupedTopkMoeBlock`, DeepSeek-V3's routing too). A layer's
+Qwen3-MoE routes by a softmax top-k (`SparseMoeBlock`); GLM-4.5 and DeepSeek-V3 by sigmoid scores with a correction
+bias, grouped top-k, a routed scaling factor and shared experts (`GroupedTopkMoeBlock`; DeepSeek-V3's `noaux_tc`
+routing). A layer's
 `mlp` is a router (`mlp.gate`) and SwiGLU experts (`mlp.experts.{e}.{gate,up,down}_proj`, GLM's
 `mlp.shared_experts.*`), by the checkpoint's names, so weight updates and checkpoints need no name mapping.
 """
@@ -17,14 +18,16 @@ from torch import nn
 
 if TYPE_CHECKING:
     from slime_spec.engine.model_executor.model_args import ModelArgs
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Glm4MoeForCausalLM")
-GROUPED_TOPK_ARCHITECTURES = ("Glm4MoeForCausalLM",)
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
+GROUPED_TOPK_ARCHITECTURES = ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
 
 
 def moe_fields(config: dict, arch: str) -> dict:
     """ModelArgs' MoE fields from an HF config.json (none for a dense architecture, whose defaults say dense)."""
     if arch not in MOE_ARCHITECTURES:
         return {}
+    if arch == "DeepseekV3ForCausalLM":
+        return deepseek_v3_fields(config)
     if arch in GROUPED_TOPK_ARCHITECTURES:
         return grouped_topk_fields(config)
     if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1:
@@ -85,6 +88,21 @@ def grouped_topk_fields(config: dict) -> dict:
                 n_group=groups, topk_group=topk_group)
 
 
+def deepseek_v3_fields(config: dict) -> dict:
+    """DeepSeek-V3's MoE: GLM-4.5's fields (`noaux_tc`: sigmoid scores, correction bias, grouped top-k), every layer
+    from `first_k_dense_replace` on sparse, the router weight in the model's dtype (SGLang's MoEGate)."""
+    method, scoring = config.get("topk_method", "noaux_tc"), config.get("scoring_func", "sigmoid")
+    if method != "noaux_tc" or scoring != "sigmoid":
+        raise ValueError(f"topk_method={method!r}, scoring_func={scoring!r}: the embedded engine routes DeepSeek-V3 "
+                         "by 'noaux_tc' over 'sigmoid' scores, as the released checkpoints; use --rollout-backend "
+                         "sglang")
+    if int(config.get("moe_layer_freq") or 1) != 1:
+        raise ValueError(f"moe_layer_freq={config.get('moe_layer_freq')}: the embedded engine serves DeepSeek-V3 with "
+                         "every layer from first_k_dense_replace on sparse (moe_layer_freq 1, as released); use "
+                         "--rollout-backend sglang")
+    return {**grouped_topk_fields(config), "router_float32": bool(config.get("router_fp32", False))}
+
+
 def grouped_topk_weights(scores: torch.Tensor, correction_bias: torch.Tensor, a: ModelArgs) -> torch.Tensor:
     """Dense routing weights [..., num_experts] (float32) from sigmoid scores, as SGLang's biased_grouped_topk and
     transformers' Glm4MoeTopkRouter: experts are chosen by score + correction bias within the `topk_group` groups
@@ -107,25 +125,29 @@ def grouped_topk_weights(scores: torch.Tensor, correction_bias: torch.Tensor, a:
 
 
 class BiasedRouter(nn.Module):
-    """GLM-4.5's `mlp.gate`: the router weight and its score correction bias, both float32 as SGLang holds them
-    (`Glm4MoeGate`) whatever the engine's dtype (`keep_float32`)."""
+    """GLM-4.5's and DeepSeek-V3's `mlp.gate`: the router weight and its score correction bias. SGLang holds the bias
+    in float32 whatever the engine's dtype, and GLM-4.5's weight too (`Glm4MoeGate`; DeepSeek-V3's `MoEGate` keeps the
+    weight in the model's dtype): `keep_float32`. Scores are computed in float32 either way."""
 
     def __init__(self, a: ModelArgs):
         super().__init__()
+        self.router_float32 = a.router_float32
         self.weight = nn.Parameter(torch.empty(a.num_experts, a.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(a.num_experts))
 
     def keep_float32(self) -> None:
-        self.float()
+        self.e_score_correction_bias.data = self.e_score_correction_bias.data.float()
+        if self.router_float32:
+            self.weight.data = self.weight.data.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight.float()).sigmoid()
 
 
 class GroupedTopkMoeBlock(nn.Module):
-    """GLM-4.5's sparse `mlp`: routed experts weighted by `grouped_topk_weights`, plus the shared experts (one MLP of
-    n_shared_experts * moe_intermediate_size) on every token. As in `SparseMoeBlock`, every routed expert runs on
-    every token, weighted 0 where not chosen: static shapes, and the sum is the top-k one."""
+    """GLM-4.5's and DeepSeek-V3's sparse `mlp`: routed experts weighted by `grouped_topk_weights`, plus the shared
+    experts (one MLP of n_shared_experts * moe_intermediate_size) on every token. As in `SparseMoeBlock`, every routed
+    expert runs on every token, weighted 0 where not chosen: static shapes, and the sum is the top-k one."""
 
     def __init__(self, a: ModelArgs, experts: Iterable[nn.Module], shared_experts: nn.Module | None):
         super().__init__()
