@@ -153,7 +153,24 @@ def test_trainer_unsupported_model_unless_rollout_only():
     llama31 = {**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}  # the trainer builds Llama-3.1
     assert "TRAINER_UNSUPPORTED_MODEL" not in codes(target_config=llama31)
     assert "TRAINER_UNSUPPORTED_MODEL" not in codes(target_config=LLAMA)
+    deepseek = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "num_nextn_predict_layers": 1,
+                "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096}}
+    assert "TRAINER_UNSUPPORTED_MODEL" not in codes(target_config=deepseek)  # MLA with its YaRN (trainer/model.py)
+    moe_tp = codes(target_config=deepseek, tensor_model_parallel_size=8)["TRAINER_UNSUPPORTED_MODEL"]
+    assert "deepseek_v3" in moe_tp.message
 
+
+
+def test_a_quantized_checkpoint_is_refused_for_training_not_for_rollout():
+    """DeepSeek-V3 ships FP8 weights with 128x128 block scales; the sync sends neither quantized values nor scales."""
+    fp8 = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "num_nextn_predict_layers": 1,
+           "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
+    f = codes(target_config=fp8)["MODEL_QUANTIZED_CHECKPOINT"]
+    assert f.level == "error" and "--hf-checkpoint is a fp8-quantized" in f.message and "bf16" in f.fix
+    assert "MODEL_QUANTIZED_CHECKPOINT" not in codes(target_config=fp8, debug_rollout_only=True)
+    assert "the draft model" in codes(target_config=LLAMA, draft_config={**LLAMA, "quantization_config": {
+        "quant_method": "fp8"}})["MODEL_QUANTIZED_CHECKPOINT"].message
+    assert "MODEL_QUANTIZED_CHECKPOINT" not in codes(target_config=LLAMA)
 
 def test_colocated_sglang_needs_memory_saver_and_draft_backup():
     found = codes(sglang=mtp(), colocate=True)

@@ -262,9 +262,10 @@ class Rule(Enum):
         "make MODEL_ARGS match the checkpoint (scripts/models/*.sh) or point --hf-checkpoint at the right model")
     TRAINER_UNSUPPORTED_FAMILY = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
-        "the trainer builds Llama, Qwen2, Qwen3, Qwen3-MoE, MiMo and GLM-4.5 models; this checkpoint is {family} "
-        "(its weights convert, but it cannot be trained yet)",
-        "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / Qwen3 / MiMo / GLM-4.5 model")
+        "the trainer builds Llama, Qwen2, Qwen3, Qwen3-MoE, MiMo, GLM-4.5 and DeepSeek-V3 models; this checkpoint "
+        "is {family}",
+        "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / Qwen3 / MiMo / GLM-4.5 / "
+        "DeepSeek-V3 model")
     TRAINER_MOE_TP = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
         "--tensor-model-parallel-size {tp} with a {family} model: the trainer builds MoE layers at tensor parallel "
@@ -273,12 +274,21 @@ class Rule(Enum):
         "train with --tensor-model-parallel-size 1, or run rollouts alone with --debug-rollout-only")
     TRAINER_UNSUPPORTED_ROPE = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
-        "rope_scaling type {rope_type!r}: the trainer implements plain RoPE and Llama-3.1's 'llama3' scaling only",
+        "rope_scaling type {rope_type!r} in a {family} checkpoint: the trainer implements plain RoPE, Llama-3.1's "
+        "'llama3' scaling, and for DeepSeek-V3 'yarn' (megatron-core's multi-latent attention)",
         "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / Qwen3 / MiMo model")
     TRAINER_UNSUPPORTED_ACT = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
         "hidden_act={act!r}: the trainer builds SwiGLU (silu) MLPs only",
         "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / Qwen3 / MiMo model")
+    MODEL_QUANTIZED_CHECKPOINT = _Entry(
+        "MODEL_QUANTIZED_CHECKPOINT", "error",
+        "{which} is a {method}-quantized checkpoint (its config.json has a quantization_config): SGLang serves it "
+        "with {method} parameters and their scales, while the weight sync sends the trainer's unquantized values and "
+        "no scales, so after the first sync the engines would serve the new values under the checkpoint's stale "
+        "scales",
+        "train from an unquantized (bf16) checkpoint, e.g. DeepSeek-V3's bf16 conversion, or run rollouts alone "
+        "with --debug-rollout-only")
     COLOCATE_MEMORY_SAVER = _Entry(
         "COLOCATE_MEMORY_SAVER", "warning",
         "--colocate without SGLang's memory saver (--no-offload-rollout): release_memory_occupation then frees "

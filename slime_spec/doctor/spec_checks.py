@@ -247,15 +247,17 @@ def check_model_flags(inp: CheckInput, shape_flags: dict) -> list[Finding]:
 
 
 TRAINER_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "qwen3_moe": "Qwen3MoeForCausalLM", "mimo": "MiMoForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+                    "qwen3_moe": "Qwen3MoeForCausalLM", "mimo": "MiMoForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                    "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
-MOE_TRAINER_FAMILIES = ("qwen3_moe", "glm4_moe")  # trainer/model.py moe_config: tensor parallel size 1 only
+MOE_TRAINER_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")  # trainer/model.py moe_config: TP 1 only
+TRAINER_ROPE_TYPES = {"deepseek_v3": ("default", "yarn")}  # megatron-core's MLA applies YaRN itself
 
 
 def check_trainer_support(inp: CheckInput) -> list[Finding]:
-    """The trainer builds Llama, Qwen2, Qwen3, Qwen3-MoE, MiMo and GLM-4.5 with plain or llama3-scaled RoPE and SwiGLU
-    (trainer/model.py)."""
+    """The trainer builds Llama, Qwen2, Qwen3, Qwen3-MoE, MiMo and GLM-4.5 with plain or llama3-scaled RoPE, and
+    DeepSeek-V3 with plain or YaRN RoPE, all with SwiGLU (trainer/model.py)."""
     cfg = inp.target_config
     if inp.debug_rollout_only or cfg is None:
         return []
@@ -268,11 +270,24 @@ def check_trainer_support(inp: CheckInput) -> list[Finding]:
         return [Rule.TRAINER_MOE_TP.finding(family=family, tp=inp.tensor_model_parallel_size)]
     scaling = cfg.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type not in ("default", "llama3"):
-        return [Rule.TRAINER_UNSUPPORTED_ROPE.finding(rope_type=rope_type)]
+    if rope_type not in TRAINER_ROPE_TYPES.get(family, ("default", "llama3")):
+        return [Rule.TRAINER_UNSUPPORTED_ROPE.finding(rope_type=rope_type, family=family)]
     if cfg.get("hidden_act", "silu") != "silu":
         return [Rule.TRAINER_UNSUPPORTED_ACT.finding(act=cfg["hidden_act"])]
     return []
+
+
+def check_quantized_checkpoint(inp: CheckInput) -> list[Finding]:
+    """A quantized checkpoint (FP8 as DeepSeek-V3 ships) cannot be trained into: the sync sends no scales."""
+    if inp.debug_rollout_only:
+        return []
+    out = []
+    for which, cfg in (("--hf-checkpoint", inp.target_config), ("the draft model", inp.draft_config)):
+        quantization = (cfg or {}).get("quantization_config")
+        if quantization:
+            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+            out.append(Rule.MODEL_QUANTIZED_CHECKPOINT.finding(which=which, method=method))
+    return out
 
 
 def check_colocate(inp: CheckInput) -> list[Finding]:
@@ -349,8 +364,8 @@ def check_adaptive_recommended(inp: CheckInput) -> list[Finding]:
 def run_checks(inp: CheckInput, shape_flags: dict | None = None) -> list[Finding]:
     findings: list[Finding] = []
     for check in (check_speculative, check_dtype, check_context_length, check_sglang_version, check_mtp_training,
-                  check_draft_training, check_trainer_support, check_history, check_own_spec_options,
-                  check_adaptive_recommended, check_sync_pipeline_parallel):
+                  check_draft_training, check_trainer_support, check_quantized_checkpoint, check_history,
+                  check_own_spec_options, check_adaptive_recommended, check_sync_pipeline_parallel):
         findings += check(inp)
     if inp.backend == "sglang":
         findings += check_flashinfer(inp) + check_cuda_graph_bs(inp) + check_colocate(inp)
