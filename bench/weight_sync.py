@@ -8,9 +8,11 @@ one, from this process to a bare receiver process: the wire cost alone.
 
 The sync's split (SyncSplit) is printed beside it: trainer-side gather+convert, HTTP control, send
 (update requests, as the trainer waits on them) and inside it what the engine reports of itself
-(`slime_spec_engine_timing`): receive (wire, and waiting for the sender) and load (validation, the rollback
-snapshot, copies), the rest being HTTP and queueing; then flush, and the coverage check (run every
---weight-sync-check-interval syncs).
+(`slime_spec_engine_timing`): receive (wire, and waiting for the sender) and load (validation, holding the
+rollback values, copies), inside the load the rollback snapshot alone (a copy only where the engine's host mirror
+does not hold the value already), the rest being HTTP and queueing; then flush, and the coverage check (run every
+--weight-sync-check-interval syncs). `--format per-tensor flattened` adds rows with one broadcast per bucket
+(`load_format: "flattened_bucket"`) beside one per tensor.
 
     .venv/bin/python bench/weight_sync.py                                   # CPU, gloo
     python bench/weight_sync.py --backend nccl --device cuda --engine-gpu 1 # two GPUs: trainer 0, engine 1
@@ -141,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-mb", type=int, nargs="+", default=[128],
                    help="--update-weight-buffer-size in MiB; several values: one row each, to size it by measurement")
     p.add_argument("--check-interval", type=int, default=1, help="--weight-sync-check-interval of the syncer")
+    p.add_argument("--between-syncs-s", type=float, default=1.0,
+                   help="idle seconds before each sync, as rollouts would take in a run: the engine copies what the "
+                        "last sync wrote to its host mirror (its rollback values) in the background meanwhile")
+    p.add_argument("--format", nargs="+", default=["per-tensor"], choices=["per-tensor", "flattened"],
+                   help="per-tensor: one broadcast per tensor (into the engine's parameters); flattened: one per "
+                        "bucket (load_format flattened_bucket, one copy on each side); several: one row each")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     p.add_argument("--device", default="cpu", help="trainer device: cpu, or cuda with --backend nccl")
@@ -167,21 +175,25 @@ def main(argv: list[str] | None = None) -> int:
     model = M.build_gpt_model(hf_config, TrainConfig(hf_checkpoint=str(trained), mtp_num_layers=1))
     M.load_hf_weights(model, M.read_hf_state(trained), hf_config, tp_rank=0, tp_size=1)
     sent = [t.tensor.clone() for t in iter_hf_tensors(model.named_parameters(), hf_config)]
-    raw = RawBroadcast(sent, a.backend, a.device, a.engine_gpu, rounds=a.repeats * len(a.bucket_mb) + 1)
+    raw = RawBroadcast(sent, a.backend, a.device, a.engine_gpu,
+                       rounds=a.repeats * len(a.bucket_mb) * len(a.format) + 1)
     raw.round()  # warm-up
     engine_device = "cuda" if a.backend == "nccl" else "cpu"
     proc, url = start_engine(served, engine_device, a.engine_gpu, work / "engine.log")
-    rows, raw_s = {mb: [] for mb in a.bucket_mb}, []
+    rows, raw_s = {(fmt, mb): [] for fmt in a.format for mb in a.bucket_mb}, []
     try:
-        for mb in a.bucket_mb:
+        for fmt, mb in rows:
             config = WeightSyncConfig(update_weight_buffer_size=mb << 20, weight_sync_check_interval=a.check_interval)
             syncer = WeightSyncer([EngineClient(url)], config, hf_config=hf_config, hf_checkpoint=served,
                                   spec=SpecSetup("EAGLE", None, str(served)), has_mtp_layers=True,
                                   transport="distributed", backend=a.backend, master_port=free_port())
+            syncer.prepare()
+            syncer.transport.flatten = fmt == "flattened"  # the group forms at the first sync
             for i in range(a.repeats):  # interleaved, so both see the same machine load
                 raw_s.append(raw.round())
-                rows[mb].append(syncer.sync_report(iter_hf_tensors(model.named_parameters(), hf_config),
-                                                   weight_version=f"{mb}-{i}"))
+                time.sleep(a.between_syncs_s)
+                rows[(fmt, mb)].append(syncer.sync_report(iter_hf_tensors(model.named_parameters(), hf_config),
+                                                          weight_version=f"{fmt}-{mb}-{i}"))
             syncer.close()
     finally:
         proc.terminate()
@@ -192,21 +204,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: mimo hidden {hidden}, {shape['num_layers']} layers + 1 MTP, vocab {shape['vocab_size']}, "
           f"{a.dtype}; backend {a.backend}, trainer {a.device}; median of {a.repeats} rounds, each next to a raw one")
     print("| path | bucket MiB | buckets | MB | seconds | GB/s | / raw | gather+convert | control | send | "
-          "engine receive | engine load | HTTP rest | flush | check |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for mb, reports in rows.items():
+          "engine receive | engine load | engine snapshot | HTTP rest | flush | check |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (fmt, mb), reports in rows.items():
         med = sorted(reports, key=lambda r: r.transfer_seconds)[len(reports) // 2]
         sp = med.split
-        print(f"| full sync | {mb} | {med.buckets} | {med.bytes / 1e6:.1f} | {med.transfer_seconds:.3f} | "
+        print(f"| full sync, {fmt} | {mb} | {med.buckets} | {med.bytes / 1e6:.1f} | {med.transfer_seconds:.3f} | "
               f"{med.gbps:.3f} | {med.gbps / raw_gbps:.2f} | {sp.gather_convert_s:.3f} | {sp.control_s:.3f} | "
-              f"{sp.send_s:.3f} | {sp.engine_receive_s:.3f} | {sp.engine_load_s:.3f} | {sp.http_s:.3f} | "
-              f"{sp.flush_s:.3f} | {sp.check_s:.3f} |")
+              f"{sp.send_s:.3f} | {sp.engine_receive_s:.3f} | {sp.engine_load_s:.3f} | {sp.engine_snapshot_s:.3f} | "
+              f"{sp.http_s:.3f} | {sp.flush_s:.3f} | {sp.check_s:.3f} |")
     print(f"| raw {a.backend} broadcast, same tensors | - | - | {raw.nbytes / 1e6:.1f} | {raw_med:.3f} | "
-          f"{raw_gbps:.3f} | 1.00 | | | | | | | | |")
-    for mb, reports in rows.items():  # the first sync of a syncer also reads the baseline: left out
+          f"{raw_gbps:.3f} | 1.00 | | | | | | | | | |")
+    for (fmt, mb), reports in rows.items():  # the first sync of a syncer also reads the baseline: left out
         checksum = [r.split.check_s for r in reports[1:] if r.checked]
         names = [r.split.check_s for r in reports[1:] if r.covered and not r.checked]
-        print(f"check, bucket {mb} MiB: checksum read-back {_median_text(checksum)}; names only {_median_text(names)}")
+        print(f"check, {fmt}, bucket {mb} MiB: checksum read-back {_median_text(checksum)}; names only "
+              f"{_median_text(names)}")
     print("raw rounds (s): " + ", ".join(f"{x:.3f}" for x in raw_s))
     return 0
 

@@ -10,8 +10,8 @@ The baseline copies the very tensors the sync sent into preallocated buffers on 
 Split per sync: gather+convert (trainer), flatten (one device copy into the flat bucket, trainer), serialize
 (pickling the handle or, on CPU, the bytes), engine receive (deserialize: opening the handle), engine load less
 the snapshot (validation, the copies, the device sync before the reply), the engine's rollback snapshot in a
-column of its own with where it was kept (GB on the device / in pinned host memory), HTTP (the rest of the
-update requests), flush.
+column of its own with its bytes (GB copied to the host on the sync's path / GB its host mirror already held),
+HTTP (the rest of the update requests), flush.
 
 The served checkpoint is the trainer's own random initialisation, written once per shape under --model-cache
 and reused by later runs; the trainer then negates its weights so every sync changes what is served, and the
@@ -77,17 +77,17 @@ def cached_checkpoint(cache: Path, config: dict, model) -> Path:
 
 
 class SnapshotTierTransport(TensorTransport):
-    """The colocated transport, also summing where the engine kept its rollback snapshot (device or host bytes,
-    from its `slime_spec_engine_timing` reply field) over one sync."""
+    """The colocated transport, also summing the engine's rollback snapshot bytes (copied on the sync's path, or
+    held already by its host mirror; from its `slime_spec_engine_timing`) over one sync."""
 
     def start(self) -> None:
         super().start()
-        self.snapshot_device_bytes = self.snapshot_host_bytes = 0
+        self.snapshot_copied_bytes = self.snapshot_mirrored_bytes = 0
 
     def send(self, bucket, selector, weight_version):
         replies = super().send(bucket, selector, weight_version)
-        self.snapshot_device_bytes += int(engine_timing(replies, "snapshot_device_bytes"))
-        self.snapshot_host_bytes += int(engine_timing(replies, "snapshot_host_bytes"))
+        self.snapshot_copied_bytes += int(engine_timing(replies, "snapshot_copied_bytes"))
+        self.snapshot_mirrored_bytes += int(engine_timing(replies, "snapshot_mirrored_bytes"))
         return replies
 
 
@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="flattened: one flat tensor per bucket (load_format flattened_bucket, the default of the "
                         "tensor transport); direct: every tensor as it is; several: one row each")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--between-syncs-s", type=float, default=1.0,
+                   help="idle seconds before each sync, as rollouts would take in a run: the engine copies what the "
+                        "last sync wrote to its host mirror (its rollback values) in the background meanwhile")
     p.add_argument("--model-cache", type=Path, default=Path("outputs/bench_models"),
                    help="where the served checkpoint of each shape is written once and reused")
     a = p.parse_args(argv)
@@ -160,10 +163,11 @@ def main(argv: list[str] | None = None) -> int:
                 rows[(fmt, mb)] = []
                 for i in range(a.repeats):  # interleaved, so both see the same machine load
                     copy_s.append(copy.round())
+                    time.sleep(a.between_syncs_s)
                     report = syncer.sync_report(iter_hf_tensors(model.named_parameters(), config), f"{fmt}-{mb}-{i}")
                     t = syncer.transport
-                    rows[(fmt, mb)].append((report, t.flatten_s, t.serialize_s, t.snapshot_device_bytes,
-                                            t.snapshot_host_bytes))
+                    rows[(fmt, mb)].append((report, t.flatten_s, t.serialize_s, t.snapshot_copied_bytes,
+                                            t.snapshot_mirrored_bytes))
                 syncer.close()
         served_norm = requests.post(url + "/get_weights_by_name", timeout=60,
                                     json={"name": "model.norm.weight", "truncate_size": 1 << 30}).json()
@@ -185,11 +189,11 @@ def print_table(a, config: dict, rows: dict, copy_s: list[float], nbytes: int) -
           f"{config['vocab_size']}, {a.dtype}; trainer and engine on {device}; median of {a.repeats} syncs, each "
           "next to a device copy of the same tensors")
     print("| format | bucket MiB | buckets | GB | seconds | GB/s | / copy | gather+convert | flatten | serialize | "
-          "HTTP | engine receive | engine load, less snapshot | engine snapshot | snapshot GB on device / host | "
+          "HTTP | engine receive | engine load, less snapshot | engine snapshot | snapshot GB copied / mirrored | "
           "flush | control |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (fmt, mb), reports in rows.items():
-        report, flatten_s, serialize_s, device_bytes, host_bytes = sorted(
+        report, flatten_s, serialize_s, copied_bytes, mirrored_bytes = sorted(
             reports, key=lambda r: r[0].transfer_seconds)[len(reports) // 2]
         sp = report.split
         http = max(0.0, sp.http_s - flatten_s - serialize_s)  # SyncSplit's, less the sender's own work
@@ -197,7 +201,7 @@ def print_table(a, config: dict, rows: dict, copy_s: list[float], nbytes: int) -
               f"{report.gbps:.2f} | {report.gbps / copy_gbps:.3f} | {sp.gather_convert_s:.3f} | {flatten_s:.3f} | "
               f"{serialize_s:.3f} | {http:.3f} | {sp.engine_receive_s:.3f} | "
               f"{sp.engine_load_s - sp.engine_snapshot_s:.3f} | {sp.engine_snapshot_s:.3f} | "
-              f"{device_bytes / 1e9:.2f} / {host_bytes / 1e9:.2f} | {sp.flush_s:.3f} | {sp.control_s:.3f} |")
+              f"{copied_bytes / 1e9:.2f} / {mirrored_bytes / 1e9:.2f} | {sp.flush_s:.3f} | {sp.control_s:.3f} |")
     print(f"| device copy, same tensors | - | - | {nbytes / 1e9:.2f} | {copy_med:.4f} | {copy_gbps:.2f} | 1.000 "
           "| | | | | | | | | | |")
     print("copy rounds (s): " + ", ".join(f"{x:.4f}" for x in copy_s))

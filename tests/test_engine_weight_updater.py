@@ -24,6 +24,7 @@ from slime_spec.common.net import free_port
 from slime_spec.engine import sglang_stand_ins
 from slime_spec.fleet.process import embedded_server_process
 from slime_spec.tools.tiny_model import make_tiny_model
+from slime_spec.weight_sync.transports.http_transports import reported_timing
 from slime_spec.weight_sync.transports.tensor_payload import serialize_named_tensors
 from slime_spec.weight_sync.verify.sglang_params import MIMO_MTP, RunnerLayout, served_name
 
@@ -151,8 +152,10 @@ def test_target_update_then_mtp_only_update(server, trainer, restore):
 
     ok(server, "/begin_weight_update", {"selector": "target"})
     r = push(server, trainer, [(NORM, torch.zeros(32))], "target", weight_version="v1")
-    assert r.json() == {"success": True,
-                        "message": "Succeeded to update parameter online. Weight version updated to v1."}
+    message = r.json()["message"]
+    assert r.json()["success"] and message.startswith("Succeeded to update parameter online. ") \
+        and message.endswith(" Weight version updated to v1."), message
+    assert reported_timing(r.json())["direct_tensors"] == 1  # the engine's timing rides in SGLang's message
     ok(server, "/end_weight_update", {})
     ids, accept, outs = outputs(server)
     assert ids != base_ids and all(t == 0 for row in ids for t in row)  # a zero final norm: logits 0, argmax 0
@@ -202,7 +205,7 @@ def test_update_from_tensor_plain_and_flattened_bucket(server, restore):
     ok(server, "/begin_weight_update", {})
     payload = serialize_named_tensors([(NORM, torch.zeros(32))])
     assert ok(server, "/update_weights_from_tensor", {"serialized_named_tensors": [payload], "selector": "target"})[
-        "message"] == "Success"
+        "message"].startswith("Success")
     assert all(t == 0 for row in outputs(server)[0] for t in row)
     bucket = FlattenedTensorBucket(named_tensors=[(NORM, torch.ones(32)), (MTP_NORM, torch.ones(32))])
     # What SGLang's producers send with load_format "flattened_bucket": one flat tensor and its metadata.
@@ -438,56 +441,84 @@ def served_bytes(core) -> dict[str, torch.Tensor]:
     return {f"{role}.{n}": t.clone() for role in ("target", "draft") for n, t in core.named_weights(role).items()}
 
 
-@pytest.mark.parametrize("budget_tensors", [0, 2, 10 ** 6])  # host tier only, both tiers, device tier only
-def test_a_failure_after_buckets_landed_restores_every_old_byte_from_either_snapshot_tier(model, budget_tensors):
-    """The session's snapshot is kept on the tensors' own device while the budget lasts, the rest in host buffers
-    (on a CPU engine both are host memory, but the device tier's own code runs: fresh buffers per session, dropped
-    when it ends). Two buckets land, the third is refused: every byte of every served tensor is as before."""
+def update_bucket(weights, names, value, target):
+    reply = tensor_update(weights, "target", [(n, torch.full_like(target[n], value)) for n in names])
+    assert reply.success, reply
+    return weights.last_timing
+
+
+def test_a_failure_after_buckets_landed_restores_every_old_byte_from_the_host_mirror(model):
+    """Session 1 lands (its rollback values copied to the host on the sync's path: the mirror is empty at start)
+    and ends; its tensors are copied to the mirror in the background. Session 2 copies nothing on its path (the
+    mirror holds what is served), lands two buckets, then a third is refused: every byte of every served tensor is
+    as after session 1. No device memory is held at any point: the values live in host buffers."""
     from slime_spec.engine.managers.engine_core import EngineCore
     core = EngineCore(str(model), None, max_running_requests=2)
-    before = served_bytes(core)
     target = core.named_weights("target")
     names = [n for n in target if n.startswith("model.layers.")][:4]
-    budget = sum(target[n].numel() * target[n].element_size() for n in names[:budget_tensors]) \
-        if budget_tensors < len(names) else 1 << 40
+    nbytes = sum(target[n].numel() * target[n].element_size() for n in names)
     weights = engine_weights(core)
-    weights.session.snapshot_budget = lambda device: budget
     assert begin(weights, "target").success
-    timings = []
-    for bucket in (names[:2], names[2:]):
-        reply = tensor_update(weights, "target", [(n, torch.full_like(target[n], 7.0)) for n in bucket])
-        assert reply.success, reply
-        timings.append(weights.last_timing)
-    device = sum(t["snapshot_device_bytes"] for t in timings)
-    host = sum(t["snapshot_host_bytes"] for t in timings)
-    assert device + host == sum(target[n].numel() * target[n].element_size() for n in names)
-    assert (device > 0) == (budget_tensors > 0) and (host > 0) == (budget_tensors < len(names))
-    assert torch.equal(core.named_weights("target")[names[0]], torch.full_like(target[names[0]], 7.0))
+    first = [update_bucket(weights, bucket, 7.0, target) for bucket in (names[:2], names[2:])]
+    assert sum(t["snapshot_copied_bytes"] for t in first) == nbytes
+    assert sum(t["snapshot_mirrored_bytes"] for t in first) == 0
+    assert weights.handle(request("EndWeightUpdateReqInput")).success
+    before = served_bytes(core)
+    assert begin(weights, "target").success  # waits for the background copies
+    second = [update_bucket(weights, bucket, 9.0, target) for bucket in (names[:2], names[2:])]
+    assert sum(t["snapshot_copied_bytes"] for t in second) == 0  # the mirror held every value
+    assert sum(t["snapshot_mirrored_bytes"] for t in second) == nbytes
+    assert torch.equal(core.named_weights("target")[names[0]], torch.full_like(target[names[0]], 9.0))
     bad = tensor_update(weights, "target", [(NORM, torch.zeros(3))])
     assert not bad.success and "were rolled back" in bad.message, bad
     after = served_bytes(core)
     assert after.keys() == before.keys()
     assert all(torch.equal(after[k], before[k]) for k in before), [k for k in before if not torch.equal(after[k],
                                                                                                      before[k])]
-    assert weights.session.snapshots.device_bytes_held == 0  # the device copies are dropped once restored
+    assert all(t.device.type == "cpu" for t in weights.session.mirror.buffers.values())
     end = weights.handle(request("EndWeightUpdateReqInput"))
     assert (end.success, end.message) == (True, "Success")  # SGLang's manager closes the session as it always does
     assert not weights.session.open and all(torch.equal(served_bytes(core)[k], before[k]) for k in before)
+    assert begin(weights, "target").success  # the rollback left the mirror equal to what is served
+    assert update_bucket(weights, names, 3.0, target)["snapshot_copied_bytes"] == 0
+    assert abort(weights).success
+    assert all(torch.equal(served_bytes(core)[k], before[k]) for k in before)
 
 
-def test_device_snapshot_budget_is_free_memory_less_headroom():
-    from slime_spec.engine.weights.receive import SnapshotStore, device_snapshot_budget
-    assert device_snapshot_budget("cpu") == 0  # a CPU engine snapshots into reused host buffers
-    store = SnapshotStore()
-    store.begin_session(100 * 4)
-    a, b = torch.arange(60.0), torch.arange(60.0) + 1
-    (copy_a, a_on_device), (copy_b, b_on_device) = store.copy_of("target", "a", a), store.copy_of("target", "b", b)
-    assert (a_on_device, b_on_device) == (True, False)  # a fits the budget, b goes to the host tier
-    assert (store.device_bytes_held, store.host_bytes_held) == (240, 240)
-    a.zero_(), b.zero_()
-    assert torch.equal(copy_a, torch.arange(60.0)) and torch.equal(copy_b, torch.arange(60.0) + 1)
-    store.end_session()
-    assert (store.device_bytes_held, store.device_budget, store.host_bytes_held) == (0, 0, 240)  # host tier stays
+def test_a_write_outside_a_session_is_copied_again_on_the_next_sync(model):
+    """A load outside a session (a disk update) changes what is served behind the mirror's back: the mirror is
+    dropped and the next session copies its rollback values on its own path, so a rollback restores the disk's."""
+    from slime_spec.engine.managers.engine_core import EngineCore
+    from slime_spec.engine.weights.receive import EngineTiming
+    core = EngineCore(str(model), None, max_running_requests=2)
+    target = core.named_weights("target")
+    name = next(n for n in target if n.startswith("model.layers."))
+    weights = engine_weights(core)
+    assert begin(weights, "target").success
+    update_bucket(weights, [name], 7.0, target)
+    assert weights.handle(request("EndWeightUpdateReqInput")).success
+    loaded, _ = weights._load([(name, torch.full_like(target[name], 5.0))], "target", "ok", EngineTiming(), "disk")
+    assert loaded
+    assert begin(weights, "target").success
+    assert update_bucket(weights, [name], 1.0, target)["snapshot_copied_bytes"] > 0
+    assert abort(weights).success
+    assert torch.equal(core.named_weights("target")[name], torch.full_like(target[name], 5.0))
+
+
+def test_the_mirror_refresh_shares_one_buffer_per_storage_and_waits_before_use():
+    from slime_spec.engine.weights.mirror import HostMirror
+    mirror = HostMirror()
+    shared, other = torch.arange(60.0), torch.arange(4.0)
+    mirror.refresh([(("target", "e"), shared), (("draft", "e"), shared), (("target", "o"), other)])
+    assert mirror.fresh == set()  # in flight: not fresh until waited for
+    buf, copied = mirror.backup_of(("draft", "e"), shared)
+    assert not copied and torch.equal(buf, torch.arange(60.0))
+    assert mirror.buffers[("target", "e")] is mirror.buffers[("draft", "e")]
+    assert mirror.host_bytes_held == 64 * 4
+    shared.zero_()
+    assert torch.equal(buf, torch.arange(60.0))  # a copy, not a view
+    mirror.invalidate()
+    assert mirror.backup_of(("target", "o"), other)[1]  # copied again
 
 
 def test_a_tensor_both_runners_serve_is_snapshotted_once(model):
@@ -506,36 +537,32 @@ def test_a_tensor_both_runners_serve_is_snapshotted_once(model):
     reply = tensor_update(weights, "all", [(embed, torch.zeros_like(before))])
     assert reply.success, reply
     timing = weights.last_timing
-    assert timing["snapshot_device_bytes"] + timing["snapshot_host_bytes"] == before.numel() * before.element_size()
+    assert timing["snapshot_copied_bytes"] + timing["snapshot_mirrored_bytes"] == before.numel() * before.element_size()
     bad = tensor_update(weights, "all", [(NORM, torch.zeros(3))])
     assert not bad.success and "were rolled back" in bad.message, bad
     assert torch.equal(core.named_weights("draft")[embed], before)
 
 
-@pytest.mark.parametrize("budget", [0, 1 << 40])  # host tier, device tier
-def test_a_shared_tensor_reached_by_two_selectors_is_copied_once_and_restored_to_its_value_before_begin(
-        model, budget):
+def test_a_shared_tensor_reached_by_two_selectors_is_copied_once_and_restored_to_its_value_before_begin(model):
     """MiMo's embedding is served by the target and the MTP runner. Update 1 (selector target) writes it, update 2
     (selector draft) writes it again: the session keeps the one copy taken before update 1, so the rollback
     restores the value from before begin (a second copy, taken of update 1's value, was restored last), and
-    the snapshot bytes the updates report equal the memory the copies hold."""
+    the snapshot bytes the updates report equal the host memory the copies hold."""
     from slime_spec.engine.managers.engine_core import EngineCore
     from slime_spec.speculative.settings import SpecConfig
     core = EngineCore(str(model), SpecConfig("EAGLE", 2, 1, 3), max_running_requests=2)
     embed = "model.embed_tokens.weight"
     before = core.named_weights("target")[embed].clone()
     weights = engine_weights(core)
-    weights.session.snapshot_budget = lambda device: budget
     assert begin(weights, "all").success
     timings = []
     for selector, value in (("target", 0.0), ("draft", 1.0)):
         reply = tensor_update(weights, selector, [(embed, torch.full_like(before, value))])
         assert reply.success, reply
         timings.append(weights.last_timing)
-    reported = [t["snapshot_device_bytes"] + t["snapshot_host_bytes"] for t in timings]
+    reported = [t["snapshot_copied_bytes"] + t["snapshot_mirrored_bytes"] for t in timings]
     assert reported == [before.numel() * before.element_size(), 0]  # the second update found its copy
-    store = weights.session.snapshots
-    assert sum(t["snapshot_device_bytes"] for t in timings) == store.device_bytes_held
+    assert sum(t["snapshot_copied_bytes"] for t in timings) == weights.session.mirror.host_bytes_held
     assert torch.equal(core.named_weights("draft")[embed], torch.ones_like(before))
     aborted = abort(weights)
     assert aborted.success, aborted
@@ -553,7 +580,7 @@ def test_an_in_place_update_decides_its_copies_once_and_counts_their_bytes_once(
     core = EngineCore(str(model), None, max_running_requests=2)
     target = core.named_weights("target")
     names = [n for n in target if n.startswith("model.layers.")][:3]
-    session = weight_session.WeightSession("cpu", snapshot_budget=lambda device: 0)
+    session = weight_session.WeightSession("cpu")
     session.begin("target", "v0")
     decided = []
     real = session.snapshot_for
@@ -571,8 +598,8 @@ def test_an_in_place_update_decides_its_copies_once_and_counts_their_bytes_once(
     receive_in_place(Group(), specs, "cpu", plan, metas, snapshot.take, timing)
     receive_in_place(Group(), specs[:1], "cpu", plan[:1], metas[:1], snapshot.take, timing)  # a repeated name
     assert decided == [names]
-    assert timing.snapshot_host_bytes == sum(target[n].numel() * target[n].element_size() for n in names)
-    assert session.snapshots.host_bytes_held == timing.snapshot_host_bytes
+    assert timing.snapshot_copied_bytes == sum(target[n].numel() * target[n].element_size() for n in names)
+    assert session.mirror.host_bytes_held == timing.snapshot_copied_bytes
     assert session.rollback(core) == len(names)
     assert all(not torch.all(core.named_weights("target")[n] == 3.0) for n in names)
 

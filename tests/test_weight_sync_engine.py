@@ -133,9 +133,10 @@ def test_engine_serves_megatron_weights_after_sync(request, megatron, tmp_path, 
         metrics = syncer.sync(iter_hf_tensors(policy.named_parameters(), hf_config), weight_version="1")
         syncer.close()
         assert metrics["weight_sync_params"] > 0 and (metrics["weight_sync_mtp_params"] > 0) == bool(mtp)
-        # SGLang's update replies have no field for the engine's own seconds (the engine logs them; the
-        # in-process reply carrying them is pinned in tests/test_engine_weight_updater.py): none reach the syncer
-        assert metrics["weight_sync_engine_load_s"] == metrics["weight_sync_engine_receive_s"] == 0
+        # the engine's own seconds ride in SGLang's reply message (EngineTiming.tagged) and reach the split; the
+        # disk transport's one update is sent at the end of the sync, outside the timed buckets
+        engine_s = metrics["weight_sync_engine_load_s"] + metrics["weight_sync_engine_receive_s"]
+        assert (engine_s > 0) == (transport != "disk")
         reply = engine.generate([5, 6, 7, 8, 9], logprobs=True)
         assert reply["meta_info"]["weight_version"] == "1" and reply["output_ids"] != before
 
@@ -168,10 +169,12 @@ def _spec_args(flags: list[str]) -> dict:
     return {"speculative_algorithm": flags[flags.index("--speculative-algorithm") + 1]} if flags else {}
 
 
-@pytest.mark.parametrize("buffer_bytes,transport", [(1 << 30, "tensor"), (4096, "tensor"), (4096, "distributed")])
-def test_failed_sync_leaves_the_engine_serving_previous_weights(engine, tmp_path, buffer_bytes, transport):
+@pytest.mark.parametrize("buffer_bytes,transport,flatten", [(1 << 30, "tensor", None), (4096, "tensor", None),
+                                                            (4096, "distributed", False), (4096, "distributed", True)])
+def test_failed_sync_leaves_the_engine_serving_previous_weights(engine, tmp_path, buffer_bytes, transport, flatten):
     """One bucket, or many small ones of which the first ones land before the bad one: either way the
-    engine ends up serving exactly the weights it had before the sync (checksums), and keeps generating."""
+    engine ends up serving exactly the weights it had before the sync (checksums), and keeps generating. Over
+    distributed, tensor by tensor (received into the parameters) and one flattened bucket per broadcast."""
     served = engine.model_path
     new = make_tiny_model(tmp_path / "new", arch="mimo", seed=1, **TINY)
     before = engine.generate([5, 6, 7, 8, 9])
@@ -184,6 +187,9 @@ def test_failed_sync_leaves_the_engine_serving_previous_weights(engine, tmp_path
                           hf_config=_config(served), hf_checkpoint=served,
                           spec=SpecSetup("EAGLE", None, str(served)),
                           has_mtp_layers=True, transport=transport, master_port=free_port())
+    syncer.prepare()
+    if transport == "distributed":
+        syncer.transport.flatten = flatten
     with pytest.raises(WeightSyncError, match="previous weights") as err:
         syncer.sync(iter(bad), weight_version="2")
     assert err.value.engines_serve_previous_weights
@@ -346,9 +352,8 @@ def test_colocated_sync_lands_and_reports_its_split(engine, tmp_path, flatten):
     assert report.buckets > 1 and report.served_written["target"] > 0  # check_weight_sync compared the values
     t = syncer.transport
     assert t.serialize_s > 0 and (t.flatten_s > 0) == flatten
-    # the engine's own seconds stay in its log (SGLang's reply has no field for them; the in-process reply
-    # carrying them is pinned in tests/test_engine_weight_updater.py)
-    assert report.split.engine_snapshot_s == report.split.engine_load_s == 0
+    # the engine's own seconds ride in SGLang's reply message; its rollback snapshot is inside its load
+    assert 0 < report.split.engine_snapshot_s <= report.split.engine_load_s
     assert report.metrics()["weight_sync_engine_snapshot_s"] == report.split.engine_snapshot_s
     assert torch.equal(engine.served("model.norm.weight"), _state(new)["model.norm.weight"].float())
     syncer.close()

@@ -328,6 +328,19 @@ def test_engine_seconds_take_the_slowest_engine_and_zero_where_none_reports():
     assert engine_seconds([]) == (0.0, 0.0)
 
 
+def test_engine_timing_is_read_from_the_message_the_embedded_engine_tags():
+    """SGLang's reply structs carry only success and message: the embedded engine appends its timing to the message
+    (EngineTiming.tagged), SGLang appends its own sentence after it, and the trainer reads it back."""
+    from slime_spec.engine.weights.receive import TIMING_TAG, EngineTiming
+    from slime_spec.weight_sync.transports import http_transports as ht
+    assert ht.TIMING_TAG == TIMING_TAG  # one spelling on both sides (the trainer does not import the engine)
+    message = EngineTiming(receive_s=0.25, load_s=0.5, snapshot_copied_bytes=8).tagged("Succeeded.")
+    reply = {"success": True, "message": message + " Weight version updated to v1."}
+    assert ht.engine_seconds([reply]) == (0.25, 0.5)
+    assert ht.engine_timing([reply], "snapshot_copied_bytes") == 8
+    assert ht.reported_timing({"message": TIMING_TAG + "{not json"}) is None
+
+
 def test_judge_recognises_the_checkpoint_without_a_verified_previous_state():
     from slime_spec.weight_sync.verify.served_state import ServedState, judge
     checkpoint = ServedState("default", {"a": "1", "b": "2"})

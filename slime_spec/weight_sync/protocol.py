@@ -203,9 +203,12 @@ def destroy_group_payload(group_name: str) -> dict:
 
 
 def distributed_payload(names: list[str], dtypes: list[str], shapes: list[list[int]], *, group_name: str,
-                        selector: Selector, weight_version: str | None, flush_cache: bool, session: bool) -> dict:
+                        selector: Selector, weight_version: str | None, flush_cache: bool, session: bool,
+                        load_format: str | None = None) -> dict:
     payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                "flush_cache": flush_cache, "weight_version": weight_version}
+    if load_format is not None:
+        payload["load_format"] = load_format
     if session:
         payload["selector"] = selector
     return payload

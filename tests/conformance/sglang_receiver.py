@@ -37,8 +37,9 @@ def main(plan_path: str, out_path: str) -> int:
     received = {}
     for bucket in plan["buckets"]:
         received.update(updater.receive_weights_from_distributed(
-            names=bucket["names"], dtypes=bucket["dtypes"], shapes=bucket["shapes"], group_name=plan["group_name"]))
-    torch.save(received, out_path)
+            names=bucket["names"], dtypes=bucket["dtypes"], shapes=bucket["shapes"], group_name=plan["group_name"],
+            load_format=bucket.get("load_format")))
+    torch.save({n: t.clone() for n, t in received.items()}, out_path)  # a flattened bucket's are views of one
     ok, message = updater.destroy_weights_update_group(plan["group_name"])
     print(message)
     return 0 if ok else 1

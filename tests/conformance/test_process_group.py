@@ -2,7 +2,8 @@
 
 Rank 0 is our `WeightUpdateGroup` in this process; rank 1 is SGLang 0.5.23's model-runner
 `WeightUpdater` (init_custom_process_group + receive_weights_from_distributed) in a second process,
-over gloo on 127.0.0.1. Every bucket must arrive bit for bit, with SGLang reading our dtype names.
+over gloo on 127.0.0.1. Every bucket must arrive bit for bit, with SGLang reading our dtype names, tensor by
+tensor and as one flattened bucket (`load_format: "flattened_bucket"`, which SGLang lays out itself).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from slime_spec.common.dist_group import WeightUpdateGroup
 from slime_spec.common.net import free_port
-from slime_spec.weight_sync.transports.http_transports import dtype_name
+from slime_spec.weight_sync.transports.http_transports import broadcast_plan, dtype_name
 
 ROOT = Path(__file__).resolve().parents[2]
 JOIN_TIMEOUT_S = 60.0
@@ -35,12 +37,15 @@ def buckets() -> list[list[tuple[str, torch.Tensor]]]:
     ]
 
 
-def test_our_sender_meets_sglangs_receiver(tmp_path):
+@pytest.mark.parametrize("flatten", [False, True])  # one broadcast per tensor; one per bucket (flattened_bucket)
+def test_our_sender_meets_sglangs_receiver(tmp_path, flatten):
     port = free_port()
+    wire = [broadcast_plan(b, flatten) for b in buckets()]
     plan = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": "weight_update_group", "tp_rank": 0, "default_group_file": str(tmp_path / "default_pg"),
-            "buckets": [{"names": [n for n, _ in b], "dtypes": [dtype_name(t.dtype) for _, t in b],
-                         "shapes": [list(t.shape) for _, t in b]} for b in buckets()]}
+            "buckets": [{"names": [n for n, _, _ in specs], "dtypes": [dtype_name(d) for _, d, _ in specs],
+                         "shapes": [shape for _, _, shape in specs],
+                         "load_format": "flattened_bucket" if flatten else None} for specs, _ in wire]}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     receiver = subprocess.Popen([sys.executable, "-m", "tests.conformance.sglang_receiver", str(tmp_path / "plan.json"),
@@ -48,8 +53,8 @@ def test_our_sender_meets_sglangs_receiver(tmp_path):
                                 stderr=subprocess.STDOUT, text=True)
     try:
         group = WeightUpdateGroup("127.0.0.1", port, rank=0, world_size=2, backend="gloo", timeout_s=JOIN_TIMEOUT_S)
-        for bucket in buckets():
-            for _, tensor in bucket:
+        for _, tensors in wire:
+            for tensor in tensors:
                 group.broadcast(tensor, src=0)
         output, _ = receiver.communicate(timeout=JOIN_TIMEOUT_S)
         group.destroy()
@@ -60,7 +65,7 @@ def test_our_sender_meets_sglangs_receiver(tmp_path):
     assert receiver.returncode == 0, output
     received = torch.load(tmp_path / "out.pt")
     sent = dict(kv for b in buckets() for kv in b)
-    assert list(received) == list(sent)
+    assert sorted(received) == sorted(sent)
     for name, tensor in sent.items():
         assert received[name].dtype == tensor.dtype and received[name].shape == tensor.shape, name
         assert torch.equal(received[name], tensor), name

@@ -7,16 +7,8 @@ still restores every tensor it touched. A tensor whose dtype or device differs i
 buffer and copied (converted) afterwards; one no runner serves (a tied `lm_head.weight`) into a scratch
 buffer that is dropped. The broadcast always completes on every rank, whatever this engine does with it.
 
-Snapshots live in a `SnapshotStore`, in two tiers. On a CUDA engine a tensor is first copied to a buffer on its
-own device, while the session's device budget lasts (`device_snapshot_budget`: what the device has free, less
-`DEVICE_SNAPSHOT_HEADROOM_BYTES`): a device-to-device copy runs at memory bandwidth (~2-3 TB/s on an H100)
-against the ~25-50 GB/s of a pinned device-to-host copy, which dominated a colocated sync (0.16 s of 0.24 s at
-5.7 GB). Device buffers live for one session: `end_session` drops them and hands the memory back to the driver,
-so a trainer sharing the GPU gets it back. What does not fit goes to the host tier: one host buffer per served
-tensor, allocated at the first session and reused by every later one (pinned for a CUDA engine, so the copy runs
-at bus speed); allocating fresh host memory for every sync costs a page fault per 4 KiB page, more than the copy
-itself. The price of the host tier is up to one model's size in host memory for the engine's lifetime. A CPU
-engine has no device tier (its budget is 0): the reused host buffers are the cheaper copy there.
+The snapshot is the session's (engine/weights/session.py), held in the engine's host mirror
+(engine/weights/mirror.py): no device memory, and in the steady state no copy on the sync's path.
 
 On CUDA every write is asynchronous; `settle` waits for them, so a reply is sent only after the weights
 have landed (a CUDA-IPC sender may free or reuse its bucket the moment it reads the reply).
@@ -25,8 +17,9 @@ have landed (a CUDA-IPC sender may free or reuse its bucket the moment it reads 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -37,93 +30,30 @@ from slime_spec.common.threads import intra_op_threads
 @dataclass
 class EngineTiming:
     """Seconds this engine spent on one update request: receiving bytes and loading them (validation,
-    snapshot, copies, device sync). Sent back as `slime_spec_engine_timing`, a slime-spec extension field."""
+    snapshot, copies, device sync). Sent back as `slime_spec_engine_timing`, a slime-spec extension."""
 
     receive_s: float = 0.0
     load_s: float = 0.0
-    snapshot_s: float = 0.0  # inside load_s: the session's rollback copies, which SGLang does not make (on CUDA
-    # the in-place distributed receive counts queueing them only; their device time lands in receive_s)
+    snapshot_s: float = 0.0  # inside load_s: holding the session's rollback values, which SGLang does not do (on
+    # CUDA the in-place distributed receive counts queueing the copies only; their device time lands in receive_s)
     direct: int = 0  # tensors received straight into parameter memory
     buffered: int = 0  # tensors received into a buffer and copied
-    snapshot_device_bytes: int = 0  # this update's rollback copies kept on the device (counted by the
-    snapshot_host_bytes: int = 0  # update's weight_session.UpdateSnapshot alone) and those copied to host buffers
+    snapshot_copied_bytes: int = 0  # rollback values copied to the host on this update's path (counted by the
+    snapshot_mirrored_bytes: int = 0  # update's session.UpdateSnapshot alone) and those the mirror already held
 
-    def reply_field(self) -> dict:
-        return {"slime_spec_engine_timing": {"receive_s": self.receive_s, "load_s": self.load_s,
-                                             "snapshot_s": self.snapshot_s, "direct_tensors": self.direct,
-                                             "buffered_tensors": self.buffered,
-                                             "snapshot_device_bytes": self.snapshot_device_bytes,
-                                             "snapshot_host_bytes": self.snapshot_host_bytes}}
+    def fields(self) -> dict:
+        return {"receive_s": self.receive_s, "load_s": self.load_s, "snapshot_s": self.snapshot_s,
+                "direct_tensors": self.direct, "buffered_tensors": self.buffered,
+                "snapshot_copied_bytes": self.snapshot_copied_bytes,
+                "snapshot_mirrored_bytes": self.snapshot_mirrored_bytes}
 
-
-DEVICE_SNAPSHOT_HEADROOM_BYTES = 2 << 30  # left free on the device: the update's own receive buffers (a flattened
-# bucket of --update-weight-buffer-size, 512 MiB by default, or a dtype conversion) and other allocations must fit
-
-
-def device_snapshot_budget(device: str | torch.device, headroom: int = DEVICE_SNAPSHOT_HEADROOM_BYTES) -> int:
-    """Bytes of rollback snapshot a session may keep on `device`: free device memory (the driver's, plus what
-    torch's allocator holds unused) less `headroom`; 0 on a CPU engine, whose snapshots go to reused host buffers."""
-    if not (str(device).startswith("cuda") and torch.cuda.is_available()):
-        return 0
-    free, _ = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return max(0, free + cached - headroom)
+    def tagged(self, message: str) -> str:
+        """`message` with this timing appended after TIMING_TAG: SGLang's reply structs carry only success and
+        message, so the timing rides in the message (weight_sync's engine_timing reads it back)."""
+        return f"{message} {TIMING_TAG}{json.dumps(self.fields(), separators=(',', ':'))}"
 
 
-@dataclass
-class SnapshotStore:
-    """Rollback copies of served tensors: on their own device within the session's budget, else in host buffers
-    (one reusable buffer per (role, name)). `begin_session(budget)` opens a session, `end_session()` drops its
-    device copies. It keeps the budget, not a count of bytes: the update that asks for a copy counts it
-    (weight_session.UpdateSnapshot), once."""
-
-    buffers: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)  # host tier, kept across sessions
-    device_budget: int = 0  # bytes the open session may still take on the device
-    _device_copies: list[torch.Tensor] = field(default_factory=list)
-
-    def begin_session(self, device_budget: int) -> None:
-        self.end_session()
-        self.device_budget = max(0, int(device_budget))
-
-    def end_session(self) -> None:
-        """Drop the session's device copies; on CUDA hand their memory back to the driver, since a colocated
-        trainer on the same GPU needs it once the sync is over. Idempotent."""
-        cuda = any(t.is_cuda for t in self._device_copies)
-        self._device_copies.clear()
-        self.device_budget = 0
-        if cuda:
-            torch.cuda.empty_cache()
-
-    @property
-    def device_bytes_held(self) -> int:
-        """Device memory the open session's copies hold (what end_session hands back)."""
-        return sum(t.numel() * t.element_size() for t in self._device_copies)
-
-    @property
-    def host_bytes_held(self) -> int:
-        """Host memory of the host tier (kept for the engine's life)."""
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
-
-    def copy_of(self, role: str, name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """A copy of `tensor`, and whether it went to the device tier."""
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes <= self.device_budget:
-            try:
-                buf = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-            except torch.OutOfMemoryError:  # the budget was measured at begin; a colocated trainer took memory since
-                self.device_budget = 0
-            else:
-                buf.copy_(tensor.detach())
-                self._device_copies.append(buf)
-                self.device_budget -= nbytes
-                return buf, True
-        buf = self.buffers.get((role, name))
-        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-            pin = tensor.is_cuda and torch.cuda.is_available()
-            buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-            self.buffers[(role, name)] = buf
-        buf.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
-        return buf, False
+TIMING_TAG = "slime_spec_engine_timing="
 
 
 @contextlib.contextmanager

@@ -1,61 +1,60 @@
 """One weight-update session of the embedded engine (`/begin_weight_update` .. `/end_weight_update`): its selector,
 its rollback snapshot, and the first error that failed it.
 
-Before an update overwrites a served tensor, the session keeps a copy of it (once per session, in a
-weight_receive.SnapshotStore: on the device while its free memory allows, else in reused host buffers). If any
-update of the session fails, every tensor the session wrote is restored at once and the rest of the session is
-refused, so the weights from before `begin` keep serving. A tensor several runners serve (MiMo's shared
-embedding) is copied once per session, whichever selector reaches it first, so its rollback restores the value
-from before `begin` for every runner. SGLang 0.5.23 keeps no such copy (its loaders write the parameters in
-place and a failure answers "partially updated"); the copy is the embedded engine's own price.
+Before an update overwrites a served tensor, the session holds its value from before `begin` (once per session):
+a host buffer of the engine's HostMirror (engine/weights/mirror.py), which already equals what is served unless
+this is the first sync or the tensor was written outside a session, in which case it is copied there just
+before the write. If any update of the session fails, every tensor the session wrote is restored at once and the
+rest of the session is refused, so the weights from before `begin` keep serving. A tensor several runners serve
+(MiMo's shared embedding) is held once per session, whichever selector reaches it first, so its rollback restores
+the value from before `begin` for every runner. When a session ends with its updates kept, the tensors it wrote
+are copied to the mirror in the background, ready for the next session. SGLang 0.5.23 keeps no such copy (its
+loaders write the parameters in place and a failure answers "partially updated"); the mirror is the embedded
+engine's own price: host memory, no device memory.
 
-Which tensors an update copies is decided once per update (`snapshot_for`, over all its names); each copy is
-taken just before that tensor's first write (`UpdateSnapshot.take`), which counts its bytes, the one place
-snapshot bytes are counted. Rollback and close share one cleanup and are idempotent.
+Which tensors an update needs is decided once per update (`snapshot_for`, over all its names); each is taken just
+before that tensor's first write (`UpdateSnapshot.take`), which counts the bytes copied on the sync's path and
+those the mirror already held. Rollback and close share one cleanup and are idempotent.
 
-Why no update skips the copy: a session spans many update requests (one per bucket), and a later bucket can be
-refused (a wrong name, a lost trainer mid-broadcast) after earlier ones landed; only a copy taken before the first
-write of each tensor can restore it. An update outside a session is already all or nothing without one: it is
-validated in full before its first copy.
+Why no update goes without: a session spans many update requests (one per bucket), and a later bucket can be
+refused (a wrong name, a lost trainer mid-broadcast) after earlier ones landed; only a value held from before the
+first write of each tensor can restore it. An update outside a session is already all or nothing without one: it
+is validated in full before its first copy.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
-from slime_spec.engine.weights.receive import EngineTiming, SnapshotStore, device_snapshot_budget
+from slime_spec.engine.weights.mirror import HostMirror, storage_key
+from slime_spec.engine.weights.receive import EngineTiming
 
 Backup = dict[str, dict[str, torch.Tensor]]  # role -> name -> the tensor as it was before the session
+ROLES = ("target", "draft")
 
 
 def roles_of(selector: str) -> list[str]:
     if selector == "all":
-        return ["target", "draft"]
-    if selector in ("target", "draft"):
+        return list(ROLES)
+    if selector in ROLES:
         return [selector]
     raise ValueError(f"invalid selector {selector!r}; expected 'target', 'draft', or 'all'")
 
 
-def storage_key(tensor: torch.Tensor) -> tuple:
-    """One key for one served tensor, however many runners serve it (MiMo's MTP runner shares the embedding)."""
-    return tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype
-
-
 class WeightSession:
-    """The open session, if any. `snapshot_budget(device)` says how many snapshot bytes may stay on the device."""
+    """The open session, if any, and the engine's host mirror of what it serves (kept across sessions)."""
 
-    def __init__(self, device: str, snapshot_budget: Callable[[str], int] = device_snapshot_budget):
+    def __init__(self, device: str):
         self.device = device
-        self.snapshot_budget = snapshot_budget
         self.selector: str | None = None  # None: no session is open
         self.error: str | None = None
         self.version_before: str | None = None
         self.restored = 0  # tensors this session's rollbacks restored
         self.backup: Backup = {}
-        self.snapshots = SnapshotStore()  # the buffers `backup` points into
-        self._copies: dict[tuple, torch.Tensor] = {}  # storage_key -> its copy: a shared tensor is copied once
+        self.mirror = HostMirror()  # the buffers `backup` points into
+        self._copies: dict[tuple, torch.Tensor] = {}  # storage_key -> its value before begin: a shared tensor once
 
     @property
     def open(self) -> bool:
@@ -63,12 +62,12 @@ class WeightSession:
 
     def begin(self, selector: str, weight_version: str) -> None:
         roles_of(selector)
+        self.mirror.wait()  # the last session's background copies: the next writes must come after them
         self.selector, self.error, self.version_before, self.restored = selector, None, weight_version, 0
-        self.snapshots.begin_session(self.snapshot_budget(self.device))
 
     def snapshot_for(self, core, selector: str, names: Iterable[str], timing: EngineTiming) -> "UpdateSnapshot":
         """One update's part of the snapshot, decided once for all its names: the served tensors they reach
-        that the session has not copied yet (the served tensors are looked up once per update too)."""
+        that the session does not hold yet (the served tensors are looked up once per update too)."""
         wanted, pending = set(names), {}
         for role in roles_of(selector):
             weights, saved = core.named_weights(role), self.backup.get(role, {})
@@ -77,47 +76,51 @@ class WeightSession:
         return UpdateSnapshot(self, pending, timing)
 
     def rollback(self, core) -> int:
-        """Restore every tensor the session wrote and drop the snapshot at once (its device copies go back to
-        the driver now, not at end); returns the tensors the session's rollbacks restored. The session stays
-        open: a failed one refuses the rest until it is closed. Idempotent: what was restored is not restored
-        again."""
+        """Restore every tensor the session wrote and drop the session's hold on them; returns the tensors the
+        session's rollbacks restored. The session stays open: a failed one refuses the rest until it is closed.
+        Idempotent: what was restored is not restored again. The mirror stays fresh: it holds what is served."""
         for role in list(self.backup):
             saved = self.backup[role]
             if saved:
                 core.load_weights(list(saved.items()), selector=role)
                 self.restored += len(saved)
             del self.backup[role]  # restored: not again if a later role raises and the rollback is retried
-        self._drop_snapshot()
+        self._copies = {}
         return self.restored
 
-    def close(self, core=None) -> int:
-        """End the session, the one way every session ends: `end_weight_update` (no `core`: what landed stays),
-        `abort_weight_update` (with `core`: rolled back first). Returns the tensors the session's rollbacks
-        restored, a failed update's included. Idempotent."""
+    def close(self, core=None, *, kept_core=None) -> int:
+        """End the session, the one way every session ends: `end_weight_update` (`kept_core`: what landed stays,
+        and is copied to the mirror in the background), `abort_weight_update` (`core`: rolled back first). Returns
+        the tensors the session's rollbacks restored, a failed update's included. Idempotent."""
         if core is not None:
             self.rollback(core)
-        else:
-            self._drop_snapshot()
+        elif kept_core is not None and self._copies:
+            self.mirror.refresh(self._written(kept_core))
+        self.backup, self._copies = {}, {}
         self.selector, self.error = None, None
         return self.restored
 
-    def keep(self, role: str, name: str, tensor: torch.Tensor) -> bool | None:
-        """Back up `name` of `role` before its first write: a storage already copied this session is shared, not
-        copied again. Returns None when no new copy was made, else whether the new copy is on the device."""
-        key, made = storage_key(tensor), None
-        if key not in self._copies:
-            self._copies[key], made = self.snapshots.copy_of(role, name, tensor)
+    def keep(self, role: str, name: str, tensor: torch.Tensor) -> tuple[int, int]:
+        """Hold `name` of `role` before its first write (a storage held already this session is shared). Returns
+        (bytes copied now, bytes the mirror already held)."""
+        key, nbytes = storage_key(tensor), tensor.numel() * tensor.element_size()
+        held = key in self._copies
+        if not held:
+            self._copies[key], copied = self.mirror.backup_of((role, name), tensor)
         self.backup.setdefault(role, {})[name] = self._copies[key]
-        return made
+        if held:
+            return 0, 0
+        return (nbytes, 0) if copied else (0, nbytes)
 
-    def _drop_snapshot(self) -> None:
-        self.backup, self._copies = {}, {}
-        self.snapshots.end_session()
+    def _written(self, core) -> list[tuple[tuple[str, str], torch.Tensor]]:
+        """Every (role, name) whose storage this session wrote, whichever runner's name reached it."""
+        return [((role, name), t) for role in ROLES for name, t in core.named_weights(role).items()
+                if storage_key(t) in self._copies]
 
 
 class UpdateSnapshot:
-    """The copies one update must take (`WeightSession.snapshot_for`), each taken by `take(name)` before that
-    tensor's first write. The one place snapshot bytes are counted: into the update's EngineTiming, by tier."""
+    """The tensors one update must hold (`WeightSession.snapshot_for`), each taken by `take(name)` before that
+    tensor's first write. The one place snapshot bytes are counted: into the update's EngineTiming."""
 
     def __init__(self, session: WeightSession, pending: dict[str, list[tuple[str, torch.Tensor]]],
                  timing: EngineTiming):
@@ -125,14 +128,9 @@ class UpdateSnapshot:
 
     def take(self, name: str) -> None:
         for role, tensor in self.pending.pop(name, ()):
-            on_device = self.session.keep(role, name, tensor)
-            if on_device is None:
-                continue
-            nbytes = tensor.numel() * tensor.element_size()
-            if on_device:
-                self.timing.snapshot_device_bytes += nbytes
-            else:
-                self.timing.snapshot_host_bytes += nbytes
+            copied, mirrored = self.session.keep(role, name, tensor)
+            self.timing.snapshot_copied_bytes += copied
+            self.timing.snapshot_mirrored_bytes += mirrored
 
     def take_all(self) -> None:
         for name in list(self.pending):

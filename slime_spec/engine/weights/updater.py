@@ -12,15 +12,17 @@ What stays ours, behind that interface:
   loads an update once for every runner its selector reaches (every name, shape and dtype checked before the first
   copy; MiMo's shared embedding copied once), so the first runner called does the load and the others report its
   result. The runners learn the update's selector from the request being served (`EngineWeights.serving`).
-- Rollback (engine/weights/session.py): inside a session every tensor an update overwrites is copied first; if an update
-  fails, everything the session wrote is restored, later updates of that session are refused, and the weights from
-  before `begin_weight_update` keep serving. SGLang's loaders write in place and a failure answers "partially
+- Rollback (engine/weights/session.py): inside a session every tensor an update overwrites is held first, in a host
+  mirror kept current in the background between sessions (engine/weights/mirror.py); if an update fails,
+  everything the session wrote is restored, later updates of that session are refused, and the weights from before
+  `begin_weight_update` keep serving. SGLang's loaders write in place and a failure answers "partially
   updated". `/end_weight_update` then answers as SGLang's manager does (success: it closes the session).
   `POST /abort_weight_update {}` (a slime-spec extension, carried as an `EndWeightUpdateReqInput` whose rid is
   http_server.ABORT_SESSION_RID) rolls back the open session and closes it through the manager's own end.
 - In-place receive: inside a session a distributed update is broadcast straight into parameter memory
-  (weight_receive.receive_in_place) instead of SGLang's fresh buffers; on CUDA the reply waits for the copies
-  (weight_receive.settle). Each update's receive and load seconds are logged (`slime_spec_engine_timing`).
+  (receive.receive_in_place) instead of SGLang's fresh buffers; on CUDA the reply waits for the copies
+  (receive.settle). Each update's receive and load seconds are logged and carried in the reply's message
+  (`slime_spec_engine_timing=`, receive.EngineTiming.tagged).
 - A request SGLang's manager lets raise (a malformed tensor payload) fails the update and the session instead of
   the scheduler process; the reply says why.
 
@@ -246,7 +248,7 @@ class EngineWeights:
     def _end(self, msg):
         out = self.manager.end_weight_update(msg)
         if out.success:
-            self.session.close()  # what landed stays
+            self.session.close(kept_core=self.core)  # what landed stays, and goes to the host mirror
         return out
 
     def _abort(self, msg):
@@ -273,9 +275,11 @@ class EngineWeights:
         return (f"{message} This session's {restored} earlier tensor write(s) were rolled back: the weights from "
                 "before begin_weight_update() keep serving.")
 
-    def _log_timing(self, label: str, timing: EngineTiming) -> None:
-        self.last_timing = timing.reply_field()["slime_spec_engine_timing"]
+    def _replied(self, label: str, timing: EngineTiming, message: str) -> tuple[bool, str]:
+        """A successful update's reply, its timing logged and carried in the message (EngineTiming.tagged)."""
+        self.last_timing = timing.fields()
         logger.info("%s: %s", label, self.last_timing)
+        return True, timing.tagged(message)
 
     def _refusal(self) -> str | None:
         if self.session.open and self.session.error is not None:
@@ -364,8 +368,7 @@ class EngineWeights:
     def load_received(self, named: Received) -> tuple[bool, str]:
         ok = "Succeeded to update parameter online."
         if named.landed:
-            self._log_timing("update_weights_from_distributed", named.timing)
-            return True, ok
+            return self._replied("update_weights_from_distributed", named.timing, ok)
         return self._load(list(named), self.call.selector, ok, named.timing, "update_weights_from_distributed")
 
     def load_tensors(self, named_tensors, load_format) -> tuple[bool, str]:
@@ -406,6 +409,8 @@ class EngineWeights:
         snapshot = DeviceSpan(self.device)
         if self.session.open:
             self.session.snapshot_for(self.core, selector, [n for n, _ in named], timing).take_all()
+        else:  # written outside a session: the mirror no longer equals what is served
+            self.session.mirror.invalidate()
         snapshot.stop()
         try:
             self.core.load_weights(named, selector=selector)
@@ -415,8 +420,7 @@ class EngineWeights:
         timing.snapshot_s += snapshot.seconds()
         timing.load_s += time.perf_counter() - t0
         timing.buffered += len(named)
-        self._log_timing(label, timing)
-        return True, ok
+        return self._replied(label, timing, ok)
 
 
 def _receive_buffers(group, specs, device: str, load_format) -> list[tuple[str, torch.Tensor]]:

@@ -8,7 +8,9 @@ verification are the syncer's job (sync.py).
 - distributed: the trainer's rank 0 and every engine form one process group through
   `/init_weights_update_group` (trainer = rank 0, engine i's TP rank r = rank_offset_i + r); per bucket
   every engine gets `/update_weights_from_distributed` (names, dtypes, shapes) while rank 0 broadcasts
-  each tensor in that order. nccl on GPU, gloo on CPU.
+  each tensor in that order, or (`flatten=True`, SGLang >= 0.5.23) the bucket flattened into one tensor and
+  broadcast once (`load_format: "flattened_bucket"`, laid out as SGLang's FlattenedTensorBucket.empty reads it).
+  nccl on GPU, gloo on CPU.
 - tensor (colocated): `/update_weights_from_tensor` with each bucket flattened into one tensor
   (`load_format: "flattened_bucket"`, as upstream slime sends it) and serialized the way SGLang's
   MultiprocessingSerializer reads it (pickle, base64 over HTTP; weight_sync/transports/tensor_payload.py), one entry
@@ -35,7 +37,13 @@ from slime_spec.fleet.client import EngineClient, EngineGroupError, post_all
 from slime_spec.weight_sync import protocol
 from slime_spec.weight_sync.gather import Bucket
 from slime_spec.weight_sync.transports.colocated import RankFailure
-from slime_spec.weight_sync.transports.tensor_payload import FLATTENED_BUCKET, compact, serialize_bucket, stage_bucket
+from slime_spec.weight_sync.transports.tensor_payload import (
+    FLATTENED_BUCKET,
+    compact,
+    flatten_bucket,
+    serialize_bucket,
+    stage_bucket,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +69,31 @@ class BroadcastStuck(RuntimeError):
         self.urls = list(urls)
 
 
+def broadcast_plan(named: list[tuple[str, torch.Tensor]], flatten: bool
+                   ) -> tuple[list[tuple[str, torch.dtype, list[int]]], list[torch.Tensor]]:
+    """What one bucket puts on the wire: (name, dtype, shape) per tensor, in the order the receiver reads them, and
+    the tensors rank 0 broadcasts in that order. Flattened: one uint8 tensor laid out as SGLang's
+    `FlattenedTensorBucket.empty(names, dtypes, shapes)` allocates it (wider dtypes first, so every tensor starts at
+    a multiple of its element size, which that receiver checks)."""
+    if not flatten:
+        return [(n, t.dtype, list(t.shape)) for n, t in named], [t for _, t in named]
+    flat = flatten_bucket(named)
+    return [(m.name, m.dtype, list(m.shape)) for m in flat["metadata"]], [flat["flattened_tensor"]]
+
+
 class DistributedTransport:
     name = "distributed"
 
     def __init__(self, clients: Sequence[EngineClient], master_address: str, master_port: int, *,
                  backend: str = "gloo", group_name: str = "weight_update_group", engine_tp_size: int = 1,
-                 session: bool = True, timeout_s: float = 300.0):
+                 session: bool = True, timeout_s: float = 300.0, flatten: bool = False):
+        """flatten: one broadcast per bucket (SGLang's receive then allocates one buffer, not one per tensor) at the
+        price of one copy on each side; needs SGLang >= 0.5.23 (the session protocol), whose receiver reads
+        `load_format`. Off: one broadcast per tensor, which the embedded engine receives into the parameters."""
+        if flatten and not session:
+            raise ValueError("a flattened bucket over update_weights_from_distributed needs SGLang >= 0.5.23 (the "
+                             "session protocol): this engine has none; send tensor by tensor (flatten=False)")
+        self.flatten = flatten
         self.clients, self.master_address, self.master_port = list(clients), master_address, int(master_port)
         self.backend, self.group_name, self.engine_tp_size = backend, group_name, int(engine_tp_size)
         self.session, self.timeout_s = session, timeout_s
@@ -99,14 +126,15 @@ class DistributedTransport:
         posts.result()
 
     def send(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None) -> list[dict]:
-        tensors = [t.tensor.to("cuda") if self.backend == "nccl" else t.tensor for t in bucket.tensors]
+        named = [(t.name, t.tensor.to("cuda") if self.backend == "nccl" else t.tensor) for t in bucket.tensors]
+        specs, wire = broadcast_plan(named, self.flatten)
         payload = protocol.distributed_payload(
-            bucket.names, [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors],
+            [n for n, _, _ in specs], [dtype_name(d) for _, d, _ in specs], [shape for _, _, shape in specs],
             group_name=self.group_name, selector=selector, weight_version=weight_version,
-            flush_cache=False, session=self.session)
+            flush_cache=False, session=self.session, load_format=FLATTENED_BUCKET if self.flatten else None)
         posts = PostEach(self.clients, "/update_weights_from_distributed", payload)
         try:
-            for t in tensors:
+            for t in wire:
                 self.group.broadcast(t, src=0)
         except BaseException as e:
             self._leave_broken_group(posts, e)  # raises
@@ -312,8 +340,28 @@ def engine_seconds(replies: Sequence[dict]) -> tuple[float, float]:
 
 def engine_timing(replies: Sequence[dict], key: str) -> float:
     """The slowest engine's `slime_spec_engine_timing[key]` of one update; 0 where no engine reports it."""
-    timings = [r.get("slime_spec_engine_timing") for r in replies if isinstance(r, dict)]
+    timings = [reported_timing(r) for r in replies if isinstance(r, dict)]
     return max((float(t.get(key, 0.0)) for t in timings if isinstance(t, dict)), default=0.0)
+
+
+TIMING_TAG = "slime_spec_engine_timing="  # as the embedded engine writes it (engine/weights/receive.py)
+
+
+def reported_timing(reply: dict) -> dict | None:
+    """The embedded engine's timing of one update: the reply's `slime_spec_engine_timing` field, or the JSON object
+    after TIMING_TAG in its message (SGLang's reply structs carry only success and message); None on SGLang."""
+    field = reply.get("slime_spec_engine_timing")
+    if isinstance(field, dict):
+        return field
+    message = reply.get("message")
+    at = message.find(TIMING_TAG) if isinstance(message, str) else -1
+    if at < 0:
+        return None
+    try:
+        timing, _ = json.JSONDecoder().raw_decode(message, at + len(TIMING_TAG))
+    except ValueError:
+        return None
+    return timing if isinstance(timing, dict) else None
 
 
 class BackgroundCall:
