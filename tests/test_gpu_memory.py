@@ -3,6 +3,9 @@ nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex, nvmlDeviceGetMemoryInfo(handle).
 
 import types
 
+import pytest
+import torch
+
 from slime_spec.driver.gpu_memory import GIB, GpuMemoryMonitor
 
 
@@ -41,3 +44,37 @@ def test_no_monitor_without_nvml(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails as where nvidia-ml-py is not installed
     assert GpuMemoryMonitor.start_if_available() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU machine)")
+@pytest.mark.xfail(strict=False, reason="on an H200 (2026-11-28) release_memory with empty_cache alone left 310 of "
+                   "374 MiB reserved; clearing the cuBLAS workspaces (one per capture stream) was added after and has "
+                   "not run on a GPU yet: drop this mark once it passes there")
+def test_engine_release_hands_its_memory_back_to_the_driver(tmp_path):
+    """A colocated trainer gets the engine's memory only if the engine's caching allocator lets go of it: after
+    release_memory the process reserves (almost) nothing of what the weights, KV cache and graphs took; resume then
+    serves the same greedy tokens."""
+    from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
+    from slime_spec.speculative.settings import SpecConfig
+    from slime_spec.tools.tiny_model import make_tiny_model
+    from tests.helpers.engine_runs import run_to_completion
+
+    model = make_tiny_model(tmp_path / "m", arch="mimo", mtp_layers=1, hidden_size=256, num_layers=4,
+                            max_position_embeddings=512)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    core = EngineCore(str(model), SpecConfig("EAGLE", 3, 1, 4), dtype="bfloat16", device="cuda",
+                      max_running_requests=16)
+    ids = core.tokenizer("release release")["input_ids"]
+
+    def greedy(rid):
+        return Request(rid, ids, SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True))
+
+    before = run_to_completion(core, [greedy("a")])["a"].output_ids
+    held = torch.cuda.memory_reserved() - base
+    assert held > 16 * 2**20  # weights + KV cache + graph pools: enough that a leak would show
+    core.release_memory(None)
+    left = torch.cuda.memory_reserved() - base
+    assert left < 0.1 * held, f"release kept {left / 2**20:.1f} MiB of {held / 2**20:.1f} MiB reserved"
+    core.resume_memory(None)
+    assert run_to_completion(core, [greedy("b")])["b"].output_ids == before

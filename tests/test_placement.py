@@ -98,3 +98,27 @@ def test_placement_timeout_flag_reaches_the_run_and_doctor_bounds_it(mimo7b):
     assert config.cluster.placement_timeout == 0.0 and not errors
     _, errors = check("--placement-timeout", "-1")
     assert [(f.code, f.fix) for f in errors] == [("FLAG_OUT_OF_RANGE", "--placement-timeout 300")]
+
+
+def test_beside_engine_binds_the_engines_gpus_explicitly():
+    """The speed-up engines ask Ray for no GPU (Ray 2.60 then leaves CUDA_VISIBLE_DEVICES as the node has it), so
+    they go into engine 0's bundle and get its GPU ids to bind; on CPU, neither."""
+    from slime_spec.cluster.placement import Assignment, Placement, beside_engine
+
+    assert beside_engine(None) == ({}, None)
+    a = assign([("10.0.0.1", g) for g in (1, 0)], actor_gpus=1, rollout_gpus=1, gpus_per_engine=1, colocate=False)
+    group = object()  # the placement group: only carried into the scheduling strategy
+    options, gpu_ids = beside_engine(Placement(group, a))
+    assert gpu_ids == [1] == list(a.engine_gpus[0])
+    strategy = options["scheduling_strategy"]
+    assert strategy.placement_group is group and strategy.placement_group_bundle_index == a.engine_bundles[0][0] == 0
+    assert beside_engine(Placement(group, Assignment((0,), (), (), ()))) == ({}, None)  # a run with no engines
+
+
+def test_engine_server_process_binds_its_gpus():
+    from slime_spec.config.run_config import EngineConfig
+    from slime_spec.fleet.process import engine_server_process
+
+    engine = EngineConfig(backend="embedded", model_path="/m")
+    assert engine_server_process(engine, log_path="/tmp/x.log", gpu_ids=[1]).env == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert engine_server_process(engine, log_path="/tmp/x.log").env is None

@@ -153,6 +153,17 @@ def in_bundle(placement: Placement, bundle: int):
     return _in_bundle(placement.group, bundle)
 
 
+def beside_engine(placement: Placement | None, engine: int = 0) -> tuple[dict, list[int] | None]:
+    """Ray options and GPU ids for another engine server on engine `engine`'s GPUs (the speed-up measurement's): in
+    that engine's first bundle, asking Ray for no GPU, with the GPU ids to bind given explicitly. Ray 2.60 leaves
+    CUDA_VISIBLE_DEVICES as the node has it for an actor that asks for no GPU, so such a server would otherwise
+    start on the node's GPU 0. Without a placement (CPU engines): no options, no GPU ids."""
+    if placement is None or not placement.assignment.engine_bundles:
+        return {}, None
+    a = placement.assignment
+    return {"scheduling_strategy": in_bundle(placement, a.engine_bundles[engine][0])}, list(a.engine_gpus[engine])
+
+
 def _in_bundle(group, bundle: int):
     return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
 

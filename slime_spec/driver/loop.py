@@ -22,6 +22,7 @@ import time
 from typing import Callable
 
 from slime_spec.common.logging_setup import quiet_known_noise
+from slime_spec.common.phase_clock import PhaseClock
 from slime_spec.config.args import ArgsError, parse
 from slime_spec.config.run_config import Config, WandbConfig
 from slime_spec.doctor.diagnose import diagnose, render_text
@@ -245,7 +246,7 @@ def _run_placed(config: Config, placement, manager_kwargs: dict) -> dict:
     try:
         trainer = TrainGroup(config, placement=placement)
         steps.insert(0, ("trainer shutdown", trainer.shutdown))
-        summary = _loop(config, trainer, manager)
+        summary = _loop(config, trainer, manager, engines_placement)
     except BaseException:
         run_all(steps)  # the loop's error is the one raised; shutdown failures are printed
         raise
@@ -255,7 +256,7 @@ def _run_placed(config: Config, placement, manager_kwargs: dict) -> dict:
     return summary
 
 
-def _loop(config: Config, trainer, manager) -> dict:
+def _loop(config: Config, trainer, manager, engines_placement=None) -> dict:
     """The steps, with the plain engine of `--spec-speedup-interval` (if set) beside the fleet."""
     import ray
 
@@ -266,7 +267,7 @@ def _loop(config: Config, trainer, manager) -> dict:
     memory = GpuMemoryMonitor.start_if_available()  # peak memory per GPU, per step
     try:
         if manager is not None and config.spec_speedup_interval:
-            probe = spec_speedup.SpeedupProbe(config, ray.get(manager.engine_urls.remote())[0])
+            probe = spec_speedup.SpeedupProbe(config, ray.get(manager.engine_urls.remote())[0], engines_placement)
         return _steps(config, trainer, manager, report, start, probe, memory)
     finally:
         if probe is not None:
@@ -302,23 +303,21 @@ def _steps(config: Config, trainer, manager, report: LoopReport, start: int, pro
             samples, resync_metrics = generate_fenced(manager, rollout_id, resync)
             step.update(ray.get(manager.get_last_metrics.remote()))
             step.update(resync_metrics)
+        clock = PhaseClock()
         if config.cluster.colocate and manager is not None:
-            t0 = time.perf_counter()
-            ray.get(manager.release_memory.remote())
-            step["engine_release_s"] = time.perf_counter() - t0
+            with clock.phase("engine_release_s"):
+                ray.get(manager.release_memory.remote())
         if offloads:
             step.update(trainer.onload())
-        t0 = time.perf_counter()
-        step.update(trainer.train_step(samples, rollout_id))
-        step["train_time_s"] = time.perf_counter() - t0
+        with clock.phase("train_time_s"):
+            step.update(trainer.train_step(samples, rollout_id))
         if config.cluster.colocate and manager is not None:
-            t0 = time.perf_counter()
-            ray.get(manager.resume_memory.remote())
-            step["engine_resume_s"] = time.perf_counter() - t0
+            with clock.phase("engine_resume_s"):
+                ray.get(manager.resume_memory.remote())
         if manager is not None:
-            t0 = time.perf_counter()
-            step.update(sync_all(trainer, manager, str(rollout_id), probe_samples=samples))
-            step["sync_time_s"] = time.perf_counter() - t0
+            with clock.phase("sync_time_s"):
+                step.update(sync_all(trainer, manager, str(rollout_id), probe_samples=samples))
+        step.update(clock.seconds)
         if probe is not None and spec_speedup.due(config.spec_speedup_interval, rollout_id, config.rollout.num_rollout,
                                                   first_rollout=start):
             step.update(probe.measure(samples, trainer.hf_state_dict(), str(rollout_id)))

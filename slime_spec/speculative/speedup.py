@@ -218,12 +218,15 @@ class SpeedupProbe:
 
     Its engines are launched as the fleet launches a CPU engine (an `EngineActor` with no CPU reserved), so each
     runs in the environment engine 0 runs in: Ray's workers get `OMP_NUM_THREADS=1` and a raised niceness, and a
-    plain engine started from the driver instead ran two threads at normal priority against engine 0's one.
+    plain engine started from the driver instead ran two threads at normal priority against engine 0's one. On GPUs
+    they run on engine 0's GPUs (`beside_engine`), so the three engines are timed on the same device.
     """
 
-    def __init__(self, config: Config, spec_url: str):
+    def __init__(self, config: Config, spec_url: str, placement=None):
+        """`placement`: the run's engines' (cluster/placement.py); the probe's engines then share engine 0's GPUs."""
         import ray
 
+        from slime_spec.cluster.placement import beside_engine
         from slime_spec.fleet.actor import EngineActor
         from slime_spec.fleet.client import EngineAuth, EngineClient
         from slime_spec.rollout.sampling_params import sampling_params
@@ -237,9 +240,10 @@ class SpeedupProbe:
             engines["frozen"] = config.engine  # engine 0's flags; its draft is never sent weights
         self.auth = EngineAuth.from_server_args(config.engine.server_args)
         self.params = sampling_params(config.rollout)
-        self.actors = {name: EngineActor.options(num_cpus=0).remote(
-            engine, 0, log_dir=str(self.dir / f"{name}_engine"), start_timeout_s=config.rollout.engine_start_timeout)
-            for name, engine in engines.items()}  # the starts overlap
+        options, gpu_ids = beside_engine(placement)
+        self.actors = {name: EngineActor.options(num_cpus=0, **options).remote(
+            engine, 0, log_dir=str(self.dir / f"{name}_engine"), start_timeout_s=config.rollout.engine_start_timeout,
+            gpu_ids=gpu_ids) for name, engine in engines.items()}  # the starts overlap
         try:
             self.urls = dict(zip(self.actors, ray.get([a.get_url.remote() for a in self.actors.values()])))
         except BaseException:
