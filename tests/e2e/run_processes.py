@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -105,6 +106,56 @@ class Run:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+@dataclass
+class Signalled:
+    """What `signal_mid_rollout` saw: the run's processes and listening sockets mid-rollout, then after the signal."""
+
+    sig: signal.Signals
+    names: str  # every process of the run mid-rollout, by name
+    cmdlines: list[str]
+    sockets: list[tuple[str, str, int]]  # (process, ip, port) of every listening TCP socket mid-rollout
+    returncode: int
+    left: list[str]  # processes of the run still alive GONE_WITHIN_S after the driver exited
+    waited: float
+    output: str
+
+
+GONE_WITHIN_S = 15.0  # after the driver exits, every process of the run is gone within this
+# a graceful unwind (engines, Ray) takes a few seconds; a generous bound for a loaded 2-core machine
+DRIVER_EXIT_S = 60.0
+
+
+def signal_mid_rollout(run: Run, sig: signal.Signals) -> Signalled:
+    """Wait until `run` has a rollout request in flight, note its processes and sockets, send the driver `sig`,
+    and poll until no process of the run is left (or GONE_WITHIN_S passed); SIGKILLs what is left either way."""
+    try:
+        run.wait_mid_rollout()
+        procs = run.processes()
+        names, cmdlines, sockets = " ".join(p.name() for p in procs), [], listening(procs)
+        for p in procs:
+            try:
+                cmdlines.append(" ".join(p.cmdline()))
+            except psutil.NoSuchProcess:
+                continue
+        run.proc.send_signal(sig)
+        run.proc.wait(DRIVER_EXIT_S)
+        left, waited = wait_gone(run.tag, GONE_WITHIN_S)
+        return Signalled(sig, names, cmdlines, sockets, run.proc.returncode, left, waited, run.output())
+    finally:
+        run.stop()
+
+
+def listening(procs: list[psutil.Process]) -> list[tuple[str, str, int]]:
+    out = []
+    for p in procs:
+        try:
+            out += [(describe(p), c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
+                    if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            continue
+    return out
 
 
 def processes_marked(tag: str) -> list[psutil.Process]:

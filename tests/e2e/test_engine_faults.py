@@ -4,7 +4,8 @@ leaves no process behind.
 One `python -m slime_spec.train` run (2 embedded engines on CPU, tiny MiMo, MTP training, NEXTN rollout), one
 fault per step, injected by tests/helpers/engine_faults.py (a test double for a crash or a hang):
 step 1 SIGKILL mid-rollout, 2 between the rollout and the sync, 3 mid-train, 4 mid-sync, 5 mid-eval, 6 a hang
-(SIGSTOP) between the rollout and the sync. The run is shared; each phase is its own test.
+(SIGSTOP) between the rollout and the sync. The run is shared; each phase is its own test. Step 1 is the case
+of an engine killed mid-rollout of a training run: every sample of that rollout resubmitted, none lost.
 """
 
 import json
@@ -81,6 +82,7 @@ def test_the_run_finishes_every_step_and_leaves_no_process(run):
     assert sorted(fired) == sorted(PLAN), log[-4000:]
     assert [m["rollout_id"] for m in steps] == list(range(STEPS))
     assert all("loss" in m and m["stale_samples"] == 0 for m in steps), steps
+    assert steps[0]["engine_restarts"] == 0  # before the first fault
     assert left == []  # no engine server (restarted ones included), Ray process or worker of the run
     # no stale sample trained on: every sample kept for training was generated with the policy's weights then
     for rollout_id in range(STEPS):
@@ -100,6 +102,10 @@ def test_an_engine_lost_in_this_phase_is_restarted_and_resynced_before_it_serves
     step = steps[PHASE_STEP[phase]]
     if phase == "mid_rollout":  # its requests failed, were resubmitted, and it was re-synced during the rollout
         assert step["engine_restarts"] == 1 and step["resync/weight_sync_params"] > 0
+        assert steps[PHASE_STEP[phase] + 1]["engine_restarts"] == 0  # counted once, in the step it happened
+        samples = load_rollout(saved, PHASE_STEP[phase])
+        assert len(samples) == BATCH * N and all(s.status != Status.ABORTED for s in samples), \
+            [(s.index, s.status, s.error) for s in samples]
     elif phase == "mid_sync":  # the sync ran again, in full, with the restarted engine in the group (the other
         # engine, left waiting in the broken collective, may be found stuck and restarted too)
         assert step["weight_sync_attempts"] == 2 and step["weight_sync_engines_restarted"] >= 1

@@ -8,13 +8,13 @@ from slime_spec.tools.tiny_model import make_tiny_model
 from tests.helpers.train_loops import run_grpo_steps
 
 
-def test_glm4_moe_two_grpo_steps_with_trained_mtp_and_nextn_rollout(tmp_path):
+def test_glm4_moe_two_grpo_steps_with_trained_mtp_and_nextn_rollout(tmp_path, ray_head):
     model = make_tiny_model(tmp_path / "model", arch="glm4_moe", hidden_size=32, num_layers=2, intermediate_size=64,
                             max_position_embeddings=128, mtp_layers=1, first_k_dense_replace=1, seed=3)
     steps = run_grpo_steps(tmp_path, model, [
         "--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-num-steps", "2",
         "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "3",
-        "--mtp-num-layers", "1", "--enable-mtp-training", "--check-weight-sync"])
+        "--mtp-num-layers", "1", "--enable-mtp-training", "--check-weight-sync"], ray_head)
     config = json.loads((model / "config.json").read_text())
     # layer 0 dense: 2 norms, q/k/v weight and bias, o, gate/up/down; layer 1 and the MTP layer sparse: the router and
     # its correction bias, each expert's three, the shared expert's three; the MTP layer adds enorm, hnorm, eh_proj and

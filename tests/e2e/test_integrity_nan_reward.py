@@ -26,13 +26,15 @@ def reward(sample):
 """
 
 
-def train(tmp_path, model, data, *extra: str, timeout: int = 420) -> subprocess.CompletedProcess:
+def train(tmp_path, model, data, *extra: str, head, timeout: int = 420) -> subprocess.CompletedProcess:
+    """A run joining `head`; the reward module is in `tmp_path`, the driver's working directory (which Ray puts on
+    the path of a joined cluster's workers)."""
     argv = [sys.executable, "-m", "slime_spec.train", "--hf-checkpoint", str(model), "--rollout-backend", "embedded",
             "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label",
             "--custom-rm-path", "bad_reward.reward", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
             "--rollout-max-response-len", "4", "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-2",
             "--check-weight-sync", "--weight-sync-check-interval", "1", *extra]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = head.driver_env(dict(os.environ))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(tmp_path)])
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
 
@@ -54,18 +56,18 @@ def all_tensors(obj):
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory):
+def first_run(tmp_path_factory, ray_head):
     """One step with the bad rewards, --load and --save the same (empty) directory."""
     root = tmp_path_factory.mktemp("integrity")
     model, data = make_run_inputs(root)
     (root / "bad_reward.py").write_text(textwrap.dedent(REWARD))
     ckpt, out = root / "ckpt", root / "out"
     proc = train(root, model, data, "--num-rollout", "1", "--load", str(ckpt), "--save", str(ckpt),
-                 "--save-interval", "1", "--output-dir", str(out))
+                 "--save-interval", "1", "--output-dir", str(out), head=ray_head)
     return root, model, data, ckpt, out, proc
 
 
-def test_bad_rewards_never_reach_weights_engines_or_checkpoints(first_run):
+def test_bad_rewards_never_reach_weights_engines_or_checkpoints(first_run, ray_head):
     root, model, data, ckpt, out, proc = first_run
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log
@@ -86,7 +88,7 @@ def test_bad_rewards_never_reach_weights_engines_or_checkpoints(first_run):
 
     before = digest(ckpt)
     refused = train(root, model, data, "--num-rollout", "2", "--load", str(root / "typo"), "--save", str(ckpt),
-                    "--output-dir", str(root / "out2"))
+                    "--output-dir", str(root / "out2"), head=ray_head)
     assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert "CHECKPOINT_WOULD_OVERWRITE" in refused.stdout  # doctor, in training's preflight
     assert f"--load {root / 'typo'} does not exist, but --save {ckpt} holds checkpoints up to iteration 0" \
@@ -94,11 +96,11 @@ def test_bad_rewards_never_reach_weights_engines_or_checkpoints(first_run):
     assert digest(ckpt) == before and not (root / "out2").exists()
 
 
-def test_resume_says_what_it_loaded_and_continues_the_data_with_another_batch_size(first_run):
+def test_resume_says_what_it_loaded_and_continues_the_data_with_another_batch_size(first_run, ray_head):
     root, model, data, ckpt, out, proc = first_run
     assert proc.returncode == 0
     resumed = train(root, model, data, "--num-rollout", "2", "--load", str(ckpt), "--save", str(ckpt),
-                    "--rollout-batch-size", "1", "--global-batch-size", "2", "--output-dir", str(out))
+                    "--rollout-batch-size", "1", "--global-batch-size", "2", "--output-dir", str(out), head=ray_head)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resuming from --load {ckpt}: iteration 0 (the next rollout is 1); data position epoch 0, index 2 of " \
            "16 prompts (2 consumed; shuffle off)" in resumed.stdout

@@ -1,6 +1,9 @@
 """Upstream slime's dense run scripts (run-qwen3-4B.sh, run-mimo-7B-rl-eagle.sh: their argument arrays, paths
 changed only) train two GRPO steps on a tiny stand-in of their model, with scripts/common.sh's SMALL_MACHINE=1
-overrides, through `python -m slime_spec.train`: a slime user changes nothing but the paths."""
+overrides, through `python -m slime_spec.train`: a slime user changes nothing but the paths. So do our own native-MTP
+scripts (scripts/run-glm4.5-mtp.sh, scripts/run-deepseek-v3-mtp.sh): run with SMALL_MACHINE=1 on a tiny stand-in, the
+flags each hands on (recorded where the script calls its doctor) train the policy and the MTP layer online with
+speculative rollout and a checked weight sync."""
 
 import json
 import os
@@ -32,3 +35,50 @@ def test_dense_slime_script_trains_two_grpo_steps_on_a_tiny_stand_in(tmp_path, n
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [s["rollout_id"] for s in steps] == [0, 1]
     assert out.count("Started a local Ray instance") == 1 and "Token authentication" not in out
+
+
+# Test double for the scripts' interpreter: records the flags a script hands its doctor (the job's flags, the same
+# array); the script's own import check (`python -c ...`) goes to the real interpreter.
+RECORD_FLAGS = """#!/bin/bash
+if [ "$1" = -c ]; then exec "$REAL_PY" "$@"; fi
+printf '%s\\0' "$@" > "$FLAGS_FILE"
+"""
+OWN_SCRIPTS = {"run-glm4.5-mtp.sh": "glm4_moe", "run-deepseek-v3-mtp.sh": "deepseek_v3"}
+
+
+def own_script_flags(script: str, env: dict, tmp_path: Path) -> list[str]:
+    """The flags `scripts/<script>` would submit as the job, under the environment `env` (DOCTOR_ONLY=1)."""
+    fake = tmp_path / "record-flags"
+    fake.write_text(RECORD_FLAGS)
+    fake.chmod(0o755)
+    flags_file = tmp_path / "script.flags"
+    env = {**env, "DOCTOR_ONLY": "1", "PYTHON": str(fake), "REAL_PY": sys.executable, "FLAGS_FILE": str(flags_file)}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / script)], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    flags = [t for t in flags_file.read_text().split("\0") if t]
+    assert flags[:2] == ["-m", "slime_spec.doctor.diagnose"]
+    return flags[2:]
+
+
+@pytest.mark.parametrize("script", sorted(OWN_SCRIPTS))
+def test_own_mtp_script_trains_policy_and_mtp_layer_on_a_tiny_stand_in(tmp_path, script, ray_head):
+    model = make_tiny_model(tmp_path / "model", arch=OWN_SCRIPTS[script], mtp_layers=1, hidden_size=32, num_layers=2,
+                            intermediate_size=64, max_position_embeddings=1024, first_k_dense_replace=1, seed=3)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "label": str(2 * a)}) + "\n" for a in range(4)))
+    env = ray_head.driver_env({k: v for k, v in os.environ.items() if not k.startswith("WANDB_")})
+    env.update(SMALL_MACHINE="1", HF_CHECKPOINT=str(model), PROMPT_DATA=str(prompts), EVAL_PROMPT_DATA="",
+               OUTPUT_DIR=str(tmp_path / "run"), CKPT_DIR=str(tmp_path / "ckpt"), EXTRA_ARGS="--check-weight-sync")
+    flags = own_script_flags(script, env, tmp_path)
+    for kept in ("--enable-mtp-training", "--colocate", "--sglang-speculative-algorithm"):
+        assert kept in flags, kept  # online MTP training and speculative rollout stay on, as on the cluster
+    done = subprocess.run([sys.executable, "-m", "slime_spec.train", *flags], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=540)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["rollout_id"] for s in steps] == [0, 1]
+    for s in steps:
+        assert s["spec_verify_ct"] > 0 and s["mtp_loss"] > 0  # the MTP layer drafted, and was trained
+        assert s["weight_sync_mtp_params"] > 0 and s["weight_sync_checked"] == 1  # synced, the engine's sums agree

@@ -1,7 +1,7 @@
 """The whole loop through its real command line, two steps, in every mode.
 
-`python -m slime_spec.train` in a subprocess (its own local Ray), a tiny MiMo checkpoint, the
-embedded engine with NEXTN speculation: debug-rollout-only (saving rollout data), debug-train-only
+`python -m slime_spec.train` in a subprocess (joining the package's Ray head, tests/helpers/ray_head.py), a tiny
+MiMo checkpoint, the embedded engine with NEXTN speculation: debug-rollout-only (saving rollout data), debug-train-only
 (replaying it), colocate; separate placement runs in the demo smoke test below.
 """
 
@@ -29,16 +29,14 @@ def setup(tmp_path_factory):
     return root, model, data
 
 
-def train(root, model, data, out: str, *extra: str, timeout=240) -> subprocess.CompletedProcess:
+def train(root, model, data, out: str, *extra: str, head, timeout=240) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "slime_spec.train", "--hf-checkpoint", str(model), "--rollout-backend", "embedded",
             "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label", "--rm-type", "exact_match",
             "--rollout-skip-special-tokens", "--num-rollout", str(STEPS), "--rollout-batch-size", "2",
             "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--global-batch-size", "4",
             "--micro-batch-size", "2", "--lr", "1e-3", "--mtp-num-layers", "1", "--enable-mtp-training",
             "--output-dir", str(root / out), *SPEC, *extra]
-    env = {**os.environ, "RAY_ADDRESS": ""}
-    env.pop("RAY_ADDRESS")
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=head.driver_env(dict(os.environ)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -47,25 +45,26 @@ def lines(path):
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def test_debug_rollout_only_then_debug_train_only(setup):
+def test_debug_rollout_only_then_debug_train_only(setup, ray_head):
     root, model, data = setup
     saved = str(root / "rollouts" / "rollout_{rollout_id}.pt")
     proc = train(root, model, data, "rollout_only", "--debug-rollout-only", "--save-debug-rollout-data", saved,
-                 "--metrics-jsonl", str(root / "rollout_only.jsonl"))
+                 "--metrics-jsonl", str(root / "rollout_only.jsonl"), head=ray_head)
     assert "debug-rollout-only: 2 rollouts, 8 samples" in proc.stdout
     assert all((root / "rollouts" / f"rollout_{i}.pt").exists() for i in range(STEPS))
     # no trainer ran: no loss key in the rollout-only metrics
     assert all("loss" not in m for m in lines(root / "rollout_only.jsonl"))
 
-    train(root, model, data, "train_only", "--debug-train-only", "--load-debug-rollout-data", saved)
+    train(root, model, data, "train_only", "--debug-train-only", "--load-debug-rollout-data", saved, head=ray_head)
     steps = lines(root / "train_only" / "metrics.jsonl")
     assert [m["rollout_id"] for m in steps] == [0, 1]
     assert all(m["replayed_samples"] == 4 and "loss" in m and "weight_sync_s" not in m for m in steps)
 
 
-def test_colocate_two_steps(setup):
+def test_colocate_two_steps(setup, ray_head):
     root, model, data = setup
-    train(root, model, data, "colocate", "--colocate", "--save", str(root / "ckpt"), "--save-interval", "1")
+    train(root, model, data, "colocate", "--colocate", "--save", str(root / "ckpt"), "--save-interval", "1",
+          head=ray_head)
     steps = lines(root / "colocate" / "metrics.jsonl")
     assert all((root / "ckpt" / f"iter_{i:07d}" / "tp_rank_00.pt").exists() for i in range(STEPS))
     assert [m["rollout_id"] for m in steps] == [0, 1]
@@ -86,11 +85,11 @@ def test_doctor_error_stops_training_before_launch(setup):
     assert proc.returncode == 2 and "SPEC_EAGLE3_NO_DRAFT" in proc.stdout
 
 
-def test_demo_smoke_writes_sane_outputs(tmp_path):
+def test_demo_smoke_writes_sane_outputs(tmp_path, ray_head):
     """`make demo SMOKE=1`: every stage of the demo at a small size, separate placement."""
     out = tmp_path / "demo"
     proc = subprocess.run([sys.executable, "-m", "slime_spec.demo", "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=ray_head.driver_env(dict(os.environ)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = lines(out / "metrics.jsonl")
     assert len(steps) == 2
