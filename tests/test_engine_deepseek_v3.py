@@ -21,6 +21,7 @@ from slime_spec.engine.model_executor.moe import GroupedTopkMoeBlock
 from slime_spec.tools.tiny_model import make_tiny_model
 from tests.helpers.engine_runs import DEVICES, assert_logprobs_equal_a_full_forward, run_to_completion
 from tests.helpers.engine_runs import assert_greedy_with_specs_equals_plain as assert_greedy_equals_plain
+from tests.helpers.nextn_reference import nextn_logits
 
 PROMPTS = ["hello world", "the cat sat on the mat. the cat sat on the", "a", "1 2 3 4 5 6 7 8 1 2 3",
            "abcabcabcabcabc", "xyz " * 8]
@@ -222,32 +223,8 @@ def nextn_reference(path, ids: torch.Tensor, next_ids: torch.Tensor) -> torch.Te
     the target's lm_head (SGLang's NextN runner shares the target's embedding and head)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
-    hf = hf_model(path)
-    config = hf.config
-    w = {k[len(f"model.layers.{LAYERS}."):]: v for k, v in load_file(str(path / "model.safetensors")).items()
-         if k.startswith(f"model.layers.{LAYERS}.")}
-    layer = DeepseekV3DecoderLayer(config, layer_idx=LAYERS).eval()
-    experts = range(config.n_routed_experts)  # transformers packs the experts: [E, 2I, H] gate then up, [E, H, I]
-    w["mlp.experts.gate_up_proj"] = torch.stack([
-        torch.cat((w.pop(f"mlp.experts.{e}.gate_proj.weight"), w.pop(f"mlp.experts.{e}.up_proj.weight")))
-        for e in experts])
-    w["mlp.experts.down_proj"] = torch.stack([w.pop(f"mlp.experts.{e}.down_proj.weight") for e in experts])
-    own = {n: w.pop(n) for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-                                  "embed_tokens.weight", "shared_head.head.weight")}
-    layer.load_state_dict(w, strict=True)
-    norms = {n: DeepseekV3RMSNorm(config.hidden_size, config.rms_norm_eps) for n in ("enorm", "hnorm", "shared_head")}
-    for n, norm in norms.items():
-        norm.weight.data.copy_(own[f"{n}.norm.weight" if n == "shared_head" else f"{n}.weight"])
-    with torch.no_grad():
-        hidden = hf.model(ids).last_hidden_state
-        x = torch.cat((norms["enorm"](hf.model.embed_tokens(next_ids)), norms["hnorm"](hidden)), -1) @ own[
-            "eh_proj.weight"].T
-        positions = torch.arange(ids.shape[1])[None].expand_as(ids)
-        mask = torch.full((ids.shape[1], ids.shape[1]), float("-inf")).triu(1)[None, None]
-        out = layer(x, attention_mask=mask, position_ids=positions,
-                    position_embeddings=hf.model.rotary_emb(x, positions))
-        out = out[0] if isinstance(out, tuple) else out
-        return hf.lm_head(norms["shared_head"](out))
+    return nextn_logits(hf_model(path), path, LAYERS, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, ids, next_ids,
+                        causal_mask=True)
 
 
 def test_nextn_layer_is_sglangs_wiring(ds):
