@@ -1,6 +1,7 @@
 """fleet/process.py: server process lifecycle against trivial child processes (python's http.server), no Ray."""
 
 import os
+import socket
 import sys
 import time
 
@@ -153,3 +154,42 @@ def test_an_embedded_engine_that_fails_to_load_exits_with_its_reason(tmp_path):
         server.wait_ready(timeout_s=300)
     assert e.value.exit_code not in (None, 0) and "no *.safetensors files" in e.value.log_tail, str(e.value)
     assert not server.process.alive()
+
+
+# Test double for SGLang's server when uvicorn cannot bind: it logs uvicorn's error and stays alive (SGLang's
+# warmup keeps the process up); on a free port it serves /health.
+BIND_OR_HANG = r"""
+import http.server, os, sys, time
+os.chdir(os.path.dirname(os.path.abspath(__file__)))  # serves ./health
+port = int(sys.argv[sys.argv.index("--port") + 1])
+try:
+    server = http.server.HTTPServer(("127.0.0.1", port), http.server.SimpleHTTPRequestHandler)
+except OSError:
+    print("ERROR:    [Errno 98] error while attempting to bind on address "
+          f"('127.0.0.1', {port}): address already in use", flush=True)
+    time.sleep(300)
+server.serve_forever()
+"""
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_server_that_cannot_bind_its_port_moves_or_fails_at_once(tmp_path, retries):
+    (tmp_path / "health").write_text("ok")
+    script = tmp_path / "bind_or_hang.py"
+    script.write_text(BIND_OR_HANG)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = ServerProcess([sys.executable, str(script), "--port", str(port)], host="127.0.0.1", port=port,
+                             log_path=tmp_path / "server.log", port_retries=retries)
+        if retries:
+            proc.start(timeout_s=120)  # the start timeout is far; the bind failure is seen in seconds
+            try:
+                assert proc.port != port and requests.get(f"{proc.url}/health").text == "ok"
+            finally:
+                proc.stop()
+        else:
+            with pytest.raises(EngineStartError, match="address already in use"):
+                proc.start(timeout_s=120)
+            assert not proc.alive()

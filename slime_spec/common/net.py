@@ -24,7 +24,6 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-
 # SGLang's own range for a port its scheduler binds later (utils/network.py get_free_port_below_ephemeral).
 BELOW_EPHEMERAL = (22000, 29999)
 
@@ -53,3 +52,9 @@ def free_ports_below_ephemeral(count: int, host: str = "0.0.0.0", attempts: int 
         if len(found) == count:
             return found
     raise RuntimeError(f"no {count} free ports in {low}-{high} after {attempts} tries")
+
+
+def free_server_port(host: str = "127.0.0.1") -> int:
+    """A port for a server that binds it only after a slow start (an engine binds its HTTP port after loading the
+    model): under the ephemeral range, so no outgoing connection of its own children can take it meanwhile."""
+    return free_ports_below_ephemeral(1, host)[0]

@@ -45,9 +45,10 @@ class Engine:
             engine, log_path=Path(log_dir) / f"engine_{index}.log", host=host or node_host(), gpu_ids=gpu_ids,
             engine_index=index)
         self.process.argv = with_nccl_port(self.process.argv, nccl_port)  # the same port on every restart
-        self.client = EngineClient(self.process.url, EngineAuth.from_server_args(engine.server_args))
         atexit.register(self.shutdown)
         self.process.start(start_timeout_s)
+        # after the start: a port taken meanwhile moves the server to another one (ServerProcess.port_retries)
+        self.client = EngineClient(self.process.url, EngineAuth.from_server_args(engine.server_args))
 
     # ---- lifecycle ----
     @property

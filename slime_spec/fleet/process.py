@@ -26,7 +26,7 @@ from pathlib import Path
 
 import requests
 
-from slime_spec.common.net import free_port
+from slime_spec.common.net import free_server_port
 from slime_spec.config.run_config import EngineConfig
 from slime_spec.fleet.client import EngineAuth, EngineClient, EngineError
 
@@ -79,6 +79,7 @@ class ServerProcess:
         self.log_path = Path(log_path)
         self.expect_model_path, self.auth, self.port_retries = expect_model_path, auth, port_retries
         self.proc: subprocess.Popen | None = None
+        self._log_offset = 0  # where this launch's output starts in the (appended) log
 
     @property
     def url(self) -> str:
@@ -109,6 +110,7 @@ class ServerProcess:
         preexec = _die_with_parent if (os.name == "posix" and threading.current_thread() is threading.main_thread()
                                        and Path("/proc").exists()) else None
         with self.log_path.open("ab") as log:
+            self._log_offset = log.tell()
             log.write(f"\n==== {time.strftime('%H:%M:%S')} starting: {' '.join(self.argv)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -129,16 +131,26 @@ class ServerProcess:
         next_progress = start + PROGRESS_EVERY_S
         retries = self.port_retries
         last = "no answer yet"
+        next_bind_check = start
         while True:
             code = self.proc.poll()
-            if code is not None:
-                if retries and _port_taken(self.host, self.port):  # someone else bound it first
+            bind_failed = False
+            if code is None and time.monotonic() >= next_bind_check:
+                # SGLang's server does not exit when uvicorn cannot bind: it stays alive, warming up against
+                # whatever holds the port, until --engine-start-timeout
+                next_bind_check = time.monotonic() + 2.0
+                bind_failed = self._bind_failed()
+            if code is not None or bind_failed:
+                if bind_failed:
+                    self.stop()
+                if retries and (bind_failed or _port_taken(self.host, self.port)):  # someone else bound it first
                     retries -= 1
-                    self.port = free_port(self.host)
+                    self.port = free_server_port(self.host)
                     self.argv = _with_port(self.argv, self.port)
                     self.launch()
                     continue
-                raise self._start_error("exited before becoming healthy", code)
+                raise self._start_error(f"could not bind {self.url} (address already in use)" if bind_failed
+                                        else "exited before becoming healthy", self.proc.poll())
             last = self._probe()
             if last == "ready":
                 return
@@ -151,6 +163,16 @@ class ServerProcess:
                 print(f"[engine] {self.url} still starting after {now - start:.0f}s (alive, pid {self.pid}; "
                       f"last answer: {last}; log {self.log_path})", file=sys.stderr, flush=True)
             time.sleep(0.2)
+
+    def _bind_failed(self) -> bool:
+        """This launch's log says uvicorn could not bind the server's port."""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(self._log_offset)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return False
+        return f"('{self.host}', {self.port}): address already in use" in text
 
     def _probe(self) -> str:
         """'ready', or what the server answered instead (not listening yet, 503 while loading, ...)."""
@@ -251,10 +273,11 @@ def engine_server_process(engine: EngineConfig, *, log_path: str | Path, host: s
                           port: int | None = None, gpu_ids: list[int] | None = None,
                           engine_index: int = 0) -> ServerProcess:
     """The server of one engine: `EngineConfig.server_argv` (seed + engine index), on `gpu_ids` if given."""
-    port = port or free_port(host)
+    port = port or free_server_port(host)
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))} if gpu_ids else None
     return ServerProcess(engine.server_argv(host, port, base_gpu_id=0, engine_index=engine_index), host=host,
-                         port=port, log_path=log_path, env=env, auth=EngineAuth.from_server_args(engine.server_args))
+                         port=port, log_path=log_path, env=env, auth=EngineAuth.from_server_args(engine.server_args),
+                         port_retries=0 if port else 2)
 
 
 def embedded_server_process(model_path: str | Path, extra_args: list[str] = (), *, log_path: str | Path,
@@ -263,7 +286,7 @@ def embedded_server_process(model_path: str | Path, extra_args: list[str] = (), 
     variables set for the server on top of this process's."""
     extra = list(extra_args)
     auth = EngineAuth(_flag(extra, "--api-key"), _flag(extra, "--admin-api-key"))
-    chosen = port or free_port()
+    chosen = port or free_server_port()
     argv = [sys.executable, "-m", "slime_spec.engine", "--model-path", str(model_path), "--host", "127.0.0.1",
             "--port", str(chosen), *extra]
     return ServerProcess(argv, host="127.0.0.1", port=chosen, log_path=log_path, env=env,
