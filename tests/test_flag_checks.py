@@ -1,5 +1,7 @@
 """Bad configurations doctor must stop before anything starts, each with its code; good ones stay clean."""
 
+import json
+
 import pytest
 
 from slime_spec.cluster.gpu_check import compare_gpus
@@ -123,3 +125,58 @@ def test_sglang_backend_without_gpus_stops_a_launch(mimo7b, monkeypatch):
     assert "GPUS_UNAVAILABLE" in {f.code for f in findings if f.level == "error"}
     _, findings = diagnose(parsed, launching=False)
     assert "GPUS_NOT_CHECKED" in {f.code for f in findings}
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_ckpt(tmp_path_factory):
+    from slime_spec.tools.tiny_model import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("moe"), arch="qwen3_moe", hidden_size=32, num_experts=4)
+
+
+def test_expert_parallel_is_acted_on_where_it_fits(qwen3_moe_ckpt):
+    errors, findings = errors_of(qwen3_moe_ckpt, ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size",
+                                                  "2", "--expert-tensor-parallel-size", "1", "--use-dynamic-batch-size",
+                                                  "--max-tokens-per-gpu", "512"])
+    assert errors == []
+    assert not any("--expert-model-parallel-size" in f.message for f in findings), findings  # not "ignored"
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "4"],
+     "2 actor GPU(s) are not divisible by --expert-model-parallel-size 4"),
+    (["--actor-num-gpus-per-node", "3", "--expert-model-parallel-size", "3", "--global-batch-size", "3"],
+     "--expert-model-parallel-size 3 with a qwen3_moe model: each expert-parallel rank holds an equal share of "
+     "the 4 routed experts"),
+    (["--expert-model-parallel-size", "0"], "--expert-model-parallel-size 0: must be >= 1"),
+])
+def test_expert_parallel_misfits_name_the_flag_and_fix(qwen3_moe_ckpt, extra, says):
+    errors, _ = errors_of(qwen3_moe_ckpt, extra)
+    hits = [f for f in errors if says in f.message]
+    assert hits and all("--expert-model-parallel-size" in f.fix for f in hits), errors
+
+
+def test_expert_parallel_on_a_dense_model_or_with_tensor_parallel_is_refused(mimo7b, qwen3_moe_ckpt):
+    errors, _ = errors_of(mimo7b, ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2",
+                                   "--global-batch-size", "2"])
+    assert [f.fix for f in errors if "has no experts to split" in f.message] == ["--expert-model-parallel-size 1"]
+    errors, _ = errors_of(qwen3_moe_ckpt, ["--actor-num-gpus-per-node", "4", "--expert-model-parallel-size", "2",
+                                           "--tensor-model-parallel-size", "2"])
+    [f] = errors
+    assert (f.code, f.message.split(":")[0]) == ("TRAINER_UNSUPPORTED_MODEL", "--tensor-model-parallel-size 2 with "
+                                                 "--expert-model-parallel-size 2 for a qwen3_moe model")
+
+
+def test_moe_under_tensor_parallel_is_built_for_qwen3_moe_alone(qwen3_moe_ckpt):
+    from slime_spec.doctor.spec_checks import CheckInput, check_trainer_support
+
+    errors, _ = errors_of(qwen3_moe_ckpt, ["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
+                                           "--sequence-parallel"])
+    assert errors == []  # sequence parallelism under TP (trainer/sequence_parallel.py)
+    qwen3_moe = json.loads((qwen3_moe_ckpt / "config.json").read_text())
+    inp = dict(sglang={}, backend="embedded", sglang_version="0.5.23", tensor_model_parallel_size=2)
+    [f] = check_trainer_support(CheckInput(**inp, target_config=qwen3_moe, enable_draft_training=True))
+    assert "with a qwen3_moe model and MTP layers or an online draft" in f.message
+    glm = {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"]}
+    [f] = check_trainer_support(CheckInput(**inp, target_config=glm))
+    assert f.message.startswith("--tensor-model-parallel-size 2 with a glm4_moe model: megatron-core 0.16.1's MoE")
+    assert "--tensor-model-parallel-size 1" in f.fix

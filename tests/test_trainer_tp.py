@@ -71,3 +71,43 @@ def test_tp2_equals_tp1_forward_gather_and_train_step(ray_cluster, tmp_path):
     finally:
         group.shutdown()
         server.stop()
+
+
+def test_qwen3_moe_tp2_sequence_parallel_equals_tp1_and_syncs(ray_cluster, tmp_path):
+    """megatron-core trains its MoE layer under TP only with sequence parallelism: two gloo ranks at TP 2 (the
+    sequence split over them, experts split by expert-TP = TP) compute what one rank computes, packed rows of odd
+    length included, and every expert's whole tensors reach an engine."""
+    from tests.test_trainer_ep import expert_of, varied_rollout
+
+    path = make_tiny_model(tmp_path / "ckpt", arch="qwen3_moe", hidden_size=32, num_layers=2, num_experts=4,
+                           num_experts_per_tok=2, seed=44)
+    kw = dict(hf_checkpoint=str(path), lr=1e-3, global_batch_size=8, max_tokens_per_gpu=20, n_samples_per_prompt=2)
+    engine = EngineConfig("embedded", str(path))
+    group = TrainGroup(tp2_config(path, engine, kw, tmp_path / "out"), use_gpu=False)
+    server = engine_server_process(engine, log_path=tmp_path / "engine.log")
+    try:
+        parallel.init_single_process(seed=0)
+        single = Trainer(TrainConfig(**kw))
+        probe = [rollout()[0].tokens, rollout()[3].tokens]  # 9 tokens: padded to 10 for the two ranks
+        torch.testing.assert_close(group.forward_logits(probe)["logits"], single.forward_logits(probe)["logits"],
+                                   atol=1e-5, rtol=0)
+        hf = load_file(str(path / "model.safetensors"))
+        gathered = group.hf_state_dict()
+        assert sorted(gathered) == sorted(hf) and all(torch.equal(gathered[k], hf[k]) for k in hf)
+
+        m2, m1 = group.train_step(varied_rollout(), 0), single.train_step(varied_rollout(), 0)
+        for key in ("loss", "pg_loss", "entropy", "grad_norm"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+        after2, after1 = group.hf_state_dict(), {k: v.clone() for k, v in single.hf_state_dict().items()}
+        moved = {expert_of(k) for k in hf if not torch.equal(after1[k], hf[k])}
+        assert {0, 1, 2, 3} <= moved and "model.layers.0.input_layernorm.weight" in \
+            [k for k in hf if not torch.equal(after1[k], hf[k])]
+        # the norms and the router see each rank's half of the sequence: their gradients summed over TP
+        assert_same_adam_step(after2, after1, hf, kw["lr"])
+
+        server.start(timeout_s=120)
+        group.connect_engines([server.url])
+        assert group.sync_weights("0")["weight_sync_params"] == len(hf)
+    finally:
+        group.shutdown()
+        server.stop()

@@ -93,10 +93,10 @@ NOT_ACTED_ON: dict[str, Ignored] = {
                                       "ignored, so each rank holds whole sequences and the data-parallel size "
                                       "is not the one you planned", "--context-parallel-size 1",
                                       accepted=(None, 1)),
-    "expert_model_parallel_size": Ignored("experts are not laid out over GPUs by expert parallelism here; a "
-                                          "layout, it does not change the update"),
-    "expert_tensor_parallel_size": Ignored("experts are not laid out over GPUs by expert parallelism here; a "
-                                           "layout, it does not change the update"),
+    # --expert-model-parallel-size is acted on (trainer/parallel.py)
+    "expert_tensor_parallel_size": Ignored("the trainer splits each expert over the tensor-parallel ranks (Megatron's "
+                                           "default, expert TP = TP; tensor and expert parallelism together are "
+                                           "refused separately); a layout, it does not change the update"),
     "decoder_last_pipeline_num_layers": Ignored("a pipeline layout; pipeline stages are refused separately"),
     "decoder_first_pipeline_num_layers": Ignored("a pipeline layout; pipeline stages are refused separately"),
     "recompute_granularity": _MEGATRON_PERF,

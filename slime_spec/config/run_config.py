@@ -203,6 +203,7 @@ class TrainConfig:
     draft_lr: float | None = flag_default("draft_lr")
     draft_ttt_steps: int = flag_default("draft_ttt_steps")
     tensor_model_parallel_size: int = flag_default("tensor_model_parallel_size")
+    expert_model_parallel_size: int = flag_default("expert_model_parallel_size")  # MoE experts split over ranks
     seed: int = flag_default("seed")
 
 

@@ -268,10 +268,22 @@ class Rule(Enum):
         "DeepSeek-V3 model")
     TRAINER_MOE_TP = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
-        "--tensor-model-parallel-size {tp} with a {family} model: the trainer builds MoE layers at tensor parallel "
-        "size 1 only (megatron-core's MoE layer needs sequence parallelism under TP, which its local layer spec "
-        "does not build)",
-        "train with --tensor-model-parallel-size 1, or run rollouts alone with --debug-rollout-only")
+        "--tensor-model-parallel-size {tp} with a {family} model{what}: megatron-core 0.16.1's MoE layer trains "
+        "under TP only with sequence parallelism, which the trainer builds for Qwen3-MoE without MTP layers or an "
+        "online draft only",
+        "train with --tensor-model-parallel-size 1 (split the experts with --expert-model-parallel-size), or run "
+        "rollouts alone with --debug-rollout-only")
+    TRAINER_MOE_TP_EP = _Entry(
+        "TRAINER_UNSUPPORTED_MODEL", "error",
+        "--tensor-model-parallel-size {tp} with --expert-model-parallel-size {ep} for a {family} model: the trainer "
+        "builds expert parallelism at tensor parallel size 1, or tensor parallelism (each expert split over the "
+        "TP ranks, sequence parallel) without expert parallelism, not both",
+        "--tensor-model-parallel-size 1 --expert-model-parallel-size {ep}, or --expert-model-parallel-size 1, or run "
+        "rollouts alone with --debug-rollout-only")
+    TRAINER_EXPERT_PARALLEL = _Entry(
+        "FLAG_CONFLICT", "error",
+        "--expert-model-parallel-size {ep} with a {family} model: {why}",
+        "{fix}")
     TRAINER_UNSUPPORTED_ROPE = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
         "rope_scaling type {rope_type!r} in a {family} checkpoint: the trainer implements plain RoPE, Llama-3.1's "

@@ -81,6 +81,7 @@ BOUNDS: tuple[Bound, ...] = (
     Bound("placement_timeout", _at_least(0), "must be >= 0 seconds (0 waits without bound)", "--placement-timeout 300"),
     Bound("update_weight_buffer_size", _at_least(1), "must be >= 1 byte", "--update-weight-buffer-size 536870912"),
     Bound("tensor_model_parallel_size", _at_least(1), "must be >= 1", "--tensor-model-parallel-size 1", True),
+    Bound("expert_model_parallel_size", _at_least(1), "must be >= 1", "--expert-model-parallel-size 1", True),
     Bound("global_batch_size", _at_least(1), "must be >= 1", "drop it (one step per rollout) or a positive size",
           True),
     Bound("micro_batch_size", _at_least(1), "must be >= 1", "--micro-batch-size 1", True),
@@ -105,6 +106,11 @@ RELATIONS: tuple[Relation, ...] = (
              "{actor_num_gpus_per_node}) are not divisible by --tensor-model-parallel-size "
              "{tensor_model_parallel_size}",
              "--tensor-model-parallel-size dividing {actor_gpus}, or more actor GPUs", trainer_only=True),
+    # at TP 1 (tensor and expert parallel together are refused by spec_checks.check_trainer_support)
+    Relation(lambda v: v["tensor_model_parallel_size"] > 1 or v["actor_gpus"] % v["ep_size"] == 0,
+             "{actor_gpus} actor GPU(s) are not divisible by --expert-model-parallel-size {ep_size}: every MoE "
+             "layer's experts are split over {ep_size} ranks, each replica of that split on its own ranks",
+             "--expert-model-parallel-size dividing {actor_gpus}, or more actor GPUs", trainer_only=True),
     Relation(lambda v: v["dp_size"] == 0 or v["global_batch"] % v["micro_dp"] == 0,
              "global batch {global_batch} is not a multiple of --micro-batch-size {micro_batch_size} x "
              "data-parallel size {dp_size} (actor GPUs / tensor-parallel size)",
@@ -130,7 +136,7 @@ def derived_values(values: dict) -> dict:
     tp = values["tensor_model_parallel_size"]
     dp = actor_gpus // tp if tp >= 1 and actor_gpus % tp == 0 else 0
     return {**values, "global_batch": global_batch, "actor_gpus": actor_gpus, "dp_size": dp,
-            "micro_dp": values["micro_batch_size"] * dp}
+            "micro_dp": values["micro_batch_size"] * dp, "ep_size": values.get("expert_model_parallel_size") or 1}
 
 
 def check(values: dict) -> list[Finding]:

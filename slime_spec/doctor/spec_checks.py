@@ -44,6 +44,7 @@ class CheckInput:
     spec_auto: bool = False            # ours (--spec-auto): embedded engine only
     weight_sync_transport: str | None = None  # --weight-sync-transport (None: by --colocate)
     tensor_model_parallel_size: int = 1  # the trainer's (Megatron's --tensor-model-parallel-size)
+    expert_model_parallel_size: int = 1  # the trainer's (Megatron's --expert-model-parallel-size)
 
     @cached_property
     def resolved(self) -> tuple[SpecConfig | None, list[Finding]]:
@@ -251,7 +252,8 @@ TRAINER_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "q
                     "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
-MOE_TRAINER_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")  # trainer/model.py moe_config: TP 1 only
+# trainer/model_config.py moe_config: any EP; TP > 1 (sequence parallel) for Qwen3-MoE without MTP / online draft
+MOE_TRAINER_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
 TRAINER_ROPE_TYPES = {"deepseek_v3": ("default", "yarn")}  # megatron-core's MLA applies YaRN itself
 
 
@@ -266,8 +268,22 @@ def check_trainer_support(inp: CheckInput) -> list[Finding]:
         next((f for f, a in TRAINER_FAMILIES.items() if a in archs), None)
     if family is None:
         return [Rule.TRAINER_UNSUPPORTED_FAMILY.finding(family=cfg.get("model_type") or archs)]
-    if family in MOE_TRAINER_FAMILIES and inp.tensor_model_parallel_size > 1:
-        return [Rule.TRAINER_MOE_TP.finding(family=family, tp=inp.tensor_model_parallel_size)]
+    extras = inp.mtp_num_layers > 0 or inp.enable_draft_training
+    if family in MOE_TRAINER_FAMILIES and inp.tensor_model_parallel_size > 1 and (family != "qwen3_moe" or extras):
+        what = " and MTP layers or an online draft" if family == "qwen3_moe" else ""
+        return [Rule.TRAINER_MOE_TP.finding(family=family, tp=inp.tensor_model_parallel_size, what=what)]
+    ep = inp.expert_model_parallel_size
+    if family in MOE_TRAINER_FAMILIES and inp.tensor_model_parallel_size > 1 and ep > 1:
+        return [Rule.TRAINER_MOE_TP_EP.finding(family=family, tp=inp.tensor_model_parallel_size, ep=ep)]
+    if ep > 1 and family not in MOE_TRAINER_FAMILIES:
+        return [Rule.TRAINER_EXPERT_PARALLEL.finding(ep=ep, family=family, why="it has no experts to split",
+                                                     fix="--expert-model-parallel-size 1")]
+    experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+    if ep > 1 and experts % ep:
+        return [Rule.TRAINER_EXPERT_PARALLEL.finding(
+            ep=ep, family=family, why=f"each expert-parallel rank holds an equal share of the {experts} routed "
+            f"experts (config.json num_experts / n_routed_experts), so the size must divide {experts}",
+            fix=f"--expert-model-parallel-size dividing {experts}")]
     scaling = cfg.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type not in TRAINER_ROPE_TYPES.get(family, ("default", "llama3")):

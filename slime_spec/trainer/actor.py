@@ -38,7 +38,7 @@ class TrainActor:
         from slime_spec.trainer.parallel import init_parallel
         from slime_spec.trainer.trainer import Trainer
         init_parallel(self.rank, self.world_size, master_addr, master_port, train.tensor_model_parallel_size,
-                      train.seed)
+                      train.seed, ep_size=train.expert_model_parallel_size)
         self.trainer = Trainer(train, draft_model_path)
         return self.trainer.get_tp_info()
 
@@ -126,18 +126,16 @@ class TrainActor:
 
         `restarted_urls`: engines restarted since the last sync; they rejoin the weight-update group first.
         """
-        from megatron.core import parallel_state as ps
-
         from slime_spec.weight_sync.gather import iter_draft_tensors, iter_hf_tensors
         from slime_spec.weight_sync.transports.colocated import follow_sync
         trainer = self._ready()
         trainer.check_weights_finite(f"synced into the engines as weight version {weight_version!r} (the engines keep "
                                      "serving the weights they have)")
         first_of_tp_group = self.rank - trainer.tp.tp_rank  # Megatron's TP groups are consecutive ranks
-        if trainer.tp.dp_rank != 0 and first_of_tp_group >= self.colocated_ranks:
-            return {}  # every replica holds the same weights: this one neither sends nor takes part in a gather
-        tensors = iter_hf_tensors(trainer.named_megatron_params(), trainer.hf_config,
-                                  tp_group=ps.get_tensor_model_parallel_group(), tp_size=trainer.tp.tp_size)
+        # Every replica holds the same weights: only the first (all EP ranks of it: each holds other experts) gathers.
+        if trainer.tp.edp_rank != 0 and first_of_tp_group >= self.colocated_ranks:
+            return {}
+        tensors = iter_hf_tensors(trainer.named_megatron_params(), trainer.hf_config, **trainer.gather_groups())
         stream = itertools.chain(tensors, iter_draft_tensors(trainer.named_draft_tensors()))
         if self.rank != 0:
             if self.rank_buckets is not None:

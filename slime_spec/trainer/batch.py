@@ -23,6 +23,7 @@ class TokenBatch:
     rollout_log_probs: torch.Tensor  # [b, s] float: the engine's log-probs where it reported them, else 0
     has_rollout_log_probs: torch.Tensor  # [b] bool
     lengths: torch.Tensor  # [b] long: tokens of each sample (the rest of its row is padding)
+    min_row_len: int = 0  # packed: the model row's least length (equal token counts on every EP rank)
 
 
 def response_mask(sample: Sample) -> list[int]:
@@ -37,10 +38,11 @@ def response_mask(sample: Sample) -> list[int]:
     return list(sample.loss_mask)
 
 
-def collate(samples: list[Sample], device: torch.device | str = "cpu") -> TokenBatch:
+def collate(samples: list[Sample], device: torch.device | str = "cpu", min_seq_len: int = 0) -> TokenBatch:
+    """`min_seq_len`: pad the rows to at least this many tokens (equal shapes on every rank of a collective)."""
     if not samples:
         raise ValueError("collate: no samples")
-    seq = max(len(s.tokens) for s in samples)
+    seq = max(min_seq_len, *(len(s.tokens) for s in samples))
     ids = torch.full((len(samples), seq), PAD_ID, dtype=torch.long)
     mask = torch.zeros(len(samples), seq)
     rollout_lp = torch.zeros(len(samples), seq)
@@ -115,11 +117,26 @@ def pack_by_tokens(lengths: list[int], indices: list[int], max_tokens: int) -> l
     return [sorted(b) for b in bins]
 
 
+def split_into(bins: list[list[int]], count: int, lengths: list[int]) -> list[list[int]]:
+    """`bins` split until there are `count` of them: the bin with the most tokens (of those holding two or more
+    samples) is halved, its samples dealt longest first, alternately. Needs count <= the number of samples."""
+    bins = [list(b) for b in bins]
+    while len(bins) < count:
+        i = max((i for i, b in enumerate(bins) if len(b) > 1), key=lambda i: (sum(lengths[j] for j in bins[i]), -i))
+        ordered = sorted(bins[i], key=lambda j: (-lengths[j], j))
+        bins[i:i + 1] = [sorted(ordered[0::2]), sorted(ordered[1::2])]
+    return bins
+
+
 def packed_step_slices(lengths: list[int], global_batch_size: int, max_tokens: int, dp_rank: int,
-                       dp_size: int) -> list[list[list[int]]]:
+                       dp_size: int, equal_counts: bool = False) -> list[list[list[int]]]:
     """Like `step_slices`, with micro-batches packed by tokens: each optimizer step's `global_batch_size`
     consecutive samples are balanced by tokens over the data-parallel ranks (equal sample counts), then
-    this rank's share is packed into micro-batches of at most `max_tokens` tokens."""
+    this rank's share is packed into micro-batches of at most `max_tokens` tokens.
+
+    `equal_counts`: every rank gets as many micro-batches in a step as the rank that needs the most (its bins
+    split, `split_into`), as a collective layer (expert parallel's token exchange) needs; every rank computes
+    every rank's packing from the same lengths, so no communication is needed."""
     n_samples = len(lengths)
     if n_samples % global_batch_size:
         raise ValueError(f"--global-batch-size {global_batch_size} must divide the {n_samples} samples of a "
@@ -129,6 +146,10 @@ def packed_step_slices(lengths: list[int], global_batch_size: int, max_tokens: i
                          f"size {dp_size}")
     steps = []
     for start in range(0, n_samples, global_batch_size):
-        mine = balance_by_tokens(lengths, list(range(start, start + global_batch_size)), dp_size)[dp_rank]
-        steps.append(pack_by_tokens(lengths, mine, max_tokens))
+        shares = balance_by_tokens(lengths, list(range(start, start + global_batch_size)), dp_size)
+        if not equal_counts:
+            steps.append(pack_by_tokens(lengths, shares[dp_rank], max_tokens))
+            continue
+        packs = [pack_by_tokens(lengths, share, max_tokens) for share in shares]
+        steps.append(split_into(packs[dp_rank], max(len(p) for p in packs), lengths))
     return steps

@@ -3,12 +3,15 @@
 Layout (Megatron's naming):
   {dir}/latest_checkpointed_iteration.txt        the rollout id of the newest checkpoint
   {dir}/iter_{rollout_id:07d}/data_position.json  where the prompt stream stands after that rollout (rollout/data.py)
-  {dir}/iter_{rollout_id:07d}/tp_rank_{r:02d}.pt    {"format": 1, "rollout_id", "tp_size", "hf_config",
+  {dir}/iter_{rollout_id:07d}/tp_rank_{r:02d}.pt    {"format": 1, "rollout_id", "tp_size", "ep_size", "hf_config",
                                                     "model": {megatron name: local shard},
                                                     "optimizer": torch optimizer state_dict or None,
                                                     "draft": online EAGLE3 draft {"model", "optimizer"} or None}
-Only data-parallel rank 0 of each TP rank writes; every DP rank reads its TP rank's file.
-Shards are stored as Megatron names and local TP shapes, so --load needs the same TP size.
+Under expert parallelism (--expert-model-parallel-size E > 1) each (TP rank, EP rank) has its own file,
+tp_rank_{r:02d}_ep_rank_{e:02d}.pt: its experts (local numbers) and the replicated rest.
+Only the first replica (expert-data-parallel rank 0, which is data-parallel rank 0 without EP) of each shard
+writes; every rank reads its shard's file. Shards are stored as Megatron names and local TP / EP shapes, so
+--load needs the same TP and EP sizes.
 Every file is written to a temporary name and renamed into place; a failed write removes it and says why.
 `plan_resume` decides, before anything starts, whether a run resumes or starts fresh, and refuses a
 combination of --load and --save that would overwrite saved iterations.
@@ -75,18 +78,20 @@ def save_due(save_interval: int | None, rollout_id: int, num_rollout: int | None
     return (rollout_id + 1) % save_interval == 0 or (num_rollout is not None and rollout_id + 1 == num_rollout)
 
 
-def shard_path(directory: str | Path, rollout_id: int, tp_rank: int) -> Path:
-    return Path(directory) / f"iter_{rollout_id:07d}" / f"tp_rank_{tp_rank:02d}.pt"
+def shard_path(directory: str | Path, rollout_id: int, tp_rank: int, ep_rank: int = 0, ep_size: int = 1) -> Path:
+    name = f"tp_rank_{tp_rank:02d}.pt" if ep_size == 1 else f"tp_rank_{tp_rank:02d}_ep_rank_{ep_rank:02d}.pt"
+    return Path(directory) / f"iter_{rollout_id:07d}" / name
 
 
 def save_shard(directory: str | Path, rollout_id: int, tp_rank: int, tp_size: int, hf_config: dict,
                model_state: dict[str, torch.Tensor], optimizer_state: dict | None,
-               draft_state: dict | None = None) -> Path:
-    path = shard_path(directory, rollout_id, tp_rank)
+               draft_state: dict | None = None, ep_rank: int = 0, ep_size: int = 1) -> Path:
+    path = shard_path(directory, rollout_id, tp_rank, ep_rank, ep_size)
     created = not path.parent.exists()
     try:
         with _written(path, "the checkpoint shard") as f:  # a file object: a full disk raises ENOSPC, not a zip error
-            torch.save({"format": FORMAT, "rollout_id": rollout_id, "tp_size": tp_size, "hf_config": hf_config,
+            torch.save({"format": FORMAT, "rollout_id": rollout_id, "tp_size": tp_size, "ep_size": ep_size,
+                        "hf_config": hf_config,
                         "model": {k: v.detach().cpu() for k, v in model_state.items()}, "optimizer": optimizer_state,
                         "draft": draft_state}, f)
     except BaseException:
@@ -179,9 +184,13 @@ def latest_rollout_id(directory: str | Path) -> int:
     return int(marker.read_text().strip())
 
 
-def load_shard(directory: str | Path, tp_rank: int, tp_size: int, rollout_id: int | None = None) -> dict:
+def load_shard(directory: str | Path, tp_rank: int, tp_size: int, rollout_id: int | None = None,
+               ep_rank: int = 0, ep_size: int = 1) -> dict:
     rollout_id = latest_rollout_id(directory) if rollout_id is None else rollout_id
-    path = shard_path(directory, rollout_id, tp_rank)
+    path = shard_path(directory, rollout_id, tp_rank, ep_rank, ep_size)
+    if not path.is_file() and ep_size != 1 and shard_path(directory, rollout_id, tp_rank).is_file():
+        raise ValueError(f"--load {directory}: saved with expert_model_parallel_size=1, now {ep_size}; load it "
+                         f"with --expert-model-parallel-size 1")
     if not path.is_file():
         raise FileNotFoundError(f"--load {directory}: {path} is missing")
     shard = torch.load(path, map_location="cpu", weights_only=False)
@@ -190,4 +199,7 @@ def load_shard(directory: str | Path, tp_rank: int, tp_size: int, rollout_id: in
     if shard["tp_size"] != tp_size:
         raise ValueError(f"--load {directory}: saved with tensor_model_parallel_size={shard['tp_size']}, "
                          f"now {tp_size}; load it with the same --tensor-model-parallel-size")
+    if shard.get("ep_size", 1) != ep_size:
+        raise ValueError(f"--load {directory}: saved with expert_model_parallel_size={shard.get('ep_size', 1)}, "
+                         f"now {ep_size}; load it with the same --expert-model-parallel-size")
     return shard

@@ -1,7 +1,10 @@
 """An optimizer step's gradients across ranks: the data-parallel sum, and clipping by the global norm.
 
 The float32 master gradients (precision.MasterParams) are summed over the data-parallel group; the norm counts a
-tensor-parallel shard once per shard and a replicated tensor once, as Megatron's clip_grad_norm does.
+tensor-parallel shard once per shard and a replicated tensor once, as Megatron's clip_grad_norm does. Under expert
+parallelism a routed expert's parameter (megatron-core marks it `allreduce=False`) already holds the gradient of
+every EP rank's tokens (the token dispatcher's all-gather sums them back in its backward), so it is summed over
+the expert-data-parallel group only, and its square counts once per expert (summed over the expert TP x EP group).
 """
 
 from __future__ import annotations
@@ -13,14 +16,25 @@ import torch.distributed as dist
 
 
 def reduce_grads(params: list[torch.Tensor], dp_size: int) -> list[torch.Tensor]:
-    """Sum the gradients over data-parallel ranks; returns the parameters that have one."""
+    """Sum the gradients over data-parallel ranks (an EP-split expert's over its expert-data-parallel ranks);
+    returns the parameters that have one."""
     from megatron.core import parallel_state as ps
 
     params = [p for p in params if p.grad is not None]
     if dp_size > 1:
+        edp_size = ps.get_expert_data_parallel_world_size()
         for p in params:
-            dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+            if is_ep_split(p):
+                if edp_size > 1:
+                    dist.all_reduce(p.grad, group=ps.get_expert_data_parallel_group())
+            else:
+                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
     return params
+
+
+def is_ep_split(param: torch.Tensor) -> bool:
+    """A routed expert's parameter under expert parallelism: each EP rank holds other experts."""
+    return getattr(param, "allreduce", True) is False
 
 
 def clip_by_global_norm(params: list[torch.Tensor], clip_grad: float | None, tp_size: int,
@@ -32,15 +46,20 @@ def clip_by_global_norm(params: list[torch.Tensor], clip_grad: float | None, tp_
 
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
+    experts = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         sq = p.grad.double().pow(2).sum()
-        if getattr(p, "tensor_model_parallel", False):
+        if is_ep_split(p):
+            experts += sq
+        elif getattr(p, "tensor_model_parallel", False):
             sharded += sq
         else:
             replicated += sq
     if tp_size > 1:
         dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
-    norm = float((sharded + replicated).sqrt())
+    if ps.get_expert_model_parallel_world_size() > 1:
+        dist.all_reduce(experts, group=ps.get_expert_tensor_and_model_parallel_group())
+    norm = float((sharded + replicated + experts).sqrt())
     if clip_grad and clip_grad > 0 and math.isfinite(norm) and norm > clip_grad:
         scale = clip_grad / (norm + 1e-6)
         for p in params:

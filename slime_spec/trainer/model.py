@@ -91,6 +91,9 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
     rotary_percent = float(hf_config.get("partial_rotary_factor") or 1.0)
     mtp_spec = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
                 if train.mtp_num_layers else None)
+    if config.sequence_parallel:  # MoE under TP (model_config.moe_config)
+        from slime_spec.trainer import sequence_parallel
+        layer_spec = sequence_parallel.block_spec(layer_spec, config.num_layers)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -116,6 +119,9 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
         model.cuda(torch.cuda.current_device())
     if config.qk_layernorm and train.tensor_model_parallel_size > 1:
         sum_qk_norm_grads_over_tp(model)
+    if config.sequence_parallel:
+        from slime_spec.trainer import sequence_parallel
+        sequence_parallel.sum_sequence_parallel_grads_over_tp(model)
     return model
 
 
@@ -165,8 +171,19 @@ def named_weights(model):
     yield from ((n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias"))
 
 
-def load_hf_weights(model, hf_state: dict[str, torch.Tensor], hf_config: dict, tp_rank: int, tp_size: int) -> None:
-    """Copy an HF state dict into this rank's shards (HF -> Megatron names, MTP included); strict."""
+def global_expert_name(name: str, ep_rank: int, ep_size: int, hf_config: dict) -> str:
+    """A routed expert's name with its global number: EP rank r holds experts r * E / ep_size onwards as
+    `local_experts.0, 1, ...` (megatron-core's layout); other names unchanged."""
+    local = convert.expert_index(name)
+    if local is None or ep_size == 1:
+        return name
+    return convert.with_expert_index(name, ep_rank * (convert.num_experts(hf_config) // ep_size) + local)
+
+
+def load_hf_weights(model, hf_state: dict[str, torch.Tensor], hf_config: dict, tp_rank: int, tp_size: int,
+                    ep_rank: int = 0, ep_size: int = 1) -> None:
+    """Copy an HF state dict into this rank's shards (HF -> Megatron names, MTP included; under expert
+    parallelism only this EP rank's experts); strict."""
     family = convert.family_of(hf_config)
     mtp_layers = model.config.mtp_num_layers or 0
     if family == "mimo":  # the checkpoint may carry more MTP layers than the trainer runs
@@ -177,7 +194,11 @@ def load_hf_weights(model, hf_state: dict[str, torch.Tensor], hf_config: dict, t
         hf_state = {k: v for k, v in hf_state.items()
                     if not k.startswith("model.layers.") or int(k.split(".")[2]) < last}
     full = convert.hf_to_megatron(family, hf_state, hf_config)
-    params = dict(named_weights(model))
+    params = {global_expert_name(n, ep_rank, ep_size, hf_config): p for n, p in named_weights(model)}
+    if ep_size > 1:  # the other EP ranks' experts are theirs to load
+        per_rank = convert.num_experts(hf_config) // ep_size
+        full = {k: v for k, v in full.items()
+                if convert.expert_index(k) is None or convert.expert_index(k) // per_rank == ep_rank}
     missing = sorted(set(params) - set(full))
     unexpected = sorted(set(full) - set(params))
     if missing or unexpected:

@@ -111,19 +111,36 @@ def mla_config(hf_config: dict) -> dict:
 
 def moe_config(hf_config: dict, family: str, train: TrainConfig) -> dict:
     """megatron-core's MoE fields for a Qwen3-MoE, GLM-4.5 or DeepSeek-V3 config (none for a dense family)."""
+    ep = train.expert_model_parallel_size
     if family not in convert.MOE_FAMILIES:
+        if ep > 1:
+            raise ValueError(f"--expert-model-parallel-size {ep} with a {family} model: it has no experts to split; "
+                             f"use --expert-model-parallel-size 1")
         return {}
-    if train.tensor_model_parallel_size > 1:
-        raise ValueError(f"--tensor-model-parallel-size {train.tensor_model_parallel_size} with a {family} model: "
-                         f"megatron-core's MoE layer trains under TP only with sequence parallelism, which the "
-                         f"trainer's local layer spec (torch norms) does not build; use --tensor-model-parallel-size 1")
+    experts = convert.num_experts(hf_config)
+    if ep < 1 or experts % ep:
+        raise ValueError(f"--expert-model-parallel-size {ep}: must divide the {experts} routed experts of the "
+                         f"{family} model (config.json); choose a divisor of {experts}")
+    tp = train.tensor_model_parallel_size
+    if tp > 1 and (family != "qwen3_moe" or train.mtp_num_layers or train.enable_draft_training):
+        raise ValueError(f"--tensor-model-parallel-size {tp} with a {family} model"
+                         f"{' and MTP layers or an online draft' if family == 'qwen3_moe' else ''}: megatron-core "
+                         f"trains its MoE layer under TP only with sequence parallelism, which the trainer builds "
+                         f"for Qwen3-MoE without MTP layers or an online draft only; use --tensor-model-parallel-size "
+                         f"1 (split the experts with --expert-model-parallel-size)")
+    if tp > 1 and ep > 1:  # expert TP = TP here (parallel.py), so the grid would need TP x EP ranks per replica
+        raise ValueError(f"--tensor-model-parallel-size {tp} with --expert-model-parallel-size {ep}: the trainer "
+                         f"builds expert parallelism at tensor parallel size 1, or tensor parallelism without expert "
+                         f"parallelism, not both; use --tensor-model-parallel-size 1 or --expert-model-parallel-size 1")
     if family in DENSE_FIRST_FAMILIES:
-        return dense_first_moe_config(hf_config)
+        return {**dense_first_moe_config(hf_config), "expert_model_parallel_size": ep}
     if hf_config.get("mlp_only_layers") or int(hf_config.get("decoder_sparse_step", 1)) != 1:
         raise ValueError(f"mlp_only_layers={hf_config.get('mlp_only_layers')}, decoder_sparse_step="
                          f"{hf_config.get('decoder_sparse_step')}: the trainer builds Qwen3-MoE with every layer "
                          f"sparse (as Qwen3-30B-A3B and Qwen3-235B-A22B)")
     return dict(
+        expert_model_parallel_size=ep,
+        sequence_parallel=tp > 1,  # megatron-core's MoE layer under TP (sequence_parallel.py)
         num_moe_experts=int(hf_config["num_experts"]),
         moe_router_topk=int(hf_config["num_experts_per_tok"]),
         moe_ffn_hidden_size=int(hf_config["moe_intermediate_size"]),

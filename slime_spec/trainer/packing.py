@@ -59,22 +59,27 @@ def padded_rows(batch: TokenBatch) -> ModelRows:
                      valid=cols[None] < batch.lengths[:, None])
 
 
-def packed_rows(batch: TokenBatch) -> ModelRows:
-    """Every sample of `batch` concatenated into one row, attention block-diagonal and causal."""
+def packed_rows(batch: TokenBatch, min_len: int = 0) -> ModelRows:
+    """Every sample of `batch` concatenated into one row, attention block-diagonal and causal; `min_len`: padded
+    to at least that many tokens (a segment of its own after the samples, which no sample attends to)."""
     lengths = batch.lengths
     device = batch.input_ids.device
     n, s = batch.input_ids.shape
     cols = torch.arange(s, device=device)
     valid = cols[None] < lengths[:, None]
     starts = torch.cumsum(lengths, 0) - lengths
-    segment = torch.repeat_interleave(torch.arange(n, device=device), lengths)
-    position_ids = torch.cat([torch.arange(int(k), device=device) for k in lengths.tolist()])
+    pad = max(0, min_len - int(lengths.sum()))
+    segment = torch.repeat_interleave(torch.arange(n + 1, device=device),
+                                      torch.cat([lengths, torch.tensor([pad], device=device)]))
+    position_ids = torch.cat([torch.arange(int(k), device=device) for k in [*lengths.tolist(), pad]])
     causal = causal_mask(len(segment), device)[0, 0]
     other_sample = segment[:, None] != segment[None, :]
-    return ModelRows(input_ids=batch.input_ids[valid][None], position_ids=position_ids[None],
+    input_ids = torch.cat([batch.input_ids[valid], batch.input_ids.new_zeros(pad)])
+    return ModelRows(input_ids=input_ids[None], position_ids=position_ids[None],
                      attention_mask=(causal | other_sample)[None, None],
                      index=torch.where(valid, starts[:, None] + cols[None], 0), valid=valid)
 
 
-def model_rows(batch: TokenBatch, packed: bool) -> ModelRows:
-    return packed_rows(batch) if packed else padded_rows(batch)
+def model_rows(batch: TokenBatch, packed: bool, min_len: int = 0) -> ModelRows:
+    """`min_len`: a packed row's least length (padded rows are as long as `batch`'s)."""
+    return packed_rows(batch, min_len) if packed else padded_rows(batch)

@@ -1,7 +1,10 @@
 """torch.distributed + megatron-core model-parallel state for one train process.
 
-World = data-parallel x tensor-parallel ranks (no pipeline / context / expert parallelism).
-gloo on CPU, nccl on CUDA. Megatron's state is process-global, so one process holds one model.
+World = data-parallel x tensor-parallel ranks (no pipeline / context parallelism); the MoE layers' experts are
+further split over --expert-model-parallel-size ranks (Megatron's expert grid: expert-TP = TP, then EP, then
+expert data parallel), so data parallel size = world / TP as Megatron computes it, and each EP rank holds
+num_experts / EP experts. gloo on CPU, nccl on CUDA. Megatron's state is process-global, so one process holds
+one model.
 """
 
 from __future__ import annotations
@@ -27,14 +30,21 @@ class TPInfo:
     tp_size: int
     dp_rank: int
     dp_size: int
+    ep_rank: int = 0  # expert-parallel rank: holds experts ep_rank * E / ep_size .. (ep_rank + 1) * E / ep_size - 1
+    ep_size: int = 1
+    edp_rank: int = 0  # rank among the replicas of this rank's experts (expert data parallel)
 
 
 def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int, tp_size: int,
-                  seed: int, timeout_s: float = 600.0) -> TPInfo:
-    """Join the default process group and set Megatron's TP/DP groups and RNG trackers."""
+                  seed: int, timeout_s: float = 600.0, ep_size: int = 1) -> TPInfo:
+    """Join the default process group and set Megatron's TP/DP/EP groups and RNG trackers."""
     if world_size % tp_size:
         raise ValueError(f"tensor_model_parallel_size={tp_size} must divide the number of train processes "
                          f"({world_size} = actor_num_nodes x actor_num_gpus_per_node)")
+    if ep_size < 1 or world_size % (tp_size * ep_size):
+        raise ValueError(f"expert_model_parallel_size={ep_size} x tensor_model_parallel_size={tp_size} must divide "
+                         f"the number of train processes ({world_size} = actor_num_nodes x "
+                         f"actor_num_gpus_per_node); choose --expert-model-parallel-size accordingly")
     cpu_compat.apply()
     use_cuda = torch.cuda.is_available()
     if use_cuda:
@@ -51,7 +61,9 @@ def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int
     from megatron.core import parallel_state, tensor_parallel
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+        # expert-TP left to Megatron's default (= TP): the weight sync and checkpoints assume that grid
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
+                                                 expert_model_parallel_size=ep_size)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return current_tp_info()
@@ -79,7 +91,9 @@ def current_tp_info() -> TPInfo:
 
     return TPInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
                   tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
-                  dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
+                  dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                  ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+                  edp_rank=ps.get_expert_data_parallel_rank())
 
 
 def destroy_parallel() -> None:

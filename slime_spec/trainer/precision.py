@@ -26,6 +26,8 @@ class MasterParams:
     def _master_of(param: torch.nn.Parameter) -> torch.nn.Parameter:
         master = torch.nn.Parameter(param.detach().clone().float())
         tensor_parallel.copy_tensor_model_parallel_attributes(master, param)  # the clip counts TP shards once
+        if hasattr(param, "allreduce"):  # False on an EP-split expert: grads.py reduces it over its own group
+            master.allreduce = param.allreduce
         return master
 
     @torch.no_grad()

@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from slime_spec.config.run_config import TrainConfig
 from slime_spec.rollout.sample import Sample, Status
@@ -101,7 +102,7 @@ class Trainer:
         """--load when it holds a checkpoint (resume), else the HF checkpoint; returns the loaded shard."""
         t = self.train
         if t.load and (Path(t.load) / checkpoint.LATEST).is_file():
-            shard = checkpoint.load_shard(t.load, self.tp.tp_rank, self.tp.tp_size)
+            shard = checkpoint.load_shard(t.load, self.tp.tp_rank, self.tp.tp_size, **self._ep_shard)
             self._copy_into_model(shard["model"])
             self.start_rollout_id = shard["rollout_id"] + 1
             logger.info("resumed from %s at rollout %d", t.load, shard["rollout_id"])
@@ -109,8 +110,13 @@ class Trainer:
         if t.load:
             logger.info("--load %s holds no checkpoint yet; starting from --hf-checkpoint", t.load)
         M.load_hf_weights(self.model, M.read_hf_state(t.hf_checkpoint), self.hf_config,
-                          self.tp.tp_rank, self.tp.tp_size)
+                          self.tp.tp_rank, self.tp.tp_size, self.tp.ep_rank, self.tp.ep_size)
         return None
+
+    @property
+    def _ep_shard(self) -> dict:
+        """Which checkpoint shard file is this rank's under expert parallelism (checkpoint.shard_path)."""
+        return dict(ep_rank=self.tp.ep_rank, ep_size=self.tp.ep_size)
 
     def _copy_into_model(self, state: dict[str, torch.Tensor]) -> None:
         params = dict(self.model.named_parameters())
@@ -128,9 +134,11 @@ class Trainer:
         source = self.train.ref_load or self.train.hf_checkpoint
         current = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         if (Path(source) / checkpoint.LATEST).is_file():
-            self._copy_into_model(checkpoint.load_shard(source, self.tp.tp_rank, self.tp.tp_size)["model"])
+            self._copy_into_model(checkpoint.load_shard(source, self.tp.tp_rank, self.tp.tp_size,
+                                                        **self._ep_shard)["model"])
         else:
-            M.load_hf_weights(self.model, M.read_hf_state(source), self.hf_config, self.tp.tp_rank, self.tp.tp_size)
+            M.load_hf_weights(self.model, M.read_hf_state(source), self.hf_config, self.tp.tp_rank, self.tp.tp_size,
+                              self.tp.ep_rank, self.tp.ep_size)
         ref = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         self._copy_into_model(current)
         return ref
@@ -151,21 +159,31 @@ class Trainer:
             yield name, p.detach()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full HF-named weights: TP shards all-gathered (collective: every TP rank must call it)."""
+        """The full HF-named weights: TP shards and EP ranks' experts all-gathered (collective: every TP and EP
+        rank must call it)."""
+        from slime_spec.weight_sync.gather import iter_hf_tensors
+        return {t.name: t.tensor.cpu() for t in iter_hf_tensors(self.named_megatron_params(), self.hf_config,
+                                                                 **self.gather_groups())}
+
+    def gather_groups(self) -> dict:
+        """The process groups `gather.iter_hf_tensors` gathers whole tensors over (TP shards, EP ranks' experts)."""
         from megatron.core import parallel_state as ps
 
-        from slime_spec.weight_sync.gather import iter_hf_tensors
-        group = ps.get_tensor_model_parallel_group() if self.tp.tp_size > 1 else None
-        return {t.name: t.tensor.cpu() for t in iter_hf_tensors(self.named_megatron_params(), self.hf_config,
-                                                                 tp_group=group, tp_size=self.tp.tp_size)}
+        return dict(tp_group=ps.get_tensor_model_parallel_group() if self.tp.tp_size > 1 else None,
+                    tp_size=self.tp.tp_size, ep_size=self.tp.ep_size,
+                    ep_group=ps.get_expert_model_parallel_group() if self.tp.ep_size > 1 else None)
 
     @torch.no_grad()
     def forward_logits(self, input_ids: list[list[int]]) -> dict[str, torch.Tensor]:
         """Policy and MTP logits (CPU, [b, s, vocab]) for equal-length token lists: for checks against engines."""
         self.model.eval()
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        seq = ids.shape[1]
+        if self.model.config.sequence_parallel:  # rows a multiple of the TP size; the padding comes after (causal)
+            ids = F.pad(ids, (0, -seq % self.tp.tp_size))
         out = M.forward(self.model, ids, self.vocab_size, with_mtp=True, mtp_zero_first_token=self.mtp_zero_first_token)
-        return {"logits": out.logits.float().cpu(), "mtp_logits": [x.float().cpu() for x in out.mtp_logits]}
+        return {"logits": out.logits[:, :seq].float().cpu(),
+                "mtp_logits": [x[:, :seq].float().cpu() for x in out.mtp_logits]}
 
     def named_draft_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor) of the online EAGLE3 draft's own parameters, for selector `draft`;
@@ -184,15 +202,16 @@ class Trainer:
         self.check_weights_finite(f"saved as iteration {rollout_id} in --save {self.train.save} (the iterations "
                                   "saved before stay as they are)")
         path = None
-        if self.tp.dp_rank == 0:
+        if self.tp.edp_rank == 0:  # one replica of each (TP, EP) shard writes it
             optimizer_state = self.optimizer.state_dict()
             if self.master.mixed:
                 optimizer_state["master_params"] = self.master.state_dict()
             path = checkpoint.save_shard(self.train.save, rollout_id, self.tp.tp_rank, self.tp.tp_size,
                                          self.hf_config, dict(self.named_megatron_params()), optimizer_state,
                                          draft_state=None if self.online_draft is None
-                                         else self.online_draft.state_dict())
-            if self.online_draft is not None and self.tp.tp_rank == 0:  # servable as is: SGLang's EAGLE3 layout
+                                         else self.online_draft.state_dict(), **self._ep_shard)
+            # servable as is: SGLang's EAGLE3 layout (written once: by global rank 0)
+            if self.online_draft is not None and self.tp.tp_rank == 0 and self.tp.ep_rank == 0:
                 self.online_draft.export(path.parent / EAGLE3_DRAFT_DIR)
         if self.tp.rank == 0 and data_position is not None:
             checkpoint.write_data_position(self.train.save, rollout_id, data_position)
@@ -211,7 +230,7 @@ class Trainer:
     @torch.no_grad()
     def _log_probs(self, batch: TokenBatch) -> torch.Tensor:
         self.model.eval()
-        rows = model_rows(batch, self.packed)
+        rows = model_rows(batch, self.packed, batch.min_row_len)
         return rows.to_samples(losses.token_log_probs(self._trunk(rows).logits, rows.input_ids,
                                                       self.train.rollout_temperature))
 
@@ -230,13 +249,35 @@ class Trainer:
                 return mtp_loss.mtp_loss_per_sample(hidden, weight, rows, loss_mask, self.vocab_size,
                                                     vocab_start=self.tp.tp_rank * weight.shape[0], group=group)
 
-    def plan(self, samples: list[Sample]) -> list[list[list[int]]]:
-        """This rank's sample indices per optimizer step, per micro-batch."""
+    def plan(self, samples: list[Sample], dp_rank: int | None = None) -> list[list[list[int]]]:
+        """This rank's (or data-parallel rank `dp_rank`'s) sample indices per optimizer step, per micro-batch.
+        Under expert parallelism every rank packs as many micro-batches per step as the others (collective MoE)."""
         t = self.train
+        dp_rank = self.tp.dp_rank if dp_rank is None else dp_rank
         if self.packed:
             return packed_step_slices([len(s.tokens) for s in samples], t.global_batch_size, t.max_tokens_per_gpu,
-                                      self.tp.dp_rank, self.tp.dp_size)
-        return step_slices(len(samples), t.global_batch_size, t.micro_batch_size, self.tp.dp_rank, self.tp.dp_size)
+                                      dp_rank, self.tp.dp_size, equal_counts=self.tp.ep_size > 1)
+        return step_slices(len(samples), t.global_batch_size, t.micro_batch_size, dp_rank, self.tp.dp_size)
+
+    def _row_lengths(self, samples: list[Sample], steps: list[list[list[int]]]) -> tuple[int, list[list[int]]]:
+        """The least model-row lengths: (padded rows' length, each packed micro-batch's row length); 0 where any do.
+
+        Under expert parallelism every EP rank must hand the MoE layers' all-gather token dispatcher the same token
+        count: padded rows as long as the rollout's longest sample; a packed row as long as the longest packed row of
+        that micro-batch on any data-parallel rank (each rank computes every rank's plan). Under sequence
+        parallelism a row's length is a multiple of the TP size. Padding follows the real tokens, unseen by them
+        (causal mask, its own packed segment), and dropless routing computes each token alone."""
+        tp = self.tp.tp_size if self.model.config.sequence_parallel else 1
+        seq_len = max(len(s.tokens) for s in samples) if self.tp.ep_size > 1 and not self.packed else 0
+        rows = [[sum(len(samples[i].tokens) for i in mb) for mb in step] for step in steps] if self.packed else \
+            [[0] * len(step) for step in steps]
+        if self.packed and self.tp.ep_size > 1:
+            plans = [self.plan(samples, r) for r in range(self.tp.dp_size)]
+            rows = [[max(sum(len(samples[i].tokens) for i in plan[s_idx][m_idx]) for plan in plans)
+                     for m_idx in range(len(step))] for s_idx, step in enumerate(steps)]
+        if tp > 1 and not self.packed:
+            seq_len = -(-max(seq_len, *(len(s.tokens) for s in samples)) // tp) * tp
+        return seq_len, [[-(-r // tp) * tp for r in step] for step in rows]
 
     def sft_step(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         """A supervised step on the samples' response tokens whatever --loss-type is (warm-up)."""
@@ -374,7 +415,9 @@ class Trainer:
             # a left-out sample trains no token: collated as an aborted one (loss mask all zero)
             samples = [dataclasses.replace(s, status=Status.ABORTED) if out else s
                        for s, out in zip(samples, left_out)]
-        batches = [[collate([samples[i] for i in mb], self.device) for mb in step] for step in steps]
+        seq_len, row_lens = self._row_lengths(samples, steps)
+        batches = [[dataclasses.replace(collate([samples[i] for i in mb], self.device, seq_len), min_row_len=row)
+                    for mb, row in zip(step, rows)] for step, rows in zip(steps, row_lens)]
         advantages = old = ref = None
         if not sft:
             advantages = grpo_advantages_without([s.reward for s in samples], [s.group_index for s in samples],
@@ -397,7 +440,7 @@ class Trainer:
         self.model.train()
         train_draft = self.online_draft is not None and train_draft
         for m_idx, batch in enumerate(p.batches[s_idx]):
-            rows = model_rows(batch, self.packed)
+            rows = model_rows(batch, self.packed, batch.min_row_len)
             with self.timer("trunk forward"):
                 trunk = self._trunk(rows, with_aux=train_draft)
                 log_probs, entropy = map(rows.to_samples,

@@ -73,6 +73,8 @@ _FUSED_FC1 = {  # megatron fc1 prefix -> HF mlp prefix; fc1 = [gate; up]
 }
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
 
+_EXPERT_INDEX = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
+
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _MTP = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
 _MTP_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight")
@@ -103,6 +105,22 @@ def strip_wrappers(name: str) -> str:
 
 def is_mtp_param(megatron_name: str) -> bool:
     return strip_wrappers(megatron_name).startswith("mtp.")
+
+
+def num_experts(hf_config: dict) -> int:
+    """Routed experts per MoE layer of an HF config (0 for a dense one)."""
+    return int(hf_config.get("num_experts") or hf_config.get("n_routed_experts") or 0)
+
+
+def expert_index(megatron_name: str) -> int | None:
+    """The expert number in a routed expert's Megatron name (`...local_experts.{i}...`), None for other names."""
+    m = _EXPERT_INDEX.search(megatron_name)
+    return int(m.group(2)) if m else None
+
+
+def with_expert_index(megatron_name: str, index: int) -> str:
+    """The same routed-expert parameter name with expert number `index` (a local number <-> the global one)."""
+    return _EXPERT_INDEX.sub(lambda m: f"{m.group(1)}{index}{m.group(3)}", megatron_name, count=1)
 
 
 def tp_split_dim(megatron_name: str) -> int | None:

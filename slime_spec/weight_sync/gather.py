@@ -3,13 +3,14 @@
 Three steps, each a plain function:
 1. gather: every tensor-parallel rank holds a shard; all-gather them over Megatron's TP group and
    merge them (`convert.merge_tp_shards`: along `tp_split_dim`, regrouping the per-rank [gate; up]
-   halves of `linear_fc1`).
+   halves of `linear_fc1`); a routed expert is then all-gathered over the expert-parallel group, each
+   rank's experts renamed to their global numbers.
 2. convert: Megatron name and layout -> HF names (`convert.megatron_to_hf`), MTP layers marked.
 3. bucket: group the HF tensors into buckets of at most `buffer_bytes` (one tensor larger than the
    buffer gets a bucket of its own), target and MTP tensors never mixed, so each kind can go to the
    runners that serve it, and the halves of a pair the engine fuses on load kept together.
 
-Every TP rank must iterate the same parameters in the same order (the all-gather is collective);
+Every TP (and EP) rank must iterate the same parameters in the same order (the all-gathers are collective);
 only the sending rank uses the result.
 """
 
@@ -129,16 +130,34 @@ def gather_tp_param(megatron_name: str, shard: torch.Tensor, tp_group=None, tp_s
     return convert.merge_tp_shards(megatron_name, shards)
 
 
+def gather_ep_param(megatron_name: str, tensor: torch.Tensor, hf_config: dict, ep_group=None,
+                    ep_size: int = 1) -> list[tuple[str, torch.Tensor]]:
+    """A routed expert's (TP-whole) tensor from every expert-parallel rank, renamed to the global expert
+    numbers: EP rank r's `local_experts.{i}` is expert r * E / ep_size + i. Collective over the EP group for
+    expert names (every EP rank holds the same number of experts of the same shapes); other names pass through."""
+    from slime_spec.weight_sync import convert
+    local = convert.expert_index(megatron_name)
+    if ep_size == 1 or local is None:
+        return [(megatron_name, tensor)]
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(ep_size)]
+    dist.all_gather(parts, tensor, group=ep_group)
+    per_rank = convert.num_experts(hf_config) // ep_size
+    return [(convert.with_expert_index(megatron_name, r * per_rank + local), part) for r, part in enumerate(parts)]
+
+
 def iter_hf_tensors(named_params: Iterable[tuple[str, torch.Tensor]], hf_config: dict, *,
-                    tp_group=None, tp_size: int = 1) -> Iterator[NamedTensor]:
-    """Megatron (name, local shard) pairs -> HF-named full tensors, MTP layers marked `kind="mtp"`."""
+                    tp_group=None, tp_size: int = 1, ep_group=None, ep_size: int = 1) -> Iterator[NamedTensor]:
+    """Megatron (name, local shard) pairs -> HF-named full tensors, MTP layers marked `kind="mtp"`; under expert
+    parallelism every EP rank's experts (each rank must then iterate its own experts in the same order)."""
     from slime_spec.weight_sync import convert
     family = convert.family_of(hf_config)
     for megatron_name, shard in named_params:
         full = gather_tp_param(megatron_name, shard, tp_group, tp_size)
         kind: Kind = "mtp" if convert.is_mtp_param(megatron_name) else "target"
-        for hf_name, tensor in convert.megatron_to_hf(family, megatron_name, full, hf_config):
-            yield NamedTensor(hf_name, tensor.contiguous(), kind)
+        for name, whole in gather_ep_param(megatron_name, full, hf_config, ep_group, ep_size):
+            for hf_name, tensor in convert.megatron_to_hf(family, name, whole, hf_config):
+                yield NamedTensor(hf_name, tensor.contiguous(), kind)
 
 
 def hf_mtp_matcher(hf_config: dict) -> Callable[[str], bool]:

@@ -1,5 +1,5 @@
-"""Tensor parallel size 2 on CPU in tests: a private Ray cluster, a fixed rollout, the TP-2 run's Config, and the
-check that a TP-2 train step moved the weights as TP 1 did."""
+"""Two train ranks on CPU in tests (TP 2, or EP 2): a private Ray cluster, a fixed rollout, the two-rank run's
+Config, and the check that a two-rank train step moved the weights as one rank did."""
 
 from __future__ import annotations
 
@@ -47,9 +47,14 @@ def tp_rollout() -> list[Sample]:
 
 def tp2_config(path, engine: EngineConfig, train_kw: dict, output_dir) -> Config:
     """Two gloo train ranks at TP 2, syncing into `engine` with the syncer's checksum check on."""
+    return two_rank_config(path, engine, {**train_kw, "tensor_model_parallel_size": 2}, output_dir)
+
+
+def two_rank_config(path, engine: EngineConfig, train_kw: dict, output_dir) -> Config:
+    """Two gloo train ranks laid out as `train_kw` says (TP, EP sizes), syncing into `engine` with the syncer's
+    checksum check on."""
     return Config(cluster=ClusterConfig(actor_num_nodes=1, actor_num_gpus_per_node=2), engine=engine,
-                  rollout=RolloutConfig(hf_checkpoint=str(path)),
-                  train=TrainConfig(**train_kw, tensor_model_parallel_size=2),
+                  rollout=RolloutConfig(hf_checkpoint=str(path)), train=TrainConfig(**train_kw),
                   weight_sync=WeightSyncConfig(weight_sync_transport="distributed", check_weight_sync=True),
                   wandb=WandbConfig(), output_dir=str(output_dir))
 
