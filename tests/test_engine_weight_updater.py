@@ -638,3 +638,26 @@ def test_a_malformed_tensor_payload_fails_the_update_not_the_engine(model):
     r = weights.handle(request("UpdateWeightsFromTensorReqInput", serialized_named_tensors=["bm90IGEgcGlja2xl"]))
     assert not r.success and "Failed to deserialize serialized_named_tensors" in r.message
     assert weights.session.error is not None
+
+
+def test_runners_are_walked_once_per_session_and_a_release_inside_it_still_loads_in_place(model):
+    """Inside a session the runner look-ups (snapshot, load plan) are cached: the same objects, equal to a fresh walk
+    of the model. A memory release and resume inside the session swap the parameters' storage, not the parameters,
+    so an update after it lands in what is served. The cache goes with the session."""
+    from slime_spec.engine.managers.engine_core import EngineCore
+    from slime_spec.engine.weights import updater
+    from slime_spec.speculative.settings import SpecConfig
+    core = EngineCore(str(model), SpecConfig("EAGLE", 2, 1, 3), max_running_requests=2)
+    weights = engine_weights(core)
+    assert begin(weights, "all").success
+    first = updater.select_runners(core.model, core.drafter, "all")
+    assert updater.select_runners(core.model, core.drafter, "all") is first
+    assert first == updater._walk_runners(core.model, core.drafter, "all")
+    core.release_memory(None)
+    core.resume_memory(None)
+    new = torch.full_like(core.named_weights("target")[NORM], 0.5)
+    assert tensor_update(weights, "all", [(NORM, new)]).success
+    assert torch.equal(core.named_weights("target")[NORM], new)
+    assert weights.handle(request("EndWeightUpdateReqInput")).success
+    assert id(core.model) not in updater._SESSION_RUNNERS
+    assert updater.select_runners(core.model, core.drafter, "all") is not first

@@ -47,9 +47,6 @@ def test_no_monitor_without_nvml(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU machine)")
-@pytest.mark.xfail(strict=False, reason="on an H200 (2026-11-28) release_memory with empty_cache alone left 310 of "
-                   "374 MiB reserved; clearing the cuBLAS workspaces (one per capture stream) was added after and has "
-                   "not run on a GPU yet: drop this mark once it passes there")
 def test_engine_release_hands_its_memory_back_to_the_driver(tmp_path):
     """A colocated trainer gets the engine's memory only if the engine's caching allocator lets go of it: after
     release_memory the process reserves (almost) nothing of what the weights, KV cache and graphs took; resume then

@@ -46,8 +46,11 @@ def roles_of(selector: str) -> list[str]:
 class WeightSession:
     """The open session, if any, and the engine's host mirror of what it serves (kept across sessions)."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, served=None):
+        """served(core, role, names): those names' served tensors, as core.named_weights(role) has them (the engine
+        passes a look-up that walks the model once per session: weight_updater.served_weights_named)."""
         self.device = device
+        self.served = served or _named_weights_of
         self.selector: str | None = None  # None: no session is open
         self.error: str | None = None
         self.version_before: str | None = None
@@ -70,9 +73,9 @@ class WeightSession:
         that the session does not hold yet (the served tensors are looked up once per update too)."""
         wanted, pending = set(names), {}
         for role in roles_of(selector):
-            weights, saved = core.named_weights(role), self.backup.get(role, {})
-            for name in (wanted & weights.keys()) - saved.keys():
-                pending.setdefault(name, []).append((role, weights[name]))
+            saved = self.backup.get(role, {})
+            for name, tensor in self.served(core, role, wanted - saved.keys()).items():
+                pending.setdefault(name, []).append((role, tensor))
         return UpdateSnapshot(self, pending, timing)
 
     def rollback(self, core) -> int:
@@ -116,6 +119,11 @@ class WeightSession:
         """Every (role, name) whose storage this session wrote, whichever runner's name reached it."""
         return [((role, name), t) for role in ROLES for name, t in core.named_weights(role).items()
                 if storage_key(t) in self._copies]
+
+
+def _named_weights_of(core, role: str, names) -> dict[str, torch.Tensor]:
+    weights = core.named_weights(role)
+    return {n: weights[n] for n in names if n in weights}
 
 
 class UpdateSnapshot:

@@ -38,7 +38,7 @@ import contextlib
 import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -92,9 +92,38 @@ def failure_reply(msg, message: str):
 Runner = dict[str, torch.nn.Parameter]
 
 
+# Runners by (id(target), id(drafter), selector) for the engines whose weight-update session is open. A sync looks
+# them up several times per bucket (the snapshot, the load's plan), and each walk of a 36-layer model's parameters
+# costs milliseconds of the sync's path; inside a session the parameter objects stay the same (a release or resume
+# swaps their .data only), so the walks are made once per session. `EngineWeights` opens and drops the cache.
+_SESSION_RUNNERS: dict[int, dict[tuple[int, str], list[Runner]]] = {}
+
+
 def select_runners(target: CausalLM, drafter, selector: str) -> list[Runner]:
     if selector not in ("target", "draft", "all"):
         raise ValueError(f"invalid selector {selector!r}; expected 'target', 'draft', or 'all'")
+    cache = _SESSION_RUNNERS.get(id(target))
+    if cache is None:
+        return _walk_runners(target, drafter, selector)
+    key = (id(drafter), selector)
+    if key not in cache:
+        cache[key] = _walk_runners(target, drafter, selector)
+    return cache[key]
+
+
+def served_weights_named(core, role: str, names) -> dict[str, torch.Tensor]:
+    """The served tensors of `names` (those `role`'s runners have), as `EngineCore.named_weights(role)` has them,
+    without detaching every other tensor of the model."""
+    runners = select_runners(core.model, core.drafter, role)
+    out = {}
+    for name in names:
+        param = next((r[name] for r in runners if name in r), None)  # the target's wins, as in named_weights
+        if param is not None:
+            out[name] = param.detach()
+    return out
+
+
+def _walk_runners(target: CausalLM, drafter, selector: str) -> list[Runner]:
     runners = []
     if selector in ("target", "all"):
         params = dict(target.named_parameters(remove_duplicate=False))
@@ -176,6 +205,7 @@ class UpdateCall:
 
     selector: str
     result: tuple[bool, str] | None = None
+    started: float = field(default_factory=time.perf_counter)  # when the engine thread took the request
 
 
 # ------------------------------------------------------------------ the engine's side
@@ -186,7 +216,7 @@ class EngineWeights:
     def __init__(self, core, weight_version: str, device: str):
         self.core, self.device = core, device
         self.weight_version = weight_version
-        self.session = WeightSession(device)
+        self.session = WeightSession(device, served=served_weights_named)
         self.groups: dict[str, WeightUpdateGroup] = {}
         self.call: UpdateCall | None = None
         self.last_timing: dict | None = None  # the last update's `slime_spec_engine_timing` (also logged: SGLang's
@@ -243,12 +273,14 @@ class EngineWeights:
         out = self.manager.begin_weight_update(msg)
         if out.success:
             self.session.begin(msg.selector, self.weight_version)
+            _SESSION_RUNNERS[id(self.core.model)] = {}
         return out
 
     def _end(self, msg):
         out = self.manager.end_weight_update(msg)
         if out.success:
             self.session.close(kept_core=self.core)  # what landed stays, and goes to the host mirror
+            _SESSION_RUNNERS.pop(id(self.core.model), None)
         return out
 
     def _abort(self, msg):
@@ -260,6 +292,7 @@ class EngineWeights:
                                                                    "roll back")
         self.weight_version = self.session.version_before
         restored = self.session.close(self.core)  # rolled back, then ended
+        _SESSION_RUNNERS.pop(id(self.core.model), None)
         out = self.manager.end_weight_update(msg)
         return EndWeightUpdateReqOutput(success=out.success, message=f"rolled back {restored} tensor(s); the "
                                         "weights from before begin_weight_update() keep serving")
@@ -378,7 +411,10 @@ class EngineWeights:
             named = _unbucket(named_tensors) if load_format == "flattened_bucket" else list(named_tensors)
         except (RuntimeError, ValueError, TypeError, KeyError, AttributeError) as e:
             return False, self.fail(f"Failed to deserialize serialized_named_tensors: {e}")
-        return self._load(named, self.call.selector, "Success", EngineTiming(), "update_weights_from_tensor")
+        # receive: from the engine thread taking the request to here, SGLang's manager deserializing this rank's
+        # entry (on CUDA opening the sender's IPC handle) and the unbucketing
+        timing = EngineTiming(receive_s=time.perf_counter() - self.call.started)
+        return self._load(named, self.call.selector, "Success", timing, "update_weights_from_tensor")
 
     def load_from_disk(self, model_path: str) -> tuple[bool, str]:
         """Every runner reloads from the checkpoint (SGLang's disk route has no selector)."""
