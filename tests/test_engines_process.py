@@ -2,6 +2,7 @@
 
 import os
 import socket
+import subprocess
 import sys
 import time
 
@@ -193,3 +194,18 @@ def test_a_server_that_cannot_bind_its_port_moves_or_fails_at_once(tmp_path, ret
             with pytest.raises(EngineStartError, match="address already in use"):
                 proc.start(timeout_s=120)
             assert not proc.alive()
+
+
+@pytest.mark.parametrize("user_value", [None, "1"])
+def test_the_embedded_engine_stops_without_sglangs_crash_diagnostics_pause(user_value):
+    """SGLang's TokenizerManager sleeps 5 s before its py-spy / CUDA-coredump diagnostics on every SIGTERM; the
+    embedded engine turns both off unless the user set them, read through SGLang's own env registry."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_") or "BEFORE_CRASH" not in k}
+    if user_value is not None:
+        env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] = user_value
+    code = ("import slime_spec.engine.__main__\n"
+            "from sglang.srt.environ import envs\n"
+            "print(envs.SGLANG_PYSPY_DUMP_BEFORE_CRASH.get(), envs.SGLANG_CUDA_COREDUMP_BEFORE_CRASH.get())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == (["True", "False"] if user_value else ["False", "False"])

@@ -15,9 +15,16 @@ from slime_spec.engine.model_executor import hf_configs
 sglang_stand_ins.install()
 hf_configs.register()
 
+import os  # noqa: E402
+
+# SGLang's TokenizerManager treats every SIGTERM (how the fleet stops and restarts an engine) as a crash: with its
+# py-spy / CUDA-coredump diagnostics on, it sleeps 5 s first, then dumps the scheduler. Behind the embedded engine
+# there are no SGLang CUDA kernels to dump, so those 5 s are pure stop latency; a user who wants the dump sets them.
+os.environ.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
+os.environ.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
+
 import functools  # noqa: E402
 import logging  # noqa: E402
-import os  # noqa: E402
 import sys  # noqa: E402
 
 from slime_spec.engine.server_args import ServerArgsError, parse_server_args, sglang_argv  # noqa: E402
