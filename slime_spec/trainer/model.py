@@ -171,15 +171,6 @@ def named_weights(model):
     yield from ((n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias"))
 
 
-def global_expert_name(name: str, ep_rank: int, ep_size: int, hf_config: dict) -> str:
-    """A routed expert's name with its global number: EP rank r holds experts r * E / ep_size onwards as
-    `local_experts.0, 1, ...` (megatron-core's layout); other names unchanged."""
-    local = convert.expert_index(name)
-    if local is None or ep_size == 1:
-        return name
-    return convert.with_expert_index(name, ep_rank * (convert.num_experts(hf_config) // ep_size) + local)
-
-
 def load_hf_weights(model, hf_state: dict[str, torch.Tensor], hf_config: dict, tp_rank: int, tp_size: int,
                     ep_rank: int = 0, ep_size: int = 1) -> None:
     """Copy an HF state dict into this rank's shards (HF -> Megatron names, MTP included; under expert
@@ -194,7 +185,7 @@ def load_hf_weights(model, hf_state: dict[str, torch.Tensor], hf_config: dict, t
         hf_state = {k: v for k, v in hf_state.items()
                     if not k.startswith("model.layers.") or int(k.split(".")[2]) < last}
     full = convert.hf_to_megatron(family, hf_state, hf_config)
-    params = {global_expert_name(n, ep_rank, ep_size, hf_config): p for n, p in named_weights(model)}
+    params = {convert.global_expert_name(n, ep_rank, ep_size, hf_config): p for n, p in named_weights(model)}
     if ep_size > 1:  # the other EP ranks' experts are theirs to load
         per_rank = convert.num_experts(hf_config) // ep_size
         full = {k: v for k, v in full.items()

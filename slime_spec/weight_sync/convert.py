@@ -123,6 +123,15 @@ def with_expert_index(megatron_name: str, index: int) -> str:
     return _EXPERT_INDEX.sub(lambda m: f"{m.group(1)}{index}{m.group(3)}", megatron_name, count=1)
 
 
+def global_expert_name(megatron_name: str, ep_rank: int, ep_size: int, hf_config: dict) -> str:
+    """A routed expert's name with its global number: EP rank r holds experts r * E / ep_size onwards as
+    `local_experts.0, 1, ...` (megatron-core's layout); other names unchanged."""
+    local = expert_index(megatron_name)
+    if local is None or ep_size == 1:
+        return megatron_name
+    return with_expert_index(megatron_name, ep_rank * (num_experts(hf_config) // ep_size) + local)
+
+
 def tp_split_dim(megatron_name: str) -> int | None:
     """The dim a tensor-parallel parameter is split on, None when every TP rank holds all of it."""
     name = strip_wrappers(megatron_name)

@@ -136,14 +136,12 @@ def gather_ep_param(megatron_name: str, tensor: torch.Tensor, hf_config: dict, e
     numbers: EP rank r's `local_experts.{i}` is expert r * E / ep_size + i. Collective over the EP group for
     expert names (every EP rank holds the same number of experts of the same shapes); other names pass through."""
     from slime_spec.weight_sync import convert
-    local = convert.expert_index(megatron_name)
-    if ep_size == 1 or local is None:
+    if ep_size == 1 or convert.expert_index(megatron_name) is None:
         return [(megatron_name, tensor)]
     tensor = tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in range(ep_size)]
     dist.all_gather(parts, tensor, group=ep_group)
-    per_rank = convert.num_experts(hf_config) // ep_size
-    return [(convert.with_expert_index(megatron_name, r * per_rank + local), part) for r, part in enumerate(parts)]
+    return [(convert.global_expert_name(megatron_name, r, ep_size, hf_config), part) for r, part in enumerate(parts)]
 
 
 def iter_hf_tensors(named_params: Iterable[tuple[str, torch.Tensor]], hf_config: dict, *,
