@@ -203,3 +203,9 @@ def test_sglang_argv_names_the_served_dtype(tmp_path, given):
     argv = ["--model-path", str(model), *given]
     out = sglang_argv(argv, parse_server_args(argv, cuda_available=False))
     assert out[-2:] == ["--dtype", "float32"] and "auto" not in out and not any(a.startswith("--dtype=") for a in out)
+
+
+def test_memory_saver_is_refused_on_cpu_before_sglangs_launcher_preloads_it(mimo):
+    with pytest.raises(ServerArgsError, match="--enable-memory-saver needs a CUDA device"):
+        parse_server_args(["--model-path", str(mimo), "--enable-memory-saver"], cuda_available=False)
+    assert parse_server_args(["--model-path", str(mimo)], cuda_available=False).memory_saver is False

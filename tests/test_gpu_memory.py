@@ -1,7 +1,11 @@
 """Peak memory per GPU per step, read from NVML (here a test double of the three pynvml calls the monitor makes:
 nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex, nvmlDeviceGetMemoryInfo(handle).used)."""
 
+import importlib.util
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,3 +79,21 @@ def test_engine_release_hands_its_memory_back_to_the_driver(tmp_path):
     assert left < 0.1 * held, f"release kept {left / 2**20:.1f} MiB of {held / 2**20:.1f} MiB reserved"
     core.resume_memory(None)
     assert run_to_completion(core, [greedy("b")])["b"].output_ids == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("torch_memory_saver") is None,
+                    reason="needs a CUDA device and torch_memory_saver (runs on the GPU machine)")
+def test_memory_saver_release_keeps_the_graphs_and_frees_the_gpu():
+    """With SGLang's memory saver, a release hands the weights', KV caches' and graphs' memory back to the driver
+    and a resume maps it again at the same addresses: no graph is captured again, and greedy output after each
+    resume equals the output before (bench/engine_memory_saver_gpu.py, plain and saver side by side)."""
+    bench = Path(__file__).resolve().parents[1] / "bench" / "engine_memory_saver_gpu.py"
+    out = subprocess.run([sys.executable, str(bench), "--size", "tiny", "--cycles", "2"], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {cells[0]: cells for line in out.stdout.splitlines() if line.startswith("| ")
+            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+    plain, saver = rows["plain"], rows["memory saver"]
+    assert saver[6] == "no" and plain[6] == "yes", out.stdout  # graphs captured again
+    assert saver[7] == "True" and plain[7] == "True", out.stdout  # greedy equal after resume
+    assert float(saver[5]) > 0.5 * float(plain[5]) > 0, out.stdout  # GiB handed back to the driver

@@ -21,6 +21,7 @@ and onload seconds and the peak memory of each GPU.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import shutil
@@ -164,7 +165,12 @@ def gpu_layout_argv(layout: str | None) -> list[str]:
     if layout not in LAYOUTS:
         raise ValueError(f"--layout={layout!r}: one of {LAYOUTS}")
     argv = ["--bf16", "--sglang-dtype", "bfloat16", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1"]
-    return argv + (["--colocate"] if layout == "colocate" else [])
+    if layout == "split":
+        return argv
+    # SGLang's memory saver where torch_memory_saver is installed: a release then keeps the engine's addresses and
+    # its CUDA graphs, instead of capturing them all again on every resume
+    saver = ["--sglang-enable-memory-saver"] if importlib.util.find_spec("torch_memory_saver") else []
+    return argv + ["--colocate", *saver]
 
 
 def resolve_device(device: str, gpus: int) -> str:

@@ -42,7 +42,7 @@ IMPLEMENTED = frozenset({
     "speculative_adaptive", "speculative_adaptive_config",
     "disable_cuda_graph", "cuda_graph_bs_decode", "cuda_graph_max_bs_decode", "disable_cuda_graph_padding",
     "enable_torch_compile", "torch_compile_max_bs", "disable_overlap_schedule", "enable_cudagraph_gc",
-    "attention_backend", "decode_attention_backend", "bf16_gemm_backend", "gc_threshold",
+    "attention_backend", "decode_attention_backend", "bf16_gemm_backend", "gc_threshold", "enable_memory_saver",
 })
 
 # Speed, memory, scheduling, logging and serving knobs: they cannot change a generated token of the
@@ -69,7 +69,7 @@ PERFORMANCE_ONLY = frozenset({
     "disable_prefill_cuda_graph", "disable_decode_cuda_graph", "enable_profile_cuda_graph",
     "debug_cuda_graph",
     "triton_attention_reduce_in_fp32", "triton_attention_num_kv_splits", "triton_attention_split_tile_size",
-    "disable_custom_all_reduce", "enable_nccl_nvls", "enable_symm_mem", "enable_memory_saver",
+    "disable_custom_all_reduce", "enable_nccl_nvls", "enable_symm_mem",
     "enable_weights_cpu_backup", "enable_draft_weights_cpu_backup", "enable_hierarchical_cache",
     "startup_weight_load_mode", "weight_loader_disable_mmap", "weight_loader_prefetch_checkpoints",
     "weight_loader_prefetch_num_threads", "weight_loader_drop_cache_after_load",
@@ -158,6 +158,7 @@ class EngineServerArgs:
     kernels: Kernels = field(default_factory=Kernels)  # --bf16-gemm-backend, --attention-backend (CUDA only)
     overlap_schedule: bool | None = None  # False with --disable-overlap-schedule; None: the engine's default
     gc_threshold: tuple[int, ...] | None = None  # --gc-threshold: set before the collector freezes after start-up
+    memory_saver: bool = False  # --enable-memory-saver: release/resume keep addresses (model_executor/memory_saver.py)
     ignored_flags: tuple[str, ...] = ()
     sglang_args: dict = field(default_factory=dict)  # every SGLang flag's value, for /server_info
 
@@ -266,6 +267,15 @@ def resolve_gc_threshold(value: list[int] | None) -> tuple[int, ...] | None:
     return tuple(value)
 
 
+def check_memory_saver(device: str) -> None:
+    """--enable-memory-saver, checked before SGLang's launcher preloads torch_memory_saver's allocator hook into the
+    scheduler process (or fails there on a bare ImportError)."""
+    from slime_spec.engine.model_executor.memory_saver import unavailable_reason
+    reason = unavailable_reason(device)
+    if reason:
+        raise ServerArgsError(reason)
+
+
 def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> EngineServerArgs:
     """Parse SGLang server flags into the embedded engine's typed arguments, or raise ServerArgsError."""
     parser = engine_parser()
@@ -300,6 +310,8 @@ def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> En
         check_spec_options(spec_config, bool(values.get("spec_draft_sampling")), bool(values.get("spec_auto")))
     except ValueError as e:
         raise ServerArgsError(str(e)) from e
+    if values.get("enable_memory_saver"):
+        check_memory_saver(device)
     seed = values["random_seed"] if values["random_seed"] is not None else random.randint(0, 1 << 30)
     return EngineServerArgs(
         model_path=values["model_path"], host=values["host"], port=values["port"], device=device,
@@ -316,6 +328,7 @@ def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> En
         kernels=Kernels.from_values(values),
         overlap_schedule=False if values.get("disable_overlap_schedule") else None,
         gc_threshold=resolve_gc_threshold(values["gc_threshold"]),
+        memory_saver=bool(values.get("enable_memory_saver")),
         ignored_flags=report.ignored,
         sglang_args={k: v for k, v in values.items() if k not in ("api_key", "admin_api_key")},
     )

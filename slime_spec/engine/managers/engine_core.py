@@ -7,7 +7,6 @@ Called from a single thread (the server's engine thread); nothing here locks.
 
 from __future__ import annotations
 
-import gc
 from collections import deque
 from pathlib import Path
 
@@ -17,7 +16,9 @@ from slime_spec.common.dtypes import canonical_dtype
 from slime_spec.common.threads import intra_op_threads
 from slime_spec.engine.drafters import Drafter, HybridDrafter, MTPDrafter, make_drafter
 from slime_spec.engine.kernels.ops import Kernels
+from slime_spec.engine.managers import memory_occupation
 from slime_spec.engine.managers.finish import FinishRules
+from slime_spec.engine.managers.memory_occupation import MemoryOccupation
 from slime_spec.engine.managers.overlap import OverlapDecode
 from slime_spec.engine.managers.request import NAN_FINISH, Output, Request, Row, SamplingParams, eos_ids
 from slime_spec.engine.model_executor import sampling
@@ -41,7 +42,7 @@ class EngineCore:
                  max_running_requests: int = 32, context_length: int | None = None, seed: int = 0,
                  cpu_threads: int | None = None, draft_sampling: bool = False, spec_auto: bool = False,
                  cuda_graph: CudaGraphSettings | None = None, overlap_schedule: bool | None = None,
-                 kernels: Kernels | None = None):
+                 kernels: Kernels | None = None, memory_saver: bool = False):
         """spec: resolved speculative settings (slime_spec.speculative.settings.resolve), None without speculation.
         cpu_threads: intra-op threads while stepping on CPU; None = 1 for small models (hidden <= 1024), where
         thread hand-off costs more than the tiny matmuls gain, else torch's default.
@@ -53,7 +54,10 @@ class EngineCore:
         overlap_schedule: launch each plain decode step before reading the previous one (overlap.py); None = on for
         plain decoding on CUDA (SGLang's default; off with --disable-overlap-schedule).
         kernels: the Triton kernels CUDA forwards use (engine/kernels; None: all of them, as SGLang's defaults pick
-        its fast kernels); none on CPU."""
+        its fast kernels); none on CPU.
+        memory_saver: SGLang's --enable-memory-saver (CUDA, torch_memory_saver): weights, KV caches and graphs in
+        the saver's regions, so a memory release keeps their addresses and no graph is captured again
+        (model_executor/memory_saver.py)."""
         from transformers import AutoTokenizer
 
         dtype = canonical_dtype(dtype)  # refuses an unknown name before loading anything
@@ -81,7 +85,7 @@ class EngineCore:
                                                                 tree_shape=tree.tree_shape(spec),
                                                                 draft_sampling=draft_sampling)
         if self.device.type == "cuda":
-            for model in self._causal_lms():
+            for model in self.causal_lms():
                 model.fuse_projections()
                 model.use_kernels(kernels or Kernels.from_values({}))
         # A chain's plain steps (k = 0) overlap where the drafter can wait for their read-back (base.py); a tree
@@ -98,7 +102,8 @@ class EngineCore:
         self.overlap = OverlapDecode(self, on_appended) if overlap_schedule else None  # before capture: its buffer
         self.cuda_graph = cuda_graph or CudaGraphSettings()
         self.graph_capture_seconds = 0.0
-        self._capture_graphs()
+        self.memory = MemoryOccupation(self, memory_saver)  # with the saver: weights and caches moved into it
+        self.capture_graphs()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting: deque[Row] = deque()
         self.running: list[Row] = []
@@ -106,8 +111,6 @@ class EngineCore:
         self._aborted_waiting = 0             # rows in `waiting` marked aborted, removed at the next step
         self.free_slots = list(range(max_running_requests))
         self._finished_early: list[Row] = []
-        self._released: set[str] = set()
-        self._weight_backup: dict[int, torch.Tensor] = {}
         self._params_key: tuple = ()           # the rows `_params_value` was built for
         self._params_value: sampling.BatchParams | None = None
         small = self.model.args.hidden_size <= 1024
@@ -161,7 +164,7 @@ class EngineCore:
     @property
     def released_tags(self) -> list[str]:
         """Memory released by release_memory_occupation and not resumed; empty when the engine can step."""
-        return sorted(self._released)
+        return sorted(self.memory.released)
 
     @property
     def avg_spec_accept_length(self) -> float:
@@ -190,7 +193,7 @@ class EngineCore:
 
     def _step(self) -> list[Output]:
         self._drop_aborted_waiting()
-        if self._released:
+        if self.memory.released:
             return self._collect()
         new_rows = []
         while self.waiting and self.free_slots:
@@ -347,63 +350,19 @@ class EngineCore:
         return not self._rows
 
     def release_memory(self, tags: list[str] | None = None) -> None:
-        """Free the KV caches ("kv_cache") and/or weights ("weights": kept in a CPU backup) while idle."""
-        tags = self._check_tags(tags)
+        """Free the KV caches ("kv_cache"), weights ("weights": kept in a CPU backup) and/or CUDA graphs while idle
+        (no tags: all three, as SGLang); memory_occupation.py."""
+        memory_occupation.check_tags(tags)
         if self.overlap is not None:
             self.overlap.drain()
         if self._rows:
             raise ValueError("release_memory_occupation needs an idle engine: abort or finish requests first")
-        if tags & {"kv_cache", "weights", "cuda_graph"}:
-            for model in self._causal_lms():
-                model.graphs = {}  # they captured the storage being freed; captured again on resume
-            if self.drafter is not None:
-                self.drafter.drop_graphs()
-        if "kv_cache" in tags and "kv_cache" not in self._released:
-            self.cache = None
-            if self.drafter is not None:
-                self.drafter.drop_cache()
-            self._released.add("kv_cache")
-        if "weights" in tags and "weights" not in self._released:
-            for model in self._causal_lms():
-                model.unfuse_projections()
-            for param in self._unique_params():
-                self._weight_backup[id(param)] = param.data.to("cpu", copy=True)
-                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-            self._released.add("weights")
-        self._return_freed_memory()
-
-    def _return_freed_memory(self) -> None:
-        """Hand what release freed back to the driver: PyTorch's caching allocator keeps freed blocks (and the
-        dropped graphs' private pools) reserved for this process, where a colocated trainer cannot use them. The
-        cuBLAS workspaces are live allocations of that allocator, one per (handle, stream), and every graph capture
-        warms up on a stream of its own; no graph is left to use them, so they go too (PyTorch's own memory-leak
-        check and inductor's CUDA graphs clear them the same way)."""
-        if self.device.type == "cuda":
-            gc.collect()  # graphs and caches dropped above may sit in reference cycles
-            torch.cuda.synchronize(self.device)
-            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-            if clear_workspaces is not None:
-                clear_workspaces()
-            torch.cuda.empty_cache()
+        self.memory.release(tags)
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
-        tags = self._check_tags(tags)
-        if "weights" in tags and "weights" in self._released:
-            for param in self._unique_params():
-                param.data = self._weight_backup.pop(id(param)).to(self.device)
-            self._released.discard("weights")
-            if self.device.type == "cuda":
-                for model in self._causal_lms():
-                    model.fuse_projections()
-        if "kv_cache" in tags and "kv_cache" in self._released:
-            self.cache = self.model.new_cache(self.max_running_requests + 1, self.max_seq)
-            if self.drafter is not None:
-                self.drafter.new_cache()
-            self._released.discard("kv_cache")
-        if not self._released:
-            self._capture_graphs()
+        self.memory.resume(tags)
 
-    def _capture_graphs(self) -> None:
+    def capture_graphs(self) -> None:
         """On CUDA (unless --disable-cuda-graph), capture decode, verify and draft forwards
         (engine/model_executor/cuda_graph.py): MTP
         steps, a STANDALONE draft's steps and catch-up, an EAGLE3 chain's aux-returning verify and draft-head steps;
@@ -425,31 +384,23 @@ class EngineCore:
                                         chain_lengths=self.policy.draft_lengths() if self.policy is not None else (),
                                         last_token=self.overlap.last_token if self.overlap is not None else None,
                                         prefill=True)
-        draft = self._causal_lms()[1:]
+        draft = self.causal_lms()[1:]
         if draft:
             # A STANDALONE draft's one-token chain steps, and its catch-up before each chain: 1 or 2 tokens after a
             # verify, up to k + 1 after plain steps (longer ones, and the prefill, run eagerly).
             draft[0].graphs = graph_model(draft[0], self.drafter.cache, None, self.cuda_graph,
                                           max_running_requests=self.max_running_requests, max_draft_tokens=widest,
                                           max_seq=self.max_seq)
-        self.graph_capture_seconds = sum(g.capture_seconds for m in self._causal_lms() for g in m.graphs.values())
+        self.graph_capture_seconds = sum(g.capture_seconds for m in self.causal_lms() for g in m.graphs.values())
         if self.drafter is not None:  # its own chain graphs (EAGLE3's steps and extend)
             self.graph_capture_seconds += self.drafter.capture_graphs(self.cuda_graph, self.max_running_requests)
 
-    def _causal_lms(self) -> list:
+    def causal_lms(self) -> list:
         """The target, and a STANDALONE draft model: what fuses projections and captures graphs on CUDA."""
         draft = self.drafter.draft if self.drafter is not None else None
         return [self.model] + ([draft] if isinstance(draft, CausalLM) else [])
 
-    @staticmethod
-    def _check_tags(tags: list[str] | None) -> set[str]:
-        tags = set(tags) if tags else {"weights", "kv_cache"}
-        unknown = tags - {"weights", "kv_cache", "cuda_graph"}
-        if unknown:
-            raise ValueError(f"tags {sorted(unknown)}: known memory tags are 'weights', 'kv_cache', 'cuda_graph'")
-        return tags
-
-    def _unique_params(self) -> list[torch.nn.Parameter]:
+    def unique_params(self) -> list[torch.nn.Parameter]:
         """Every parameter the engine serves once (shared embedding/lm_head included once), drafts included."""
         params = list(self.model.parameters())
         draft = self.drafter.draft if self.drafter is not None else None
@@ -464,7 +415,7 @@ class EngineCore:
                      ) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """The (parameter, tensor) copies `named` makes, every name, shape and dtype checked (ValueError on any
         error); `named` may be meta tensors, so a receiver can check an update before its bytes arrive."""
-        if "weights" in self._released:
+        if "weights" in self.memory.released:
             raise ValueError("weights are released (release_memory_occupation); resume them before loading")
         runners = weight_updater.select_runners(self.model, self.drafter, selector)
         return weight_updater.plan_load(runners, named, tied=self.model.args.tie_word_embeddings, selector=selector,

@@ -65,7 +65,7 @@ def make_core_factory(args) -> Callable[[], Any]:
                           max_running_requests=args.max_running_requests, context_length=args.context_length,
                           seed=args.random_seed, draft_sampling=args.spec_draft_sampling, spec_auto=args.spec_auto,
                           cuda_graph=args.cuda_graph, overlap_schedule=args.overlap_schedule,
-                          kernels=args.kernels)
+                          kernels=args.kernels, memory_saver=args.memory_saver)
     return make_core
 
 

@@ -29,6 +29,8 @@ from typing import Any, Callable
 
 import torch
 
+from slime_spec.engine.model_executor import memory_saver
+
 
 @dataclass(frozen=True)
 class CudaGraphSettings:
@@ -158,7 +160,7 @@ class GraphedForward:
         self.input_ids.zero_()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+        stream = capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.no_grad():
             for bs in reversed(self.batch_sizes):
@@ -167,7 +169,7 @@ class GraphedForward:
                         for _ in range(2):  # warm-up: cuBLAS handles and workspaces before capture
                             self._static_call(bs, t, keys)
                         graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                        with memory_saver.graph_capture(graph, self.pool, stream):
                             out = self._static_call(bs, t, keys)
                         self.graphs[(bs, t, keys)] = (graph, out)
         torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -204,6 +206,17 @@ class GraphedForward:
         graph, out = self.graphs[shape]
         graph.replay()
         return out[:n].clone()
+
+
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One capture stream per device, as SGLang keeps one: cuBLAS keeps a workspace per (handle, stream), and a
+    captured matmul's workspace must outlive its graph, so every graph sharing one stream shares one workspace."""
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
 
 
 def capture_on_one_pool(graphs: list[GraphedForward], enable_cudagraph_gc: bool) -> float:

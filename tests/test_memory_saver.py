@@ -1,0 +1,41 @@
+"""The memory saver's CPU-checkable parts: the weights' move into its region keeps views and ties, and the flag is
+refused where it cannot run (the release and resume themselves: tests/test_gpu_memory.py, on the GPU machine)."""
+
+import pytest
+import torch
+
+from slime_spec.engine.model_executor import memory_saver
+from slime_spec.engine.model_executor.model import load_model
+from slime_spec.tools.tiny_model import make_tiny_model
+
+
+def test_the_weights_move_into_fresh_storage_with_views_and_ties_kept(tmp_path):
+    model, _ = load_model(make_tiny_model(tmp_path / "m", arch="qwen2", tie_word_embeddings=True), device="cpu")
+    model.fuse_projections()
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    old_qkv = attn.qkv[0].untyped_storage().data_ptr()
+    copied = memory_saver.copy_keeping_views([model], torch.device("cpu"))
+
+    assert attn.qkv[0].untyped_storage().data_ptr() != old_qkv  # fresh storage
+    # q/k/v stay views of the fused tensor, gate/up of theirs, so a weight update still lands in what the matmul reads
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv[0].untyped_storage().data_ptr()
+    assert attn.v_proj.weight.storage_offset() == attn.q_proj.weight.numel() + attn.k_proj.weight.numel()
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.gate_up.untyped_storage().data_ptr()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    with torch.no_grad():
+        attn.k_proj.weight.add_(1.0)
+    rows = attn.q_proj.weight.shape[0]
+    assert torch.equal(attn.qkv[0][rows:rows + attn.k_proj.weight.shape[0]], attn.k_proj.weight)
+    assert copied == sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                          for p in model.parameters()}.values())
+
+
+def test_the_flag_is_refused_on_cpu_and_without_the_package(monkeypatch):
+    assert "needs a CUDA device" in memory_saver.unavailable_reason("cpu")
+    monkeypatch.setattr(memory_saver.importlib.util, "find_spec", lambda name: None)
+    assert "pip install torch_memory_saver" in memory_saver.unavailable_reason("cuda:0")
+    with pytest.raises(memory_saver.MemorySaverError, match="--enable-memory-saver needs a CUDA device"):
+        memory_saver.enable(torch.device("cpu"))
