@@ -650,8 +650,8 @@ def test_runners_are_walked_once_per_session_and_a_release_inside_it_still_loads
     core = EngineCore(str(model), SpecConfig("EAGLE", 2, 1, 3), max_running_requests=2)
     weights = engine_weights(core)
     assert begin(weights, "all").success
-    first = updater.select_runners(core.model, core.drafter, "all")
-    assert updater.select_runners(core.model, core.drafter, "all") is first
+    first = updater.select_runners(core.model, core.drafter, "all", core.session_runners)
+    assert updater.select_runners(core.model, core.drafter, "all", core.session_runners) is first
     assert first == updater._walk_runners(core.model, core.drafter, "all")
     core.release_memory(None)
     core.resume_memory(None)
@@ -659,5 +659,5 @@ def test_runners_are_walked_once_per_session_and_a_release_inside_it_still_loads
     assert tensor_update(weights, "all", [(NORM, new)]).success
     assert torch.equal(core.named_weights("target")[NORM], new)
     assert weights.handle(request("EndWeightUpdateReqInput")).success
-    assert id(core.model) not in updater._SESSION_RUNNERS
-    assert updater.select_runners(core.model, core.drafter, "all") is not first
+    assert core.session_runners is None
+    assert updater.select_runners(core.model, core.drafter, "all", core.session_runners) is not first

@@ -102,6 +102,7 @@ class EngineCore:
         self.overlap = OverlapDecode(self, on_appended) if overlap_schedule else None  # before capture: its buffer
         self.cuda_graph = cuda_graph or CudaGraphSettings()
         self.graph_capture_seconds = 0.0
+        self.session_runners: dict | None = None  # weights/updater.select_runners' cache while a session is open
         self.memory = MemoryOccupation(self, memory_saver)  # with the saver: weights and caches moved into it
         self.capture_graphs()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -409,7 +410,8 @@ class EngineCore:
     # ------------------------------------------------------------------ weights
     def named_weights(self, selector: str) -> dict[str, torch.Tensor]:
         """Served weights by HF name for the runners `selector` reaches (see weight_updater.select_runners)."""
-        return weight_updater.named_weights(weight_updater.select_runners(self.model, self.drafter, selector))
+        return weight_updater.named_weights(weight_updater.select_runners(self.model, self.drafter, selector,
+                                                                          self.session_runners))
 
     def plan_weights(self, named: list[tuple[str, torch.Tensor]], selector: str = "all"
                      ) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -417,7 +419,7 @@ class EngineCore:
         error); `named` may be meta tensors, so a receiver can check an update before its bytes arrive."""
         if "weights" in self.memory.released:
             raise ValueError("weights are released (release_memory_occupation); resume them before loading")
-        runners = weight_updater.select_runners(self.model, self.drafter, selector)
+        runners = weight_updater.select_runners(self.model, self.drafter, selector, self.session_runners)
         return weight_updater.plan_load(runners, named, tied=self.model.args.tie_word_embeddings, selector=selector,
                                         algorithm=self.spec.speculative_algorithm if self.spec else None)
 

@@ -92,29 +92,25 @@ def failure_reply(msg, message: str):
 Runner = dict[str, torch.nn.Parameter]
 
 
-# Runners by (id(target), id(drafter), selector) for the engines whose weight-update session is open. A sync looks
-# them up several times per bucket (the snapshot, the load's plan), and each walk of a 36-layer model's parameters
-# costs milliseconds of the sync's path; inside a session the parameter objects stay the same (a release or resume
-# swaps their .data only), so the walks are made once per session. `EngineWeights` opens and drops the cache.
-_SESSION_RUNNERS: dict[int, dict[tuple[int, str], list[Runner]]] = {}
-
-
-def select_runners(target: CausalLM, drafter, selector: str) -> list[Runner]:
+def select_runners(target: CausalLM, drafter, selector: str, session_cache: dict | None = None) -> list[Runner]:
+    """The runners `selector` reaches. `session_cache` (EngineCore.session_runners, set while a weight-update session
+    is open) keeps them by (id(drafter), selector): a sync looks them up several times per bucket (the snapshot, the
+    load's plan), each walk of a 36-layer model's parameters costs milliseconds, and inside a session the parameter
+    objects stay the same (a release or resume swaps their .data only)."""
     if selector not in ("target", "draft", "all"):
         raise ValueError(f"invalid selector {selector!r}; expected 'target', 'draft', or 'all'")
-    cache = _SESSION_RUNNERS.get(id(target))
-    if cache is None:
+    if session_cache is None:
         return _walk_runners(target, drafter, selector)
     key = (id(drafter), selector)
-    if key not in cache:
-        cache[key] = _walk_runners(target, drafter, selector)
-    return cache[key]
+    if key not in session_cache:
+        session_cache[key] = _walk_runners(target, drafter, selector)
+    return session_cache[key]
 
 
 def served_weights_named(core, role: str, names) -> dict[str, torch.Tensor]:
     """The served tensors of `names` (those `role`'s runners have), as `EngineCore.named_weights(role)` has them,
     without detaching every other tensor of the model."""
-    runners = select_runners(core.model, core.drafter, role)
+    runners = select_runners(core.model, core.drafter, role, core.session_runners)
     out = {}
     for name in names:
         param = next((r[name] for r in runners if name in r), None)  # the target's wins, as in named_weights
@@ -273,14 +269,14 @@ class EngineWeights:
         out = self.manager.begin_weight_update(msg)
         if out.success:
             self.session.begin(msg.selector, self.weight_version)
-            _SESSION_RUNNERS[id(self.core.model)] = {}
+            self.core.session_runners = {}
         return out
 
     def _end(self, msg):
         out = self.manager.end_weight_update(msg)
         if out.success:
             self.session.close(kept_core=self.core)  # what landed stays, and goes to the host mirror
-            _SESSION_RUNNERS.pop(id(self.core.model), None)
+            self.core.session_runners = None
         return out
 
     def _abort(self, msg):
@@ -292,7 +288,7 @@ class EngineWeights:
                                                                    "roll back")
         self.weight_version = self.session.version_before
         restored = self.session.close(self.core)  # rolled back, then ended
-        _SESSION_RUNNERS.pop(id(self.core.model), None)
+        self.core.session_runners = None
         out = self.manager.end_weight_update(msg)
         return EndWeightUpdateReqOutput(success=out.success, message=f"rolled back {restored} tensor(s); the "
                                         "weights from before begin_weight_update() keep serving")
