@@ -103,6 +103,23 @@ def test_summary_states_the_whole_run_speedup():
     assert speedup_summary(steps(4))["spec_speedup"] is None
 
 
+def test_the_whole_step_speedup_puts_the_plain_rollout_time_in_the_step():
+    """A step of 10 s whose 4 s rollout ran 1.5x faster than plain decoding would have taken 12 s with a plain
+    rollout: 1.2x for the step. Over the run the steps' times are summed, as for spec_speedup."""
+    from slime_spec.speculative.speedup import step_speedup, step_speedup_metrics
+    assert step_speedup(10.0, 4.0, 1.5) == pytest.approx(1.2)
+    assert step_speedup(10.0, 4.0, None) is None
+    assert step_speedup_metrics({"step_time_s": 10.0, "rollout_time_s": 4.0, "spec_speedup": 1.5,
+                                 "spec_speedup_frozen": 1.25}) == pytest.approx(
+        {"spec_speedup_step": 1.2, "spec_speedup_step_frozen": 1.1})
+    run = with_speedup(8, 3.0)  # spec_speedup 1.5 at steps 3 and 7
+    for s, (step_s, rollout_s) in zip(run[3::4], ((10.0, 4.0), (20.0, 2.0))):
+        s.update(step_time_s=step_s, rollout_time_s=rollout_s)
+    summary = summarize(run)
+    assert summary["spec_speedup_step"] == pytest.approx((12.0 + 21.0) / 30.0)
+    assert "spec_speedup_step_frozen" not in summary
+
+
 def test_plot_has_a_speedup_panel_from_zero_with_the_plain_line(tmp_path, monkeypatch):
     _, panels = plotted(monkeypatch, with_speedup(20, 3.0), tmp_path / "plot.png", "tiny MiMo on addition",
                         label="MTP trained online", extra={"draft frozen": with_speedup(20, 1.6)})

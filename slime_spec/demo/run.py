@@ -366,6 +366,11 @@ def finish(out: Path, run: dict, elapsed_s: float, title: str, smoke: bool = Fal
         print(f"  spec_speedup  {frozen['spec_speedup_frozen']:.2f}x over the run (first "
               f"{frozen['spec_speedup_frozen_first']:.2f}x, last {frozen['spec_speedup_frozen_last']:.2f}x; the same "
               "prompts and target weights, the MTP layer as SFT left it) (draft frozen)")
+    if run.get("spec_speedup_step") is not None:
+        frozen_step = run.get("spec_speedup_step_frozen")
+        print(f"  whole step    {run['spec_speedup_step']:.2f}x over the measured steps (each step's time with its "
+              "rollout decoded plainly / its time; training and sync unchanged) (MTP trained online)"
+              + (f"; {frozen_step:.2f}x with the draft frozen" if frozen_step is not None else ""))
     if summary["online_draft_gain"] is not None:
         each = ", ".join(f"{g:.2f}" for g in summary["online_draft_gain_each"])
         print(f"  online draft  {summary['online_draft_gain']:.2f}x the frozen draft's speed over the run (frozen "

@@ -296,6 +296,7 @@ def _steps(config: Config, trainer, manager, report: LoopReport, start: int, pro
         trainer.offload()
     for rollout_id in range(start, config.rollout.num_rollout):
         step = {"rollout_id": rollout_id}
+        step_start, measuring_s = time.perf_counter(), 0.0  # the speed-up probe and eval are not the step's work
         if manager is None:
             samples = load_rollout(config.rollout.load_debug_rollout_data, rollout_id)
             step.update(replayed_samples=len(samples))
@@ -320,12 +321,17 @@ def _steps(config: Config, trainer, manager, report: LoopReport, start: int, pro
         step.update(clock.seconds)
         if probe is not None and spec_speedup.due(config.spec_speedup_interval, rollout_id, config.rollout.num_rollout,
                                                   first_rollout=start):
+            probe_start = time.perf_counter()
             step.update(probe.measure(samples, trainer.hf_state_dict(), str(rollout_id)))
+            measuring_s += time.perf_counter() - probe_start
         last = rollout_id + 1 == config.rollout.num_rollout
         if config.train.save and (last or save_due(config.train.save_interval, rollout_id)):
             trainer.save(rollout_id, None if manager is None else ray.get(manager.data_position.remote(rollout_id)))
         if offloads:  # after the save, which reads the weights where they train
             step.update(trainer.offload())
+        step["step_time_s"] = time.perf_counter() - step_start - measuring_s
+        if "rollout_time_s" in step:
+            step.update(spec_speedup.step_speedup_metrics(step))
         if manager is not None and config.eval_interval and (rollout_id + 1) % config.eval_interval == 0:
             step.update(eval_fenced(manager, rollout_id, resync))
         if memory is not None:

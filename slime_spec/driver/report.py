@@ -13,6 +13,7 @@ from pathlib import Path
 
 from slime_spec.config.run_config import Config
 from slime_spec.rollout.metrics import WandbLogger, eval_key, format_metrics_line, format_speedup, write_metrics_line
+from slime_spec.speculative.speedup import step_speedup
 
 TABLE_COLUMNS = [  # (key, header, format)
     ("rollout_id", "step", "{}"),
@@ -93,6 +94,13 @@ def speedup_summary(steps: list[dict]) -> dict:
                spec_speedup_first=measured[0]["spec_speedup"], spec_speedup_last=measured[-1]["spec_speedup"],
                spec_speedup_accept_rate_first=measured[0].get("spec_speedup_accept_rate"),
                spec_speedup_accept_rate_last=measured[-1].get("spec_speedup_accept_rate"))
+    if all("step_time_s" in s and "rollout_time_s" in s for s in measured):
+        step_s = sum(s["step_time_s"] for s in measured)
+        for key in ("spec_speedup", "spec_speedup_frozen"):  # the steps' times with every rollout decoded plainly
+            if all(s.get(key) is not None for s in measured):
+                plain_step_s = sum(s["step_time_s"] * step_speedup(s["step_time_s"], s["rollout_time_s"], s[key])
+                                   for s in measured)
+                out[key.replace("spec_speedup", "spec_speedup_step")] = plain_step_s / step_s
     if all(s.get("spec_speedup_frozen") is not None for s in measured):
         out.update(spec_speedup_frozen=plain / sum(s["spec_speedup_frozen_s"] for s in measured),
                    spec_speedup_frozen_first=measured[0]["spec_speedup_frozen"],
@@ -316,6 +324,11 @@ class LoopReport:
             print(f"spec_speedup over the run: {summary['spec_speedup']:.2f}x (plain / speculative time, "
                   f"{summary['spec_speedup_measurements']} measurements; first {summary['spec_speedup_first']:.2f}x, "
                   f"last {summary['spec_speedup_last']:.2f}x)", flush=True)
+        if summary.get("spec_speedup_step") is not None:
+            frozen = summary.get("spec_speedup_step_frozen")
+            print(f"whole-step speed-up over those steps: {summary['spec_speedup_step']:.2f}x (each step's time with "
+                  "its rollout decoded plainly / its time" + (f"; draft frozen {frozen:.2f}x" if frozen else "")
+                  + ")", flush=True)
         if summary.get("spec_speedup_frozen") is not None:
             print(f"spec_speedup with the draft frozen at its start: {summary['spec_speedup_frozen']:.2f}x (same "
                   f"prompts and weights; first {summary['spec_speedup_frozen_first']:.2f}x, last "

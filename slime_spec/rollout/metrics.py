@@ -131,6 +131,8 @@ def format_speedup(m: dict) -> str | None:
            f"{m['spec_speedup_spec_s']:.2f}s speculative{median})"
     if m.get("spec_speedup_frozen") is not None:
         line += f", draft frozen {m['spec_speedup_frozen']:.2f}x"
+    if m.get("spec_speedup_step") is not None:
+        line += f"; whole step {m['spec_speedup_step']:.2f}x"
     return line
 
 
@@ -150,6 +152,7 @@ SLIME_KEY_NAMES = {
     "tokens_per_s": "perf/rollout_tokens_per_sec",
     "samples_per_s": "perf/rollout_samples_per_sec",
     "train_time_s": "perf/train_time",
+    "step_time_s": "perf/step_time",
     "weight_sync_s": "perf/update_weights_time",
     "weight_sync_gbps": "perf/update_weights_gbps",
     "weight_sync_params": "perf/update_weights_target_tensors",

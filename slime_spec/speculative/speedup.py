@@ -172,6 +172,25 @@ def speedup_metrics(spec: TimedHalf, plain: TimedHalf, spec_first: bool, frozen:
     return out
 
 
+def step_speedup(step_time_s: float, rollout_time_s: float, rollout_speedup: float | None) -> float | None:
+    """The whole step's speed-up that a rollout speed-up gives (pure): the step's time with its rollout decoded
+    plainly (the rollout's measured time x the plain / speculative ratio measured beside it) over the step's
+    measured time; training, sync and memory release take the same time either way. None without a ratio."""
+    if rollout_speedup is None or step_time_s <= 0:
+        return None
+    return (step_time_s + rollout_time_s * (rollout_speedup - 1.0)) / step_time_s
+
+
+def step_speedup_metrics(step: dict) -> dict:
+    """A step's `spec_speedup_step` (and `_frozen`) from its step_time_s, rollout_time_s and measured ratios."""
+    out = {}
+    for key in ("spec_speedup", "spec_speedup_frozen"):
+        value = step_speedup(step["step_time_s"], step["rollout_time_s"], step.get(key))
+        if value is not None:
+            out[key.replace("spec_speedup", "spec_speedup_step")] = value
+    return out
+
+
 @contextlib.contextmanager
 def collector_paused():
     """Python's garbage collector off for the block (a measurement's passes), after one collection: the driver's
