@@ -71,6 +71,19 @@ def test_embedded_backend_refusals_are_found_before_launch(capsys, mimo7b):
     assert "EMBEDDED_FLAG_REFUSED" not in {f["code"] for f in out["findings"]}
 
 
+def test_embedded_memory_saver_is_refused_where_it_cannot_run(capsys, mimo7b, monkeypatch):
+    from slime_spec.engine.model_executor import memory_saver
+    monkeypatch.setattr(memory_saver.importlib.util, "find_spec", lambda name: None)
+    rc, out = run(capsys, "--hf-checkpoint", str(mimo7b), "--rollout-backend", "embedded",
+                  "--sglang-enable-memory-saver")
+    f = next(f for f in out["findings"] if f["code"] == "EMBEDDED_FLAG_REFUSED")
+    assert rc == 2 and "pip install torch_memory_saver" in f["message"]
+    rc, out = run(capsys, "--hf-checkpoint", str(mimo7b), "--rollout-backend", "embedded",
+                  "--sglang-enable-memory-saver", "--sglang-device", "cpu")
+    assert "--sglang-enable-memory-saver needs a CUDA device" in next(
+        f for f in out["findings"] if f["code"] == "EMBEDDED_FLAG_REFUSED")["message"]
+
+
 def test_flags_that_change_nothing_read_as_one_line_per_reason(capsys, mimo7b):
     rc, out = run(capsys, "--hf-checkpoint", str(mimo7b), "--rollout-backend", "embedded", "--recompute-granularity",
                   "full", "--recompute-method", "uniform", "--sequence-parallel", "--attention-dropout", "0.0",

@@ -132,7 +132,13 @@ def embedded_flag_findings(config: Config) -> list[Finding]:
     from slime_spec.engine.server_args import classify_flags, defaults_of, option_names
     parser = sglang_parser()
     names = {dest: "--sglang-" + opt[2:] for dest, opt in option_names(parser).items()}
-    refused = classify_flags(config.engine.server_args, defaults_of(parser), names).refused
+    refused = list(classify_flags(config.engine.server_args, defaults_of(parser), names).refused)
+    if config.engine.server_args.get("enable_memory_saver"):
+        from slime_spec.engine.model_executor.memory_saver import unavailable_reason
+        device = config.engine.server_args.get("device") or "cuda"  # the engine resolves "auto" where it runs
+        reason = unavailable_reason(device if device == "cpu" else "cuda")
+        if reason:
+            refused.append(reason.replace("--enable-memory-saver", "--sglang-enable-memory-saver"))
     return [Rule.EMBEDDED_FLAG_REFUSED.finding(flags="; ".join(refused))] if refused else []
 
 
