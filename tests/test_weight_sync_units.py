@@ -291,6 +291,27 @@ def test_an_untrained_draft_is_no_collapse():
         assert verdict.level == "untrained" and "collapse" not in verdict.message
 
 
+def test_the_canary_probes_an_engine_with_one_batched_generate():
+    """SGLang's /generate takes a list of prompts and answers a JSON list (EngineClient: {"result": [...]}); the
+    probe's prompts go in one request and decode together."""
+    class RecordingClient:  # test double of fleet.client.EngineClient.post
+        def __init__(self):
+            self.calls = []
+
+        def post(self, path, payload):
+            self.calls.append((path, payload))
+            return {"result": [{"meta_info": {"completion_tokens": 8, "spec_verify_ct": 4}},
+                               {"meta_info": {"completion_tokens": 8, "spec_verify_ct": 2}}]}
+
+    probe = canary.AcceptanceCanary(NATIVE)
+    probe.set_probe_from_samples([[1, 2, 3], [4, 5]])
+    client = RecordingClient()
+    assert probe._probe_engine(client) == pytest.approx(16 / 6)
+    [(path, payload)] = client.calls
+    assert path == "/generate" and payload["input_ids"] == [[1, 2, 3], [4, 5]]
+    assert payload["sampling_params"] == {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True}
+
+
 def test_an_untrained_draft_is_reported_once(monkeypatch, caplog):
     probe = canary.AcceptanceCanary(NATIVE)
     probe.set_probe_from_samples([[1, 2, 3]])

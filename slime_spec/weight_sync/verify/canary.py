@@ -163,9 +163,7 @@ class AcceptanceCanary:
         return sum(lengths) / len(lengths), min(lengths)
 
     def _probe_engine(self, client: EngineClient) -> float:
-        metas = []
-        for ids in self.probe:
-            reply = client.post("/generate", {"input_ids": ids, "sampling_params": {
-                "temperature": 0.0, "max_new_tokens": self.max_new_tokens, "ignore_eos": True}})
-            metas.append(reply["meta_info"])
-        return accept_length(metas)
+        # one batched /generate (SGLang's list-of-prompts form): the prompts decode together, not one after another
+        replies = client.post("/generate", {"input_ids": self.probe, "sampling_params": {
+            "temperature": 0.0, "max_new_tokens": self.max_new_tokens, "ignore_eos": True}})
+        return accept_length([r["meta_info"] for r in replies["result"]])  # a JSON list (client.parse_response)
