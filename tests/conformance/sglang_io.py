@@ -67,7 +67,12 @@ def build_generate(body: dict, vocab_size: int):
         raise ValueError(f"/generate contract: {error}")
     req = build("GenerateReqInput", body)
     req.normalize_batch_and_arguments()
-    params = SamplingParams(**(req.sampling_params or {}))
+    each = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params]
+    for sp in each[1:]:  # a batch: every prompt's parameters pass the same checks
+        batch_params = SamplingParams(**(sp or {}))
+        batch_params.normalize(ByteTokenizer())
+        batch_params.verify(vocab_size)
+    params = SamplingParams(**(each[0] or {}))
     params.normalize(ByteTokenizer())
     params.verify(vocab_size)
     return req, params

@@ -130,8 +130,11 @@ class RecordingClient:
     async def generate(self, body):
         return self._reply(body)
 
-    def post(self, path, body):
+    def post(self, path, body):  # the blocking client: a batch answers a JSON list (client.parse_response's form)
         assert path == "/generate"
+        if body["input_ids"] and isinstance(body["input_ids"][0], list):
+            self.bodies.append(body)
+            return {"result": [self._reply({**body, "input_ids": ids}) for ids in body["input_ids"]]}
         return self._reply(body)
 
 
@@ -160,9 +163,10 @@ def test_rollout_generate_body_passes_sglangs_request_checks(cfg):
 def test_canary_generate_body_passes_sglangs_request_checks():
     client = RecordingClient()
     canary = AcceptanceCanary(protocol.SpecSetup(algorithm="EAGLE"), max_new_tokens=16)
-    canary.set_probe_from_samples([[1, 2, 3, 4]])
+    canary.set_probe_from_samples([[1, 2, 3, 4], [5, 6]])
     canary._probe_engine(client)
-    _, params = build_generate(client.bodies[0], VOCAB)
+    req, params = build_generate(client.bodies[0], VOCAB)
+    assert req.batch_size == 2 and req.input_ids == [[1, 2, 3, 4], [5, 6]]  # one batched request
     assert params.top_k == 1 and params.ignore_eos is True and params.max_new_tokens == 16
 
 
