@@ -39,3 +39,11 @@ def test_the_flag_is_refused_on_cpu_and_without_the_package(monkeypatch):
     assert "pip install torch_memory_saver" in memory_saver.unavailable_reason("cuda:0")
     with pytest.raises(memory_saver.MemorySaverError, match="--enable-memory-saver needs a CUDA device"):
         memory_saver.enable(torch.device("cpu"))
+
+
+def test_enable_names_the_missing_preload(monkeypatch):
+    monkeypatch.setattr(memory_saver, "unavailable_reason", lambda device: None)  # as on a GPU with the package
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    with pytest.raises(memory_saver.MemorySaverError, match="configure_subprocess"):
+        memory_saver.enable(torch.device("cuda"))
+    assert not memory_saver.enabled()

@@ -20,6 +20,7 @@ This process holds one saver, as it holds one torch_memory_saver: `enable()` onc
 from __future__ import annotations
 
 import importlib.util
+import os
 from contextlib import contextmanager, nullcontext
 from typing import Iterable
 
@@ -59,6 +60,10 @@ def enable(device: torch.device) -> None:
     reason = unavailable_reason(str(device))
     if reason:
         raise MemorySaverError(reason)
+    if "torch_memory_saver" not in os.environ.get("LD_PRELOAD", ""):
+        raise MemorySaverError("--enable-memory-saver: this process did not start with torch_memory_saver's allocator "
+                               "hook preloaded (SGLang's launcher preloads it into the scheduler process; elsewhere "
+                               "start the process inside torch_memory_saver.configure_subprocess())")
     from sglang.srt.utils.torch_memory_saver_adapter import TorchMemorySaverAdapter
     _adapter = TorchMemorySaverAdapter.create(enable=True)
 
