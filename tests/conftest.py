@@ -41,3 +41,17 @@ def mimo7b(tmp_path):
                         hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                         intermediate_size=11008, vocab_size=151680, rope_theta=640000.0, rms_norm_eps=1e-5,
                         tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_mimo_engine(tmp_path_factory):
+    """One embedded engine serving a tiny MiMo (tests/helpers/engine_server.py TINY, seed 0; EAGLE over its MTP
+    layer) for every module that needs exactly that engine: an engine start costs about 34 CPU-seconds, an idle
+    engine next to nothing. Each test takes it back to its checkpoint first (`EngineServer.reset`)."""
+    from slime_spec.tools.tiny_model import make_tiny_model
+    from tests.helpers.engine_server import EAGLE_FLAGS, TINY, EngineServer
+
+    root = tmp_path_factory.mktemp("tiny_mimo_engine")
+    served = make_tiny_model(root / "served", arch="mimo", seed=0, **TINY)
+    with EngineServer(served, [*EAGLE_FLAGS, "--random-seed", "0"], log_path=root / "engine.log") as engine:
+        yield engine

@@ -3,10 +3,12 @@ that pick them, and on CUDA the engine's greedy output with and without them."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -15,18 +17,58 @@ from slime_spec.engine.kernels.decode_attention import num_splits, supports
 from slime_spec.engine.kernels.gemv import serves
 from slime_spec.engine.kernels.ops import Kernels
 
+# Runs each snippet it reads from stdin (a JSON string a line) in a fresh namespace and answers a JSON line on the
+# stdout it started with: the snippet's printed output, or its traceback. Anything else written to fd 1 (native
+# code) goes to stderr, out of the answers' way.
+INTERPRETER = """
+import contextlib, io, json, os, sys, traceback
+answers = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+for line in sys.stdin:
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(json.loads(line), "<snippet>", "exec"), {"__name__": "__snippet__"})
+        reply = {"out": out.getvalue()}
+    except BaseException:
+        reply = {"error": out.getvalue() + traceback.format_exc()}
+    answers.write(json.dumps(reply) + "\\n")
+    answers.flush()
+"""
 
-def run_interpreted(code: str) -> str:
-    """Run `code` in a fresh process with TRITON_INTERPRET=1 (read when the kernels are defined): the kernels run on
-    CPU tensors there."""
+
+@pytest.fixture(scope="module")
+def interpreter():
+    """A process with TRITON_INTERPRET=1 (read when the kernels are defined: they run on CPU tensors there), kept
+    for the module: torch and Triton are imported once, not once per test."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    proc = subprocess.Popen([sys.executable, "-c", INTERPRETER], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    yield proc
+    proc.stdin.close()
+    proc.wait(timeout=60)
 
 
-def test_gemv_equals_linear_for_every_row_count_with_and_without_bias():
+@pytest.fixture
+def run_interpreted(interpreter):
+    """Run a snippet in the interpreter process (a fresh namespace each time); its stdout."""
+    def run(code: str) -> str:
+        timer = threading.Timer(300, interpreter.kill)  # a hung snippet fails its test, not the suite
+        timer.start()
+        try:
+            interpreter.stdin.write(json.dumps(textwrap.dedent(code)) + "\n")
+            interpreter.stdin.flush()
+            line = interpreter.stdout.readline()
+        finally:
+            timer.cancel()
+        assert line, f"the interpreter process exited (code {interpreter.poll()})"
+        reply = json.loads(line)
+        assert "error" not in reply, reply["error"][-3000:]
+        return reply["out"]
+    return run
+
+
+def test_gemv_equals_linear_for_every_row_count_with_and_without_bias(run_interpreted):
     out = run_interpreted("""
         import torch, torch.nn.functional as F
         from slime_spec.engine.kernels.gemv import gemv, GemvConfig
@@ -52,7 +94,7 @@ def test_gemv_refuses_more_rows_than_it_holds():
         gemv(torch.randn(9, 8), torch.randn(4, 8))
 
 
-def test_decode_attention_writes_rotated_keys_and_equals_masked_sdpa_over_the_cache_rows():
+def test_decode_attention_writes_rotated_keys_and_equals_masked_sdpa_over_the_cache_rows(run_interpreted):
     out = run_interpreted("""
         import torch, torch.nn.functional as F
         from slime_spec.engine.kernels.decode_attention import decode_attention
@@ -92,7 +134,7 @@ def test_decode_attention_writes_rotated_keys_and_equals_masked_sdpa_over_the_ca
     assert out.strip() == "ok"
 
 
-def test_decode_attention_serves_a_short_prompt_whole():
+def test_decode_attention_serves_a_short_prompt_whole(run_interpreted):
     """A prefill of up to MAX_QUERY_TOKENS tokens per row takes the kernel: every token attends causally to the
     prompt's keys written in the same call, as SDPA with the causal mask computes it."""
     out = run_interpreted("""
@@ -118,7 +160,7 @@ def test_decode_attention_serves_a_short_prompt_whole():
     assert out.strip() == "ok"
 
 
-def test_gated_gemv_applies_silu_times_up_as_it_loads():
+def test_gated_gemv_applies_silu_times_up_as_it_loads(run_interpreted):
     out = run_interpreted("""
         import torch, torch.nn.functional as F
         from slime_spec.engine.kernels.gemv import gemv
@@ -134,7 +176,7 @@ def test_gated_gemv_applies_silu_times_up_as_it_loads():
     assert out.strip() == "ok"
 
 
-def test_rms_norm_equals_hf_rmsnorm_with_and_without_the_residual_add():
+def test_rms_norm_equals_hf_rmsnorm_with_and_without_the_residual_add(run_interpreted):
     """float32: the math, to float32 rounding; bf16: the sum and the rounding points (Triton's interpreter rounds
     bf16 toward zero where the GPU rounds to nearest, so here within two bf16 steps; exact on CUDA below)."""
     out = run_interpreted("""
@@ -179,34 +221,39 @@ def test_rms_norm_refuses_a_weight_of_another_width():
         rms_norm(torch.randn(2, 8), torch.randn(6), 1e-6)
 
 
-def test_the_model_with_kernels_equals_the_model_without():
-    """A prefill (SDPA: too many tokens), a 2-row decode, a 4-token verify (the fused attention), a 1-row decode (the
-    gemv kernels too), the MTP layer and the logits through CausalLM with the kernels on, against the same model
-    with them off."""
+def test_the_model_with_kernels_equals_the_model_without(run_interpreted):
+    """Prefills of a prompt longer than the attention kernel takes (SDPA) and of a short one (the kernel), then over
+    both rows at their own positions a decode, a 4-token verify (the fused attention), the MTP layer, a 1-row decode
+    (the gemv kernels too) and the logits through CausalLM with the kernels on, against the same model with them
+    off."""
     out = run_interpreted("""
         import tempfile, torch
         from slime_spec.tools.tiny_model import make_tiny_model
         from slime_spec.engine.model_executor.model import load_model
+        from slime_spec.engine.kernels.decode_attention import MAX_QUERY_TOKENS
         from slime_spec.engine.kernels.ops import Kernels
         path = make_tiny_model(tempfile.mkdtemp() + "/m", arch="mimo", mtp_layers=1, hidden_size=128, num_layers=2,
                                num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=97)
         model, _ = load_model(path)
         model.fuse_projections()
+        # A prefill takes the kernel up to MAX_QUERY_TOKENS tokens, and the interpreter runs it token by token: one
+        # prompt just past that (SDPA), one short.
+        long, short = MAX_QUERY_TOKENS + 4, 12
         slots = torch.tensor([1, 0])
-        ids = torch.randint(0, 97, (2, 40))
+        ids = torch.randint(0, 97, (2, long + 5))
+        start = torch.tensor([[long], [short]])  # each row's next position
+        verify = start + torch.arange(4)
         outs = []
         for kernels in (Kernels(), Kernels(gemv=True, attention=True, norm=True)):
             model.use_kernels(kernels)
-            cache = model.new_cache(3, 64)
-            pos = torch.arange(40)[None].expand(2, 40)
-            got = [model.eager_forward(ids[:, :36], pos[:, :36], cache, slots)]
-            got.append(model.eager_forward(ids[:, 36:37], pos[:, 36:37], cache, slots, num_keys=37))
-            got.append(model.eager_forward(ids[:, 36:40], pos[:, 36:40], cache, slots, num_keys=40))
-            got.append(model.eager_mtp_forward(ids[:, 36:40], got[-1], pos[:, 36:40], model.new_mtp_cache(3, 64),
-                                               slots, num_keys=40))
-            got.append(model.eager_forward(ids[:1, 40:41], pos[:1, 40:41], cache, slots[:1], num_keys=41))  # gemv
-            got.append(model.logits(got[1]))
-            got.append(model.logits(got[-2]))
+            cache, mtp_cache = model.new_cache(3, long + 8), model.new_mtp_cache(3, long + 8)
+            got = [model.eager_forward(ids[:1, :long], torch.arange(long)[None], cache, slots[:1]),
+                   model.eager_forward(ids[1:, :short], torch.arange(short)[None], cache, slots[1:])]
+            got.append(model.eager_forward(ids[:, -5:-4], start, cache, slots, num_keys=long + 1))
+            got.append(model.eager_forward(ids[:, -5:-1], verify, cache, slots, num_keys=long + 4))
+            got.append(model.eager_mtp_forward(ids[:, -5:-1], got[-1], verify, mtp_cache, slots, num_keys=long + 4))
+            got.append(model.eager_forward(ids[:1, -1:], start[:1] + 4, cache, slots[:1], num_keys=long + 5))  # gemv
+            got += [model.logits(got[2]), model.logits(got[5])]
             outs.append(got)
         for a, b in zip(*outs):
             assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()

@@ -27,19 +27,11 @@ from tests.helpers.engine_server import checkpoint_config as _config
 from tests.helpers.engine_server import checkpoint_state as _state
 
 
-@pytest.fixture(scope="module")
-def shared_engine(tmp_path_factory):
-    """One MiMo engine (EAGLE over its MTP layer) for the module; each test gets it back on its checkpoint."""
-    root = tmp_path_factory.mktemp("weight_sync_engine")
-    served = make_tiny_model(root / "served", arch="mimo", seed=0, **TINY)
-    with EngineServer(served, EAGLE_FLAGS, log_path=root / "engine.log") as engine:
-        yield engine
-
-
 @pytest.fixture
-def engine(shared_engine):
-    shared_engine.reset()
-    return shared_engine
+def engine(tiny_mimo_engine):
+    """The session's MiMo engine (EAGLE over its MTP layer, tests/conftest.py), back on its checkpoint."""
+    tiny_mimo_engine.reset()
+    return tiny_mimo_engine
 
 
 def engine_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -114,7 +106,7 @@ def megatron_policy(path: Path, mtp_layers: int):
 def test_engine_serves_megatron_weights_after_sync(request, megatron, tmp_path, arch, transport, flags):
     from slime_spec.trainer import model as M
     mtp = 1 if arch == "mimo" else 0
-    if arch == "mimo":  # the module's engine serves exactly this checkpoint with these flags
+    if arch == "mimo":  # the session's engine serves exactly this checkpoint with these flags
         engine, own = request.getfixturevalue("engine"), None
         served = engine.model_path
     else:

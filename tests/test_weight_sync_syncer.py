@@ -247,13 +247,21 @@ def _injecting(tensors, at: int, inject):
         yield t
 
 
-def _embedded(tmp_path):
+@pytest.fixture(scope="module")
+def new_checkpoint(tmp_path_factory):
+    """A checkpoint of the session MiMo engine's shapes, another seed."""
     from slime_spec.tools.tiny_model import make_tiny_model
-    from tests.helpers.engine_server import EAGLE_FLAGS, TINY, EngineServer
+    from tests.helpers.engine_server import TINY
 
-    served = make_tiny_model(tmp_path / "served", arch="mimo", seed=0, **TINY)
-    new = make_tiny_model(tmp_path / "new", arch="mimo", seed=1, **TINY)
-    return served, new, EngineServer(served, EAGLE_FLAGS, log_path=tmp_path / "engine.log").start()
+    return make_tiny_model(tmp_path_factory.mktemp("syncer_new") / "new", arch="mimo", seed=1, **TINY)
+
+
+@pytest.fixture
+def embedded(tiny_mimo_engine, new_checkpoint):
+    """(served, new, engine): the session's MiMo engine (EAGLE over its MTP layer, tests/conftest.py) back on its
+    checkpoint `served`, version "default", generating; `new` has the same shapes."""
+    tiny_mimo_engine.reset()
+    return tiny_mimo_engine.model_path, new_checkpoint, tiny_mimo_engine
 
 
 def _embedded_syncer(clients, served):
@@ -276,89 +284,80 @@ def _checksums(engine):
     return engine.client.post("/weights_checker", {"action": "checksum", "selector": "all"})["ranks"]
 
 
-def test_engine_restarted_mid_sync_is_reported_serving_the_checkpoint_not_rolled_back(tmp_path):
+def test_engine_restarted_mid_sync_is_reported_serving_the_checkpoint_not_rolled_back(embedded):
     """The engine comes back mid-sync with its checkpoint and no session: its rollback reply says
     `rolled_back: false`, and the syncer must read back that it serves the checkpoint, not the previous weights."""
-    served, new, engine = _embedded(tmp_path)
-    try:
-        syncer = _embedded_syncer([engine.client], served)
-        syncer.sync(iter(_new_state(new)), weight_version="1")
+    served, new, engine = embedded
+    syncer = _embedded_syncer([engine.client], served)
+    syncer.sync(iter(_new_state(new)), weight_version="1")
 
-        def restart():  # what a restarted engine serves: the checkpoint, version "default", no session
-            engine.client.post("/end_weight_update", {})
-            engine.client.post("/update_weights_from_disk", {"model_path": str(served), "weight_version": "default"})
+    def restart():  # what a restarted engine serves: the checkpoint, version "default", no session
+        engine.client.post("/end_weight_update", {})
+        engine.client.post("/update_weights_from_disk", {"model_path": str(served), "weight_version": "default"})
 
-        with pytest.raises(WeightSyncError, match="CHECKPOINT") as err:
-            syncer.sync(_injecting(_new_state(served), 10, restart), weight_version="2")
-        verdict, = err.value.engines
-        assert (verdict.serves, verdict.weight_version) == ("checkpoint", "default")
-        assert verdict.agree < verdict.total
-        assert not err.value.engines_serve_previous_weights and engine.paused
-        assert "0 of 1 engine(s) rolled the session back" in str(err.value) and "PAUSED" in str(err.value)
-        metrics = err.value.metrics()
-        assert metrics["weight_sync_engine0_serves"] == "checkpoint" and metrics["weight_sync_resumed_on_previous"] == 0
-    finally:
-        engine.close()
+    with pytest.raises(WeightSyncError, match="CHECKPOINT") as err:
+        syncer.sync(_injecting(_new_state(served), 10, restart), weight_version="2")
+    verdict, = err.value.engines
+    assert (verdict.serves, verdict.weight_version) == ("checkpoint", "default")
+    assert verdict.agree < verdict.total
+    assert not err.value.engines_serve_previous_weights and engine.paused
+    assert "0 of 1 engine(s) rolled the session back" in str(err.value) and "PAUSED" in str(err.value)
+    metrics = err.value.metrics()
+    assert metrics["weight_sync_engine0_serves"] == "checkpoint" and metrics["weight_sync_resumed_on_previous"] == 0
 
 
-def test_stray_end_weight_update_mid_sync_is_reported_as_a_mix(tmp_path):
+def test_stray_end_weight_update_mid_sync_is_reported_as_a_mix(embedded):
     """Someone closes the session half way: the buckets that landed stay (no rollback is possible), so the
     engine serves a mix, still under the previous version label (the new label is set only once a whole sync has
     ended); the syncer says so with the checksum counts."""
-    served, new, engine = _embedded(tmp_path)
-    try:
-        syncer = _embedded_syncer([engine.client], served)
-        state = _new_state(new)
-        with pytest.raises(WeightSyncError, match="MIX") as err:
-            syncer.sync(_injecting(state, len(state) // 3, lambda: engine.client.post("/end_weight_update", {})),
-                        weight_version="2")
-        verdict, = err.value.engines
-        assert verdict.serves == "mix" and verdict.weight_version == "default"
-        assert 0 < verdict.agree < verdict.total  # some tensors still equal the checkpoint, some are new
-        assert f"{verdict.agree}/{verdict.total} checksums" in str(err.value)
-        assert not err.value.engines_serve_previous_weights
-        assert engine.paused  # generation stays paused: a mix must not serve rollouts
-        syncer.sync(iter(state), weight_version="3")  # a full sync repairs it
-        assert engine.generate([5, 6, 7])["meta_info"]["weight_version"] == "3"
-    finally:
-        engine.close()
+    served, new, engine = embedded
+    syncer = _embedded_syncer([engine.client], served)
+    state = _new_state(new)
+    with pytest.raises(WeightSyncError, match="MIX") as err:
+        syncer.sync(_injecting(state, len(state) // 3, lambda: engine.client.post("/end_weight_update", {})),
+                    weight_version="2")
+    verdict, = err.value.engines
+    assert verdict.serves == "mix" and verdict.weight_version == "default"
+    assert 0 < verdict.agree < verdict.total  # some tensors still equal the checkpoint, some are new
+    assert f"{verdict.agree}/{verdict.total} checksums" in str(err.value)
+    assert not err.value.engines_serve_previous_weights
+    assert engine.paused  # generation stays paused: a mix must not serve rollouts
+    syncer.sync(iter(state), weight_version="3")  # a full sync repairs it
+    assert engine.generate([5, 6, 7])["meta_info"]["weight_version"] == "3"
 
 
-def test_engine_killed_mid_sync_survivor_is_verified_and_continues(tmp_path):
+def test_engine_killed_mid_sync_survivor_is_verified_and_continues(embedded):
     """Two engines; the second dies (connections refused) after the first buckets landed. The survivor rolls
     its session back and is verified on the previous weights by checksum, so generation continues on it (the
     dead engine serves nothing, and a restarted one is re-synced before it serves); the message names the dead one."""
     from tests.helpers.engine_server import checkpoint_config as _config
     from tests.helpers.engine_server import checkpoint_state as _state
 
-    served, new, engine = _embedded(tmp_path)
+    served, new, engine = embedded
     victim = FakeSGLangServer(_state(served), _config(served), draft="mtp")
-    try:
-        before, sums_before = engine.generate([5, 6, 7, 8, 9]), _checksums(engine)
-        syncer = _embedded_syncer([engine.client, EngineClient(victim.url)], served)
-        real_handle, updates = victim.handle, []
+    before, sums_before = engine.generate([5, 6, 7, 8, 9]), _checksums(engine)
+    syncer = _embedded_syncer([engine.client, EngineClient(victim.url)], served)
+    real_handle, updates = victim.handle, []
 
-        def dying_handle(method, path, body):
-            if path == "/update_weights_from_tensor":
-                updates.append(path)
-                if len(updates) == 3:  # SIGKILL: the listening socket goes, the request gets no answer
-                    victim.close()
-                    raise ConnectionAbortedError("killed")
-            return real_handle(method, path, body)
+    def dying_handle(method, path, body):
+        if path == "/update_weights_from_tensor":
+            updates.append(path)
+            if len(updates) == 3:  # SIGKILL: the listening socket goes, the request gets no answer
+                victim.close()
+                raise ConnectionAbortedError("killed")
+        return real_handle(method, path, body)
 
-        victim.handle = dying_handle
-        with pytest.raises(WeightSyncError) as err:
-            syncer.sync(iter(_new_state(new)), weight_version="2")
-        alive, dead = err.value.engines
-        assert (alive.serves, alive.weight_version, alive.agree) == ("previous", "default", alive.total)
-        assert dead.serves == "unreachable" and f"{victim.url}: UNREACHABLE" in str(err.value)
-        assert err.value.engines_serve_previous_weights
-        assert "generation continues on every engine that answers" in str(err.value)
-        assert _checksums(engine) == sums_before
-        assert not engine.paused
-        assert engine.generate([5, 6, 7, 8, 9])["output_ids"] == before["output_ids"]  # the previous weights
-    finally:
-        engine.close()
+    victim.handle = dying_handle
+    with pytest.raises(WeightSyncError) as err:
+        syncer.sync(iter(_new_state(new)), weight_version="2")
+    alive, dead = err.value.engines
+    assert (alive.serves, alive.weight_version, alive.agree) == ("previous", "default", alive.total)
+    assert dead.serves == "unreachable" and f"{victim.url}: UNREACHABLE" in str(err.value)
+    assert err.value.engines_serve_previous_weights
+    assert "generation continues on every engine that answers" in str(err.value)
+    assert _checksums(engine) == sums_before
+    assert not engine.paused
+    assert engine.generate([5, 6, 7, 8, 9])["output_ids"] == before["output_ids"]  # the previous weights
 
 
 def test_sglang_without_rollback_reports_what_each_engine_holds(make_server):
@@ -555,28 +554,25 @@ class EndFailsOnce(EngineClient):
         return super().post(path, payload, read_timeout_s)
 
 
-def test_a_failed_end_weight_update_is_rolled_back_and_verified_on_the_previous_weights(tmp_path):
+def test_a_failed_end_weight_update_is_rolled_back_and_verified_on_the_previous_weights(embedded):
     """Every bucket landed, then /end_weight_update failed: the session is still open on the engine, so it is
     rolled back (not left open with the new weights loaded, refusing the next begin), read back on the previous
     weights, and generation continues; the next sync lands."""
-    served, new, engine = _embedded(tmp_path)
-    try:
-        client = EndFailsOnce(engine.url)
-        syncer = _embedded_syncer([client], served)
-        syncer.sync(iter(_new_state(new)), weight_version="1")
-        sums_after_first = _checksums(engine)
-        client.armed = True
-        with pytest.raises(WeightSyncError, match="injected: end_weight_update lost") as err:
-            syncer.sync(iter(_new_state(served)), weight_version="2")
-        verdict, = err.value.engines
-        assert (verdict.serves, verdict.weight_version) == ("previous", "1")
-        assert err.value.engines_serve_previous_weights and not engine.paused
-        assert "1 of 1 engine(s) rolled the session back" in str(err.value)
-        assert _checksums(engine) == sums_after_first
-        syncer.sync(iter(_new_state(served)), weight_version="3")  # the session was closed: begin is accepted
-        assert engine.generate([5, 6, 7])["meta_info"]["weight_version"] == "3"
-    finally:
-        engine.close()
+    served, new, engine = embedded
+    client = EndFailsOnce(engine.url)
+    syncer = _embedded_syncer([client], served)
+    syncer.sync(iter(_new_state(new)), weight_version="1")
+    sums_after_first = _checksums(engine)
+    client.armed = True
+    with pytest.raises(WeightSyncError, match="injected: end_weight_update lost") as err:
+        syncer.sync(iter(_new_state(served)), weight_version="2")
+    verdict, = err.value.engines
+    assert (verdict.serves, verdict.weight_version) == ("previous", "1")
+    assert err.value.engines_serve_previous_weights and not engine.paused
+    assert "1 of 1 engine(s) rolled the session back" in str(err.value)
+    assert _checksums(engine) == sums_after_first
+    syncer.sync(iter(_new_state(served)), weight_version="3")  # the session was closed: begin is accepted
+    assert engine.generate([5, 6, 7])["meta_info"]["weight_version"] == "3"
 
 
 def test_an_engine_that_took_begin_is_closed_when_another_refused_it(make_server):

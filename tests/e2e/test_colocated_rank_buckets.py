@@ -18,7 +18,6 @@ import traceback
 import torch
 
 from slime_spec.common.net import free_port
-from slime_spec.tools.tiny_model import make_tiny_model
 from tests.helpers.engine_server import EAGLE_FLAGS, EngineServer
 
 EAGLE = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 2, "speculative_eagle_topk": 1,
@@ -88,13 +87,13 @@ def served(engine: EngineServer, name: str) -> torch.Tensor:
     return engine.served(name)
 
 
-def test_each_colocated_engine_serves_its_own_trainer_ranks_trained_weights(tmp_path):
-    model = make_tiny_model(tmp_path / "model", arch="mimo", mtp_layers=1, hidden_size=32, num_layers=1,
-                            intermediate_size=64, max_position_embeddings=128, seed=3)
-    engines = [EngineServer(model, EAGLE_FLAGS, log_path=tmp_path / f"engine{e}.log").launch() for e in range(2)]
+def test_each_colocated_engine_serves_its_own_trainer_ranks_trained_weights(tmp_path, tiny_mimo_engine):
+    # engine 0: the session's (tests/conftest.py), back on its checkpoint; engine 1: a fresh one of the same model
+    model = tiny_mimo_engine.model_path
+    engines = [tiny_mimo_engine, EngineServer(model, EAGLE_FLAGS, log_path=tmp_path / "engine1.log").launch()]
     try:
-        for engine in engines:
-            engine.wait_ready()
+        tiny_mimo_engine.reset()
+        engines[1].wait_ready()
         checkpoint = {n: served(engines[0], n) for n in (NORM, EMBED)}
         ctx = multiprocessing.get_context("spawn")
         port, outs = free_port(), [tmp_path / f"rank{r}.pkl" for r in range(2)]
@@ -132,5 +131,4 @@ def test_each_colocated_engine_serves_its_own_trainer_ranks_trained_weights(tmp_
         for e, engine in enumerate(engines):
             assert torch.equal(served(engine, NORM), ranks[e]["hf"][NORM].float()), e
     finally:
-        for engine in engines:
-            engine.close()
+        engines[1].close()
