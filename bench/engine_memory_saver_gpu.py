@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import subprocess
 import sys
@@ -32,10 +31,6 @@ SIZES = {
     "demo": dict(hidden_size=1024, num_layers=34, num_heads=16, num_kv_heads=4, intermediate_size=4096),
     "tiny": dict(hidden_size=256, num_layers=4),
 }
-
-
-def preloaded() -> bool:
-    return "torch_memory_saver" in os.environ.get("LD_PRELOAD", "")
 
 
 def free_bytes() -> int:
@@ -86,11 +81,12 @@ def main() -> int:
     p.add_argument("--size", choices=tuple(SIZES), default="demo")
     p.add_argument("--cycles", type=int, default=3)
     args = p.parse_args()
-    if not preloaded():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from slime_spec.engine.model_executor.memory_saver import hook_preloaded
+    if not hook_preloaded():
         import torch_memory_saver
         with torch_memory_saver.configure_subprocess():
             return subprocess.call([sys.executable, *sys.argv])
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from slime_spec.tools.tiny_model import make_tiny_model
 
     model = make_tiny_model(Path(tempfile.mkdtemp()) / "m", arch="mimo", mtp_layers=1, max_position_embeddings=512,

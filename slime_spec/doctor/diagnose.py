@@ -136,9 +136,9 @@ def embedded_flag_findings(config: Config) -> list[Finding]:
     if config.engine.server_args.get("enable_memory_saver"):
         from slime_spec.engine.model_executor.memory_saver import unavailable_reason
         device = config.engine.server_args.get("device") or "cuda"  # the engine resolves "auto" where it runs
-        reason = unavailable_reason(device if device == "cpu" else "cuda")
+        reason = unavailable_reason(device if device == "cpu" else "cuda", flag="--sglang-enable-memory-saver")
         if reason:
-            refused.append(reason.replace("--enable-memory-saver", "--sglang-enable-memory-saver"))
+            refused.append(reason)
     return [Rule.EMBEDDED_FLAG_REFUSED.finding(flags="; ".join(refused))] if refused else []
 
 

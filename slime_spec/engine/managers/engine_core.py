@@ -353,7 +353,7 @@ class EngineCore:
     def release_memory(self, tags: list[str] | None = None) -> None:
         """Free the KV caches ("kv_cache"), weights ("weights": kept in a CPU backup) and/or CUDA graphs while idle
         (no tags: all three, as SGLang); memory_occupation.py."""
-        memory_occupation.check_tags(tags)
+        tags = memory_occupation.check_tags(tags)
         if self.overlap is not None:
             self.overlap.drain()
         if self._rows:
@@ -361,7 +361,7 @@ class EngineCore:
         self.memory.release(tags)
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
-        self.memory.resume(tags)
+        self.memory.resume(memory_occupation.check_tags(tags))
 
     def capture_graphs(self) -> None:
         """On CUDA (unless --disable-cuda-graph), capture decode, verify and draft forwards

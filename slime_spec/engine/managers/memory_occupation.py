@@ -53,8 +53,8 @@ class MemoryOccupation:
             if core.drafter is not None:
                 core.drafter.new_cache()
 
-    def release(self, tags: list[str] | None) -> None:
-        tags = check_tags(tags)
+    def release(self, tags: set[str]) -> None:
+        """`tags` as check_tags returns them; the engine is idle."""
         core = self.core
         if self.saver:  # SGLang's order; addresses kept, graphs stay valid
             torch.cuda.synchronize(core.device)
@@ -96,8 +96,7 @@ class MemoryOccupation:
                 clear_workspaces()
             torch.cuda.empty_cache()
 
-    def resume(self, tags: list[str] | None) -> None:
-        tags = check_tags(tags)
+    def resume(self, tags: set[str]) -> None:
         core = self.core
         if self.saver:
             for tag in reversed(MEMORY_TAGS):  # SGLang's order: graphs, weights (from the CPU backup), KV caches

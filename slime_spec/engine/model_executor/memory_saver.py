@@ -41,15 +41,21 @@ class MemorySaverError(RuntimeError):
     pass
 
 
-def unavailable_reason(device: str) -> str | None:
-    """Why `--enable-memory-saver` cannot run on `device` here, or None."""
+def unavailable_reason(device: str, flag: str = "--enable-memory-saver") -> str | None:
+    """Why `flag` (the engine's --enable-memory-saver, as the caller's command line spells it) cannot run on
+    `device` here, or None."""
     if not str(device).startswith("cuda"):
-        return (f"--enable-memory-saver needs a CUDA device (--device {device}): on CPU /release_memory_occupation "
-                "moves the weights to a CPU backup without it; drop the flag")
+        return (f"{flag} needs a CUDA device (--device {device}): on CPU /release_memory_occupation moves the weights "
+                "to a CPU backup without it; drop the flag")
     if importlib.util.find_spec("torch_memory_saver") is None:
-        return ("--enable-memory-saver needs the torch_memory_saver package (SGLang's memory saver): "
-                "pip install torch_memory_saver, or drop the flag")
+        return (f"{flag} needs the torch_memory_saver package (SGLang's memory saver): pip install "
+                "torch_memory_saver, or drop the flag")
     return None
+
+
+def hook_preloaded() -> bool:
+    """Whether this process started with torch_memory_saver's allocator hook in LD_PRELOAD (its preload mode)."""
+    return "torch_memory_saver" in os.environ.get("LD_PRELOAD", "")
 
 
 def enable(device: torch.device) -> None:
@@ -60,7 +66,7 @@ def enable(device: torch.device) -> None:
     reason = unavailable_reason(str(device))
     if reason:
         raise MemorySaverError(reason)
-    if "torch_memory_saver" not in os.environ.get("LD_PRELOAD", ""):
+    if not hook_preloaded():
         raise MemorySaverError("--enable-memory-saver: this process did not start with torch_memory_saver's allocator "
                                "hook preloaded (SGLang's launcher preloads it into the scheduler process; elsewhere "
                                "start the process inside torch_memory_saver.configure_subprocess())")
