@@ -43,6 +43,25 @@ def test_peaks_are_per_gpu_and_start_again_after_each_take():
         monitor.close()
 
 
+def test_a_window_reports_its_own_peak_with_the_next_take():
+    nvml = FakeNvml()
+    monitor = GpuMemoryMonitor(nvml, interval_s=3600)
+    try:
+        nvml.used = [6 * GIB, 0]
+        monitor.take_peaks()
+        nvml.used = [1 * GIB, 2 * GIB]
+        with monitor.window("sync"):
+            with monitor.lock:  # a sample the thread took inside the window
+                monitor.peaks = [3 * GIB, 2 * GIB]
+                monitor.open_windows["sync"] = [3 * GIB, 2 * GIB]
+        nvml.used = [5 * GIB, 0]  # after the window: the step's peak, not the window's
+        assert monitor.take_peaks() == {"gpu0_peak_memory_gib": 5.0, "gpu1_peak_memory_gib": 2.0,
+                                        "gpu0_sync_peak_memory_gib": 3.0, "gpu1_sync_peak_memory_gib": 2.0}
+        assert "gpu0_sync_peak_memory_gib" not in monitor.take_peaks()  # reported once
+    finally:
+        monitor.close()
+
+
 def test_no_monitor_without_nvml(monkeypatch):
     import sys
 

@@ -1,9 +1,13 @@
 """A colocated step's hand-over on GPUs (slime_spec/driver/loop.py `_steps`): the trainer is offloaded while the engines
-generate and onloaded only after they released their memory; the engines resume before the sync; each move is
-timed, and the peak memory per GPU is in the step's metrics.
+generate and onloaded only after they released their memory; after training, in slime's order, the trainer is
+offloaded, the engines resume their weights, the sync runs (liveness by ping, the canary deferred), then the engines
+resume their CUDA graphs and KV cache and the canary reads them; each move is timed, and the peak memory per GPU is
+in the step's metrics.
 
 The trainer group, the rollout manager, the step report and the GPU memory monitor are test doubles (no Ray cluster
 or GPU here) answering the calls `_steps` makes of TrainGroup, RolloutManager, LoopReport and GpuMemoryMonitor."""
+
+import contextlib
 
 import pytest
 import ray
@@ -18,7 +22,8 @@ class _Call:
         self.log, self.name, self.result = log, name, result
 
     def remote(self, *args):
-        self.log.append(self.name)
+        separator = "" if self.name.endswith("=") else " "
+        self.log.append(self.name if not args or self.name == "rollout" else f"{self.name}{separator}{args[0]}")
         return self.result(*args) if callable(self.result) else self.result
 
 
@@ -27,12 +32,13 @@ class _Manager:
 
     def __init__(self, log):
         self.engine_urls = _Call([], "engine_urls", ["http://e0"])
-        self.check_engines = _Call([], "check", [])
+        self.check_engines = _Call(log, "liveness, generate=", lambda generate: [])
         self.engines_needing_sync = _Call([], "needing", [])
         self.confirm_weights = _Call([], "confirm", [])
         self.generate = _Call(log, "rollout", lambda rollout_id: ["sample"])
         self.get_last_metrics = _Call([], "metrics", {"rollout_time_s": 1.0})
         self.release_memory = _Call(log, "engine release", None)
+        self.data_position = _Call([], "position", {})
         self.resume_memory = _Call(log, "engine resume", None)
 
 
@@ -59,9 +65,19 @@ class _Trainer:
         self.log.append("train")
         return {"loss": 0.0}
 
-    def sync_weights(self, version, probe_samples=None, restarted_urls=None):
-        self.log.append("sync")
+    def sync_weights(self, version, probe_samples=None, restarted_urls=None, defer_canary=False):
+        self.log.append("sync, canary deferred" if defer_canary else "sync")
         return {"weight_sync_params": 1}
+
+    def canary_before(self, probe_samples):
+        self.log.append("canary before")
+
+    def run_deferred_canary(self):
+        self.log.append("canary after")
+        return {"spec_canary_accept_length": 2.0}
+
+    def save(self, rollout_id, data_position):
+        self.log.append("save")
 
 
 class _Report:
@@ -76,8 +92,17 @@ class _Report:
 
 
 class _Memory:
+    def __init__(self, log):
+        self.log = log
+
+    @contextlib.contextmanager
+    def window(self, name):
+        self.log.append(f"memory window {name}")
+        yield
+        self.log.append(f"memory window {name} closed")
+
     def take_peaks(self):
-        return {"gpu0_peak_memory_gib": 7.5}
+        return {"gpu0_peak_memory_gib": 7.5, "gpu0_sync_peak_memory_gib": 2.5}
 
 
 @pytest.fixture(autouse=True)
@@ -95,17 +120,25 @@ def _config(tmp_path, *flags):
 
 def test_colocated_steps_offload_the_trainer_while_engines_generate_and_time_every_move(tmp_path):
     log = []
-    out = train._steps(_config(tmp_path, "--colocate"), _Trainer(log), _Manager(log), _Report(), 0, None, _Memory())
-    step = ["rollout", "engine release", "trainer onload", "train", "engine resume", "sync", "trainer offload"]
-    assert log == ["trainer offload", *step, *step]
+    manager = _Manager(log)
+    out = train._steps(_config(tmp_path, "--colocate", "--save", str(tmp_path / "ckpt")), _Trainer(log), manager,
+                       _Report(), 0, None, _Memory(log))
+    step = ["liveness, generate=True", "rollout", "canary before", "engine release", "trainer onload", "train", "save?",
+            "trainer offload",
+            "engine resume ['weights']", "memory window sync", "liveness, generate=False",
+            "sync, canary deferred", "memory window sync closed", "engine resume ['cuda_graph', 'kv_cache']",
+            "canary after"]
+    first, last = [s for s in step if s != "save?"], [s.rstrip("?") for s in step]
+    assert log == ["trainer offload", *first, *last]  # the last step saves: before the offload, on the GPU
     for metrics in out["rollouts"]:
         assert metrics["trainer_offload_s"] == 0.5 and metrics["trainer_onload_s"] == 0.25
         assert {"engine_release_s", "engine_resume_s", "train_time_s", "sync_time_s"} <= set(metrics)
-        assert metrics["gpu0_peak_memory_gib"] == 7.5
+        assert metrics["gpu0_peak_memory_gib"] == 7.5 and metrics["gpu0_sync_peak_memory_gib"] == 2.5
+        assert metrics["spec_canary_accept_length"] == 2.0
 
 
 def test_split_steps_move_nothing(tmp_path):
     log = []
     out = train._steps(_config(tmp_path), _Trainer(log), _Manager(log), _Report(), 0, None, None)
-    assert log == ["rollout", "train", "sync"] * 2
+    assert log == ["liveness, generate=True", "rollout", "train", "liveness, generate=True", "sync"] * 2
     assert not any(k.startswith(("trainer_", "engine_", "gpu")) for m in out["rollouts"] for k in m)

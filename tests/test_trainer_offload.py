@@ -62,3 +62,23 @@ def test_a_step_after_offload_and_onload_equals_one_without(tmp_path):
         t.train_step(samples, 1)
     for (n, a), (_, b) in zip(kept.model.named_parameters(), moved.model.named_parameters()):
         assert torch.equal(a, b), n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_offloaded_trainer_hands_the_sync_its_weights_on_the_gpu_one_at_a_time(tmp_path):
+    """--colocate syncs after the offload (slime's order): the weights come back to the GPU one tensor at a time."""
+    trainer = _trainer(tmp_path, bf16=True, use_kl_loss=True)
+    trainer.train_step(random_rollout(), 0)
+    before = {n: p.clone() for n, p in trainer.named_megatron_params()}
+    largest = max(t.numel() * t.element_size() for t in before.values())
+    offload = TrainerOffload(trainer)
+    offload.offload()
+    base = torch.cuda.memory_allocated()
+    seen = 0
+    for name, tensor in trainer.named_megatron_params():
+        assert tensor.device.type == "cuda" and torch.equal(tensor, before[name]), name
+        assert torch.cuda.memory_allocated() <= base + 2 * largest  # this tensor and, at most, the one before
+        seen += 1
+    assert seen == len(before)
+    assert all(p.device.type == "cpu" for p in trainer.model.parameters())  # nothing onloaded behind its back
+    offload.onload()

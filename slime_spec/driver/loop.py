@@ -4,7 +4,8 @@ The driver is thin: it parses the flags once, runs the speculative checks (stopp
 error), starts a local Ray when no cluster is given, and moves samples and metrics between
 the RolloutManager (engines) and the TrainGroup (Megatron actors). It knows no HTTP payload.
 Modes: separate placement (default), `--colocate` (engine memory released while training; trainer and
-engines share one placement group's GPUs, see placement.py),
+engines share one placement group's GPUs, see placement.py; after training, in slime's order: the trainer
+offloaded, the engines' weights resumed, the sync, then their CUDA graphs and KV cache),
 `--debug-rollout-only` (no trainer) and `--debug-train-only` (no engines; replays saved data).
 An engine restarted during a run is fenced by the fleet until the driver has the trainer re-sync it
 (`generate_fenced`, `sync_all`); shutdown stops the manager even when the trainer's shutdown fails.
@@ -19,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from typing import Callable
 
 from slime_spec.common.logging_setup import quiet_known_noise
@@ -206,12 +208,15 @@ def eval_fenced(manager, rollout_id: int, resync: Callable[[str, list[str]], dic
     return {**out, **{f"eval_{k}": v for k, v in metrics.items()}}
 
 
-def sync_all(trainer, manager, version: str, probe_samples=None) -> dict:
+def sync_all(trainer, manager, version: str, probe_samples=None, engines_generate: bool = True) -> dict:
     """The trainer's weights into every engine as `version`, after every engine's liveness is checked; engines
-    restarted since the last sync rejoin (`sync_engines`)."""
-    restarted = check_engines(manager, generate=True)
+    restarted since the last sync rejoin (`sync_engines`). `engines_generate=False`: their KV cache is released
+    (a colocated step's staged resume), so the liveness check only pings and the canary waits
+    (`run_deferred_canary` after the resume)."""
+    restarted = check_engines(manager, generate=engines_generate)
     return sync_engines(manager, version, lambda v, urls: trainer.sync_weights(
-        v, probe_samples=probe_samples, restarted_urls=urls), restarted_before=len(restarted))
+        v, probe_samples=probe_samples, restarted_urls=urls, defer_canary=not engines_generate),
+        restarted_before=len(restarted))
 
 
 def run(config: Config, *, manager_kwargs: dict | None = None) -> dict:
@@ -291,7 +296,10 @@ def _steps(config: Config, trainer, manager, report: LoopReport, start: int, pro
             sync_all(trainer, manager, str(start - 1))
         if config.eval_interval and start == 0 and not config.skip_eval_before_train:  # as slime: a baseline
             report.set_initial_eval(eval_fenced(manager, 0, resync))
-    offloads = config.cluster.colocate and manager is not None and trainer.uses_gpu
+    colocated = config.cluster.colocate and manager is not None
+    offloads = colocated and trainer.uses_gpu
+    if colocated:  # SGLang's tag names (already imported: the flags were parsed with its ServerArgs)
+        from sglang.srt.constants import GPU_MEMORY_TYPE_CUDA_GRAPH, GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_WEIGHTS
     if offloads:  # the trainer's GPU memory is the engines' while they generate
         trainer.offload()
     for rollout_id in range(start, config.rollout.num_rollout):
@@ -305,30 +313,36 @@ def _steps(config: Config, trainer, manager, report: LoopReport, start: int, pro
             step.update(ray.get(manager.get_last_metrics.remote()))
             step.update(resync_metrics)
         clock = PhaseClock()
-        if config.cluster.colocate and manager is not None:
+        if colocated:
+            trainer.canary_before(samples)  # the reading before the sync, while the engines still generate
             with clock.phase("engine_release_s"):
                 ray.get(manager.release_memory.remote())
         if offloads:
             step.update(trainer.onload())
         with clock.phase("train_time_s"):
             step.update(trainer.train_step(samples, rollout_id))
-        if config.cluster.colocate and manager is not None:
+        last = rollout_id + 1 == config.rollout.num_rollout
+        if config.train.save and (last or save_due(config.train.save_interval, rollout_id)):
+            trainer.save(rollout_id, None if manager is None else ray.get(manager.data_position.remote(rollout_id)))
+        if offloads:  # after the save, which reads the weights where they train; the sync reads them from host
+            step.update(trainer.offload())
+        if colocated:  # slime's staged resume: the weights, the sync into them, then the KV cache and graphs
             with clock.phase("engine_resume_s"):
-                ray.get(manager.resume_memory.remote())
+                ray.get(manager.resume_memory.remote([GPU_MEMORY_TYPE_WEIGHTS]))
         if manager is not None:
-            with clock.phase("sync_time_s"):
-                step.update(sync_all(trainer, manager, str(rollout_id), probe_samples=samples))
+            with clock.phase("sync_time_s"), memory.window("sync") if memory is not None else nullcontext():
+                step.update(sync_all(trainer, manager, str(rollout_id), probe_samples=samples,
+                                     engines_generate=not colocated))
+        if colocated:
+            with clock.phase("engine_resume_s"):
+                ray.get(manager.resume_memory.remote([GPU_MEMORY_TYPE_CUDA_GRAPH, GPU_MEMORY_TYPE_KV_CACHE]))
+            step.update(trainer.run_deferred_canary())
         step.update(clock.seconds)
         if probe is not None and spec_speedup.due(config.spec_speedup_interval, rollout_id, config.rollout.num_rollout,
                                                   first_rollout=start):
             probe_start = time.perf_counter()
             step.update(probe.measure(samples, trainer.hf_state_dict(), str(rollout_id)))
             measuring_s += time.perf_counter() - probe_start
-        last = rollout_id + 1 == config.rollout.num_rollout
-        if config.train.save and (last or save_due(config.train.save_interval, rollout_id)):
-            trainer.save(rollout_id, None if manager is None else ray.get(manager.data_position.remote(rollout_id)))
-        if offloads:  # after the save, which reads the weights where they train
-            step.update(trainer.offload())
         step["step_time_s"] = time.perf_counter() - step_start - measuring_s
         if "rollout_time_s" in step:
             step.update(spec_speedup.step_speedup_metrics(step))

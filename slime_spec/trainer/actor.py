@@ -29,6 +29,7 @@ class TrainActor:
         self.rank_buckets = None  # colocated.RankBuckets of this rank, when the colocated engines take per-rank buckets
         self.colocated_ranks = 0  # W: trainer ranks 0..W-1 hand their own buckets over (0: rank 0 sends alone)
         self.offload_state = None  # offload.TrainerOffload, made at the first offload (--colocate on GPUs)
+        self.deferred_sync_metrics = None  # rank 0: the last sync's metrics, until run_deferred_canary reads them
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the process group's store."""
@@ -117,14 +118,36 @@ class TrainActor:
         self.canary = AcceptanceCanary(spec, colocated=colocate) if spec.uses_draft else None
         self.syncer.prepare()  # the engines' protocol and the selector plan checked now, before the first rollout
 
+    def canary_before(self, probe_tokens: list[list[int]]) -> None:
+        """Rank 0: the acceptance canary's reading on the engines' current weights, taken now (the engines can
+        generate) for a sync that runs later with `defer_canary` (colocated: the KV cache is then released)."""
+        if self.rank == 0 and self.canary is not None:
+            self.canary.set_probe_from_samples(probe_tokens)
+            if self.canary.probe is not None:
+                self.canary.read_before(self._syncer().clients)
+
+    def run_deferred_canary(self) -> dict:
+        """Rank 0: the canary after the last `sync_weights(defer_canary=True)`, once the engines generate again."""
+        metrics, self.deferred_sync_metrics = self.deferred_sync_metrics, None
+        if metrics is None or self.canary is None or self.canary.probe is None:
+            return {}
+        return self.canary.run(self._syncer().clients, "sync", sync_metrics=metrics)
+
+    def _syncer(self):
+        if self.syncer is None:
+            raise RuntimeError("sync_weights before connect_engines")
+        return self.syncer
+
     def sync_weights(self, weight_version: str, probe_tokens: list[list[int]] | None = None,
-                     restarted_urls: list[str] | None = None) -> dict:
+                     restarted_urls: list[str] | None = None, defer_canary: bool = False) -> dict:
         """Gather (every TP rank of the first replica, and of any replica on a colocated engine's GPU), convert
         and send; returns rank 0's metrics. With per-rank buckets the ranks 1..W-1 hand theirs over through
         `follow_sync`; a failure on any of them fails the sync on every rank. With --enable-draft-training the
         online draft's own tensors follow the target's (selector `draft`).
 
         `restarted_urls`: engines restarted since the last sync; they rejoin the weight-update group first.
+        `defer_canary`: the engines cannot generate now (their KV cache is released); the canary's reading before
+        was taken by `canary_before`, and `run_deferred_canary` takes the one after.
         """
         from slime_spec.weight_sync.gather import iter_draft_tensors, iter_hf_tensors
         from slime_spec.weight_sync.transports.colocated import follow_sync
@@ -144,16 +167,18 @@ class TrainActor:
                 for _ in tensors:  # take part in the collective gathers, in the same order as rank 0
                     pass
             return {}
-        if self.syncer is None:
-            raise RuntimeError("sync_weights before connect_engines")
+        syncer = self._syncer()
         if restarted_urls:
-            self.syncer.rejoin(restarted_urls)
-        if self.canary is not None:
+            syncer.rejoin(restarted_urls)
+        canary_now = self.canary is not None and not defer_canary
+        if canary_now:
             self.canary.set_probe_from_samples(probe_tokens or [])
-            self.canary.read_before(self.syncer.clients)  # acceptance on the weights this sync replaces
-        metrics = self.syncer.sync(stream, weight_version=weight_version)
-        if self.canary is not None and self.canary.probe is not None:
-            metrics.update(self.canary.run(self.syncer.clients, "sync", sync_metrics=metrics))
+            self.canary.read_before(syncer.clients)  # acceptance on the weights this sync replaces
+        metrics = syncer.sync(stream, weight_version=weight_version)
+        if defer_canary:
+            self.deferred_sync_metrics = dict(metrics)
+        elif canary_now and self.canary.probe is not None:
+            metrics.update(self.canary.run(syncer.clients, "sync", sync_metrics=metrics))
         return metrics
 
     def shutdown(self) -> None:

@@ -104,11 +104,19 @@ class TrainGroup:
                   c.cluster.colocate, c.engine.num_gpus_per_engine, disk_dir)
 
     def sync_weights(self, weight_version: str, probe_samples: list[Sample] | None = None,
-                     restarted_urls: list[str] | None = None) -> dict:
+                     restarted_urls: list[str] | None = None, defer_canary: bool = False) -> dict:
         """The current weights into every engine as `weight_version`; engines at `restarted_urls` (restarted
-        since the last sync) rejoin the weight-update group first. Returns the sync (and canary) metrics."""
-        probe = [list(s.tokens) for s in probe_samples or [] if s.tokens]
-        return self._all("sync_weights", weight_version, probe, list(restarted_urls or []))[0]
+        since the last sync) rejoin the weight-update group first. Returns the sync (and canary) metrics; with
+        `defer_canary` the canary is `canary_before` and `run_deferred_canary`'s (the engines cannot generate)."""
+        return self._all("sync_weights", weight_version, _probe_tokens(probe_samples), list(restarted_urls or []),
+                         defer_canary)[0]
+
+    def canary_before(self, probe_samples: list[Sample]) -> None:
+        """The acceptance canary's reading on the engines' current weights (rank 0 holds the canary)."""
+        ray.get(self.actors[0].canary_before.remote(_probe_tokens(probe_samples)))
+
+    def run_deferred_canary(self) -> dict:
+        return ray.get(self.actors[0].run_deferred_canary.remote())
 
     def shutdown(self) -> None:
         if not self.actors:
@@ -119,6 +127,10 @@ class TrainGroup:
             for a in self.actors:
                 ray.kill(a)
             self.actors = []
+
+
+def _probe_tokens(samples: list[Sample] | None) -> list[list[int]]:
+    return [list(s.tokens) for s in samples or [] if s.tokens]
 
 
 def _slowest(per_rank: list[dict[str, float]]) -> dict[str, float]:

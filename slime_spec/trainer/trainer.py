@@ -154,9 +154,11 @@ class Trainer:
             self._copy_into_model(current)
 
     def named_megatron_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Megatron name, this rank's TP shard) for every weight, in a fixed order (for the weight sync)."""
+        """(Megatron name, this rank's TP shard) for every weight, in a fixed order (for the weight sync). Each on
+        the trainer's device: while the trainer is offloaded (--colocate syncs after the offload, as slime does),
+        one tensor at a time is copied back from host memory, never the whole trainer."""
         for name, p in M.named_weights(self.model):
-            yield name, p.detach()
+            yield name, p.detach().to(self.device, non_blocking=True)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The full HF-named weights: TP shards and EP ranks' experts all-gathered (collective: every TP and EP
@@ -187,9 +189,11 @@ class Trainer:
 
     def named_draft_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor) of the online EAGLE3 draft's own parameters, for selector `draft`;
-        nothing without --enable-draft-training (the engines' draft stays frozen)."""
+        nothing without --enable-draft-training (the engines' draft stays frozen). On the trainer's device, as
+        `named_megatron_params`."""
         if self.online_draft is not None:
-            yield from self.online_draft.synced_tensors().items()
+            for name, t in self.online_draft.synced_tensors().items():
+                yield name, t.to(self.device, non_blocking=True)
 
     def get_tp_info(self) -> dict:
         return dict(self.tp.__dict__)
