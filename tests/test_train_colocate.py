@@ -66,6 +66,7 @@ class _Trainer:
         return {"loss": 0.0}
 
     def sync_weights(self, version, probe_samples=None, restarted_urls=None, defer_canary=False):
+        assert not (defer_canary and probe_samples), "a deferred canary got its probe from canary_before"
         self.log.append("sync, canary deferred" if defer_canary else "sync")
         return {"weight_sync_params": 1}
 

@@ -214,6 +214,7 @@ def sync_all(trainer, manager, version: str, probe_samples=None, engines_generat
     (a colocated step's staged resume), so the liveness check only pings and the canary waits
     (`run_deferred_canary` after the resume)."""
     restarted = check_engines(manager, generate=engines_generate)
+    probe_samples = probe_samples if engines_generate else None  # the deferred canary has its probe already
     return sync_engines(manager, version, lambda v, urls: trainer.sync_weights(
         v, probe_samples=probe_samples, restarted_urls=urls, defer_canary=not engines_generate),
         restarted_before=len(restarted))
