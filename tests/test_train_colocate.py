@@ -73,7 +73,7 @@ class _Trainer:
     def canary_before(self, probe_samples):
         self.log.append("canary before")
 
-    def run_deferred_canary(self):
+    def canary_after(self):
         self.log.append("canary after")
         return {"spec_canary_accept_length": 2.0}
 

@@ -212,7 +212,7 @@ def sync_all(trainer, manager, version: str, probe_samples=None, engines_generat
     """The trainer's weights into every engine as `version`, after every engine's liveness is checked; engines
     restarted since the last sync rejoin (`sync_engines`). `engines_generate=False`: their KV cache is released
     (a colocated step's staged resume), so the liveness check only pings and the canary waits
-    (`run_deferred_canary` after the resume)."""
+    (`canary_after` after the resume)."""
     restarted = check_engines(manager, generate=engines_generate)
     probe_samples = probe_samples if engines_generate else None  # the deferred canary has its probe already
     return sync_engines(manager, version, lambda v, urls: trainer.sync_weights(
@@ -337,7 +337,7 @@ def _steps(config: Config, trainer, manager, report: LoopReport, start: int, pro
         if colocated:
             with clock.phase("engine_resume_s"):
                 ray.get(manager.resume_memory.remote([GPU_MEMORY_TYPE_CUDA_GRAPH, GPU_MEMORY_TYPE_KV_CACHE]))
-            step.update(trainer.run_deferred_canary())
+            step.update(trainer.canary_after())
         step.update(clock.seconds)
         if probe is not None and spec_speedup.due(config.spec_speedup_interval, rollout_id, config.rollout.num_rollout,
                                                   first_rollout=start):

@@ -29,7 +29,7 @@ class TrainActor:
         self.rank_buckets = None  # colocated.RankBuckets of this rank, when the colocated engines take per-rank buckets
         self.colocated_ranks = 0  # W: trainer ranks 0..W-1 hand their own buckets over (0: rank 0 sends alone)
         self.offload_state = None  # offload.TrainerOffload, made at the first offload (--colocate on GPUs)
-        self.deferred_sync_metrics = None  # rank 0: the last sync's metrics, until run_deferred_canary reads them
+        self.last_sync_metrics = None  # rank 0: the last sync's metrics, until canary_after reads them
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the process group's store."""
@@ -126,9 +126,10 @@ class TrainActor:
             if self.canary.probe is not None:
                 self.canary.read_before(self._syncer().clients)
 
-    def run_deferred_canary(self) -> dict:
-        """Rank 0: the canary after the last `sync_weights(defer_canary=True)`, once the engines generate again."""
-        metrics, self.deferred_sync_metrics = self.deferred_sync_metrics, None
+    def canary_after(self) -> dict:
+        """Rank 0: the canary's reading after the last sync (its metrics say what the sync sent), once the engines
+        generate again; {} without a canary or a probe."""
+        metrics, self.last_sync_metrics = self.last_sync_metrics, None
         if metrics is None or self.canary is None or self.canary.probe is None:
             return {}
         return self.canary.run(self._syncer().clients, "sync", sync_metrics=metrics)
@@ -147,7 +148,7 @@ class TrainActor:
 
         `restarted_urls`: engines restarted since the last sync; they rejoin the weight-update group first.
         `defer_canary`: the engines cannot generate now (their KV cache is released); the canary's reading before
-        was taken by `canary_before`, and `run_deferred_canary` takes the one after.
+        was taken by `canary_before`, and `canary_after` takes the one after.
         """
         from slime_spec.weight_sync.gather import iter_draft_tensors, iter_hf_tensors
         from slime_spec.weight_sync.transports.colocated import follow_sync
@@ -170,15 +171,12 @@ class TrainActor:
         syncer = self._syncer()
         if restarted_urls:
             syncer.rejoin(restarted_urls)
-        canary_now = self.canary is not None and not defer_canary
-        if canary_now:
-            self.canary.set_probe_from_samples(probe_tokens or [])
-            self.canary.read_before(syncer.clients)  # acceptance on the weights this sync replaces
+        if not defer_canary:
+            self.canary_before(probe_tokens or [])  # acceptance on the weights this sync replaces
         metrics = syncer.sync(stream, weight_version=weight_version)
-        if defer_canary:
-            self.deferred_sync_metrics = dict(metrics)
-        elif canary_now and self.canary.probe is not None:
-            metrics.update(self.canary.run(syncer.clients, "sync", sync_metrics=metrics))
+        self.last_sync_metrics = dict(metrics)
+        if not defer_canary:
+            metrics.update(self.canary_after())
         return metrics
 
     def shutdown(self) -> None:

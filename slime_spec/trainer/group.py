@@ -107,7 +107,7 @@ class TrainGroup:
                      restarted_urls: list[str] | None = None, defer_canary: bool = False) -> dict:
         """The current weights into every engine as `weight_version`; engines at `restarted_urls` (restarted
         since the last sync) rejoin the weight-update group first. Returns the sync (and canary) metrics; with
-        `defer_canary` the canary is `canary_before` and `run_deferred_canary`'s (the engines cannot generate)."""
+        `defer_canary` the canary is `canary_before` and `canary_after`'s (the engines cannot generate)."""
         return self._all("sync_weights", weight_version, _probe_tokens(probe_samples), list(restarted_urls or []),
                          defer_canary)[0]
 
@@ -115,8 +115,8 @@ class TrainGroup:
         """The acceptance canary's reading on the engines' current weights (rank 0 holds the canary)."""
         ray.get(self.actors[0].canary_before.remote(_probe_tokens(probe_samples)))
 
-    def run_deferred_canary(self) -> dict:
-        return ray.get(self.actors[0].run_deferred_canary.remote())
+    def canary_after(self) -> dict:
+        return ray.get(self.actors[0].canary_after.remote())
 
     def shutdown(self) -> None:
         if not self.actors:
