@@ -8,6 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.slime-spec-installed
 SMOKE ?= 0
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo test doctor clean-venv
 
@@ -25,7 +26,7 @@ demo: venv
 	$(PY) -m slime_spec.demo $(if $(filter 1,$(SMOKE)),--smoke,)
 
 test: venv
-	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose"; exit 1; fi; exit $$rc
 
 clean-venv:

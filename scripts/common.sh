@@ -211,7 +211,8 @@ slime_spec_port_open() {
 }
 
 # `ray start --head --block` in the background, in a process group of its own: stopping that group stops
-# exactly the head this script started. Every service it starts gets a port free now (Ray's defaults, e.g. the
+# exactly the head this script started. Every service it starts gets a port free now, under the kernel's
+# ephemeral range so no outgoing connection takes it before Ray binds it (Ray's defaults, e.g. the
 # dashboard agent's 52365, may belong to another Ray on this machine: its job submissions would then fail
 # with "No available agent to submit job"). Sets RAY_ADDRESS and RAY_DASHBOARD to this head's; waits until
 # its GCS, its job server and its dashboard agent answer.

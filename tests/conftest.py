@@ -1,3 +1,5 @@
+import collections
+import functools
 import json
 import os
 from pathlib import Path
@@ -10,6 +12,62 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 # SGLANG_ARGS examples as users write them, carried by the repository (tests read nothing outside it).
 EXAMPLES = Path(__file__).resolve().parent / "data" / "examples"
+
+# `make test` runs the suite on two pytest-xdist workers. Each test module runs on one worker, so its module fixtures
+# start once; the modules that use one of these costly session or package fixtures run on one worker together, so it
+# starts once too. (xdist's own `loadgroup` marks do not group under pytest 9, which no longer derives a test's id
+# from the `_nodeid` xdist rewrites: the grouping is done here, in the scheduler.)
+SHARED_FIXTURE_GROUPS = ("tiny_mimo_engine", "sigterm_mid_training_run")
+# Started first, so that the suite ends on short tests on both workers: the end-to-end runs, and the other modules
+# that took 90 s or more in a suite run (`--durations`).
+STARTED_FIRST = ("tests/e2e/", *SHARED_FIXTURE_GROUPS, "tests/test_engine_weight_updater.py",
+                 "tests/test_engines_fleet.py", "tests/test_bench_speedup_noise.py", "tests/test_trainer_ep_loop.py",
+                 "tests/test_rollout_manager.py")
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one intra-op thread each
+        import torch
+
+        torch.set_num_threads(1)
+
+
+@functools.cache
+def scheduling_group(module_path: str) -> str:
+    """The scheduling unit of a test module (a path relative to the repository, as in a test id)."""
+    source = (_TESTS.parent / module_path).read_text()
+    return next((f for f in SHARED_FIXTURE_GROUPS if f in source), module_path)
+
+
+class _FirstThingsFirst(collections.OrderedDict):
+    """xdist's work queue (scope -> its tests), handing out STARTED_FIRST scopes first, then the scopes with the
+    most tests; the queue's own order breaks ties."""
+
+    def popitem(self, last: bool = True):
+        if last:
+            return super().popitem(last=True)
+        _, scope = min((not scope.startswith(STARTED_FIRST), -len(tests), index, scope)
+                       for index, (scope, tests) in enumerate(self.items()))[2:]
+        return scope, self.pop(scope)
+
+
+@pytest.hookimpl(optionalhook=True)  # a run without xdist (-p no:xdist) has no such hook
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        """Scopes are `scheduling_group`s; the queue is _FirstThingsFirst. (Only the queue's order changes: a worker
+        is sent indices into its own collection, which must stay as it collected it.)"""
+
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self.workqueue = _FirstThingsFirst()
+
+        def _split_scope(self, nodeid: str) -> str:
+            return scheduling_group(nodeid.split("::", 1)[0])
+
+    return ModuleGroups(config, log)
 
 
 def write_config(dir_: Path, **fields) -> Path:

@@ -96,9 +96,9 @@ def test_memory_is_released_only_once_the_engine_is_idle(monkeypatch):
 
 
 def test_each_engine_gets_its_own_nccl_port_unless_the_flags_give_one():
-    from slime_spec.common.net import free_ports_below_ephemeral
+    from slime_spec.common.net import free_ports
     from slime_spec.fleet.actor import with_nccl_port
-    ports = free_ports_below_ephemeral(4)
+    ports = free_ports(4)
     assert len(set(ports)) == 4 and all(22000 <= p < 30000 for p in ports)  # SGLang's range for it
     argv = ["python", "-m", "sglang.launch_server", "--port", "30000"]
     assert with_nccl_port(argv, ports[0])[-2:] == ["--nccl-port", str(ports[0])]

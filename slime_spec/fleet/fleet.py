@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 import ray
 
 from slime_spec.cluster.placement import ENGINE_GPU_FRACTION, Placement, create_placement, in_bundle, remove_placement
-from slime_spec.common.net import free_ports_below_ephemeral
+from slime_spec.common.net import free_ports
 from slime_spec.config.run_config import EngineConfig
 from slime_spec.fleet.actor import EngineActor
 
@@ -115,7 +115,7 @@ class EngineFleet:
         self.engine_cfg, self.num_engines = engine, num_engines
         self._kwargs = dict(log_dir=log_dir, start_timeout_s=start_timeout_s)
         # one NCCL port per engine, distinct, kept across restarts (as slime allocates them)
-        self.nccl_ports = free_ports_below_ephemeral(num_engines)
+        self.nccl_ports = free_ports(num_engines)
         self.actors: list = []
         self._own_placement = None
         try:

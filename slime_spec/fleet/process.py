@@ -26,7 +26,7 @@ from pathlib import Path
 
 import requests
 
-from slime_spec.common.net import free_server_port
+from slime_spec.common.net import free_port
 from slime_spec.config.run_config import EngineConfig
 from slime_spec.fleet.client import EngineAuth, EngineClient, EngineError
 
@@ -145,7 +145,7 @@ class ServerProcess:
                     self.stop()
                 if retries and (bind_failed or _port_taken(self.host, self.port)):  # someone else bound it first
                     retries -= 1
-                    self.port = free_server_port(self.host)
+                    self.port = free_port(self.host)
                     self.argv = _with_port(self.argv, self.port)
                     self.launch()
                     continue
@@ -273,7 +273,7 @@ def engine_server_process(engine: EngineConfig, *, log_path: str | Path, host: s
                           port: int | None = None, gpu_ids: list[int] | None = None,
                           engine_index: int = 0) -> ServerProcess:
     """The server of one engine: `EngineConfig.server_argv` (seed + engine index), on `gpu_ids` if given."""
-    port = port or free_server_port(host)
+    port = port or free_port(host)
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))} if gpu_ids else None
     return ServerProcess(engine.server_argv(host, port, base_gpu_id=0, engine_index=engine_index), host=host,
                          port=port, log_path=log_path, env=env, auth=EngineAuth.from_server_args(engine.server_args),
@@ -286,7 +286,7 @@ def embedded_server_process(model_path: str | Path, extra_args: list[str] = (), 
     variables set for the server on top of this process's."""
     extra = list(extra_args)
     auth = EngineAuth(_flag(extra, "--api-key"), _flag(extra, "--admin-api-key"))
-    chosen = port or free_server_port()
+    chosen = port or free_port()
     argv = [sys.executable, "-m", "slime_spec.engine", "--model-path", str(model_path), "--host", "127.0.0.1",
             "--port", str(chosen), *extra]
     return ServerProcess(argv, host="127.0.0.1", port=chosen, log_path=log_path, env=env,

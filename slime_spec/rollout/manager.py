@@ -26,7 +26,7 @@ import ray
 from tqdm import tqdm
 
 from slime_spec.cluster.placement import Placement
-from slime_spec.common.net import free_server_port
+from slime_spec.common.net import free_port
 from slime_spec.config.run_config import Config, EngineConfig, RolloutConfig, WandbConfig
 from slime_spec.fleet.client import EngineAuth, EngineError, async_session
 from slime_spec.fleet.fleet import EngineFleet
@@ -179,7 +179,7 @@ class RolloutManager:
 
     def _start_sglang_router(self) -> None:
         """sglang-router in front of the engines; all requests then go through it (it does the routing)."""
-        port = free_server_port()
+        port = free_port()
         self._router_process = ServerProcess(
             sglang_router_argv(sys.executable, port, self.fleet.urls, self.rollout.engine_start_timeout),
             host="127.0.0.1", port=port, log_path=Path(self.log_dir) / "sglang_router.log")

@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from slime_spec.common.net import free_server_port
+from slime_spec.common.net import free_port
 from slime_spec.config.run_config import TrainConfig, WeightSyncConfig
 from slime_spec.rollout.sample import Sample
 
@@ -33,7 +33,7 @@ class TrainActor:
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the process group's store."""
-        return ray.util.get_node_ip_address(), free_server_port("")
+        return ray.util.get_node_ip_address(), free_port("")
 
     def init(self, train: TrainConfig, master_addr: str, master_port: int, draft_model_path: str | None = None) -> dict:
         from slime_spec.trainer.parallel import init_parallel

@@ -45,7 +45,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from slime_spec.common.net import free_server_port
+from slime_spec.common.net import free_port
 from slime_spec.config.run_config import WeightSyncConfig, resolve_transport
 from slime_spec.fleet.client import EngineClient, EngineError, EngineGroupError, post_all
 from slime_spec.weight_sync import protocol
@@ -334,7 +334,7 @@ class WeightSyncer:
             if unexpected:
                 raise
         a = self._transport_args
-        a["master_port"] = free_server_port("")
+        a["master_port"] = free_port("")
         self.transport = DistributedTransport(self.clients, a["master_address"], a["master_port"],
                                               backend=a["backend"], engine_tp_size=a["engine_tp_size"],
                                               session=self.protocol.session, timeout_s=a["timeout_s"])
