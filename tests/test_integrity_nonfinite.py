@@ -155,3 +155,33 @@ def test_nonfinite_weights_are_never_saved_or_synced(model, tmp_path):
     actor.trainer = trainer  # the check runs before any engine is contacted
     with pytest.raises(NonFiniteError, match=rf"not synced into the engines as weight version '3'.*\['{name}'\]"):
         actor.sync_weights("3")
+
+
+def test_a_colocated_trainer_checks_its_weights_once_as_it_leaves_the_gpu(model):
+    trainer = make_trainer(model)
+    actor = TrainActor(0, 1)
+    actor.trainer = trainer
+    checks = []
+    real_check = trainer.check_weights_finite
+    trainer.check_weights_finite = lambda purpose: checks.append(purpose) or real_check(purpose)
+    actor.offload()
+    assert len(checks) == 1 and "as the trainer leaves the GPU" in checks[0]
+    with pytest.raises(RuntimeError, match="before connect_engines"):  # past the check, at the first engine call
+        actor.sync_weights("1")
+    assert len(checks) == 1  # an offloaded trainer's weights cannot have changed since
+    actor.onload()
+    with pytest.raises(RuntimeError, match="before connect_engines"):
+        actor.sync_weights("2")
+    assert len(checks) == 2 and "weight version '2'" in checks[1]
+
+
+def test_nonfinite_weights_stop_the_offload_before_a_colocated_sync(model):
+    trainer = make_trainer(model)
+    name, param = next(iter(trainer.model.named_parameters()))
+    with torch.no_grad():
+        param.view(-1)[0] = float("inf")
+    actor = TrainActor(0, 1)
+    actor.trainer = trainer
+    with pytest.raises(NonFiniteError, match=rf"not synced into the engines \(checked as the trainer leaves.*{name}"):
+        actor.offload()
+    assert actor.offload_state is None or not actor.offload_state.offloaded

@@ -82,3 +82,19 @@ def test_an_offloaded_trainer_hands_the_sync_its_weights_on_the_gpu_one_at_a_tim
     assert seen == len(before)
     assert all(p.device.type == "cpu" for p in trainer.model.parameters())  # nothing onloaded behind its back
     offload.onload()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_offloaded_trainer_reads_its_hf_weights_from_host_memory(tmp_path):
+    """The speed-up probe reads the weights after the offload: from host memory, not through the GPU and back."""
+    trainer = _trainer(tmp_path, bf16=True)
+    trainer.train_step(random_rollout(), 0)
+    before = trainer.hf_state_dict()
+    offload = TrainerOffload(trainer)
+    offload.offload()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    after = trainer.hf_state_dict()
+    assert torch.cuda.max_memory_allocated() == base  # not one weight went to the GPU
+    assert after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before)
+    offload.onload()

@@ -72,8 +72,15 @@ class TrainActor:
         return self._ready().hf_state_dict()
 
     def offload(self) -> dict[str, float]:
-        """This rank's GPU tensors to host memory (colocated engines generate meanwhile)."""
-        return self._offloader().offload()
+        """This rank's GPU tensors to host memory (colocated engines generate meanwhile). The weights are checked
+        for NaN and inf first, on the GPU: a colocated run syncs them after the offload, from host memory, and an
+        offloaded trainer cannot change them (`sync_weights` does not check them again, which would copy each one
+        to the GPU a second time)."""
+        offloader = self._offloader()
+        if not offloader.offloaded:
+            self._ready().check_weights_finite("synced into the engines (checked as the trainer leaves the GPU; "
+                                               "the engines keep serving the weights they have)")
+        return offloader.offload()
 
     def onload(self) -> dict[str, float]:
         return self._offloader().onload()
@@ -153,8 +160,9 @@ class TrainActor:
         from slime_spec.weight_sync.gather import iter_draft_tensors, iter_hf_tensors
         from slime_spec.weight_sync.transports.colocated import follow_sync
         trainer = self._ready()
-        trainer.check_weights_finite(f"synced into the engines as weight version {weight_version!r} (the engines keep "
-                                     "serving the weights they have)")
+        if self.offload_state is None or not self.offload_state.offloaded:  # else checked by `offload`
+            trainer.check_weights_finite(f"synced into the engines as weight version {weight_version!r} (the engines "
+                                         "keep serving the weights they have)")
         first_of_tp_group = self.rank - trainer.tp.tp_rank  # Megatron's TP groups are consecutive ranks
         # Every replica holds the same weights: only the first (all EP ranks of it: each holds other experts) gathers.
         if trainer.tp.edp_rank != 0 and first_of_tp_group >= self.colocated_ranks:

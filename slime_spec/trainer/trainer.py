@@ -161,11 +161,15 @@ class Trainer:
             yield name, p.detach().to(self.device, non_blocking=True)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full HF-named weights: TP shards and EP ranks' experts all-gathered (collective: every TP and EP
-        rank must call it)."""
+        """The full HF-named weights on the CPU: TP shards and EP ranks' experts all-gathered (collective: every TP
+        and EP rank must call it). Without a gather the weights are read where they lie (an offloaded trainer's
+        from host memory, with no round trip through the GPU)."""
         from slime_spec.weight_sync.gather import iter_hf_tensors
-        return {t.name: t.tensor.cpu() for t in iter_hf_tensors(self.named_megatron_params(), self.hf_config,
-                                                                 **self.gather_groups())}
+        groups = self.gather_groups()
+        gathers = groups["tp_size"] > 1 or groups["ep_size"] > 1
+        named = (self.named_megatron_params() if gathers
+                 else ((n, p.detach()) for n, p in M.named_weights(self.model)))
+        return {t.name: t.tensor.cpu() for t in iter_hf_tensors(named, self.hf_config, **groups)}
 
     def gather_groups(self) -> dict:
         """The process groups `gather.iter_hf_tensors` gathers whole tensors over (TP shards, EP ranks' experts)."""
