@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engine", ("slime_spec.engine",)),
     # what slime-spec knows of SGLang itself: its parameter layout, its meta_info counters, importing it on CPU
     ("sglang", ("slime_spec.speculative.stats", "slime_spec.engine.sglang_stand_ins",
-                "slime_spec.weight_sync.verify.sglang_params")),
+                "slime_spec.weight_sync.verify.sglang_params", "slime_spec.weight_sync.fp8")),
     ("config", ("slime_spec.config", "slime_spec.speculative", "slime_spec.doctor.codes")),
     ("common", (ROOT, "slime_spec.common")),
 )

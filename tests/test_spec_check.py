@@ -161,13 +161,22 @@ def test_trainer_unsupported_model_unless_rollout_only():
 
 
 
-def test_a_quantized_checkpoint_is_refused_for_training_not_for_rollout():
-    """DeepSeek-V3 ships FP8 weights with 128x128 block scales; the sync sends neither quantized values nor scales."""
+def test_a_quantized_checkpoint_trains_only_as_deepseek_v3_fp8_blocks():
+    """DeepSeek-V3 ships FP8 weights with 128x128 block scales, which the sync reproduces (weight_sync/fp8.py); any
+    other quantization would keep stale scales after a sync, and is refused for training, not for rollout."""
+    from slime_spec.weight_sync.fp8 import DEEPSEEK_V3_FP8
     fp8 = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "num_nextn_predict_layers": 1,
-           "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
-    f = codes(target_config=fp8)["MODEL_QUANTIZED_CHECKPOINT"]
-    assert f.level == "error" and "--hf-checkpoint is a fp8-quantized" in f.message and "bf16" in f.fix
-    assert "MODEL_QUANTIZED_CHECKPOINT" not in codes(target_config=fp8, debug_rollout_only=True)
+           "quantization_config": dict(DEEPSEEK_V3_FP8)}
+    assert "MODEL_QUANTIZED_CHECKPOINT" not in codes(target_config=fp8)
+    ue8m0 = {**fp8, "quantization_config": {**DEEPSEEK_V3_FP8, "scale_fmt": "ue8m0"}}  # DeepSeek-V3.1's
+    f = codes(target_config=ue8m0)["MODEL_QUANTIZED_CHECKPOINT"]
+    assert f.level == "error" and "--hf-checkpoint has a quantization_config" in f.message
+    assert "quantization_config.scale_fmt is 'ue8m0'" in f.message and "bf16" in f.fix
+    per_tensor = {**fp8, "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
+    assert "weight_block_size is None" in codes(target_config=per_tensor)["MODEL_QUANTIZED_CHECKPOINT"].message
+    awq = {**LLAMA, "quantization_config": {"quant_method": "awq"}}
+    assert "quant_method is 'awq'" in codes(target_config=awq)["MODEL_QUANTIZED_CHECKPOINT"].message
+    assert "MODEL_QUANTIZED_CHECKPOINT" not in codes(target_config=ue8m0, debug_rollout_only=True)
     assert "the draft model" in codes(target_config=LLAMA, draft_config={**LLAMA, "quantization_config": {
         "quant_method": "fp8"}})["MODEL_QUANTIZED_CHECKPOINT"].message
     assert "MODEL_QUANTIZED_CHECKPOINT" not in codes(target_config=LLAMA)

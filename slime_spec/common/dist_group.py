@@ -116,6 +116,8 @@ def same_process_member(store, rank: int, world_size: int, group_name: str, back
 def broadcast(pg, tensor: torch.Tensor, src: int) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank = src
+    if tensor.is_floating_point() and tensor.element_size() == 1:  # float8: gloo has no such type, so its bytes
+        tensor = tensor.view(torch.uint8)  # travel as uint8 (into the same memory), as NCCL's own mapping does
     pg.broadcast([tensor], opts).wait()
 
 

@@ -295,12 +295,12 @@ class Rule(Enum):
         "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / Qwen3 / MiMo model")
     MODEL_QUANTIZED_CHECKPOINT = _Entry(
         "MODEL_QUANTIZED_CHECKPOINT", "error",
-        "{which} is a {method}-quantized checkpoint (its config.json has a quantization_config): SGLang serves it "
-        "with {method} parameters and their scales, while the weight sync sends the trainer's unquantized values and "
-        "no scales, so after the first sync the engines would serve the new values under the checkpoint's stale "
-        "scales",
-        "train from an unquantized (bf16) checkpoint, e.g. DeepSeek-V3's bf16 conversion, or run rollouts alone "
-        "with --debug-rollout-only")
+        "{which} has a quantization_config the weight sync does not reproduce ({reason}): SGLang serves it with "
+        "quantized parameters and their scales, so after the first sync the engines would serve the new values "
+        "under stale scales",
+        "train from an unquantized (bf16) checkpoint, or from block-wise FP8 as DeepSeek-V3 ships it "
+        "(quant_method fp8, activation_scheme dynamic, weight_block_size [128, 128]), which the sync quantizes "
+        "with its scales; or run rollouts alone with --debug-rollout-only")
     COLOCATE_MEMORY_SAVER = _Entry(
         "COLOCATE_MEMORY_SAVER", "warning",
         "--colocate without SGLang's memory saver (--no-offload-rollout): release_memory_occupation then frees "

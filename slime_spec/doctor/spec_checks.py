@@ -294,15 +294,25 @@ def check_trainer_support(inp: CheckInput) -> list[Finding]:
 
 
 def check_quantized_checkpoint(inp: CheckInput) -> list[Finding]:
-    """A quantized checkpoint (FP8 as DeepSeek-V3 ships) cannot be trained into: the sync sends no scales."""
+    """A quantized checkpoint trains only in the one format the sync reproduces, the target's block-wise FP8 as
+    DeepSeek-V3 ships (weight_sync/fp8.py: quantized on the way, with its scales); a separate draft is synced
+    unquantized."""
+    from slime_spec.weight_sync import fp8
     if inp.debug_rollout_only:
         return []
     out = []
     for which, cfg in (("--hf-checkpoint", inp.target_config), ("the draft model", inp.draft_config)):
-        quantization = (cfg or {}).get("quantization_config")
-        if quantization:
-            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-            out.append(Rule.MODEL_QUANTIZED_CHECKPOINT.finding(which=which, method=method))
+        if not (cfg or {}).get("quantization_config"):
+            continue
+        if which == "--hf-checkpoint":
+            try:
+                fp8.Fp8BlockScheme.from_hf_config(cfg)
+                continue
+            except fp8.Fp8ConfigError as e:
+                reason = str(e)
+        else:
+            reason = "a separate draft's weights are synced unquantized"
+        out.append(Rule.MODEL_QUANTIZED_CHECKPOINT.finding(which=which, reason=reason))
     return out
 
 

@@ -6,10 +6,12 @@ loadable by transformers (all but MiMo; transformers reads no MTP layer) and by
 `slime_spec.engine.model_executor.model` (the dense
 families and Qwen3-MoE). DeepSeek-V3 and GLM-4.5 checkpoints have their released config.json keys and tensor names
 (MLA, routed and shared experts with the router's `e_score_correction_bias`, dense-first layers, MTP layers as
-`model.layers.{num_hidden_layers + i}`), unquantized. Deterministic by `seed`.
+`model.layers.{num_hidden_layers + i}`), unquantized unless `fp8` (DeepSeek-V3's block-wise FP8: float8_e4m3fn
+projections with float32 `weight_scale_inv` per 128 x 128 block, and its `quantization_config`). Deterministic by
+`seed`.
 
 CLI: `slime-spec make-tiny-model --arch llama|qwen2|qwen3|qwen3_moe|mimo|deepseek_v3|glm4_moe [--mtp-layers K]
-[--vocab N] --out DIR`;
+[--vocab N] [--fp8] --out DIR`;
 `--arch llama --num-layers 4 --eagle3-draft DRAFT_DIR [--draft-vocab N]` also writes an EAGLE3 draft for it.
 """
 
@@ -33,6 +35,7 @@ from slime_spec.tools.tiny_families import (
     make_weights,
 )
 from slime_spec.tools.tiny_tokenizer import BOS_ID, EOS_ID, PAD_ID, full_vocab_size, write_tokenizer
+from slime_spec.weight_sync import fp8 as fp8_format
 
 # The tool's API; the family writers and the tokenizer are in tiny_families.py and tiny_tokenizer.py.
 __all__ = ["ARCHS", "BOS_ID", "EOS_ID", "LLAMA31_ROPE_SCALING", "PAD_ID", "full_vocab_size", "main", "make_config",
@@ -45,7 +48,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", mtp_layers: int = 
                     dtype: str = "float32", init_from: str | None = None,
                     tie_word_embeddings: bool | None = None, rope_scaling: dict | None = None,
                     rope_theta: float | None = None, head_dim: int | None = None, num_experts: int = 4,
-                    num_experts_per_tok: int = 2, first_k_dense_replace: int = 1) -> Path:
+                    num_experts_per_tok: int = 2, first_k_dense_replace: int = 1, fp8: bool = False) -> Path:
     """Write a random checkpoint to `out_dir` and return its path.
 
     vocab_size: None = every special token and character (see `full_vocab_size()`); smaller keeps the
@@ -62,6 +65,9 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", mtp_layers: int = 
       before the sparse ones (deepseek_v3, glm4_moe; see `make_config`).
     mtp_layers: mimo, deepseek_v3, glm4_moe (`num_nextn_predict_layers`); the released DeepSeek-V3 / GLM-4.5 have 1.
     The router's `e_score_correction_bias` is written in float32 whatever `dtype`, as their checkpoints store it.
+    fp8: quantize the attention and MLP projections as DeepSeek-V3's checkpoint does (weight_sync/fp8.py); SGLang's
+      FP8 layers need their in-features to be multiples of 128 (e.g. deepseek_v3 with hidden_size 512,
+      intermediate_size 256).
     """
     dtype = canonical_dtype(dtype)
     if arch == "mimo" and mtp_layers < 1:
@@ -91,15 +97,28 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", mtp_layers: int = 
             elif name == "model.embed_tokens.weight" and tie_word_embeddings is False \
                     and "lm_head.weight" not in source and weights["lm_head.weight"].shape == tensor.shape:
                 weights["lm_head.weight"] = tensor.float().clone()
+    weights = {k: t.to(torch.float32 if k.endswith("e_score_correction_bias") else torch_dtype(dtype)).contiguous()
+               for k, t in weights.items()}
+    if fp8:
+        config["quantization_config"] = dict(fp8_format.DEEPSEEK_V3_FP8)
+        weights = _fp8_weights(weights, fp8_format.Fp8BlockScheme.from_hf_config(config))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}, indent=2))
-    save_file({k: t.to(torch.float32 if k.endswith("e_score_correction_bias") else torch_dtype(dtype)).contiguous()
-               for k, t in weights.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     write_tokenizer(out, vocab_size)
     return out
+
+
+def _fp8_weights(weights: dict[str, torch.Tensor], scheme) -> dict[str, torch.Tensor]:
+    """The checkpoint's projections block-quantized, each followed by its scale."""
+    for name, t in weights.items():
+        if scheme.quantizes(name) and t.shape[-1] % scheme.block[1]:
+            raise ValueError(f"--fp8: {name} has {t.shape[-1]} in-features; SGLang's FP8 layers need multiples of "
+                             f"{scheme.block[1]} (e.g. --hidden-size 512 --intermediate-size 256)")
+    return dict(fp8_format.quantize_named(weights.items(), scheme))
 
 
 def tiny_draft_vocab(vocab_size: int, draft_vocab_size: int) -> list[int]:
@@ -186,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also write an EAGLE3 draft for the (llama, >= 4 layers) model to DIR")
     p.add_argument("--draft-vocab", type=int, default=48, help="the EAGLE3 draft's vocabulary size")
     p.add_argument("--llama31-rope", action="store_true", help="Llama-3.1 rope_scaling (rope_type llama3)")
+    p.add_argument("--fp8", action="store_true",
+                   help="block-wise FP8 projections as DeepSeek-V3 ships (in-features multiples of 128)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     if a.eagle3_draft and a.arch != "llama":
@@ -196,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                            max_position_embeddings=a.max_position_embeddings, seed=a.seed, dtype=a.dtype,
                            init_from=a.init_from, rope_scaling=LLAMA31_ROPE_SCALING if a.llama31_rope else None,
                            head_dim=a.head_dim, num_experts=a.num_experts,
-                           num_experts_per_tok=a.num_experts_per_tok, first_k_dense_replace=a.first_k_dense_replace)
+                           num_experts_per_tok=a.num_experts_per_tok, first_k_dense_replace=a.first_k_dense_replace,
+                           fp8=a.fp8)
     print(f"wrote {a.arch} checkpoint to {path}")
     if a.eagle3_draft:
         draft = make_tiny_eagle3_draft(a.eagle3_draft, path, draft_vocab_size=a.draft_vocab, seed=a.seed + 1,

@@ -47,15 +47,26 @@ def read_hf_config(checkpoint: str | Path) -> dict:
 
 
 def read_hf_state(checkpoint: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of an HF safetensors checkpoint (single file or shards), as float32."""
+    """Every tensor of an HF safetensors checkpoint (single file or shards), as float32; a block-FP8 checkpoint's
+    weights dequantized by their scales (weight_sync/fp8.py)."""
     from safetensors.torch import load_file
 
+    from slime_spec.weight_sync import fp8
     files = sorted(Path(checkpoint).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"--hf-checkpoint {checkpoint}: no *.safetensors files there")
+    try:
+        scheme = fp8.Fp8BlockScheme.from_hf_config(read_hf_config(checkpoint))
+    except fp8.Fp8ConfigError as e:
+        raise fp8.Fp8ConfigError(f"--hf-checkpoint {checkpoint}: {e}") from None
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update({k: v.float() for k, v in load_file(str(f)).items()})
+        state.update(load_file(str(f)) if scheme else {k: v.float() for k, v in load_file(str(f)).items()})
+    if scheme is not None:
+        try:
+            state = fp8.dequantize_state(state, scheme)
+        except fp8.Fp8ConfigError as e:
+            raise fp8.Fp8ConfigError(f"--hf-checkpoint {checkpoint}: {e}") from None
     return state
 
 

@@ -8,7 +8,8 @@ Three steps, each a plain function:
 2. convert: Megatron name and layout -> HF names (`convert.megatron_to_hf`), MTP layers marked.
 3. bucket: group the HF tensors into buckets of at most `buffer_bytes` (one tensor larger than the
    buffer gets a bucket of its own), target and MTP tensors never mixed, so each kind can go to the
-   runners that serve it, and the halves of a pair the engine fuses on load kept together.
+   runners that serve it, and the halves of a pair the engine fuses on load kept together, as is an FP8
+   weight with its scale.
 
 Every TP (and EP) rank must iterate the same parameters in the same order (the all-gathers are collective);
 only the sending rank uses the result.
@@ -72,26 +73,44 @@ def _layer_of(name: str) -> str:
     return m.group(1) if m else ""
 
 
+def _with_scales(tensors: Iterable[NamedTensor]) -> Iterator[list[NamedTensor]]:
+    """Each tensor with the FP8 block scale that follows it (`X.weight`, then `X.weight_scale_inv`, as `quantized`
+    sends them), which an engine holding dequantized weights needs in the same request."""
+    from slime_spec.weight_sync.fp8 import SCALE_SUFFIX
+    held: list[NamedTensor] | None = None
+    for t in tensors:
+        if held is not None and t.name == held[0].name + SCALE_SUFFIX:
+            yield [*held, t]
+            held = None
+            continue
+        if held is not None:
+            yield held
+        held = [t]
+    if held is not None:
+        yield held
+
+
 def _units(tensors: Iterable[NamedTensor]) -> Iterator[list[NamedTensor]]:
-    """Tensors in order, a fused pair's halves joined into one unit (the first half waits for the second).
+    """Tensors in order, a weight with its FP8 scale, and a fused pair's halves joined into one unit (the first
+    half waits for the second).
 
     A half waits only while its layer lasts: the pairs are per layer, so a half whose partner does not
     come (a model without `q_lora_rank` has no `q_a_proj`) goes on alone when the next layer starts.
     """
-    waiting: dict[str, NamedTensor] = {}  # partner name -> the half that waits for it
-    for t in tensors:
-        for name in [n for n, w in waiting.items() if _layer_of(w.name) != _layer_of(t.name)]:
-            yield [waiting.pop(name)]
-        if t.name in waiting:
-            yield [waiting.pop(t.name), t]
+    waiting: dict[str, list[NamedTensor]] = {}  # partner name -> the half (with its scale) that waits for it
+    for item in _with_scales(tensors):
+        name = item[0].name
+        for partner in [n for n, w in waiting.items() if _layer_of(w[0].name) != _layer_of(name)]:
+            yield waiting.pop(partner)
+        if name in waiting:
+            yield [*waiting.pop(name), *item]
             continue
-        partner = fused_partner(t.name)
+        partner = fused_partner(name)
         if partner is None:
-            yield [t]
+            yield item
         else:
-            waiting[partner] = t
-    for t in waiting.values():
-        yield [t]
+            waiting[partner] = item
+    yield from waiting.values()
 
 
 def make_buckets(tensors: Iterable[NamedTensor], buffer_bytes: int) -> Iterator[Bucket]:
@@ -116,6 +135,20 @@ def make_buckets(tensors: Iterable[NamedTensor], buffer_bytes: int) -> Iterator[
     for bucket in open_buckets.values():
         if bucket.tensors:
             yield bucket
+
+
+def quantized(tensors: Iterable[NamedTensor], scheme) -> Iterator[NamedTensor]:
+    """The sync's stream for engines serving an FP8 checkpoint (`scheme`: fp8.Fp8BlockScheme): each target or MTP
+    weight the checkpoint quantizes, quantized on the device it is on and followed at once by its scale (which
+    `make_buckets` keeps in its bucket); a separate draft's tensors as they are (its own checkpoint is not this one)."""
+    from slime_spec.weight_sync import fp8
+    for t in tensors:
+        if t.kind != "draft" and scheme.quantizes(t.name):
+            q, s = fp8.quantize(t.tensor, scheme.block)
+            yield NamedTensor(t.name, q, t.kind)
+            yield NamedTensor(t.name + fp8.SCALE_SUFFIX, s, t.kind)
+        else:
+            yield t
 
 
 def gather_tp_param(megatron_name: str, shard: torch.Tensor, tp_group=None, tp_size: int = 1) -> torch.Tensor:

@@ -6,9 +6,10 @@ Run as `python -m tests.conformance.sglang_models IN.json OUT.pt`. IN holds a li
 target runner's model (`MiMoForCausalLM`, `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
 `Qwen3MoeForCausalLM`, `DeepseekV3ForCausalLM`, `Glm4MoeForCausalLM`) and the draft runner's (`MiMoMTP` for MiMo,
 `DeepseekV3ForCausalLMNextN` / `Glm4MoeForCausalLMNextN` for a DeepSeek-V3 / GLM-4.5 with MTP layers; the EAGLE3
-draft `LlamaForCausalLMEagle3` when given) the way SGLang's runners do (default dtype set to the engine's, the draft
-sharing the target's embedding and lm_head as the EAGLE worker's `init_lm_head` does), loads the weights through each
-model's own `load_weights`, and answers `/weights_checker {"action": "checksum"}` as the scheduler does:
+draft `LlamaForCausalLMEagle3` when given) the way SGLang's runners do (default dtype set to the engine's, the
+quantization config its loader builds from the config's `quantization_config` (Fp8Config for DeepSeek-V3's FP8), the
+draft sharing the target's embedding and lm_head as the EAGLE worker's `init_lm_head` does), loads the weights through
+each model's own `load_weights`, and answers `/weights_checker {"action": "checksum"}` as the scheduler does:
 `WeightChecker.handle` per runner, merged by `_merge_checksum_payloads`. OUT gets, per job, that merged payload and
 every parameter and buffer of each runner (SGLang's names and values).
 
@@ -56,11 +57,22 @@ def _hf_config(arch: str, config: dict):
     return cls(**{k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype")})
 
 
-def _build(cls, hf_config, dtype):
+def _build(cls, hf_config, dtype, quant_config=None):
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
     with set_default_torch_dtype(dtype):
-        return cls(hf_config)
+        return cls(hf_config) if quant_config is None else cls(hf_config, quant_config=quant_config)
+
+
+def _quant_config(config: dict):
+    """SGLang's quantization config of a checkpoint whose config.json has a `quantization_config` (Fp8Config for
+    `quant_method: fp8`, as its model loader builds it), or None."""
+    quantization = config.get("quantization_config")
+    if not quantization:
+        return None
+    from sglang.srt.layers.quantization import get_quantization_config
+
+    return get_quantization_config(quantization["quant_method"]).from_config(quantization)
 
 
 def _without_cuda_synchronize():
@@ -99,13 +111,14 @@ def run_job(job: dict) -> dict:
     target_cls = {"mimo": MiMoForCausalLM, "llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
                   "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM,
                   "deepseek_v3": DeepseekV3ForCausalLM, "glm4_moe": Glm4MoeForCausalLM}[job["arch"]]
-    runners = {"target": _build(target_cls, _hf_config(job["arch"], config), dtype)}
+    quant_config = _quant_config(config)
+    runners = {"target": _build(target_cls, _hf_config(job["arch"], config), dtype, quant_config)}
     runners["target"].load_weights(weights)
     embed, head = runners["target"].get_embed_and_head()
     draft_cls = {"mimo": MiMoMTP, "deepseek_v3": DeepseekV3ForCausalLMNextN,
                  "glm4_moe": Glm4MoeForCausalLMNextN}.get(job["arch"])
     if draft_cls is not None and config.get("num_nextn_predict_layers"):
-        draft = _build(draft_cls, _hf_config(job["arch"], config), dtype)
+        draft = _build(draft_cls, _hf_config(job["arch"], config), dtype, quant_config)
         draft.load_weights(weights)
         with _without_cuda_synchronize():
             draft.set_embed_and_head(embed, head)  # eagle_worker_v2.init_lm_head (not EAGLE3)

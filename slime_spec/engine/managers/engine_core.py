@@ -31,6 +31,7 @@ from slime_spec.engine.speculative import policy as spec_policy
 from slime_spec.engine.speculative.tree_graphs import capture_tree_graphs
 from slime_spec.engine.weights import updater as weight_updater
 from slime_spec.speculative.settings import SpecConfig, check_resolved
+from slime_spec.weight_sync import fp8
 
 __all__ = ["EngineCore", "Output", "Request", "SamplingParams", "SpecConfig"]
 
@@ -67,6 +68,7 @@ class EngineCore:
         policy = spec_policy.make_policy(spec, spec_auto)
         self.device = torch.device(device)
         self.model, self.model_config = load_model(model_path, dtype=dtype, device=device)
+        self.fp8 = fp8.Fp8BlockScheme.from_hf_config(self.model_config)  # an FP8 checkpoint, held dequantized
         if spec is not None:
             check_resolved(spec, target_config=self.model_config, backend="embedded")
         self.spec = spec
@@ -412,6 +414,11 @@ class EngineCore:
         """Served weights by HF name for the runners `selector` reaches (see weight_updater.select_runners)."""
         return weight_updater.named_weights(weight_updater.select_runners(self.model, self.drafter, selector,
                                                                           self.session_runners))
+
+    def dequantized(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """An update's tensors as this engine holds them: an FP8 checkpoint's weights, each with its block scale in
+        the same update, replaced by their values (fp8.Fp8ConfigError, a ValueError, for an unpaired one)."""
+        return named if self.fp8 is None else fp8.dequantize_pairs(named, self.fp8)
 
     def plan_weights(self, named: list[tuple[str, torch.Tensor]], selector: str = "all"
                      ) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:

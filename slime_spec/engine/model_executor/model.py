@@ -36,6 +36,7 @@ from slime_spec.engine.model_executor.model_args import (
 )
 from slime_spec.engine.model_executor.moe import BiasedRouter, GroupedTopkMoeBlock, SparseMoeBlock
 from slime_spec.engine.model_executor.norm import RMSNorm
+from slime_spec.weight_sync import fp8
 
 # Attention backends for eager calls on CUDA: all but cuDNN's, which builds an execution plan for every new shape
 # (about 35 ms on an H100), while eager steps (prefill, a draft's catch-up, a tree verify, an EAGLE3 draft step)
@@ -377,6 +378,12 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
     state = {}
     for f in files:
         state.update(load_file(str(f)))
+    try:
+        scheme = fp8.Fp8BlockScheme.from_hf_config(config)
+        if scheme is not None:  # held dequantized: this engine computes in its own dtype
+            state = fp8.dequantize_state(state, scheme)
+    except fp8.Fp8ConfigError as e:
+        raise ValueError(f"--model-path {path}: {e}") from None
     expected = set(hf_weight_names(model))
     ignored = {n for n in state if "rotary_emb.inv_freq" in n or (n == "lm_head.weight" and args.tie_word_embeddings)
                or (model.is_mtp_weight(n) and n.endswith(NEXTN_SKIPPED))}

@@ -88,6 +88,8 @@ def runner_checksums(core, role: str, action: str = CHECKSUM_ACTION, allow_quant
     layout = runner_layout(core, role, named)
     if layout is None:
         return None
+    if core.fp8 is not None:  # SGLang hashes an FP8 weight's bfloat16 dequantization, which this engine holds
+        named = {n: t.to(torch.bfloat16) if core.fp8.quantizes(n) else t for n, t in named.items()}
     view = ServedView(served_tensors(named.items(), layout))
     return _checker(WeightChecker, view).handle(action, bool(allow_quant_error), list(skip_tensor_list or []) or None,
                                                 role=role)

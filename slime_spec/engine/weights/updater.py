@@ -161,6 +161,9 @@ def plan_load(runners: list[Runner], named: list[tuple[str, torch.Tensor]], *, t
                              f"(speculative algorithm {algorithm}); check the name or the selector")
         if not (tensor.is_floating_point() or tensor.dtype == targets[0].dtype):
             raise ValueError(f"{name}: dtype {tensor.dtype} cannot be loaded into a {targets[0].dtype} weight")
+        if tensor.dtype == torch.float8_e4m3fn and targets[0].dtype != tensor.dtype:
+            raise ValueError(f"{name}: float8_e4m3fn codes without their block scale (weight_scale_inv) cannot be "
+                             f"loaded into a {targets[0].dtype} weight; this engine serves an unquantized checkpoint")
         for param in targets:
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != served {tuple(param.shape)}")
@@ -438,6 +441,10 @@ class EngineWeights:
         if (refused := self._refusal()) is not None:
             return False, refused
         t0 = time.perf_counter()
+        try:
+            named = self.core.dequantized(named)
+        except ValueError as e:
+            return False, self.fail(f"Failed to update parameter online: {e}. This update was not applied.")
         snapshot = DeviceSpan(self.device)
         if self.session.open:
             self.session.snapshot_for(self.core, selector, [n for n, _ in named], timing).take_all()

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from slime_spec.fleet.client import EngineClient, EngineError, EngineGroupError, post_all
-from slime_spec.weight_sync import protocol
+from slime_spec.weight_sync import fp8, protocol
 from slime_spec.weight_sync.errors import WeightSyncError
 from slime_spec.weight_sync.verify import coverage as verify
 from slime_spec.weight_sync.verify import readback, served_state, sglang_params
@@ -35,7 +35,9 @@ class Recorded:
 
     def add(self, bucket) -> None:
         for t in bucket.tensors:
-            if bucket.kind == "target":
+            # An FP8 weight is value-checked by checksum only (CPU engines): SGLang answers /get_weights_by_name
+            # with its raw FP8 codes, an engine holding dequantized weights with their values.
+            if bucket.kind == "target" and t.tensor.dtype != fp8.FP8_DTYPE and not fp8.is_scale(t.name):
                 self.sample.add(t.name, t.tensor)
             recorder = self.draft_checksums if bucket.kind == "draft" else self.checksums
             if recorder is not None:

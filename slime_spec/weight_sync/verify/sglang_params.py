@@ -44,6 +44,8 @@ from typing import Iterable
 
 import torch
 
+from slime_spec.weight_sync.fp8 import FP8_DTYPE, SCALE_SUFFIX
+
 # (fused name, parts in stacked order), as SGLang's models declare stacked_params_mapping
 STACKED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")),
            ("fused_qkv_a_proj_with_mqa", ("q_a_proj", "kv_a_proj_with_mqa")))
@@ -52,8 +54,8 @@ MTP_OWN = ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm
 _MTP_LAYER = re.compile(r"^model\.mtp_layers\.\d+\.")
 # FusedMoE's parameters: (fused name, each expert's parts in stacked order)
 EXPERT_STACKED = (("w13_weight", ("gate_proj", "up_proj")), ("w2_weight", ("down_proj",)))
-_EXPERT_PART = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_EXPERT_FUSED = re.compile(r"\.experts\.(w13_weight|w2_weight)$")
+_EXPERT_PART = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
+_EXPERT_FUSED = re.compile(r"\.experts\.(w13_weight|w2_weight)(_scale_inv)?$")  # an FP8 model's scales too
 _SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # DeepSeek-V3 / GLM-4.5: MTP layers at model.layers.{num_hidden_layers + i}; the NextN loaders' own names
 # (`nextn_spec_weight_names`, matched as substrings as SGLang does) and the copies they skip.
@@ -146,7 +148,7 @@ def fuse(name: str) -> tuple[str, int]:
         expert, part = int(m.group(1)), m.group(2)
         for fused, parts in EXPERT_STACKED:
             if part in parts:
-                return f"{name[:m.start()]}.experts.{fused}", expert * len(parts) + parts.index(part)
+                return f"{name[:m.start()]}.experts.{fused}{m.group(3) or ''}", expert * len(parts) + parts.index(part)
     for fused, parts in STACKED:
         for index, part in enumerate(parts):
             if f".{part}." in name:
@@ -162,7 +164,8 @@ def stacked_parts(served: str, num_experts: int = 0) -> list[str] | None:
         if not num_experts:
             return None
         parts = dict(EXPERT_STACKED)[m.group(1)]
-        return [f"{served[:m.start()]}.experts.{e}.{p}.weight" for e in range(num_experts) for p in parts]
+        return [f"{served[:m.start()]}.experts.{e}.{p}.weight{m.group(2) or ''}" for e in range(num_experts)
+                for p in parts]
     for fused, parts in STACKED:
         if f".{fused}." in served:
             return [served.replace(f".{fused}.", f".{p}.") for p in parts]
@@ -265,8 +268,8 @@ def stacked(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def served_value(served: str, parts: list[torch.Tensor], layout: RunnerLayout) -> torch.Tensor:
     """The tensor SGLang serves under `served`, from its parts in stacked order: stacked (an experts' parameter:
-    each expert's parts stacked, the experts along a new first dimension), cast to the engine's dtype, vocabulary
-    rows padded with zeros."""
+    each expert's parts stacked, the experts along a new first dimension), cast to the engine's dtype (an FP8
+    weight and its scale keep theirs), vocabulary rows padded with zeros."""
     m = _EXPERT_FUSED.search(served)
     if m is not None:
         group = len(dict(EXPERT_STACKED)[m.group(1)])
@@ -274,7 +277,9 @@ def served_value(served: str, parts: list[torch.Tensor], layout: RunnerLayout) -
                          for i in range(0, len(parts), group)])
     else:
         t = (parts[0] if len(parts) == 1 else stacked(parts)).detach()
-    if served.endswith(layout.float32):
+    if t.dtype == FP8_DTYPE or served.endswith(SCALE_SUFFIX):
+        pass  # an FP8 checkpoint's weight and its float32 block scale, loaded as they are
+    elif served.endswith(layout.float32):
         t = t.to(torch.float32)
     elif layout.dtype is not None:
         t = t.to(layout.dtype)
@@ -339,6 +344,15 @@ def checksum(tensor: torch.Tensor) -> str:
     return f"{sglang_tensor_hash()(tensor):016x}"
 
 
+def quantized_checksum(weight: torch.Tensor, scale: torch.Tensor) -> str:
+    """An FP8 parameter's checksum as SGLang's WeightChecker writes it: the hash of its bfloat16 dequantization by
+    SGLang's own `Fp8BlockComparable` (utils/weight_checker_comparator.py); the scale gets no entry of its own."""
+    _importable()
+    from sglang.srt.utils.weight_checker_comparator import Fp8BlockComparable
+
+    return checksum(Fp8BlockComparable(weight, scale).dequantize())
+
+
 class ServedChecksums:
     """Checksums of what each runner serves after loading the tensors streamed through `add`, keyed as SGLang's
     `/weights_checker` keys them: per role, served names (a draft role's keys unprefixed here).
@@ -350,6 +364,7 @@ class ServedChecksums:
         self.roles = roles
         self.checksums: dict[str, dict[str, str]] = {role: {} for role in roles}
         self._pending: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+        self._quantized: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # (role, weight) -> weight / scale
 
     def add(self, hf_name: str, tensor: torch.Tensor) -> None:
         for role, layout in self.roles.items():
@@ -360,15 +375,35 @@ class ServedChecksums:
             parts = fused_parts(name, index, layout)
             tensor = tensor.detach().cpu()
             if parts is None:
-                self.checksums[role][name] = checksum(served_value(name, [tensor], layout))
+                self._served(role, name, served_value(name, [tensor], layout))
                 continue
             got = self._pending.setdefault((role, name), {})
             got[index] = tensor
             if len(got) == len(parts):
-                self.checksums[role][name] = checksum(served_value(name, [got[i] for i in range(len(parts))],
-                                                                   layout))
+                self._served(role, name, served_value(name, [got[i] for i in range(len(parts))], layout))
                 del self._pending[(role, name)]
 
+    def _served(self, role: str, name: str, value: torch.Tensor) -> None:
+        """Hash a complete served tensor; an FP8 weight and its scale are hashed together, under the weight's name,
+        once both are complete (SGLang's WeightChecker hashes the pair's dequantization)."""
+        if value.dtype != FP8_DTYPE and not name.endswith(SCALE_SUFFIX):
+            self.checksums[role][name] = checksum(value)
+            return
+        weight = name.removesuffix(SCALE_SUFFIX)
+        pair = self._quantized.setdefault((role, weight), {})
+        pair["scale" if name.endswith(SCALE_SUFFIX) else "weight"] = value
+        if len(pair) == 2:
+            self.checksums[role][weight] = quantized_checksum(pair["weight"], pair["scale"])
+            del self._quantized[(role, weight)]
+
+    def payload_keys(self) -> dict[str, str]:
+        """The checksums keyed as SGLang's merged `/weights_checker` payload keys them (`_merge_checksum_payloads`):
+        the target's names bare, a draft role's prefixed with the role."""
+        return {(n if role == "target" else f"{role}.{n}"): c for role, names in self.checksums.items()
+                for n, c in names.items()}
+
     def incomplete(self) -> list[str]:
-        """Fused parameters some of whose parts were never sent (`role:name`)."""
-        return sorted(f"{role}:{name}" for role, name in self._pending)
+        """Fused parameters some of whose parts were never sent, FP8 weights sent without their scale or the
+        reverse (`role:name`)."""
+        unpaired = [f"{role}:{weight} ({', '.join(pair)} only)" for (role, weight), pair in self._quantized.items()]
+        return sorted([f"{role}:{name}" for role, name in self._pending] + unpaired)
