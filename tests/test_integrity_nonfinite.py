@@ -101,7 +101,8 @@ def nan_loss(monkeypatch):
 
     def poisoned(*args, **kwargs):
         terms = real(*args, **kwargs)
-        terms.total = terms.total * torch.tensor([float("nan")] + [1.0] * (terms.total.shape[0] - 1))
+        terms.total = terms.total * torch.tensor([float("nan")] + [1.0] * (terms.total.shape[0] - 1),
+                                                 device=terms.total.device)
         return terms
 
     monkeypatch.setattr(trainer_module.losses, "policy_loss_terms", poisoned)
