@@ -2,9 +2,9 @@
 
 import subprocess
 import sys
-import time
 
 import psutil
+import pytest
 
 from slime_spec.cluster.ray_reaper import start_reaper
 
@@ -31,8 +31,7 @@ def test_descendants_of_a_killed_driver_are_stopped_and_nothing_else():
     reaper = None
     try:
         grandchild = int(driver.stdout.readline())
-        reaper = start_reaper(driver.pid)
-        time.sleep(1.5)  # the reaper has listed the driver's descendants
+        reaper = start_reaper(driver.pid)  # returns once the reaper has listed the driver's descendants
         driver.kill()
         driver.wait()
         assert _alive(grandchild)  # orphaned, as Ray's processes are after a SIGKILLed driver
@@ -44,3 +43,10 @@ def test_descendants_of_a_killed_driver_are_stopped_and_nothing_else():
             p.kill()
         if reaper is not None and reaper.poll() is None:
             reaper.kill()
+
+
+def test_a_reaper_for_a_driver_already_gone_says_so_and_stops_nothing():
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    with pytest.raises(RuntimeError, match="did not start watching.*exit code 1"):
+        start_reaper(gone.pid)

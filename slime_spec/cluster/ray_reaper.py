@@ -22,6 +22,8 @@ import psutil
 REFRESH_S = 0.5
 SETTLE_S = 2.0
 GRACE_S = 3.0
+READY = "watching"  # the reaper's one line on stdout: it holds the driver and has listed its descendants once
+READY_TIMEOUT_S = 60.0
 
 
 def descendants(pid: int) -> dict[int, float]:
@@ -65,11 +67,16 @@ def _signal_each(procs: list[psutil.Process], send) -> None:
             pass
 
 
-def watch(driver_pid: int, refresh_s: float = REFRESH_S) -> list[int]:
-    """Track the driver's descendants until it exits, then stop those left; returns the pids stopped."""
+def watch(driver_pid: int, refresh_s: float = REFRESH_S, on_ready=None) -> list[int]:
+    """Track the driver's descendants until it exits, then stop those left; returns the pids stopped.
+    `on_ready()` runs once the driver is held and its descendants listed. ProcessLookupError if the driver is
+    gone already (its descendants can no longer be told from anyone's)."""
     me = os.getpid()
     fd = os.pidfd_open(driver_pid)
-    known: dict[int, float] = {}
+    known = descendants(driver_pid)
+    known.pop(me, None)
+    if on_ready is not None:
+        on_ready()
     try:
         while not select.select([fd], [], [], refresh_s)[0]:
             seen = descendants(driver_pid)
@@ -80,15 +87,29 @@ def watch(driver_pid: int, refresh_s: float = REFRESH_S) -> list[int]:
     return stop_all(known)
 
 
-def start_reaper(driver_pid: int | None = None) -> subprocess.Popen:
-    """Spawn the reaper for `driver_pid` (this process by default), in a session of its own."""
+def start_reaper(driver_pid: int | None = None, ready_timeout_s: float = READY_TIMEOUT_S) -> subprocess.Popen:
+    """Spawn the reaper for `driver_pid` (this process by default), in a session of its own, and return once it
+    watches: a driver killed before then would leave its processes unknown to it."""
     pid = os.getpid() if driver_pid is None else driver_pid
-    return subprocess.Popen([sys.executable, "-m", "slime_spec.cluster.ray_reaper", str(pid)], stdin=subprocess.DEVNULL,
+    command = [sys.executable, "-m", "slime_spec.cluster.ray_reaper", str(pid)]
+    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
+    line = proc.stdout.readline().strip() if select.select([proc.stdout], [], [], ready_timeout_s)[0] else ""
+    proc.stdout.close()
+    if line != READY:
+        proc.kill()
+        raise RuntimeError(f"the Ray reaper ({' '.join(command)}) did not start watching within "
+                           f"{ready_timeout_s:.0f} s (exit code {proc.wait()}; its error, if any, is above)")
+    return proc
 
 
 def main(argv: list[str]) -> int:
-    stopped = watch(int(argv[0]))
+    try:
+        stopped = watch(int(argv[0]), on_ready=lambda: print(READY, flush=True))
+    except ProcessLookupError:
+        print(f"[ray_reaper] driver {argv[0]} had exited before the reaper could watch it: the processes it left are "
+              "not known, none was stopped", file=sys.stderr, flush=True)
+        return 1
     if stopped:
         print(f"[ray_reaper] driver {argv[0]} exited; stopped {len(stopped)} process(es) it left: {stopped}",
               file=sys.stderr, flush=True)
