@@ -130,3 +130,26 @@ def test_a_tiny_fp8_checkpoint_is_read_dequantized_by_the_trainer_and_the_engine
     assert torch.equal(served[attention], values[attention])
     with pytest.raises(ValueError, match="64 in-features; SGLang's FP8 layers need multiples of 128"):
         make_tiny_model(tmp_path / "small", arch="deepseek_v3", hidden_size=64, fp8=True)
+
+
+def test_fp8_weights_reach_sglang_through_a_flattened_tensor_bucket():
+    """The tensor transport (colocated engines) sends each bucket flattened, as slime does: SGLang's own deserializer
+    and FlattenedTensorBucket give the FP8 codes and scales back bit for bit. (Unflattened, a CPU float8 tensor is
+    not readable by SGLang's SafeUnpickler: torch's weights-only loader has no float8 storage type.)"""
+    import base64
+
+    from slime_spec.engine import sglang_stand_ins
+    from slime_spec.weight_sync.transports.tensor_payload import serialize_bucket, stage_bucket
+    sglang_stand_ins.install()
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    q, s = fp8.quantize(torch.randn(256, 128), SCHEME.block)
+    named = [("x.weight", q), ("x.weight_scale_inv", s), ("x.norm.weight", torch.ones(3, dtype=torch.bfloat16))]
+    (entry,) = serialize_bucket(stage_bucket(named, flatten=True), flatten=True, count=1)
+    payload = MultiprocessingSerializer.deserialize(base64.b64decode(entry))
+    got = dict(FlattenedTensorBucket(flattened_tensor=payload["flattened_tensor"],
+                                     metadata=payload["metadata"]).reconstruct_tensors())
+    assert got["x.weight"].dtype == fp8.FP8_DTYPE
+    assert torch.equal(got["x.weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(got["x.weight_scale_inv"], s) and torch.equal(got["x.norm.weight"], named[2][1])
