@@ -125,3 +125,40 @@ def test_a_timed_half_runs_with_the_collector_off_and_leaves_it_as_it_was():
         assert not gc.isenabled()  # off before: still off
     finally:
         gc.enable()
+
+
+class RecordingClient:
+    """Test double for fleet.client.EngineClient: records what is posted, answers success as SGLang does."""
+
+    def __init__(self):
+        self.posted = []
+
+    def post(self, path, payload):
+        self.posted.append((path, payload))
+        return {"success": True, "message": "Succeeded to update model weights."}
+
+
+def test_the_probe_engines_of_an_fp8_checkpoint_load_what_the_sync_sends(tmp_path):
+    """Plain and frozen-draft engines load the trainer's weights from disk; for an FP8 checkpoint quantized with their
+    scales, as the sync sends them to the speculative engine, so all three serve the same values."""
+    import torch
+    from safetensors.torch import load_file
+
+    from slime_spec.speculative.speedup import SpeedupProbe
+    from slime_spec.weight_sync import fp8
+    probe = SpeedupProbe.__new__(SpeedupProbe)  # its engines are not started: only the weights' way is asked
+    probe.dir, probe.weights_dir = tmp_path, tmp_path / "weights"
+    probe.is_mtp = lambda name: name.startswith("model.layers.2.")
+    probe.fp8 = fp8.Fp8BlockScheme.from_hf_config({"quantization_config": fp8.DEEPSEEK_V3_FP8})
+    probe.clients = {"plain": RecordingClient()}
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    weights = {o_proj: torch.randn(128, 128), "model.norm.weight": torch.ones(128),
+               "model.layers.2.eh_proj.weight": torch.ones(2, 2)}
+    probe.load_weights(weights, "3")
+    saved = load_file(str(probe.weights_dir / "model.safetensors"))
+    assert sorted(saved) == sorted([o_proj, o_proj + fp8.SCALE_SUFFIX, "model.norm.weight"])
+    q, s = fp8.quantize(weights[o_proj], probe.fp8.block)
+    assert torch.equal(saved[o_proj].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(saved[o_proj + fp8.SCALE_SUFFIX], s)
+    assert probe.clients["plain"].posted == [("/update_weights_from_disk", {"model_path": str(probe.weights_dir),
+                                                                            "weight_version": "3"})]

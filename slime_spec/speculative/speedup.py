@@ -249,6 +249,7 @@ class SpeedupProbe:
         from slime_spec.fleet.actor import EngineActor
         from slime_spec.fleet.client import EngineAuth, EngineClient
         from slime_spec.rollout.sampling_params import sampling_params
+        from slime_spec.weight_sync import fp8
         from slime_spec.weight_sync.gather import hf_mtp_matcher
         check_config(config)
         self.config, self.spec_url = config, spec_url
@@ -269,7 +270,9 @@ class SpeedupProbe:
             self.shutdown()
             raise
         self.clients = {name: EngineClient(url, self.auth) for name, url in self.urls.items()}
-        self.is_mtp = hf_mtp_matcher(json.loads((Path(config.engine.model_path) / "config.json").read_text()))
+        hf_config = json.loads((Path(config.engine.model_path) / "config.json").read_text())
+        self.is_mtp = hf_mtp_matcher(hf_config)
+        self.fp8 = fp8.Fp8BlockScheme.from_hf_config(hf_config)  # an FP8 checkpoint's engines load it quantized
         self.count = 0  # rounds timed so far: each starts the rotation one place on
         frozen = (f", and a frozen-draft engine (speculative, its draft as launched) at {self.urls['frozen']}"
                   if "frozen" in self.urls else "")
@@ -278,10 +281,15 @@ class SpeedupProbe:
 
     def load_weights(self, state_dict: dict, version: str) -> None:
         """The trainer's current target weights into the plain engine (it has no MTP layer) and the frozen-draft
-        engine (its draft keeps what it launched with), through disk: no draft tensor is written."""
+        engine (its draft keeps what it launched with), through disk: no draft tensor is written. For an FP8
+        checkpoint they are written as the sync sends them (quantized, with their scales), so all three engines
+        serve the same values."""
         from safetensors.torch import save_file
 
+        from slime_spec.weight_sync import fp8
         state_dict = {k: v for k, v in state_dict.items() if not self.is_mtp(k)}
+        if self.fp8 is not None:
+            state_dict = dict(fp8.quantize_named(state_dict.items(), self.fp8))
         if self.weights_dir.exists():
             shutil.rmtree(self.weights_dir)
         self.weights_dir.mkdir(parents=True)
