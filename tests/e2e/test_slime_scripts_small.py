@@ -3,7 +3,8 @@ changed only) train two GRPO steps on a tiny stand-in of their model, with scrip
 overrides, through `python -m slime_spec.train`: a slime user changes nothing but the paths. So do our own native-MTP
 scripts (scripts/run-glm4.5-mtp.sh, scripts/run-deepseek-v3-mtp.sh): run with SMALL_MACHINE=1 on a tiny stand-in, the
 flags each hands on (recorded where the script calls its doctor) train the policy and the MTP layer online with
-speculative rollout and a checked weight sync."""
+speculative rollout and a checked weight sync; DeepSeek-V3's stand-in is block-wise FP8 as its release is, so its
+colocated sync sends FP8 weights with fresh scales through the tensor transport."""
 
 import json
 import os
@@ -61,10 +62,16 @@ def own_script_flags(script: str, env: dict, tmp_path: Path) -> list[str]:
     return flags[2:]
 
 
+# DeepSeek-V3 ships block-wise FP8: its stand-in too (SGLang's FP8 layers need in-features that are multiples of 128)
+STAND_IN = {"glm4_moe": dict(hidden_size=32, intermediate_size=64),
+            "deepseek_v3": dict(hidden_size=512, intermediate_size=256, dtype="bfloat16", fp8=True)}
+
+
 @pytest.mark.parametrize("script", sorted(OWN_SCRIPTS))
 def test_own_mtp_script_trains_policy_and_mtp_layer_on_a_tiny_stand_in(tmp_path, script, ray_head):
-    model = make_tiny_model(tmp_path / "model", arch=OWN_SCRIPTS[script], mtp_layers=1, hidden_size=32, num_layers=2,
-                            intermediate_size=64, max_position_embeddings=1024, first_k_dense_replace=1, seed=3)
+    arch = OWN_SCRIPTS[script]
+    model = make_tiny_model(tmp_path / "model", arch=arch, mtp_layers=1, num_layers=2, max_position_embeddings=1024,
+                            first_k_dense_replace=1, seed=3, **STAND_IN[arch])
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "label": str(2 * a)}) + "\n" for a in range(4)))
     env = ray_head.driver_env({k: v for k, v in os.environ.items() if not k.startswith("WANDB_")})
@@ -82,3 +89,11 @@ def test_own_mtp_script_trains_policy_and_mtp_layer_on_a_tiny_stand_in(tmp_path,
     for s in steps:
         assert s["spec_verify_ct"] > 0 and s["mtp_loss"] > 0  # the MTP layer drafted, and was trained
         assert s["weight_sync_mtp_params"] > 0 and s["weight_sync_checked"] == 1  # synced, the engine's sums agree
+    if arch == "deepseek_v3":  # every FP8 weight went with its scale: as many tensors as the checkpoint holds, but the
+        # MTP layer's embedding and head copies (the NextN runner takes the target's)
+        from safetensors.torch import load_file
+        stored = list(load_file(str(model / "model.safetensors")))
+        mtp = [n for n in stored if n.startswith("model.layers.2.")]
+        assert any(n.endswith("weight_scale_inv") for n in mtp)
+        for s in steps:
+            assert s["weight_sync_params"] == len(stored) - len(mtp) and s["weight_sync_mtp_params"] == len(mtp) - 2
