@@ -75,19 +75,24 @@ def _layer_of(name: str) -> str:
 
 def _with_scales(tensors: Iterable[NamedTensor]) -> Iterator[list[NamedTensor]]:
     """Each tensor with the FP8 block scale that follows it (`X.weight`, then `X.weight_scale_inv`, as `quantized`
-    sends them), which an engine holding dequantized weights needs in the same request."""
-    from slime_spec.weight_sync.fp8 import SCALE_SUFFIX
-    held: list[NamedTensor] | None = None
+    sends them), which an engine holding dequantized weights needs in the same request. Only an FP8 tensor waits for
+    the next one: any other is handed on at once, so a stream that fails has sent what came before."""
+    from slime_spec.weight_sync.fp8 import FP8_DTYPE, SCALE_SUFFIX
+    held: NamedTensor | None = None
     for t in tensors:
-        if held is not None and t.name == held[0].name + SCALE_SUFFIX:
-            yield [*held, t]
-            held = None
-            continue
         if held is not None:
-            yield held
-        held = [t]
+            if t.name == held.name + SCALE_SUFFIX:
+                yield [held, t]
+                held = None
+                continue
+            yield [held]
+            held = None
+        if t.tensor.dtype == FP8_DTYPE:
+            held = t
+        else:
+            yield [t]
     if held is not None:
-        yield held
+        yield [held]
 
 
 def _units(tensors: Iterable[NamedTensor]) -> Iterator[list[NamedTensor]]:
