@@ -157,7 +157,6 @@ class TrainActor:
         `defer_canary`: the engines cannot generate now (their KV cache is released); the canary's reading before
         was taken by `canary_before`, and `canary_after` takes the one after.
         """
-        from slime_spec.weight_sync import fp8
         from slime_spec.weight_sync.gather import iter_draft_tensors, iter_hf_tensors, quantized
         from slime_spec.weight_sync.transports.colocated import follow_sync
         trainer = self._ready()
@@ -170,9 +169,8 @@ class TrainActor:
             return {}
         tensors = iter_hf_tensors(trainer.named_megatron_params(), trainer.hf_config, **trainer.gather_groups())
         stream = itertools.chain(tensors, iter_draft_tensors(trainer.named_draft_tensors()))
-        scheme = fp8.Fp8BlockScheme.from_hf_config(trainer.hf_config)
-        if scheme is not None:  # the engines serve the FP8 checkpoint: its weights quantized as it holds them
-            stream = quantized(stream, scheme)
+        if trainer.fp8 is not None:  # the engines serve the FP8 checkpoint: its weights quantized as it holds them
+            stream = quantized(stream, trainer.fp8)
         if self.rank != 0:
             if self.rank_buckets is not None:
                 follow_sync(self.rank_buckets, stream)

@@ -37,7 +37,7 @@ from slime_spec.trainer.packing import ModelRows, model_rows
 from slime_spec.trainer.parallel import TPInfo, current_tp_info
 from slime_spec.trainer.precision import MasterParams
 from slime_spec.trainer.timing import PartTimer
-from slime_spec.weight_sync import convert
+from slime_spec.weight_sync import convert, fp8
 
 logger = logging.getLogger(__name__)
 EAGLE3_DRAFT_DIR = "eagle3_draft"  # in each --save iteration: the online draft as an SGLang checkpoint
@@ -64,6 +64,8 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
         self.hf_config = M.read_hf_config(train.hf_checkpoint)
+        # the engines serve this checkpoint: an FP8 one gets its weights quantized as it holds them (weight_sync/fp8.py)
+        self.fp8 = fp8.Fp8BlockScheme.from_hf_config(self.hf_config)
         self.vocab_size = self.hf_config["vocab_size"]
         # SGLang serves MiMo's MTP layer with the position-0 token embedding zeroed; train it the same way.
         self.mtp_zero_first_token = convert.family_of(self.hf_config) == "mimo"

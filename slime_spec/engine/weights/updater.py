@@ -53,6 +53,7 @@ from slime_spec.engine.model_executor.model import CausalLM, hf_weight_names
 from slime_spec.engine.weights.receive import DeviceSpan, EngineTiming, copy_threads, receive_in_place, settle
 from slime_spec.engine.weights.session import WeightSession
 from slime_spec.engine.weights.workers import EngineDraftWorker, EngineRunner, EngineTpWorker
+from slime_spec.weight_sync import fp8
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ def plan_load(runners: list[Runner], named: list[tuple[str, torch.Tensor]], *, t
                              f"(speculative algorithm {algorithm}); check the name or the selector")
         if not (tensor.is_floating_point() or tensor.dtype == targets[0].dtype):
             raise ValueError(f"{name}: dtype {tensor.dtype} cannot be loaded into a {targets[0].dtype} weight")
-        if tensor.dtype == torch.float8_e4m3fn and targets[0].dtype != tensor.dtype:
+        if tensor.dtype == fp8.FP8_DTYPE and targets[0].dtype != tensor.dtype:
             raise ValueError(f"{name}: float8_e4m3fn codes without their block scale (weight_scale_inv) cannot be "
                              f"loaded into a {targets[0].dtype} weight; this engine serves an unquantized checkpoint")
         for param in targets:
