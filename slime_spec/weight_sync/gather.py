@@ -146,14 +146,13 @@ def quantized(tensors: Iterable[NamedTensor], scheme) -> Iterator[NamedTensor]:
     """The sync's stream for engines serving an FP8 checkpoint (`scheme`: fp8.Fp8BlockScheme): each target or MTP
     weight the checkpoint quantizes, quantized on the device it is on and followed at once by its scale (which
     `make_buckets` keeps in its bucket); a separate draft's tensors as they are (its own checkpoint is not this one)."""
-    from slime_spec.weight_sync import fp8
+    from slime_spec.weight_sync.fp8 import quantize_named
     for t in tensors:
-        if t.kind != "draft" and scheme.quantizes(t.name):
-            q, s = fp8.quantize(t.tensor, scheme.block)
-            yield NamedTensor(t.name, q, t.kind)
-            yield NamedTensor(t.name + fp8.SCALE_SUFFIX, s, t.kind)
-        else:
+        if t.kind == "draft":
             yield t
+            continue
+        for name, tensor in quantize_named([(t.name, t.tensor)], scheme):
+            yield NamedTensor(name, tensor, t.kind)
 
 
 def gather_tp_param(megatron_name: str, shard: torch.Tensor, tp_group=None, tp_size: int = 1) -> torch.Tensor:
