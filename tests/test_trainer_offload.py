@@ -1,6 +1,8 @@
 """The trainer's GPU state moved to host memory and back (--colocate on GPUs): every tensor it owns is found once,
 and on CUDA a step after offload + onload equals a step without them."""
 
+import gc
+
 import pytest
 import torch
 
@@ -62,6 +64,32 @@ def test_a_step_after_offload_and_onload_equals_one_without(tmp_path):
         t.train_step(samples, 1)
     for (n, a), (_, b) in zip(kept.model.named_parameters(), moved.model.named_parameters()):
         assert torch.equal(a, b), n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("in_a_cycle", [False, True])
+def test_the_offload_collects_garbage_only_when_a_moved_tensor_stays_allocated(tmp_path, monkeypatch, in_a_cycle):
+    """gc.collect() took half of a 9.7 GiB offload on an H200 (0.25 of 0.47 s) with nothing to collect."""
+    import slime_spec.trainer.offload as offload_module
+
+    trainer = _trainer(tmp_path, bf16=True, use_kl_loss=True)
+    trainer.train_step(random_rollout(), 0)
+    collects, collect = [], gc.collect
+    monkeypatch.setattr(offload_module.gc, "collect", lambda *a: collects.append(1) or collect(*a))
+    gc.disable()  # so that only the offload collects the cycle below
+    try:
+        if in_a_cycle:  # an unreachable cycle still refers to one weight's device tensor, its smallest
+            cycle = [min(trainer.model.parameters(), key=lambda p: p.numel()).data]
+            cycle.append(cycle)
+            del cycle
+        offload = TrainerOffload(trainer)
+        allocated = torch.cuda.memory_allocated()
+        m = offload.offload()
+    finally:
+        gc.enable()
+    assert len(collects) == int(in_a_cycle)
+    assert torch.cuda.memory_allocated() <= allocated - m["trainer_offload_gib"] * 2**30  # all of it handed back
+    offload.onload()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

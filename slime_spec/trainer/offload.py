@@ -33,7 +33,8 @@ class TrainerOffload:
         if self.offloaded:
             return {}
         start = time.perf_counter()
-        moved = 0
+        moved = blocks = 0  # bytes moved; the caching allocator's blocks they held (sizes rounded up to 512 B)
+        allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         for holder, key in trainer_slots(self.trainer):
             t = _get(holder, key)
             if t is None or t.device.type != "cuda":
@@ -42,10 +43,13 @@ class TrainerOffload:
             host.copy_(t, non_blocking=True)
             self._moved[(id(holder), key)] = (holder, t.device)  # the holder is kept alive: its id stays unique
             moved += t.numel() * t.element_size()
+            blocks += -(-t.numel() * t.element_size() // 512) * 512
             _put(holder, key, host)
+        t = None  # the last moved tensor's device memory is free from here
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-            gc.collect()
+            if torch.cuda.memory_allocated() > allocated - blocks:
+                gc.collect()  # a tensor held in a reference cycle; half the offload's time when it runs for nothing
             torch.cuda.empty_cache()
         self.offloaded = True
         return {"trainer_offload_s": time.perf_counter() - start, "trainer_offload_gib": moved / 2**30}
