@@ -117,6 +117,7 @@ def test_train_actors_turn_nccls_cumem_buffers_off():
     assert train_actor_env(True, 2, environ={"NCCL_CUMEM_ENABLE": "1"}) == {"NCCL_CUMEM_ENABLE": "1"}  # the job's
     cpu = train_actor_env(False, 2, environ={})
     assert cpu["NCCL_CUMEM_ENABLE"] == "0" and int(cpu["OMP_NUM_THREADS"]) >= 1
+    assert cpu["CUDA_VISIBLE_DEVICES"] == ""  # CPU ranks on a machine with a GPU: gloo, not NCCL on one device
 
 
 def test_members_that_disagree_on_nccl_cumem_are_refused(monkeypatch):

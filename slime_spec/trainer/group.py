@@ -24,10 +24,13 @@ def train_actor_env(use_gpu: bool, num_ranks: int, environ=os.environ) -> dict[s
 
     NCCL_CUMEM_ENABLE=0 (unless the job sets it): the weight-update group's NCCL communicator then tears down
     without waiting for its peers, as SGLang's own processes and slime's trainer run it; it must be set before
-    the actor's first NCCL communicator. On CPU (gloo) each process keeps to its share of the cores."""
+    the actor's first NCCL communicator. On CPU (gloo) each process keeps to its share of the cores and sees no GPU:
+    Ray leaves CUDA_VISIBLE_DEVICES alone for an actor that asks for none, and a rank that saw one would train on it,
+    every rank on the same device (NCCL refuses that)."""
     env = {"NCCL_CUMEM_ENABLE": environ.get("NCCL_CUMEM_ENABLE", "0")}
     if not use_gpu:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_ranks))
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
