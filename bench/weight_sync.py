@@ -42,6 +42,9 @@ from slime_spec.weight_sync.gather import iter_hf_tensors
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer
 
+# The engine's KV cache is sized by slots x context length: a small cache, as the sync moves weights only
+ENGINE_FLAGS = ("--context-length", "512", "--max-running-requests", "4")
+
 
 def start_engine(model_path: Path, device: str, gpu: str | None, log: Path,
                  extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
@@ -139,7 +142,11 @@ def add_shape_args(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_args(p)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the checkpoints' (and so the engine's) dtype")
+    p.add_argument("--bf16", action="store_true",
+                   help="the trainer's --bf16 (the GPU demo's default): bfloat16 parameters, so the sync sends "
+                        "bfloat16; without it the trainer holds float32 and the engine converts as it loads")
     p.add_argument("--bucket-mb", type=int, nargs="+", default=[128],
                    help="--update-weight-buffer-size in MiB; several values: one row each, to size it by measurement")
     p.add_argument("--check-interval", type=int, default=1, help="--weight-sync-check-interval of the syncer")
@@ -172,14 +179,18 @@ def main(argv: list[str] | None = None) -> int:
     trained = make_tiny_model(work / "trained", seed=1, **shape)
     parallel.init_single_process(seed=0)
     hf_config = M.read_hf_config(trained)
-    model = M.build_gpt_model(hf_config, TrainConfig(hf_checkpoint=str(trained), mtp_num_layers=1))
+    model = M.build_gpt_model(hf_config, TrainConfig(hf_checkpoint=str(trained), mtp_num_layers=1, bf16=a.bf16))
     M.load_hf_weights(model, M.read_hf_state(trained), hf_config, tp_rank=0, tp_size=1)
     sent = [t.tensor.clone() for t in iter_hf_tensors(model.named_parameters(), hf_config)]
     raw = RawBroadcast(sent, a.backend, a.device, a.engine_gpu,
                        rounds=a.repeats * len(a.bucket_mb) * len(a.format) + 1)
     raw.round()  # warm-up
     engine_device = "cuda" if a.backend == "nccl" else "cpu"
-    proc, url = start_engine(served, engine_device, a.engine_gpu, work / "engine.log")
+    try:
+        proc, url = start_engine(served, engine_device, a.engine_gpu, work / "engine.log", ENGINE_FLAGS)
+    except BaseException:
+        raw.proc.kill()  # it waits for rounds that will not come
+        raise
     rows, raw_s = {(fmt, mb): [] for fmt in a.format for mb in a.bucket_mb}, []
     try:
         for fmt, mb in rows:
@@ -202,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     raw_med = sorted(raw_s)[len(raw_s) // 2]
     raw_gbps = raw.nbytes / raw_med / 1e9
     print(f"model: mimo hidden {hidden}, {shape['num_layers']} layers + 1 MTP, vocab {shape['vocab_size']}, "
-          f"{a.dtype}; backend {a.backend}, trainer {a.device}; median of {a.repeats} rounds, each next to a raw one")
+          f"{a.dtype}, trainer {'bfloat16' if a.bf16 else 'float32'}; backend {a.backend}, trainer {a.device}; "
+          f"median of {a.repeats} rounds, each next to a raw one")
     print("| path | bucket MiB | buckets | MB | seconds | GB/s | / raw | gather+convert | control | send | "
           "engine receive | engine load | engine snapshot | HTTP rest | flush | check |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

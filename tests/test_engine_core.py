@@ -254,3 +254,16 @@ def test_a_mixed_batch_picks_its_sampled_rows_by_index_as_boolean_masks_would(ck
                                                        p.top_ps[sampled], p.min_ps[sampled]), reference)
     assert torch.equal(tokens, expected) and torch.equal(engine.generator.get_state(), reference.get_state())
     assert torch.equal(logprobs, sampling.token_logprobs(logits, p.temps, p.greedy, expected))
+
+
+def test_the_kv_cache_size_is_known_before_it_is_allocated(engine):
+    """cache_bytes is what new_cache allocates; a cache larger than the GPU's free memory is refused with the flags
+    that size it (on an H200 a MiMo-7B shape at its 32768-token context ran out of memory in a bare CUDA error)."""
+    from slime_spec.engine.managers.engine_core import cache_fits_error
+
+    cache = engine.model.new_cache(3, 50)
+    assert engine.model.cache_bytes(3, 50) == sum(t.nbytes for t in cache.k + cache.v)
+    assert cache_fits_error(10 << 30, 10 << 30, 47, 32768) is None
+    error = cache_fits_error(10 << 30, 9 << 30, 47, 32768)
+    assert "--max-running-requests 47" in error and "--context-length 32768" in error and "48 slots" in error
+    assert "10.0 GiB" in error and "9.0 GiB free" in error

@@ -295,3 +295,11 @@ def test_speculative_sampling_follows_the_target_distribution(tmp_path):
     t3 = torch.bincount(torch.tensor([o.output_ids[2] for o in outs]), minlength=16)
     assert chi_square_pvalue(t2, p2) > 1e-3
     assert chi_square_pvalue(t3, p3) > 1e-3
+
+
+def test_the_mla_cache_size_is_what_it_allocates(ds):
+    """Values are v_head_dim wide under MLA: the size checked before allocating counts them as such."""
+    model, _ = load_model(ds)
+    cache = model.new_cache(3, 20)
+    assert model.args.mla.v_head_dim != model.args.head_dim
+    assert model.cache_bytes(3, 20) == sum(t.nbytes for t in cache.k + cache.v)

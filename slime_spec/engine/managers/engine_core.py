@@ -80,7 +80,13 @@ class EngineCore:
         self.max_running_requests = max_running_requests
         num_steps = policy.max_num_steps if policy is not None else 0
         self.max_seq = self.context_length + num_steps + 1  # a verify writes num_steps positions past the last token
-        self.cache = self.model.new_cache(max_running_requests + 1, self.max_seq)  # + the scratch slot
+        slots = max_running_requests + 1  # + the scratch slot
+        if self.device.type == "cuda":
+            error = cache_fits_error(self.model.cache_bytes(slots, self.max_seq), torch.cuda.mem_get_info()[0],
+                                     max_running_requests, self.context_length)
+            if error:
+                raise ValueError(error)
+        self.cache = self.model.new_cache(slots, self.max_seq)
         drafter = make_drafter(spec, self.model, max_running_requests + 1, self.max_seq, dtype, device,
                                num_steps=num_steps)
         self.spec_worker = None if spec is None else SpecWorker(self, drafter, policy,
@@ -439,3 +445,16 @@ class EngineCore:
         with torch.no_grad():
             for param, tensor in plan:
                 param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+
+
+def cache_fits_error(cache_bytes: int, free_bytes: int, max_running_requests: int, context_length: int) -> str | None:
+    """Why the KV cache cannot be allocated, or None. The embedded engine holds a static cache of every slot at the
+    full context length (SGLang sizes its pool by --mem-fraction-static instead), so a long context times many
+    slots can exceed the GPU before a token is generated: say which flags size it."""
+    if cache_bytes <= free_bytes:
+        return None
+    gib = 1 << 30
+    return (f"the embedded engine's KV cache needs {cache_bytes / gib:.1f} GiB ({max_running_requests + 1} slots: "
+            f"--max-running-requests {max_running_requests} + 1, each of --context-length {context_length} tokens) "
+            f"and the GPU has {free_bytes / gib:.1f} GiB free after the weights; lower --context-length or "
+            "--max-running-requests")

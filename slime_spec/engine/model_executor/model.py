@@ -231,6 +231,12 @@ class CausalLM(nn.Module):
             for mlp in layer.mlps():
                 mlp.gate_up = None
 
+    def cache_bytes(self, slots: int, max_seq: int) -> int:
+        """What `new_cache(slots, max_seq)` allocates: keys and values of every layer."""
+        a = self.args
+        per_token = a.num_kv_heads * (a.head_dim + (a.mla.v_head_dim if a.mla else a.head_dim))
+        return a.num_layers * slots * max_seq * per_token * self.lm_head.weight.element_size()
+
     def new_cache(self, slots: int, max_seq: int, num_layers: int | None = None) -> KVCache:
         a, p = self.args, self.lm_head.weight
         return KVCache(num_layers or a.num_layers, slots, max_seq, a.num_kv_heads, a.head_dim, p.dtype, p.device,
