@@ -42,8 +42,8 @@ class TrainerOffload:
             host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
             host.copy_(t, non_blocking=True)
             self._moved[(id(holder), key)] = (holder, t.device)  # the holder is kept alive: its id stays unique
-            moved += t.numel() * t.element_size()
-            blocks += -(-t.numel() * t.element_size() // 512) * 512
+            moved += t.nbytes
+            blocks += -(-t.nbytes // 512) * 512
             _put(holder, key, host)
         t = None  # the last moved tensor's device memory is free from here
         if torch.cuda.is_available():
