@@ -166,7 +166,7 @@ def test_expert_parallel_on_a_dense_model_or_with_tensor_parallel_is_refused(mim
                                                  "--expert-model-parallel-size 2 for a qwen3_moe model")
 
 
-def test_moe_under_tensor_parallel_is_built_for_qwen3_moe_alone(qwen3_moe_ckpt):
+def test_moe_under_tensor_parallel_is_built_where_it_trains_as_at_tp1(qwen3_moe_ckpt):
     from slime_spec.doctor.spec_checks import CheckInput, check_trainer_support
 
     errors, _ = errors_of(qwen3_moe_ckpt, ["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
@@ -175,8 +175,12 @@ def test_moe_under_tensor_parallel_is_built_for_qwen3_moe_alone(qwen3_moe_ckpt):
     qwen3_moe = json.loads((qwen3_moe_ckpt / "config.json").read_text())
     inp = dict(sglang={}, backend="embedded", sglang_version="0.5.23", tensor_model_parallel_size=2)
     [f] = check_trainer_support(CheckInput(**inp, target_config=qwen3_moe, enable_draft_training=True))
-    assert "with a qwen3_moe model and MTP layers or an online draft" in f.message
+    assert f.message.startswith("--tensor-model-parallel-size 2 with a qwen3_moe model: an online draft under "
+                                "sequence parallelism is not built")
     glm = {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"]}
-    [f] = check_trainer_support(CheckInput(**inp, target_config=glm))
-    assert f.message.startswith("--tensor-model-parallel-size 2 with a glm4_moe model: megatron-core 0.16.1's MoE")
-    assert "--tensor-model-parallel-size 1" in f.fix
+    assert check_trainer_support(CheckInput(**inp, target_config=glm, mtp_num_layers=1)) == []  # with its MTP layer
+    deepseek = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}
+    [f] = check_trainer_support(CheckInput(**inp, target_config=deepseek))
+    assert f.message.startswith("--tensor-model-parallel-size 2 with a deepseek_v3 model: megatron-core's "
+                                "multi-latent attention")
+    assert "--tensor-model-parallel-size 1" in f.message and "--debug-rollout-only" in f.fix

@@ -268,11 +268,9 @@ class Rule(Enum):
         "DeepSeek-V3 model")
     TRAINER_MOE_TP = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
-        "--tensor-model-parallel-size {tp} with a {family} model{what}: megatron-core 0.16.1's MoE layer trains "
-        "under TP only with sequence parallelism, which the trainer builds for Qwen3-MoE without MTP layers or an "
-        "online draft only",
-        "train with --tensor-model-parallel-size 1 (split the experts with --expert-model-parallel-size), or run "
-        "rollouts alone with --debug-rollout-only")
+        "--tensor-model-parallel-size {tp} with a {family} model{why} (megatron-core 0.16.1's MoE layer trains under "
+        "TP only with sequence parallelism)",
+        "the change named above, or run rollouts alone with --debug-rollout-only")
     TRAINER_MOE_TP_EP = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
         "--tensor-model-parallel-size {tp} with --expert-model-parallel-size {ep} for a {family} model: the trainer "

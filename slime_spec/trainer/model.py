@@ -105,6 +105,7 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
     if config.sequence_parallel:  # MoE under TP (model_config.moe_config)
         from slime_spec.trainer import sequence_parallel
         layer_spec = sequence_parallel.block_spec(layer_spec, config.num_layers)
+        mtp_spec = sequence_parallel.with_sequence_parallel_norms(mtp_spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slime_spec.config.run_config import TrainConfig
+from slime_spec.config.run_config import TrainConfig, moe_tensor_parallel_refusal
 from slime_spec.weight_sync import convert
 
 BUILDABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "glm4_moe", "deepseek_v3")
@@ -122,18 +122,14 @@ def moe_config(hf_config: dict, family: str, train: TrainConfig) -> dict:
         raise ValueError(f"--expert-model-parallel-size {ep}: must divide the {experts} routed experts of the "
                          f"{family} model (config.json); choose a divisor of {experts}")
     tp = train.tensor_model_parallel_size
-    if tp > 1 and (family != "qwen3_moe" or train.mtp_num_layers or train.enable_draft_training):
-        raise ValueError(f"--tensor-model-parallel-size {tp} with a {family} model"
-                         f"{' and MTP layers or an online draft' if family == 'qwen3_moe' else ''}: megatron-core "
-                         f"trains its MoE layer under TP only with sequence parallelism, which the trainer builds "
-                         f"for Qwen3-MoE without MTP layers or an online draft only; use --tensor-model-parallel-size "
-                         f"1 (split the experts with --expert-model-parallel-size)")
+    if tp > 1 and (why := moe_tensor_parallel_refusal(family, train.enable_draft_training)):
+        raise ValueError(f"--tensor-model-parallel-size {tp} with a {family} model{why}")
     if tp > 1 and ep > 1:  # expert TP = TP here (parallel.py), so the grid would need TP x EP ranks per replica
         raise ValueError(f"--tensor-model-parallel-size {tp} with --expert-model-parallel-size {ep}: the trainer "
                          f"builds expert parallelism at tensor parallel size 1, or tensor parallelism without expert "
                          f"parallelism, not both; use --tensor-model-parallel-size 1 or --expert-model-parallel-size 1")
     if family in DENSE_FIRST_FAMILIES:
-        return {**dense_first_moe_config(hf_config), "expert_model_parallel_size": ep}
+        return {**dense_first_moe_config(hf_config), "expert_model_parallel_size": ep, "sequence_parallel": tp > 1}
     if hf_config.get("mlp_only_layers") or int(hf_config.get("decoder_sparse_step", 1)) != 1:
         raise ValueError(f"mlp_only_layers={hf_config.get('mlp_only_layers')}, decoder_sparse_step="
                          f"{hf_config.get('decoder_sparse_step')}: the trainer builds Qwen3-MoE with every layer "

@@ -253,6 +253,11 @@ class Trainer:
             with self.timer("MTP forward"):
                 hidden = M.mtp_hidden_states(self.model, rows.input_ids, trunk, self.mtp_zero_first_token,
                                               self.train.mtp_unroll_steps)
+            if self.model.config.sequence_parallel:  # each rank holds a slice of the sequence: the loss reads all
+                from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+                # the loss's hidden-state gradient is already summed over the vocabulary shards: each rank keeps
+                # its own slice of it, unsummed
+                hidden = [gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False) for h in hidden]
             with self.timer("MTP loss"):
                 weight = M.output_weight(self.model)
                 group = ps.get_tensor_model_parallel_group() if self.tp.tp_size > 1 else None
