@@ -113,14 +113,17 @@ def test_qwen3_moe_tp2_sequence_parallel_equals_tp1_and_syncs(ray_cluster, tmp_p
         server.stop()
 
 
-def test_glm4_moe_with_its_mtp_layer_under_tp2_equals_tp1_and_syncs(ray_cluster, tmp_path):
-    """GLM-4.5 (a dense first layer, shared and routed experts, q/k/v biases) with its MTP layer trained online, at
-    TP 2 with sequence parallelism: the MTP layer's norms run on each rank's half of the sequence and its loss reads
-    the whole sequence (trainer.Trainer._mtp_loss), so logits, the MTP logits, the step's metrics and the weights it
-    moved equal one rank's; then target and MTP tensors reach a NEXTN engine, checked by its checksums."""
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
+def test_moe_with_its_mtp_layer_under_tp2_equals_tp1_and_syncs(ray_cluster, tmp_path, arch):
+    """GLM-4.5 (GQA with q/k/v biases) and DeepSeek-V3 (multi-latent attention), each with a dense first layer,
+    shared and routed experts and its MTP layer trained online, at TP 2 with sequence parallelism: the MTP layer's
+    norms run on each rank's half of the sequence and its loss reads the whole sequence (trainer.Trainer._mtp_loss);
+    MLA's RoPE key gets every rank's heads' gradient (sequence_parallel.mla_kv_down_proj_full_width). Logits, MTP
+    logits, the step's metrics and the weights it moved equal one rank's; then target and MTP tensors reach a NEXTN
+    engine, checked by its checksums."""
     from tests.test_trainer_ep import varied_rollout
 
-    path = make_tiny_model(tmp_path / "ckpt", arch="glm4_moe", hidden_size=32, num_layers=2, num_experts=4,
+    path = make_tiny_model(tmp_path / "ckpt", arch=arch, hidden_size=32, num_layers=2, num_experts=4,
                            num_experts_per_tok=2, mtp_layers=1, first_k_dense_replace=1, seed=45)
     kw = dict(hf_checkpoint=str(path), lr=1e-3, global_batch_size=8, max_tokens_per_gpu=20, n_samples_per_prompt=2,
               mtp_num_layers=1, enable_mtp_training=True)

@@ -60,18 +60,15 @@ def colocated_engine_flags(server_args: dict, offload_rollout: bool | None) -> l
     return flags
 
 
-def moe_tensor_parallel_refusal(family: str, enable_draft_training: bool) -> str | None:
-    """Why a MoE family does not train under tensor parallelism with these flags (the end of the message), or None.
+def moe_tensor_parallel_refusal(enable_draft_training: bool) -> str | None:
+    """Why a MoE model does not train under tensor parallelism with these flags (the end of the message), or None.
 
     megatron-core trains its MoE layer under TP only with sequence parallelism (trainer/sequence_parallel.py),
-    built for Qwen3-MoE and GLM-4.5 (with its MTP layers), each checked against TP 1 (tests/test_trainer_tp.py)."""
+    built for Qwen3-MoE, GLM-4.5 and DeepSeek-V3 (with their MTP layers), each checked against TP 1
+    (tests/test_trainer_tp.py)."""
     if enable_draft_training:
         return (": an online draft under sequence parallelism is not built; train the draft at "
                 "--tensor-model-parallel-size 1")
-    if family == "deepseek_v3":
-        return (": megatron-core's multi-latent attention does not yet train under sequence parallelism as it does "
-                "at TP 1 (its gradients differ); use --tensor-model-parallel-size 1 (split the experts with "
-                "--expert-model-parallel-size)")
     return None
 
 

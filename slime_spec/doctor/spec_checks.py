@@ -271,7 +271,7 @@ def check_trainer_support(inp: CheckInput) -> list[Finding]:
     if family is None:
         return [Rule.TRAINER_UNSUPPORTED_FAMILY.finding(family=cfg.get("model_type") or archs)]
     if family in MOE_TRAINER_FAMILIES and inp.tensor_model_parallel_size > 1 and (
-            why := moe_tensor_parallel_refusal(family, inp.enable_draft_training)):
+            why := moe_tensor_parallel_refusal(inp.enable_draft_training)):
         return [Rule.TRAINER_MOE_TP.finding(family=family, tp=inp.tensor_model_parallel_size, why=why)]
     ep = inp.expert_model_parallel_size
     if family in MOE_TRAINER_FAMILIES and inp.tensor_model_parallel_size > 1 and ep > 1:

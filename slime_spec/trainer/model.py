@@ -134,6 +134,8 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
     if config.sequence_parallel:
         from slime_spec.trainer import sequence_parallel
         sequence_parallel.sum_sequence_parallel_grads_over_tp(model)
+        if mla:
+            sequence_parallel.mla_kv_down_proj_full_width(model)
     return model
 
 

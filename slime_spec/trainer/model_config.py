@@ -122,7 +122,7 @@ def moe_config(hf_config: dict, family: str, train: TrainConfig) -> dict:
         raise ValueError(f"--expert-model-parallel-size {ep}: must divide the {experts} routed experts of the "
                          f"{family} model (config.json); choose a divisor of {experts}")
     tp = train.tensor_model_parallel_size
-    if tp > 1 and (why := moe_tensor_parallel_refusal(family, train.enable_draft_training)):
+    if tp > 1 and (why := moe_tensor_parallel_refusal(train.enable_draft_training)):
         raise ValueError(f"--tensor-model-parallel-size {tp} with a {family} model{why}")
     if tp > 1 and ep > 1:  # expert TP = TP here (parallel.py), so the grid would need TP x EP ranks per replica
         raise ValueError(f"--tensor-model-parallel-size {tp} with --expert-model-parallel-size {ep}: the trainer "

@@ -78,3 +78,30 @@ def sum_sequence_parallel_grads_over_tp(model) -> None:
         if getattr(param, "sequence_parallel", False) and not name.endswith(("q_layernorm.weight",
                                                                               "k_layernorm.weight")):
             param.register_hook(summed)
+
+
+def mla_kv_down_proj_full_width(model) -> None:
+    """Multi-latent attention's KV down-projection, sequence-sharded and full-width, as a duplicated linear would
+    give it. In megatron-core 0.16.1's local spec it is a ColumnParallelLinear whose output the attention gathers
+    over the TP ranks; the RoPE part of that output (k_pos_emb) is then used whole by every rank's heads, but the
+    gather's backward keeps each rank's own columns of its own partial gradient, so the RoPE key's gradient misses
+    the other ranks' heads. Given the full width on a sequence shard, the attention takes its other path: it
+    gathers k_pos_emb over the sequence, whose backward sums the ranks' gradients (the weights stay column-split,
+    so conversion and checkpoints are unchanged)."""
+    from megatron.core.tensor_parallel import (
+        gather_from_tensor_model_parallel_region,
+        scatter_to_sequence_parallel_region,
+    )
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    def full_width(linear):
+        column_parallel = linear.forward
+
+        def forward(hidden_states):
+            out, bias = column_parallel(hidden_states)  # [s, b, width / TP]: the sequence gathered inside
+            return scatter_to_sequence_parallel_region(gather_from_tensor_model_parallel_region(out)), bias
+        return forward
+
+    for module in model.modules():
+        if isinstance(module, MLASelfAttention):
+            module.linear_kv_down_proj.forward = full_width(module.linear_kv_down_proj)
