@@ -12,14 +12,19 @@ from safetensors.torch import load_file
 
 from slime_spec.config.run_config import EngineConfig, TrainConfig
 from slime_spec.fleet.process import engine_server_process
-from slime_spec.rollout.sample import Sample
 from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.trainer import parallel
 from slime_spec.trainer.batch import collate, packed_step_slices, split_into
 from slime_spec.trainer.group import TrainGroup
 from slime_spec.trainer.packing import packed_rows
 from slime_spec.trainer.trainer import Trainer
-from tests.helpers.tp_runs import assert_same_adam_step, local_ray_cluster, two_rank_config
+from tests.helpers.tp_runs import (
+    assert_same_adam_step,
+    local_ray_cluster,
+    two_rank_config,
+    two_ranks_with_mtp_equal_one,
+    varied_rollout,
+)
 from tests.helpers.tp_runs import tp_rollout as rollout
 
 
@@ -100,17 +105,11 @@ def test_ep2_equals_ep1_forward_gather_train_step_sync_and_resume(ray_cluster, t
             resumed.shutdown()
 
 
-def varied_rollout() -> list[Sample]:
-    """Four prompts of two samples, 5 to 14 tokens: packed micro-batches differ in number between two ranks."""
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for g in range(4):
-        prompt = torch.randint(5, 100, (3 + g,), generator=gen).tolist()
-        for j in range(2):
-            response = torch.randint(5, 100, (2 + 3 * j + g,), generator=gen).tolist()
-            out.append(Sample(index=len(out), group_index=g, prompt="p", tokens=prompt + response,
-                              response_length=len(response), reward=float(j)))
-    return out
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
+def test_moe_with_its_mtp_layer_under_ep2_equals_ep1_and_syncs(ray_cluster, tmp_path, arch):
+    """GLM-4.5 and DeepSeek-V3 (dense first layer, shared experts, sigmoid routing over a correction bias) with their
+    MTP layers trained online, each EP rank holding half the routed experts."""
+    two_ranks_with_mtp_equal_one(arch, {"expert_model_parallel_size": 2}, tmp_path)
 
 
 def test_equal_counts_split_the_fewer_packs_and_padding_is_a_segment_of_its_own():

@@ -13,7 +13,13 @@ from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.trainer import parallel
 from slime_spec.trainer.group import TrainGroup
 from slime_spec.trainer.trainer import Trainer
-from tests.helpers.tp_runs import assert_same_adam_step, local_ray_cluster, tp2_config
+from tests.helpers.tp_runs import (
+    assert_same_adam_step,
+    local_ray_cluster,
+    tp2_config,
+    two_ranks_with_mtp_equal_one,
+    varied_rollout,
+)
 from tests.helpers.tp_runs import tp_rollout as rollout
 
 EAGLE = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 2, "speculative_eagle_topk": 1,
@@ -77,7 +83,7 @@ def test_qwen3_moe_tp2_sequence_parallel_equals_tp1_and_syncs(ray_cluster, tmp_p
     """megatron-core trains its MoE layer under TP only with sequence parallelism: two gloo ranks at TP 2 (the
     sequence split over them, experts split by expert-TP = TP) compute what one rank computes, packed rows of odd
     length included, and every expert's whole tensors reach an engine."""
-    from tests.test_trainer_ep import expert_of, varied_rollout
+    from tests.test_trainer_ep import expert_of
 
     path = make_tiny_model(tmp_path / "ckpt", arch="qwen3_moe", hidden_size=32, num_layers=2, num_experts=4,
                            num_experts_per_tok=2, seed=44)
@@ -115,47 +121,8 @@ def test_qwen3_moe_tp2_sequence_parallel_equals_tp1_and_syncs(ray_cluster, tmp_p
 
 @pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
 def test_moe_with_its_mtp_layer_under_tp2_equals_tp1_and_syncs(ray_cluster, tmp_path, arch):
-    """GLM-4.5 (GQA with q/k/v biases) and DeepSeek-V3 (multi-latent attention), each with a dense first layer,
-    shared and routed experts and its MTP layer trained online, at TP 2 with sequence parallelism: the MTP layer's
-    norms run on each rank's half of the sequence and its loss reads the whole sequence (trainer.Trainer._mtp_loss);
-    MLA's RoPE key gets every rank's heads' gradient (sequence_parallel.mla_kv_down_proj_full_width). Logits, MTP
-    logits, the step's metrics and the weights it moved equal one rank's; then target and MTP tensors reach a NEXTN
-    engine, checked by its checksums."""
-    from tests.test_trainer_ep import varied_rollout
-
-    path = make_tiny_model(tmp_path / "ckpt", arch=arch, hidden_size=32, num_layers=2, num_experts=4,
-                           num_experts_per_tok=2, mtp_layers=1, first_k_dense_replace=1, seed=45)
-    kw = dict(hf_checkpoint=str(path), lr=1e-3, global_batch_size=8, max_tokens_per_gpu=20, n_samples_per_prompt=2,
-              mtp_num_layers=1, enable_mtp_training=True)
-    flags = tuple(x for k, v in EAGLE.items() for x in ("--" + k.replace("_", "-"), str(v)))
-    engine = EngineConfig("embedded", str(path), forwarded_argv=flags, server_args=EAGLE)
-    group = TrainGroup(tp2_config(path, engine, kw, tmp_path / "out"), use_gpu=False)
-    server = engine_server_process(engine, log_path=tmp_path / "engine.log")
-    try:
-        parallel.init_single_process(seed=0)
-        single = Trainer(TrainConfig(**kw))
-        probe = [rollout()[0].tokens, rollout()[3].tokens]  # 9 tokens: padded to 10 for the two ranks
-        tp2, tp1 = group.forward_logits(probe), single.forward_logits(probe)
-        torch.testing.assert_close(tp2["logits"], tp1["logits"], atol=1e-5, rtol=0)
-        torch.testing.assert_close(tp2["mtp_logits"][0], tp1["mtp_logits"][0], atol=1e-5, rtol=0)
-        before = {k: v.clone() for k, v in single.hf_state_dict().items()}
-        gathered = group.hf_state_dict()
-        assert sorted(gathered) == sorted(before) and all(torch.equal(gathered[k], before[k]) for k in before)
-
-        m2, m1 = group.train_step(varied_rollout(), 0), single.train_step(varied_rollout(), 0)
-        for key in ("loss", "pg_loss", "entropy", "mtp_loss", "grad_norm"):
-            assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
-        after2, after1 = group.hf_state_dict(), {k: v.clone() for k, v in single.hf_state_dict().items()}
-        moved = [k for k in before if not torch.equal(after1[k], before[k])]
-        assert "model.layers.2.eh_proj.weight" in moved and "model.layers.2.enorm.weight" in moved  # the MTP layer
-        # a key bias shifts every score of a query alike, which softmax ignores: its exact gradient is 0, and Adam
-        # turns float noise there into full steps of either sign
-        assert_same_adam_step(after2, after1, [k for k in before if not k.endswith("k_proj.bias")], kw["lr"])
-
-        server.start(timeout_s=120)
-        group.connect_engines([server.url])
-        metrics = group.sync_weights("0", probe_samples=rollout())
-        assert metrics["weight_sync_params"] > 0 and metrics["weight_sync_mtp_params"] > 0
-    finally:
-        group.shutdown()
-        server.stop()
+    """GLM-4.5 (GQA with q/k/v biases) and DeepSeek-V3 (multi-latent attention) with their MTP layers trained online,
+    at TP 2 with sequence parallelism: the MTP layer's norms run on each rank's half of the sequence and its loss reads
+    the whole sequence (trainer.Trainer._mtp_loss); MLA's RoPE key gets every rank's heads' gradient
+    (sequence_parallel.mla_kv_down_proj_full_width)."""
+    two_ranks_with_mtp_equal_one(arch, {"tensor_model_parallel_size": 2}, tmp_path)

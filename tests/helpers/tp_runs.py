@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import pytest
 import ray
 import torch
 
@@ -45,6 +46,19 @@ def tp_rollout() -> list[Sample]:
     return out
 
 
+def varied_rollout() -> list[Sample]:
+    """Four prompts of two samples, 5 to 14 tokens: packed micro-batches differ in number between two ranks."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for g in range(4):
+        prompt = torch.randint(5, 100, (3 + g,), generator=gen).tolist()
+        for j in range(2):
+            response = torch.randint(5, 100, (2 + 3 * j + g,), generator=gen).tolist()
+            out.append(Sample(index=len(out), group_index=g, prompt="p", tokens=prompt + response,
+                              response_length=len(response), reward=float(j)))
+    return out
+
+
 def tp2_config(path, engine: EngineConfig, train_kw: dict, output_dir) -> Config:
     """Two gloo train ranks at TP 2, syncing into `engine` with the syncer's checksum check on."""
     return two_rank_config(path, engine, {**train_kw, "tensor_model_parallel_size": 2}, output_dir)
@@ -66,3 +80,53 @@ def assert_same_adam_step(after_tp2: dict, after_tp1: dict, keys, lr: float) -> 
         diff = (after_tp2[k] - after_tp1[k]).abs()
         assert float(diff.max()) < 0.2 * lr, k
         assert float((diff > 1e-5).float().mean()) < 0.01, k
+
+
+def two_ranks_with_mtp_equal_one(arch: str, layout: dict, tmp_path) -> None:
+    """A tiny MoE model of `arch` with its MTP layer trained online, on two gloo train ranks laid out as `layout`
+    says (TP or EP sizes), computes what one rank computes: logits and MTP logits, the gathered weights, one packed
+    step's metrics and the weights it moved (the MTP layer's among them); then target and MTP tensors reach a NEXTN
+    engine, checked by its checksums."""
+    from slime_spec.fleet.process import engine_server_process
+    from slime_spec.tools.tiny_model import make_tiny_model
+    from slime_spec.trainer import parallel
+    from slime_spec.trainer.group import TrainGroup
+    from slime_spec.trainer.trainer import Trainer
+    path = make_tiny_model(tmp_path / "ckpt", arch=arch, hidden_size=32, num_layers=2, num_experts=4,
+                           num_experts_per_tok=2, mtp_layers=1, first_k_dense_replace=1, seed=45)
+    kw = dict(hf_checkpoint=str(path), lr=1e-3, global_batch_size=8, max_tokens_per_gpu=20, n_samples_per_prompt=2,
+              mtp_num_layers=1, enable_mtp_training=True)
+    nextn = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 2, "speculative_eagle_topk": 1,
+             "speculative_num_draft_tokens": 3}
+    flags = tuple(x for k, v in nextn.items() for x in ("--" + k.replace("_", "-"), str(v)))
+    engine = EngineConfig("embedded", str(path), forwarded_argv=flags, server_args=nextn)
+    group = TrainGroup(two_rank_config(path, engine, {**kw, **layout}, tmp_path / "out"), use_gpu=False)
+    server = engine_server_process(engine, log_path=tmp_path / "engine.log")
+    try:
+        parallel.init_single_process(seed=0)
+        single = Trainer(TrainConfig(**kw))
+        probe = [tp_rollout()[0].tokens, tp_rollout()[3].tokens]  # 9 tokens: padded to 10 under sequence parallelism
+        two, one = group.forward_logits(probe), single.forward_logits(probe)
+        torch.testing.assert_close(two["logits"], one["logits"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(two["mtp_logits"][0], one["mtp_logits"][0], atol=1e-5, rtol=0)
+        before = {k: v.clone() for k, v in single.hf_state_dict().items()}
+        gathered = group.hf_state_dict()
+        assert sorted(gathered) == sorted(before) and all(torch.equal(gathered[k], before[k]) for k in before)
+
+        m2, m1 = group.train_step(varied_rollout(), 0), single.train_step(varied_rollout(), 0)
+        for key in ("loss", "pg_loss", "entropy", "mtp_loss", "grad_norm"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+        after2, after1 = group.hf_state_dict(), {k: v.clone() for k, v in single.hf_state_dict().items()}
+        moved = [k for k in before if not torch.equal(after1[k], before[k])]
+        assert "model.layers.2.eh_proj.weight" in moved and "model.layers.2.enorm.weight" in moved  # the MTP layer
+        # a key bias shifts every score of a query alike, which softmax ignores: its exact gradient is 0, and Adam
+        # turns float noise there into full steps of either sign
+        assert_same_adam_step(after2, after1, [k for k in before if not k.endswith("k_proj.bias")], kw["lr"])
+
+        server.start(timeout_s=120)
+        group.connect_engines([server.url])
+        metrics = group.sync_weights("0", probe_samples=tp_rollout())
+        assert metrics["weight_sync_params"] > 0 and metrics["weight_sync_mtp_params"] > 0
+    finally:
+        group.shutdown()
+        server.stop()
