@@ -145,8 +145,11 @@ def test_trainer_unsupported_model_unless_rollout_only():
     assert "TRAINER_UNSUPPORTED_MODEL" not in codes(target_config=gemma, debug_rollout_only=True)
     glm = {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "num_nextn_predict_layers": 1}
     assert "TRAINER_UNSUPPORTED_MODEL" not in codes(target_config=glm)  # GLM-4.5 trains (trainer/model.py)
-    moe_tp = codes(target_config=glm, tensor_model_parallel_size=4)["TRAINER_UNSUPPORTED_MODEL"]  # MoE: TP 1 only
-    assert "--tensor-model-parallel-size 4" in moe_tp.message and "--tensor-model-parallel-size 1" in moe_tp.fix
+    # MoE under TP trains with sequence parallelism (trainer/sequence_parallel.py), but not with an online draft
+    assert "TRAINER_UNSUPPORTED_MODEL" not in codes(target_config=glm, tensor_model_parallel_size=4)
+    moe_tp = codes(target_config=glm, tensor_model_parallel_size=4,
+                   enable_draft_training=True)["TRAINER_UNSUPPORTED_MODEL"]
+    assert "--tensor-model-parallel-size 4" in moe_tp.message and "--tensor-model-parallel-size 1" in moe_tp.message
     assert "TRAINER_UNSUPPORTED_MODEL" not in codes(target_config=LLAMA, tensor_model_parallel_size=4)
     yarn = {**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
     assert "'yarn'" in codes(target_config=yarn)["TRAINER_UNSUPPORTED_MODEL"].message
@@ -156,8 +159,11 @@ def test_trainer_unsupported_model_unless_rollout_only():
     deepseek = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "num_nextn_predict_layers": 1,
                 "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096}}
     assert "TRAINER_UNSUPPORTED_MODEL" not in codes(target_config=deepseek)  # MLA with its YaRN (trainer/model.py)
-    moe_tp = codes(target_config=deepseek, tensor_model_parallel_size=8)["TRAINER_UNSUPPORTED_MODEL"]
-    assert "deepseek_v3" in moe_tp.message
+    assert "TRAINER_UNSUPPORTED_MODEL" not in codes(target_config=deepseek, tensor_model_parallel_size=8)
+    # nor together with expert parallelism
+    moe_tp_ep = codes(target_config=deepseek, tensor_model_parallel_size=8,
+                      expert_model_parallel_size=8)["TRAINER_UNSUPPORTED_MODEL"]
+    assert "deepseek_v3" in moe_tp_ep.message and "--expert-model-parallel-size 8" in moe_tp_ep.message
 
 
 
