@@ -53,12 +53,50 @@ def group_alive(pgid: int) -> bool:
 RAY_DEFAULT_PORTS = (6379, 8265, 52365, 10001)
 
 
+def lineage(pid: int) -> set[int]:
+    """`pid`, its ancestors, and the session ids of them all (a job's driver runs in a session of its own under
+    the head's raylet)."""
+    ids = set()
+    while pid > 1 and pid not in ids:
+        ids.add(pid)
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            break
+        ids.add(int(fields[3]))  # after "comm)": state, ppid, pgrp, session
+        pid = int(fields[1])
+    return ids
+
+
+def socket_owner(peer: tuple[str, int]) -> tuple[int, set[int], str] | None:
+    """(pid, its lineage, command line) of the process whose TCP socket has local address `peer`; None when
+    that socket is gone (the client closed it) or no process holds it."""
+    local = f"{socket.inet_aton(peer[0])[::-1].hex().upper()}:{peer[1]:04X}"  # /proc/net/tcp's little-endian form
+    inode = next((fields[9] for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+                  if (fields := line.split())[1] == local and fields[9] != "0"), None)
+    if inode is None:
+        return None
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if not any(os.readlink(fd) == f"socket:[{inode}]" for fd in fd_dir.iterdir()):
+                continue
+            pid = int(fd_dir.parent.name)
+            cmdline = (fd_dir.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        return pid, lineage(pid), cmdline.strip()
+    return None
+
+
 class OtherCluster:
     """Listens on each of `ports` that is free (one already taken stands for another cluster all the same) and
-    counts the connections it accepts: a script that submits or probes there shows up here."""
+    records, for each connection it accepts, the port and the connecting process (pid, lineage, command line;
+    None when the client was gone before it could be looked up): a script that submits or probes there shows
+    up here. Other tests running beside this one (their own Ray clusters) may connect too; the lineage tells
+    theirs from the script's."""
 
     def __init__(self, ports):
-        self.socks, self.connections = [], 0
+        self.socks, self.accepted = [], []
         for port in ports:
             s = socket.socket()
             try:
@@ -77,11 +115,15 @@ class OtherCluster:
         while not self._stop.is_set():
             for s in self.socks:
                 try:
-                    conn, _ = s.accept()
+                    conn, peer = s.accept()
                 except OSError:
                     continue
-                self.connections += 1
+                self.accepted.append((s.getsockname()[1], socket_owner(peer)))
                 conn.close()
+
+    def from_processes(self, roots: set[int]) -> list:
+        """Accepted connections whose client descends from, or ran in the session of, one of `roots`."""
+        return [(port, owner) for port, owner in self.accepted if owner is not None and owner[1] & roots]
 
     def close(self):
         self._stop.set()
@@ -148,7 +190,9 @@ def test_script_job_two_grpo_steps_on_a_head_it_started_beside_another_cluster(w
         assert "(RAY_AUTH_MODE=token" in out
         gcs, dashboard = head_ports(out)
         assert not {gcs, dashboard} & set(RAY_DEFAULT_PORTS)
-        assert other_cluster.connections == 0  # nothing was submitted to, or asked of, the other cluster
+        # nothing was submitted to, or asked of, the other cluster by the script or the head it started (setsid:
+        # a session of its own)
+        assert other_cluster.from_processes({proc.pid, int(head.group(1))}) == [], other_cluster.accepted
         assert re.search(r"Job 'run-mimo-7B-rl-mtp-[\w-]+' succeeded", out), out[-3000:]
         assert "Failed to merge the Job's runtime env" not in out
         assert "collapsed" not in out  # a fresh MTP layer is an untrained draft, not a collapse
