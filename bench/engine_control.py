@@ -26,12 +26,12 @@ import torch
 if not __package__:  # `python bench/<name>.py`: import bench as a package, from the repository root
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from bench.weight_sync import start_engine
+from bench.weight_sync import small_cache_flags, start_engine
 from slime_spec.fleet.client import EngineClient
 from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.weight_sync import protocol
 
-ENGINE_FLAGS = ("--context-length", "256", "--max-running-requests", "2")
+ENGINE_FLAGS = small_cache_flags(256, 2)
 
 
 def sync_sequence(selector: str) -> list[tuple[str, str, dict | None]]:

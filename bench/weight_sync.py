@@ -42,8 +42,12 @@ from slime_spec.weight_sync.gather import iter_hf_tensors
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer
 
-# The engine's KV cache is sized by slots x context length: a small cache, as the sync moves weights only
-ENGINE_FLAGS = ("--context-length", "512", "--max-running-requests", "4")
+def small_cache_flags(context_length: int, max_running_requests: int) -> tuple[str, ...]:
+    """The engine's KV cache is sized by slots x context length: a small cache, where a bench moves weights only."""
+    return "--context-length", str(context_length), "--max-running-requests", str(max_running_requests)
+
+
+ENGINE_FLAGS = small_cache_flags(512, 4)
 
 
 def start_engine(model_path: Path, device: str, gpu: str | None, log: Path,

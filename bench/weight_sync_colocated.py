@@ -32,7 +32,7 @@ from pathlib import Path
 import requests
 import torch
 
-from bench.weight_sync import PRESETS, add_shape_args, start_engine
+from bench.weight_sync import PRESETS, add_shape_args, small_cache_flags, start_engine
 from slime_spec.config.run_config import TrainConfig, WeightSyncConfig
 from slime_spec.fleet.client import EngineClient
 from slime_spec.weight_sync.gather import iter_hf_tensors
@@ -40,7 +40,7 @@ from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer
 from slime_spec.weight_sync.transports.http_transports import TensorTransport, engine_timing
 
-ENGINE_FLAGS = ("--disable-cuda-graph", "--context-length", "256", "--max-running-requests", "2")  # start fast
+ENGINE_FLAGS = ("--disable-cuda-graph", *small_cache_flags(256, 2))  # start fast
 
 
 def model_config(a) -> dict:

@@ -4,4 +4,5 @@
   computes them); the trainer's GPTModel and the embedded engine's model both use them.
 - eagle3_draft.py: the EAGLE3 draft head in SGLang's LlamaForCausalLMEagle3 layout: the module the trainer
   trains online and the embedded engine's EAGLE3 drafter runs.
+- model_families.py: model families by trait (mixture-of-experts), for the trainer, the weight sync and the doctor.
 """

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from slime_spec.common.dtypes import config_dtype
+from slime_spec.common.model_families import MOE_FAMILIES
 from slime_spec.config.run_config import moe_tensor_parallel_refusal
 from slime_spec.doctor.codes import Finding, Rule
 from slime_spec.speculative import settings as spec
@@ -253,9 +254,6 @@ TRAINER_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "q
                     "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
-# trainer/model_config.py moe_config: any EP; TP > 1 (sequence parallel) where config/run_config.py
-# moe_tensor_parallel_refusal allows it
-MOE_TRAINER_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
 TRAINER_ROPE_TYPES = {"deepseek_v3": ("default", "yarn")}  # megatron-core's MLA applies YaRN itself
 
 
@@ -270,13 +268,13 @@ def check_trainer_support(inp: CheckInput) -> list[Finding]:
         next((f for f, a in TRAINER_FAMILIES.items() if a in archs), None)
     if family is None:
         return [Rule.TRAINER_UNSUPPORTED_FAMILY.finding(family=cfg.get("model_type") or archs)]
-    if family in MOE_TRAINER_FAMILIES and inp.tensor_model_parallel_size > 1 and (
+    if family in MOE_FAMILIES and inp.tensor_model_parallel_size > 1 and (
             why := moe_tensor_parallel_refusal(inp.enable_draft_training)):
         return [Rule.TRAINER_MOE_TP.finding(family=family, tp=inp.tensor_model_parallel_size, why=why)]
     ep = inp.expert_model_parallel_size
-    if family in MOE_TRAINER_FAMILIES and inp.tensor_model_parallel_size > 1 and ep > 1:
+    if family in MOE_FAMILIES and inp.tensor_model_parallel_size > 1 and ep > 1:
         return [Rule.TRAINER_MOE_TP_EP.finding(family=family, tp=inp.tensor_model_parallel_size, ep=ep)]
-    if ep > 1 and family not in MOE_TRAINER_FAMILIES:
+    if ep > 1 and family not in MOE_FAMILIES:
         return [Rule.TRAINER_EXPERT_PARALLEL.finding(ep=ep, family=family, why="it has no experts to split",
                                                      fix="--expert-model-parallel-size 1")]
     experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)

@@ -29,9 +29,10 @@ import re
 
 import torch
 
+from slime_spec.common.model_families import MOE_FAMILIES
+
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "deepseek_v3", "glm4_moe")
 MTP_FAMILIES = ("mimo", "deepseek_v3", "glm4_moe")
-MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe")
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                   "Qwen3MoeForCausalLM": "qwen3_moe", "MiMoForCausalLM": "mimo",
                   "DeepseekV3ForCausalLM": "deepseek_v3", "Glm4MoeForCausalLM": "glm4_moe"}

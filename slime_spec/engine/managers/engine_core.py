@@ -87,7 +87,7 @@ class EngineCore:
             if error:
                 raise ValueError(error)
         self.cache = self.model.new_cache(slots, self.max_seq)
-        drafter = make_drafter(spec, self.model, max_running_requests + 1, self.max_seq, dtype, device,
+        drafter = make_drafter(spec, self.model, slots, self.max_seq, dtype, device,
                                num_steps=num_steps)
         self.spec_worker = None if spec is None else SpecWorker(self, drafter, policy,
                                                                 tree_shape=tree.tree_shape(spec),
