@@ -42,6 +42,7 @@ from slime_spec.weight_sync.gather import iter_hf_tensors
 from slime_spec.weight_sync.protocol import SpecSetup
 from slime_spec.weight_sync.sync import WeightSyncer
 
+
 def small_cache_flags(context_length: int, max_running_requests: int) -> tuple[str, ...]:
     """The engine's KV cache is sized by slots x context length: a small cache, where a bench moves weights only."""
     return "--context-length", str(context_length), "--max-running-requests", str(max_running_requests)
