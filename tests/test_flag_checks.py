@@ -159,11 +159,14 @@ def test_expert_parallel_on_a_dense_model_or_with_tensor_parallel_is_refused(mim
     errors, _ = errors_of(mimo7b, ["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2",
                                    "--global-batch-size", "2"])
     assert [f.fix for f in errors if "has no experts to split" in f.message] == ["--expert-model-parallel-size 1"]
-    errors, _ = errors_of(qwen3_moe_ckpt, ["--actor-num-gpus-per-node", "4", "--expert-model-parallel-size", "2",
-                                           "--tensor-model-parallel-size", "2"])
-    [f] = errors
-    assert (f.code, f.message.split(":")[0]) == ("TRAINER_UNSUPPORTED_MODEL", "--tensor-model-parallel-size 2 with "
-                                                 "--expert-model-parallel-size 2 for a qwen3_moe model")
+    tp_ep = ["--actor-num-gpus-per-node", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]
+    [f] = errors_of(qwen3_moe_ckpt, tp_ep)[0]  # each expert split over TP as well: not built
+    assert (f.code, f.message.split(":")[0]) == ("TRAINER_UNSUPPORTED_MODEL", "the experts of a qwen3_moe model")
+    assert "add --expert-tensor-parallel-size 1" in f.message
+    assert errors_of(qwen3_moe_ckpt, [*tp_ep, "--expert-tensor-parallel-size", "1"])[0] == []  # whole experts: built
+    [f] = errors_of(qwen3_moe_ckpt, ["--actor-num-gpus-per-node", "4", "--expert-model-parallel-size", "2",
+                                     "--tensor-model-parallel-size", "4", "--expert-tensor-parallel-size", "1"])[0]
+    assert "use --expert-model-parallel-size 4" in f.message  # an EP group holds whole TP groups
 
 
 def test_moe_under_tensor_parallel_is_built_where_it_trains_as_at_tp1(qwen3_moe_ckpt):

@@ -197,7 +197,7 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--pipeline-model-parallel-size", {**_I, "default": 1}),
         ("--context-parallel-size", {**_I, "default": 1}),
         ("--expert-model-parallel-size", {**_I, "default": 1}),
-        ("--expert-tensor-parallel-size", {**_I, "default": 1}),
+        ("--expert-tensor-parallel-size", {**_I, "default": None}),  # Megatron: None = the TP size
         ("--decoder-last-pipeline-num-layers", {**_I, "default": None}),
         ("--decoder-first-pipeline-num-layers", {**_I, "default": None}),
         ("--recompute-granularity", {"default": None}),
@@ -331,7 +331,8 @@ ACTED_ON = {
     "debug_rollout_only", "debug_train_only", "save_debug_rollout_data", "load_debug_rollout_data",
     "mtp_num_layers", "enable_mtp_training", "mtp_loss_scaling_factor", "mtp_unroll_steps",
     "enable_draft_training", "draft_lr", "draft_ttt_steps",
-    "tensor_model_parallel_size", "expert_model_parallel_size", "max_tokens_per_gpu", "use_dynamic_batch_size", "bf16",
+    "tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "max_tokens_per_gpu",
+    "use_dynamic_batch_size", "bf16",
     "config", "rollout_backend", "rollout_num_engines", "metrics_jsonl", "output_dir", "update_weight_buffer_size",
     "weight_sync_transport", "check_weight_sync", "weight_sync_check_interval", "engine_start_timeout",
     "rollout_request_retries", "placement_timeout",

@@ -94,9 +94,6 @@ NOT_ACTED_ON: dict[str, Ignored] = {
                                       "is not the one you planned", "--context-parallel-size 1",
                                       accepted=(None, 1)),
     # --expert-model-parallel-size is acted on (trainer/parallel.py)
-    "expert_tensor_parallel_size": Ignored("the trainer splits each expert over the tensor-parallel ranks (Megatron's "
-                                           "default, expert TP = TP; tensor and expert parallelism together are "
-                                           "refused separately); a layout, it does not change the update"),
     "decoder_last_pipeline_num_layers": Ignored("a pipeline layout; pipeline stages are refused separately"),
     "decoder_first_pipeline_num_layers": Ignored("a pipeline layout; pipeline stages are refused separately"),
     "recompute_granularity": _MEGATRON_PERF,

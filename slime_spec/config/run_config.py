@@ -60,6 +60,39 @@ def colocated_engine_flags(server_args: dict, offload_rollout: bool | None) -> l
     return flags
 
 
+def expert_tensor_parallel_size(tp: int, etp: int | None) -> int:
+    """--expert-tensor-parallel-size as Megatron resolves it: unset, the TP size."""
+    return tp if etp is None else etp
+
+
+def moe_expert_layout_refusal(tp: int, ep: int, etp: int | None) -> str | None:
+    """Why the trainer does not build this layout of a MoE model's experts (a sentence), or None.
+
+    Built: experts split over the TP ranks without expert parallelism (expert TP = TP, EP 1); expert parallelism
+    with whole experts (expert TP 1) at an EP size that is a multiple of the TP size (megatron-core's folding:
+    attention over TP, experts over EP, on the same ranks). Each checked against one rank
+    (tests/test_trainer_tp.py, tests/test_trainer_ep.py)."""
+    etp = expert_tensor_parallel_size(tp, etp)
+    if etp == tp and (ep == 1 or tp == 1):
+        return None
+    if etp == 1 and ep > 1 and ep % tp == 0:
+        return None
+    if etp == 1 and ep > 1:  # each EP group must hold whole TP groups, for the gather of the weights to sync
+        return (f"--expert-model-parallel-size {ep} with whole experts at --tensor-model-parallel-size {tp} is built "
+                f"with the EP size a multiple of the TP size; use --expert-model-parallel-size "
+                f"{tp * ((ep + tp - 1) // tp)}")
+    if etp == 1:
+        return (f"--expert-tensor-parallel-size 1 at --tensor-model-parallel-size {tp} without expert parallelism "
+                f"replicates every expert over the TP ranks, which is not built; leave --expert-tensor-parallel-size "
+                f"unset (experts split over TP) or split the experts with --expert-model-parallel-size")
+    if etp != tp:
+        return (f"--expert-tensor-parallel-size {etp} is built as 1 or as --tensor-model-parallel-size ({tp}) "
+                f"only")
+    return (f"--tensor-model-parallel-size {tp} with --expert-model-parallel-size {ep} splits each expert over the "
+            f"TP ranks too (--expert-tensor-parallel-size unset = {tp}), which is not built with expert parallelism; "
+            f"add --expert-tensor-parallel-size 1 (whole experts, as slime's MoE scripts run)")
+
+
 def moe_tensor_parallel_refusal(enable_draft_training: bool) -> str | None:
     """Why a MoE model does not train under tensor parallelism with these flags (the end of the message), or None.
 
@@ -216,6 +249,8 @@ class TrainConfig:
     draft_ttt_steps: int = flag_default("draft_ttt_steps")
     tensor_model_parallel_size: int = flag_default("tensor_model_parallel_size")
     expert_model_parallel_size: int = flag_default("expert_model_parallel_size")  # MoE experts split over ranks
+    # each routed expert split over this many ranks; None: the TP size (Megatron's default)
+    expert_tensor_parallel_size: int | None = flag_default("expert_tensor_parallel_size")
     seed: int = flag_default("seed")
 
 

@@ -273,11 +273,8 @@ class Rule(Enum):
         "the change named above, or run rollouts alone with --debug-rollout-only")
     TRAINER_MOE_TP_EP = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
-        "--tensor-model-parallel-size {tp} with --expert-model-parallel-size {ep} for a {family} model: the trainer "
-        "builds expert parallelism at tensor parallel size 1, or tensor parallelism (each expert split over the "
-        "TP ranks, sequence parallel) without expert parallelism, not both",
-        "--tensor-model-parallel-size 1 --expert-model-parallel-size {ep}, or --expert-model-parallel-size 1, or run "
-        "rollouts alone with --debug-rollout-only")
+        "the experts of a {family} model: {why}",
+        "the layout the message names, or run rollouts alone with --debug-rollout-only")
     TRAINER_EXPERT_PARALLEL = _Entry(
         "FLAG_CONFLICT", "error",
         "--expert-model-parallel-size {ep} with a {family} model: {why}",

@@ -181,6 +181,7 @@ def diagnose(parsed: ParsedArgs, launching: bool = False) -> tuple[Config | None
         weight_sync_transport=config.weight_sync.weight_sync_transport,
         tensor_model_parallel_size=config.train.tensor_model_parallel_size,
         expert_model_parallel_size=config.train.expert_model_parallel_size,
+        expert_tensor_parallel_size=config.train.expert_tensor_parallel_size,
     ), F.MODEL_SHAPE_FLAGS)
     findings += (flag_findings(parsed) + embedded_flag_findings(config) + rm_type_findings(config)
                  + ref_load_findings(config))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from slime_spec.config.run_config import resolve_global_batch_size
+from slime_spec.config.run_config import expert_tensor_parallel_size, resolve_global_batch_size
 from slime_spec.doctor.codes import Finding, Rule
 
 
@@ -82,6 +82,8 @@ BOUNDS: tuple[Bound, ...] = (
     Bound("update_weight_buffer_size", _at_least(1), "must be >= 1 byte", "--update-weight-buffer-size 536870912"),
     Bound("tensor_model_parallel_size", _at_least(1), "must be >= 1", "--tensor-model-parallel-size 1", True),
     Bound("expert_model_parallel_size", _at_least(1), "must be >= 1", "--expert-model-parallel-size 1", True),
+    Bound("expert_tensor_parallel_size", lambda v: v is None or v >= 1, "must be >= 1 (or unset: the TP size)",
+          "--expert-tensor-parallel-size 1", True),
     Bound("global_batch_size", _at_least(1), "must be >= 1", "drop it (one step per rollout) or a positive size",
           True),
     Bound("micro_batch_size", _at_least(1), "must be >= 1", "--micro-batch-size 1", True),
@@ -106,11 +108,14 @@ RELATIONS: tuple[Relation, ...] = (
              "{actor_num_gpus_per_node}) are not divisible by --tensor-model-parallel-size "
              "{tensor_model_parallel_size}",
              "--tensor-model-parallel-size dividing {actor_gpus}, or more actor GPUs", trainer_only=True),
-    # at TP 1 (tensor and expert parallel together are refused by spec_checks.check_trainer_support)
-    Relation(lambda v: v["tensor_model_parallel_size"] > 1 or v["actor_gpus"] % v["ep_size"] == 0,
-             "{actor_gpus} actor GPU(s) are not divisible by --expert-model-parallel-size {ep_size}: every MoE "
-             "layer's experts are split over {ep_size} ranks, each replica of that split on its own ranks",
-             "--expert-model-parallel-size dividing {actor_gpus}, or more actor GPUs", trainer_only=True),
+    # Megatron's expert grid: expert TP x EP ranks hold one copy of the experts (which layouts are built:
+    # spec_checks.check_trainer_support)
+    Relation(lambda v: v["ep_size"] == 1 or v["actor_gpus"] % (v["etp_size"] * v["ep_size"]) == 0,
+             "{actor_gpus} actor GPU(s) are not divisible by --expert-model-parallel-size {ep_size} x expert tensor "
+             "parallel size {etp_size}: every MoE layer's experts are split over {ep_size} x {etp_size} ranks, each "
+             "replica of that split on its own ranks",
+             "--expert-model-parallel-size dividing {actor_gpus} / {etp_size}, or more actor GPUs",
+             trainer_only=True),
     Relation(lambda v: v["dp_size"] == 0 or v["global_batch"] % v["micro_dp"] == 0,
              "global batch {global_batch} is not a multiple of --micro-batch-size {micro_batch_size} x "
              "data-parallel size {dp_size} (actor GPUs / tensor-parallel size)",
@@ -136,7 +141,8 @@ def derived_values(values: dict) -> dict:
     tp = values["tensor_model_parallel_size"]
     dp = actor_gpus // tp if tp >= 1 and actor_gpus % tp == 0 else 0
     return {**values, "global_batch": global_batch, "actor_gpus": actor_gpus, "dp_size": dp,
-            "micro_dp": values["micro_batch_size"] * dp, "ep_size": values.get("expert_model_parallel_size") or 1}
+            "micro_dp": values["micro_batch_size"] * dp, "ep_size": values.get("expert_model_parallel_size") or 1,
+            "etp_size": expert_tensor_parallel_size(max(tp, 1), values.get("expert_tensor_parallel_size"))}
 
 
 def check(values: dict) -> list[Finding]:

@@ -14,7 +14,7 @@ from functools import cached_property
 
 from slime_spec.common.dtypes import config_dtype
 from slime_spec.common.model_families import MOE_FAMILIES
-from slime_spec.config.run_config import moe_tensor_parallel_refusal
+from slime_spec.config.run_config import moe_expert_layout_refusal, moe_tensor_parallel_refusal
 from slime_spec.doctor.codes import Finding, Rule
 from slime_spec.speculative import settings as spec
 from slime_spec.speculative.settings import Algorithm, SpecConfig, native_mtp_layers
@@ -47,6 +47,7 @@ class CheckInput:
     weight_sync_transport: str | None = None  # --weight-sync-transport (None: by --colocate)
     tensor_model_parallel_size: int = 1  # the trainer's (Megatron's --tensor-model-parallel-size)
     expert_model_parallel_size: int = 1  # the trainer's (Megatron's --expert-model-parallel-size)
+    expert_tensor_parallel_size: int | None = None  # Megatron's --expert-tensor-parallel-size (None: the TP size)
 
     @cached_property
     def resolved(self) -> tuple[SpecConfig | None, list[Finding]]:
@@ -272,8 +273,9 @@ def check_trainer_support(inp: CheckInput) -> list[Finding]:
             why := moe_tensor_parallel_refusal(inp.enable_draft_training)):
         return [Rule.TRAINER_MOE_TP.finding(family=family, tp=inp.tensor_model_parallel_size, why=why)]
     ep = inp.expert_model_parallel_size
-    if family in MOE_FAMILIES and inp.tensor_model_parallel_size > 1 and ep > 1:
-        return [Rule.TRAINER_MOE_TP_EP.finding(family=family, tp=inp.tensor_model_parallel_size, ep=ep)]
+    if family in MOE_FAMILIES and (why := moe_expert_layout_refusal(inp.tensor_model_parallel_size, ep,
+                                                                     inp.expert_tensor_parallel_size)):
+        return [Rule.TRAINER_MOE_TP_EP.finding(family=family, why=why)]
     if ep > 1 and family not in MOE_FAMILIES:
         return [Rule.TRAINER_EXPERT_PARALLEL.finding(ep=ep, family=family, why="it has no experts to split",
                                                      fix="--expert-model-parallel-size 1")]

@@ -39,7 +39,8 @@ class TrainActor:
         from slime_spec.trainer.parallel import init_parallel
         from slime_spec.trainer.trainer import Trainer
         init_parallel(self.rank, self.world_size, master_addr, master_port, train.tensor_model_parallel_size,
-                      train.seed, ep_size=train.expert_model_parallel_size)
+                      train.seed, ep_size=train.expert_model_parallel_size,
+                      etp_size=train.expert_tensor_parallel_size)
         self.trainer = Trainer(train, draft_model_path)
         return self.trainer.get_tp_info()
 

@@ -3,7 +3,8 @@
 Layout (Megatron's naming):
   {dir}/latest_checkpointed_iteration.txt        the rollout id of the newest checkpoint
   {dir}/iter_{rollout_id:07d}/data_position.json  where the prompt stream stands after that rollout (rollout/data.py)
-  {dir}/iter_{rollout_id:07d}/tp_rank_{r:02d}.pt    {"format": 1, "rollout_id", "tp_size", "ep_size", "hf_config",
+  {dir}/iter_{rollout_id:07d}/tp_rank_{r:02d}.pt    {"format": 1, "rollout_id", "tp_size", "ep_size", "etp_size",
+                                                    "hf_config",
                                                     "model": {megatron name: local shard},
                                                     "optimizer": torch optimizer state_dict or None,
                                                     "draft": online EAGLE3 draft {"model", "optimizer"} or None}
@@ -85,13 +86,14 @@ def shard_path(directory: str | Path, rollout_id: int, tp_rank: int, ep_rank: in
 
 def save_shard(directory: str | Path, rollout_id: int, tp_rank: int, tp_size: int, hf_config: dict,
                model_state: dict[str, torch.Tensor], optimizer_state: dict | None,
-               draft_state: dict | None = None, ep_rank: int = 0, ep_size: int = 1) -> Path:
+               draft_state: dict | None = None, ep_rank: int = 0, ep_size: int = 1,
+               etp_size: int | None = None) -> Path:
     path = shard_path(directory, rollout_id, tp_rank, ep_rank, ep_size)
     created = not path.parent.exists()
     try:
         with _written(path, "the checkpoint shard") as f:  # a file object: a full disk raises ENOSPC, not a zip error
             torch.save({"format": FORMAT, "rollout_id": rollout_id, "tp_size": tp_size, "ep_size": ep_size,
-                        "hf_config": hf_config,
+                        "etp_size": tp_size if etp_size is None else etp_size, "hf_config": hf_config,
                         "model": {k: v.detach().cpu() for k, v in model_state.items()}, "optimizer": optimizer_state,
                         "draft": draft_state}, f)
     except BaseException:
@@ -185,7 +187,7 @@ def latest_rollout_id(directory: str | Path) -> int:
 
 
 def load_shard(directory: str | Path, tp_rank: int, tp_size: int, rollout_id: int | None = None,
-               ep_rank: int = 0, ep_size: int = 1) -> dict:
+               ep_rank: int = 0, ep_size: int = 1, etp_size: int | None = None) -> dict:
     rollout_id = latest_rollout_id(directory) if rollout_id is None else rollout_id
     path = shard_path(directory, rollout_id, tp_rank, ep_rank, ep_size)
     if not path.is_file() and ep_size != 1 and shard_path(directory, rollout_id, tp_rank).is_file():
@@ -202,4 +204,8 @@ def load_shard(directory: str | Path, tp_rank: int, tp_size: int, rollout_id: in
     if shard.get("ep_size", 1) != ep_size:
         raise ValueError(f"--load {directory}: saved with expert_model_parallel_size={shard.get('ep_size', 1)}, "
                          f"now {ep_size}; load it with the same --expert-model-parallel-size")
+    saved_etp, etp_size = shard.get("etp_size", shard["tp_size"]), tp_size if etp_size is None else etp_size
+    if saved_etp != etp_size:  # shards saved before the field: expert TP was the TP size
+        raise ValueError(f"--load {directory}: saved with expert_tensor_parallel_size={saved_etp}, now {etp_size}; "
+                         f"load it with the same --expert-tensor-parallel-size")
     return shard

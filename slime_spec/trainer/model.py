@@ -186,9 +186,11 @@ def named_weights(model):
 
 
 def load_hf_weights(model, hf_state: dict[str, torch.Tensor], hf_config: dict, tp_rank: int, tp_size: int,
-                    ep_rank: int = 0, ep_size: int = 1) -> None:
+                    ep_rank: int = 0, ep_size: int = 1, etp_rank: int | None = None,
+                    etp_size: int | None = None) -> None:
     """Copy an HF state dict into this rank's shards (HF -> Megatron names, MTP included; under expert
-    parallelism only this EP rank's experts); strict."""
+    parallelism only this EP rank's experts, each split over the expert-TP ranks, by default the TP ranks);
+    strict."""
     family = convert.family_of(hf_config)
     mtp_layers = model.config.mtp_num_layers or 0
     if family == "mimo":  # the checkpoint may carry more MTP layers than the trainer runs
@@ -213,7 +215,10 @@ def load_hf_weights(model, hf_state: dict[str, torch.Tensor], hf_config: dict, t
             tensor = full[name]
             if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
                 tensor = F.pad(tensor, (0, 0, 0, padded_vocab_size(tensor.shape[0], tp_size) - tensor.shape[0]))
-            shard = convert.split_tp_shard(name, tensor, tp_rank, tp_size)
+            if convert.expert_index(name) is not None and etp_size is not None:
+                shard = convert.split_tp_shard(name, tensor, etp_rank, etp_size)
+            else:
+                shard = convert.split_tp_shard(name, tensor, tp_rank, tp_size)
             if shard.shape != param.shape:
                 raise ValueError(f"{name}: HF gives shard shape {tuple(shard.shape)}, model has {tuple(param.shape)}")
             param.copy_(shard)

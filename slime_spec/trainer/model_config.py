@@ -8,7 +8,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slime_spec.config.run_config import TrainConfig, moe_tensor_parallel_refusal
+from slime_spec.config.run_config import (
+    TrainConfig,
+    expert_tensor_parallel_size,
+    moe_expert_layout_refusal,
+    moe_tensor_parallel_refusal,
+)
 from slime_spec.weight_sync import convert
 
 BUILDABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "glm4_moe", "deepseek_v3")
@@ -124,19 +129,18 @@ def moe_config(hf_config: dict, family: str, train: TrainConfig) -> dict:
     tp = train.tensor_model_parallel_size
     if tp > 1 and (why := moe_tensor_parallel_refusal(train.enable_draft_training)):
         raise ValueError(f"--tensor-model-parallel-size {tp} with a {family} model{why}")
-    if tp > 1 and ep > 1:  # expert TP = TP here (parallel.py), so the grid would need TP x EP ranks per replica
-        raise ValueError(f"--tensor-model-parallel-size {tp} with --expert-model-parallel-size {ep}: the trainer "
-                         f"builds expert parallelism at tensor parallel size 1, or tensor parallelism without expert "
-                         f"parallelism, not both; use --tensor-model-parallel-size 1 or --expert-model-parallel-size 1")
+    if why := moe_expert_layout_refusal(tp, ep, train.expert_tensor_parallel_size):
+        raise ValueError(f"the experts of a {family} model: {why}")
+    layout = dict(expert_model_parallel_size=ep, sequence_parallel=tp > 1,  # megatron-core's MoE layer under TP
+                  expert_tensor_parallel_size=expert_tensor_parallel_size(tp, train.expert_tensor_parallel_size))
     if family in DENSE_FIRST_FAMILIES:
-        return {**dense_first_moe_config(hf_config), "expert_model_parallel_size": ep, "sequence_parallel": tp > 1}
+        return {**dense_first_moe_config(hf_config), **layout}
     if hf_config.get("mlp_only_layers") or int(hf_config.get("decoder_sparse_step", 1)) != 1:
         raise ValueError(f"mlp_only_layers={hf_config.get('mlp_only_layers')}, decoder_sparse_step="
                          f"{hf_config.get('decoder_sparse_step')}: the trainer builds Qwen3-MoE with every layer "
                          f"sparse (as Qwen3-30B-A3B and Qwen3-235B-A22B)")
     return dict(
-        expert_model_parallel_size=ep,
-        sequence_parallel=tp > 1,  # megatron-core's MoE layer under TP (sequence_parallel.py)
+        **layout,
         num_moe_experts=int(hf_config["num_experts"]),
         moe_router_topk=int(hf_config["num_experts_per_tok"]),
         moe_ffn_hidden_size=int(hf_config["moe_intermediate_size"]),

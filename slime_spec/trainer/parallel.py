@@ -1,10 +1,10 @@
 """torch.distributed + megatron-core model-parallel state for one train process.
 
 World = data-parallel x tensor-parallel ranks (no pipeline / context parallelism); the MoE layers' experts are
-further split over --expert-model-parallel-size ranks (Megatron's expert grid: expert-TP = TP, then EP, then
-expert data parallel), so data parallel size = world / TP as Megatron computes it, and each EP rank holds
-num_experts / EP experts. gloo on CPU, nccl on CUDA. Megatron's state is process-global, so one process holds
-one model.
+laid out on Megatron's expert grid over the same ranks: expert TP (--expert-tensor-parallel-size, unset = TP), then
+EP, then expert data parallel. Data parallel size = world / TP as Megatron computes it; each EP rank holds
+num_experts / EP experts, each split over the expert-TP ranks. gloo on CPU, nccl on CUDA. Megatron's state is
+process-global, so one process holds one model.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from slime_spec.common.net import free_port
+from slime_spec.config.run_config import expert_tensor_parallel_size
 from slime_spec.trainer import cpu_compat
 
 
@@ -33,16 +34,19 @@ class TPInfo:
     ep_rank: int = 0  # expert-parallel rank: holds experts ep_rank * E / ep_size .. (ep_rank + 1) * E / ep_size - 1
     ep_size: int = 1
     edp_rank: int = 0  # rank among the replicas of this rank's experts (expert data parallel)
+    etp_rank: int = 0  # expert tensor parallel: each routed expert split over etp_size ranks
+    etp_size: int = 1
 
 
 def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int, tp_size: int,
-                  seed: int, timeout_s: float = 600.0, ep_size: int = 1) -> TPInfo:
+                  seed: int, timeout_s: float = 600.0, ep_size: int = 1, etp_size: int | None = None) -> TPInfo:
     """Join the default process group and set Megatron's TP/DP/EP groups and RNG trackers."""
     if world_size % tp_size:
         raise ValueError(f"tensor_model_parallel_size={tp_size} must divide the number of train processes "
                          f"({world_size} = actor_num_nodes x actor_num_gpus_per_node)")
-    if ep_size < 1 or world_size % (tp_size * ep_size):
-        raise ValueError(f"expert_model_parallel_size={ep_size} x tensor_model_parallel_size={tp_size} must divide "
+    etp_size = expert_tensor_parallel_size(tp_size, etp_size)
+    if ep_size < 1 or etp_size < 1 or world_size % (etp_size * ep_size):
+        raise ValueError(f"expert_model_parallel_size={ep_size} x expert_tensor_parallel_size={etp_size} must divide "
                          f"the number of train processes ({world_size} = actor_num_nodes x "
                          f"actor_num_gpus_per_node); choose --expert-model-parallel-size accordingly")
     cpu_compat.apply()
@@ -61,9 +65,9 @@ def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int
     from megatron.core import parallel_state, tensor_parallel
 
     if not parallel_state.model_parallel_is_initialized():
-        # expert-TP left to Megatron's default (= TP): the weight sync and checkpoints assume that grid
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
-                                                 expert_model_parallel_size=ep_size)
+                                                 expert_model_parallel_size=ep_size,
+                                                 expert_tensor_parallel_size=etp_size)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return current_tp_info()
@@ -93,7 +97,8 @@ def current_tp_info() -> TPInfo:
                   tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
                   dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
                   ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
-                  edp_rank=ps.get_expert_data_parallel_rank())
+                  edp_rank=ps.get_expert_data_parallel_rank(), etp_rank=ps.get_expert_tensor_parallel_rank(),
+                  etp_size=ps.get_expert_tensor_parallel_world_size())
 
 
 def destroy_parallel() -> None:

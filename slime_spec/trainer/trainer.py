@@ -112,13 +112,14 @@ class Trainer:
         if t.load:
             logger.info("--load %s holds no checkpoint yet; starting from --hf-checkpoint", t.load)
         M.load_hf_weights(self.model, M.read_hf_state(t.hf_checkpoint), self.hf_config,
-                          self.tp.tp_rank, self.tp.tp_size, self.tp.ep_rank, self.tp.ep_size)
+                          self.tp.tp_rank, self.tp.tp_size, self.tp.ep_rank, self.tp.ep_size,
+                          self.tp.etp_rank, self.tp.etp_size)
         return None
 
     @property
     def _ep_shard(self) -> dict:
         """Which checkpoint shard file is this rank's under expert parallelism (checkpoint.shard_path)."""
-        return dict(ep_rank=self.tp.ep_rank, ep_size=self.tp.ep_size)
+        return dict(ep_rank=self.tp.ep_rank, ep_size=self.tp.ep_size, etp_size=self.tp.etp_size)
 
     def _copy_into_model(self, state: dict[str, torch.Tensor]) -> None:
         params = dict(self.model.named_parameters())
@@ -140,7 +141,7 @@ class Trainer:
                                                         **self._ep_shard)["model"])
         else:
             M.load_hf_weights(self.model, M.read_hf_state(source), self.hf_config, self.tp.tp_rank, self.tp.tp_size,
-                              self.tp.ep_rank, self.tp.ep_size)
+                              self.tp.ep_rank, self.tp.ep_size, self.tp.etp_rank, self.tp.etp_size)
         ref = {n: p.detach().clone() for n, p in self.model.named_parameters()}
         self._copy_into_model(current)
         return ref
@@ -168,7 +169,7 @@ class Trainer:
         from host memory, with no round trip through the GPU)."""
         from slime_spec.weight_sync.gather import iter_hf_tensors
         groups = self.gather_groups()
-        gathers = groups["tp_size"] > 1 or groups["ep_size"] > 1
+        gathers = groups["tp_size"] > 1 or groups["ep_size"] > 1 or groups["etp_size"] > 1
         named = (self.named_megatron_params() if gathers
                  else ((n, p.detach()) for n, p in M.named_weights(self.model)))
         return {t.name: t.tensor.cpu() for t in iter_hf_tensors(named, self.hf_config, **groups)}
@@ -179,7 +180,9 @@ class Trainer:
 
         return dict(tp_group=ps.get_tensor_model_parallel_group() if self.tp.tp_size > 1 else None,
                     tp_size=self.tp.tp_size, ep_size=self.tp.ep_size,
-                    ep_group=ps.get_expert_model_parallel_group() if self.tp.ep_size > 1 else None)
+                    ep_group=ps.get_expert_model_parallel_group() if self.tp.ep_size > 1 else None,
+                    etp_group=ps.get_expert_tensor_parallel_group() if self.tp.etp_size > 1 else None,
+                    etp_size=self.tp.etp_size)
 
     @torch.no_grad()
     def forward_logits(self, input_ids: list[list[int]]) -> dict[str, torch.Tensor]:

@@ -3,8 +3,9 @@
 Three steps, each a plain function:
 1. gather: every tensor-parallel rank holds a shard; all-gather them over Megatron's TP group and
    merge them (`convert.merge_tp_shards`: along `tp_split_dim`, regrouping the per-rank [gate; up]
-   halves of `linear_fc1`); a routed expert is then all-gathered over the expert-parallel group, each
-   rank's experts renamed to their global numbers.
+   halves of `linear_fc1`), a routed expert over the expert-TP group instead (the TP group unless
+   --expert-tensor-parallel-size says otherwise); a routed expert is then all-gathered over the
+   expert-parallel group, each rank's experts renamed to their global numbers.
 2. convert: Megatron name and layout -> HF names (`convert.megatron_to_hf`), MTP layers marked.
 3. bucket: group the HF tensors into buckets of at most `buffer_bytes` (one tensor larger than the
    buffer gets a bucket of its own), target and MTP tensors never mixed, so each kind can go to the
@@ -182,13 +183,18 @@ def gather_ep_param(megatron_name: str, tensor: torch.Tensor, hf_config: dict, e
 
 
 def iter_hf_tensors(named_params: Iterable[tuple[str, torch.Tensor]], hf_config: dict, *,
-                    tp_group=None, tp_size: int = 1, ep_group=None, ep_size: int = 1) -> Iterator[NamedTensor]:
+                    tp_group=None, tp_size: int = 1, ep_group=None, ep_size: int = 1, etp_group=None,
+                    etp_size: int | None = None) -> Iterator[NamedTensor]:
     """Megatron (name, local shard) pairs -> HF-named full tensors, MTP layers marked `kind="mtp"`; under expert
-    parallelism every EP rank's experts (each rank must then iterate its own experts in the same order)."""
+    parallelism every EP rank's experts (each rank must then iterate its own experts in the same order). A routed
+    expert is split over the expert-TP ranks (`etp_group`; None: the TP ranks, Megatron's default)."""
     from slime_spec.weight_sync import convert
     family = convert.family_of(hf_config)
     for megatron_name, shard in named_params:
-        full = gather_tp_param(megatron_name, shard, tp_group, tp_size)
+        if etp_size is not None and convert.expert_index(megatron_name) is not None:
+            full = gather_tp_param(megatron_name, shard, etp_group, etp_size)
+        else:
+            full = gather_tp_param(megatron_name, shard, tp_group, tp_size)
         kind: Kind = "mtp" if convert.is_mtp_param(megatron_name) else "target"
         for name, whole in gather_ep_param(megatron_name, full, hf_config, ep_group, ep_size):
             for hf_name, tensor in convert.megatron_to_hf(family, name, whole, hf_config):
