@@ -1,7 +1,8 @@
 """A tiny DeepSeek-V3 with its NextN MTP layer through the whole loop: `python -m slime_spec.train`, two GRPO steps on
 CPU with the trainer's megatron-core MLA + MoE model and its MTP layer trained online, NEXTN speculative rollout on the
 embedded engine drafting with that layer, every step's target and MTP tensors synced and checked against the engine's
-runners (--check-weight-sync)."""
+runners (--check-weight-sync). Its FP8 release format runs through scripts/run-deepseek-v3-mtp.sh
+(tests/e2e/test_slime_scripts_small.py)."""
 
 import json
 
@@ -30,26 +31,3 @@ def test_deepseek_v3_two_grpo_steps_with_trained_mtp_and_nextn_rollout(tmp_path,
         assert m["mtp_loss"] > 0
     assert any(m["grad_norm"] > 0 for m in steps)
 
-
-def test_deepseek_v3_fp8_checkpoint_trains_and_syncs_quantized_with_its_scales(tmp_path, ray_head):
-    """DeepSeek-V3's released format: FP8 projections with 128 x 128 block scales (make-tiny-model --fp8). The trainer
-    reads it dequantized and trains in its own precision; every sync sends each quantized weight as FP8 with a fresh
-    scale (weight_sync/fp8.py), which the engine pairs and dequantizes; the checksums are SGLang's for an FP8 model."""
-    model = make_tiny_model(tmp_path / "model", arch="deepseek_v3", hidden_size=512, num_layers=2,
-                            intermediate_size=256, max_position_embeddings=128, mtp_layers=1, first_k_dense_replace=1,
-                            seed=3, dtype="bfloat16", fp8=True)
-    steps = run_grpo_steps(tmp_path, model, [
-        "--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-num-steps", "2",
-        "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "3",
-        "--mtp-num-layers", "1", "--enable-mtp-training", "--check-weight-sync"], ray_head)
-    config = json.loads((model / "config.json").read_text())
-    # as above, plus a scale for every quantized projection: MLA's five, layer 0's three, each expert's and the
-    # shared expert's three
-    experts = config["n_routed_experts"]
-    dense, sparse = 2 + 7 + 3 + 5 + 3, 2 + 7 + 2 + 3 * experts + 3 + 5 + 3 * experts + 3
-    for m in steps:
-        assert m["spec_verify_ct"] > 0 and m["spec_draft_tokens"] > 0
-        assert m["weight_sync_params"] == dense + sparse + 3 and m["weight_sync_mtp_params"] == sparse + 4
-        assert m["weight_sync_checked"] == 1  # SGLang's FP8 checksums (dequantized pairs) matched what was sent
-        assert m["mtp_loss"] > 0
-    assert any(m["grad_norm"] > 0 for m in steps)

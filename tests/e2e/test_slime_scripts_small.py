@@ -3,8 +3,10 @@ changed only) train two GRPO steps on a tiny stand-in of their model, with scrip
 overrides, through `python -m slime_spec.train`: a slime user changes nothing but the paths. So do our own native-MTP
 scripts (scripts/run-glm4.5-mtp.sh, scripts/run-deepseek-v3-mtp.sh): run with SMALL_MACHINE=1 on a tiny stand-in, the
 flags each hands on (recorded where the script calls its doctor) train the policy and the MTP layer online with
-speculative rollout and a checked weight sync; DeepSeek-V3's stand-in is block-wise FP8 as its release is, so its
-colocated sync sends FP8 weights with fresh scales through the tensor transport."""
+speculative rollout and a checked weight sync (GLM-4.5's: every target and MTP tensor, trainer and engine log-probs
+within 1e-4); DeepSeek-V3's stand-in is block-wise FP8 as its release is, so its colocated sync sends FP8 weights with
+fresh scales through the tensor transport, which the engine pairs and dequantizes, and the checksums are SGLang's for
+an FP8 model."""
 
 import json
 import os
@@ -87,8 +89,20 @@ def test_own_mtp_script_trains_policy_and_mtp_layer_on_a_tiny_stand_in(tmp_path,
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [s["rollout_id"] for s in steps] == [0, 1]
     for s in steps:
-        assert s["spec_verify_ct"] > 0 and s["mtp_loss"] > 0  # the MTP layer drafted, and was trained
+        assert s["spec_verify_ct"] > 0 and s["spec_draft_tokens"] > 0  # the MTP layer drafted, the target verified
+        assert s["mtp_loss"] > 0  # and the MTP layer was trained
         assert s["weight_sync_mtp_params"] > 0 and s["weight_sync_checked"] == 1  # synced, the engine's sums agree
+    assert any(s["grad_norm"] > 0 for s in steps)  # the policy moved, and the checked sync carried it
+    if arch == "glm4_moe":
+        config = json.loads((model / "config.json").read_text())
+        # layer 0 dense: 2 norms, q/k/v weight and bias, o, gate/up/down; layer 1 and the MTP layer sparse: the router
+        # and its correction bias, each expert's three, the shared expert's three; the MTP layer adds enorm, hnorm,
+        # eh_proj and shared_head.norm (its embedding and head copies are not sent: the NextN runner shares the
+        # target's)
+        dense, sparse = 2 + 7 + 3, 2 + 7 + 2 + 3 * config["n_routed_experts"] + 3
+        for s in steps:
+            assert s["weight_sync_params"] == dense + sparse + 3 and s["weight_sync_mtp_params"] == sparse + 4
+            assert s["train_rollout_logprob_abs_diff"] < 1e-4  # the engine's GLM-4.5 and the trainer's agree
     if arch == "deepseek_v3":  # every FP8 weight went with its scale: as many tensors as the checkpoint holds, but the
         # MTP layer's embedding and head copies (the NextN runner takes the target's)
         from safetensors.torch import load_file
