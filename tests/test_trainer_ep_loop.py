@@ -1,7 +1,8 @@
 """A tiny Qwen3-MoE through the whole loop on two train ranks, its experts split by expert parallelism (each rank
-holds two of the four) or by tensor parallelism (each expert split, the sequence too): `python -m slime_spec.train
---actor-num-gpus-per-node 2`, two GRPO steps on CPU (gloo), every step's weights (every expert, whole) synced into
-the embedded engine and checked against it (--check-weight-sync)."""
+holds two of the four), by tensor parallelism (each expert split, the sequence too), or by both on the same two ranks
+with whole experts (--expert-tensor-parallel-size 1, as slime's MoE scripts): `python -m slime_spec.train
+--actor-num-gpus-per-node 2`, two GRPO steps on CPU (gloo), NGRAM speculative rollout on the embedded engine, every
+step's weights (every expert, whole) synced into the engine and checked against it (--check-weight-sync)."""
 
 import json
 
@@ -10,19 +11,24 @@ import pytest
 from slime_spec.tools.tiny_model import make_tiny_model
 from tests.helpers.train_loops import run_grpo_steps
 
+NGRAM = ["--sglang-speculative-algorithm", "NGRAM", "--sglang-speculative-num-draft-tokens", "3"]
 
-@pytest.mark.parametrize("layout", [["--expert-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2"]],
-                         ids=["ep2", "tp2"])
+
+@pytest.mark.parametrize("layout", [["--expert-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2"],
+                                    ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                                     "--expert-tensor-parallel-size", "1"]],
+                         ids=["ep2", "tp2", "tp2_ep2"])
 def test_qwen3_moe_two_grpo_steps_on_two_ranks(tmp_path, layout):
     model = make_tiny_model(tmp_path / "model", arch="qwen3_moe", hidden_size=32, num_layers=2, intermediate_size=64,
                             max_position_embeddings=128, num_experts=4, seed=3)
-    steps = run_grpo_steps(tmp_path, model, ["--actor-num-gpus-per-node", "2", *layout, "--check-weight-sync"])
+    steps = run_grpo_steps(tmp_path, model, ["--actor-num-gpus-per-node", "2", *layout, *NGRAM, "--check-weight-sync"])
     config = json.loads((model / "config.json").read_text())
     # per layer q/k/v/o, q_norm, k_norm, 2 norms, the router and each expert's gate/up/down; embedding, norm, head
     tensors = config["num_hidden_layers"] * (8 + 1 + 3 * config["num_experts"]) + 2 + \
         (not config["tie_word_embeddings"])
     for m in steps:
-        assert m["weight_sync_params"] == tensors
+        assert m["spec_verify_ct"] > 0 and m["spec_accept_length"] >= 1.0  # NGRAM drafted and verified
+        assert m["weight_sync_params"] == tensors and m["weight_sync_mtp_params"] == 0
         assert m["weight_sync_checked"] == 1  # the engine's checksums matched what was sent
         assert m["train_rollout_logprob_abs_diff"] < 1e-4  # the split trainer and the engine agree
-    assert any(m["grad_norm"] > 0 for m in steps)
+    assert any(m["grad_norm"] > 0 for m in steps)  # the policy moved, and the checked sync carried it
