@@ -1,10 +1,11 @@
 """Round trip of the control requests a weight sync makes, an engine on the GPU next to one on the CPU, same run.
 
 A sync sends five control requests besides its buckets (pause, begin, end, weight version, continue) and a flush.
-On an H200 they took about 7 ms each (`bench/weight_sync.py`'s "control", 0.035 s a sync) where an engine on the
-CPU of the same machine answers in about 2 ms: this measures both side by side, request by request, interleaved
-(`--rounds`), with the HTTP floor (`GET /model_info`) beside them, and with `--profile DIR` records the GPU engine's
-processes with py-spy (where it is on PATH) during the same sequence, one file per run.
+At MiMo-7B's shape on an H200 they took about 7 ms each (`bench/weight_sync.py`'s "control", 0.035 s a sync). This
+measures an engine on the GPU and one on the CPU side by side, request by request, interleaved (`--rounds`), with the
+HTTP floor (`GET /model_info`) beside them (a tiny model on one H200: 2.2-4.6 ms a request on either, results in
+docs/en/benchmarks/weight-sync-h200-2026-11.md), and with `--profile DIR` records the GPU engine's processes with
+py-spy (where it is on PATH) during the same sequence, one file per run.
 
     python bench/engine_control.py                      # cpu, and cuda where a GPU is seen
     python bench/engine_control.py --profile /tmp/spy   # plus py-spy of the cuda engine
