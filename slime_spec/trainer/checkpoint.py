@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from slime_spec.config.run_config import expert_tensor_parallel_size
+
 FORMAT = 1
 LATEST = "latest_checkpointed_iteration.txt"
 DATA_POSITION = "data_position.json"
@@ -93,7 +95,7 @@ def save_shard(directory: str | Path, rollout_id: int, tp_rank: int, tp_size: in
     try:
         with _written(path, "the checkpoint shard") as f:  # a file object: a full disk raises ENOSPC, not a zip error
             torch.save({"format": FORMAT, "rollout_id": rollout_id, "tp_size": tp_size, "ep_size": ep_size,
-                        "etp_size": tp_size if etp_size is None else etp_size, "hf_config": hf_config,
+                        "etp_size": expert_tensor_parallel_size(tp_size, etp_size), "hf_config": hf_config,
                         "model": {k: v.detach().cpu() for k, v in model_state.items()}, "optimizer": optimizer_state,
                         "draft": draft_state}, f)
     except BaseException:
@@ -204,7 +206,7 @@ def load_shard(directory: str | Path, tp_rank: int, tp_size: int, rollout_id: in
     if shard.get("ep_size", 1) != ep_size:
         raise ValueError(f"--load {directory}: saved with expert_model_parallel_size={shard.get('ep_size', 1)}, "
                          f"now {ep_size}; load it with the same --expert-model-parallel-size")
-    saved_etp, etp_size = shard.get("etp_size", shard["tp_size"]), tp_size if etp_size is None else etp_size
+    saved_etp, etp_size = shard.get("etp_size", shard["tp_size"]), expert_tensor_parallel_size(tp_size, etp_size)
     if saved_etp != etp_size:  # shards saved before the field: expert TP was the TP size
         raise ValueError(f"--load {directory}: saved with expert_tensor_parallel_size={saved_etp}, now {etp_size}; "
                          f"load it with the same --expert-tensor-parallel-size")
