@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             config = WeightSyncConfig(update_weight_buffer_size=mb << 20, weight_sync_check_interval=a.check_interval)
             syncer = WeightSyncer([EngineClient(url)], config, hf_config=hf_config, hf_checkpoint=served,
                                   spec=SpecSetup("EAGLE", None, str(served)), has_mtp_layers=True,
-                                  transport="distributed", backend=a.backend, master_port=free_port())
+                                  transport="distributed", backend=a.backend)
             syncer.prepare()
             syncer.transport.flatten = fmt == "flattened"  # the group forms at the first sync
             for i in range(a.repeats):  # interleaved, so both see the same machine load

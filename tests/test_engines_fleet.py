@@ -15,7 +15,6 @@ import pytest
 import ray
 from safetensors.torch import load_file
 
-from slime_spec.common.net import free_port
 from slime_spec.config.run_config import EngineConfig, RolloutConfig, WeightSyncConfig
 from slime_spec.driver.loop import generate_fenced, run_all
 from slime_spec.fleet.client import EngineClient, EngineGroupError
@@ -127,7 +126,7 @@ def run(tmp_path_factory):
     syncer = WeightSyncer([EngineClient(u) for u in urls], WeightSyncConfig(check_weight_sync=True),
                           hf_config=json.loads((model / "config.json").read_text()), hf_checkpoint=model,
                           spec=SpecSetup(None, None, str(model)), has_mtp_layers=False, transport="distributed",
-                          master_port=free_port(), timeout_s=60)  # a regression hangs 60 s, not 5 min
+                          timeout_s=60)  # a regression hangs 60 s, not 5 min
     try:
         yield root, manager, urls, syncer
     finally:

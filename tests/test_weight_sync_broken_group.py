@@ -16,7 +16,6 @@ import threading
 
 import pytest
 
-from slime_spec.common.net import free_port
 from slime_spec.config.run_config import WeightSyncConfig
 from slime_spec.fleet.client import EngineClient
 from slime_spec.tools.tiny_model import make_config, make_weights
@@ -45,7 +44,7 @@ def distributed_syncer(servers: list) -> WeightSyncer:
                               weight_sync_check_interval=1)
     return WeightSyncer([EngineClient(s.url) for s in servers], config, hf_config=MIMO, hf_checkpoint="/nonexistent",
                         spec=SpecSetup("EAGLE", None, "/ckpt"), has_mtp_layers=True, transport="distributed",
-                        master_port=free_port(), timeout_s=GROUP_TIMEOUT_S)
+                        timeout_s=GROUP_TIMEOUT_S)
 
 
 def serve_fake_engine(conn) -> None:

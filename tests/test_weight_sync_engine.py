@@ -120,7 +120,7 @@ def test_engine_serves_megatron_weights_after_sync(request, megatron, tmp_path, 
                                                                 check_weight_sync=True),
                               hf_config=hf_config, hf_checkpoint=served,
                               spec=SpecSetup.from_server_args(_spec_args(flags), str(served)),
-                              has_mtp_layers=bool(mtp), transport=transport, master_port=free_port(),
+                              has_mtp_layers=bool(mtp), transport=transport,
                               disk_dir=tmp_path / "sync")
         metrics = syncer.sync(iter_hf_tensors(policy.named_parameters(), hf_config), weight_version="1")
         syncer.close()
@@ -178,7 +178,7 @@ def test_failed_sync_leaves_the_engine_serving_previous_weights(engine, tmp_path
     syncer = WeightSyncer([engine.client], WeightSyncConfig(update_weight_buffer_size=buffer_bytes),
                           hf_config=_config(served), hf_checkpoint=served,
                           spec=SpecSetup("EAGLE", None, str(served)),
-                          has_mtp_layers=True, transport=transport, master_port=free_port())
+                          has_mtp_layers=True, transport=transport)
     syncer.prepare()
     if transport == "distributed":
         syncer.transport.flatten = flatten
@@ -204,7 +204,7 @@ def test_check_interval_reads_the_checksums_every_nth_sync(engine, tmp_path):
     new = make_tiny_model(tmp_path / "new", arch="mimo", seed=1, **TINY)
     syncer = WeightSyncer([engine.client], WeightSyncConfig(weight_sync_check_interval=3),
                           hf_config=_config(served), hf_checkpoint=served, spec=SpecSetup("EAGLE", None, str(served)),
-                          has_mtp_layers=True, transport="distributed", master_port=free_port())
+                          has_mtp_layers=True, transport="distributed")
     good = list(iter_hf_state(_state(new), _config(new)))
     flags = [(m["weight_sync_checked"], m["weight_sync_covered"])
              for m in (syncer.sync(iter(good), weight_version=str(i)) for i in range(5))]
@@ -256,7 +256,7 @@ def _tp_worker(rank: int, tp_size: int, port: int, trained: str, engine_url: str
     if rank == 0:
         syncer = WeightSyncer([EngineClient(engine_url)], WeightSyncConfig(check_weight_sync=True),
                               hf_config=hf_config, hf_checkpoint=trained, spec=SpecSetup("EAGLE", None, trained),
-                              has_mtp_layers=True, transport="distributed", master_port=free_port())
+                              has_mtp_layers=True, transport="distributed")
         metrics = syncer.sync(tensors, weight_version="tp")
         syncer.close()
     else:

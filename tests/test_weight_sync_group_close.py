@@ -64,7 +64,7 @@ def synced_syncer(server: FakeSGLangServer) -> WeightSyncer:
     """A distributed (gloo) syncer whose group is formed: one sync has run."""
     syncer = WeightSyncer([EngineClient(server.url)], WeightSyncConfig(update_weight_buffer_size=4096),
                           hf_config=MIMO, hf_checkpoint="/nonexistent", spec=SpecSetup("EAGLE", None, "/ckpt"),
-                          has_mtp_layers=True, transport="distributed", master_port=free_port(), timeout_s=60)
+                          has_mtp_layers=True, transport="distributed", timeout_s=60)
     syncer.sync(iter_hf_state(make_weights(MIMO, seed=1), MIMO), weight_version="1")
     assert server.group is not None and syncer.transport.group is not None
     return syncer

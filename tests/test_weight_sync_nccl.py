@@ -53,7 +53,7 @@ def _engine(tmp_path, served, env: dict):
 def _syncer(client: EngineClient, served) -> WeightSyncer:
     return WeightSyncer([client], WeightSyncConfig(check_weight_sync=True, weight_sync_check_interval=1),
                         hf_config=_config(served), hf_checkpoint=served, spec=SpecSetup("EAGLE", None, str(served)),
-                        has_mtp_layers=True, transport="distributed", backend="nccl", master_port=free_port(),
+                        has_mtp_layers=True, transport="distributed", backend="nccl",
                         timeout_s=120)
 
 
@@ -70,7 +70,7 @@ def test_close_returns_and_a_restarted_engine_rejoins_a_new_group(tmp_path):
             assert report.checked and client.get("/model_info")["weight_version"] == version
 
         sync(0, "1")
-        first_port = syncer.transport.master_port
+        first_port = syncer.transport.group_port
         syncer.close()  # returned: both sides destroyed the group together
         assert syncer.transport.group is None
 
@@ -78,8 +78,8 @@ def test_close_returns_and_a_restarted_engine_rejoins_a_new_group(tmp_path):
         engine.stop()
         engine.start(timeout_s=300)
         syncer.rejoin([engine.url])
-        assert syncer.transport.master_port != first_port
         sync(1, "2")
+        assert syncer.transport.group_port != first_port
 
         # killed while the group was open: this side leaves the old group alone, the new engine joins a new one
         engine.stop(grace_s=0)

@@ -7,7 +7,6 @@ import itertools
 import pytest
 import torch
 
-from slime_spec.common.net import free_port
 from slime_spec.config.run_config import WeightSyncConfig
 from slime_spec.fleet.client import EngineClient, EngineError
 from slime_spec.tools.tiny_model import make_config, make_weights
@@ -46,7 +45,6 @@ def make_syncer(servers, transport, spec=NATIVE, check=True, buffer=4096, tmp_pa
     return WeightSyncer(clients, config,
                         hf_config=MIMO, hf_checkpoint=tmp_path / "ckpt" if tmp_path else "/nonexistent",
                         spec=spec, has_mtp_layers=has_mtp, transport=transport,
-                        master_port=free_port() if transport == "distributed" else None,
                         disk_dir=tmp_path / "sync" if tmp_path else None, timeout_s=60, trains_draft=trains_draft)
 
 

@@ -26,6 +26,7 @@ runs this code checks it against its own, so a mismatch fails the join with an e
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from datetime import timedelta
 
@@ -45,10 +46,17 @@ _REGISTERED_LOCK = threading.Lock()
 
 
 def join_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-               backend: str, timeout: timedelta) -> dist.ProcessGroup:
-    """Join a named group through torch's rendezvous, as any rank (0 hosts the store)."""
-    store, rank, world_size = next(c10d.rendezvous(tcp_url(master_address, master_port), rank, world_size,
-                                                   timeout=timeout))
+               backend: str, timeout: timedelta, listener: socket.socket | None = None) -> dist.ProcessGroup:
+    """Join a named group through torch's rendezvous, as any rank (0 hosts the store). listener: rank 0's socket
+    already listening at `master_port` (`net.listen_socket`), which its store serves on."""
+    if listener is not None:
+        if rank != 0:
+            raise ValueError(f"only rank 0 hosts the group's store; rank {rank} was given a listening socket")
+        store = dist.TCPStore(master_address, master_port, world_size, True, timeout,
+                              master_listen_fd=listener.detach())
+    else:
+        store, rank, world_size = next(c10d.rendezvous(tcp_url(master_address, master_port), rank, world_size,
+                                                       timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     if backend == "nccl":
@@ -170,14 +178,14 @@ def destroy_bounded(pg, timeout_s: float, what: str) -> None:
 class WeightUpdateGroup:
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
                  group_name: str = "weight_update_group", backend: str = "gloo",
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, listener: socket.socket | None = None):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if not group_name:
             raise ValueError("group_name must not be empty (SGLang refuses an empty weight-update group name)")
         self.rank, self.world_size, self.backend, self.group_name = rank, world_size, backend, group_name
         self._pg = join_group(master_address, master_port, rank, world_size, group_name, backend,
-                              timedelta(seconds=timeout_s))
+                              timedelta(seconds=timeout_s), listener)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Raises GroupBroken when a member is gone. The error holds no reference to the group, so `destroy` then

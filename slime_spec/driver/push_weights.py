@@ -23,7 +23,6 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from slime_spec.common.net import free_port
 from slime_spec.config.flags import default as flag_default
 from slime_spec.config.run_config import WeightSyncConfig
 from slime_spec.fleet.client import EngineAuth, EngineClient, EngineError
@@ -100,7 +99,7 @@ def make_syncer(args, clients: list[EngineClient], hf_config: dict, ckpt: Path) 
     return WeightSyncer(clients, config, hf_config=hf_config, hf_checkpoint=ckpt, spec=spec,
                         has_mtp_layers=has_mtp_tensors(ckpt, hf_config), transport=args.transport,
                         master_address=args.master_address,
-                        master_port=free_port("") if args.transport == "distributed" else None, backend=backend,
+                        backend=backend,
                         engine_tp_size=int(info.get("tp_size") or 1), disk_dir=disk_dir, timeout_s=args.timeout,
                         check_sample=args.check_sample)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from slime_spec.common.net import free_port
+from slime_spec.common.net import listen_host, listen_socket
 from slime_spec.config.run_config import TrainConfig, WeightSyncConfig
 from slime_spec.rollout.sample import Sample
 
@@ -30,17 +30,22 @@ class TrainActor:
         self.colocated_ranks = 0  # W: trainer ranks 0..W-1 hand their own buckets over (0: rank 0 sends alone)
         self.offload_state = None  # offload.TrainerOffload, made at the first offload (--colocate on GPUs)
         self.last_sync_metrics = None  # rank 0: the last sync's metrics, until canary_after reads them
+        self.store_listener = None  # rank 0, between master_address and init: the store's listening socket
 
     def master_address(self) -> tuple[str, int]:
-        """This node's address and a free port, for rank 0 to host the process group's store."""
-        return ray.util.get_node_ip_address(), free_port("")
+        """This node's address and a port already listening there, for rank 0 to host the process group's store
+        (held until `init` hands it to the store)."""
+        address = ray.util.get_node_ip_address()
+        self.store_listener = listen_socket(listen_host(address))
+        return address, self.store_listener.getsockname()[1]
 
     def init(self, train: TrainConfig, master_addr: str, master_port: int, draft_model_path: str | None = None) -> dict:
         from slime_spec.trainer.parallel import init_parallel
         from slime_spec.trainer.trainer import Trainer
+        listener, self.store_listener = self.store_listener, None
         init_parallel(self.rank, self.world_size, master_addr, master_port, train.tensor_model_parallel_size,
                       train.seed, ep_size=train.expert_model_parallel_size,
-                      etp_size=train.expert_tensor_parallel_size)
+                      etp_size=train.expert_tensor_parallel_size, store_listener=listener)
         self.trainer = Trainer(train, draft_model_path)
         return self.trainer.get_tp_info()
 
@@ -115,12 +120,12 @@ class TrainActor:
         from slime_spec.weight_sync.verify.canary import AcceptanceCanary
         trainer = self._ready()
         spec = SpecSetup.from_server_args(server_args, model_path)
-        address, port = self.master_address()
+        address = ray.util.get_node_ip_address()
         auth = EngineAuth.from_server_args(server_args)
         self.syncer = WeightSyncer(
             [EngineClient(u, auth) for u in urls], weight_sync, hf_config=trainer.hf_config,
             hf_checkpoint=trainer.train.hf_checkpoint, spec=spec, has_mtp_layers=bool(trainer.train.mtp_num_layers),
-            transport=weight_sync.weight_sync_transport, colocate=colocate, master_address=address, master_port=port,
+            transport=weight_sync.weight_sync_transport, colocate=colocate, master_address=address,
             backend="nccl" if torch.cuda.is_available() else "gloo", engine_tp_size=engine_tp_size,
             disk_dir=disk_dir, trains_draft=trainer.online_draft is not None, rank_buckets=self.rank_buckets)
         self.canary = AcceptanceCanary(spec, colocated=colocate) if spec.uses_draft else None

@@ -9,7 +9,6 @@ process-global, so one process holds one model.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from slime_spec.common.net import free_port
+from slime_spec.common.net import listen_host, listen_socket
 from slime_spec.config.run_config import expert_tensor_parallel_size
 from slime_spec.trainer import cpu_compat
 
@@ -39,8 +38,11 @@ class TPInfo:
 
 
 def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int, tp_size: int,
-                  seed: int, timeout_s: float = 600.0, ep_size: int = 1, etp_size: int | None = None) -> TPInfo:
-    """Join the default process group and set Megatron's TP/DP/EP groups and RNG trackers."""
+                  seed: int, timeout_s: float = 600.0, ep_size: int = 1, etp_size: int | None = None,
+                  store_listener: socket.socket | None = None) -> TPInfo:
+    """Join the default process group and set Megatron's TP/DP/EP groups and RNG trackers. store_listener: rank 0's
+    socket already listening at `master_port` (`net.listen_socket`), from before the other ranks were told the
+    port; without one rank 0 binds the port now."""
     if world_size % tp_size:
         raise ValueError(f"tensor_model_parallel_size={tp_size} must divide the number of train processes "
                          f"({world_size} = actor_num_nodes x actor_num_gpus_per_node)")
@@ -56,12 +58,8 @@ def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         backend, timeout = "nccl" if use_cuda else "gloo", timedelta(seconds=timeout_s)
-        if ipaddress.ip_address(master_addr).is_loopback:
-            dist.init_process_group(backend, store=loopback_store(rank, world_size, master_addr, master_port, timeout),
-                                    rank=rank, world_size=world_size, timeout=timeout)
-        else:
-            dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                                    world_size=world_size, timeout=timeout)
+        store = rendezvous_store(rank, world_size, master_addr, master_port, timeout, store_listener)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     from megatron.core import parallel_state, tensor_parallel
 
     if not parallel_state.model_parallel_is_initialized():
@@ -75,19 +73,22 @@ def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int
 
 
 
-def loopback_store(rank: int, world_size: int, host: str, port: int, timeout: timedelta) -> dist.TCPStore:
-    """The process group's store on a loopback master: torch's TCPStore server listens on every interface
-    whatever host it is given, so rank 0 hands it a socket already bound to `host` (a local run then
-    listens on loopback only); the other ranks connect as usual."""
+def rendezvous_store(rank: int, world_size: int, host: str, port: int, timeout: timedelta,
+                     listener: socket.socket | None = None) -> dist.TCPStore:
+    """The process group's store: rank 0 serves it on `listener` (or a socket it binds now), on `host` itself when
+    that is a loopback address (torch's own TCPStore server would listen on every interface whatever host it is
+    given); the other ranks connect to host:port."""
     if rank != 0:
         return dist.TCPStore(host, port, world_size, False, timeout)
-    sock = socket.create_server((host, port))
-    return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=sock.detach())
+    if listener is None:
+        listener = socket.create_server((listen_host(host), port))
+    return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=listener.detach())
 
 
 def init_single_process(seed: int = 1234) -> TPInfo:
     """One process, TP=1: tests, the debug trainer, scripts."""
-    return init_parallel(0, 1, "127.0.0.1", free_port(), tp_size=1, seed=seed)
+    listener = listen_socket("127.0.0.1")
+    return init_parallel(0, 1, "127.0.0.1", listener.getsockname()[1], tp_size=1, seed=seed, store_listener=listener)
 
 
 def current_tp_info() -> TPInfo:

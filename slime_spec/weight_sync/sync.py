@@ -45,7 +45,6 @@ from typing import Iterable, Sequence
 
 import torch
 
-from slime_spec.common.net import free_port
 from slime_spec.config.run_config import WeightSyncConfig, resolve_transport
 from slime_spec.fleet.client import EngineClient, EngineError, EngineGroupError, post_all
 from slime_spec.weight_sync import protocol
@@ -86,8 +85,6 @@ class WeightSyncer:
         self.hf_checkpoint, self.spec, self.has_mtp_layers = Path(hf_checkpoint), spec, has_mtp_layers
         self.trains_draft = trains_draft
         self.transport_name = resolve_transport(transport, colocate)
-        if self.transport_name == "distributed" and master_port is None:
-            raise ValueError("transport distributed needs master_port (a free port on the trainer's rank 0)")
         if self.transport_name == "disk" and disk_dir is None:
             raise ValueError("transport disk needs disk_dir (a directory every engine can read)")
         if rank_buckets is not None and (self.transport_name != "tensor" or rank_buckets.layout.num_engines !=
@@ -334,7 +331,7 @@ class WeightSyncer:
             if unexpected:
                 raise
         a = self._transport_args
-        a["master_port"] = free_port("")
+        a["master_port"] = None  # a fresh port, held from its pick (the old one may still be in use)
         self.transport = DistributedTransport(self.clients, a["master_address"], a["master_port"],
                                               backend=a["backend"], engine_tp_size=a["engine_tp_size"],
                                               session=self.protocol.session, timeout_s=a["timeout_s"])

@@ -5,7 +5,7 @@ test_driver_signals.py then SIGTERMs): every listening TCP socket of every proce
 gcs_server, raylet, the dashboard and runtime-env agents, the workers, the train actor's process-group store and
 gloo pairs, the engine server) must be bound to 127.0.0.1 / ::1 (or the IPv4-mapped ::ffff:127.0.0.1). Before the
 fix Ray's servers listened on `*` and the node IP (Ray 2.60 resolves a loopback node IP to the routable one, see
-cluster/ray_env.py), and the train actor's TCPStore on `*` (see trainer/parallel.py `loopback_store`).
+cluster/ray_env.py), and the train actor's TCPStore on `*` (see trainer/parallel.py `rendezvous_store`).
 """
 
 import ipaddress
