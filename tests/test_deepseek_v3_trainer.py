@@ -222,9 +222,6 @@ def test_refusals_name_the_config_key(deepseek):
         M.transformer_config({**hf_config, "attention_bias": True}, train)
     with pytest.raises(ValueError, match="rope_scaling type 'linear'"):
         M.transformer_config({**hf_config, "rope_scaling": {"type": "linear", "factor": 2.0}}, train)
-    # under TP with sequence parallelism (tests/test_trainer_tp.py); not with an online draft
+    # under TP with sequence parallelism (tests/test_trainer_tp.py)
     assert M.transformer_config(hf_config, TrainConfig(hf_checkpoint=str(deepseek),
                                                        tensor_model_parallel_size=2)).sequence_parallel
-    with pytest.raises(ValueError, match="--tensor-model-parallel-size 2 with a deepseek_v3 model: an online draft"):
-        M.transformer_config(hf_config, TrainConfig(hf_checkpoint=str(deepseek), tensor_model_parallel_size=2,
-                                                    enable_draft_training=True))

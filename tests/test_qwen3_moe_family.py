@@ -13,13 +13,14 @@ from safetensors.torch import load_file
 from slime_spec.config.run_config import TrainConfig
 from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams, SpecConfig
 from slime_spec.engine.model_executor.model import load_model
-from slime_spec.tools.tiny_model import make_tiny_model
+from slime_spec.tools.tiny_model import make_tiny_eagle3_draft, make_tiny_model
 from slime_spec.trainer import model as M
 from slime_spec.trainer import parallel
 from slime_spec.weight_sync import convert
 from tests.helpers.engine_runs import (
     DEVICES,
     assert_greedy_speculation_equals_plain,
+    assert_greedy_with_specs_equals_plain,
     assert_logprobs_equal_a_full_forward,
     run_to_completion,
 )
@@ -109,13 +110,10 @@ def test_trainer_is_megatrons_moe_layer_and_equals_hf(ckpts):
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="mlp_only_layers"):
         M.transformer_config({**hf_config, "mlp_only_layers": [0]}, TrainConfig(hf_checkpoint=str(path)))
-    # megatron-core trains its MoE layer under TP only with sequence parallelism (tests/test_trainer_tp.py); refused
-    # with an online draft before a build
-    assert M.transformer_config(hf_config, TrainConfig(hf_checkpoint=str(path),
-                                                       tensor_model_parallel_size=2)).sequence_parallel
-    with pytest.raises(ValueError, match="--tensor-model-parallel-size 2 with a qwen3_moe model: an online draft"):
-        M.transformer_config(hf_config, TrainConfig(hf_checkpoint=str(path), tensor_model_parallel_size=2,
-                                                    enable_draft_training=True))
+    # megatron-core trains its MoE layer under TP only with sequence parallelism (tests/test_trainer_tp.py), an
+    # online EAGLE3 draft beside it too
+    assert M.transformer_config(hf_config, TrainConfig(hf_checkpoint=str(path), tensor_model_parallel_size=2,
+                                                       enable_draft_training=True)).sequence_parallel
 
 
 def test_without_norm_topk_prob_the_trainer_and_engine_equal_hf(tmp_path):
@@ -163,6 +161,20 @@ def test_greedy_with_speculation_equals_plain_decoding(ckpts):
                                                                      ignore_eos=True)) for i, t in enumerate(PROMPTS)]
 
     assert_greedy_speculation_equals_plain(ckpts["target"], ckpts["draft"], requests)
+
+
+def test_an_eagle3_draft_speculates_losslessly_on_a_qwen3_moe_target(tmp_path):
+    """The EAGLE3 seed's target family (Qwen3-235B-A22B): a Llama-layout EAGLE3 draft reads the MoE target's aux
+    layers; greedy output equals plain decoding."""
+    target = make_tiny_model(tmp_path / "t", arch="qwen3_moe", hidden_size=32, num_layers=4, seed=43)
+    draft = make_tiny_eagle3_draft(tmp_path / "d", target, draft_vocab_size=40)
+
+    def requests(tok):
+        return [Request(f"r{i}", tok(t)["input_ids"], SamplingParams(temperature=0.0, max_new_tokens=12,
+                                                                     ignore_eos=True)) for i, t in enumerate(PROMPTS)]
+
+    [outs] = assert_greedy_with_specs_equals_plain(target, [SpecConfig("EAGLE3", 3, 1, 4, str(draft))], requests)
+    assert sum(o.spec_verify_ct for o in outs.values()) > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

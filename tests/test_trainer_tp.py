@@ -9,10 +9,10 @@ from safetensors.torch import load_file
 
 from slime_spec.config.run_config import EngineConfig, TrainConfig
 from slime_spec.fleet.process import engine_server_process
-from slime_spec.tools.tiny_model import make_tiny_model
+from slime_spec.tools.tiny_model import make_tiny_eagle3_draft, make_tiny_model
 from slime_spec.trainer import parallel
 from slime_spec.trainer.group import TrainGroup
-from slime_spec.trainer.trainer import Trainer
+from slime_spec.trainer.trainer import EAGLE3_DRAFT_DIR, Trainer
 from tests.helpers.tp_runs import (
     assert_same_adam_step,
     local_ray_cluster,
@@ -79,21 +79,29 @@ def test_tp2_equals_tp1_forward_gather_and_train_step(ray_cluster, tmp_path):
         server.stop()
 
 
-def test_qwen3_moe_tp2_sequence_parallel_equals_tp1_and_syncs(ray_cluster, tmp_path):
+def test_qwen3_moe_tp2_sequence_parallel_with_an_online_eagle3_draft_equals_tp1_and_syncs(ray_cluster, tmp_path):
     """megatron-core trains its MoE layer under TP only with sequence parallelism: two gloo ranks at TP 2 (the
     sequence split over them, experts split by expert-TP = TP) compute what one rank computes, packed rows of odd
-    length included, and every expert's whole tensors reach an engine."""
+    length included, and every expert's whole tensors reach an engine. With an EAGLE3 draft trained online (the
+    Qwen3-235B-A22B seed's layout): each rank's draft reads the aux states of the whole sequence, so its loss, its
+    step and the draft saved with the checkpoint equal one rank's, and the draft reaches the EAGLE3 engine too."""
     from tests.test_trainer_ep import expert_of
 
-    path = make_tiny_model(tmp_path / "ckpt", arch="qwen3_moe", hidden_size=32, num_layers=2, num_experts=4,
+    path = make_tiny_model(tmp_path / "ckpt", arch="qwen3_moe", hidden_size=32, num_layers=4, num_experts=4,
                            num_experts_per_tok=2, seed=44)
-    kw = dict(hf_checkpoint=str(path), lr=1e-3, global_batch_size=8, max_tokens_per_gpu=20, n_samples_per_prompt=2)
-    engine = EngineConfig("embedded", str(path))
-    group = TrainGroup(tp2_config(path, engine, kw, tmp_path / "out"), use_gpu=False)
+    draft = make_tiny_eagle3_draft(tmp_path / "draft", path, draft_vocab_size=40)
+    kw = dict(hf_checkpoint=str(path), lr=1e-3, global_batch_size=8, max_tokens_per_gpu=20, n_samples_per_prompt=2,
+              enable_draft_training=True)
+    eagle3 = {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(draft),
+              "speculative_num_steps": 2, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 3}
+    flags = tuple(x for k, v in eagle3.items() for x in ("--" + k.replace("_", "-"), str(v)))
+    engine = EngineConfig("embedded", str(path), forwarded_argv=flags, server_args=eagle3)
+    group = TrainGroup(tp2_config(path, engine, {**kw, "save": str(tmp_path / "two")}, tmp_path / "out"),
+                       use_gpu=False)
     server = engine_server_process(engine, log_path=tmp_path / "engine.log")
     try:
         parallel.init_single_process(seed=0)
-        single = Trainer(TrainConfig(**kw))
+        single = Trainer(TrainConfig(**kw, save=str(tmp_path / "one")), str(draft))
         probe = [rollout()[0].tokens, rollout()[3].tokens]  # 9 tokens: padded to 10 for the two ranks
         torch.testing.assert_close(group.forward_logits(probe)["logits"], single.forward_logits(probe)["logits"],
                                    atol=1e-5, rtol=0)
@@ -102,7 +110,7 @@ def test_qwen3_moe_tp2_sequence_parallel_equals_tp1_and_syncs(ray_cluster, tmp_p
         assert sorted(gathered) == sorted(hf) and all(torch.equal(gathered[k], hf[k]) for k in hf)
 
         m2, m1 = group.train_step(varied_rollout(), 0), single.train_step(varied_rollout(), 0)
-        for key in ("loss", "pg_loss", "entropy", "grad_norm"):
+        for key in ("loss", "pg_loss", "entropy", "grad_norm", "draft_loss", "draft_acc_step0", "draft_acc_last"):
             assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
         after2, after1 = group.hf_state_dict(), {k: v.clone() for k, v in single.hf_state_dict().items()}
         moved = {expert_of(k) for k in hf if not torch.equal(after1[k], hf[k])}
@@ -110,10 +118,18 @@ def test_qwen3_moe_tp2_sequence_parallel_equals_tp1_and_syncs(ray_cluster, tmp_p
             [k for k in hf if not torch.equal(after1[k], hf[k])]
         # the norms and the router see each rank's half of the sequence: their gradients summed over TP
         assert_same_adam_step(after2, after1, hf, kw["lr"])
+        group.save(0)
+        single.save(0)
+        saved = [load_file(str(tmp_path / run / "iter_0000000" / EAGLE3_DRAFT_DIR / "model.safetensors"))
+                 for run in ("two", "one")]
+        initial = load_file(str(draft / "model.safetensors"))
+        assert any(not torch.equal(saved[1][k], initial[k]) for k in initial)  # the draft trained
+        assert_same_adam_step(saved[0], saved[1], [k for k in initial if k not in ("d2t", "t2d")], kw["lr"])
 
         server.start(timeout_s=120)
         group.connect_engines([server.url])
-        assert group.sync_weights("0")["weight_sync_params"] == len(hf)
+        metrics = group.sync_weights("0")
+        assert metrics["weight_sync_params"] == len(hf) and metrics["weight_sync_draft_params"] > 0
     finally:
         group.shutdown()
         server.stop()

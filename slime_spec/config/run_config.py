@@ -93,18 +93,6 @@ def moe_expert_layout_refusal(tp: int, ep: int, etp: int | None) -> str | None:
             f"add --expert-tensor-parallel-size 1 (whole experts, as slime's MoE scripts run)")
 
 
-def moe_tensor_parallel_refusal(enable_draft_training: bool) -> str | None:
-    """Why a MoE model does not train under tensor parallelism with these flags (the end of the message), or None.
-
-    megatron-core trains its MoE layer under TP only with sequence parallelism (trainer/sequence_parallel.py),
-    built for Qwen3-MoE, GLM-4.5 and DeepSeek-V3 (with their MTP layers), each checked against TP 1
-    (tests/test_trainer_tp.py)."""
-    if enable_draft_training:
-        return (": an online draft under sequence parallelism is not built; train the draft at "
-                "--tensor-model-parallel-size 1")
-    return None
-
-
 def resolve_loss_type(loss_type: str) -> LossType:
     """--loss-type as the trainer reads it: slime's sft_loss is the trainer's sft."""
     return "sft" if loss_type in ("sft", "sft_loss") else "policy_loss"

@@ -266,11 +266,6 @@ class Rule(Enum):
         "is {family}",
         "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / Qwen3 / MiMo / GLM-4.5 / "
         "DeepSeek-V3 model")
-    TRAINER_MOE_TP = _Entry(
-        "TRAINER_UNSUPPORTED_MODEL", "error",
-        "--tensor-model-parallel-size {tp} with a {family} model{why} (megatron-core 0.16.1's MoE layer trains under "
-        "TP only with sequence parallelism)",
-        "the change named above, or run rollouts alone with --debug-rollout-only")
     TRAINER_MOE_TP_EP = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
         "the experts of a {family} model: {why}",

@@ -14,7 +14,7 @@ from functools import cached_property
 
 from slime_spec.common.dtypes import config_dtype
 from slime_spec.common.model_families import MOE_FAMILIES
-from slime_spec.config.run_config import moe_expert_layout_refusal, moe_tensor_parallel_refusal
+from slime_spec.config.run_config import moe_expert_layout_refusal
 from slime_spec.doctor.codes import Finding, Rule
 from slime_spec.speculative import settings as spec
 from slime_spec.speculative.settings import Algorithm, SpecConfig, native_mtp_layers
@@ -269,9 +269,6 @@ def check_trainer_support(inp: CheckInput) -> list[Finding]:
         next((f for f, a in TRAINER_FAMILIES.items() if a in archs), None)
     if family is None:
         return [Rule.TRAINER_UNSUPPORTED_FAMILY.finding(family=cfg.get("model_type") or archs)]
-    if family in MOE_FAMILIES and inp.tensor_model_parallel_size > 1 and (
-            why := moe_tensor_parallel_refusal(inp.enable_draft_training)):
-        return [Rule.TRAINER_MOE_TP.finding(family=family, tp=inp.tensor_model_parallel_size, why=why)]
     ep = inp.expert_model_parallel_size
     if family in MOE_FAMILIES and (why := moe_expert_layout_refusal(inp.tensor_model_parallel_size, ep,
                                                                      inp.expert_tensor_parallel_size)):

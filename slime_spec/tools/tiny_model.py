@@ -12,7 +12,8 @@ projections with float32 `weight_scale_inv` per 128 x 128 block, and its `quanti
 
 CLI: `slime-spec make-tiny-model --arch llama|qwen2|qwen3|qwen3_moe|mimo|deepseek_v3|glm4_moe [--mtp-layers K]
 [--vocab N] [--fp8] --out DIR`;
-`--arch llama --num-layers 4 --eagle3-draft DRAFT_DIR [--draft-vocab N]` also writes an EAGLE3 draft for it.
+`--arch llama|qwen3|qwen3_moe --num-layers 4 --eagle3-draft DRAFT_DIR [--draft-vocab N]` also writes an EAGLE3 draft
+for it.
 """
 
 from __future__ import annotations
@@ -132,10 +133,13 @@ def tiny_draft_vocab(vocab_size: int, draft_vocab_size: int) -> list[int]:
     return kept
 
 
+EAGLE3_TARGETS = ("llama", "qwen3", "qwen3_moe")  # the seeds' EAGLE3 rows: Llama-3.1-8B, Qwen3-235B-A22B
+
+
 def make_tiny_eagle3_draft(out_dir: str | Path, target_dir: str | Path, draft_vocab_size: int = 48,
                            intermediate_size: int | None = None, aux_layer_ids: list[int] | None = None,
                            seed: int = 1, dtype: str = "float32") -> Path:
-    """Write a random EAGLE3 draft for the Llama checkpoint at `target_dir`, in SGLang's
+    """Write a random EAGLE3 draft for the checkpoint at `target_dir` (a family of EAGLE3_TARGETS), in SGLang's
     LlamaForCausalLMEagle3 layout (common/eagle3_draft.py), and return its path.
 
     aux_layer_ids: None = [0, (L - 1) // 2, L - 2] for a target of L >= 4 layers (SGLang's own default,
@@ -144,8 +148,9 @@ def make_tiny_eagle3_draft(out_dir: str | Path, target_dir: str | Path, draft_vo
     """
     from slime_spec.common.eagle3_draft import ARCHITECTURE, AUX_IDS_FIELD, Eagle3Draft, save_draft
     target = json.loads((Path(target_dir) / "config.json").read_text())
-    if target.get("model_type") != "llama":
-        raise ValueError(f"{target_dir}: model_type {target.get('model_type')!r}; EAGLE3 drafts here are for llama")
+    if target.get("model_type") not in EAGLE3_TARGETS:
+        raise ValueError(f"{target_dir}: model_type {target.get('model_type')!r}; EAGLE3 drafts here are for "
+                         f"{', '.join(EAGLE3_TARGETS)} targets")
     layers = target["num_hidden_layers"]
     if aux_layer_ids is None:
         if layers < 4:
@@ -202,15 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--init-from", default=None, help="copy same-name, same-shape tensors from this checkpoint")
     p.add_argument("--eagle3-draft", default=None, metavar="DIR",
-                   help="also write an EAGLE3 draft for the (llama, >= 4 layers) model to DIR")
+                   help="also write an EAGLE3 draft for the (llama, qwen3 or qwen3_moe, >= 4 layers) model to DIR")
     p.add_argument("--draft-vocab", type=int, default=48, help="the EAGLE3 draft's vocabulary size")
     p.add_argument("--llama31-rope", action="store_true", help="Llama-3.1 rope_scaling (rope_type llama3)")
     p.add_argument("--fp8", action="store_true",
                    help="block-wise FP8 projections as DeepSeek-V3 ships (in-features multiples of 128)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    if a.eagle3_draft and a.arch != "llama":
-        p.error(f"--eagle3-draft needs --arch llama (got {a.arch})")
+    if a.eagle3_draft and a.arch not in EAGLE3_TARGETS:
+        p.error(f"--eagle3-draft needs --arch {' or '.join(EAGLE3_TARGETS)} (got {a.arch})")
     path = make_tiny_model(a.out, arch=a.arch, mtp_layers=a.mtp_layers, vocab_size=a.vocab,
                            hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=a.num_heads,
                            num_kv_heads=a.num_kv_heads, intermediate_size=a.intermediate_size,

@@ -210,15 +210,14 @@ def load_hf_weights(model, hf_state: dict[str, torch.Tensor], hf_config: dict, t
     unexpected = sorted(set(full) - set(params))
     if missing or unexpected:
         raise ValueError(f"HF checkpoint does not match the Megatron model: missing {missing}, unexpected {unexpected}")
+    expert_split = None if etp_size is None else (etp_rank, etp_size)
     with torch.no_grad():
         for name, param in params.items():
             tensor = full[name]
             if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
                 tensor = F.pad(tensor, (0, 0, 0, padded_vocab_size(tensor.shape[0], tp_size) - tensor.shape[0]))
-            if convert.expert_index(name) is not None and etp_size is not None:
-                shard = convert.split_tp_shard(name, tensor, etp_rank, etp_size)
-            else:
-                shard = convert.split_tp_shard(name, tensor, tp_rank, tp_size)
+            rank, size = convert.tp_split_of(name, (tp_rank, tp_size), expert_split)
+            shard = convert.split_tp_shard(name, tensor, rank, size)
             if shard.shape != param.shape:
                 raise ValueError(f"{name}: HF gives shard shape {tuple(shard.shape)}, model has {tuple(param.shape)}")
             param.copy_(shard)
@@ -302,8 +301,13 @@ def trunk_forward(model, input_ids: torch.Tensor, vocab_size: int, position_ids:
         hidden = model.decoder(hidden_states=decoder_input, attention_mask=mask, rotary_pos_emb=rope_table)
     aux_hidden = embeds = None
     if aux_layer_ids:
-        aux_hidden = torch.cat([captured[i] for i in aux_layer_ids], dim=-1).transpose(0, 1)
-        embeds = decoder_input.detach().transpose(0, 1)
+        aux_hidden = torch.cat([captured[i] for i in aux_layer_ids], dim=-1)
+        embeds = decoder_input.detach()
+        if model.config.sequence_parallel:  # each TP rank holds a slice of the sequence; the draft reads it all
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+            aux_hidden, embeds = (gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
+                                  for x in (aux_hidden, embeds))
+        aux_hidden, embeds = aux_hidden.transpose(0, 1), embeds.transpose(0, 1)
     return TrunkOutput(hidden, logits_of(model, hidden, output_weight(model), vocab_size), position_ids, mask,
                        rope_table, aux_hidden, embeds)
 

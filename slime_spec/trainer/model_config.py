@@ -12,7 +12,6 @@ from slime_spec.config.run_config import (
     TrainConfig,
     expert_tensor_parallel_size,
     moe_expert_layout_refusal,
-    moe_tensor_parallel_refusal,
 )
 from slime_spec.weight_sync import convert
 
@@ -127,8 +126,6 @@ def moe_config(hf_config: dict, family: str, train: TrainConfig) -> dict:
         raise ValueError(f"--expert-model-parallel-size {ep}: must divide the {experts} routed experts of the "
                          f"{family} model (config.json); choose a divisor of {experts}")
     tp = train.tensor_model_parallel_size
-    if tp > 1 and (why := moe_tensor_parallel_refusal(train.enable_draft_training)):
-        raise ValueError(f"--tensor-model-parallel-size {tp} with a {family} model{why}")
     if why := moe_expert_layout_refusal(tp, ep, train.expert_tensor_parallel_size):
         raise ValueError(f"the experts of a {family} model: {why}")
     layout = dict(expert_model_parallel_size=ep, sequence_parallel=tp > 1,  # megatron-core's MoE layer under TP

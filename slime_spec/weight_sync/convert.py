@@ -26,10 +26,13 @@ GLM-4.5): the router is `mlp.gate`, each expert `mlp.experts.{e}.{gate,up,down}_
 from __future__ import annotations
 
 import re
+from typing import TypeVar
 
 import torch
 
 from slime_spec.common.model_families import MOE_FAMILIES
+
+T = TypeVar("T")
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "deepseek_v3", "glm4_moe")
 MTP_FAMILIES = ("mimo", "deepseek_v3", "glm4_moe")
@@ -117,6 +120,14 @@ def expert_index(megatron_name: str) -> int | None:
     """The expert number in a routed expert's Megatron name (`...local_experts.{i}...`), None for other names."""
     m = _EXPERT_INDEX.search(megatron_name)
     return int(m.group(2)) if m else None
+
+
+def tp_split_of(megatron_name: str, tensor_parallel: T, expert_tensor_parallel: T | None) -> T:
+    """Which split a parameter's TP shards follow: a routed expert's the expert-TP ranks' (when given; None: the
+    TP ranks, Megatron's default), every other parameter's the TP ranks'. Pass (rank, size) or (group, size)."""
+    if expert_tensor_parallel is not None and expert_index(megatron_name) is not None:
+        return expert_tensor_parallel
+    return tensor_parallel
 
 
 def with_expert_index(megatron_name: str, index: int) -> str:

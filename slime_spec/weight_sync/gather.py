@@ -191,10 +191,9 @@ def iter_hf_tensors(named_params: Iterable[tuple[str, torch.Tensor]], hf_config:
     from slime_spec.weight_sync import convert
     family = convert.family_of(hf_config)
     for megatron_name, shard in named_params:
-        if etp_size is not None and convert.expert_index(megatron_name) is not None:
-            full = gather_tp_param(megatron_name, shard, etp_group, etp_size)
-        else:
-            full = gather_tp_param(megatron_name, shard, tp_group, tp_size)
+        group, size = convert.tp_split_of(megatron_name, (tp_group, tp_size),
+                                          None if etp_size is None else (etp_group, etp_size))
+        full = gather_tp_param(megatron_name, shard, group, size)
         kind: Kind = "mtp" if convert.is_mtp_param(megatron_name) else "target"
         for name, whole in gather_ep_param(megatron_name, full, hf_config, ep_group, ep_size):
             for hf_name, tensor in convert.megatron_to_hf(family, name, whole, hf_config):
