@@ -1,12 +1,11 @@
-"""A tiny Qwen3-MoE through the whole loop on two train ranks, its experts split by expert parallelism (each rank
-holds two of the four), by tensor parallelism (each expert split, the sequence too), or by both on the same two ranks
-with whole experts (--expert-tensor-parallel-size 1, as slime's MoE scripts): `python -m slime_spec.train
+"""A tiny Qwen3-MoE through the whole loop on two train ranks laid out as slime's MoE scripts lay them out: TP 2 and
+EP 2 on the same two ranks with whole experts (--expert-tensor-parallel-size 1), so the loop runs megatron-core's
+sequence parallelism and its expert-parallel token dispatch at once: `python -m slime_spec.train
 --actor-num-gpus-per-node 2`, two GRPO steps on CPU (gloo), NGRAM speculative rollout on the embedded engine, every
-step's weights (every expert, whole) synced into the engine and checked against it (--check-weight-sync)."""
+step's weights (every expert, whole) synced into the engine and checked against it (--check-weight-sync). TP alone and
+EP alone are pinned against one rank, sync included, in tests/test_trainer_tp.py and tests/test_trainer_ep.py."""
 
 import json
-
-import pytest
 
 from slime_spec.tools.tiny_model import make_tiny_model
 from tests.helpers.train_loops import run_grpo_steps
@@ -14,14 +13,14 @@ from tests.helpers.train_loops import run_grpo_steps
 NGRAM = ["--sglang-speculative-algorithm", "NGRAM", "--sglang-speculative-num-draft-tokens", "3"]
 
 
-@pytest.mark.parametrize("layout", [["--expert-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2"],
-                                    ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
-                                     "--expert-tensor-parallel-size", "1"]],
-                         ids=["ep2", "tp2", "tp2_ep2"])
-def test_qwen3_moe_two_grpo_steps_on_two_ranks(tmp_path, layout):
+TP2_EP2 = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+           "--expert-tensor-parallel-size", "1"]
+
+
+def test_qwen3_moe_two_grpo_steps_on_two_ranks_at_tp2_ep2(tmp_path):
     model = make_tiny_model(tmp_path / "model", arch="qwen3_moe", hidden_size=32, num_layers=2, intermediate_size=64,
                             max_position_embeddings=128, num_experts=4, seed=3)
-    steps = run_grpo_steps(tmp_path, model, ["--actor-num-gpus-per-node", "2", *layout, *NGRAM, "--check-weight-sync"])
+    steps = run_grpo_steps(tmp_path, model, ["--actor-num-gpus-per-node", "2", *TP2_EP2, *NGRAM, "--check-weight-sync"])
     config = json.loads((model / "config.json").read_text())
     # per layer q/k/v/o, q_norm, k_norm, 2 norms, the router and each expert's gate/up/down; embedding, norm, head
     tensors = config["num_hidden_layers"] * (8 + 1 + 3 * config["num_experts"]) + 2 + \

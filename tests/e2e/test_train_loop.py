@@ -2,7 +2,8 @@
 
 `python -m slime_spec.train` in a subprocess (joining the package's Ray head, tests/helpers/ray_head.py), a tiny
 MiMo checkpoint, the embedded engine with NEXTN speculation: debug-rollout-only (saving rollout data), debug-train-only
-(replaying it), colocate; separate placement runs in the demo smoke test below.
+(replaying it), colocate; separate placement runs in the demo smoke test below. The rollout-only run has two
+engines.
 """
 
 import json
@@ -13,6 +14,7 @@ import sys
 import pytest
 
 from slime_spec.tools.tiny_model import make_tiny_model
+from tests.helpers.rollout_checks import check_rollouts_on_two_engines
 
 STEPS = 2
 SPEC = ["--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-num-steps", "2",
@@ -49,11 +51,12 @@ def test_debug_rollout_only_then_debug_train_only(setup, ray_head):
     root, model, data = setup
     saved = str(root / "rollouts" / "rollout_{rollout_id}.pt")
     proc = train(root, model, data, "rollout_only", "--debug-rollout-only", "--save-debug-rollout-data", saved,
-                 "--metrics-jsonl", str(root / "rollout_only.jsonl"), head=ray_head)
+                 "--metrics-jsonl", str(root / "rollout_only.jsonl"), "--rollout-num-engines", "2", head=ray_head)
     assert "debug-rollout-only: 2 rollouts, 8 samples" in proc.stdout
-    assert all((root / "rollouts" / f"rollout_{i}.pt").exists() for i in range(STEPS))
+    # the MTP layer drafted on both engines, every count adding up to the saved samples
+    rollouts = check_rollouts_on_two_engines(root / "rollout_only.jsonl", saved, STEPS, 4)
     # no trainer ran: no loss key in the rollout-only metrics
-    assert all("loss" not in m for m in lines(root / "rollout_only.jsonl"))
+    assert all("loss" not in m for m in rollouts)
 
     train(root, model, data, "train_only", "--debug-train-only", "--load-debug-rollout-data", saved, head=ray_head)
     steps = lines(root / "train_only" / "metrics.jsonl")
