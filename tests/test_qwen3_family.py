@@ -19,6 +19,7 @@ from slime_spec.trainer import parallel
 from tests.helpers.engine_runs import (
     DEVICES,
     assert_greedy_speculation_equals_plain,
+    assert_greedy_with_specs_equals_plain,
     assert_logprobs_equal_a_full_forward,
     run_to_completion,
 )
@@ -88,6 +89,16 @@ def requests(tok, temps=(0.0,), logprob=False):
 def test_greedy_with_speculation_equals_plain_decoding(ckpts):
     for engine in assert_greedy_speculation_equals_plain(ckpts["target"], ckpts["draft"], requests):
         assert engine.avg_spec_accept_length >= 1.0
+
+
+def test_an_eagle3_draft_speculates_losslessly_on_a_qwen3_target(tmp_path):
+    """`make-tiny-model --arch qwen3 --eagle3-draft`: a Llama-layout EAGLE3 draft over a Qwen3 target (head_dim twice
+    hidden / heads, q/k norms) decodes greedily what plain decoding does."""
+    target, draft = tmp_path / "t", tmp_path / "d"
+    assert make_tiny_model_cli(["--arch", "qwen3", "--hidden-size", "32", "--num-layers", "4", "--seed", "23",
+                                "--out", str(target), "--eagle3-draft", str(draft), "--draft-vocab", "40"]) == 0
+    [outs] = assert_greedy_with_specs_equals_plain(target, [SpecConfig("EAGLE3", 3, 1, 4, str(draft))], requests)
+    assert sum(o.spec_verify_ct for o in outs.values()) > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
