@@ -35,8 +35,9 @@ def test_listen_host_is_loopback_only_for_a_loopback_address():
     assert listen_host("192.0.2.2") == "" and listen_host("node-0") == ""
 
 
-def test_a_peer_that_connects_before_the_store_runs_joins_it():
-    listener = listen_socket("127.0.0.1")
+@pytest.mark.parametrize("listen", ["127.0.0.1", ""], ids=["loopback", "every_interface"])
+def test_a_peer_that_connects_before_the_store_runs_joins_it(listen):
+    listener = listen_socket(listen)
     port, timeout = listener.getsockname()[1], timedelta(seconds=30)
     joined: dict = {}
 

@@ -63,14 +63,19 @@ def listen_socket(host: str = "0.0.0.0", attempts: int = 256) -> socket.socket:
     to a port nobody listens on yet retries, and a retry can be handed that very port as its own source port and
     connect to itself (seen as a rendezvous that waited for a client until its timeout)."""
     for port in _candidate_ports(attempts) or [0]:
-        sock = socket.socket()
         try:
-            sock.bind((host, port))
-            sock.listen(128)
-            return sock
+            return listen_on(host, port)
         except OSError:
-            sock.close()
+            continue
     raise RuntimeError(f"no free port to listen on in {BELOW_EPHEMERAL} after {attempts} tries")
+
+
+def listen_on(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port; "" = every interface, IPv4 and IPv6 where the kernel has both (as torch's
+    TCPStore server listens)."""
+    if host == "" and socket.has_dualstack_ipv6():
+        return socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=128)
+    return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128)
 
 
 def listen_host(address: str) -> str:

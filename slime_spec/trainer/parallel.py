@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from slime_spec.common.net import listen_host, listen_socket
+from slime_spec.common.net import listen_host, listen_on, listen_socket
 from slime_spec.config.run_config import expert_tensor_parallel_size
 from slime_spec.trainer import cpu_compat
 
@@ -81,7 +81,7 @@ def rendezvous_store(rank: int, world_size: int, host: str, port: int, timeout: 
     if rank != 0:
         return dist.TCPStore(host, port, world_size, False, timeout)
     if listener is None:
-        listener = socket.create_server((listen_host(host), port))
+        listener = listen_on(listen_host(host), port)
     return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=listener.detach())
 
 
