@@ -84,14 +84,16 @@ NOT_ACTED_ON: dict[str, Ignored] = {
                      "float32 master weights) or neither (float32)"),
     # Megatron parallelism and performance
     "sequence_parallel": _MEGATRON_PERF,
-    "pipeline_model_parallel_size": _trainer("the trainer runs tensor x data parallel only: with pipeline "
-                                             "stages ignored every rank holds all layers and the data-parallel "
-                                             "size is not the one you planned",
+    "pipeline_model_parallel_size": _trainer("the trainer runs tensor, expert and data parallel, not pipeline "
+                                             "stages: with them ignored every rank holds all layers and the "
+                                             "data-parallel size is not the one you planned",
                                              "--pipeline-model-parallel-size 1 (use "
                                              "--tensor-model-parallel-size)", accepted=(None, 1)),
-    "context_parallel_size": _trainer("the trainer runs tensor x data parallel only: context parallel is "
-                                      "ignored, so each rank holds whole sequences and the data-parallel size "
-                                      "is not the one you planned", "--context-parallel-size 1",
+    "context_parallel_size": _trainer("the trainer runs tensor, expert and data parallel, not context parallel "
+                                      "(megatron-core 0.16.1 splits attention over context-parallel ranks only in "
+                                      "Transformer Engine's attention, which needs CUDA): ignored, each rank would "
+                                      "hold whole sequences and the data-parallel size would not be the one you "
+                                      "planned", "--context-parallel-size 1",
                                       accepted=(None, 1)),
     # --expert-model-parallel-size is acted on (trainer/parallel.py)
     "decoder_last_pipeline_num_layers": Ignored("a pipeline layout; pipeline stages are refused separately"),
