@@ -1,6 +1,8 @@
 """Upstream slime's dense run scripts (run-qwen3-4B.sh, run-mimo-7B-rl-eagle.sh: their argument arrays, paths
 changed only) train two GRPO steps on a tiny stand-in of their model, with scripts/common.sh's SMALL_MACHINE=1
-overrides, through `python -m slime_spec.train`: a slime user changes nothing but the paths. So do our own native-MTP
+overrides, through `python -m slime_spec.train`: a slime user changes nothing but the paths (Qwen3's run, with NGRAM
+rollout and --check-weight-sync appended as a user may, also checks every synced tensor and the trainer's log-probs
+against the engine's; a moved policy's sync is checked in tests/test_qwen3_family.py). So do our own native-MTP
 scripts (scripts/run-glm4.5-mtp.sh, scripts/run-deepseek-v3-mtp.sh): run with SMALL_MACHINE=1 on a tiny stand-in, the
 flags each hands on (recorded where the script calls its doctor) train the policy and the MTP layer online with
 speculative rollout and a checked weight sync (GLM-4.5's: every target and MTP tensor, trainer and engine log-probs
@@ -21,6 +23,11 @@ from tests.helpers.slime_scripts import DENSE, small_machine_argv, without_model
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCH = {"run-qwen3-4B": "qwen3", "run-mimo-7B-rl-eagle": "mimo"}
+# What a user may append to a script (EXTRA_ARGS), per script: Qwen3's run also speculates with NGRAM and reads every
+# synced tensor back (--check-weight-sync), so Qwen3's trainer, sync and engine are checked against each other here
+EXTRA = {"run-qwen3-4B": "--check-weight-sync --sglang-speculative-algorithm NGRAM "
+                         "--sglang-speculative-num-draft-tokens 3",
+         "run-mimo-7B-rl-eagle": ""}
 
 
 @pytest.mark.parametrize("name", DENSE)
@@ -29,7 +36,8 @@ def test_dense_slime_script_trains_two_grpo_steps_on_a_tiny_stand_in(tmp_path, n
                             intermediate_size=64, max_position_embeddings=1024, seed=3)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "WANDB_"))}
     env.update(SMALL_MACHINE="1", HF_CHECKPOINT=str(model), OUTPUT_DIR=str(tmp_path / "run"),
-               CKPT_DIR=str(tmp_path / "ckpt"), EXTRA_ARGS=f"--ref-load {model}")  # the script's torch_dist path
+               CKPT_DIR=str(tmp_path / "ckpt"),
+               EXTRA_ARGS=f"--ref-load {model} {EXTRA[name]}")  # --ref-load: the script's is a torch_dist path
     argv = small_machine_argv(without_model_args(name, tmp_path), env, ROOT)
     done = subprocess.run([sys.executable, "-m", "slime_spec.train", *argv], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=540)
@@ -38,6 +46,14 @@ def test_dense_slime_script_trains_two_grpo_steps_on_a_tiny_stand_in(tmp_path, n
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [s["rollout_id"] for s in steps] == [0, 1]
     assert out.count("Started a local Ray instance") == 1 and "Token authentication" not in out
+    if name == "run-qwen3-4B":
+        config = json.loads((model / "config.json").read_text())
+        # per layer q/k/v/o, q_norm, k_norm, 2 norms, and gate/up/down; embedding, norm, head
+        tensors = config["num_hidden_layers"] * (8 + 3) + 2 + (not config["tie_word_embeddings"])
+        for m in steps:
+            assert m["spec_verify_ct"] > 0 and m["spec_accept_length"] >= 1.0  # NGRAM drafted and verified
+            assert m["weight_sync_params"] == tensors and m["weight_sync_checked"] == 1  # the engine's sums agree
+            assert m["train_rollout_logprob_abs_diff"] < 1e-4  # the engine's Qwen3 and the trainer's agree
 
 
 # Test double for the scripts' interpreter: records the flags a script hands its doctor (the job's flags, the same
