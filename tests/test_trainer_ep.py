@@ -151,9 +151,9 @@ def test_packed_ep2_equals_ep1_train_step(ray_cluster, tmp_path):
         group.shutdown()
 
 
-def test_moe_under_tp2_with_ep2_and_whole_experts_equals_one_rank_and_syncs(ray_cluster, tmp_path):
+def test_moe_under_tp2_with_ep2_and_whole_experts_equals_one_rank_syncs_and_resumes(ray_cluster, tmp_path):
     """megatron-core's MoE folding, as slime's MoE scripts lay it out (--expert-tensor-parallel-size 1): attention
     and the dense layer split over two TP ranks (sequence parallel), the routed experts whole, half on each of the
-    same two ranks as EP ranks; with GLM-4.5's MTP layer trained online."""
+    same two ranks as EP ranks; with GLM-4.5's MTP layer trained online. Its checkpoint resumes exactly."""
     two_ranks_with_mtp_equal_one("glm4_moe", {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
-                                              "expert_tensor_parallel_size": 1}, tmp_path)
+                                              "expert_tensor_parallel_size": 1}, tmp_path, resume=True)

@@ -121,8 +121,12 @@ class Trainer:
         """Which checkpoint shard file is this rank's under expert parallelism (checkpoint.shard_path)."""
         return dict(ep_rank=self.tp.ep_rank, ep_size=self.tp.ep_size, etp_size=self.tp.etp_size)
 
+    def _weights_copy(self) -> dict[str, torch.Tensor]:
+        """A copy of every weight a checkpoint holds (`model.named_weights`: the routers' expert bias too)."""
+        return {n: p.detach().clone() for n, p in M.named_weights(self.model)}
+
     def _copy_into_model(self, state: dict[str, torch.Tensor]) -> None:
-        params = dict(self.model.named_parameters())
+        params = dict(M.named_weights(self.model))
         if set(state) != set(params):
             raise ValueError(f"checkpoint does not match the model: missing {sorted(set(params) - set(state))}, "
                              f"unexpected {sorted(set(state) - set(params))}")
@@ -133,23 +137,23 @@ class Trainer:
     def _reference_weights(self, resumed: dict | None) -> dict[str, torch.Tensor]:
         """The KL reference: --ref-load (an HF or slime-spec checkpoint) or the --hf-checkpoint weights."""
         if resumed is None and not self.train.ref_load:  # the model holds exactly the --hf-checkpoint weights
-            return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+            return self._weights_copy()
         source = self.train.ref_load or self.train.hf_checkpoint
-        current = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        current = self._weights_copy()
         if (Path(source) / checkpoint.LATEST).is_file():
             self._copy_into_model(checkpoint.load_shard(source, self.tp.tp_rank, self.tp.tp_size,
                                                         **self._ep_shard)["model"])
         else:
             M.load_hf_weights(self.model, M.read_hf_state(source), self.hf_config, self.tp.tp_rank, self.tp.tp_size,
                               self.tp.ep_rank, self.tp.ep_size, self.tp.etp_rank, self.tp.etp_size)
-        ref = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        ref = self._weights_copy()
         self._copy_into_model(current)
         return ref
 
     @contextlib.contextmanager
     def _reference_model(self):
         """The model with the reference weights swapped in (one model in memory, as slime does)."""
-        current = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        current = self._weights_copy()
         self._copy_into_model(self.ref_state)
         try:
             yield self.model

@@ -82,11 +82,12 @@ def assert_same_adam_step(after_tp2: dict, after_tp1: dict, keys, lr: float) -> 
         assert float((diff > 1e-5).float().mean()) < 0.01, k
 
 
-def two_ranks_with_mtp_equal_one(arch: str, layout: dict, tmp_path) -> None:
+def two_ranks_with_mtp_equal_one(arch: str, layout: dict, tmp_path, resume: bool = False) -> None:
     """A tiny MoE model of `arch` with its MTP layer trained online, on two gloo train ranks laid out as `layout`
     says (TP or EP sizes), computes what one rank computes: logits and MTP logits, the gathered weights, one packed
     step's metrics and the weights it moved (the MTP layer's among them); then target and MTP tensors reach a NEXTN
-    engine, checked by its checksums."""
+    engine, checked by its checksums. `resume`: the step is saved, and two new ranks of the same layout resume it
+    with exactly those weights."""
     from slime_spec.fleet.process import engine_server_process
     from slime_spec.tools.tiny_model import make_tiny_model
     from slime_spec.trainer import parallel
@@ -100,7 +101,8 @@ def two_ranks_with_mtp_equal_one(arch: str, layout: dict, tmp_path) -> None:
              "speculative_num_draft_tokens": 3}
     flags = tuple(x for k, v in nextn.items() for x in ("--" + k.replace("_", "-"), str(v)))
     engine = EngineConfig("embedded", str(path), forwarded_argv=flags, server_args=nextn)
-    group = TrainGroup(two_rank_config(path, engine, {**kw, **layout}, tmp_path / "out"), use_gpu=False)
+    save = {"save": str(tmp_path / "save")} if resume else {}
+    group = TrainGroup(two_rank_config(path, engine, {**kw, **layout, **save}, tmp_path / "out"), use_gpu=False)
     server = engine_server_process(engine, log_path=tmp_path / "engine.log")
     try:
         parallel.init_single_process(seed=0)
@@ -123,6 +125,9 @@ def two_ranks_with_mtp_equal_one(arch: str, layout: dict, tmp_path) -> None:
         # turns float noise there into full steps of either sign
         assert_same_adam_step(after2, after1, [k for k in before if not k.endswith("k_proj.bias")], kw["lr"])
 
+        if resume:
+            group.save(0)
+
         server.start(timeout_s=120)
         group.connect_engines([server.url])
         metrics = group.sync_weights("0", probe_samples=tp_rollout())
@@ -130,3 +135,12 @@ def two_ranks_with_mtp_equal_one(arch: str, layout: dict, tmp_path) -> None:
     finally:
         group.shutdown()
         server.stop()
+    if resume:  # each rank's shard (its TP slice, its EP rank's experts) back where it was
+        resumed = TrainGroup(two_rank_config(path, engine, {**kw, **layout, **save, "load": save["save"]},
+                                             tmp_path / "out2"), use_gpu=False)
+        try:
+            assert resumed.start_rollout_id() == 1
+            again = resumed.hf_state_dict()
+            assert sorted(again) == sorted(after2) and all(torch.equal(again[k], after2[k]) for k in after2)
+        finally:
+            resumed.shutdown()
