@@ -211,6 +211,29 @@ def test_packed_step_has_the_padded_steps_gradients(deepseek):
         torch.testing.assert_close(g_pack[name], g_pad[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_a_saved_step_resumes_and_serves_as_the_kl_reference(deepseek, tmp_path):
+    """A checkpoint holds the routers' correction bias (a megatron-core buffer) with the parameters: --load resumes
+    it, and --ref-load takes it as the KL reference, both with exactly the saved weights."""
+    from slime_spec.trainer.trainer import Trainer
+
+    samples = [Sample(index=i, group_index=i // 2, prompt="p", tokens=[5, 6, 7, 10 + i, 11 + i], response_length=2,
+                      reward=float(i % 2)) for i in range(4)]
+    base = dict(hf_checkpoint=str(deepseek), global_batch_size=4, micro_batch_size=2, n_samples_per_prompt=2, lr=1e-3)
+    trained = Trainer(TrainConfig(**base, save=str(tmp_path / "ckpt")))
+    trained.train_step(samples, 0)
+    trained.save(0)
+    saved = {n: t.clone() for n, t in trained.hf_state_dict().items()}
+    saved_megatron = {n: t.clone() for n, t in trained.named_megatron_params()}
+    assert any(n.endswith("router.expert_bias") for n in saved_megatron)
+    resumed = Trainer(TrainConfig(**base, load=str(tmp_path / "ckpt")))
+    assert resumed.start_rollout_id == 1
+    assert all(torch.equal(t, saved[n]) for n, t in resumed.hf_state_dict().items())
+    reference = Trainer(TrainConfig(**base, use_kl_loss=True, ref_load=str(tmp_path / "ckpt")))
+    assert set(reference.ref_state) == set(saved_megatron)
+    assert all(torch.equal(reference.ref_state[n], t) for n, t in saved_megatron.items())
+    assert not all(torch.equal(t, saved[n]) for n, t in reference.hf_state_dict().items())  # the policy: HF weights
+
+
 def test_refusals_name_the_config_key(deepseek):
     hf_config = M.read_hf_config(deepseek)
     train = TrainConfig(hf_checkpoint=str(deepseek))
