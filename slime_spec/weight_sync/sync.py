@@ -72,7 +72,7 @@ class WeightSyncer:
     def __init__(self, clients: Sequence[EngineClient], config: WeightSyncConfig, *, hf_config: dict,
                  hf_checkpoint: str | Path, spec: protocol.SpecSetup, has_mtp_layers: bool,
                  transport: str | None = None, colocate: bool = False, master_address: str = "127.0.0.1",
-                 master_port: int | None = None, backend: str = "gloo", engine_tp_size: int = 1,
+                 backend: str = "gloo", engine_tp_size: int = 1,
                  disk_dir: str | Path | None = None, timeout_s: float = 300.0, check_sample: int = 64,
                  trains_draft: bool = False, rank_buckets: RankBuckets | None = None):
         """trains_draft: the trainer also sends a separate draft's own tensors (`NamedTensor.kind == "draft"`,
@@ -93,7 +93,7 @@ class WeightSyncer:
                              f"{rank_buckets.layout.engine_tp_size} trainer ranks: got transport "
                              f"{self.transport_name}, {len(self.clients)} engine(s) of --tp-size {engine_tp_size}")
         self.rank_buckets = rank_buckets
-        self._transport_args = dict(master_address=master_address, master_port=master_port, backend=backend,
+        self._transport_args = dict(master_address=master_address, backend=backend,
                                     engine_tp_size=engine_tp_size, disk_dir=disk_dir, timeout_s=timeout_s)
         self.protocol: protocol.Protocol | None = None
         self.plan: protocol.SelectorPlan | None = None
@@ -119,7 +119,7 @@ class WeightSyncer:
         self.engine_device = self.clients[0].server_info().get("device")
         a = self._transport_args
         if self.transport_name == "distributed":
-            self.transport = DistributedTransport(self.clients, a["master_address"], a["master_port"],
+            self.transport = DistributedTransport(self.clients, a["master_address"],
                                                   backend=a["backend"], engine_tp_size=a["engine_tp_size"],
                                                   session=self.protocol.session, timeout_s=a["timeout_s"])
         elif self.transport_name == "tensor":
@@ -320,7 +320,8 @@ class WeightSyncer:
     def rejoin(self, restarted_urls: Sequence[str]) -> None:
         """Engines at `restarted_urls` were restarted: they serve the checkpoint and, with the distributed
         transport, left the weight-update group. Drop the cached group (the survivors leave it too) so
-        the next sync, a full one like every sync, forms a new group of every engine on a fresh port.
+        the next sync, a full one like every sync, forms a new group of every engine (on a fresh port, as every
+        group is).
         Without this the next broadcast waits for ranks that are gone until the group's timeout."""
         if self.transport_name != "distributed" or self.transport is None:
             return
@@ -330,11 +331,6 @@ class WeightSyncer:
             unexpected = {url: err for url, err in e.failures.items() if url not in set(restarted_urls)}
             if unexpected:
                 raise
-        a = self._transport_args
-        a["master_port"] = None  # a fresh port, held from its pick (the old one may still be in use)
-        self.transport = DistributedTransport(self.clients, a["master_address"], a["master_port"],
-                                              backend=a["backend"], engine_tp_size=a["engine_tp_size"],
-                                              session=self.protocol.session, timeout_s=a["timeout_s"])
 
     def close(self) -> None:
         if self.transport is not None:

@@ -85,18 +85,18 @@ def broadcast_plan(named: list[tuple[str, torch.Tensor]], flatten: bool
 class DistributedTransport:
     name = "distributed"
 
-    def __init__(self, clients: Sequence[EngineClient], master_address: str, master_port: int | None = None, *,
+    def __init__(self, clients: Sequence[EngineClient], master_address: str, *,
                  backend: str = "gloo", group_name: str = "weight_update_group", engine_tp_size: int = 1,
                  session: bool = True, timeout_s: float = 300.0, flatten: bool = False):
         """flatten: one broadcast per bucket (SGLang's receive then allocates one buffer, not one per tensor) at the
         price of one copy on each side; needs SGLang >= 0.5.23 (the session protocol), whose receiver reads
         `load_format`. Off: one broadcast per tensor, which the embedded engine receives into the parameters.
-        master_port None: each new group gets a port of its own, listened on before any engine is told it."""
+        Each new group gets a port of its own, listened on before any engine is told it."""
         if flatten and not session:
             raise ValueError("a flattened bucket over update_weights_from_distributed needs SGLang >= 0.5.23 (the "
                              "session protocol): this engine has none; send tensor by tensor (flatten=False)")
         self.flatten = flatten
-        self.clients, self.master_address, self.master_port = list(clients), master_address, master_port
+        self.clients, self.master_address = list(clients), master_address
         self.backend, self.group_name, self.engine_tp_size = backend, group_name, int(engine_tp_size)
         self.session, self.timeout_s = session, timeout_s
         self.world_size = 1 + len(self.clients) * self.engine_tp_size
@@ -114,8 +114,8 @@ class DistributedTransport:
         from slime_spec.common.dist_group import WeightUpdateGroup
         if self.group is not None:
             return
-        listener = None if self.master_port else listen_socket(listen_host(self.master_address))
-        port = self.group_port = self.master_port or listener.getsockname()[1]
+        listener = listen_socket(listen_host(self.master_address))
+        port = self.group_port = listener.getsockname()[1]
 
         def payload(i: int) -> dict:
             return protocol.init_group_payload(self.master_address, port, 1 + i * self.engine_tp_size,
