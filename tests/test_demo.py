@@ -22,6 +22,9 @@ def test_time_shares_are_weighted_by_rollout_time_and_accept_length_reported_bot
     assert "accept length 2.00 token-weighted, 2.50 per sample" in line
     assert "engine steps 60% (draft 35%, verify 35%, sampling 10%, plain 2% of them)" in line
     assert "outside the engine (HTTP, queues) 40%" in line
+    on_gpu = format_time_and_accept(m, device_async=True)  # host times: not said to be where the GPU spent its time
+    assert "engine steps 60% (host time by phase, the GPU's work showing where the host waits for it: draft 35%, " \
+           "verify 35%, sampling 10%, plain 2%)" in on_gpu
 
 
 def test_a_run_without_counters_reports_accept_length_only():

@@ -397,6 +397,27 @@ def test_health_while_paused_is_sglangs(plain):
     assert requests.get(plain.url + "/health", timeout=30).status_code == 200
 
 
+def test_the_generating_liveness_probe_through_sglangs_front_end(plain):
+    """The loop's probe before a rollout, eval or sync: one token through SGLang's /generate. A serving engine
+    passes; a paused one holds the request (a hang past the bound); a released one refuses it (503)."""
+    from slime_spec.fleet.client import EngineAuth, EngineClient
+    client = EngineClient(plain.url, EngineAuth(api_key=KEY))
+    assert client.liveness_problem(generate=True) is None
+    assert post(plain, "/pause_generation", {"mode": "in_place"}).status_code == 200
+    try:
+        assert client.liveness_problem(generate=True, timeout_s=1) == "/generate did not answer within 1 s (hung)"
+        assert client.liveness_problem(generate=False) is None  # /ping: alive while paused
+    finally:
+        assert post(plain, "/continue_generation", {}).status_code == 200
+    poll(lambda: load(plain)["num_running_reqs"] == 0 and load(plain)["num_waiting_reqs"] == 0)
+    assert post(plain, "/release_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
+    try:
+        assert client.liveness_problem(generate=True) == "/generate answered HTTP 503"
+    finally:
+        assert post(plain, "/resume_memory_occupation", {}).status_code == 200
+    assert client.liveness_problem(generate=True) is None
+
+
 def test_freeze_gc_reaches_the_engine(plain):
     r = post(plain, "/freeze_gc")
     assert r.status_code == 200 and r.text == "Garbage collection frozen.\n"

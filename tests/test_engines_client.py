@@ -1,6 +1,7 @@
 """fleet/client.py: answers and errors, the API key on every route, idle (not total) timeouts, /server_info."""
 
 import asyncio
+import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -146,15 +147,24 @@ def test_server_info_falls_back_only_for_old_servers(slow_server):
 
 
 class _Probed(BaseHTTPRequestHandler):
-    """An engine's probes as a test double of SGLang's: /ping 200 (or 503 once marked unhealthy), /health_generate
-    503 (paused), or a server too old for both (404, then /health)."""
+    """An engine's probes as a test double of SGLang's: /ping 200 (or 503 once marked unhealthy), /generate 503
+    (memory released), or a server too old for /ping (404, then /health). Records each probe's path and body."""
 
     answers: dict = {}
+    seen: list = []
 
     def log_message(self, *args):
         pass
 
     def do_GET(self):
+        type(self).seen.append((self.path, None))
+        self._answer()
+
+    def do_POST(self):
+        type(self).seen.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+        self._answer()
+
+    def _answer(self):
         status = type(self).answers.get(self.path, 404)
         self.send_response(status)
         self.send_header("Content-Length", "0")
@@ -169,12 +179,15 @@ def probed():
     server.shutdown()
 
 
-def test_liveness_follows_sglang_ping_and_health_generate(probed):
+def test_liveness_follows_sglang_ping_and_a_generated_token(probed):
+    from slime_spec.fleet.client import GENERATION_PROBE
     client = EngineClient(probed)
-    _Probed.answers = {"/ping": 200, "/health_generate": 503}  # paused for a weight sync: alive, not generating
+    _Probed.answers = {"/ping": 200, "/generate": 503}  # memory released: alive, not generating
     assert client.liveness_problem(generate=False) is None and client.healthy()
-    assert client.liveness_problem(generate=True) == "/health_generate answered HTTP 503"
-    _Probed.answers = {"/health": 200}  # an older server: no /ping, no /health_generate
+    _Probed.seen = []
+    assert client.liveness_problem(generate=True) == "/generate answered HTTP 503"
+    assert _Probed.seen == [("/generate", GENERATION_PROBE)]  # one greedy token, nothing else asked
+    _Probed.answers = {"/health": 200, "/generate": 200}  # an older server: no /ping
     assert client.liveness_problem(generate=False) is None and client.liveness_problem(generate=True) is None
     _Probed.answers = {"/ping": 503}  # SGLang marks a server unhealthy after a failed /health_generate
     assert client.liveness_problem() == "/ping answered HTTP 503"
@@ -189,7 +202,7 @@ def test_a_hung_engine_is_found_within_the_bound():
         listener.listen()
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
         problem = EngineClient(url).liveness_problem(generate=True, timeout_s=0.5)
-    assert problem == "/health_generate did not answer within 0.5 s (hung)"
+    assert problem == "/generate did not answer within 0.5 s (hung)"
     assert "could not be reached" in EngineClient(url).liveness_problem(timeout_s=0.5)  # the port is closed now
 
 

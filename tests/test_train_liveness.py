@@ -100,4 +100,4 @@ def test_liveness_is_checked_while_the_sync_runs():
         return found
     manager.check_engines = _Call(check)
     assert train.watch_engines(manager, lambda: release.wait(10) and {"ok": 1}, restarted) == {"ok": 1}
-    assert restarted == [1] and manager.checks and not any(manager.checks)  # /ping, never /health_generate
+    assert restarted == [1] and manager.checks and not any(manager.checks)  # /ping, never a generated token

@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[demo] GRPO with NEXTN speculative rollout and online MTP training{where}", flush=True)
     title = demo_title(size) + (f" ({layout}, {torch.cuda.get_device_name(0)})" if layout else "")
     run = grpo(grpo_argv(sft_model, train_data, eval_data, out / "run", size, args.seed, layout))
-    return finish(out, run, time.perf_counter() - t0, title, smoke=args.smoke)
+    return finish(out, run, time.perf_counter() - t0, title, smoke=args.smoke, device_async=device == "cuda")
 
 
 def demo_title(size: dict) -> str:
@@ -301,14 +301,18 @@ def run_time_and_accept(rollouts: list[dict]) -> dict:
     return out
 
 
-def format_time_and_accept(m: dict) -> str:
+def format_time_and_accept(m: dict, device_async: bool = False) -> str:
+    """device_async: the engine ran on a GPU, where its phases are host times (engine/speculative/timing.py): a
+    phase's device work shows in the phase that waits for it, so the split is labelled as such."""
     accept = (f"accept length {m['accept_length_token_weighted']:.2f} token-weighted, "
               f"{m['accept_length_per_sample']:.2f} per sample" if m["accept_length_token_weighted"] else "")
     if m["time_share_engine"] is None:
         return accept
     phases = ", ".join(f"{p} {m[f'time_share_{p}']:.0%}" for p in SPEC_PHASES
                        if m[f"time_share_{p}"] is not None)
-    return (f"{accept}; rollout time: engine steps {m['time_share_engine']:.0%} ({phases} of them), "
+    split = (f"host time by phase, the GPU's work showing where the host waits for it: {phases}" if device_async
+             else f"{phases} of them")
+    return (f"{accept}; rollout time: engine steps {m['time_share_engine']:.0%} ({split}), "
             f"outside the engine (HTTP, queues) {m['time_share_outside_engine']:.0%}")
 
 
@@ -331,7 +335,8 @@ def online_draft_gain(rollouts: list[dict]) -> dict:
     return {"online_draft_gain": total, "online_draft_gain_each": each}
 
 
-def finish(out: Path, run: dict, elapsed_s: float, title: str, smoke: bool = False) -> int:
+def finish(out: Path, run: dict, elapsed_s: float, title: str, smoke: bool = False,
+           device_async: bool = False) -> int:
     from slime_spec.driver.report import plot
     shutil.copy(out / "run" / "metrics.jsonl", out / "metrics.jsonl")
     plot(run["rollouts"], out / "plot.png", title, label="MTP trained online")
@@ -375,7 +380,8 @@ def finish(out: Path, run: dict, elapsed_s: float, title: str, smoke: bool = Fal
         each = ", ".join(f"{g:.2f}" for g in summary["online_draft_gain_each"])
         print(f"  online draft  {summary['online_draft_gain']:.2f}x the frozen draft's speed over the run (frozen "
               f"time / online time, same prompts and target weights; at each measurement: {each})")
-    print(f"  {format_time_and_accept(summary['time_and_accept']['mtp_trained'])} (MTP trained online)")
+    print(f"  {format_time_and_accept(summary['time_and_accept']['mtp_trained'], device_async)} "
+          "(MTP trained online)")
     print(f"  outputs: {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'plot.png'}")
     return 0
 

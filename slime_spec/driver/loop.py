@@ -93,7 +93,8 @@ def restarted_engine_urls(manager) -> list[str]:
 
 def check_engines(manager, generate: bool) -> list[int]:
     """Every engine's liveness now: a dead or hung one is restarted and fenced until the trainer re-syncs it.
-    `generate` (a token generated, SGLang's /health_generate) only where no sync has the engines paused."""
+    `generate` (a token generated through /generate, as SGLang's /health_generate asks) only where no sync has the
+    engines paused."""
     import ray
 
     return ray.get(manager.check_engines.remote(generate))

@@ -82,7 +82,7 @@ class Engine:
 
     def liveness_problem(self, generate: bool = False) -> str | None:
         """None while the server serves; else why not: its process exited, or it does not answer its probe
-        within a bounded time (client.py `liveness_problem`: /ping, or /health_generate with `generate`)."""
+        within a bounded time (client.py `liveness_problem`: /ping, or one token generated with `generate`)."""
         if not self.process.alive():
             code = self.process.proc.returncode if self.process.proc is not None else None
             return f"its server process exited (code {code})"

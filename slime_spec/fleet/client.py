@@ -27,6 +27,10 @@ READ_TIMEOUT_S = 600.0  # control routes: a weight-update request can block on a
 # SGLang's /health_generate waits this long for its one token (entrypoints/http_server.py HEALTH_CHECK_TIMEOUT).
 HEALTH_CHECK_TIMEOUT_ENV, HEALTH_CHECK_TIMEOUT_DEFAULT_S = "SGLANG_HEALTH_CHECK_TIMEOUT", 20.0
 PROBE_MARGIN_S = 10.0  # on top of it: the answer's own way back on a loaded machine
+# A liveness probe that generates: the request SGLang's /health_generate sends its scheduler (one greedy token of
+# input [0], kept out of the request metrics), through /generate.
+GENERATION_PROBE = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                    "log_metrics": False}
 # Routes SGLang 0.5.23 marks @auth_level(AuthLevel.ADMIN_OPTIONAL) (entrypoints/http_server.py), plus the
 # embedded engine's /abort_weight_update: they take the admin key when one is configured.
 ADMIN_ROUTES = frozenset({
@@ -54,8 +58,8 @@ def health_check_timeout_s(env=os.environ) -> float:
 
 
 def probe_timeout_s(generate: bool, env=os.environ) -> float:
-    """The bound on one liveness probe: SGLang's health-check timeout (plus its generation's wait for
-    /health_generate) and a margin. A probe silent for longer means the engine hangs."""
+    """The bound on one liveness probe: SGLang's health-check timeout (twice it for a probe that generates, as
+    /health_generate allows its token) and a margin. A probe silent for longer means the engine hangs."""
     base = health_check_timeout_s(env)
     return (2 * base if generate else base) + PROBE_MARGIN_S
 
@@ -164,22 +168,28 @@ class EngineClient:
         generate=False: SGLang's /ping (200 while generation is paused for a weight sync or memory is released),
         the check during a rollout or a sync; its 503 means SGLang marked the server unhealthy (a failed health
         check). /ping reads a flag only: a scheduler blocked in a collective still answers 200, so a sync names
-        such engines itself (WeightSyncError.stuck_urls). generate=True: /health_generate, one token generated within
-        SGLANG_HEALTH_CHECK_TIMEOUT (503 after it, and while paused or released), so only for an engine that
-        should be serving. Silence past `timeout_s` (default `probe_timeout_s(generate)`) is a hang, as a
-        stopped process gives. Servers without the route (404: older SGLang) fall back to /health.
+        such engines itself (WeightSyncError.stuck_urls). generate=True: one token generated through /generate,
+        the request SGLang's /health_generate makes (GENERATION_PROBE), answered as soon as the token is out:
+        /health_generate itself polls once a second, so it never answers in under 1 s, and the loop probes before
+        every rollout, eval and sync. Only for an engine that should be serving (a paused one holds the request).
+        Silence past `timeout_s` (default `probe_timeout_s(generate)`) is a hang, as a stopped process gives.
+        Servers without /ping (404: older SGLang) fall back to /health.
         """
         timeout_s = probe_timeout_s(generate) if timeout_s is None else timeout_s
-        for path in (("/health_generate", "/health") if generate else ("/ping", "/health")):
+        timeout = (min(CONNECT_TIMEOUT_S, timeout_s), timeout_s)
+        for path in (("/generate",) if generate else ("/ping", "/health")):
             try:
-                status = self._session.get(self.url + path, headers=self.auth.headers(path),
-                                           timeout=(min(CONNECT_TIMEOUT_S, timeout_s), timeout_s)).status_code
+                if path == "/generate":
+                    r = self._session.post(self.url + path, json=GENERATION_PROBE, headers=self.auth.headers(path),
+                                           timeout=timeout)
+                else:
+                    r = self._session.get(self.url + path, headers=self.auth.headers(path), timeout=timeout)
             except requests.Timeout:
                 return f"{path} did not answer within {timeout_s:g} s (hung)"
             except requests.RequestException as e:
                 return f"{path} could not be reached ({type(e).__name__})"
-            if status != 404:
-                return None if status == 200 else f"{path} answered HTTP {status}"
+            if r.status_code != 404:
+                return None if r.status_code == 200 else f"{path} answered HTTP {r.status_code}"
         return f"{path} answered HTTP 404"
 
     def close(self) -> None:

@@ -12,8 +12,8 @@ of any other version is visible and excluded (`stale_samples`), never trained on
 
 Liveness. An engine is restarted when a request to it fails unreachable, and whenever the driver asks
 (`check_engines`: at every phase boundary and every few seconds while a rollout, an eval or a sync runs): its
-process exited, or its probe (`Engine.liveness_problem`: SGLang's /ping, or /health_generate where it should be
-serving) went unanswered past a bound, as a hung (stopped) server's does; and when a failed sync names it stuck in
+process exited, or its probe (`Engine.liveness_problem`: SGLang's /ping, or one token generated where it should
+be serving) went unanswered past a bound, as a hung (stopped) server's does; and when a failed sync names it stuck in
 its broken broadcast (`restart_stuck`), which no probe sees.
 """
 
