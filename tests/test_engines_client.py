@@ -208,7 +208,7 @@ def test_a_hung_engine_is_found_within_the_bound():
 
 def test_probe_bounds_follow_sglang_health_check_timeout():
     from slime_spec.fleet.client import PROBE_MARGIN_S, probe_timeout_s
-    assert probe_timeout_s(False, {}) == 20 + PROBE_MARGIN_S  # SGLang's default SGLANG_HEALTH_CHECK_TIMEOUT
-    assert probe_timeout_s(True, {"SGLANG_HEALTH_CHECK_TIMEOUT": "3"}) == 6 + PROBE_MARGIN_S
+    assert probe_timeout_s({}) == 20 + PROBE_MARGIN_S  # SGLang's default SGLANG_HEALTH_CHECK_TIMEOUT
+    assert probe_timeout_s({"SGLANG_HEALTH_CHECK_TIMEOUT": "3"}) == 3 + PROBE_MARGIN_S
     with pytest.raises(ValueError, match="SGLANG_HEALTH_CHECK_TIMEOUT"):
-        probe_timeout_s(False, {"SGLANG_HEALTH_CHECK_TIMEOUT": "soon"})
+        probe_timeout_s({"SGLANG_HEALTH_CHECK_TIMEOUT": "soon"})

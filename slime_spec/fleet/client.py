@@ -57,11 +57,10 @@ def health_check_timeout_s(env=os.environ) -> float:
     return value
 
 
-def probe_timeout_s(generate: bool, env=os.environ) -> float:
-    """The bound on one liveness probe: SGLang's health-check timeout (twice it for a probe that generates, as
-    /health_generate allows its token) and a margin. A probe silent for longer means the engine hangs."""
-    base = health_check_timeout_s(env)
-    return (2 * base if generate else base) + PROBE_MARGIN_S
+def probe_timeout_s(env=os.environ) -> float:
+    """The bound on one liveness probe: SGLang's health-check timeout (how long /health_generate waits for its one
+    token) and a margin. A probe silent for longer means the engine hangs."""
+    return health_check_timeout_s(env) + PROBE_MARGIN_S
 
 
 class EngineError(RuntimeError):
@@ -172,10 +171,10 @@ class EngineClient:
         the request SGLang's /health_generate makes (GENERATION_PROBE), answered as soon as the token is out:
         /health_generate itself polls once a second, so it never answers in under 1 s, and the loop probes before
         every rollout, eval and sync. Only for an engine that should be serving (a paused one holds the request).
-        Silence past `timeout_s` (default `probe_timeout_s(generate)`) is a hang, as a stopped process gives.
+        Silence past `timeout_s` (default `probe_timeout_s()`) is a hang, as a stopped process gives.
         Servers without /ping (404: older SGLang) fall back to /health.
         """
-        timeout_s = probe_timeout_s(generate) if timeout_s is None else timeout_s
+        timeout_s = probe_timeout_s() if timeout_s is None else timeout_s
         timeout = (min(CONNECT_TIMEOUT_S, timeout_s), timeout_s)
         for path in (("/generate",) if generate else ("/ping", "/health")):
             try:
