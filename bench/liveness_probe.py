@@ -1,11 +1,12 @@
-"""The loop's generating liveness probe: SGLang's /health_generate against one token through /generate, same run.
+"""The loop's engine probes against SGLang's generating health routes, same run.
 
 Before every rollout and eval, and before each sync where the engines keep generating (the split layout), the
 driver checks that every engine still generates (`EngineClient.liveness_problem(generate=True)`). SGLang's
 /health_generate sends its scheduler one greedy token and then polls once a second, so it never answers in under
-1 s; the probe the loop sends now is that same request through /generate, answered when the token is out. This
-times both against one idle engine server (the embedded engine behind SGLang's front end), interleaved, and prints
-the medians and their ratio.
+1 s; the probe the loop sends now is that same request through /generate, answered when the token is out. An engine
+being started is ready when SGLang's /ready says so (its warmup generation done) instead of /health, which generates
+and polls as /health_generate does. This times each pair against one idle engine server (the embedded engine behind
+SGLang's front end), interleaved, and prints the medians and their ratios.
 
     python bench/liveness_probe.py [--rounds 10] [--device cpu|cuda]
 """
@@ -29,11 +30,11 @@ from slime_spec.fleet.client import EngineClient
 from slime_spec.tools.tiny_model import make_tiny_model
 
 
-def time_health_generate(url: str) -> float:
+def time_get(url: str, path: str) -> float:
     t0 = time.perf_counter()
-    status = requests.get(url + "/health_generate", timeout=60).status_code
+    status = requests.get(url + path, timeout=60).status_code
     if status != 200:
-        raise RuntimeError(f"{url}/health_generate answered HTTP {status}")
+        raise RuntimeError(f"{url}{path} answered HTTP {status}")
     return time.perf_counter() - t0
 
 
@@ -56,19 +57,26 @@ def main(argv: list[str] | None = None) -> int:
     proc, url = start_engine(model, a.device, None, work / "engine.log", small_cache_flags(256, 2))
     try:
         client = EngineClient(url)
-        time_health_generate(url), time_generation_probe(client)  # warm-up
-        sglang_s, probe_s = [], []
+        probes = {"/health_generate": lambda: time_get(url, "/health_generate"),
+                  "generate": lambda: time_generation_probe(client),
+                  "/health": lambda: time_get(url, "/health"), "/ready": lambda: time_get(url, "/ready")}
+        seconds = {name: [] for name in probes}
+        for probe in probes.values():  # warm-up
+            probe()
         for _ in range(a.rounds):
-            sglang_s.append(time_health_generate(url))
-            probe_s.append(time_generation_probe(client))
+            for name, probe in probes.items():
+                seconds[name].append(probe())
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    health, probe = statistics.median(sglang_s), statistics.median(probe_s)
-    print(f"generating liveness probe, one idle engine on {a.device}, median of {a.rounds} interleaved rounds")
+    ms = {name: statistics.median(s) * 1e3 for name, s in seconds.items()}
+    print(f"engine probes, one idle engine on {a.device}, median of {a.rounds} interleaved rounds")
     print("| probe | ms | speed-up |\n|---|---|---|")
-    print(f"| SGLang's /health_generate | {health * 1e3:.1f} | 1.00x |")
-    print(f"| one token through /generate (the loop's) | {probe * 1e3:.1f} | {health / probe:.1f}x |")
+    print(f"| liveness: SGLang's /health_generate | {ms['/health_generate']:.1f} | 1.00x |")
+    print(f"| liveness: one token through /generate (the loop's) | {ms['generate']:.1f} | "
+          f"{ms['/health_generate'] / ms['generate']:.1f}x |")
+    print(f"| readiness: SGLang's /health | {ms['/health']:.1f} | 1.00x |")
+    print(f"| readiness: SGLang's /ready (the fleet's) | {ms['/ready']:.1f} | {ms['/health'] / ms['/ready']:.1f}x |")
     return 0
 
 

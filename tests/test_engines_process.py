@@ -22,11 +22,13 @@ def _pid_alive(pid):
         return f.read().split()[2] != "Z"
 
 
-def _http_server(tmp_path, with_health=True, extra_child=False):
+def _http_server(tmp_path, with_health=True, extra_child=False, with_ready=False):
     root = tmp_path / "www"
     root.mkdir(exist_ok=True)
     if with_health:
         (root / "health").write_text("ok")
+    if with_ready:  # SGLang's /ready
+        (root / "ready").write_text("")
     port = free_port()
     serve = f"{sys.executable} -m http.server {port} --bind 127.0.0.1 --directory {root}"
     # `extra_child`: the server forks a grandchild, as SGLang's launcher does; both must stop together.
@@ -84,9 +86,20 @@ def test_server_that_dies_at_start_reports_exit_code_and_log_tail(tmp_path):
     assert "line 99" in err.log_tail and "line 10\n" not in err.log_tail  # only the tail
 
 
+def test_ready_is_sglangs_ready_route_where_the_server_has_it(tmp_path):
+    """SGLang's /ready (startup and warmup done, not paused) answers at once; /health, which generates a token and
+    polls once a second, is asked only by a server without /ready."""
+    proc = _http_server(tmp_path, with_health=False, with_ready=True)
+    proc.start(timeout_s=30)
+    try:
+        assert requests.get(f"{proc.url}/health").status_code == 404  # never needed
+    finally:
+        proc.stop()
+
+
 def test_server_that_never_gets_healthy_is_stopped(tmp_path):
     proc = _http_server(tmp_path, with_health=False)  # /health answers 404
-    with pytest.raises(EngineStartError, match="did not become healthy.*--engine-start-timeout.*HTTP 404"):
+    with pytest.raises(EngineStartError, match="did not become ready.*--engine-start-timeout.*HTTP 404"):
         proc.start(timeout_s=1.5)
     assert not proc.alive()
 

@@ -156,7 +156,7 @@ class ServerProcess:
                 return
             now = time.monotonic()
             if timeout_s is not None and now - start > timeout_s:
-                raise self._start_error(f"did not become healthy at {self.url}/health within {timeout_s:.0f}s "
+                raise self._start_error(f"did not become ready at {self.url}/ready within {timeout_s:.0f}s "
                                         f"(--engine-start-timeout; last answer: {last})", self.proc.poll())
             if now > next_progress:
                 next_progress = now + PROGRESS_EVERY_S
@@ -175,9 +175,13 @@ class ServerProcess:
         return f"('{self.host}', {self.port}): address already in use" in text
 
     def _probe(self) -> str:
-        """'ready', or what the server answered instead (not listening yet, 503 while loading, ...)."""
+        """'ready', or what the server answered instead (not listening yet, 503 while loading, ...). Ready is
+        SGLang's /ready: its startup and warmup generation done, not paused (/health where a server has no /ready:
+        on SGLang it generates a token too, but never answers in under 1 s)."""
         try:
-            r = requests.get(f"{self.url}/health", timeout=5)
+            r = requests.get(f"{self.url}/ready", timeout=5)
+            if r.status_code == 404:
+                r = requests.get(f"{self.url}/health", timeout=5)
         except requests.RequestException as e:
             return type(e).__name__
         if r.status_code != 200:
