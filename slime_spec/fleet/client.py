@@ -176,13 +176,12 @@ class EngineClient:
         """
         timeout_s = probe_timeout_s() if timeout_s is None else timeout_s
         timeout = (min(CONNECT_TIMEOUT_S, timeout_s), timeout_s)
-        for path in (("/generate",) if generate else ("/ping", "/health")):
+        probes = [("POST", "/generate", GENERATION_PROBE)] if generate else [("GET", "/ping", None),
+                                                                             ("GET", "/health", None)]
+        for method, path, payload in probes:
             try:
-                if path == "/generate":
-                    r = self._session.post(self.url + path, json=GENERATION_PROBE, headers=self.auth.headers(path),
-                                           timeout=timeout)
-                else:
-                    r = self._session.get(self.url + path, headers=self.auth.headers(path), timeout=timeout)
+                r = self._session.request(method, self.url + path, json=payload, headers=self.auth.headers(path),
+                                          timeout=timeout)
             except requests.Timeout:
                 return f"{path} did not answer within {timeout_s:g} s (hung)"
             except requests.RequestException as e:
