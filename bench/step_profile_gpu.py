@@ -4,6 +4,7 @@ and a speculative chain (NEXTN, the MTP layer drafting; adaptive, its plain step
     python bench/step_profile_gpu.py                   # the 0.7B shape of bench/engine_gpu.py, batch 1, k = 5
     python bench/step_profile_gpu.py --batch 8 --steps 3
     python bench/step_profile_gpu.py --engines plain --cprofile --top 25   # plain decoding's host work
+    python bench/step_profile_gpu.py --model outputs/demo/model_sft --batch 128 --steps 3 --temperature 1 --logprobs
 
 The target is random (the MTP layer too), so drafts are rarely accepted: the point is each step's structure (k draft
 steps, one verify of k + 1 tokens, its read-back and the host's bookkeeping), not its yield. Per engine it prints
@@ -47,13 +48,17 @@ GAP_US = 4.0  # gaps between kernels at most this long count as launch latency, 
 SHAPE = dict(hidden_size=1536, num_layers=24, num_heads=12, num_kv_heads=2, intermediate_size=4096, vocab_size=32000)
 
 
+SAMPLING = dict(temperature=0.0, return_logprob=False)  # main() sets them from --temperature and --logprobs
+
+
 def decode(core: EngineCore, batch: int, tokens: int, seed: int, times: list | None = None, tail: int = 0) -> int:
     """Decode `batch` random prompts, request i `tokens - i * tail // batch` tokens; returns the engine steps taken
     (and appends each step's end time, perf_counter, to `times`)."""
     g = torch.Generator().manual_seed(seed)
-    for i, ids in enumerate(torch.randint(10, SHAPE["vocab_size"], (batch, 32), generator=g).tolist()):
-        core.add_request(Request(rid=f"{seed}-{i}", input_ids=ids, params=SamplingParams(
-            temperature=0.0, max_new_tokens=tokens - i * tail // batch, ignore_eos=True)))
+    for i, ids in enumerate(torch.randint(10, core.vocab_size, (batch, 32), generator=g).tolist()):
+        core.add_request(Request(rid=f"{seed}-{i}", input_ids=ids, return_logprob=SAMPLING["return_logprob"],
+                                 params=SamplingParams(temperature=SAMPLING["temperature"],
+                                                       max_new_tokens=tokens - i * tail // batch, ignore_eos=True)))
     steps = 0
     while core.has_work():
         core.step()
@@ -237,7 +242,8 @@ def greedy_check(core: EngineCore, tokens: int = 24) -> str:
     outs = []
     for graphs in (core.model.graphs, {}):
         saved, core.model.graphs = core.model.graphs, graphs
-        core.add_request(Request(rid=f"check{len(outs)}", input_ids=list(range(100, 132)), params=SamplingParams(
+        prompt = [i % core.vocab_size for i in range(100, 132)]
+        core.add_request(Request(rid=f"check{len(outs)}", input_ids=prompt, params=SamplingParams(
             temperature=0.0, max_new_tokens=tokens, ignore_eos=True)))
         done = []
         while core.has_work():
@@ -271,12 +277,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tail", type=int, default=0, help="request i decodes tokens - i * tail // batch tokens")
     p.add_argument("--phases", type=int, default=0, metavar="REPEATS",
                    help="instead of profiling, time this many interleaved decodes per engine by step kind (StepPhases)")
+    p.add_argument("--model", default=None, help="a checkpoint with one MTP layer (e.g. the GPU demo's "
+                   "outputs/demo/model_sft) instead of a random one of the 0.7B shape")
+    p.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (RL rollouts: 1)")
+    p.add_argument("--logprobs", action="store_true", help="the requests ask for output logprobs, as RL rollouts do")
     a = p.parse_args(argv)
     engines = set(a.engines.split(","))
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    SAMPLING.update(temperature=a.temperature, return_logprob=a.logprobs)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; temperature {a.temperature}, "
+          f"logprobs {a.logprobs}")
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_model(Path(tmp) / "mimo", arch="mimo", mtp_layers=1, dtype="bfloat16",
-                               max_position_embeddings=1024, **SHAPE)
+        path = a.model or make_tiny_model(Path(tmp) / "mimo", arch="mimo", mtp_layers=1, dtype="bfloat16",
+                                          max_position_embeddings=1024, **SHAPE)
         # with a tail the batch shrinks: capture engine_gpu.py's sizes, so its rows pad as that bench's do
         graphs = CudaGraphSettings(batch_sizes=tuple(sorted({1, 8, 32, a.batch})) if a.tail else (a.batch,))
         cores = {}

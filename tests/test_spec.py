@@ -221,7 +221,16 @@ SGLANG_CASES = [
 
 
 def sglang_resolution(monkeypatch, arch: str, server_args: dict):
-    """SGLang's own handle_speculative_decoding on a ServerArgs, or the exception it raises.
+    """The speculative settings SGLang's own handle_speculative_decoding resolves, or the exception it raises."""
+    view = sglang_resolved_view(monkeypatch, arch, server_args)
+    if isinstance(view, Exception):
+        return view
+    return (view.speculative_algorithm, view.speculative_num_steps, view.speculative_eagle_topk,
+            view.speculative_num_draft_tokens, view.speculative_adaptive)
+
+
+def sglang_resolved_view(monkeypatch, arch: str, server_args: dict):
+    """SGLang's own handle_speculative_decoding on a ServerArgs: its resolved view, or the exception it raises.
 
     Two test doubles stand in for what cannot run here: the target's model config (SGLang loads it through
     modules that need torchvision) becomes an object with `architectures`, and the IQuest-Q1 draft hook
@@ -240,9 +249,40 @@ def sglang_resolution(monkeypatch, arch: str, server_args: dict):
         hook.handle_speculative_decoding(args)
     except (AssertionError, TypeError, ValueError) as e:
         return e
-    view = resolved_view(args)
-    return (view.speculative_algorithm, view.speculative_num_steps, view.speculative_eagle_topk,
-            view.speculative_num_draft_tokens, view.speculative_adaptive)
+    return resolved_view(args)
+
+
+@pytest.mark.parametrize("algorithm", ["NEXTN", "EAGLE3", "STANDALONE", "NGRAM", None])
+def test_the_embedded_servers_running_request_limit_is_sglangs(monkeypatch, tmp_path, algorithm):
+    """Unset, SGLang resets --max-running-requests to 48 with speculative decoding and leaves it to its KV pool
+    without; the embedded server takes SGLang's 48 and keeps its own static-cache default without. Set, it is
+    the user's in both."""
+    from slime_spec.engine.server_args import PLAIN_MAX_RUNNING_REQUESTS, parse_server_args
+    from slime_spec.tools.tiny_model import make_tiny_model
+
+    target = make_tiny_model(tmp_path / "t", arch="mimo" if algorithm == "NEXTN" else "llama", num_layers=2,
+                             hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1)
+    flags = {"NEXTN": {"speculative_algorithm": "NEXTN", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+                       "speculative_num_draft_tokens": 4},
+             "EAGLE3": {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(target)},
+             "STANDALONE": {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(target)},
+             "NGRAM": {"speculative_algorithm": "NGRAM"}, None: {}}[algorithm]
+    if algorithm is None:
+        theirs = None  # no speculative hook runs: the limit waits for SGLang's KV pool
+    else:
+        # without the draft's path: SGLang would read the draft's config through modules that cannot import here
+        sglang_flags = {k: v for k, v in flags.items() if k != "speculative_draft_model_path"}
+        view = sglang_resolved_view(monkeypatch, "MiMoForCausalLM" if algorithm == "NEXTN" else "LlamaForCausalLM",
+                                    sglang_flags)
+        assert not isinstance(view, Exception), view
+        theirs = view.max_running_requests
+    argv = ["--model-path", str(target)] + [t for k, v in flags.items()
+                                            for t in (f"--{k.replace('_', '-')}", str(v))]
+    ours = parse_server_args(argv, cuda_available=False)
+    assert ours.max_running_requests == (PLAIN_MAX_RUNNING_REQUESTS if theirs is None else theirs)
+    assert (theirs is not None) == any("reset to 48" in n for n in ours.spec_warnings)
+    assert parse_server_args(argv + ["--max-running-requests", "128"], cuda_available=False).max_running_requests \
+        == 128
 
 
 @pytest.mark.parametrize("arch,server_args", SGLANG_CASES)

@@ -296,3 +296,14 @@ def test_adaptive_is_recommended_when_the_draft_length_is_left_to_the_default():
     assert "SPEC_ADAPTIVE_RECOMMENDED" not in codes(sglang={**untuned, "speculative_adaptive": True})
     assert "SPEC_ADAPTIVE_RECOMMENDED" not in codes(sglang=untuned, backend="embedded", spec_auto=True)
     assert "SPEC_ADAPTIVE_RECOMMENDED" not in codes(sglang={"speculative_algorithm": "NGRAM"}, backend="embedded")
+
+
+def test_speculation_that_would_decode_the_rollout_in_waves_is_named():
+    """SGLang runs 48 requests at once with speculation unless --sglang-max-running-requests says otherwise."""
+    unset = {k: v for k, v in mtp().items() if k != "max_running_requests"}
+    f = codes(sglang=unset, in_flight_per_engine=128)["SPEC_MAX_RUNNING_REQUESTS"]
+    assert f.level == "warning" and "48" in f.message and "128" in f.message
+    assert f.fix == "--sglang-max-running-requests 128"
+    assert "SPEC_MAX_RUNNING_REQUESTS" not in codes(sglang=unset, in_flight_per_engine=48)
+    assert "SPEC_MAX_RUNNING_REQUESTS" not in codes(sglang=mtp(max_running_requests=64), in_flight_per_engine=128)
+    assert "SPEC_MAX_RUNNING_REQUESTS" not in codes(sglang={}, in_flight_per_engine=128)

@@ -35,6 +35,27 @@ def test_plain_engine_drops_every_speculative_flag_and_keeps_the_rest():
     assert not any(k.startswith("speculative_") for k in engine.server_args)
 
 
+def running_limit(argv: list[str]) -> int | None:
+    return int(argv[argv.index("--max-running-requests") + 1]) if "--max-running-requests" in argv else None
+
+
+def test_the_plain_engine_runs_the_whole_rollout_at_once_as_sglang_would():
+    """Unset, SGLang runs every request its KV pool holds without speculation, 48 with it: the plain engine (and
+    any plain embedded engine) is sized to the rollout's in-flight requests, the speculative one left to the
+    engine's SGLang default; a limit the user set reaches both as written."""
+    batch = ["--rollout-batch-size", "16", "--n-samples-per-prompt", "8"]
+    spec = config(*SPEC, *batch).engine
+    assert running_limit(spec.server_argv("h", 1)) is None  # the engine resets it to 48, as SGLang
+    assert running_limit(plain_engine_config(spec).server_argv("h", 1)) == 128
+    assert running_limit(config(*batch).engine.server_argv("h", 1)) == 128
+    assert running_limit(config(*batch, "--sglang-server-concurrency", "64").engine.server_argv("h", 1)) == 64
+    mine = config(*SPEC, *batch, "--sglang-max-running-requests", "96").engine
+    assert running_limit(mine.server_argv("h", 1)) == running_limit(plain_engine_config(mine).server_argv("h", 1)) \
+        == 96
+    on_sglang = parse_config(["--hf-checkpoint", "/m", "--rollout-backend", "sglang", *batch])[0].engine
+    assert running_limit(on_sglang.server_argv("h", 1)) is None  # SGLang sizes its own from its KV pool
+
+
 def test_plain_engine_drops_our_own_speculative_options():
     """The plain server refuses --spec-auto / --spec-draft-sampling without speculation."""
     spec = config(*SPEC, "--spec-auto", "--spec-draft-sampling").engine

@@ -262,6 +262,7 @@ def to_config(p: ParsedArgs, refuse_unknown: bool = True) -> Config:
         num_gpus_per_engine=a.rollout_num_gpus_per_engine, forwarded_argv=tuple(tokens),
         server_args=server_args, seed=a.seed, spec_draft_sampling=a.spec_draft_sampling,
         spec_auto=a.spec_auto,
+        in_flight_per_engine=min(a.sglang_server_concurrency, a.rollout_batch_size * a.n_samples_per_prompt),
     )
     train = from_flags(
         TrainConfig, a, loss_type=resolve_loss_type(a.loss_type),

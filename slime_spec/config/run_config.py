@@ -123,6 +123,9 @@ class EngineConfig:
     seed: int = flag_default("seed")
     spec_draft_sampling: bool = flag_default("spec_draft_sampling")  # ours; embedded backend only
     spec_auto: bool = flag_default("spec_auto")                      # ours; embedded backend only
+    # The most requests the rollout keeps in flight on one engine (min of --sglang-server-concurrency and a
+    # rollout's samples): a plain embedded engine without --sglang-max-running-requests runs that many at once
+    in_flight_per_engine: int | None = None
 
     @property
     def module(self) -> str:
@@ -150,7 +153,17 @@ class EngineConfig:
             argv += ["--base-gpu-id", str(base_gpu_id)]
         own = [flag for flag, on in (("--spec-draft-sampling", self.spec_draft_sampling),
                                      ("--spec-auto", self.spec_auto)) if on and self.backend == "embedded"]
-        return argv + list(self.forwarded_argv) + own
+        return argv + list(self.forwarded_argv) + own + self.embedded_running_argv()
+
+    def embedded_running_argv(self) -> list[str]:
+        """`--max-running-requests` for a plain embedded engine the user gave none: SGLang, unset, runs every
+        request its paged KV pool holds (at least 2048 where it holds them), so a rollout's whole batch decodes at
+        once; the embedded engine's static cache holds `--max-running-requests` slots (default 32), so it is sized
+        to what the rollout sends. With speculation SGLang's own default (48) applies, as on SGLang."""
+        if (self.backend != "embedded" or not self.in_flight_per_engine or "max_running_requests" in self.server_args
+                or self.server_args.get("speculative_algorithm")):
+            return []
+        return ["--max-running-requests", str(self.in_flight_per_engine)]
 
 
 @dataclass(frozen=True)

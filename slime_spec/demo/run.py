@@ -202,6 +202,9 @@ def grpo_task_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path
             "--num-rollout", str(size["grpo_steps"]), "--rollout-batch-size", str(size["prompts"]),
             "--n-samples-per-prompt", str(size["samples"]), "--rollout-max-response-len", str(size["max_response_len"]),
             "--rollout-temperature", "1.0", "--global-batch-size", str(n), "--micro-batch-size", str(n),
+            # with speculation SGLang runs 48 requests at once unless told otherwise (doctor:
+            # SPEC_MAX_RUNNING_REQUESTS), while a plain engine runs the whole rollout at once: every engine takes it all
+            "--sglang-max-running-requests", str(size["prompts"] * size["samples"]),
             "--advantage-estimator", "grpo", "--eps-clip", "0.2", "--eps-clip-high", "0.28",
             "--lr", lr, "--seed", str(seed), "--rollout-seed", str(seed),
             "--output-dir", str(run_dir), "--metrics-jsonl", str(run_dir / "metrics.jsonl"),

@@ -138,6 +138,12 @@ class Rule(Enum):
         "refuse them",
         "drop {flags}, or use --rollout-backend embedded; on SGLang, {sg}speculative-adaptive adapts the draft "
         "length")
+    SPEC_MAX_RUNNING_REQUESTS = _Entry(
+        "SPEC_MAX_RUNNING_REQUESTS", "warning",
+        "speculative decoding with --sglang-max-running-requests unset: SGLang then runs at most {limit} requests at "
+        "once, and this rollout keeps up to {n} in flight per engine, so its samples decode in waves (plain "
+        "decoding would run them all at once)",
+        "--sglang-max-running-requests {n}")
     SPEC_ADAPTIVE_RECOMMENDED = _Entry(
         "SPEC_ADAPTIVE_RECOMMENDED", "info",
         "the draft length is SGLang's fixed default ({steps} steps at every batch size); RL rollouts decode at batch "

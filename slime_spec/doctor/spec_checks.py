@@ -48,6 +48,7 @@ class CheckInput:
     tensor_model_parallel_size: int = 1  # the trainer's (Megatron's --tensor-model-parallel-size)
     expert_model_parallel_size: int = 1  # the trainer's (Megatron's --expert-model-parallel-size)
     expert_tensor_parallel_size: int | None = None  # Megatron's --expert-tensor-parallel-size (None: the TP size)
+    in_flight_per_engine: int | None = None  # the most requests the rollout keeps in flight on one engine
 
     @cached_property
     def resolved(self) -> tuple[SpecConfig | None, list[Finding]]:
@@ -385,11 +386,22 @@ def check_adaptive_recommended(inp: CheckInput) -> list[Finding]:
     return []
 
 
+def check_spec_running_requests(inp: CheckInput) -> list[Finding]:
+    """SGLang resets an unset --max-running-requests to 48 with speculative decoding (the embedded engine too): a
+    rollout that keeps more in flight on an engine then decodes in waves, each with its own tail."""
+    n = inp.in_flight_per_engine
+    if (not inp.sglang.get("speculative_algorithm") or "max_running_requests" in inp.sglang or n is None
+            or n <= spec.SPEC_MAX_RUNNING_REQUESTS):
+        return []
+    return [Rule.SPEC_MAX_RUNNING_REQUESTS.finding(limit=spec.SPEC_MAX_RUNNING_REQUESTS, n=n)]
+
+
 def run_checks(inp: CheckInput, shape_flags: dict | None = None) -> list[Finding]:
     findings: list[Finding] = []
     for check in (check_speculative, check_dtype, check_context_length, check_sglang_version, check_mtp_training,
                   check_draft_training, check_trainer_support, check_quantized_checkpoint, check_history,
-                  check_own_spec_options, check_adaptive_recommended, check_sync_pipeline_parallel):
+                  check_own_spec_options, check_adaptive_recommended, check_sync_pipeline_parallel,
+                  check_spec_running_requests):
         findings += check(inp)
     if inp.backend == "sglang":
         findings += check_flashinfer(inp) + check_cuda_graph_bs(inp) + check_colocate(inp)

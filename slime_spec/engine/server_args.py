@@ -141,7 +141,7 @@ class EngineServerArgs:
     device: str = "cpu"
     dtype: str = "float32"
     context_length: int | None = None
-    max_running_requests: int = 32
+    max_running_requests: int = 32  # resolve_max_running_requests
     random_seed: int = 0
     api_key: str | None = None
     admin_api_key: str | None = None
@@ -267,6 +267,29 @@ def resolve_gc_threshold(value: list[int] | None) -> tuple[int, ...] | None:
     return tuple(value)
 
 
+# --max-running-requests unset without speculation: SGLang sizes the limit from its paged KV pool (at least 2048
+# requests where the pool holds them); the embedded engine's cache is static, a slot of the whole context per
+# request, so it keeps a small default and the fleet passes the rollout's in-flight requests instead
+# (EngineConfig.server_argv).
+PLAIN_MAX_RUNNING_REQUESTS = 32
+
+
+def resolve_max_running_requests(value: int | None, spec_config: spec.SpecConfig | None) -> int:
+    """--max-running-requests, or its default: SGLang 0.5.23 resets it to 48 when speculative decoding is on
+    (`_handle_eagle_family`, `_handle_ngram`); PLAIN_MAX_RUNNING_REQUESTS without speculation."""
+    if value is not None:
+        return value
+    return spec.SPEC_MAX_RUNNING_REQUESTS if spec_config is not None else PLAIN_MAX_RUNNING_REQUESTS
+
+
+def spec_running_note(value: int | None, spec_config: spec.SpecConfig | None) -> tuple[str, ...]:
+    """SGLang's warning when speculation resets the running-request limit, for the start-up log."""
+    if value is not None or spec_config is None:
+        return ()
+    return (f"max running requests is reset to {spec.SPEC_MAX_RUNNING_REQUESTS} for speculative decoding, as SGLang "
+            "does; set --max-running-requests to run more requests at once",)
+
+
 def check_memory_saver(device: str) -> None:
     """--enable-memory-saver, checked before SGLang's launcher preloads torch_memory_saver's allocator hook into the
     scheduler process (or fails there on a bare ImportError)."""
@@ -317,12 +340,13 @@ def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> En
         model_path=values["model_path"], host=values["host"], port=values["port"], device=device,
         dtype=resolve_dtype(values["dtype"], device, config_dtype(config)),
         context_length=values["context_length"],
-        max_running_requests=values["max_running_requests"] or 32, random_seed=seed,
+        max_running_requests=resolve_max_running_requests(values["max_running_requests"], spec_config),
+        random_seed=seed,
         api_key=values["api_key"], admin_api_key=values["admin_api_key"],
         served_model_name=values["served_model_name"] or values["model_path"],
         weight_version=values["weight_version"], skip_tokenizer_init=values["skip_tokenizer_init"],
         log_level=values["log_level"], health_check_timeout_s=_health_check_timeout(), spec=spec_config,
-        spec_warnings=tuple(map(str, findings)),
+        spec_warnings=tuple(map(str, findings)) + spec_running_note(values["max_running_requests"], spec_config),
         spec_draft_sampling=bool(values.get("spec_draft_sampling")), spec_auto=bool(values.get("spec_auto")),
         cuda_graph=CudaGraphSettings.from_values(values),
         kernels=Kernels.from_values(values),
