@@ -2,7 +2,7 @@
 
     python bench/engine_http.py [--quick] [--model DIR] [--requests 8,32,128] [--max-new-tokens N] [--repeats N]
                                 [--server-flags "SGLANG FLAGS"] [--return-logprob] [--plain-twins]
-                                [--baseline-pythonpath DIR]
+                                [--baseline-pythonpath DIR | --limits 32,128]
 
 The server is `python -m slime_spec.engine` in a child process (as the rollout talks to it): SGLang's HTTP
 server, TokenizerManager and DetokenizerManager in front of our scheduler process. Each row splits wall time
@@ -16,7 +16,8 @@ DetokenizerManager) per request: the work those processes take from the cores th
 `--baseline-pythonpath DIR` also starts the server `python -m slime_spec.engine` runs with its slime_spec imported
 from DIR (e.g. a copy of an earlier slime_spec); both serve at once, each repeat runs every shape on both, the
 order alternating between repeats (so a change in the machine's load hits both alike), and both are printed side
-by side with the ratio of wall times.
+by side with the ratio of wall times. `--limits 32,128` instead starts one server per `--max-running-requests`
+value (each with its plain twin under `--plain-twins`): a rollout decoded in waves against one decoded at once.
 Default model: the demo's shape (random MiMo, hidden 128, 6 layers), temperature 1, EOS ignored. `--server-flags`
 adds SGLang flags to every server (e.g. the demo's NEXTN flags); `--return-logprob` asks for the output logprobs,
 as the rollout does. `--plain-twins` (with speculative `--server-flags`) starts a plain server beside each one, timed in
@@ -40,6 +41,7 @@ if not __package__:  # `python bench/<name>.py`: import bench as a package, from
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from bench.common import publish
+from slime_spec.speculative.speedup import without_speculative_flags
 from slime_spec.tools.tiny_model import make_tiny_model
 
 SCHEDULER_TITLE = "sglang::schedul"  # the scheduler process's title (psutil gives it whole, the kernel 15 characters)
@@ -88,11 +90,24 @@ async def one_run(session, url: str, pid: int, prompts: list[list[int]], params:
     return wall, spent, sum(o["meta_info"]["completion_tokens"] for o in outs), cpu
 
 
+def rollout_prompts(path: str, model: str, n: int, samples: int = 8) -> list[list[int]]:
+    """n prompts as a GRPO rollout sends them: each of the file's first n / samples prompts (its "prompt" field)
+    `samples` times, tokenized as the rollout tokenizes (rollout/data.py: no special tokens)."""
+    import json
+
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    with open(path) as f:
+        texts = [json.loads(line)["prompt"] for line, _ in zip(f, range(-(-n // samples)))]
+    return [tokenizer.encode(texts[i // samples], add_special_tokens=False) for i in range(n)]
+
+
 async def measure(servers: list[tuple[str, int]], sizes: list[int], max_new: int, repeats: int,
-                  return_logprob: bool = False) -> list[list[dict]]:
+                  return_logprob: bool = False, prompt_source=None) -> list[list[dict]]:
     """Rows per server (url, pid); within one repeat every server runs each shape, the order of the servers
-    alternating between repeats, so load drift hits them alike."""
-    params = {"temperature": 1.0, "max_new_tokens": max_new, "ignore_eos": True}
+    alternating between repeats, so load drift hits them alike. `prompt_source(n)`: real prompts, decoded to EOS
+    (None: synthetic ones, EOS ignored)."""
+    params = {"temperature": 1.0, "max_new_tokens": max_new, "ignore_eos": prompt_source is None}
     rows: list[list[dict]] = [[] for _ in servers]
     # Idle connections close after 1 s, before uvicorn's 5 s keep-alive timeout can close one under a new request.
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=1.0)
@@ -100,7 +115,8 @@ async def measure(servers: list[tuple[str, int]], sizes: list[int], max_new: int
         for url, pid in servers:
             await one_run(session, url, pid, [[5, 6, 7]] * 2, params, True, return_logprob)  # warm-up
         for n in sizes:
-            prompts = [[5 + (i * 7 + j) % 40 for j in range(12)] for i in range(n)]
+            prompts = prompt_source(n) if prompt_source else [[5 + (i * 7 + j) % 40 for j in range(12)]
+                                                              for i in range(n)]
             runs = [{True: [], False: []} for _ in servers]
             for r in range(repeats):
                 order = list(enumerate(servers))
@@ -150,9 +166,9 @@ def server_process(model: str, max_running: int, log_dir: Path, baseline_path: s
                          expect_model_path=model)
 
 
-def side_by_side(rows: list[dict], base: list[dict]) -> str:
-    lines = ["| requests | shape | wall s | baseline wall s | wall / baseline | share outside the engine | "
-             "baseline share outside | front-end CPU ms / request |",
+def side_by_side(rows: list[dict], base: list[dict], label: str, base_label: str) -> str:
+    lines = [f"| requests | shape | {label} wall s | {base_label} wall s | {label} / {base_label} | share outside the "
+             f"engine, {label} | {base_label} | front-end CPU ms / request, {label} |",
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r, b in zip(rows, base):
         lines.append(f"| {r['n']} | {r['shape']} | {r['wall_s']:.3f} | {b['wall_s']:.3f} | "
@@ -161,17 +177,17 @@ def side_by_side(rows: list[dict], base: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def speedups(spec: list[list[dict]], plain: list[list[dict]]) -> str:
-    """spec_speedup per shape for the current server and, when there is one, the baseline, with their ratio."""
-    both = len(spec) == 2
-    lines = ["| requests | shape | spec_speedup | " + ("baseline spec_speedup | ratio |" if both else ""),
-             "| ---: | --- | ---: | " + ("---: | ---: |" if both else "")]
+def speedups(spec: list[list[dict]], plain: list[list[dict]], labels: list[str]) -> str:
+    """spec_speedup per shape for each variant (its plain wall over its speculative wall), with the first
+    variant's plain and speculative walls over each other variant's."""
+    head = ["| requests | shape |"] + [f" {v} spec_speedup |" for v in labels]
+    head += [f" {labels[0]} / {v} wall, plain / spec |" for v in labels[1:]]
+    lines = ["".join(head), "| ---: | --- |" + " ---: |" * (2 * len(labels) - 1)]
     for i, r in enumerate(spec[0]):
-        cur = plain[0][i]["wall_s"] / r["wall_s"]
-        line = f"| {r['n']} | {r['shape']} | {cur:.3f} |"
-        if both:
-            base = plain[1][i]["wall_s"] / spec[1][i]["wall_s"]
-            line += f" {base:.3f} | {cur / base:.2f} |"
+        line = f"| {r['n']} | {r['shape']} |"
+        line += "".join(f" {plain[k][i]['wall_s'] / spec[k][i]['wall_s']:.3f} |" for k in range(len(labels)))
+        line += "".join(f" {plain[0][i]['wall_s'] / plain[k][i]['wall_s']:.2f} / "
+                        f"{spec[0][i]['wall_s'] / spec[k][i]['wall_s']:.2f} |" for k in range(1, len(labels)))
         lines.append(line)
     return "\n".join(lines)
 
@@ -192,7 +208,13 @@ def main(argv: list[str] | None = None) -> int:
                    "beside each one, all timed in turn, and spec_speedup (plain wall / speculative wall) per server")
     p.add_argument("--baseline-pythonpath", default=None,
                    help="also measure the server whose slime_spec is imported from this directory, side by side")
+    p.add_argument("--prompt-data", default=None, help="a JSONL file with a \"prompt\" field (e.g. the demo's "
+                   "outputs/demo/data/train.jsonl): its prompts, 8 samples each, decoded to EOS as a rollout does")
+    p.add_argument("--limits", default=None, help="comma-separated --max-running-requests values: one server (and "
+                   "plain twin) per value, side by side, e.g. 32,128 (a rollout in waves against one at once)")
     a = p.parse_args(argv)
+    if a.limits and a.baseline_pythonpath:
+        p.error("--limits and --baseline-pythonpath each set the servers compared: give one of them")
     if a.plain_twins and "--speculative-algorithm" not in a.server_flags:
         p.error("--plain-twins compares plain with speculative servers: give --server-flags with "
                 "--speculative-algorithm ...")
@@ -204,31 +226,41 @@ def main(argv: list[str] | None = None) -> int:
                                            num_kv_heads=2, max_position_embeddings=512))
     log_dir = Path(tempfile.mkdtemp(prefix="bench_http_logs_"))
     flags = tuple(a.server_flags.split())
-    paths = [None, a.baseline_pythonpath] if a.baseline_pythonpath else [None]
-    servers = [server_process(model, max(sizes), log_dir, path, flags, f"server{k}.log")
-               for k, path in enumerate(paths)]
-    if a.plain_twins:  # servers: [current, baseline?, current plain, baseline plain?]
-        servers += [server_process(model, max(sizes), log_dir, path, log_name=f"plain{k}.log")
-                    for k, path in enumerate(paths)]
+    # variants compared side by side: (label, slime_spec from, --max-running-requests)
+    variants = [("current", None, max(sizes))]
+    if a.baseline_pythonpath:
+        variants.append(("baseline", a.baseline_pythonpath, max(sizes)))
+    if a.limits:
+        variants = [(f"limit {n}", None, int(n)) for n in a.limits.split(",")]
+    labels = [v[0] for v in variants]
+    servers = [server_process(model, limit, log_dir, path, flags, f"server{k}.log")
+               for k, (_, path, limit) in enumerate(variants)]
+    if a.plain_twins:  # servers: [each variant, then each variant's plain twin]
+        plain_flags = tuple(without_speculative_flags(flags))
+        servers += [server_process(model, limit, log_dir, path, plain_flags, log_name=f"plain{k}.log")
+                    for k, (_, path, limit) in enumerate(variants)]
     try:
         for server in servers:
             server.launch()
         for server in servers:
             server.wait_ready(600)
-        rows = asyncio.run(measure([(s.url, s.pid) for s in servers], sizes, max_new, repeats, a.return_logprob))
+        source = (lambda n: rollout_prompts(a.prompt_data, model, n)) if a.prompt_data else None
+        rows = asyncio.run(measure([(s.url, s.pid) for s in servers], sizes, max_new, repeats, a.return_logprob,
+                                   source))
     finally:
         for server in servers:
             server.stop()
-    table = (f"Embedded server, per-request cost: {model}, temperature 1, {max_new} new tokens per request"
+    what = f"the prompts of {a.prompt_data} (8 samples each) to EOS or" if a.prompt_data else "synthetic prompts,"
+    table = (f"Embedded server, per-request cost: {model}, {what} temperature 1, {max_new} new tokens per request"
              f"{', logprobs' if a.return_logprob else ''}{', flags ' + a.server_flags if flags else ''}, "
              f"median of {repeats} interleaved runs.\n\n" + to_markdown(rows[0]))
-    if a.baseline_pythonpath:
-        table += (f"\n\nAgainst the baseline server (slime_spec from {a.baseline_pythonpath}), both serving at once, "
-                  f"runs alternating between them:\n\n" + side_by_side(rows[0], rows[1]))
+    for k in range(1, len(variants)):
+        table += (f"\n\n{labels[k]} against {labels[0]} ({variants[k][1] or 'this checkout'}), all serving at once, "
+                  f"runs alternating between them:\n\n" + side_by_side(rows[k], rows[0], labels[k], labels[0]))
     if a.plain_twins:
-        n = len(paths)
+        n = len(variants)
         table += ("\n\nspec_speedup (plain wall / speculative wall), each plain twin timed in turn with the others:\n\n"
-                  + speedups(rows[:n], rows[n:]))
+                  + speedups(rows[:n], rows[n:], labels))
     publish(table, a.out)
     return 0
 
