@@ -97,6 +97,21 @@ def test_ready_is_sglangs_ready_route_where_the_server_has_it(tmp_path):
         proc.stop()
 
 
+def test_a_server_without_ready_is_asked_for_it_once(tmp_path):
+    """A server whose /ready answers 404 has no such route (an SGLang before it): every later poll asks /health
+    alone, not /ready then /health."""
+    import threading
+
+    proc = _http_server(tmp_path, with_health=False)
+    threading.Timer(1.5, lambda: (tmp_path / "www" / "health").write_text("ok")).start()  # healthy after a few polls
+    proc.start(timeout_s=30)
+    try:
+        log = proc.log_path.read_text()
+        assert log.count("GET /ready") == 1 and log.count("GET /health") >= 3, log
+    finally:
+        proc.stop()
+
+
 def test_server_that_never_gets_healthy_is_stopped(tmp_path):
     proc = _http_server(tmp_path, with_health=False)  # /health answers 404
     with pytest.raises(EngineStartError, match="did not become ready.*--engine-start-timeout.*HTTP 404"):

@@ -80,6 +80,7 @@ class ServerProcess:
         self.expect_model_path, self.auth, self.port_retries = expect_model_path, auth, port_retries
         self.proc: subprocess.Popen | None = None
         self._log_offset = 0  # where this launch's output starts in the (appended) log
+        self._ready_path = "/ready"  # "/health" once the server answered /ready with 404 (no such route)
 
     @property
     def url(self) -> str:
@@ -179,8 +180,9 @@ class ServerProcess:
         SGLang's /ready: its startup and warmup generation done, not paused (/health where a server has no /ready:
         on SGLang it generates a token too, but never answers in under 1 s)."""
         try:
-            r = requests.get(f"{self.url}/ready", timeout=5)
-            if r.status_code == 404:
+            r = requests.get(f"{self.url}{self._ready_path}", timeout=5)
+            if r.status_code == 404 and self._ready_path == "/ready":
+                self._ready_path = "/health"
                 r = requests.get(f"{self.url}/health", timeout=5)
         except requests.RequestException as e:
             return type(e).__name__
