@@ -49,6 +49,7 @@ def test_the_plain_engine_runs_the_whole_rollout_at_once_as_sglang_would():
     assert running_limit(plain_engine_config(spec).server_argv("h", 1)) == 128
     assert running_limit(config(*batch).engine.server_argv("h", 1)) == 128
     assert running_limit(config(*batch, "--sglang-server-concurrency", "64").engine.server_argv("h", 1)) == 64
+    assert running_limit(config(*batch, "--rollout-num-engines", "3").engine.server_argv("h", 1)) == 43  # 128 / 3
     mine = config(*SPEC, *batch, "--sglang-max-running-requests", "96").engine
     assert running_limit(mine.server_argv("h", 1)) == running_limit(plain_engine_config(mine).server_argv("h", 1)) \
         == 96

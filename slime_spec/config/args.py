@@ -12,7 +12,7 @@ import argparse
 import difflib
 import functools
 import importlib.util
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from slime_spec.config import flags as F
 from slime_spec.config.run_config import (
@@ -262,7 +262,6 @@ def to_config(p: ParsedArgs, refuse_unknown: bool = True) -> Config:
         num_gpus_per_engine=a.rollout_num_gpus_per_engine, forwarded_argv=tuple(tokens),
         server_args=server_args, seed=a.seed, spec_draft_sampling=a.spec_draft_sampling,
         spec_auto=a.spec_auto,
-        in_flight_per_engine=min(a.sglang_server_concurrency, a.rollout_batch_size * a.n_samples_per_prompt),
     )
     train = from_flags(
         TrainConfig, a, loss_type=resolve_loss_type(a.loss_type),
@@ -272,11 +271,15 @@ def to_config(p: ParsedArgs, refuse_unknown: bool = True) -> Config:
                              check_weight_sync=a.check_weight_sync or a.check_weight_update_equal)
     cluster = from_flags(ClusterConfig, a, rollout_num_gpus=resolve_rollout_gpus(
         a.rollout_num_gpus, a.colocate, a.actor_num_nodes * a.actor_num_gpus_per_node, backend))
-    return from_flags(
+    config = from_flags(
         Config, a, cluster=cluster, engine=engine, rollout=from_flags(RolloutConfig, a),
         train=train, weight_sync=weight_sync,
         wandb=from_flags(WandbConfig, a, wandb_dir=a.wandb_dir or a.output_dir),  # offline runs land in the run's dir
     )
+    # a rollout's samples spread over the engines, each engine holding at most --sglang-server-concurrency
+    samples = a.rollout_batch_size * a.n_samples_per_prompt
+    in_flight = min(a.sglang_server_concurrency, -(-samples // config.num_engines))
+    return replace(config, engine=replace(engine, in_flight_per_engine=in_flight))
 
 
 def parse_config(argv: list[str]) -> tuple[Config, ParsedArgs]:

@@ -124,7 +124,8 @@ class EngineConfig:
     spec_draft_sampling: bool = flag_default("spec_draft_sampling")  # ours; embedded backend only
     spec_auto: bool = flag_default("spec_auto")                      # ours; embedded backend only
     # The most requests the rollout keeps in flight on one engine (min of --sglang-server-concurrency and a
-    # rollout's samples): a plain embedded engine without --sglang-max-running-requests runs that many at once
+    # rollout's samples over the engines): a plain embedded engine without --sglang-max-running-requests runs that
+    # many at once
     in_flight_per_engine: int | None = None
 
     @property
