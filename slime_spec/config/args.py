@@ -276,9 +276,10 @@ def to_config(p: ParsedArgs, refuse_unknown: bool = True) -> Config:
         train=train, weight_sync=weight_sync,
         wandb=from_flags(WandbConfig, a, wandb_dir=a.wandb_dir or a.output_dir),  # offline runs land in the run's dir
     )
-    # a rollout's samples spread over the engines, each engine holding at most --sglang-server-concurrency
+    # a rollout's samples spread over the engines, each engine holding at most --sglang-server-concurrency (a
+    # count below 1 is refused by the flag checks, which name it)
     samples = a.rollout_batch_size * a.n_samples_per_prompt
-    in_flight = min(a.sglang_server_concurrency, -(-samples // config.num_engines))
+    in_flight = min(a.sglang_server_concurrency, -(-samples // max(1, config.num_engines)))
     return replace(config, engine=replace(engine, in_flight_per_engine=in_flight))
 
 
