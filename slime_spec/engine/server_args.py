@@ -274,20 +274,17 @@ def resolve_gc_threshold(value: list[int] | None) -> tuple[int, ...] | None:
 PLAIN_MAX_RUNNING_REQUESTS = 32
 
 
-def resolve_max_running_requests(value: int | None, spec_config: spec.SpecConfig | None) -> int:
-    """--max-running-requests, or its default: SGLang 0.5.23 resets it to 48 when speculative decoding is on
-    (`_handle_eagle_family`, `_handle_ngram`); PLAIN_MAX_RUNNING_REQUESTS without speculation."""
+def resolve_max_running_requests(value: int | None, spec_config: spec.SpecConfig | None) -> tuple[int, tuple[str, ...]]:
+    """(--max-running-requests or its default, what the start-up log says of it): SGLang 0.5.23 resets an unset limit
+    to 48 when speculative decoding is on (`_handle_eagle_family`, `_handle_ngram`), with a warning;
+    PLAIN_MAX_RUNNING_REQUESTS without speculation."""
     if value is not None:
-        return value
-    return spec.SPEC_MAX_RUNNING_REQUESTS if spec_config is not None else PLAIN_MAX_RUNNING_REQUESTS
-
-
-def spec_running_note(value: int | None, spec_config: spec.SpecConfig | None) -> tuple[str, ...]:
-    """SGLang's warning when speculation resets the running-request limit, for the start-up log."""
-    if value is not None or spec_config is None:
-        return ()
-    return (f"max running requests is reset to {spec.SPEC_MAX_RUNNING_REQUESTS} for speculative decoding, as SGLang "
-            "does; set --max-running-requests to run more requests at once",)
+        return value, ()
+    if spec_config is None:
+        return PLAIN_MAX_RUNNING_REQUESTS, ()
+    return spec.SPEC_MAX_RUNNING_REQUESTS, (
+        f"max running requests is reset to {spec.SPEC_MAX_RUNNING_REQUESTS} for speculative decoding, as SGLang does; "
+        "set --max-running-requests to run more requests at once",)
 
 
 def check_memory_saver(device: str) -> None:
@@ -335,18 +332,19 @@ def parse_server_args(argv: list[str], cuda_available: bool | None = None) -> En
         raise ServerArgsError(str(e)) from e
     if values.get("enable_memory_saver"):
         check_memory_saver(device)
+    max_running, running_note = resolve_max_running_requests(values["max_running_requests"], spec_config)
     seed = values["random_seed"] if values["random_seed"] is not None else random.randint(0, 1 << 30)
     return EngineServerArgs(
         model_path=values["model_path"], host=values["host"], port=values["port"], device=device,
         dtype=resolve_dtype(values["dtype"], device, config_dtype(config)),
         context_length=values["context_length"],
-        max_running_requests=resolve_max_running_requests(values["max_running_requests"], spec_config),
+        max_running_requests=max_running,
         random_seed=seed,
         api_key=values["api_key"], admin_api_key=values["admin_api_key"],
         served_model_name=values["served_model_name"] or values["model_path"],
         weight_version=values["weight_version"], skip_tokenizer_init=values["skip_tokenizer_init"],
         log_level=values["log_level"], health_check_timeout_s=_health_check_timeout(), spec=spec_config,
-        spec_warnings=tuple(map(str, findings)) + spec_running_note(values["max_running_requests"], spec_config),
+        spec_warnings=tuple(map(str, findings)) + running_note,
         spec_draft_sampling=bool(values.get("spec_draft_sampling")), spec_auto=bool(values.get("spec_auto")),
         cuda_graph=CudaGraphSettings.from_values(values),
         kernels=Kernels.from_values(values),
