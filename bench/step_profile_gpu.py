@@ -34,6 +34,7 @@ import tempfile
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,17 +49,27 @@ GAP_US = 4.0  # gaps between kernels at most this long count as launch latency, 
 SHAPE = dict(hidden_size=1536, num_layers=24, num_heads=12, num_kv_heads=2, intermediate_size=4096, vocab_size=32000)
 
 
-SAMPLING = dict(temperature=0.0, return_logprob=False)  # main() sets them from --temperature and --logprobs
+@dataclass(frozen=True)
+class Workload:
+    """What each decode runs: `batch` random 32-token prompts, request i decoding `tokens - i * tail // batch` new
+    tokens (EOS ignored) at `temperature`, with output logprobs when `logprobs`."""
+
+    batch: int
+    tokens: int
+    temperature: float = 0.0
+    logprobs: bool = False
+    tail: int = 0
 
 
-def decode(core: EngineCore, batch: int, tokens: int, seed: int, times: list | None = None, tail: int = 0) -> int:
-    """Decode `batch` random prompts, request i `tokens - i * tail // batch` tokens; returns the engine steps taken
-    (and appends each step's end time, perf_counter, to `times`)."""
+def decode(core: EngineCore, w: Workload, seed: int, times: list | None = None) -> int:
+    """Decode the workload's prompts (drawn from `seed`); returns the engine steps taken (and appends each step's end
+    time, perf_counter, to `times`)."""
     g = torch.Generator().manual_seed(seed)
-    for i, ids in enumerate(torch.randint(10, core.vocab_size, (batch, 32), generator=g).tolist()):
-        core.add_request(Request(rid=f"{seed}-{i}", input_ids=ids, return_logprob=SAMPLING["return_logprob"],
-                                 params=SamplingParams(temperature=SAMPLING["temperature"],
-                                                       max_new_tokens=tokens - i * tail // batch, ignore_eos=True)))
+    for i, ids in enumerate(torch.randint(10, core.vocab_size, (w.batch, 32), generator=g).tolist()):
+        core.add_request(Request(rid=f"{seed}-{i}", input_ids=ids, return_logprob=w.logprobs,
+                                 params=SamplingParams(temperature=w.temperature,
+                                                       max_new_tokens=w.tokens - i * w.tail // w.batch,
+                                                       ignore_eos=True)))
     steps = 0
     while core.has_work():
         core.step()
@@ -163,12 +174,12 @@ class StepPhases:
         return out
 
 
-def profile_engine(core: EngineCore, batch: int, tokens: int, top: int) -> list[str]:
-    decode(core, batch, tokens, seed=0)  # warm: graphs captured, kernels compiled
+def profile_engine(core: EngineCore, w: Workload, top: int) -> list[str]:
+    decode(core, w, seed=0)  # warm: graphs captured, kernels compiled
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
-        steps = decode(core, batch, tokens, seed=1)
+        steps = decode(core, w, seed=1)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
     busy, count, by_name, spans = 0.0, 0, defaultdict(float), []
@@ -198,14 +209,14 @@ def profile_engine(core: EngineCore, batch: int, tokens: int, top: int) -> list[
     return lines
 
 
-def timed(core: EngineCore, batch: int, tokens: int) -> str:
+def timed(core: EngineCore, w: Workload) -> str:
     """Wall ms per step without the profiler, and the host's wait for read-backs (the overlap schedule's)."""
     waits = getattr(core.overlap, "wait_s", None) is not None
     waited = core.overlap.wait_s if waits else 0.0
     torch.cuda.synchronize()
     t = time.perf_counter()
     ends = [t]
-    steps = decode(core, batch, tokens, seed=3, times=ends)
+    steps = decode(core, w, seed=3, times=ends)
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t) * 1e3 / steps
     each = [(b - a) * 1e3 for a, b in zip(ends, ends[1:])]
@@ -253,11 +264,11 @@ def greedy_check(core: EngineCore, tokens: int = 24) -> str:
     return f"greedy tokens with graphs equal the eager forwards': {outs[0] == outs[1]}"
 
 
-def host_profile(core: EngineCore, batch: int, tokens: int, top: int) -> list[str]:
+def host_profile(core: EngineCore, w: Workload, top: int) -> list[str]:
     """cProfile of the host's Python over a decode: the functions with the most time of their own."""
     prof = cProfile.Profile()
     prof.enable()
-    steps = decode(core, batch, tokens, seed=2)
+    steps = decode(core, w, seed=2)
     torch.cuda.synchronize()
     prof.disable()
     out = io.StringIO()
@@ -283,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--logprobs", action="store_true", help="the requests ask for output logprobs, as RL rollouts do")
     a = p.parse_args(argv)
     engines = set(a.engines.split(","))
-    SAMPLING.update(temperature=a.temperature, return_logprob=a.logprobs)
+    w = Workload(a.batch, a.tokens, a.temperature, a.logprobs, a.tail)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; temperature {a.temperature}, "
           f"logprobs {a.logprobs}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -301,18 +312,18 @@ def main(argv: list[str] | None = None) -> None:
             core = EngineCore(str(path), spec, dtype="bfloat16", device="cuda", max_running_requests=a.batch,
                               context_length=32 + a.tokens + max(a.steps, 3) + 8, cuda_graph=graphs)
             if a.phases:
-                decode(core, a.batch, a.tokens, seed=0, tail=a.tail)  # warm: graphs captured, kernels compiled
+                decode(core, w, seed=0)  # warm: graphs captured, kernels compiled
                 cores[name] = core
                 continue
             print(f"\n{name}, batch {a.batch}:")
-            print("\n".join(profile_engine(core, a.batch, a.tokens, a.top)), flush=True)
+            print("\n".join(profile_engine(core, w, a.top)), flush=True)
             if key != "spec":
-                print(timed(core, a.batch, a.tokens), flush=True)
+                print(timed(core, w), flush=True)
             if spec is None:
                 print(graph_alone(core), flush=True)
                 print(greedy_check(core), flush=True)
             if a.cprofile:
-                print("\n".join(host_profile(core, a.batch, a.tokens, 3 * a.top)), flush=True)
+                print("\n".join(host_profile(core, w, 3 * a.top)), flush=True)
             del core
         for r in range(a.phases):
             for name, core in cores.items():
@@ -320,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 with phases.watching(core):
-                    decode(core, a.batch, a.tokens, seed=10 + r, tail=a.tail)
+                    decode(core, w, seed=10 + r)
                 torch.cuda.synchronize()
                 print(f"{name}, batch {a.batch}, tail {a.tail}, repeat {r}: {(time.perf_counter() - t) * 1e3:.1f} ms")
                 print("\n".join(phases.lines()), flush=True)
