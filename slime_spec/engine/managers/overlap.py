@@ -8,7 +8,9 @@ t + 1 runs. A row that finished at step t has also run step t + 1; that token is
 schedule drops it. It is on by default on CUDA (SGLang's default; `--disable-overlap-schedule` turns it off) for
 plain decoding, and for the plain steps (k = 0) that adaptive or auto speculation chooses: a run of them overlaps like
 plain decoding, and the drafter's bookkeeping of each (MTP's deferred extend) happens when the step is read back.
-Speculative steps themselves never overlap here (SGLang 0.5.23 overlaps them only with its spec v2).
+Speculative steps themselves are read back one by one. SGLang 0.5.23 overlaps them too (its EAGLE V2 worker under
+this schedule); for this engine that was measured slower at batch 128, whose steps are bound by the host's launches
+(docs/en/benchmarks/loop-h200-2026-11.md).
 """
 
 from __future__ import annotations
