@@ -27,6 +27,9 @@ BAD = [
     (["--tensor-model-parallel-size", "2"], "FLAG_CONFLICT"),
     (["--actor-num-gpus-per-node", "2", "--global-batch-size", "6", "--micro-batch-size", "2"], "FLAG_CONFLICT"),
     (["--mtp-unroll-steps", "0"], "FLAG_OUT_OF_RANGE"),
+    (["--use-tis", "--tis-clip", "-1"], "FLAG_OUT_OF_RANGE"),
+    (["--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "2"], "FLAG_CONFLICT"),
+    (["--custom-tis-function-path", "my.tis.fn"], "FLAG_NOT_SUPPORTED"),
     (["--rm-type", "dapo"], "RM_TYPE_UNKNOWN"),
     (["--rollout-batch-sise", "4"], "UNKNOWN_FLAG"),
     (["--rollout-function-path", "my.rollout.fn"], "FLAG_NOT_SUPPORTED"),
@@ -46,6 +49,8 @@ GOOD = [
     ["--rm-type", "math", "--recompute-granularity", "full", "--pipeline-model-parallel-size", "1",
      "--lr-decay-style", "constant", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216"],
     ["--rollout-batch-sise", "4", "--allow-unknown-flags"],
+    # slime's truncated importance sampling, as its GRPO scripts set it
+    ["--use-tis", "--tis-clip", "2.0", "--tis-clip-low", "0.0", "--normalize-advantages"],
     # rollout only: trainer flags are not refused, since no trainer runs
     ["--debug-rollout-only", "--pipeline-model-parallel-size", "4", "--bf16", "--tensor-model-parallel-size", "8"],
 ]

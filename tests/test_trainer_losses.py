@@ -151,3 +151,48 @@ def test_log_probs_and_entropy_at_a_temperature_are_of_the_scaled_logits():
     assert torch.allclose(ent, losses.token_entropy(logits * 2))
     assert torch.allclose(losses.token_log_probs(logits, ids, temperature=0.5), lp)
     assert torch.equal(losses.token_log_probs(logits, ids, temperature=1.0), losses.token_log_probs(logits, ids))
+
+
+def test_tis_weights_each_tokens_policy_term_as_slime_does():
+    """slime's vanilla TIS: w = clamp(exp(old - rollout), tis_clip_low, tis_clip) multiplies each token's pg term;
+    the metrics are the weights before clipping, the clipped share and |w - 1|, averaged per sample."""
+    torch.manual_seed(0)
+    log_probs = torch.randn(2, 5, requires_grad=True)
+    old = log_probs.detach() + 0.05 * torch.randn(2, 5)
+    rollout = old + torch.tensor([[0.0, 1.0, -1.0, 0.2, 0.0], [2.0, -2.0, 0.0, 0.0, 0.1]])
+    adv = torch.tensor([1.0, -1.0])[:, None].expand(2, 5)
+    mask = torch.tensor([[0, 1, 1, 1, 1], [0, 0, 1, 1, 1]], dtype=torch.float32)
+    kw = dict(eps_clip=0.2, eps_clip_high=0.28, entropy=torch.zeros(2, 5), entropy_coef=0.0)
+    tis = losses.TisWeights(clip=2.0, clip_low=0.5)
+    terms = losses.policy_loss_terms(log_probs, old, adv, mask, tis=tis, rollout_log_probs=rollout, **kw)
+    raw = (old - rollout).exp()
+    w = raw.clamp(0.5, 2.0)
+    pg, _ = losses.ppo_clip_loss(log_probs, old, adv, 0.2, 0.28)
+    assert torch.allclose(terms.pg_loss, losses.sample_mean(pg * w, mask))
+    assert torch.allclose(terms.tis, losses.sample_mean(raw, mask))
+    assert torch.allclose(terms.tis_clipfrac, losses.sample_mean((w != raw).float(), mask))
+    assert float(terms.tis_clipfrac[0]) == pytest.approx(0.5) and float(terms.tis_clipfrac[1]) == 0.0
+    assert torch.allclose(terms.tis_abs, losses.sample_mean((raw - 1).abs(), mask))
+    terms.total.sum().backward()  # the weights carry no gradient: d pg / d log_probs is the PPO one, weighted
+    expected = torch.autograd.grad(losses.sample_mean(pg * w.detach(), mask).sum(), log_probs)[0]
+    assert torch.allclose(log_probs.grad, expected)
+    plain = losses.policy_loss_terms(log_probs, old, adv, mask, **kw)
+    assert torch.equal(plain.tis, torch.zeros(2)) and not torch.allclose(plain.pg_loss, terms.pg_loss)
+    same = losses.policy_loss_terms(log_probs, old, adv, mask, tis=tis, rollout_log_probs=old, **kw)
+    assert torch.allclose(same.pg_loss, plain.pg_loss) and torch.allclose(same.tis, torch.ones(2))
+
+
+def test_normalize_advantages_whitens_over_every_trained_token_as_slime_does():
+    """slime's masked whitening of per-token advantages (mean over trained tokens, Bessel-corrected variance), on
+    per-sample advantages that each count once per trained token; no trained token leaves them as they are."""
+    adv = torch.tensor([1.0, -1.0, 0.5, 0.0])
+    tokens = torch.tensor([3.0, 1.0, 2.0, 0.0])  # the last sample trains nothing (aborted or left out)
+    per_token = torch.cat([a.repeat(int(n)) for a, n in zip(adv, tokens)])
+    mean, var = per_token.mean(), per_token.var(unbiased=True)
+    expected = (adv - mean) / torch.sqrt(var + 1e-8)
+    out = losses.whiten_advantages(adv, tokens)
+    assert torch.allclose(out, expected)
+    whitened_tokens = torch.cat([a.repeat(int(n)) for a, n in zip(out, tokens)])
+    assert float(whitened_tokens.mean()) == pytest.approx(0.0, abs=1e-6)
+    assert float(whitened_tokens.std(unbiased=True)) == pytest.approx(1.0, abs=1e-5)
+    assert torch.equal(losses.whiten_advantages(adv, torch.zeros(4)), adv)

@@ -158,3 +158,40 @@ def test_log_probs_are_of_the_rollout_temperatures_distribution(mimo, temperatur
     assert at_temperature["train_rollout_logprob_abs_diff"] < 1e-4
     if temperature != 1.0:
         assert at_one["train_rollout_logprob_abs_diff"] > 1e-2
+
+
+def test_tis_reports_slimes_metrics_and_refuses_samples_without_rollout_log_probs(mimo):
+    """--use-tis: rollout log-probs equal to the trainer's old ones weigh every token 1 (the step is the one without
+    TIS); others move it, and train/tis* are reported. A sample without them is a clear error naming the flag."""
+    samples = rollout(seed=5)
+    old = Trainer(config(mimo)).forward_logits([s.tokens for s in samples])["logits"]
+    from slime_spec.trainer.losses import token_log_probs
+    for s, logits in zip(samples, old):
+        lp = token_log_probs(logits[None, :len(s.tokens)], torch.tensor([s.tokens]))[0]
+        s.rollout_log_probs = lp[-s.response_length:].tolist()
+    plain = Trainer(config(mimo)).train_step(samples, rollout_id=0)
+    with_tis = Trainer(config(mimo, use_tis=True)).train_step(samples, rollout_id=0)
+    assert "tis" not in plain and with_tis["tis"] == pytest.approx(1.0, abs=1e-4)
+    assert with_tis["tis_clipfrac"] == 0.0 and with_tis["tis_abs"] < 1e-4
+    assert with_tis["pg_loss"] == pytest.approx(plain["pg_loss"], abs=1e-5)
+    for s in samples:
+        s.rollout_log_probs = [v - 0.5 for v in s.rollout_log_probs]  # the engine was less sure: weights e^0.5
+    shifted = Trainer(config(mimo, use_tis=True, tis_clip=1.5)).train_step(samples, rollout_id=0)
+    assert shifted["tis"] == pytest.approx(2.718 ** 0.5, rel=1e-3) and shifted["tis_clipfrac"] == 1.0
+    samples[2].rollout_log_probs = []
+    with pytest.raises(ValueError, match="--use-tis .* sample 2"):
+        Trainer(config(mimo, use_tis=True)).train_step(samples, rollout_id=0)
+
+
+def test_normalize_advantages_whitens_the_rollouts_grpo_advantages(mimo):
+    """--normalize-advantages: GRPO's per-group advantages, whitened over every trained token of the rollout (each
+    rank holds the whole rollout: slime's statistics over its data-parallel group)."""
+    from slime_spec.trainer.finite_guard import grpo_advantages_without
+    from slime_spec.trainer.losses import whiten_advantages
+    samples = rollout(n_prompts=2, n=2, seed=7, reward_of=lambda j: [0.0, 1.0][j])
+    samples[3].response_length, samples[3].tokens = 2, samples[3].tokens[:-4]  # unequal lengths weigh differently
+    grpo = grpo_advantages_without([s.reward for s in samples], [s.group_index for s in samples], 2, [False] * 4)
+    prepared = Trainer(config(mimo, normalize_advantages=True))._prepare(samples, None)
+    expected = whiten_advantages(grpo, torch.tensor([float(s.response_length) for s in samples]))
+    assert torch.allclose(prepared.advantages, expected) and not torch.allclose(expected, grpo)
+    assert Trainer(config(mimo))._prepare(samples, None).advantages.tolist() == grpo.tolist()

@@ -122,6 +122,8 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--entropy-coef", {**_F, "default": 0.0}),
         ("--normalize-advantages", _ON),
         ("--use-tis", _ON),
+        ("--tis-clip", {**_F, "default": 2.0}),
+        ("--tis-clip-low", {**_F, "default": 0.0}),
     ],
     "optimizer": [
         ("--optimizer", {"default": "adam", "choices": ["adam", "sgd"]}),
@@ -324,7 +326,8 @@ ACTED_ON = {
     "eval_interval", "eval_prompt_data", "eval_temperature", "eval_top_p", "eval_top_k", "eval_max_response_len",
     "n_samples_per_eval_prompt",
     "advantage_estimator", "loss_type", "eps_clip", "eps_clip_high", "use_kl_loss", "kl_loss_coef", "kl_loss_type",
-    "entropy_coef", "optimizer", "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed",
+    "entropy_coef", "use_tis", "tis_clip", "tis_clip_low", "normalize_advantages",
+    "optimizer", "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed",
     "use_wandb", "wandb_project", "wandb_group", "wandb_key", "wandb_dir", "wandb_host", "wandb_team", "wandb_mode",
     "wandb_run_id", "offload_rollout", "update_weight_transport", "check_weight_update_equal",
     "skip_eval_before_train",

@@ -59,9 +59,6 @@ NOT_ACTED_ON: dict[str, Ignored] = {
     "eps_clip_c": _trainer("dual-clip PPO is not implemented", "drop --eps-clip-c"),
     "kl_coef": _trainer("a KL penalty in the reward is not implemented", "--use-kl-loss --kl-loss-coef <c> "
                         "(KL in the loss) instead", accepted=(None, 0.0)),
-    "normalize_advantages": _trainer("advantages are GRPO group-normalized, not normalized again over the batch",
-                                     "drop --normalize-advantages"),
-    "use_tis": _trainer("truncated importance sampling is not implemented", "drop --use-tis"),
     # optimizer
     "min_lr": Ignored("the learning rate is constant here (the only --lr-decay-style), so there is no minimum"),
     "lr_decay_style": _trainer("the learning rate is constant", "--lr-decay-style constant",
@@ -131,7 +128,9 @@ NOT_ACTED_ON: dict[str, Ignored] = {
     "custom_loss_function_path": _refused("the trainer's losses are built in", "--loss-type policy_loss or "
                                           "sft_loss with --advantage-estimator"),
     "custom_advantage_function_path": _refused("advantages are built in", "--advantage-estimator grpo"),
-    "custom_tis_function_path": _refused("truncated importance sampling is not implemented", _EXTENSION_FIX),
+    "custom_tis_function_path": _refused("a custom importance-sampling function is not loaded: --use-tis applies "
+                                         "slime's built-in (vanilla) truncated importance sampling",
+                                         "drop it (keep --use-tis --tis-clip --tis-clip-low)"),
     "custom_pg_loss_reducer_function_path": _refused("the policy loss is reduced over --global-batch-size",
                                                      _EXTENSION_FIX),
     "rm_url": _refused("a remote reward model service is not called", "--custom-rm-path <module.fn> that calls "

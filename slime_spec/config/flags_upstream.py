@@ -183,8 +183,6 @@ _TABLE: dict[str, list[tuple[str, dict, Ignored]]] = {
         ("--use-stateless-adam", _ON, trainer("Adam keeps its moments", "drop it")),
         ("--use-rollout-logprobs", _ON,
          trainer("importance ratios use the trainer's own log-probs before the update", "drop it")),
-        ("--tis-clip", {**_F, "default": None}, Ignored("only with --use-tis, which is refused")),
-        ("--tis-clip-low", {**_F, "default": None}, Ignored("only with --use-tis, which is refused")),
         ("--use-routing-replay", _ON,
          trainer("MoE routing replay is not implemented: the trainer routes every token itself", "drop it")),
         ("--use-rollout-routing-replay", _ON,

@@ -225,6 +225,12 @@ class TrainConfig:
     kl_loss_coef: float = flag_default("kl_loss_coef")
     kl_loss_type: str = flag_default("kl_loss_type")
     entropy_coef: float = flag_default("entropy_coef")
+    # slime's whitening of the rollout's advantages over every trained token, after GRPO's per-group normalization
+    normalize_advantages: bool = flag_default("normalize_advantages")
+    # slime's truncated importance sampling: each token's policy loss weighted by exp(old - rollout log-prob)
+    use_tis: bool = flag_default("use_tis")
+    tis_clip: float = flag_default("tis_clip")
+    tis_clip_low: float = flag_default("tis_clip_low")
     # the trainer's log-probs are of the distribution the engine sampled from (slime divides logits by it)
     rollout_temperature: float = flag_default("rollout_temperature")
     lr: float = flag_default("lr")

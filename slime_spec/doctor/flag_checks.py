@@ -95,6 +95,8 @@ BOUNDS: tuple[Bound, ...] = (
     Bound("eps_clip", _at_least(0), "must be >= 0", "--eps-clip 0.2", True),
     Bound("eps_clip_high", _at_least(0), "must be >= 0", "--eps-clip-high 0.28", True),
     Bound("kl_loss_coef", _at_least(0), "must be >= 0", "--kl-loss-coef 0.0", True),
+    Bound("tis_clip", _at_least(0), "must be >= 0 (the largest importance weight)", "--tis-clip 2.0", True),
+    Bound("tis_clip_low", _at_least(0), "must be >= 0 (the smallest importance weight)", "--tis-clip-low 0.0", True),
     Bound("adam_beta1", lambda v: 0 <= v < 1, "must be in [0, 1)", "--adam-beta1 0.9", True),
     Bound("adam_beta2", lambda v: 0 <= v < 1, "must be in [0, 1)", "--adam-beta2 0.999", True),
     Bound("sglang_mem_fraction_static", lambda v: 0 < v < 1,
@@ -121,6 +123,9 @@ RELATIONS: tuple[Relation, ...] = (
              "data-parallel size {dp_size} (actor GPUs / tensor-parallel size)",
              "--global-batch-size a multiple of {micro_dp} (or --micro-batch-size dividing "
              "{global_batch} / {dp_size})", trainer_only=True),
+    Relation(lambda v: not v.get("use_tis") or v["tis_clip_low"] <= v["tis_clip"],
+             "--tis-clip-low {tis_clip_low} is above --tis-clip {tis_clip}: every importance weight would be clipped "
+             "to an empty range", "--tis-clip-low <= --tis-clip (slime's defaults: 0.0 and 2.0)", trainer_only=True),
     Relation(lambda v: v["backend"] != "embedded" or v["rollout_num_gpus_per_engine"] == 1,
              "--rollout-num-gpus-per-engine {rollout_num_gpus_per_engine} with backend embedded: the embedded "
              "engine runs one process on one device (no tensor parallelism)",

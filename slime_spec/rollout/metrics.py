@@ -159,6 +159,7 @@ SLIME_KEY_NAMES = {
     "weight_sync_mtp_params": "perf/update_weights_mtp_tensors",
 }
 TRAIN_KEYS = {"loss", "pg_loss", "kl", "clip_fraction", "entropy", "mtp_loss", "grad_norm", "lr",
+              "tis", "tis_clipfrac", "tis_abs",
               "draft_loss", "draft_acc_step0", "draft_acc_last",
               "train_rollout_logprob_abs_diff", "replayed_samples"}
 # slime's step keys: each namespace is plotted against its own step (wandb.define_metric).

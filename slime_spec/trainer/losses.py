@@ -42,6 +42,21 @@ def grpo_advantages(rewards: Sequence[float], group_index: Sequence[int], n_samp
     return adv
 
 
+def whiten_advantages(advantages: torch.Tensor, trained_tokens: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """slime's --normalize-advantages (its `distributed_masked_whiten`, shift_mean=True): each sample's advantage
+    counts once per token it trains; the result is (advantage - mean) / sqrt(var + eps) with the variance
+    Bessel-corrected over two or more tokens. Every rank holds the whole rollout, so these are the statistics slime
+    all-reduces over its data-parallel group. With no trained token the advantages are returned as they are."""
+    n = trained_tokens.sum()
+    if n == 0:
+        return advantages
+    mean = (advantages * trained_tokens).sum() / n
+    var = (advantages.square() * trained_tokens).sum() / n - mean.square()
+    if n >= 2:
+        var = var * n / (n - 1)
+    return (advantages - mean) * torch.rsqrt(var + eps)
+
+
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """float32 logits of positions 0..s-2, divided by the rollout temperature as slime does: SGLang returns the
     log-probs of the temperature-scaled distribution it sampled from, so the trainer's must be of the same one."""
@@ -136,7 +151,8 @@ def mtp_loss_from_targets(target_losses: list[torch.Tensor], loss_mask: torch.Te
 
 @dataclass
 class LossTerms:
-    """Per-sample terms of one micro-batch ([b] each); `total` is what is minimised per sample."""
+    """Per-sample terms of one micro-batch ([b] each); `total` is what is minimised per sample. The TIS terms are
+    the importance weights before clipping, the share of tokens clipped and |weight - 1| (zero without --use-tis)."""
 
     total: torch.Tensor
     pg_loss: torch.Tensor
@@ -144,21 +160,55 @@ class LossTerms:
     entropy: torch.Tensor
     clip_fraction: torch.Tensor
     mtp_loss: torch.Tensor
+    tis: torch.Tensor | None = None
+    tis_clipfrac: torch.Tensor | None = None
+    tis_abs: torch.Tensor | None = None
+
+    def __post_init__(self):
+        for name in ("tis", "tis_clipfrac", "tis_abs"):
+            if getattr(self, name) is None:
+                setattr(self, name, torch.zeros_like(self.pg_loss))
+
+
+@dataclass(frozen=True)
+class TisWeights:
+    """slime's truncated importance sampling (--use-tis): the rollout was sampled by the engine, whose log-probs
+    differ from the trainer's old policy (kernels, precision), so each token's policy loss is weighted by
+    w = exp(old - rollout log-prob), clipped to [clip_low, clip]; the weights carry no gradient."""
+
+    clip: float
+    clip_low: float
+
+    def __call__(self, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(clipped weights, weights before clipping), per token."""
+        with torch.no_grad():
+            raw = (old_log_probs - rollout_log_probs).exp()
+            return raw.clamp(min=self.clip_low, max=self.clip), raw
 
 
 def policy_loss_terms(log_probs, old_log_probs, advantages, loss_mask, *, eps_clip: float,
                       eps_clip_high: float | None, entropy: torch.Tensor, entropy_coef: float,
                       ref_log_probs: torch.Tensor | None = None, kl_loss_coef: float = 0.0,
-                      kl_loss_type: str = "low_var_kl") -> LossTerms:
-    """GRPO/PPO objective: pg_loss + kl_loss_coef * KL(policy || ref) - entropy_coef * entropy."""
+                      kl_loss_type: str = "low_var_kl", tis: TisWeights | None = None,
+                      rollout_log_probs: torch.Tensor | None = None) -> LossTerms:
+    """GRPO/PPO objective: pg_loss + kl_loss_coef * KL(policy || ref) - entropy_coef * entropy; with `tis`, each
+    token's pg term weighted by its truncated importance weight against `rollout_log_probs` (as slime's
+    vanilla TIS)."""
     pg, clipped = ppo_clip_loss(log_probs, old_log_probs, advantages, eps_clip, eps_clip_high)
+    tis_terms = {}
+    if tis is not None:
+        weights, raw = tis(old_log_probs, rollout_log_probs)
+        pg = pg * weights
+        tis_terms = dict(tis=sample_mean(raw, loss_mask), tis_clipfrac=sample_mean((weights != raw).float(), loss_mask),
+                         tis_abs=sample_mean((raw - 1).abs(), loss_mask))
     pg_loss = sample_mean(pg, loss_mask)
     ent = sample_mean(entropy, loss_mask)
     kl = (sample_mean(approx_kl(log_probs, ref_log_probs, kl_loss_type), loss_mask)
           if ref_log_probs is not None else torch.zeros_like(pg_loss))
     total = pg_loss + kl_loss_coef * kl - entropy_coef * ent
     zero = torch.zeros_like(pg_loss)
-    return LossTerms(total, pg_loss, kl, ent, sample_mean(clipped, loss_mask), zero)
+    return LossTerms(total, pg_loss, kl, ent, sample_mean(clipped, loss_mask), zero, **tis_terms)
 
 
 def sft_loss_terms(log_probs, loss_mask, entropy: torch.Tensor) -> LossTerms:

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from slime_spec.trainer import losses
 from slime_spec.trainer.batch import TokenBatch
 
-METRICS = ("loss", "pg_loss", "kl", "clip_fraction", "entropy", "mtp_loss")
+METRICS = ("loss", "pg_loss", "kl", "clip_fraction", "entropy", "mtp_loss", "tis", "tis_clipfrac", "tis_abs")
+TIS_METRICS = ("tis", "tis_clipfrac", "tis_abs")  # reported with --use-tis only, as slime's train/tis*
 
 
 def new_sums() -> torch.Tensor:
@@ -34,8 +35,9 @@ def accumulate(sums: torch.Tensor, terms: losses.LossTerms, batch: TokenBatch,
 
 
 def step_metrics(sums: torch.Tensor, grad_norms: list[float], lr: float, dp_size: int,
-                 device: torch.device) -> dict[str, float]:
-    """Means over every data-parallel rank's samples, the mean gradient norm of the applied steps, and lr."""
+                 device: torch.device, use_tis: bool = False) -> dict[str, float]:
+    """Means over every data-parallel rank's samples, the mean gradient norm of the applied steps, and lr (the TIS
+    terms with `use_tis` only)."""
     from megatron.core import parallel_state as ps
 
     if dp_size > 1:
@@ -43,7 +45,7 @@ def step_metrics(sums: torch.Tensor, grad_norms: list[float], lr: float, dp_size
         dist.all_reduce(sums, group=ps.get_data_parallel_group())
         sums = sums.cpu()
     n = max(float(sums[len(METRICS)]), 1.0)
-    metrics = {key: float(sums[i]) / n for i, key in enumerate(METRICS)}
+    metrics = {key: float(sums[i]) / n for i, key in enumerate(METRICS) if use_tis or key not in TIS_METRICS}
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else None  # None: every step skipped
     metrics["lr"] = lr
     if sums[-1] > 0:

@@ -23,7 +23,7 @@ from slime_spec.config.run_config import TrainConfig
 from slime_spec.rollout.sample import Sample, Status
 from slime_spec.trainer import checkpoint, grads, losses, mtp_loss, step_metrics
 from slime_spec.trainer import model as M
-from slime_spec.trainer.batch import TokenBatch, collate, packed_step_slices, step_slices
+from slime_spec.trainer.batch import TokenBatch, collate, packed_step_slices, response_mask, step_slices
 from slime_spec.trainer.eagle3_online import OnlineDraft
 from slime_spec.trainer.finite_guard import (
     NonFiniteError,
@@ -309,7 +309,8 @@ class Trainer:
         """One rollout's worth of training: len(samples) / global_batch_size optimizer steps.
 
         Metrics (means over samples): loss (the policy or SFT objective), pg_loss, kl, clip_fraction,
-        entropy, mtp_loss (reported even for a frozen draft), and grad_norm (mean over steps), lr; over the
+        entropy, mtp_loss (reported even for a frozen draft), with --use-tis tis, tis_clipfrac and tis_abs (slime's
+        truncated importance sampling, losses.TisWeights), and grad_norm (mean over steps), lr; over the
         steps applied. A step whose loss or gradient norm is not finite, or whose every sample was left out for its
         reward, is skipped (finite_guard.py): skipped_steps, skipped_steps_total, reward_left_out.
         """
@@ -346,7 +347,8 @@ class Trainer:
                     self.online_draft.step(ps.get_data_parallel_group() if self.tp.dp_size > 1 else None,
                                            self.tp.dp_size)
         metrics = step_metrics.step_metrics(prepared.sums, grad_norms, self.optimizer.param_groups[0]["lr"],
-                                            self.tp.dp_size, self.device)
+                                            self.tp.dp_size, self.device, use_tis=self.train.use_tis and not
+                                            prepared.sft)
         metrics.update(skipped_steps=skipped, skipped_steps_total=self.skips.total,
                        reward_left_out=sum(prepared.left_out))
         if self.online_draft is not None:
@@ -434,6 +436,8 @@ class Trainer:
                 first = next(r for r in reasons if r is not None)
                 logger.warning("%d of %d samples left out for their reward; first: %s", sum(left_out),
                                len(samples), first)
+            if t.use_tis:
+                check_rollout_log_probs([s for s, out in zip(samples, left_out) if not out])
             # a left-out sample trains no token: collated as an aborted one (loss mask all zero)
             samples = [dataclasses.replace(s, status=Status.ABORTED) if out else s
                        for s, out in zip(samples, left_out)]
@@ -444,6 +448,9 @@ class Trainer:
         if not sft:
             advantages = grpo_advantages_without([s.reward for s in samples], [s.group_index for s in samples],
                                                  t.n_samples_per_prompt, left_out)
+            if t.normalize_advantages:
+                trained = torch.tensor([float(sum(response_mask(s))) for s in samples])
+                advantages = losses.whiten_advantages(advantages, trained)
             old = [[self._log_probs(b) for b in step] for step in batches]
             if self.ref_state is not None:
                 with self._reference_model():
@@ -476,7 +483,9 @@ class Trainer:
                         log_probs, p.old[s_idx][m_idx], adv, batch.loss_mask, eps_clip=t.eps_clip,
                         eps_clip_high=t.eps_clip_high, entropy=entropy, entropy_coef=t.entropy_coef,
                         ref_log_probs=None if p.ref is None else p.ref[s_idx][m_idx],
-                        kl_loss_coef=t.kl_loss_coef, kl_loss_type=t.kl_loss_type)
+                        kl_loss_coef=t.kl_loss_coef, kl_loss_type=t.kl_loss_type,
+                        tis=losses.TisWeights(t.tis_clip, t.tis_clip_low) if t.use_tis else None,
+                        rollout_log_probs=batch.rollout_log_probs)
             if t.mtp_num_layers and getattr(self.model, "mtp_process", False):
                 terms.mtp_loss = self._mtp_loss(rows, trunk, batch.loss_mask)
                 if t.enable_mtp_training:
@@ -495,6 +504,16 @@ class Trainer:
             if nonfinite:
                 mb = p.steps[s_idx][m_idx]
                 p.nonfinite_loss_samples.setdefault(s_idx, []).extend(mb[i] for i in nonfinite)
+
+
+def check_rollout_log_probs(samples: list[Sample]) -> None:
+    """--use-tis weights each trained token by its rollout log-prob: every sample that trains must carry them."""
+    missing = [s.index for s in samples
+               if s.status != Status.ABORTED and s.response_length > 0 and not s.rollout_log_probs]
+    if missing:
+        raise ValueError(f"--use-tis weights each token by its rollout log-prob, and {len(missing)} sample(s) came "
+                         f"back without them (first: sample {missing[0]}): a custom generate function must keep the "
+                         "engine's output log-probs (Sample.rollout_log_probs), or drop --use-tis")
 
 
 def _row_layout(rows: ModelRows, per_sample: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,7 @@ def test_debug_rollout_only_then_debug_train_only(setup, ray_head):
 def test_colocate_two_steps(setup, ray_head):
     root, model, data = setup
     train(root, model, data, "colocate", "--colocate", "--save", str(root / "ckpt"), "--save-interval", "1",
-          head=ray_head)
+          "--use-tis", "--normalize-advantages", head=ray_head)
     steps = lines(root / "colocate" / "metrics.jsonl")
     assert all((root / "ckpt" / f"iter_{i:07d}" / "tp_rank_00.pt").exists() for i in range(STEPS))
     assert [m["rollout_id"] for m in steps] == [0, 1]
@@ -76,6 +76,9 @@ def test_colocate_two_steps(setup, ray_head):
         # target AND MTP layers reached the engine
         assert m["weight_sync_params"] > 0 and m["weight_sync_mtp_params"] > 0
         assert m["spec_canary_accept_length"] >= 1.0 and "loss" in m
+        # --use-tis (with --normalize-advantages): the engine's log-probs (the target's, under speculation) weigh the
+        # policy loss
+        assert 0 < m["tis"] and 0 <= m["tis_clipfrac"] <= 1
     summary = json.loads((root / "colocate" / "summary.json").read_text())
     assert summary["num_steps"] == STEPS and (root / "colocate" / "plot.png").stat().st_size > 1000
 
