@@ -270,11 +270,12 @@ def test_wandb_files_go_under_the_output_dir(mimo7b, tmp_path):
     assert config.wandb.wandb_dir == str(tmp_path / "w")
 
 
-def test_slimes_tis_and_advantage_whitening_flags_reach_the_trainer(mimo7b):
+def test_slimes_tis_whitening_and_dual_clip_flags_reach_the_trainer(mimo7b):
     config, _ = parse_config(["--hf-checkpoint", str(mimo7b), "--use-tis", "--tis-clip", "1.5",
                               "--tis-clip-low", "0.5"])
     assert (config.train.use_tis, config.train.tis_clip, config.train.tis_clip_low) == (True, 1.5, 0.5)
     defaults, _ = parse_config(["--hf-checkpoint", str(mimo7b)])
     assert (defaults.train.use_tis, defaults.train.tis_clip, defaults.train.tis_clip_low) == (False, 2.0, 0.0)
-    assert not defaults.train.normalize_advantages
+    assert not defaults.train.normalize_advantages and defaults.train.eps_clip_c is None
+    assert parse_config(["--hf-checkpoint", str(mimo7b), "--eps-clip-c", "3"])[0].train.eps_clip_c == 3.0
     assert parse_config(["--hf-checkpoint", str(mimo7b), "--normalize-advantages"])[0].train.normalize_advantages

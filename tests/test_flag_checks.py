@@ -30,6 +30,7 @@ BAD = [
     (["--use-tis", "--tis-clip", "-1"], "FLAG_OUT_OF_RANGE"),
     (["--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "2"], "FLAG_CONFLICT"),
     (["--custom-tis-function-path", "my.tis.fn"], "FLAG_NOT_SUPPORTED"),
+    (["--eps-clip-c", "1.0"], "FLAG_OUT_OF_RANGE"),
     (["--rm-type", "dapo"], "RM_TYPE_UNKNOWN"),
     (["--rollout-batch-sise", "4"], "UNKNOWN_FLAG"),
     (["--rollout-function-path", "my.rollout.fn"], "FLAG_NOT_SUPPORTED"),
@@ -50,7 +51,7 @@ GOOD = [
      "--lr-decay-style", "constant", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216"],
     ["--rollout-batch-sise", "4", "--allow-unknown-flags"],
     # slime's truncated importance sampling, as its GRPO scripts set it
-    ["--use-tis", "--tis-clip", "2.0", "--tis-clip-low", "0.0", "--normalize-advantages"],
+    ["--use-tis", "--tis-clip", "2.0", "--tis-clip-low", "0.0", "--normalize-advantages", "--eps-clip-c", "3"],
     # rollout only: trainer flags are not refused, since no trainer runs
     ["--debug-rollout-only", "--pipeline-model-parallel-size", "4", "--bf16", "--tensor-model-parallel-size", "8"],
 ]

@@ -196,3 +196,17 @@ def test_normalize_advantages_whitens_over_every_trained_token_as_slime_does():
     assert float(whitened_tokens.mean()) == pytest.approx(0.0, abs=1e-6)
     assert float(whitened_tokens.std(unbiased=True)) == pytest.approx(1.0, abs=1e-5)
     assert torch.equal(losses.whiten_advantages(adv, torch.zeros(4)), adv)
+
+
+def test_dual_clip_bounds_a_negative_advantages_loss_as_slime_does():
+    """--eps-clip-c: with a negative advantage the loss is at most -c * A however large the ratio; positive
+    advantages and ratios inside the bound are untouched; the clip fraction counts the first clip only."""
+    old = torch.zeros(1, 4)
+    log_probs = torch.tensor([[3.0, 3.0, 0.1, -0.5]])  # ratios e^3 (far out), e^3, e^0.1, e^-0.5
+    adv = torch.tensor([[-1.0, 1.0, -1.0, -1.0]])
+    plain, clip_plain = losses.ppo_clip_loss(log_probs, old, adv, 0.2, 0.28)
+    dual, clip_dual = losses.ppo_clip_loss(log_probs, old, adv, 0.2, 0.28, eps_clip_c=3.0)
+    assert float(plain[0, 0]) == pytest.approx(2.718281828 ** 3) and float(dual[0, 0]) == pytest.approx(3.0)
+    assert torch.equal(dual[0, 1:], plain[0, 1:]) and torch.equal(clip_dual, clip_plain)
+    with pytest.raises(ValueError, match="--eps-clip-c 1.0"):
+        losses.ppo_clip_loss(log_probs, old, adv, 0.2, 0.28, eps_clip_c=1.0)

@@ -56,7 +56,6 @@ NOT_ACTED_ON: dict[str, Ignored] = {
     "sglang_router_ip": _refused("an external router is not used", "drop it; --use-sglang-router starts one"),
     "sglang_router_port": _refused("an external router is not used", "drop it; --use-sglang-router starts one"),
     # GRPO / PPO
-    "eps_clip_c": _trainer("dual-clip PPO is not implemented", "drop --eps-clip-c"),
     "kl_coef": _trainer("a KL penalty in the reward is not implemented", "--use-kl-loss --kl-loss-coef <c> "
                         "(KL in the loss) instead", accepted=(None, 0.0)),
     # optimizer

@@ -221,6 +221,7 @@ class TrainConfig:
     n_samples_per_prompt: int = flag_default("n_samples_per_prompt")
     eps_clip: float = flag_default("eps_clip")
     eps_clip_high: float | None = flag_default("eps_clip_high")
+    eps_clip_c: float | None = flag_default("eps_clip_c")  # dual-clip PPO's bound for negative advantages
     use_kl_loss: bool = flag_default("use_kl_loss")
     kl_loss_coef: float = flag_default("kl_loss_coef")
     kl_loss_type: str = flag_default("kl_loss_type")

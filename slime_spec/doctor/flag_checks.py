@@ -94,6 +94,8 @@ BOUNDS: tuple[Bound, ...] = (
     Bound("clip_grad", _at_least(0), "must be >= 0 (0: no clipping)", "--clip-grad 1.0", True),
     Bound("eps_clip", _at_least(0), "must be >= 0", "--eps-clip 0.2", True),
     Bound("eps_clip_high", _at_least(0), "must be >= 0", "--eps-clip-high 0.28", True),
+    Bound("eps_clip_c", lambda v: v > 1, "must be > 1 (dual-clip PPO bounds a negative advantage's loss at "
+          "eps_clip_c x |advantage|)", "--eps-clip-c 3.0, or drop it", True),
     Bound("kl_loss_coef", _at_least(0), "must be >= 0", "--kl-loss-coef 0.0", True),
     Bound("tis_clip", _at_least(0), "must be >= 0 (the largest importance weight)", "--tis-clip 2.0", True),
     Bound("tis_clip_low", _at_least(0), "must be >= 0 (the smallest importance weight)", "--tis-clip-low 0.0", True),

@@ -101,16 +101,24 @@ def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str
 
 
 def ppo_clip_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-                  eps_clip: float, eps_clip_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  eps_clip: float, eps_clip_high: float | None = None,
+                  eps_clip_c: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token PPO clipped surrogate (to minimise) and whether the clip was active (1.0/0.0).
 
-    ratio = exp(log_probs - old_log_probs), clipped to [1 - eps_clip, 1 + eps_clip_high].
+    ratio = exp(log_probs - old_log_probs), clipped to [1 - eps_clip, 1 + eps_clip_high]. With `eps_clip_c`
+    (dual-clip PPO, as slime's compute_policy_loss) a negative advantage's loss is at most -eps_clip_c * advantage,
+    however far the ratio grew; the clip fraction counts the first clip only, as slime's does.
     """
     high = eps_clip if eps_clip_high is None else eps_clip_high
     ratio = (log_probs - old_log_probs).exp()
     unclipped = -ratio * advantages
     clipped = -ratio.clamp(1 - eps_clip, 1 + high) * advantages
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+    loss = torch.maximum(unclipped, clipped)
+    if eps_clip_c is not None:
+        if eps_clip_c <= 1.0:
+            raise ValueError(f"--eps-clip-c {eps_clip_c}: dual-clip PPO's bound must be > 1.0")
+        loss = torch.where(advantages < 0, torch.minimum(-eps_clip_c * advantages, loss), loss)
+    return loss, (clipped > unclipped).float()
 
 
 def sample_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -189,13 +197,14 @@ class TisWeights:
 
 def policy_loss_terms(log_probs, old_log_probs, advantages, loss_mask, *, eps_clip: float,
                       eps_clip_high: float | None, entropy: torch.Tensor, entropy_coef: float,
+                      eps_clip_c: float | None = None,
                       ref_log_probs: torch.Tensor | None = None, kl_loss_coef: float = 0.0,
                       kl_loss_type: str = "low_var_kl", tis: TisWeights | None = None,
                       rollout_log_probs: torch.Tensor | None = None) -> LossTerms:
     """GRPO/PPO objective: pg_loss + kl_loss_coef * KL(policy || ref) - entropy_coef * entropy; with `tis`, each
     token's pg term weighted by its truncated importance weight against `rollout_log_probs` (as slime's
     vanilla TIS)."""
-    pg, clipped = ppo_clip_loss(log_probs, old_log_probs, advantages, eps_clip, eps_clip_high)
+    pg, clipped = ppo_clip_loss(log_probs, old_log_probs, advantages, eps_clip, eps_clip_high, eps_clip_c)
     tis_terms = {}
     if tis is not None:
         weights, raw = tis(old_log_probs, rollout_log_probs)

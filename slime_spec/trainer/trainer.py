@@ -481,7 +481,8 @@ class Trainer:
                     adv = p.advantages[p.steps[s_idx][m_idx]].to(self.device)[:, None].expand_as(log_probs)
                     terms = losses.policy_loss_terms(
                         log_probs, p.old[s_idx][m_idx], adv, batch.loss_mask, eps_clip=t.eps_clip,
-                        eps_clip_high=t.eps_clip_high, entropy=entropy, entropy_coef=t.entropy_coef,
+                        eps_clip_high=t.eps_clip_high, eps_clip_c=t.eps_clip_c, entropy=entropy,
+                        entropy_coef=t.entropy_coef,
                         ref_log_probs=None if p.ref is None else p.ref[s_idx][m_idx],
                         kl_loss_coef=t.kl_loss_coef, kl_loss_type=t.kl_loss_type,
                         tis=losses.TisWeights(t.tis_clip, t.tis_clip_low) if t.use_tis else None,

@@ -67,7 +67,7 @@ def test_debug_rollout_only_then_debug_train_only(setup, ray_head):
 def test_colocate_two_steps(setup, ray_head):
     root, model, data = setup
     train(root, model, data, "colocate", "--colocate", "--save", str(root / "ckpt"), "--save-interval", "1",
-          "--use-tis", "--normalize-advantages", head=ray_head)
+          "--use-tis", "--normalize-advantages", "--eps-clip-c", "3", head=ray_head)
     steps = lines(root / "colocate" / "metrics.jsonl")
     assert all((root / "ckpt" / f"iter_{i:07d}" / "tp_rank_00.pt").exists() for i in range(STEPS))
     assert [m["rollout_id"] for m in steps] == [0, 1]
