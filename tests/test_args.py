@@ -278,4 +278,7 @@ def test_slimes_tis_whitening_and_dual_clip_flags_reach_the_trainer(mimo7b):
     assert (defaults.train.use_tis, defaults.train.tis_clip, defaults.train.tis_clip_low) == (False, 2.0, 0.0)
     assert not defaults.train.normalize_advantages and defaults.train.eps_clip_c is None
     assert parse_config(["--hf-checkpoint", str(mimo7b), "--eps-clip-c", "3"])[0].train.eps_clip_c == 3.0
+    train = parse_config(["--hf-checkpoint", str(mimo7b), "--disable-rewards-normalization",
+                          "--disable-grpo-std-normalization"])[0].train
+    assert train.disable_rewards_normalization and train.disable_grpo_std_normalization
     assert parse_config(["--hf-checkpoint", str(mimo7b), "--normalize-advantages"])[0].train.normalize_advantages

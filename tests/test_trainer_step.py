@@ -195,3 +195,19 @@ def test_normalize_advantages_whitens_the_rollouts_grpo_advantages(mimo):
     expected = whiten_advantages(grpo, torch.tensor([float(s.response_length) for s in samples]))
     assert torch.allclose(prepared.advantages, expected) and not torch.allclose(expected, grpo)
     assert Trainer(config(mimo))._prepare(samples, None).advantages.tolist() == grpo.tolist()
+
+
+def test_reward_normalization_flags_follow_slimes_reward_post_processing(mimo):
+    """--disable-grpo-std-normalization centres each group's rewards on its mean only (Dr. GRPO);
+    --disable-rewards-normalization trains on the raw rewards; a left-out sample's advantage stays 0."""
+    from slime_spec.trainer.finite_guard import grpo_advantages_without
+    rewards, groups = [1.0, 0.0, 3.0, 4.0, 2.0, 2.0], [0, 0, 0, 1, 1, 1]
+    left_out = [False, False, False, False, False, True]
+    assert grpo_advantages_without(rewards, groups, 3, left_out, std_normalization=False).tolist() == \
+        pytest.approx([-1 / 3, -4 / 3, 5 / 3, 1.0, -1.0, 0.0])
+    assert grpo_advantages_without(rewards, groups, 3, left_out, rewards_normalization=False).tolist() == \
+        [1.0, 0.0, 3.0, 4.0, 2.0, 0.0]
+    samples = rollout(n_prompts=2, n=2, seed=7, reward_of=lambda j: [0.0, 3.0][j])
+    raw = Trainer(config(mimo, disable_rewards_normalization=True))._prepare(samples, None).advantages
+    centred = Trainer(config(mimo, disable_grpo_std_normalization=True))._prepare(samples, None).advantages
+    assert raw.tolist() == [0.0, 3.0, 0.0, 3.0] and centred.tolist() == [-1.5, 1.5, -1.5, 1.5]

@@ -171,10 +171,6 @@ _TABLE: dict[str, list[tuple[str, dict, Ignored]]] = {
         ("--use-unbiased-kl", _ON, trainer("the KL loss uses --kl-loss-type as written", "drop it")),
         ("--ref-update-interval", {**_I, "default": None},
          trainer("the reference model stays as loaded", "drop it")),
-        ("--disable-grpo-std-normalization", _ON,
-         trainer("GRPO advantages are divided by the group's reward std", "drop it")),
-        ("--disable-rewards-normalization", _ON,
-         trainer("rewards are normalized within their group", "drop it")),
         ("--use-rollout-entropy", _ON, Ignored("only an input to custom loss masks, which are refused")),
         ("--get-mismatch-metrics", _ON,
          Ignored("the train/rollout log-prob gap is reported as train_rollout_logprob_abs_diff whenever the "

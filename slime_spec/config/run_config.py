@@ -226,6 +226,9 @@ class TrainConfig:
     kl_loss_coef: float = flag_default("kl_loss_coef")
     kl_loss_type: str = flag_default("kl_loss_type")
     entropy_coef: float = flag_default("entropy_coef")
+    # slime's reward post-processing: raw rewards as advantages, or centred on the group mean without its std
+    disable_rewards_normalization: bool = flag_default("disable_rewards_normalization")
+    disable_grpo_std_normalization: bool = flag_default("disable_grpo_std_normalization")
     # slime's whitening of the rollout's advantages over every trained token, after GRPO's per-group normalization
     normalize_advantages: bool = flag_default("normalize_advantages")
     # slime's truncated importance sampling: each token's policy loss weighted by exp(old - rollout log-prob)

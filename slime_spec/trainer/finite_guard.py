@@ -37,9 +37,12 @@ def reward_left_out(sample: Sample) -> str | None:
 
 
 def grpo_advantages_without(rewards: Sequence[float | None], group_index: Sequence[int], n_samples_per_prompt: int,
-                            left_out: Sequence[bool]) -> torch.Tensor:
+                            left_out: Sequence[bool], rewards_normalization: bool = True,
+                            std_normalization: bool = True) -> torch.Tensor:
     """GRPO advantages (losses.grpo_advantages) where each group's mean and std are over its samples that are
-    not `left_out`; a left-out sample's advantage is 0 (it trains no token anyway)."""
+    not `left_out`; a left-out sample's advantage is 0 (it trains no token anyway). As slime's reward
+    post-processing: without `rewards_normalization` (--disable-rewards-normalization) each advantage is its raw
+    reward; without `std_normalization` (--disable-grpo-std-normalization) it is centred on the group's mean only."""
     members: dict[int, list[int]] = {}
     for i, g in enumerate(group_index):
         members.setdefault(g, []).append(i)
@@ -49,8 +52,11 @@ def grpo_advantages_without(rewards: Sequence[float | None], group_index: Sequen
             raise ValueError(f"GRPO: prompt group {g} has {len(idx)} samples but --n-samples-per-prompt is "
                              f"{n_samples_per_prompt}; pass every sample of each prompt to the trainer")
         kept = [i for i in idx if not left_out[i]]
-        if kept:
-            adv[kept] = losses.grpo_advantages([float(rewards[i]) for i in kept], [g] * len(kept), len(kept))
+        if kept and not rewards_normalization:
+            adv[kept] = torch.tensor([float(rewards[i]) for i in kept])
+        elif kept:
+            adv[kept] = losses.grpo_advantages([float(rewards[i]) for i in kept], [g] * len(kept), len(kept),
+                                               std_normalize=std_normalization)
     return adv
 
 

@@ -447,7 +447,9 @@ class Trainer:
         advantages = old = ref = None
         if not sft:
             advantages = grpo_advantages_without([s.reward for s in samples], [s.group_index for s in samples],
-                                                 t.n_samples_per_prompt, left_out)
+                                                 t.n_samples_per_prompt, left_out,
+                                                 rewards_normalization=not t.disable_rewards_normalization,
+                                                 std_normalization=not t.disable_grpo_std_normalization)
             if t.normalize_advantages:
                 trained = torch.tensor([float(sum(response_mask(s))) for s in samples])
                 advantages = losses.whiten_advantages(advantages, trained)
