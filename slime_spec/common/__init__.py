@@ -5,4 +5,5 @@
 - eagle3_draft.py: the EAGLE3 draft head in SGLang's LlamaForCausalLMEagle3 layout: the module the trainer
   trains online and the embedded engine's EAGLE3 drafter runs.
 - model_families.py: model families by trait (mixture-of-experts), for the trainer, the weight sync and the doctor.
+- errors.py: the base of errors with fields besides their message, so that they cross Ray's actor boundary whole.
 """

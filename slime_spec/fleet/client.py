@@ -22,6 +22,8 @@ from typing import Callable, Sequence
 import aiohttp
 import requests
 
+from slime_spec.common.errors import StructuredError
+
 CONNECT_TIMEOUT_S = 30.0
 READ_TIMEOUT_S = 600.0  # control routes: a weight-update request can block on a collective this long
 # SGLang's /health_generate waits this long for its one token (entrypoints/http_server.py HEALTH_CHECK_TIMEOUT).
@@ -63,7 +65,7 @@ def probe_timeout_s(env=os.environ) -> float:
     return health_check_timeout_s(env) + PROBE_MARGIN_S
 
 
-class EngineError(RuntimeError):
+class EngineError(StructuredError):
     """An engine request failed: HTTP status and body as answered, or status None when unreachable."""
 
     def __init__(self, url: str, path: str, status: int | None, body: str):
@@ -265,7 +267,7 @@ def remove_corpus_payload(corpus_id: str) -> dict:
     return {"corpus_id": corpus_id}
 
 
-class EngineGroupError(RuntimeError):
+class EngineGroupError(StructuredError):
     """Some engines failed a request that others completed: says which, so the caller can report state."""
 
     def __init__(self, path: str, failures: dict[str, BaseException], succeeded: list[str]):

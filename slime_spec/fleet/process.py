@@ -26,6 +26,7 @@ from pathlib import Path
 
 import requests
 
+from slime_spec.common.errors import StructuredError
 from slime_spec.common.net import free_port
 from slime_spec.config.run_config import EngineConfig
 from slime_spec.fleet.client import EngineAuth, EngineClient, EngineError
@@ -34,7 +35,7 @@ LOG_TAIL_LINES = 40
 PROGRESS_EVERY_S = 60.0
 
 
-class EngineStartError(RuntimeError):
+class EngineStartError(StructuredError):
     """The server died or never became ready; carries its exit code and the tail of its log."""
 
     def __init__(self, reason: str, *, argv: list[str], exit_code: int | None, log_path: Path, log_tail: str):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from slime_spec.common.errors import StructuredError
 from slime_spec.weight_sync.verify import served_state
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(StructuredError):
     """A sync failed; `engines_serve_previous_weights` says whether generation was resumed on old weights
     (every engine that answers was verified to serve them); `engines` says what each engine was verified to serve;
     `stuck_urls`: engines left stuck in a broken broadcast, which serve nothing until restarted."""

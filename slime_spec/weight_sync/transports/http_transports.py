@@ -33,6 +33,7 @@ from typing import Sequence
 
 import torch
 
+from slime_spec.common.errors import StructuredError
 from slime_spec.common.net import listen_host, listen_socket
 from slime_spec.fleet.client import EngineClient, EngineGroupError, post_all
 from slime_spec.weight_sync import protocol
@@ -62,7 +63,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 BROKEN_GROUP_REPLY_S = 30.0
 
 
-class BroadcastStuck(RuntimeError):
+class BroadcastStuck(StructuredError):
     """A broadcast failed and engines at `urls` are still stuck in it: they serve nothing until restarted."""
 
     def __init__(self, urls: list[str], message: str):
