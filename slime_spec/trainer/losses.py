@@ -107,7 +107,8 @@ def ppo_clip_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantag
 
     ratio = exp(log_probs - old_log_probs), clipped to [1 - eps_clip, 1 + eps_clip_high]. With `eps_clip_c`
     (dual-clip PPO, as slime's compute_policy_loss) a negative advantage's loss is at most -eps_clip_c * advantage,
-    however far the ratio grew; the clip fraction counts the first clip only, as slime's does.
+    however far the ratio grew; the clip fraction counts the first clip only, as slime's does. The bound (> 1) is
+    checked once, where the run's flags are (doctor's FLAG_OUT_OF_RANGE).
     """
     high = eps_clip if eps_clip_high is None else eps_clip_high
     ratio = (log_probs - old_log_probs).exp()
@@ -115,8 +116,6 @@ def ppo_clip_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantag
     clipped = -ratio.clamp(1 - eps_clip, 1 + high) * advantages
     loss = torch.maximum(unclipped, clipped)
     if eps_clip_c is not None:
-        if eps_clip_c <= 1.0:
-            raise ValueError(f"--eps-clip-c {eps_clip_c}: dual-clip PPO's bound must be > 1.0")
         loss = torch.where(advantages < 0, torch.minimum(-eps_clip_c * advantages, loss), loss)
     return loss, (clipped > unclipped).float()
 
@@ -160,7 +159,7 @@ def mtp_loss_from_targets(target_losses: list[torch.Tensor], loss_mask: torch.Te
 @dataclass
 class LossTerms:
     """Per-sample terms of one micro-batch ([b] each); `total` is what is minimised per sample. The TIS terms are
-    the importance weights before clipping, the share of tokens clipped and |weight - 1| (zero without --use-tis)."""
+    the importance weights before clipping, the share of tokens clipped and |weight - 1| (None without --use-tis)."""
 
     total: torch.Tensor
     pg_loss: torch.Tensor
@@ -171,11 +170,6 @@ class LossTerms:
     tis: torch.Tensor | None = None
     tis_clipfrac: torch.Tensor | None = None
     tis_abs: torch.Tensor | None = None
-
-    def __post_init__(self):
-        for name in ("tis", "tis_clipfrac", "tis_abs"):
-            if getattr(self, name) is None:
-                setattr(self, name, torch.zeros_like(self.pg_loss))
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ def accumulate(sums: torch.Tensor, terms: losses.LossTerms, batch: TokenBatch,
     with torch.no_grad():
         for i, key in enumerate(METRICS):
             value = terms.total if key == "loss" else getattr(terms, key)
-            sums[i] += value.detach().double().sum().cpu()
+            if value is not None:  # the TIS terms are None without --use-tis
+                sums[i] += value.detach().double().sum().cpu()
         sums[len(METRICS)] += batch.input_ids.shape[0]
         if old_log_probs is not None and bool(batch.has_rollout_log_probs.any()):
             mask = batch.loss_mask * batch.has_rollout_log_probs[:, None]
