@@ -1,7 +1,7 @@
 """Upstream slime's own run scripts, argument arrays unchanged but for paths (tests/data/slime_scripts), pass
 `slime-spec doctor --rollout-backend sglang` on stand-in checkpoints shaped like their models: a slime user changes
-nothing. The two MoE scripts keep only the refusals of what the trainer does not build yet (a MoE family, pipeline
-and context parallelism)."""
+nothing. GLM-4.7-Flash's script keeps only the refusals of what the trainer does not build yet (pipeline and context
+parallelism)."""
 
 import json
 
@@ -10,10 +10,9 @@ import pytest
 from slime_spec.doctor.diagnose import main
 from tests.helpers.slime_scripts import DENSE, SCRIPTS, script_argv
 
-# What the trainer may not build yet: MoE families, pipeline and context parallelism (nothing else may stop them).
+# What the trainer does not build yet: pipeline and context parallelism (nothing else may stop a script).
 MOE_REFUSALS = {
-    "run-qwen3-30B-A3B": {("TRAINER_UNSUPPORTED_MODEL", "")},
-    "run-glm4.7-30B-A3B": {("TRAINER_UNSUPPORTED_MODEL", ""), ("FLAG_NOT_SUPPORTED", "--context-parallel-size 2"),
+    "run-glm4.7-30B-A3B": {("FLAG_NOT_SUPPORTED", "--context-parallel-size 2"),
                            ("FLAG_NOT_SUPPORTED", "--pipeline-model-parallel-size 2")},
 }
 
@@ -32,7 +31,7 @@ def _refusal(finding: dict) -> tuple[str, str]:
 def test_upstream_script_passes_doctor(capsys, tmp_path, name):
     rc, out = doctor(capsys, script_argv(name, tmp_path))
     errors = {_refusal(f) for f in out["findings"] if f["level"] == "error"}
-    assert errors <= MOE_REFUSALS.get(name, set()), out["findings"]  # those go as the trainer learns them
+    assert errors == MOE_REFUSALS.get(name, set()), out["findings"]  # those go as the trainer learns them
     assert rc == (2 if errors else 0)
     codes = [f["code"] for f in out["findings"]]
     assert "UNKNOWN_FLAG" not in codes and "MODEL_ARGS_MISMATCH" not in codes

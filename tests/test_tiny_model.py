@@ -1,6 +1,7 @@
 """make_tiny_model writes a real HF checkpoint: config, safetensors, and a character-level tokenizer."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ from transformers import AutoTokenizer
 from slime_spec.tools.tiny_model import EOS_ID, full_vocab_size, main, make_tiny_model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "deepseek_v3", "glm4_moe",
+                                  "glm4_moe_lite"])
 def test_tokenizer_round_trip_via_autotokenizer(tmp_path, arch):
     path = make_tiny_model(tmp_path / arch, arch=arch)
     tok = AutoTokenizer.from_pretrained(path)
@@ -79,21 +81,26 @@ GLM4_MOE_KEYS = {"head_dim", "partial_rotary_factor", "use_qk_norm", "attention_
                  "n_shared_experts", "num_experts_per_tok", "first_k_dense_replace", "moe_intermediate_size",
                  "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob", "num_nextn_predict_layers",
                  "rope_scaling"}
+# GLM-4.7-Flash's: every key of its release's config.json (tests/data/slime_checkpoints/GLM-4.7-Flash)
+GLM4_MOE_LITE_KEYS = set(json.loads((Path(__file__).parent / "data" / "slime_checkpoints" / "GLM-4.7-Flash" /
+                                     "config.json").read_text()))
 MTP_OWN = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
            "shared_head.head.weight")
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe", "glm4_moe_lite"])
 def test_deepseek_glm_checkpoints_have_the_released_layout(tmp_path, arch):
     from transformers import AutoConfig
 
     path = make_tiny_model(tmp_path / arch, arch=arch, dtype="bfloat16", num_layers=3, first_k_dense_replace=1)
     config = json.loads((path / "config.json").read_text())
     assert config["model_type"] == arch
-    assert set(DEEPSEEK_V3_KEYS if arch == "deepseek_v3" else GLM4_MOE_KEYS) <= set(config)
+    released = {"deepseek_v3": DEEPSEEK_V3_KEYS, "glm4_moe": GLM4_MOE_KEYS, "glm4_moe_lite": GLM4_MOE_LITE_KEYS}[arch]
+    assert set(released) <= set(config)
     assert config["num_nextn_predict_layers"] == 1 and config["tie_word_embeddings"] is False
     assert type(AutoConfig.from_pretrained(path)).__name__ == {"deepseek_v3": "DeepseekV3Config",
-                                                                 "glm4_moe": "Glm4MoeConfig"}[arch]
+                                                                 "glm4_moe": "Glm4MoeConfig",
+                                                                 "glm4_moe_lite": "Glm4MoeLiteConfig"}[arch]
     w = load_file(str(path / "model.safetensors"))
     h, e = config["hidden_size"], config["n_routed_experts"]
     assert "model.layers.0.mlp.gate_proj.weight" in w and "model.layers.0.mlp.gate.weight" not in w  # dense first
@@ -107,9 +114,9 @@ def test_deepseek_glm_checkpoints_have_the_released_layout(tmp_path, arch):
     assert torch.equal(w["model.layers.3.embed_tokens.weight"], w["model.embed_tokens.weight"])
     assert torch.equal(w["model.layers.3.shared_head.head.weight"], w["lm_head.weight"])
     a = "model.layers.0.self_attn."
-    if arch == "deepseek_v3":
+    if arch in ("deepseek_v3", "glm4_moe_lite"):
         heads, nope, rope = config["num_attention_heads"], config["qk_nope_head_dim"], config["qk_rope_head_dim"]
-        assert config["rope_scaling"]["type"] == "yarn"
+        assert config["rope_scaling"]["type"] == "yarn" if arch == "deepseek_v3" else config["rope_scaling"] is None
         assert w[a + "q_a_proj.weight"].shape == (config["q_lora_rank"], h)
         assert w[a + "q_b_proj.weight"].shape == (heads * (nope + rope), config["q_lora_rank"])
         assert w[a + "kv_a_proj_with_mqa.weight"].shape == (config["kv_lora_rank"] + rope, h)

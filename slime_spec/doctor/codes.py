@@ -268,10 +268,10 @@ class Rule(Enum):
         "make MODEL_ARGS match the checkpoint (scripts/models/*.sh) or point --hf-checkpoint at the right model")
     TRAINER_UNSUPPORTED_FAMILY = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
-        "the trainer builds Llama, Qwen2, Qwen3, Qwen3-MoE, MiMo, GLM-4.5 and DeepSeek-V3 models; this checkpoint "
-        "is {family}",
+        "the trainer builds Llama, Qwen2, Qwen3, Qwen3-MoE, MiMo, GLM-4.5, GLM-4.7-Flash and DeepSeek-V3 models; "
+        "this checkpoint is {family}",
         "run rollouts alone with --debug-rollout-only, or train a Llama / Qwen2 / Qwen3 / MiMo / GLM-4.5 / "
-        "DeepSeek-V3 model")
+        "GLM-4.7-Flash / DeepSeek-V3 model")
     TRAINER_MOE_TP_EP = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
         "the experts of a {family} model: {why}",

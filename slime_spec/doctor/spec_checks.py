@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from slime_spec.common.dtypes import config_dtype
-from slime_spec.common.model_families import MOE_FAMILIES
+from slime_spec.common.model_families import MLA_FAMILIES, MOE_FAMILIES
 from slime_spec.config.run_config import moe_expert_layout_refusal
 from slime_spec.doctor.codes import Finding, Rule
 from slime_spec.speculative import settings as spec
@@ -253,15 +253,16 @@ def check_model_flags(inp: CheckInput, shape_flags: dict) -> list[Finding]:
 
 TRAINER_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                     "qwen3_moe": "Qwen3MoeForCausalLM", "mimo": "MiMoForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                    "deepseek_v3": "DeepseekV3ForCausalLM"}
+                    "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}
 
 
-TRAINER_ROPE_TYPES = {"deepseek_v3": ("default", "yarn")}  # megatron-core's MLA applies YaRN itself
+# megatron-core's MLA applies YaRN itself
+TRAINER_ROPE_TYPES = {family: ("default", "yarn") for family in MLA_FAMILIES}
 
 
 def check_trainer_support(inp: CheckInput) -> list[Finding]:
     """The trainer builds Llama, Qwen2, Qwen3, Qwen3-MoE, MiMo and GLM-4.5 with plain or llama3-scaled RoPE, and
-    DeepSeek-V3 with plain or YaRN RoPE, all with SwiGLU (trainer/model.py)."""
+    DeepSeek-V3 and GLM-4.7-Flash with plain or YaRN RoPE, all with SwiGLU (trainer/model.py)."""
     cfg = inp.target_config
     if inp.debug_rollout_only or cfg is None:
         return []

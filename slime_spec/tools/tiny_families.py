@@ -1,7 +1,7 @@
 """The tiny checkpoints' config.json and random weights, per family, by HF names.
 
 Dense Llama / Qwen2 / Qwen3 layers, Qwen3-MoE experts, MiMo's MTP layers (`model.mtp_layers.{i}`), and the
-DeepSeek-V3 / GLM-4.5 layout (MLA or GQA attention, routed and shared experts with the router's
+DeepSeek-V3 / GLM-4.5 / GLM-4.7-Flash layout (MLA or GQA attention, routed and shared experts with the router's
 `e_score_correction_bias`, dense-first layers, MTP layers as `model.layers.{num_hidden_layers + i}`).
 """
 
@@ -13,11 +13,12 @@ import torch
 
 from slime_spec.tools.tiny_tokenizer import BOS_ID, EOS_ID, PAD_ID
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "deepseek_v3", "glm4_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
 QK_NORM_ARCHS = ("qwen3", "qwen3_moe")
 # Families whose MTP layers are decoder layers past the last one, `model.layers.{num_hidden_layers + i}`, each with
 # its own copy of the embedding (`embed_tokens`) and head (`shared_head.head`), as their released checkpoints store.
-SHARED_HEAD_MTP_ARCHS = ("deepseek_v3", "glm4_moe")
+SHARED_HEAD_MTP_ARCHS = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
+MLA_ARCHS = ("deepseek_v3", "glm4_moe_lite")
 MTP_ARCHS = ("mimo", *SHARED_HEAD_MTP_ARCHS)
 # Llama-3.1's RoPE scaling with a short original context, so a tiny model's positions reach the blended band.
 LLAMA31_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -102,7 +103,8 @@ def _shared_head_mtp_config(arch: str, *, vocab_size: int, hidden_size: int, num
     its own key/value, so num_key_value_heads = num_attention_heads), YaRN RoPE scaling, sigmoid routing with a
     correction bias (topk_method noaux_tc) over n_group groups. GLM-4.5: grouped-query attention with a qkv bias
     and partial RoPE (partial_rotary_factor 0.5), head_dim apart from hidden / heads, no q/k norm (use_qk_norm
-    false), one group.
+    false), one group. GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's attention with plain RoPE, GLM's one group and
+    routed scaling factor 1.8, as its release's config.json.
     """
     if not 0 <= first_k_dense_replace < num_layers:
         raise ValueError(f"first_k_dense_replace={first_k_dense_replace}: choose 0..num_layers-1={num_layers - 1} "
@@ -118,18 +120,22 @@ def _shared_head_mtp_config(arch: str, *, vocab_size: int, hidden_size: int, num
                   rope_scaling=None, attention_dropout=0.0, tie_word_embeddings=tie_word_embeddings,
                   bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype=dtype,
                   initializer_range=0.02, use_cache=True)
+    d = head_dim or hidden_size // num_heads
+    mla = {"num_key_value_heads": num_heads, "attention_bias": False,  # every head its own key and value
+           "q_lora_rank": max(2, hidden_size // 2), "kv_lora_rank": max(2, hidden_size // 4),
+           "qk_nope_head_dim": d, "qk_rope_head_dim": max(2, d // 2), "v_head_dim": d}
+    if arch == "glm4_moe_lite":
+        return {"architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite", **common, **mla,
+                **moe, "routed_scaling_factor": 1.8, "n_group": 1, "topk_group": 1, "rope_interleave": True,
+                "pretraining_tp": 1}
     if arch == "deepseek_v3":  # YaRN as released (factor 40 over 4096 there), the factor scaled to a tiny context
         common["rope_scaling"] = {"beta_fast": 32, "beta_slow": 1, "factor": 4.0, "mscale": 1.0,
                                   "mscale_all_dim": 1.0, "type": "yarn",
                                   "original_max_position_embeddings": max(1, max_position_embeddings // 4)}
-        d = head_dim or hidden_size // num_heads
         if num_experts % 2:
             raise ValueError(f"num_experts={num_experts}: deepseek_v3 routes over n_group=2 groups; choose an even "
                              "number")
-        return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **common,
-                "num_key_value_heads": num_heads, "attention_bias": False,
-                "q_lora_rank": max(2, hidden_size // 2), "kv_lora_rank": max(2, hidden_size // 4),
-                "qk_nope_head_dim": d, "qk_rope_head_dim": max(2, d // 2), "v_head_dim": d,
+        return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **common, **mla,
                 **moe, "n_group": 2, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
                 "moe_layer_freq": 1, "ep_size": 1, "aux_loss_alpha": 0.001, "seq_aux": True,
                 "pretraining_tp": 1}
@@ -181,8 +187,8 @@ def _decoder_layer(prefix: str, config: dict, gen: torch.Generator, qkv_bias: bo
 
 def _shared_head_mtp_family_layer(prefix: str, config: dict, gen: torch.Generator,
                                   sparse: bool) -> dict[str, torch.Tensor]:
-    """One DeepSeek-V3 (MLA) or GLM-4.5 (GQA with qkv bias) decoder layer; `sparse`: routed experts, a router with
-    its correction bias and one shared expert in place of the dense MLP."""
+    """One DeepSeek-V3 / GLM-4.7-Flash (MLA) or GLM-4.5 (GQA with qkv bias) decoder layer; `sparse`: routed
+    experts, a router with its correction bias and one shared expert in place of the dense MLP."""
     h, heads = config["hidden_size"], config["num_attention_heads"]
 
     def linear(out_f: int, in_f: int) -> torch.Tensor:
@@ -193,7 +199,7 @@ def _shared_head_mtp_family_layer(prefix: str, config: dict, gen: torch.Generato
 
     a = f"{prefix}.self_attn."
     w = {f"{prefix}.input_layernorm.weight": norm(), f"{prefix}.post_attention_layernorm.weight": norm()}
-    if config["model_type"] == "deepseek_v3":
+    if config["model_type"] in MLA_ARCHS:
         q_rank, kv_rank = config["q_lora_rank"], config["kv_lora_rank"]
         nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
         w.update({a + "q_a_proj.weight": linear(q_rank, h), a + "q_a_layernorm.weight": norm(q_rank),

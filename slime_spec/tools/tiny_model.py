@@ -10,8 +10,8 @@ families and Qwen3-MoE). DeepSeek-V3 and GLM-4.5 checkpoints have their released
 projections with float32 `weight_scale_inv` per 128 x 128 block, and its `quantization_config`). Deterministic by
 `seed`.
 
-CLI: `slime-spec make-tiny-model --arch llama|qwen2|qwen3|qwen3_moe|mimo|deepseek_v3|glm4_moe [--mtp-layers K]
-[--vocab N] [--fp8] --out DIR`;
+CLI: `slime-spec make-tiny-model --arch llama|qwen2|qwen3|qwen3_moe|mimo|deepseek_v3|glm4_moe|glm4_moe_lite
+[--mtp-layers K] [--vocab N] [--fp8] --out DIR`;
 `--arch llama|qwen3|qwen3_moe --num-layers 4 --eagle3-draft DRAFT_DIR [--draft-vocab N]` also writes an EAGLE3 draft
 for it.
 """
@@ -57,14 +57,16 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", mtp_layers: int = 
     init_from: a checkpoint directory; every tensor of the same name and shape is copied from it (e.g. a
       1-layer draft sharing the target's embedding and lm_head, or a MiMo whose base is a given Qwen2).
     tie_word_embeddings: None = the family's usual choice (llama False, qwen2 True, qwen3 True as its small
-      sizes up to 4B, qwen3_moe, mimo, deepseek_v3 and glm4_moe False).
+      sizes up to 4B, qwen3_moe, mimo, deepseek_v3, glm4_moe and glm4_moe_lite False).
     rope_scaling: written as config.json's `rope_scaling` (e.g. LLAMA31_ROPE_SCALING for a Llama-3.1 shape).
-    rope_theta: None = 10000, or 1000000 for qwen3 / qwen3_moe / glm4_moe (their checkpoints').
+    rope_theta: None = 10000, or 1000000 for qwen3 / qwen3_moe / glm4_moe / glm4_moe_lite (their checkpoints').
     head_dim: None = hidden_size / num_heads, or for qwen3 / qwen3_moe / glm4_moe twice that (they size their heads
-      apart from the hidden size, so q/o projections are not square); deepseek_v3: its qk_nope / v head dims.
-    num_experts / num_experts_per_tok: qwen3_moe, deepseek_v3, glm4_moe; first_k_dense_replace: the dense layers
-      before the sparse ones (deepseek_v3, glm4_moe; see `make_config`).
-    mtp_layers: mimo, deepseek_v3, glm4_moe (`num_nextn_predict_layers`); the released DeepSeek-V3 / GLM-4.5 have 1.
+      apart from the hidden size, so q/o projections are not square); deepseek_v3 / glm4_moe_lite: its qk_nope / v
+      head dims.
+    num_experts / num_experts_per_tok: qwen3_moe, deepseek_v3, glm4_moe, glm4_moe_lite; first_k_dense_replace: the
+      dense layers before the sparse ones (deepseek_v3, glm4_moe, glm4_moe_lite; see `make_config`).
+    mtp_layers: mimo, deepseek_v3, glm4_moe, glm4_moe_lite (`num_nextn_predict_layers`); the released DeepSeek-V3 /
+      GLM-4.5 / GLM-4.7-Flash have 1.
     The router's `e_score_correction_bias` is written in float32 whatever `dtype`, as their checkpoints store it.
     fp8: quantize the attention and MLP projections as DeepSeek-V3's checkpoint does (weight_sync/fp8.py); SGLang's
       FP8 layers need their in-features to be multiples of 128 (e.g. deepseek_v3 with hidden_size 512,
@@ -79,7 +81,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", mtp_layers: int = 
     if tie_word_embeddings is None:
         tie_word_embeddings = arch in ("qwen2", "qwen3")
     if rope_theta is None:
-        rope_theta = 1000000.0 if arch in (*QK_NORM_ARCHS, "glm4_moe") else 10000.0
+        rope_theta = 1000000.0 if arch in (*QK_NORM_ARCHS, "glm4_moe", "glm4_moe_lite") else 10000.0
     if head_dim is None and arch in QK_NORM_ARCHS and hidden_size % num_heads == 0:
         head_dim = 2 * hidden_size // num_heads
     config = make_config(arch, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
@@ -188,7 +190,7 @@ def make_tiny_eagle3_draft(out_dir: str | Path, target_dir: str | Path, draft_vo
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="slime-spec make-tiny-model", description=__doc__.splitlines()[0])
     p.add_argument("--arch", choices=ARCHS, default="llama")
-    p.add_argument("--mtp-layers", type=int, default=1, help="MTP layers (mimo, deepseek_v3, glm4_moe)")
+    p.add_argument("--mtp-layers", type=int, default=1, help="MTP layers (mimo, deepseek_v3, glm4_moe, glm4_moe_lite)")
     p.add_argument("--vocab", type=int, default=None, help=f"vocab size (default {full_vocab_size()})")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
@@ -196,11 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=None,
                    help="per-head dimension (default hidden-size / num-heads; qwen3, qwen3_moe, glm4_moe: twice that)")
-    p.add_argument("--num-experts", type=int, default=4, help="routed experts (qwen3_moe, deepseek_v3, glm4_moe)")
+    p.add_argument("--num-experts", type=int, default=4,
+                   help="routed experts (qwen3_moe, deepseek_v3, glm4_moe, glm4_moe_lite)")
     p.add_argument("--num-experts-per-tok", type=int, default=2,
-                   help="experts per token (qwen3_moe, deepseek_v3, glm4_moe)")
+                   help="experts per token (qwen3_moe, deepseek_v3, glm4_moe, glm4_moe_lite)")
     p.add_argument("--first-k-dense-replace", type=int, default=1,
-                   help="dense layers before the sparse ones (deepseek_v3, glm4_moe)")
+                   help="dense layers before the sparse ones (deepseek_v3, glm4_moe, glm4_moe_lite)")
     p.add_argument("--intermediate-size", type=int, default=128)
     p.add_argument("--max-position-embeddings", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)

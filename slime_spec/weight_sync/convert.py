@@ -30,15 +30,16 @@ from typing import TypeVar
 
 import torch
 
-from slime_spec.common.model_families import MOE_FAMILIES
+from slime_spec.common.model_families import MLA_FAMILIES, MOE_FAMILIES, NEXTN_FAMILIES
 
 T = TypeVar("T")
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "deepseek_v3", "glm4_moe")
-MTP_FAMILIES = ("mimo", "deepseek_v3", "glm4_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
+MTP_FAMILIES = ("mimo", *NEXTN_FAMILIES)
 _ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                   "Qwen3MoeForCausalLM": "qwen3_moe", "MiMoForCausalLM": "mimo",
-                  "DeepseekV3ForCausalLM": "deepseek_v3", "Glm4MoeForCausalLM": "glm4_moe"}
+                  "DeepseekV3ForCausalLM": "deepseek_v3", "Glm4MoeForCausalLM": "glm4_moe",
+                  "Glm4MoeLiteForCausalLM": "glm4_moe_lite"}
 
 # Megatron layer-relative name -> HF layer-relative name, for tensors that are a pure rename.
 # Both the local-spec spellings (input_layernorm, pre_mlp_layernorm) and the TransformerEngine fused
@@ -196,7 +197,7 @@ def _attention_dims(hf_config: dict) -> tuple[int, int, int]:
 
 def _layer_renames(family: str) -> dict[str, str]:
     renames = dict(_COMMON_LAYER)
-    if family == "deepseek_v3":
+    if family in MLA_FAMILIES:
         renames.update(_MLA_LAYER)
     if family in ("qwen3", "qwen3_moe", "glm4_moe"):
         renames.update(_QK_NORM_LAYER)
@@ -210,7 +211,7 @@ def _layer_to_hf(family: str, rest: str, tensor: torch.Tensor, hf_config: dict, 
     renames = _layer_renames(family)
     if rest in renames:
         return [(prefix + renames[rest], tensor)]
-    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias") and family != "deepseek_v3":
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias") and family not in MLA_FAMILIES:
         heads, groups, head_dim = _attention_dims(hf_config)
         per_group = heads // groups
         grouped = tensor.reshape(groups, per_group + 2, head_dim, *tensor.shape[1:])
@@ -293,7 +294,7 @@ def hf_to_megatron(family: str, hf_state: dict[str, torch.Tensor], hf_config: di
         if rest in renames:
             out[mg_prefix + renames[rest]] = tensor
             return
-        if family != "deepseek_v3" and (m := re.fullmatch(r"self_attn\.([qkv])_proj\.(weight|bias)", rest)):
+        if family not in MLA_FAMILIES and (m := re.fullmatch(r"self_attn\.([qkv])_proj\.(weight|bias)", rest)):
             parts.setdefault(f"{mg_prefix}self_attention.linear_qkv.{m.group(2)}", {})[m.group(1)] = tensor
             return
         if m := re.fullmatch(r"mlp\.(shared_experts\.)?(gate|up)_proj\.weight", rest):
@@ -338,7 +339,7 @@ def hf_to_megatron(family: str, hf_state: dict[str, torch.Tensor], hf_config: di
             i, rest = int(m.group(1)), m.group(2)
             if i < n_layers:
                 put_layer(f"decoder.layers.{i}.", rest, tensor, hf_name)
-            elif family in ("deepseek_v3", "glm4_moe"):
+            elif family in NEXTN_FAMILIES:
                 if rest not in ("embed_tokens.weight", "shared_head.head.weight"):
                     put_mtp(i - n_layers, rest, tensor, hf_name)
             else:

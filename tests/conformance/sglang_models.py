@@ -47,13 +47,21 @@ def _setup(model_path: str) -> None:
 
 
 def _hf_config(arch: str, config: dict):
-    from transformers import DeepseekV3Config, Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        DeepseekV3Config,
+        Glm4MoeConfig,
+        Glm4MoeLiteConfig,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     # MiMo has no config class in transformers or SGLang (it needs --trust-remote-code): its config is Qwen2's
     # plus num_nextn_predict_layers, which a Qwen2Config keeps as an extra attribute.
     cls = LlamaConfig if arch == "llama" or config.get("architectures") == ["LlamaForCausalLMEagle3"] else Qwen2Config
     cls = {"qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig, "deepseek_v3": DeepseekV3Config,
-           "glm4_moe": Glm4MoeConfig}.get(arch, cls)
+           "glm4_moe": Glm4MoeConfig, "glm4_moe_lite": Glm4MoeLiteConfig}.get(arch, cls)
     return cls(**{k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype")})
 
 
@@ -95,6 +103,8 @@ def run_job(job: dict) -> dict:
     from sglang.srt.models.deepseek_nextn import DeepseekV3ForCausalLMNextN
     from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
     from sglang.srt.models.glm4_moe import Glm4MoeForCausalLM
+    from sglang.srt.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
+    from sglang.srt.models.glm4_moe_lite_nextn import Glm4MoeLiteForCausalLMNextN
     from sglang.srt.models.glm4_moe_nextn import Glm4MoeForCausalLMNextN
     from sglang.srt.models.llama import LlamaForCausalLM
     from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
@@ -110,13 +120,14 @@ def run_job(job: dict) -> dict:
     weights = list(load_file(job["weights"]).items())
     target_cls = {"mimo": MiMoForCausalLM, "llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM,
                   "qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM,
-                  "deepseek_v3": DeepseekV3ForCausalLM, "glm4_moe": Glm4MoeForCausalLM}[job["arch"]]
+                  "deepseek_v3": DeepseekV3ForCausalLM, "glm4_moe": Glm4MoeForCausalLM,
+                  "glm4_moe_lite": Glm4MoeLiteForCausalLM}[job["arch"]]
     quant_config = _quant_config(config)
     runners = {"target": _build(target_cls, _hf_config(job["arch"], config), dtype, quant_config)}
     runners["target"].load_weights(weights)
     embed, head = runners["target"].get_embed_and_head()
     draft_cls = {"mimo": MiMoMTP, "deepseek_v3": DeepseekV3ForCausalLMNextN,
-                 "glm4_moe": Glm4MoeForCausalLMNextN}.get(job["arch"])
+                 "glm4_moe": Glm4MoeForCausalLMNextN, "glm4_moe_lite": Glm4MoeLiteForCausalLMNextN}.get(job["arch"])
     if draft_cls is not None and config.get("num_nextn_predict_layers"):
         draft = _build(draft_cls, _hf_config(job["arch"], config), dtype, quant_config)
         draft.load_weights(weights)

@@ -1,4 +1,5 @@
-"""What our weight sync sends for DeepSeek-V3 and GLM-4.5, loaded by SGLang 0.5.23's own model classes on CPU.
+"""What our weight sync sends for DeepSeek-V3, GLM-4.5 and GLM-4.7-Flash, loaded by SGLang 0.5.23's own model classes
+on CPU.
 
 Tiny checkpoints from make-tiny-model in each family's released layout (a dense layer, a sparse one with routed and
 shared experts and the router's correction bias, one MTP layer at `model.layers.{num_hidden_layers}`) go to their
@@ -6,15 +7,16 @@ Megatron form, are moved (a training step's worth, so nothing can pass on the ch
 through the sync's own Megatron -> HF path (`gather.iter_hf_tensors`). Their Megatron form is the trainer's own model
 (megatron-core's GPTModel with its MTP block, DeepSeek-V3's with multi-latent attention, loaded from the checkpoint).
 SGLang builds its
-target runner's `DeepseekV3ForCausalLM` / `Glm4MoeForCausalLM` and its draft runner's `DeepseekV3ForCausalLMNextN` /
-`Glm4MoeForCausalLMNextN` (the embedding and head shared from the target, as the EAGLE worker does) in a process of
+target runner's `DeepseekV3ForCausalLM` / `Glm4MoeForCausalLM` / `Glm4MoeLiteForCausalLM` and its draft runner's
+`DeepseekV3ForCausalLMNextN` / `Glm4MoeForCausalLMNextN` / `Glm4MoeLiteForCausalLMNextN` (the embedding and head
+shared from the target, as the EAGLE worker does) in a process of
 its own (sglang_models.py), each loads the tensors with its own `load_weights`, and SGLang's WeightChecker answers
 `/weights_checker`. Then, name for name and by value:
 
-- every SGLang parameter holds what we sent: DeepSeek-V3's `q_a_proj` / `kv_a_proj_with_mqa` stacked into
-  `fused_qkv_a_proj_with_mqa`, the other MLA tensors as sent; GLM-4.5's q/k/v and their biases stacked into
+- every SGLang parameter holds what we sent: DeepSeek-V3's and GLM-4.7-Flash's `q_a_proj` / `kv_a_proj_with_mqa`
+  stacked into `fused_qkv_a_proj_with_mqa`, the other MLA tensors as sent; GLM-4.5's q/k/v and their biases stacked into
   `qkv_proj`; routed experts in FusedMoE's `w13_weight` / `w2_weight`; shared experts' gate/up in `gate_up_proj`;
-  the router's correction bias (and GLM-4.5's router weight) in float32; the MTP layer in the draft only;
+  the router's correction bias (and GLM's router weight) in float32; the MTP layer in the draft only;
 - our model of the served layout (`sglang_params.served_tensors`) equals SGLang's parameters, our checksums
   (`ServedChecksums`, what --check-weight-sync compares) equal SGLang's WeightChecker's, and the coverage check finds
   every served name written.
@@ -38,7 +40,9 @@ from slime_spec.weight_sync.verify import coverage as verify
 from slime_spec.weight_sync.verify.sglang_params import RunnerLayout, ServedChecksums
 from tests.conformance.sglang_models import answers_in_own_process, assert_served_equals_sglang
 
-CASES = {"deepseek_v3": dict(dtype="bfloat16", seed=41), "glm4_moe": dict(dtype="bfloat16", seed=42)}
+CASES = {"deepseek_v3": dict(dtype="bfloat16", seed=41), "glm4_moe": dict(dtype="bfloat16", seed=42),
+         "glm4_moe_lite": dict(dtype="bfloat16", seed=43)}
+MLA = ("deepseek_v3", "glm4_moe_lite")
 
 
 def megatron_weights(checkpoint: Path, config: dict) -> list[tuple[str, torch.Tensor]]:
@@ -104,7 +108,7 @@ def test_sglang_target_loads_what_the_sync_sends(cases, arch):
     for i in range(n_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        if arch == "deepseek_v3":
+        if arch in MLA:
             fused = torch.cat([sent[a + "q_a_proj.weight"], sent[a + "kv_a_proj_with_mqa.weight"]])
             assert torch.equal(theirs[a + "fused_qkv_a_proj_with_mqa.weight"], fused.to(dtype))
             for name in ("q_a_layernorm", "q_b_proj", "kv_a_layernorm", "kv_b_proj", "o_proj"):
@@ -120,7 +124,7 @@ def test_sglang_target_loads_what_the_sync_sends(cases, arch):
         bias = theirs[p + "mlp.gate.e_score_correction_bias"]
         assert bias.dtype == torch.float32 and torch.equal(bias, sent[p + "mlp.gate.e_score_correction_bias"].float())
         router = theirs[p + "mlp.gate.weight"]
-        assert router.dtype == (torch.float32 if arch == "glm4_moe" else dtype)
+        assert router.dtype == (dtype if arch == "deepseek_v3" else torch.float32)  # GLM's routers: float32
         assert torch.equal(router, sent[p + "mlp.gate.weight"].to(router.dtype))
         w13, w2 = theirs[p + "mlp.experts.w13_weight"], theirs[p + "mlp.experts.w2_weight"]
         assert w13.shape[0] == w2.shape[0] == config["n_routed_experts"]
@@ -182,7 +186,7 @@ def test_sync_coverage_of_sglang_served_names(cases, arch):
     sent = {n for n, _ in c["sent"]}
     assert verify.check_coverage(served, sent, {"target", "draft"}).ok
     left_out = {"model.layers.1.mlp.experts.2.up_proj.weight": "model.layers.1.mlp.experts.w13_weight"}
-    if arch == "deepseek_v3":
+    if arch in MLA:
         left_out["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] = \
             "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight"
     for name, fused in left_out.items():

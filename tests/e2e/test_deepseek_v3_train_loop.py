@@ -1,17 +1,21 @@
-"""A tiny DeepSeek-V3 with its NextN MTP layer through the whole loop: `python -m slime_spec.train`, two GRPO steps on
-CPU with the trainer's megatron-core MLA + MoE model and its MTP layer trained online, NEXTN speculative rollout on the
-embedded engine drafting with that layer, every step's target and MTP tensors synced and checked against the engine's
-runners (--check-weight-sync). Its FP8 release format runs through scripts/run-deepseek-v3-mtp.sh
+"""A tiny DeepSeek-V3, and a tiny GLM-4.7-Flash (glm4_moe_lite: DeepSeek-V3's architecture with GLM's defaults), with
+its NextN MTP layer through the whole loop: `python -m slime_spec.train`, two GRPO steps on CPU with the trainer's
+megatron-core MLA + MoE model and its MTP layer trained online, NEXTN speculative rollout on the embedded engine
+drafting with that layer, every step's target and MTP tensors synced and checked against the engine's runners
+(--check-weight-sync). DeepSeek-V3's FP8 release format runs through scripts/run-deepseek-v3-mtp.sh
 (tests/e2e/test_slime_scripts_small.py)."""
 
 import json
+
+import pytest
 
 from slime_spec.tools.tiny_model import make_tiny_model
 from tests.helpers.train_loops import run_grpo_steps
 
 
-def test_deepseek_v3_two_grpo_steps_with_trained_mtp_and_nextn_rollout(tmp_path, ray_head):
-    model = make_tiny_model(tmp_path / "model", arch="deepseek_v3", hidden_size=32, num_layers=2, intermediate_size=64,
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe_lite"])
+def test_two_grpo_steps_with_trained_mtp_and_nextn_rollout(tmp_path, ray_head, arch):
+    model = make_tiny_model(tmp_path / "model", arch=arch, hidden_size=32, num_layers=2, intermediate_size=64,
                             max_position_embeddings=128, mtp_layers=1, first_k_dense_replace=1, seed=3)
     steps = run_grpo_steps(tmp_path, model, [
         "--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-num-steps", "2",
@@ -27,7 +31,7 @@ def test_deepseek_v3_two_grpo_steps_with_trained_mtp_and_nextn_rollout(tmp_path,
         assert m["spec_verify_ct"] > 0 and m["spec_draft_tokens"] > 0  # the NextN layer drafted, the target verified
         assert m["weight_sync_params"] == dense + sparse + 3 and m["weight_sync_mtp_params"] == sparse + 4
         assert m["weight_sync_checked"] == 1  # target and draft runners' checksums matched what was sent
-        assert m["train_rollout_logprob_abs_diff"] < 1e-4  # the engine's DeepSeek-V3 and the trainer's agree
+        assert m["train_rollout_logprob_abs_diff"] < 1e-4  # the engine's model and the trainer's agree
         assert m["mtp_loss"] > 0
     assert any(m["grad_norm"] > 0 for m in steps)
 

@@ -35,7 +35,7 @@ from slime_spec.engine.model_executor.norm import RMSNorm
 if TYPE_CHECKING:
     from slime_spec.engine.model_executor.model_args import ModelArgs
 
-MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")  # GLM-4.7-Flash: DeepSeek-V3's MLA
 YARN_TYPES = ("yarn", "deepseek_yarn")
 
 

@@ -13,10 +13,10 @@ from slime_spec.engine.model_executor.mla import MLA_ARCHITECTURES, MLAArgs, mla
 from slime_spec.engine.model_executor.moe import moe_fields
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "MiMoForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
+                           "MiMoForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # MTP layers as SGLang's NextN draft classes read them: decoder layers past the last, `model.layers.{N + i}`
-NEXTN_ARCHITECTURES = ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
+NEXTN_ARCHITECTURES = ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 MTP_ARCHITECTURES = ("MiMoForCausalLM", *NEXTN_ARCHITECTURES)
 
 

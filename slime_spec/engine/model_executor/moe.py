@@ -18,8 +18,9 @@ from torch import nn
 
 if TYPE_CHECKING:
     from slime_spec.engine.model_executor.model_args import ModelArgs
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
-GROUPED_TOPK_ARCHITECTURES = ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+# GLM-4.7-Flash (Glm4MoeLite) routes as GLM-4.5 does (SGLang's Glm4MoeLiteGate: a float32 router)
+GROUPED_TOPK_ARCHITECTURES = ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 
 
 def moe_fields(config: dict, arch: str) -> dict:

@@ -19,7 +19,8 @@ hashes is every parameter of each runner's model as SGLang builds it (utils/weig
 - MiMo's MTP draft runner (`MiMoMTP`, models/mimo_mtp.py) renames `model.mtp_layers.{i}.` to `model.` for its
   own norms and `input_proj`, to `model.mtp_block.` for the decoder layer; its embedding and lm_head are the
   target's (`set_embed_and_head`). SGLang's MiMoMTP has one block: a later MTP layer overwrites an earlier one;
-- DeepSeek-V3's and GLM-4.5's NextN draft runners (`DeepseekV3ForCausalLMNextN`, `Glm4MoeForCausalLMNextN`) load
+- DeepSeek-V3's, GLM-4.5's and GLM-4.7-Flash's NextN draft runners (`DeepseekV3ForCausalLMNextN`,
+  `Glm4MoeForCausalLMNextN`, `Glm4MoeLiteForCausalLMNextN`) load
   the one MTP layer `model.layers.{num_hidden_layers}`: its enorm / hnorm / eh_proj / shared_head.norm as `model.`,
   the rest as `model.decoder.`, its own embedding and head copies skipped for the target's (`set_embed_and_head`);
   the target runner skips every layer from `num_hidden_layers` on;
@@ -44,6 +45,7 @@ from typing import Iterable
 
 import torch
 
+from slime_spec.common.model_families import NEXTN_FAMILIES
 from slime_spec.weight_sync.fp8 import FP8_DTYPE, SCALE_SUFFIX
 
 # (fused name, parts in stacked order), as SGLang's models declare stacked_params_mapping
@@ -59,13 +61,13 @@ _EXPERT_FUSED = re.compile(r"\.experts\.(w13_weight|w2_weight)(_scale_inv)?$")  
 _SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # DeepSeek-V3 / GLM-4.5: MTP layers at model.layers.{num_hidden_layers + i}; the NextN loaders' own names
 # (`nextn_spec_weight_names`, matched as substrings as SGLang does) and the copies they skip.
-NEXTN_FAMILIES = ("deepseek_v3", "glm4_moe")
 NEXTN_OWN = ("shared_head.norm", "eh_proj", "enorm", "hnorm")
 NEXTN_SKIPPED = ("shared_head.head", "embed_tokens")
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 # Parameters SGLang allocates in float32 whatever the engine's dtype (name suffixes, per model type).
 FLOAT32_PARAMS = {"deepseek_v3": ("mlp.gate.e_score_correction_bias",),
-                  "glm4_moe": ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")}
+                  "glm4_moe": ("mlp.gate.weight", "mlp.gate.e_score_correction_bias"),
+                  "glm4_moe_lite": ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")}
 
 # Runner kinds: the target (a Llama-style causal LM: llama, qwen2, qwen3, mimo; and qwen3_moe, deepseek_v3,
 # glm4_moe), MiMo's MTP draft, DeepSeek-V3's / GLM-4.5's NextN draft, an EAGLE3 draft; a STANDALONE draft is a
@@ -92,7 +94,7 @@ class RunnerLayout:
     def target(cls, hf_config: dict, dtype: torch.dtype | None) -> "RunnerLayout":
         model_type = hf_config.get("model_type")
         experts = {"qwen3_moe": "num_experts", "deepseek_v3": "n_routed_experts",
-                   "glm4_moe": "n_routed_experts"}.get(model_type)
+                   "glm4_moe": "n_routed_experts", "glm4_moe_lite": "n_routed_experts"}.get(model_type)
         mtp_layer = int(hf_config["num_hidden_layers"]) if model_type in NEXTN_FAMILIES else None
         return cls(CAUSAL_LM, bool(hf_config.get("tie_word_embeddings", False)), dtype,
                    int(hf_config.get(experts) or 0) if experts else 0, mtp_layer, FLOAT32_PARAMS.get(model_type, ()))
@@ -115,7 +117,7 @@ class RunnerLayout:
 
 
 # Model types whose served layout this module reproduces; others' checksums are not predicted.
-MODELLED_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "deepseek_v3", "glm4_moe")
+MODELLED_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
 
 
 def sync_roles(hf_config: dict, dtype: torch.dtype | None, *, mtp_draft: bool) -> dict[str, RunnerLayout] | None:
