@@ -20,6 +20,7 @@ from slime_spec.trainer import batch as B
 from slime_spec.trainer import model as M
 from slime_spec.trainer import packing, parallel
 from slime_spec.weight_sync import convert
+from tests.helpers.trainers import built_model
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +29,6 @@ def deepseek(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("deepseek_v3") / "m", arch="deepseek_v3", num_layers=3,
                            mtp_layers=1, first_k_dense_replace=1, seed=3)
 
-
-def built(path, **train):
-    hf_config = M.read_hf_config(path)
-    model = M.build_gpt_model(hf_config, TrainConfig(hf_checkpoint=str(path), **train))
-    M.load_hf_weights(model, M.read_hf_state(path), hf_config, tp_rank=0, tp_size=1)
-    return hf_config, model
 
 
 def megatron_attention(heads: int, groups: int, dim: int):
@@ -96,7 +91,7 @@ def test_trainer_is_megatrons_mla_and_moe_and_equals_hf(deepseek):
     from transformers import AutoModelForCausalLM, DeepseekV3ForCausalLM
 
     from slime_spec.trainer.sdpa_attention import SDPACoreAttention
-    hf_config, model = built(deepseek)
+    hf_config, model = built_model(deepseek)
     config = model.config
     assert config.multi_latent_attention and config.rope_type == "yarn"
     assert (config.q_lora_rank, config.kv_lora_rank) == (hf_config["q_lora_rank"], hf_config["kv_lora_rank"])
@@ -139,7 +134,7 @@ def test_without_query_lora_and_with_plain_rope_equals_hf(deepseek, tmp_path):
         del weights[layer + "q_a_layernorm.weight"]
         weights[layer + "q_proj.weight"] = torch.randn(rows, cols, generator=gen) / math.sqrt(cols)
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    hf_config, model = built(path, mtp_num_layers=1)
+    hf_config, model = built_model(path, mtp_num_layers=1)
     assert model.config.q_lora_rank is None and model.config.rope_type == "rope"
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = torch.randint(0, hf_config["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(0))
@@ -151,7 +146,7 @@ def test_without_query_lora_and_with_plain_rope_equals_hf(deepseek, tmp_path):
 
 def test_parameters_are_the_conversions_both_ways(deepseek):
     from slime_spec.weight_sync.gather import iter_hf_tensors
-    hf_config, model = built(deepseek, mtp_num_layers=1)
+    hf_config, model = built_model(deepseek, mtp_num_layers=1)
     hf_state = M.read_hf_state(deepseek)
     theirs = {n: tuple(t.shape) for n, t in M.named_weights(model)}
     ours = {n: tuple(t.shape) for n, t in convert.hf_to_megatron("deepseek_v3", hf_state, hf_config).items()}
@@ -165,7 +160,7 @@ def test_parameters_are_the_conversions_both_ways(deepseek):
 
 
 def test_forward_backward_reaches_every_parameter_with_mtp(deepseek):
-    hf_config, model = built(deepseek, mtp_num_layers=1, enable_mtp_training=True)
+    hf_config, model = built_model(deepseek, mtp_num_layers=1, enable_mtp_training=True)
     ids = torch.randint(0, hf_config["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(1))
     out = M.forward(model.train(), ids, hf_config["vocab_size"])
     assert len(out.mtp_logits) == 1 and out.mtp_logits[0].shape == out.logits.shape
@@ -177,7 +172,7 @@ def test_forward_backward_reaches_every_parameter_with_mtp(deepseek):
 def test_a_packed_sample_matches_its_own_forward(deepseek):
     """MLA rotates a packed row's tokens by their place in the row, not in their sample: the same attention, as
     RoPE scores depend on position differences only and the mask keeps each sample to itself."""
-    hf_config, model = built(deepseek, mtp_num_layers=1)
+    hf_config, model = built_model(deepseek, mtp_num_layers=1)
     vocab = hf_config["vocab_size"]
     first = Sample(index=0, group_index=0, prompt="p", tokens=[11, 12, 13, 14, 15, 16], response_length=3)
     second = Sample(index=1, group_index=0, prompt="p", tokens=[21, 22, 23, 24, 25], response_length=2)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from slime_spec.config.run_config import TrainConfig
 from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.trainer import model as M
-from slime_spec.trainer import parallel
+from tests.helpers.trainers import built_model
 
 
 @pytest.fixture(scope="module")
@@ -21,20 +21,13 @@ def glm(tmp_path_factory):
                            first_k_dense_replace=1, seed=7)
 
 
-def built(path, **train):
-    parallel.init_single_process(seed=0)
-    hf_config = M.read_hf_config(path)
-    model = M.build_gpt_model(hf_config, TrainConfig(hf_checkpoint=str(path), **train))
-    M.load_hf_weights(model, M.read_hf_state(path), hf_config, tp_rank=0, tp_size=1)
-    return hf_config, model
-
 
 def test_trainer_is_megatrons_moe_and_equals_hf(glm):
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from transformers import AutoModelForCausalLM, Glm4MoeForCausalLM
 
-    hf_config, model = built(glm)
+    hf_config, model = built_model(glm)
     config = model.config
     assert config.moe_layer_freq == [0, 1, 1] and config.moe_router_score_function == "sigmoid"
     assert config.moe_router_enable_expert_bias and config.moe_router_bias_update_rate == 0.0
@@ -57,7 +50,7 @@ def test_trainer_is_megatrons_moe_and_equals_hf(glm):
 
 def test_forward_backward_with_mtp_and_sync_tensors(glm):
     from slime_spec.weight_sync.gather import iter_hf_tensors
-    hf_config, model = built(glm, mtp_num_layers=1, enable_mtp_training=True)
+    hf_config, model = built_model(glm, mtp_num_layers=1, enable_mtp_training=True)
     ids = torch.randint(0, hf_config["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(1))
     out = M.forward(model.train(), ids, hf_config["vocab_size"])
     assert len(out.mtp_logits) == 1
@@ -76,7 +69,7 @@ def test_forward_backward_with_mtp_and_sync_tensors(glm):
 def test_bf16_keeps_the_correction_bias_in_float32(glm):
     """Under --bf16 the parameters are bfloat16, the routers' expert bias stays the checkpoint's float32 values (as
     megatron-core keeps it, and SGLang serves it)."""
-    hf_config, model = built(glm, bf16=True)
+    hf_config, model = built_model(glm, bf16=True)
     assert model.decoder.layers[0].self_attention.linear_qkv.weight.dtype == torch.bfloat16
     checkpoint = load_file(str(glm / "model.safetensors"))
     for layer in (1, 2):

@@ -12,16 +12,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime_spec.config.run_config import TrainConfig
 from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams, SpecConfig
 from slime_spec.engine.model_executor.mla import MLAttention
 from slime_spec.engine.model_executor.model import NextNLayer, load_model
 from slime_spec.engine.model_executor.moe import GroupedTopkMoeBlock
 from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.trainer import model as M
-from slime_spec.trainer import parallel
 from tests.helpers.engine_runs import DEVICES, assert_logprobs_equal_a_full_forward, run_to_completion
 from tests.helpers.engine_runs import assert_greedy_with_specs_equals_plain as assert_greedy_equals_plain
+from tests.helpers.trainers import built_model
 
 LAYERS = 3  # layer 0 dense, 1 and 2 sparse; the NextN layer is model.layers.3
 PROMPTS = ["hello world", "the cat sat on the mat. the cat sat on the", "a", "1 2 3 4 5 6 7 8 1 2 3"]
@@ -42,20 +41,13 @@ def hf_logits(path, ids: torch.Tensor) -> torch.Tensor:
         return ref.eval()(ids).logits
 
 
-def built(path, **train):
-    parallel.init_single_process(seed=0)
-    hf_config = M.read_hf_config(path)
-    model = M.build_gpt_model(hf_config, TrainConfig(hf_checkpoint=str(path), **train))
-    M.load_hf_weights(model, M.read_hf_state(path), hf_config, tp_rank=0, tp_size=1)
-    return hf_config, model
-
 
 def test_trainer_is_megatrons_mla_and_moe_and_equals_hf(lite):
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-    hf_config, model = built(lite)
+    hf_config, model = built_model(lite)
     config = model.config
     assert config.multi_latent_attention and config.rope_type == "rope" and config.rotary_base == 1e6
     assert (config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (
@@ -72,7 +64,7 @@ def test_trainer_is_megatrons_mla_and_moe_and_equals_hf(lite):
 
 def test_forward_backward_with_mtp_and_sync_tensors(lite):
     from slime_spec.weight_sync.gather import iter_hf_tensors
-    hf_config, model = built(lite, mtp_num_layers=1, enable_mtp_training=True)
+    hf_config, model = built_model(lite, mtp_num_layers=1, enable_mtp_training=True)
     ids = torch.randint(0, hf_config["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(1))
     out = M.forward(model.train(), ids, hf_config["vocab_size"])
     (out.logits.logsumexp(-1).mean() + out.mtp_logits[0].logsumexp(-1).mean()).backward()

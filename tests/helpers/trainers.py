@@ -37,3 +37,14 @@ def train_config(path, **kw) -> TrainConfig:
     base = dict(hf_checkpoint=str(path), mtp_num_layers=1, lr=1e-3, global_batch_size=2, micro_batch_size=1,
                 n_samples_per_prompt=2)
     return TrainConfig(**{**base, **kw})
+
+
+def built_model(path, **train):
+    """(config.json, the trainer's GPTModel of the checkpoint at `path` loaded from its HF weights) in a single
+    process (TP 1); `train`: TrainConfig fields (mtp_num_layers, bf16, ...)."""
+    from slime_spec.trainer import model as M
+    parallel.init_single_process(seed=0)
+    hf_config = M.read_hf_config(path)
+    model = M.build_gpt_model(hf_config, TrainConfig(hf_checkpoint=str(path), **train))
+    M.load_hf_weights(model, M.read_hf_state(path), hf_config, tp_rank=0, tp_size=1)
+    return hf_config, model
