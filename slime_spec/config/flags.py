@@ -320,7 +320,7 @@ ACTED_ON = {
     "hf_checkpoint", "load", "save", "ref_load", "save_interval",
     "prompt_data", "input_key", "label_key", "apply_chat_template", "rollout_shuffle", "rollout_seed", "rm_type",
     "custom_rm_path", "rm_timeout", "max_consecutive_skipped_steps", "custom_generate_function_path", "num_rollout",
-    "rollout_batch_size", "n_samples_per_prompt",
+    "rollout_batch_size", "n_samples_per_prompt", "over_sampling_batch_size", "dynamic_sampling_filter_path",
     "rollout_max_response_len", "rollout_max_prompt_len", "rollout_temperature", "rollout_top_p", "rollout_top_k",
     "rollout_stop", "rollout_stop_token_ids", "rollout_skip_special_tokens", "global_batch_size", "micro_batch_size",
     "sglang_server_concurrency", "use_sglang_router",

@@ -38,11 +38,6 @@ NOT_ACTED_ON: dict[str, Ignored] = {
     "num_epoch": _refused("the run length is --num-rollout", "--num-rollout <rollouts> instead of --num-epoch"),
     "num_steps_per_rollout": _trainer("optimizer steps per rollout follow from --global-batch-size",
                                       "--global-batch-size <rollout samples / steps> instead"),
-    "over_sampling_batch_size": _refused("dynamic sampling (over-sampling, then filtering) is not implemented",
-                                         "drop it; each rollout samples --rollout-batch-size prompts"),
-    "dynamic_sampling_filter_path": _refused("dynamic sampling filters are not implemented: every group would "
-                                             "train, filtered or not", "drop it, or score unwanted groups in "
-                                             "--custom-rm-path"),
     "partial_rollout": _refused("partial rollout (resuming cut-off samples in the next rollout) is not "
                                 "implemented", "drop --partial-rollout; every sample finishes in its rollout"),
     "balance_data": Ignored("without --max-tokens-per-gpu the samples of a step are dealt to the data-parallel "

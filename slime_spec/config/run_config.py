@@ -183,6 +183,9 @@ class RolloutConfig:
     num_rollout: int = flag_default("num_rollout")
     rollout_batch_size: int = flag_default("rollout_batch_size")
     n_samples_per_prompt: int = flag_default("n_samples_per_prompt")
+    # dynamic sampling (rollout/dynamic_sampling.py): prompts submitted at a time, and the group filter
+    over_sampling_batch_size: int | None = flag_default("over_sampling_batch_size")
+    dynamic_sampling_filter_path: str | None = flag_default("dynamic_sampling_filter_path")
     rollout_max_response_len: int = flag_default("rollout_max_response_len")
     rollout_max_prompt_len: int | None = flag_default("rollout_max_prompt_len")
     rollout_temperature: float = flag_default("rollout_temperature")

@@ -128,6 +128,16 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(lambda v: not v.get("use_tis") or v["tis_clip_low"] <= v["tis_clip"],
              "--tis-clip-low {tis_clip_low} is above --tis-clip {tis_clip}: every importance weight would be clipped "
              "to an empty range", "--tis-clip-low <= --tis-clip (slime's defaults: 0.0 and 2.0)", trainer_only=True),
+    Relation(lambda v: v.get("over_sampling_batch_size") is None
+             or v["over_sampling_batch_size"] >= v["rollout_batch_size"],
+             "--over-sampling-batch-size {over_sampling_batch_size} is below --rollout-batch-size "
+             "{rollout_batch_size}: dynamic sampling submits that many prompts at a time to fill the batch",
+             "--over-sampling-batch-size >= {rollout_batch_size} (slime's default: --rollout-batch-size)"),
+    Relation(lambda v: not (v.get("rollout_history_drafting") and (v.get("over_sampling_batch_size") is not None
+                                                                   or v.get("dynamic_sampling_filter_path"))),
+             "--rollout-history-drafting with dynamic sampling (--over-sampling-batch-size / "
+             "--dynamic-sampling-filter-path): history drafting registers a rollout's groups before it starts, and "
+             "dynamic sampling decides them while it runs", "drop --rollout-history-drafting or dynamic sampling"),
     Relation(lambda v: v["backend"] != "embedded" or v["rollout_num_gpus_per_engine"] == 1,
              "--rollout-num-gpus-per-engine {rollout_num_gpus_per_engine} with backend embedded: the embedded "
              "engine runs one process on one device (no tensor parallelism)",

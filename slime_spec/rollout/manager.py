@@ -33,6 +33,7 @@ from slime_spec.fleet.fleet import EngineFleet
 from slime_spec.fleet.process import ServerProcess
 from slime_spec.rollout.data import PromptDataset
 from slime_spec.rollout.debug_data import load_rollout, save_rollout
+from slime_spec.rollout.dynamic_sampling import OverSampled, load_filter, over_sample
 from slime_spec.rollout.generate import GenerateFn, RolloutEngineClient, default_generate
 from slime_spec.rollout.history_sync import make_history_sync
 from slime_spec.rollout.metrics import (
@@ -134,6 +135,10 @@ class RolloutManager:
                                         if rollout.custom_generate_function_path else default_generate)
         self.last_metrics: dict = {}
         self._data_base = (0, 0)  # (rollout id, stream position it starts at); moved by restore_data_position
+        self._stream_end: dict[int, int] = {}  # rollout id -> stream position after it (dynamic sampling varies it)
+        # Dynamic sampling (rollout/dynamic_sampling.py) with over-sampling or a group filter; doctor checks the sizes
+        self.dynamic_filter = load_filter(rollout.dynamic_sampling_filter_path)
+        self.dynamic = rollout.over_sampling_batch_size is not None or self.dynamic_filter is not None
         self.history = make_history_sync(rollout, engine)  # --rollout-history-drafting
         self._session = None
         self._lock = asyncio.Lock()
@@ -216,6 +221,8 @@ class RolloutManager:
 
     # ---- the data position (saved in checkpoints; rollout/data.py) ----
     def _stream_start(self, rollout_id: int) -> int:
+        if rollout_id - 1 in self._stream_end:
+            return self._stream_end[rollout_id - 1]
         first_rollout, first_position = self._data_base
         return first_position + (rollout_id - first_rollout) * self.rollout.rollout_batch_size
 
@@ -228,7 +235,7 @@ class RolloutManager:
         if self.dataset is None:
             return []
         position, notes = self.dataset.resume_at(saved)
-        self._data_base = (next_rollout_id, position)
+        self._data_base, self._stream_end = (next_rollout_id, position), {}
         return notes
 
     async def generate(self, rollout_id: int) -> list[Sample]:
@@ -239,15 +246,20 @@ class RolloutManager:
             return samples
         if self.dataset is None:
             raise ValueError("the rollout needs --prompt-data (a JSONL file of prompts)")
-        samples = self.dataset.batch(rollout_id, r.rollout_batch_size, r.n_samples_per_prompt,
-                                     start=self._stream_start(rollout_id))
+        start = self._stream_start(rollout_id)
         restarts_before = self.fleet.total_restarts
-        if self.history is not None:
-            self._session = self._session or async_session(self.request_timeout_s)
-            clients = [RolloutEngineClient(u, self._session, self.auth) for u in self.fleet.urls]
-            await self.history.before_rollout(clients, samples, rollout_id, self.tokenizer)
         states_before = await self._server_states()
-        samples, elapsed = await self._run(samples, f"rollout {rollout_id}")
+        dynamic = None
+        if self.dynamic:
+            samples, elapsed, dynamic = await self._run_dynamic(rollout_id, start)
+        else:
+            samples = self.dataset.batch(rollout_id, r.rollout_batch_size, r.n_samples_per_prompt, start=start)
+            if self.history is not None:
+                self._session = self._session or async_session(self.request_timeout_s)
+                clients = [RolloutEngineClient(u, self._session, self.auth) for u in self.fleet.urls]
+                await self.history.before_rollout(clients, samples, rollout_id, self.tokenizer)
+            samples, elapsed = await self._run(samples, f"rollout {rollout_id}")
+        self._stream_end[rollout_id] = start + (dynamic.prompts_taken if dynamic else r.rollout_batch_size)
         check_not_all_failed(samples, f"rollout {rollout_id}")
         if self.history is not None:
             self.history.after_rollout(samples, rollout_id)
@@ -256,6 +268,8 @@ class RolloutManager:
         metrics["engine_restarts_total"] = self.fleet.total_restarts
         metrics["stale_samples"] = stale
         metrics.update(reward_failure_metrics(samples))
+        if dynamic is not None:
+            metrics.update(dynamic.metrics())
         report_failures(samples, f"rollout {rollout_id}")
         if stale:
             print(f"[rollout] {stale} sample(s) of rollout {rollout_id} were generated with stale weights and are "
@@ -345,11 +359,44 @@ class RolloutManager:
                 progress_done(bar, desc, sys.stderr, time.perf_counter() - start)
             return sorted(done, key=lambda s: s.index), time.perf_counter() - start
 
-    async def _sample_task(self, sample: Sample, bar: tqdm, params: dict) -> Sample:
+    async def _sample_task(self, sample: Sample, bar: tqdm | None, params: dict) -> Sample:
         result = await self._generate_one(sample, params)
         await self.rewards.assign(result)
-        bar.update(1)
+        if bar is not None:
+            bar.update(1)
         return result
+
+    async def _run_dynamic(self, rollout_id: int, start: int) -> tuple[list[Sample], float, OverSampled]:
+        """A rollout by dynamic sampling from stream position `start`: groups submitted, filtered and kept as
+        rollout/dynamic_sampling.py says; the engines are told to abort what is still running once the batch is
+        full (SGLang's abort_all), so none is busy when the step goes on."""
+        r, desc = self.rollout, f"rollout {rollout_id}"
+        n = r.n_samples_per_prompt
+
+        def take(offset: int, count: int) -> list[list[Sample]]:
+            batch = self.dataset.batch(rollout_id, count, n, start=start + offset)
+            for s in batch:
+                s.group_index, s.index = s.group_index + offset, s.index + offset * n
+            return [batch[i:i + n] for i in range(0, len(batch), n)]
+
+        async def run_group(group: list[Sample]) -> list[Sample]:
+            return list(await asyncio.gather(*[self._sample_task(s, None, self.sampling_params) for s in group]))
+
+        async with self._lock:
+            if self._session is None:
+                self._session = async_session(self.request_timeout_s)
+            t0 = time.perf_counter()
+            bar = progress_bar(r.rollout_batch_size * n, desc, self.show_progress, sys.stderr)
+            try:
+                result = await over_sample(take, run_group, target=r.rollout_batch_size,
+                                           over=r.over_sampling_batch_size or r.rollout_batch_size,
+                                           filter_fn=self.dynamic_filter, filter_args=r,
+                                           max_prompts=len(self.dataset), on_kept=lambda g: bar.update(len(g)))
+            finally:
+                progress_done(bar, desc, sys.stderr, time.perf_counter() - t0)
+            if result.aborted_groups:
+                await self.fleet.call_all("abort_request")
+            return result.samples, time.perf_counter() - t0, result
 
     async def _generate_one(self, sample: Sample, params: dict) -> Sample:
         fleet = self.fleet

@@ -1,9 +1,9 @@
 """The whole loop through its real command line, two steps, in every mode.
 
 `python -m slime_spec.train` in a subprocess (joining the package's Ray head, tests/helpers/ray_head.py), a tiny
-MiMo checkpoint, the embedded engine with NEXTN speculation: debug-rollout-only (saving rollout data), debug-train-only
-(replaying it), colocate; separate placement runs in the demo smoke test below. The rollout-only run has two
-engines.
+MiMo checkpoint, the embedded engine with NEXTN speculation: debug-rollout-only (saving rollout data, with dynamic
+sampling), debug-train-only (replaying it), colocate; separate placement runs in the demo smoke test below. The
+rollout-only run has two engines.
 """
 
 import json
@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from slime_spec.rollout.debug_data import load_rollout
 from slime_spec.tools.tiny_model import make_tiny_model
 from tests.helpers.rollout_checks import check_rollouts_on_two_engines
 
@@ -50,11 +51,23 @@ def lines(path):
 def test_debug_rollout_only_then_debug_train_only(setup, ray_head):
     root, model, data = setup
     saved = str(root / "rollouts" / "rollout_{rollout_id}.pt")
+    # dynamic sampling as a slime script asks for it, with a filter keeping the even prompts of the 12
     proc = train(root, model, data, "rollout_only", "--debug-rollout-only", "--save-debug-rollout-data", saved,
-                 "--metrics-jsonl", str(root / "rollout_only.jsonl"), "--rollout-num-engines", "2", head=ray_head)
+                 "--metrics-jsonl", str(root / "rollout_only.jsonl"), "--rollout-num-engines", "2",
+                 "--over-sampling-batch-size", "3",
+                 "--dynamic-sampling-filter-path", "tests.helpers.rollout_checks.keep_even_prompts", head=ray_head)
     assert "debug-rollout-only: 2 rollouts, 8 samples" in proc.stdout
     # the MTP layer drafted on both engines, every count adding up to the saved samples
     rollouts = check_rollouts_on_two_engines(root / "rollout_only.jsonl", saved, STEPS, 4)
+    # rollout 0 takes prompts 0-2 (1 dropped, or cut off once 0 and 2 finished); rollout 1 takes 3-5, drops 3 and 5,
+    # so takes 6-8 too: it keeps 4 and the first of 6 and 8 to finish, the rest dropped or cut off
+    assert [m["dynamic_sampling_prompts"] for m in rollouts] == [3, 6]
+    for m in rollouts:
+        assert m["dynamic_sampling_dropped"] + m["dynamic_sampling_aborted"] == m["dynamic_sampling_prompts"] - 2
+        assert m["dynamic_sampling_dropped"] == m.get("dynamic_filter/drop_odd_prompt", 0)
+        kept = load_rollout(saved, m["rollout_id"])
+        assert all(s.metadata["prompt_index"] % 2 == 0 for s in kept)
+        assert [(s.group_index, s.index) for s in kept] == [(i // 2, i) for i in range(4)]
     # no trainer ran: no loss key in the rollout-only metrics
     assert all("loss" not in m for m in rollouts)
 

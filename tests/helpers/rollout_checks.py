@@ -29,3 +29,12 @@ def check_rollouts_on_two_engines(metrics_jsonl: Path, saved: str, num_rollout: 
         assert sum(s.response_length for s in saved_samples) == m["response_tokens"]
         assert sum(s.spec.verify_ct for s in saved_samples) == m["spec_verify_ct"]
     return lines
+
+
+def keep_even_prompts(args, samples, **kwargs):
+    """A dynamic-sampling filter for tests (`--dynamic-sampling-filter-path`): keeps the groups of even prompt
+    indices of --prompt-data, drops the others with reason `odd_prompt`."""
+    from slime_spec.rollout.dynamic_sampling import DynamicFilterOutput
+
+    keep = samples[0].metadata["prompt_index"] % 2 == 0
+    return DynamicFilterOutput(keep=keep, reason=None if keep else "odd_prompt")
