@@ -29,6 +29,7 @@ BAD = [
     (["--mtp-unroll-steps", "0"], "FLAG_OUT_OF_RANGE"),
     (["--use-tis", "--tis-clip", "-1"], "FLAG_OUT_OF_RANGE"),
     (["--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "2"], "FLAG_CONFLICT"),
+    (["--use-tis", "--use-rollout-logprobs"], "FLAG_CONFLICT"),
     (["--custom-tis-function-path", "my.tis.fn"], "FLAG_NOT_SUPPORTED"),
     (["--eps-clip-c", "1.0"], "FLAG_OUT_OF_RANGE"),
     (["--rm-type", "dapo"], "RM_TYPE_UNKNOWN"),

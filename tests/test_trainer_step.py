@@ -183,6 +183,35 @@ def test_tis_reports_slimes_metrics_and_refuses_samples_without_rollout_log_prob
         Trainer(config(mimo, use_tis=True)).train_step(samples, rollout_id=0)
 
 
+def test_use_rollout_logprobs_takes_the_engines_log_probs_as_the_old_policys(mimo, monkeypatch):
+    """--use-rollout-logprobs (slime's): the importance ratios are against the rollout's log-probs and no old-policy
+    forward runs; equal to the trainer's own, the step is the default one. train_rollout_logprob_abs_diff compares
+    this forward's log-probs with the rollout's, as slime's. A sample without them is a clear error naming the flag."""
+    from slime_spec.trainer.losses import token_log_probs
+    samples = rollout(seed=5)
+    old = Trainer(config(mimo)).forward_logits([s.tokens for s in samples])["logits"]
+    for s, logits in zip(samples, old):
+        s.rollout_log_probs = token_log_probs(logits[None, :len(s.tokens)], torch.tensor([s.tokens]))[0][
+            -s.response_length:].tolist()
+    plain = Trainer(config(mimo, global_batch_size=4)).train_step(samples, rollout_id=0)
+
+    def without_old_forward():  # one optimizer step: this forward's log-probs are the policy's before the update
+        trainer = Trainer(config(mimo, use_rollout_logprobs=True, global_batch_size=4))
+        monkeypatch.setattr(trainer, "_log_probs", lambda batch: pytest.fail("an old-policy forward ran"))
+        return trainer
+
+    same = without_old_forward().train_step(samples, rollout_id=0)
+    assert same["pg_loss"] == pytest.approx(plain["pg_loss"], abs=1e-5) and same["clip_fraction"] == 0.0
+    assert same["train_rollout_logprob_abs_diff"] < 1e-4
+    for s in samples:
+        s.rollout_log_probs = [v - 0.5 for v in s.rollout_log_probs]  # ratios e^0.5: past the clip range
+    shifted = without_old_forward().train_step(samples, rollout_id=0)
+    assert shifted["clip_fraction"] > 0.0 and shifted["train_rollout_logprob_abs_diff"] == pytest.approx(0.5, abs=1e-4)
+    samples[2].rollout_log_probs = []
+    with pytest.raises(ValueError, match="--use-rollout-logprobs .* sample 2"):
+        without_old_forward().train_step(samples, rollout_id=0)
+
+
 def test_normalize_advantages_whitens_the_rollouts_grpo_advantages(mimo):
     """--normalize-advantages: GRPO's per-group advantages, whitened over every trained token of the rollout (each
     rank holds the whole rollout: slime's statistics over its data-parallel group)."""

@@ -126,6 +126,7 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--use-tis", _ON),
         ("--tis-clip", {**_F, "default": 2.0}),
         ("--tis-clip-low", {**_F, "default": 0.0}),
+        ("--use-rollout-logprobs", _ON),
     ],
     "optimizer": [
         ("--optimizer", {"default": "adam", "choices": ["adam", "sgd"]}),
@@ -329,7 +330,8 @@ ACTED_ON = {
     "n_samples_per_eval_prompt",
     "advantage_estimator", "loss_type", "eps_clip", "eps_clip_high", "eps_clip_c", "use_kl_loss", "kl_loss_coef",
     "kl_loss_type",
-    "entropy_coef", "use_tis", "tis_clip", "tis_clip_low", "normalize_advantages", "disable_rewards_normalization",
+    "entropy_coef", "use_tis", "tis_clip", "tis_clip_low", "use_rollout_logprobs", "normalize_advantages",
+    "disable_rewards_normalization",
     "disable_grpo_std_normalization",
     "optimizer", "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed",
     "use_wandb", "wandb_project", "wandb_group", "wandb_key", "wandb_dir", "wandb_host", "wandb_team", "wandb_mode",

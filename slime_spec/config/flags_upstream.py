@@ -177,8 +177,6 @@ _TABLE: dict[str, list[tuple[str, dict, Ignored]]] = {
                  "engines return log-probs")),
         ("--reset-optimizer-states", _ON, trainer("the optimizer keeps its state across rollouts", "drop it")),
         ("--use-stateless-adam", _ON, trainer("Adam keeps its moments", "drop it")),
-        ("--use-rollout-logprobs", _ON,
-         trainer("importance ratios use the trainer's own log-probs before the update", "drop it")),
         ("--use-routing-replay", _ON,
          trainer("MoE routing replay is not implemented: the trainer routes every token itself", "drop it")),
         ("--use-rollout-routing-replay", _ON,

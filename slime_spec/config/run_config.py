@@ -238,6 +238,8 @@ class TrainConfig:
     use_tis: bool = flag_default("use_tis")
     tis_clip: float = flag_default("tis_clip")
     tis_clip_low: float = flag_default("tis_clip_low")
+    # slime's importance ratios against the engine's log-probs: no old-policy forward before the update
+    use_rollout_logprobs: bool = flag_default("use_rollout_logprobs")
     # the trainer's log-probs are of the distribution the engine sampled from (slime divides logits by it)
     rollout_temperature: float = flag_default("rollout_temperature")
     lr: float = flag_default("lr")

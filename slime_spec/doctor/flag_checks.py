@@ -128,6 +128,10 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(lambda v: not v.get("use_tis") or v["tis_clip_low"] <= v["tis_clip"],
              "--tis-clip-low {tis_clip_low} is above --tis-clip {tis_clip}: every importance weight would be clipped "
              "to an empty range", "--tis-clip-low <= --tis-clip (slime's defaults: 0.0 and 2.0)", trainer_only=True),
+    Relation(lambda v: not (v.get("use_rollout_logprobs") and v.get("use_tis")),
+             "--use-rollout-logprobs with --use-tis: the importance ratios already use the rollout's log-probs, so "
+             "every TIS weight would be 1 (slime refuses the pair too)", "drop --use-tis or --use-rollout-logprobs",
+             trainer_only=True),
     Relation(lambda v: v.get("over_sampling_batch_size") is None
              or v["over_sampling_batch_size"] >= v["rollout_batch_size"],
              "--over-sampling-batch-size {over_sampling_batch_size} is below --rollout-batch-size "

@@ -436,8 +436,9 @@ class Trainer:
                 first = next(r for r in reasons if r is not None)
                 logger.warning("%d of %d samples left out for their reward; first: %s", sum(left_out),
                                len(samples), first)
-            if t.use_tis:
-                check_rollout_log_probs([s for s, out in zip(samples, left_out) if not out])
+            if t.use_tis or t.use_rollout_logprobs:
+                check_rollout_log_probs([s for s, out in zip(samples, left_out) if not out],
+                                        "--use-tis" if t.use_tis else "--use-rollout-logprobs")
             # a left-out sample trains no token: collated as an aborted one (loss mask all zero)
             samples = [dataclasses.replace(s, status=Status.ABORTED) if out else s
                        for s, out in zip(samples, left_out)]
@@ -453,7 +454,9 @@ class Trainer:
             if t.normalize_advantages:
                 trained = torch.tensor([float(sum(response_mask(s))) for s in samples])
                 advantages = losses.whiten_advantages(advantages, trained)
-            old = [[self._log_probs(b) for b in step] for step in batches]
+            # --use-rollout-logprobs: the ratios are against the engine's log-probs, as slime's; no forward here
+            old = [[b.rollout_log_probs if t.use_rollout_logprobs else self._log_probs(b) for b in step]
+                   for step in batches]
             if self.ref_state is not None:
                 with self._reference_model():
                     ref = [[self._log_probs(b) for b in step] for step in batches]
@@ -501,22 +504,25 @@ class Trainer:
                 with self.timer("EAGLE3 draft"):
                     self.online_draft.accumulate(trunk, rows.position_ids, _row_layout(rows, batch.loss_mask),
                                                  rows.attention_mask, 1.0 / len(p.batches[s_idx]))
-            step_metrics.accumulate(p.sums if sums is None else sums, terms, batch,
-                                    None if p.sft else p.old[s_idx][m_idx])
+            # the trainer's log-probs against the rollout's: before the update, or (--use-rollout-logprobs, where
+            # those are the old ones) this forward's, as slime's train_rollout_logprob_abs_diff
+            compared = log_probs.detach() if t.use_rollout_logprobs else None if p.sft else p.old[s_idx][m_idx]
+            step_metrics.accumulate(p.sums if sums is None else sums, terms, batch, compared)
             nonfinite = (~torch.isfinite(terms.total.detach())).nonzero().flatten().tolist()
             if nonfinite:
                 mb = p.steps[s_idx][m_idx]
                 p.nonfinite_loss_samples.setdefault(s_idx, []).extend(mb[i] for i in nonfinite)
 
 
-def check_rollout_log_probs(samples: list[Sample]) -> None:
-    """--use-tis weights each trained token by its rollout log-prob: every sample that trains must carry them."""
+def check_rollout_log_probs(samples: list[Sample], flag: str) -> None:
+    """--use-tis and --use-rollout-logprobs read each trained token's rollout log-prob: every sample that trains must
+    carry them."""
     missing = [s.index for s in samples
                if s.status != Status.ABORTED and s.response_length > 0 and not s.rollout_log_probs]
     if missing:
-        raise ValueError(f"--use-tis weights each token by its rollout log-prob, and {len(missing)} sample(s) came "
-                         f"back without them (first: sample {missing[0]}): a custom generate function must keep the "
-                         "engine's output log-probs (Sample.rollout_log_probs), or drop --use-tis")
+        raise ValueError(f"{flag} reads each token's rollout log-prob, and {len(missing)} sample(s) came back without "
+                         f"them (first: sample {missing[0]}): a custom generate function must keep the engine's "
+                         f"output log-probs (Sample.rollout_log_probs), or drop {flag}")
 
 
 def _row_layout(rows: ModelRows, per_sample: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,9 @@ def test_two_grpo_steps_with_trained_mtp_and_nextn_rollout(tmp_path, ray_head, a
     steps = run_grpo_steps(tmp_path, model, [
         "--sglang-speculative-algorithm", "NEXTN", "--sglang-speculative-num-steps", "2",
         "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "3",
-        "--mtp-num-layers", "1", "--enable-mtp-training", "--check-weight-sync"], ray_head)
+        "--mtp-num-layers", "1", "--enable-mtp-training", "--check-weight-sync",
+        # GLM-4.7-Flash's run also takes the engine's log-probs as the old policy's (slime's --use-rollout-logprobs)
+        *(["--use-rollout-logprobs"] if arch == "glm4_moe_lite" else [])], ray_head)
     config = json.loads((model / "config.json").read_text())
     # layer 0 dense: 2 norms, MLA's q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
     # o_proj, gate/up/down; layer 1 and the MTP layer sparse: the router and its correction bias, each expert's three,
