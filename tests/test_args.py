@@ -171,6 +171,10 @@ def test_derived_values():
     assert config.rollout.sglang_server_concurrency == 5
     config, _ = parse_config([*base, "--global-batch-size", "2", "--colocate", "--weight-sync-transport", "disk"])
     assert config.train.global_batch_size == 2 and config.weight_sync.weight_sync_transport == "disk"
+    # slime's --num-steps-per-rollout: the rollout's samples over that many optimizer steps
+    config, _ = parse_config([*base, "--rollout-batch-size", "4", "--n-samples-per-prompt", "3",
+                              "--num-steps-per-rollout", "3"])
+    assert config.train.global_batch_size == 4
     with pytest.raises(ValueError, match="--weight-sync-transport 'nccl': choose distributed, tensor or disk"):
         resolve_transport("nccl", colocate=False)
 

@@ -30,6 +30,9 @@ BAD = [
     (["--use-tis", "--tis-clip", "-1"], "FLAG_OUT_OF_RANGE"),
     (["--use-tis", "--tis-clip", "1.5", "--tis-clip-low", "2"], "FLAG_CONFLICT"),
     (["--use-tis", "--use-rollout-logprobs"], "FLAG_CONFLICT"),
+    (["--num-steps-per-rollout", "2", "--global-batch-size", "2"], "FLAG_CONFLICT"),
+    (["--rollout-batch-size", "5", "--n-samples-per-prompt", "2", "--num-steps-per-rollout", "3"], "FLAG_CONFLICT"),
+    (["--num-steps-per-rollout", "0"], "FLAG_OUT_OF_RANGE"),
     (["--custom-tis-function-path", "my.tis.fn"], "FLAG_NOT_SUPPORTED"),
     (["--eps-clip-c", "1.0"], "FLAG_OUT_OF_RANGE"),
     (["--rm-type", "dapo"], "RM_TYPE_UNKNOWN"),
@@ -44,8 +47,10 @@ GOOD = [
     [],
     ["--rollout-temperature", "0", "--rollout-top-p", "1", "--rollout-top-k", "-1"],
     ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--micro-batch-size", "4"],
-    ["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--global-batch-size", "6",
-     "--micro-batch-size", "3"],
+    ["--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--rollout-batch-size", "6",
+     "--global-batch-size", "6", "--micro-batch-size", "3"],
+    # slime's way to ask for several optimizer steps per rollout
+    ["--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--num-steps-per-rollout", "4"],
     # the client sends these keys (slime_spec/fleet/client.py EngineAuth): accepted, no finding
     ["--sglang-api-key", "k1", "--sglang-admin-api-key", "k2"],
     ["--rm-type", "math", "--recompute-granularity", "full", "--pipeline-model-parallel-size", "1",

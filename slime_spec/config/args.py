@@ -265,7 +265,8 @@ def to_config(p: ParsedArgs, refuse_unknown: bool = True) -> Config:
     )
     train = from_flags(
         TrainConfig, a, loss_type=resolve_loss_type(a.loss_type),
-        global_batch_size=resolve_global_batch_size(a.global_batch_size, a.rollout_batch_size, a.n_samples_per_prompt))
+        global_batch_size=resolve_global_batch_size(a.global_batch_size, a.rollout_batch_size, a.n_samples_per_prompt,
+                                                    a.num_steps_per_rollout))
     transport = a.weight_sync_transport or ("disk" if a.update_weight_transport == "disk" else None)
     weight_sync = from_flags(WeightSyncConfig, a, weight_sync_transport=resolve_transport(transport, a.colocate),
                              check_weight_sync=a.check_weight_sync or a.check_weight_update_equal)

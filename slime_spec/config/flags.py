@@ -324,6 +324,7 @@ ACTED_ON = {
     "rollout_batch_size", "n_samples_per_prompt", "over_sampling_batch_size", "dynamic_sampling_filter_path",
     "rollout_max_response_len", "rollout_max_prompt_len", "rollout_temperature", "rollout_top_p", "rollout_top_k",
     "rollout_stop", "rollout_stop_token_ids", "rollout_skip_special_tokens", "global_batch_size", "micro_batch_size",
+    "num_steps_per_rollout",
     "sglang_server_concurrency", "use_sglang_router",
     "rollout_history_drafting", "rollout_history_epochs", "rollout_history_max_tokens",
     "eval_interval", "eval_prompt_data", "eval_temperature", "eval_top_p", "eval_top_k", "eval_max_response_len",

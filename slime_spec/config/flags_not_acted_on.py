@@ -36,8 +36,6 @@ NOT_ACTED_ON: dict[str, Ignored] = {
     "metadata_key": _refused("prompt metadata is not read", "drop --metadata-key (reward functions get "
                              "the prompt and --label-key)", accepted=(None, "metadata")),
     "num_epoch": _refused("the run length is --num-rollout", "--num-rollout <rollouts> instead of --num-epoch"),
-    "num_steps_per_rollout": _trainer("optimizer steps per rollout follow from --global-batch-size",
-                                      "--global-batch-size <rollout samples / steps> instead"),
     "partial_rollout": _refused("partial rollout (resuming cut-off samples in the next rollout) is not "
                                 "implemented", "drop --partial-rollout; every sample finishes in its rollout"),
     "balance_data": Ignored("without --max-tokens-per-gpu the samples of a step are dealt to the data-parallel "

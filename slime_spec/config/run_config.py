@@ -19,9 +19,13 @@ Transport = Literal["distributed", "tensor", "disk"]
 LossType = Literal["policy_loss", "sft"]
 
 
-def resolve_global_batch_size(global_batch_size: int | None, rollout_batch_size: int, n_samples_per_prompt: int) -> int:
-    """--global-batch-size, else one optimizer step per rollout (every sample of it), as slime does."""
-    return global_batch_size or rollout_batch_size * n_samples_per_prompt
+def resolve_global_batch_size(global_batch_size: int | None, rollout_batch_size: int, n_samples_per_prompt: int,
+                              num_steps_per_rollout: int | None = None) -> int:
+    """--global-batch-size, else a rollout's samples over --num-steps-per-rollout optimizer steps (one by default),
+    as slime does (doctor checks that the two agree where both are given)."""
+    if global_batch_size:
+        return global_batch_size
+    return rollout_batch_size * n_samples_per_prompt // (num_steps_per_rollout or 1)
 
 
 def resolve_transport(weight_sync_transport: str | None, colocate: bool) -> Transport:

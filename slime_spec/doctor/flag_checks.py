@@ -62,6 +62,8 @@ BOUNDS: tuple[Bound, ...] = (
     Bound("n_samples_per_prompt", _at_least(1), "must be >= 1", "--n-samples-per-prompt 8 (a GRPO group)"),
     Bound("n_samples_per_eval_prompt", _at_least(1), "must be >= 1", "--n-samples-per-eval-prompt 1"),
     Bound("rollout_batch_size", _at_least(1), "must be >= 1 (prompts per rollout)", "--rollout-batch-size 32"),
+    Bound("num_steps_per_rollout", _at_least(1), "must be >= 1 (optimizer steps per rollout)",
+          "--num-steps-per-rollout 1", True),
     Bound("rollout_max_response_len", _at_least(1), "must be >= 1 token", "--rollout-max-response-len 1024"),
     Bound("eval_max_response_len", _at_least(1), "must be >= 1 token", "--eval-max-response-len 1024"),
     Bound("rollout_max_prompt_len", _at_least(1), "must be >= 1 token", "drop it, or a positive length"),
@@ -128,6 +130,19 @@ RELATIONS: tuple[Relation, ...] = (
     Relation(lambda v: not v.get("use_tis") or v["tis_clip_low"] <= v["tis_clip"],
              "--tis-clip-low {tis_clip_low} is above --tis-clip {tis_clip}: every importance weight would be clipped "
              "to an empty range", "--tis-clip-low <= --tis-clip (slime's defaults: 0.0 and 2.0)", trainer_only=True),
+    Relation(lambda v: not v.get("num_steps_per_rollout") or not v["global_batch_size"]
+             or v["global_batch_size"] == v["rollout_batch_size"] * v["n_samples_per_prompt"]
+             // v["num_steps_per_rollout"],
+             "--global-batch-size {global_batch_size} disagrees with --num-steps-per-rollout {num_steps_per_rollout}: "
+             "{rollout_batch_size} prompts x {n_samples_per_prompt} samples over that many steps is a global batch "
+             "of rollout_batch_size x n_samples_per_prompt // num_steps_per_rollout (slime asserts the same)",
+             "drop one of the two flags", trainer_only=True),
+    Relation(lambda v: v["global_batch"] >= 1
+             and v["rollout_batch_size"] * v["n_samples_per_prompt"] % v["global_batch"] == 0,
+             "a rollout's {rollout_batch_size} x {n_samples_per_prompt} samples do not split into optimizer steps of "
+             "{global_batch} (--global-batch-size, or the rollout over --num-steps-per-rollout): the trainer takes "
+             "every sample of a rollout in whole steps", "a global batch dividing the rollout's samples",
+             trainer_only=True),
     Relation(lambda v: not (v.get("use_rollout_logprobs") and v.get("use_tis")),
              "--use-rollout-logprobs with --use-tis: the importance ratios already use the rollout's log-probs, so "
              "every TIS weight would be 1 (slime refuses the pair too)", "drop --use-tis or --use-rollout-logprobs",
@@ -157,7 +172,7 @@ def derived_values(values: dict) -> dict:
     """`values` plus what the relations read: the global batch (as the trainer resolves it), actor GPUs,
     data-parallel size, micro batch x DP."""
     global_batch = resolve_global_batch_size(values["global_batch_size"], values["rollout_batch_size"],
-                                             values["n_samples_per_prompt"])
+                                             values["n_samples_per_prompt"], values.get("num_steps_per_rollout"))
     actor_gpus = values["actor_num_nodes"] * values["actor_num_gpus_per_node"]
     tp = values["tensor_model_parallel_size"]
     dp = actor_gpus // tp if tp >= 1 and actor_gpus % tp == 0 else 0
