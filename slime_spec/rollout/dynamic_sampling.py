@@ -115,7 +115,7 @@ async def over_sample(take: Callable[[int, int], list[list[Sample]]], run_group:
                 if taken >= max_prompts:
                     raise RuntimeError(
                         f"dynamic sampling kept {len(kept)} of {target} groups after taking {taken} prompts (every "
-                        f"prompt of --prompt-data once): --dynamic-sampling-filter-path dropped the rest "
+                        f"prompt of --prompt-data at least once): --dynamic-sampling-filter-path dropped the rest "
                         f"({dict(reasons)}); check the filter against the rewards, or drop the flag")
                 for g in take(taken, over):
                     pending[asyncio.ensure_future(run_group(g))] = g[0].group_index
