@@ -20,7 +20,7 @@ from slime_spec.trainer import batch as B
 from slime_spec.trainer import model as M
 from slime_spec.trainer import packing, parallel
 from slime_spec.weight_sync import convert
-from tests.helpers.trainers import built_model
+from tests.helpers.trainers import built_model, model_device
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +52,17 @@ def test_sdpa_core_attention_is_megatrons_local_attention_where_head_dims_agree(
     heads, dim, s, b = 4, 8, 7, 2
     config, theirs = megatron_attention(heads, groups, dim)
     ours = SDPACoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    # megatron's local attention takes its score buffer on the current CUDA device where there is one
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(s, b, heads, dim, generator=gen)
-    k, v = (torch.randn(s, b, groups, dim, generator=gen) for _ in range(2))
-    causal = packing.causal_mask(s, "cpu")
-    block = causal | ((torch.arange(s)[:, None] >= 3) != (torch.arange(s)[None] >= 3))  # two packed samples
-    for mask in (causal, block):
+    q = torch.randn(s, b, heads, dim, generator=gen).to(device)
+    k, v = (torch.randn(s, b, groups, dim, generator=gen).to(device) for _ in range(2))
+    causal = packing.causal_mask(s, device)
+    block = causal | ((torch.arange(s, device=device)[:, None] >= 3) != (torch.arange(s, device=device)[None] >= 3))
+    for mask in (causal, block):  # the second: two packed samples
         expected = theirs(q, k, v, mask)
-        torch.testing.assert_close(ours(q, k, v, mask), expected, atol=1e-6, rtol=0)
+        # float32 both ways; CUDA's attention kernels sum in another order than the CPU's
+        torch.testing.assert_close(ours(q, k, v, mask), expected, atol=1e-6 if device == "cpu" else 1e-5, rtol=0)
     assert ours(q, k, v, causal).shape == (s, b, heads * dim)
 
 
@@ -104,13 +107,13 @@ def test_trainer_is_megatrons_mla_and_moe_and_equals_hf(deepseek):
     assert type(attention) is MLASelfAttention and type(attention.core_attention) is SDPACoreAttention
     assert type(model.decoder.layers[0].mlp) is MLP and isinstance(model.decoder.layers[1].mlp, MoELayer)
     checkpoint = load_file(str(deepseek / "model.safetensors"))
-    assert torch.equal(model.decoder.layers[2].mlp.router.expert_bias,
+    assert torch.equal(model.decoder.layers[2].mlp.router.expert_bias.cpu(),
                        checkpoint["model.layers.2.mlp.gate.e_score_correction_bias"])
     ref = AutoModelForCausalLM.from_pretrained(deepseek, dtype=torch.float32)
     assert isinstance(ref, DeepseekV3ForCausalLM)  # transformers has no MTP layer: model.layers.3 is left unread
     ids = torch.randint(0, hf_config["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours = M.forward(model.eval(), ids, hf_config["vocab_size"]).logits
+        ours = M.forward(model.eval(), ids.to(model_device(model)), hf_config["vocab_size"]).logits.cpu()
         theirs = ref.eval()(ids).logits
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
@@ -139,7 +142,7 @@ def test_without_query_lora_and_with_plain_rope_equals_hf(deepseek, tmp_path):
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = torch.randint(0, hf_config["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours = M.forward(model.eval(), ids, hf_config["vocab_size"]).logits
+        ours = M.forward(model.eval(), ids.to(model_device(model)), hf_config["vocab_size"]).logits.cpu()
         theirs = ref.eval()(ids).logits
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
@@ -156,13 +159,13 @@ def test_parameters_are_the_conversions_both_ways(deepseek):
     # all but the MTP layer's embedding and head copies (Megatron's MTP, and SGLang's NextN, use the main ones)
     assert sorted(set(hf_state) - set(sent)) == ["model.layers.3.embed_tokens.weight",
                                                  "model.layers.3.shared_head.head.weight"]
-    assert all(torch.equal(sent[n], hf_state[n]) for n in sent)
+    assert all(torch.equal(sent[n].cpu(), hf_state[n]) for n in sent)
 
 
 def test_forward_backward_reaches_every_parameter_with_mtp(deepseek):
     hf_config, model = built_model(deepseek, mtp_num_layers=1, enable_mtp_training=True)
     ids = torch.randint(0, hf_config["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(1))
-    out = M.forward(model.train(), ids, hf_config["vocab_size"])
+    out = M.forward(model.train(), ids.to(model_device(model)), hf_config["vocab_size"])
     assert len(out.mtp_logits) == 1 and out.mtp_logits[0].shape == out.logits.shape
     (out.logits.logsumexp(-1).mean() + out.mtp_logits[0].logsumexp(-1).mean()).backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum()]
@@ -178,9 +181,10 @@ def test_a_packed_sample_matches_its_own_forward(deepseek):
     second = Sample(index=1, group_index=0, prompt="p", tokens=[21, 22, 23, 24, 25], response_length=2)
     rows = packing.packed_rows(B.collate([first, second]))
     with torch.no_grad():
-        packed = M.forward(model.eval(), rows.input_ids, vocab, position_ids=rows.position_ids,
-                           attention_mask=rows.attention_mask)
-        alone = M.forward(model, torch.tensor([second.tokens]), vocab)
+        device = model_device(model)
+        packed = M.forward(model.eval(), rows.input_ids.to(device), vocab, position_ids=rows.position_ids.to(device),
+                           attention_mask=rows.attention_mask.to(device))
+        alone = M.forward(model, torch.tensor([second.tokens], device=device), vocab)
     n0, n1 = len(first.tokens), len(second.tokens)
     torch.testing.assert_close(packed.logits[:, n0:], alone.logits, atol=1e-5, rtol=0)
     # MTP: the last position of a sample sees a rolled-in token from past its end (masked in the loss).

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from slime_spec.config.run_config import TrainConfig
 from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.trainer import model as M
-from tests.helpers.trainers import built_model
+from tests.helpers.trainers import built_model, model_device
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +38,12 @@ def test_trainer_is_megatrons_moe_and_equals_hf(glm):
     assert model.rotary_pos_emb.inv_freq.numel() == hf_config["head_dim"] // 4  # partial_rotary_factor 0.5
     bias = model.decoder.layers[2].mlp.router.expert_bias
     checkpoint = load_file(str(glm / "model.safetensors"))
-    assert torch.equal(bias, checkpoint["model.layers.2.mlp.gate.e_score_correction_bias"])
+    assert torch.equal(bias.cpu(), checkpoint["model.layers.2.mlp.gate.e_score_correction_bias"])
     ref = AutoModelForCausalLM.from_pretrained(glm, dtype=torch.float32)
     assert isinstance(ref, Glm4MoeForCausalLM)  # transformers has no MTP layer: model.layers.3 is left unread
     ids = torch.randint(0, hf_config["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours = M.forward(model.eval(), ids, hf_config["vocab_size"]).logits
+        ours = M.forward(model.eval(), ids.to(model_device(model)), hf_config["vocab_size"]).logits.cpu()
         theirs = ref.eval()(ids).logits
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
@@ -52,7 +52,7 @@ def test_forward_backward_with_mtp_and_sync_tensors(glm):
     from slime_spec.weight_sync.gather import iter_hf_tensors
     hf_config, model = built_model(glm, mtp_num_layers=1, enable_mtp_training=True)
     ids = torch.randint(0, hf_config["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(1))
-    out = M.forward(model.train(), ids, hf_config["vocab_size"])
+    out = M.forward(model.train(), ids.to(model_device(model)), hf_config["vocab_size"])
     assert len(out.mtp_logits) == 1
     (out.logits.logsumexp(-1).mean() + out.mtp_logits[0].logsumexp(-1).mean()).backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum()]
@@ -63,7 +63,7 @@ def test_forward_backward_with_mtp_and_sync_tensors(glm):
     assert sorted(set(hf) - set(sent)) == ["model.layers.3.embed_tokens.weight",
                                            "model.layers.3.shared_head.head.weight"]
     assert set(sent) <= set(hf)
-    assert all(torch.equal(sent[n], hf[n].float()) for n in sent)
+    assert all(torch.equal(sent[n].cpu(), hf[n].float()) for n in sent)
 
 
 def test_bf16_keeps_the_correction_bias_in_float32(glm):
@@ -75,7 +75,7 @@ def test_bf16_keeps_the_correction_bias_in_float32(glm):
     for layer in (1, 2):
         bias = model.decoder.layers[layer].mlp.router.expert_bias
         assert bias.dtype == torch.float32
-        assert torch.equal(bias, checkpoint[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"])
+        assert torch.equal(bias.cpu(), checkpoint[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"])
 
 
 def test_refusals(glm):

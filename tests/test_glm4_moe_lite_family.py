@@ -20,7 +20,7 @@ from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.trainer import model as M
 from tests.helpers.engine_runs import DEVICES, assert_logprobs_equal_a_full_forward, run_to_completion
 from tests.helpers.engine_runs import assert_greedy_with_specs_equals_plain as assert_greedy_equals_plain
-from tests.helpers.trainers import built_model
+from tests.helpers.trainers import built_model, model_device
 
 LAYERS = 3  # layer 0 dense, 1 and 2 sparse; the NextN layer is model.layers.3
 PROMPTS = ["hello world", "the cat sat on the mat. the cat sat on the", "a", "1 2 3 4 5 6 7 8 1 2 3"]
@@ -58,7 +58,7 @@ def test_trainer_is_megatrons_mla_and_moe_and_equals_hf(lite):
     assert type(model.decoder.layers[0].mlp) is MLP and isinstance(model.decoder.layers[1].mlp, MoELayer)
     ids = torch.randint(0, hf_config["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours = M.forward(model.eval(), ids, hf_config["vocab_size"]).logits
+        ours = M.forward(model.eval(), ids.to(model_device(model)), hf_config["vocab_size"]).logits.cpu()
     torch.testing.assert_close(ours, hf_logits(lite, ids), atol=1e-4, rtol=0)
 
 
@@ -66,7 +66,7 @@ def test_forward_backward_with_mtp_and_sync_tensors(lite):
     from slime_spec.weight_sync.gather import iter_hf_tensors
     hf_config, model = built_model(lite, mtp_num_layers=1, enable_mtp_training=True)
     ids = torch.randint(0, hf_config["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(1))
-    out = M.forward(model.train(), ids, hf_config["vocab_size"])
+    out = M.forward(model.train(), ids.to(model_device(model)), hf_config["vocab_size"])
     (out.logits.logsumexp(-1).mean() + out.mtp_logits[0].logsumexp(-1).mean()).backward()
     assert [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum()] == []
     sent = {t.name: t.tensor for t in iter_hf_tensors(M.named_weights(model), hf_config)}
@@ -74,7 +74,7 @@ def test_forward_backward_with_mtp_and_sync_tensors(lite):
     # all but the MTP layer's embedding and head copies (Megatron's MTP, and SGLang's NextN, use the main ones)
     assert sorted(set(hf) - set(sent)) == [f"model.layers.{LAYERS}.embed_tokens.weight",
                                            f"model.layers.{LAYERS}.shared_head.head.weight"]
-    assert set(sent) <= set(hf) and all(torch.equal(sent[n], hf[n].float()) for n in sent)
+    assert set(sent) <= set(hf) and all(torch.equal(sent[n].cpu(), hf[n].float()) for n in sent)
 
 
 def test_engine_equals_hf_full_and_cached(lite):

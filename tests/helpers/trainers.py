@@ -6,6 +6,8 @@ import random
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from slime_spec.config.run_config import TrainConfig
 from slime_spec.rollout.sample import Sample
 from slime_spec.tools.tiny_model import make_tiny_model
@@ -48,3 +50,8 @@ def built_model(path, **train):
     model = M.build_gpt_model(hf_config, TrainConfig(hf_checkpoint=str(path), **train))
     M.load_hf_weights(model, M.read_hf_state(path), hf_config, tp_rank=0, tp_size=1)
     return hf_config, model
+
+
+def model_device(model) -> torch.device:
+    """Where the trainer built `model` (CUDA where there is a GPU): the family tests move their inputs there."""
+    return next(model.parameters()).device
