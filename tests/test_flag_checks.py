@@ -58,6 +58,7 @@ GOOD = [
     ["--rollout-batch-sise", "4", "--allow-unknown-flags"],
     # slime's truncated importance sampling, as its GRPO scripts set it
     ["--use-tis", "--tis-clip", "2.0", "--tis-clip-low", "0.0", "--normalize-advantages", "--eps-clip-c", "3"],
+    ["--calculate-per-token-loss", "--use-rollout-logprobs"],
     ["--disable-grpo-std-normalization"], ["--disable-rewards-normalization"],
     # rollout only: trainer flags are not refused, since no trainer runs
     ["--debug-rollout-only", "--pipeline-model-parallel-size", "4", "--bf16", "--tensor-model-parallel-size", "8"],

@@ -208,3 +208,24 @@ def test_dual_clip_bounds_a_negative_advantages_loss_as_slime_does():
     dual, clip_dual = losses.ppo_clip_loss(log_probs, old, adv, 0.2, 0.28, eps_clip_c=3.0)
     assert float(plain[0, 0]) == pytest.approx(2.718281828 ** 3) and float(dual[0, 0]) == pytest.approx(3.0)
     assert torch.equal(dual[0, 1:], plain[0, 1:]) and torch.equal(clip_dual, clip_plain)
+
+
+def test_step_metrics_are_sample_means_or_token_means_under_per_token_loss():
+    """train/* are means over the step's samples, or over its trained tokens with --calculate-per-token-loss (each
+    sample's mean weighed by its tokens), as slime reduces its reported losses."""
+    from slime_spec.trainer import step_metrics
+    from slime_spec.trainer.batch import TokenBatch
+
+    pg = torch.tensor([1.0, 4.0])
+    terms = losses.LossTerms(total=pg, pg_loss=pg, kl=torch.zeros(2), entropy=torch.zeros(2),
+                             clip_fraction=torch.zeros(2), mtp_loss=torch.zeros(2))
+    mask = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])  # 1 and 3 trained tokens
+    batch = TokenBatch(input_ids=torch.zeros(2, 4, dtype=torch.long), loss_mask=mask,
+                       rollout_log_probs=torch.zeros(2, 4), has_rollout_log_probs=torch.zeros(2, dtype=torch.bool),
+                       lengths=torch.tensor([4, 4]))
+    for per_token, expected in ((False, (1.0 + 4.0) / 2), (True, (1.0 * 1 + 4.0 * 3) / 4)):
+        sums = step_metrics.new_sums()
+        step_metrics.accumulate(sums, terms, batch, None, per_token=per_token)
+        metrics = step_metrics.step_metrics(sums, [], 1e-6, dp_size=1, device=torch.device("cpu"))
+        assert metrics["pg_loss"] == pytest.approx(expected) and metrics["loss"] == pytest.approx(expected)
+        assert "tis" not in metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -210,6 +211,30 @@ def test_use_rollout_logprobs_takes_the_engines_log_probs_as_the_old_policys(mim
     samples[2].rollout_log_probs = []
     with pytest.raises(ValueError, match="--use-rollout-logprobs .* sample 2"):
         without_old_forward().train_step(samples, rollout_id=0)
+
+
+def test_calculate_per_token_loss_weighs_every_token_of_the_step_alike(mimo):
+    """--calculate-per-token-loss (slime's): the step's loss is the mean over its trained tokens, not over its
+    samples. At the first update the policy gradient is linear in the advantages, so with raw rewards as advantages
+    (--disable-rewards-normalization) it equals the per-sample gradient with each reward scaled by its sample's
+    tokens x samples / the step's tokens. Samples of one length give the per-sample step itself."""
+    lengths = [1, 2, 3, 5]
+    samples = [Sample(index=i, group_index=i // 2, prompt="p", tokens=[5, 6, 7] + [10 + i] * n, response_length=n,
+                      reward=[0.5, -1.0, 2.0, 0.25][i]) for i, n in enumerate(lengths)]
+    base = dict(global_batch_size=4, micro_batch_size=2, mtp_num_layers=0, disable_rewards_normalization=True)
+    per_token = Trainer(config(mimo, calculate_per_token_loss=True, **base)).gradients(samples)
+    scaled = [dataclasses.replace(s, reward=s.reward * n * len(lengths) / sum(lengths))
+              for s, n in zip(samples, lengths)]
+    per_sample = Trainer(config(mimo, **base)).gradients(scaled)
+    assert set(per_token) == set(per_sample)
+    for name in per_token:
+        torch.testing.assert_close(per_token[name], per_sample[name], atol=1e-6, rtol=1e-4, msg=name)
+    alike = [dataclasses.replace(s, tokens=[5, 6, 7, 10, 11], response_length=2) for s in samples]
+    same = Trainer(config(mimo, calculate_per_token_loss=True, **base)).gradients(alike)
+    plain = Trainer(config(mimo, **base)).gradients(alike)
+    assert all(torch.allclose(same[n], plain[n], atol=1e-7, rtol=1e-5) for n in same)
+    unweighted = Trainer(config(mimo, **base)).gradients(samples)
+    assert not all(torch.allclose(per_token[n], unweighted[n], atol=1e-6) for n in per_token)  # lengths apart
 
 
 def test_normalize_advantages_whitens_the_rollouts_grpo_advantages(mimo):

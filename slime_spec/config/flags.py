@@ -127,6 +127,7 @@ GROUPS: dict[str, list[tuple[str, dict]]] = {
         ("--tis-clip", {**_F, "default": 2.0}),
         ("--tis-clip-low", {**_F, "default": 0.0}),
         ("--use-rollout-logprobs", _ON),
+        ("--calculate-per-token-loss", _ON),
     ],
     "optimizer": [
         ("--optimizer", {"default": "adam", "choices": ["adam", "sgd"]}),
@@ -331,7 +332,8 @@ ACTED_ON = {
     "n_samples_per_eval_prompt",
     "advantage_estimator", "loss_type", "eps_clip", "eps_clip_high", "eps_clip_c", "use_kl_loss", "kl_loss_coef",
     "kl_loss_type",
-    "entropy_coef", "use_tis", "tis_clip", "tis_clip_low", "use_rollout_logprobs", "normalize_advantages",
+    "entropy_coef", "use_tis", "tis_clip", "tis_clip_low", "use_rollout_logprobs", "calculate_per_token_loss",
+    "normalize_advantages",
     "disable_rewards_normalization",
     "disable_grpo_std_normalization",
     "optimizer", "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "seed",

@@ -157,8 +157,6 @@ _TABLE: dict[str, list[tuple[str, dict, Ignored]]] = {
          refused("a debug rollout is replayed whole", "drop it")),
     ],
     "slime: algorithm (not acted on)": [
-        ("--calculate-per-token-loss", _ON,
-         trainer("the policy loss is averaged per sample, then over the batch", "drop --calculate-per-token-loss")),
         ("--num-critic-only-steps", {**_I, "default": None},
          trainer("PPO's critic is not implemented", "drop it", accepted=(None, 0))),
         ("--value-clip", {**_F, "default": None}, Ignored("PPO's critic is not implemented")),

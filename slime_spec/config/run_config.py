@@ -244,6 +244,8 @@ class TrainConfig:
     tis_clip_low: float = flag_default("tis_clip_low")
     # slime's importance ratios against the engine's log-probs: no old-policy forward before the update
     use_rollout_logprobs: bool = flag_default("use_rollout_logprobs")
+    # slime's token-level loss: every trained token of an optimizer step weighs the same, not every sample
+    calculate_per_token_loss: bool = flag_default("calculate_per_token_loss")
     # the trainer's log-probs are of the distribution the engine sampled from (slime divides logits by it)
     rollout_temperature: float = flag_default("rollout_temperature")
     lr: float = flag_default("lr")

@@ -1,6 +1,7 @@
 """A train_step's metrics: per-sample sums accumulated over micro-batches, then means over data-parallel ranks.
 
-The sums are one float64 vector: METRICS, then the sample count, then the summed |old - rollout| log-prob
+The sums are one float64 vector: METRICS, then the sample count (the trained-token count under
+--calculate-per-token-loss, whose metrics are token means, as slime's), then the summed |old - rollout| log-prob
 difference and its token count (train_rollout_logprob_abs_diff, where the rollout returned log-probs).
 """
 
@@ -21,14 +22,17 @@ def new_sums() -> torch.Tensor:
 
 
 def accumulate(sums: torch.Tensor, terms: losses.LossTerms, batch: TokenBatch,
-               old_log_probs: torch.Tensor | None) -> None:
-    """Add one micro-batch's loss terms (and, for a policy step, its log-prob difference to the rollout's)."""
+               old_log_probs: torch.Tensor | None, per_token: bool = False) -> None:
+    """Add one micro-batch's loss terms (and, for a policy step, its log-prob difference to the rollout's); each
+    sample's weighed by its trained tokens with `per_token`."""
     with torch.no_grad():
+        weights = batch.loss_mask.sum(-1).double() if per_token else None
         for i, key in enumerate(METRICS):
             value = terms.total if key == "loss" else getattr(terms, key)
             if value is not None:  # the TIS terms are None without --use-tis
-                sums[i] += value.detach().double().sum().cpu()
-        sums[len(METRICS)] += batch.input_ids.shape[0]
+                value = value.detach().double()
+                sums[i] += (value if weights is None else value * weights).sum().cpu()
+        sums[len(METRICS)] += batch.input_ids.shape[0] if weights is None else weights.sum().cpu()
         if old_log_probs is not None and bool(batch.has_rollout_log_probs.any()):
             mask = batch.loss_mask * batch.has_rollout_log_probs[:, None]
             sums[-2] += ((old_log_probs - batch.rollout_log_probs).abs() * mask).sum().double().cpu()

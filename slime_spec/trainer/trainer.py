@@ -460,7 +460,16 @@ class Trainer:
             if self.ref_state is not None:
                 with self._reference_model():
                     ref = [[self._log_probs(b) for b in step] for step in batches]
-        return _Prepared(sft, steps, batches, advantages, old, ref, step_metrics.new_sums(), left_out=left_out)
+        step_tokens = self._step_tokens(samples, steps) if t.calculate_per_token_loss else None
+        return _Prepared(sft, steps, batches, advantages, old, ref, step_metrics.new_sums(), left_out=left_out,
+                         step_tokens=step_tokens)
+
+    def _step_tokens(self, samples: list[Sample], steps: list[list[list[int]]]) -> list[int]:
+        """--calculate-per-token-loss: the trained tokens of each optimizer step over every data-parallel rank (each
+        rank plans every rank's share), what slime's token-level loss divides by."""
+        plans = [steps] if self.tp.dp_size == 1 else [self.plan(samples, r) for r in range(self.tp.dp_size)]
+        return [max(1, sum(sum(response_mask(samples[i])) for plan in plans for mb in plan[s_idx] for i in mb))
+                for s_idx in range(len(steps))]
 
     def _backward_step(self, p: "_Prepared", s_idx: int, train_draft: bool = True,
                        sums: torch.Tensor | None = None) -> None:
@@ -498,7 +507,10 @@ class Trainer:
                     with self.timer("MTP backward"):
                         (t.mtp_loss_scaling_factor * terms.mtp_loss.sum() / t.global_batch_size).backward()
             with self.timer("trunk backward"):
-                (terms.total.sum() / t.global_batch_size).backward()
+                # a sample's mean over its tokens, summed over the step: per sample (slime's default), or weighed
+                # by its trained tokens over the step's (--calculate-per-token-loss: a mean over every token)
+                weight = batch.loss_mask.sum(-1) / p.step_tokens[s_idx] if p.step_tokens else 1.0 / t.global_batch_size
+                (terms.total * weight).sum().backward()
                 self.master.accumulate_grads()
             if train_draft:
                 with self.timer("EAGLE3 draft"):
@@ -507,7 +519,8 @@ class Trainer:
             # the trainer's log-probs against the rollout's: before the update, or (--use-rollout-logprobs, where
             # those are the old ones) this forward's, as slime's train_rollout_logprob_abs_diff
             compared = log_probs.detach() if t.use_rollout_logprobs else None if p.sft else p.old[s_idx][m_idx]
-            step_metrics.accumulate(p.sums if sums is None else sums, terms, batch, compared)
+            step_metrics.accumulate(p.sums if sums is None else sums, terms, batch, compared,
+                                    per_token=p.step_tokens is not None)
             nonfinite = (~torch.isfinite(terms.total.detach())).nonzero().flatten().tolist()
             if nonfinite:
                 mb = p.steps[s_idx][m_idx]
@@ -544,4 +557,5 @@ class _Prepared:
     ref: list[list[torch.Tensor]] | None
     sums: torch.Tensor
     left_out: list[bool] = field(default_factory=list)  # per sample: left out for its reward (reward_left_out)
+    step_tokens: list[int] | None = None  # --calculate-per-token-loss: trained tokens per optimizer step
     nonfinite_loss_samples: dict[int, list[int]] = field(default_factory=dict)  # step -> sample positions
