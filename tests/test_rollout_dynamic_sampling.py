@@ -77,6 +77,15 @@ def test_keep_when_insufficient_keeps_a_rejected_group_instead_of_another_round(
     assert result.drop_reasons == {"zero_std_1.0": 1} and result.prompts_taken == 3
 
 
+def test_a_filter_written_for_slime_reads_rewards_as_slimes_filters_do():
+    def slime_style(args, samples, **kwargs):  # as in slime's filter_hub: get_reward_value(args), DynamicFilterOutput
+        return ds.DynamicFilterOutput(keep=samples[0].get_reward_value(args) > 0, reason="nonpositive")
+
+    result, _, _ = over_sample(lambda p: [float(p % 3), 0.0], lambda p: 0.002 * (p + 1), filter_fn=slime_style)
+    assert [s.metadata["prompt_index"] for s in result.samples[::N]] == [1, 2]
+    assert result.drop_reasons == {"nonpositive": 1}
+
+
 def test_a_filter_that_returns_a_bool_as_slimes_older_ones():
     result, _, _ = over_sample(lambda p: [1.0, 0.0], lambda p: 0.002 * (p + 1),
                                filter_fn=lambda args, g: g[0].group_index % 2)

@@ -40,7 +40,8 @@ def check_reward_nonzero_std(args, samples: Sequence[Sample], **kwargs) -> Dynam
     name: standard deviation in float64 above 1e-6."""
     import torch
 
-    rewards = [0.0 if s.reward is None else float(s.reward) for s in samples]
+    values = [s.get_reward_value(args) for s in samples]
+    rewards = [0.0 if v is None else float(v) for v in values]
     keep = bool(torch.tensor(rewards, dtype=torch.float64).std() > 1e-6)
     return DynamicFilterOutput(keep=keep, reason=None if keep else f"zero_std_{round(rewards[0], 1)}")
 

@@ -38,6 +38,11 @@ class Sample:
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length
 
+    def get_reward_value(self, args=None) -> float | None:
+        """The reward, as slime's `Sample.get_reward_value(args)` gives it to filters written for slime (rewards are
+        one float here: slime's `--reward-key` is refused)."""
+        return self.reward
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["status"] = self.status.value
