@@ -5,6 +5,7 @@ is a test double (rewards by prompt, finish order by delay); through real engine
 
 import asyncio
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,28 @@ def test_doctor_refuses_a_batch_it_cannot_fill_and_history_drafting_beside_it(ca
     assert doctor(["--hf-checkpoint", str(checkpoint), "--rollout-backend", "sglang", "--json", *argv]) == 2
     errors = [f for f in json.loads(capsys.readouterr().out)["findings"] if f["level"] == "error"]
     assert [f["code"] for f in errors] == ["FLAG_CONFLICT"] and "--over-sampling-batch-size" in errors[0]["message"]
+
+
+def test_an_engine_that_cannot_take_the_abort_after_a_dynamic_rollout_is_reported(capsys):
+    """The cut-off requests were cancelled on our side already; an engine being restarted that refuses SGLang's
+    abort_all is printed, and the rollout stands."""
+    from slime_spec.rollout.manager import RolloutManager
+
+    class Actor:  # test double for an EngineActor handle: `abort_request.remote()` is awaitable
+        def __init__(self, error):
+            self.error, self.abort_request = error, self
+
+        def remote(self):
+            async def call():
+                if self.error:
+                    raise self.error
+                return {"success": True}
+            return call()
+
+    manager = RolloutManager.__new__(RolloutManager)
+    manager.fleet = types.SimpleNamespace(actors=[Actor(None), Actor(ConnectionError("restarting"))],
+                                          urls=["http://127.0.0.1:1", "http://127.0.0.1:2"])
+    asyncio.run(manager._abort_cut_off())
+    out = capsys.readouterr().out
+    assert "http://127.0.0.1:2: /abort_request after dynamic sampling failed (ConnectionError: restarting)" in out
+    assert "127.0.0.1:1" not in out

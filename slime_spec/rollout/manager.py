@@ -395,8 +395,19 @@ class RolloutManager:
             finally:
                 progress_done(bar, desc, sys.stderr, time.perf_counter() - t0)
             if result.aborted_groups:
-                await self.fleet.call_all("abort_request")
+                await self._abort_cut_off()
             return result.samples, time.perf_counter() - t0, result
+
+    async def _abort_cut_off(self) -> None:
+        """SGLang's abort_all on every engine after a dynamic rollout cut groups off. Their requests were cancelled
+        here already (SGLang aborts a request whose client left, within seconds), so an engine that cannot take the
+        abort (one being restarted) is reported, not a failed rollout."""
+        outcomes = await asyncio.gather(*[a.abort_request.remote() for a in self.fleet.actors], return_exceptions=True)
+        for url, outcome in zip(self.fleet.urls, outcomes):
+            if isinstance(outcome, BaseException):
+                print(f"[rollout] {url}: /abort_request after dynamic sampling failed ({type(outcome).__name__}: "
+                      f"{str(outcome)[:200]}); its cut-off requests end when SGLang sees their clients gone",
+                      flush=True)
 
     async def _generate_one(self, sample: Sample, params: dict) -> Sample:
         fleet = self.fleet
