@@ -446,29 +446,29 @@ class Trainer:
         batches = [[dataclasses.replace(collate([samples[i] for i in mb], self.device, seq_len), min_row_len=row)
                     for mb, row in zip(step, rows)] for step, rows in zip(steps, row_lens)]
         advantages = old = ref = None
+        trained = [sum(response_mask(s)) for s in samples]  # tokens each sample trains (0: aborted or left out)
         if not sft:
             advantages = grpo_advantages_without([s.reward for s in samples], [s.group_index for s in samples],
                                                  t.n_samples_per_prompt, left_out,
                                                  rewards_normalization=not t.disable_rewards_normalization,
                                                  std_normalization=not t.disable_grpo_std_normalization)
             if t.normalize_advantages:
-                trained = torch.tensor([float(sum(response_mask(s))) for s in samples])
-                advantages = losses.whiten_advantages(advantages, trained)
+                advantages = losses.whiten_advantages(advantages, torch.tensor(trained, dtype=torch.float32))
             # --use-rollout-logprobs: the ratios are against the engine's log-probs, as slime's; no forward here
             old = [[b.rollout_log_probs if t.use_rollout_logprobs else self._log_probs(b) for b in step]
                    for step in batches]
             if self.ref_state is not None:
                 with self._reference_model():
                     ref = [[self._log_probs(b) for b in step] for step in batches]
-        step_tokens = self._step_tokens(samples, steps) if t.calculate_per_token_loss else None
+        step_tokens = self._step_tokens(samples, trained, steps) if t.calculate_per_token_loss else None
         return _Prepared(sft, steps, batches, advantages, old, ref, step_metrics.new_sums(), left_out=left_out,
                          step_tokens=step_tokens)
 
-    def _step_tokens(self, samples: list[Sample], steps: list[list[list[int]]]) -> list[int]:
+    def _step_tokens(self, samples: list[Sample], trained: list[int], steps: list[list[list[int]]]) -> list[int]:
         """--calculate-per-token-loss: the trained tokens of each optimizer step over every data-parallel rank (each
         rank plans every rank's share), what slime's token-level loss divides by."""
         plans = [steps] if self.tp.dp_size == 1 else [self.plan(samples, r) for r in range(self.tp.dp_size)]
-        return [max(1, sum(sum(response_mask(samples[i])) for plan in plans for mb in plan[s_idx] for i in mb))
+        return [max(1, sum(trained[i] for plan in plans for mb in plan[s_idx] for i in mb))
                 for s_idx in range(len(steps))]
 
     def _backward_step(self, p: "_Prepared", s_idx: int, train_draft: bool = True,
