@@ -53,13 +53,16 @@ def test_bf16_sft_only_where_the_cpu_multiplies_bfloat16_natively():
     assert not cpu_has_bf16(older) and not cpu_has_bf16("")
 
 
-def test_gpu_layouts_train_in_bf16_on_one_gpu_each_or_one_shared():
+def test_gpu_layouts_train_in_bf16_on_one_gpu_each_one_shared_or_two_shared_at_tp2():
     from slime_spec.demo.run import gpu_layout_argv
-    split, colocate = gpu_layout_argv("split"), gpu_layout_argv("colocate")
-    for argv in (split, colocate):
+    split, colocate, tp2 = gpu_layout_argv("split"), gpu_layout_argv("colocate"), gpu_layout_argv("colocate-tp2")
+    for argv, gpus in ((split, "1"), (colocate, "1"), (tp2, "2")):
         assert "--bf16" in argv and argv[argv.index("--sglang-dtype") + 1] == "bfloat16"
-        assert argv[argv.index("--rollout-num-gpus") + 1] == "1"
-    assert "--colocate" in colocate and "--colocate" not in split
+        assert argv[argv.index("--rollout-num-gpus") + 1] == gpus
+        assert argv[argv.index("--actor-num-gpus-per-node") + 1] == gpus
+    assert "--colocate" in colocate and "--colocate" in tp2 and "--colocate" not in split
+    assert tp2[tp2.index("--tensor-model-parallel-size") + 1] == "2"
+    assert "--tensor-model-parallel-size" not in split + colocate
     assert gpu_layout_argv(None) == []
     with pytest.raises(ValueError, match="--layout='tp2'"):
         gpu_layout_argv("tp2")
@@ -72,5 +75,8 @@ def test_device_and_layout_follow_the_gpus_seen_and_refuse_what_cannot_run():
         resolve_device("cuda", 0)
     assert resolve_layout(None, 2) == "split" and resolve_layout(None, 1) == "colocate"
     assert resolve_layout("colocate", 2) == "colocate"
-    with pytest.raises(ValueError, match="--layout split .* torch sees 1; use --layout colocate"):
+    with pytest.raises(ValueError, match="--layout split needs two GPUs, and torch sees 1; use --layout colocate"):
         resolve_layout("split", 1)
+    with pytest.raises(ValueError, match="--layout colocate-tp2 needs two GPUs"):
+        resolve_layout("colocate-tp2", 1)
+    assert resolve_layout("colocate-tp2", 2) == "colocate-tp2"
