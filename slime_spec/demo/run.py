@@ -171,8 +171,8 @@ def gpu_layout_argv(layout: str | None) -> list[str]:
     argv = ["--bf16", "--sglang-dtype", "bfloat16", "--actor-num-gpus-per-node", gpus, "--rollout-num-gpus", gpus]
     if layout == "split":
         return argv
-    if layout == "colocate-tp2":
-        argv += ["--tensor-model-parallel-size", "2"]
+    if layout == "colocate-tp2":  # an embedded engine per GPU (--rollout-num-engines counts them; the GPUs must agree)
+        argv += ["--tensor-model-parallel-size", "2", "--rollout-num-engines", "2"]
     # SGLang's memory saver where torch_memory_saver is installed: a release then keeps the engine's addresses and
     # its CUDA graphs, instead of capturing them all again on every resume
     saver = ["--sglang-enable-memory-saver"] if importlib.util.find_spec("torch_memory_saver") else []
