@@ -61,7 +61,8 @@ def test_gpu_layouts_train_in_bf16_on_one_gpu_each_one_shared_or_two_shared_at_t
         assert argv[argv.index("--rollout-num-gpus") + 1] == gpus
         assert argv[argv.index("--actor-num-gpus-per-node") + 1] == gpus
     assert "--colocate" in colocate and "--colocate" in tp2 and "--colocate" not in split
-    assert tp2[tp2.index("--tensor-model-parallel-size") + 1] == "2" and tp2[tp2.index("--rollout-num-engines") + 1] == "2"
+    assert tp2[tp2.index("--tensor-model-parallel-size") + 1] == "2"
+    assert tp2[tp2.index("--rollout-num-engines") + 1] == "2"
     assert "--tensor-model-parallel-size" not in split + colocate
     assert gpu_layout_argv(None) == []
     with pytest.raises(ValueError, match="--layout='tp2'"):

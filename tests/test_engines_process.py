@@ -237,3 +237,21 @@ def test_the_embedded_engine_stops_without_sglangs_crash_diagnostics_pause(user_
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == (["True", "False"] if user_value else ["False", "False"])
+
+
+@pytest.mark.parametrize("device,method", [("cpu", "fork"), ("cuda", "spawn")])
+def test_a_cpu_engine_forks_sglangs_children_after_sglang_sets_spawn(device, method):
+    """SGLang sets `spawn` in `_set_envs_and_config`, before it starts any child; a CPU engine's launcher forks them
+    (they share its imports), right after SGLang's own set-up, which still runs; a CUDA engine keeps `spawn`."""
+    code = ("import inspect, multiprocessing as mp\n"
+            "import slime_spec.engine.__main__ as main\n"  # first: it installs the stand-ins SGLang's import needs
+            "from sglang.srt.entrypoints import engine\n"
+            "assert 'mp.set_start_method(\"spawn\", force=True)' in inspect.getsource(engine._set_envs_and_config)\n"
+            "calls = []\n"
+            "engine._set_envs_and_config = lambda a: (calls.append(a), mp.set_start_method('spawn', force=True))\n"
+            f"main.fork_children_on_cpu({device!r})\n"
+            "engine._set_envs_and_config('server_args')\n"
+            "print(calls, mp.get_start_method())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["['server_args']", method]

@@ -15,8 +15,9 @@ On a machine with CUDA (`--device cuda`, the default there) the target has 0.5B 
 with float32 master weights; `--layout split` puts the trainer on GPU 0 and the engine on GPU 1 (weights over NCCL),
 `--layout colocate` both on one GPU, the engine's memory released while the trainer trains and the trainer's moved
 to host memory while the engine generates; `--layout colocate-tp2` is slime's colocated layout on two GPUs: the
-trainer at tensor parallel 2 over both, one engine on each, each engine fed by the trainer rank on its GPU. metrics.jsonl then also has, per step, the rollout, train, sync, offload
-and onload seconds and the peak memory of each GPU, over the step and during its sync.
+trainer at tensor parallel 2 over both, one engine on each, each engine fed by the trainer rank on its GPU.
+metrics.jsonl then also has, per step, the rollout, train, sync, offload and onload seconds and the peak memory of
+each GPU, over the step and during its sync.
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from slime_spec.engine.managers.scheduler_process import run_detokenizer_process, run_scheduler_process
     server_args = prepare_server_args(sglang_argv(argv, args))
     install_extensions(http_server.app)
+    fork_children_on_cpu(args.device)
     logger.info("serving %s on http://%s:%d through SGLang's front end (device %s, dtype %s, speculative %s)",
                 args.model_path, args.host, args.port, args.device, args.dtype, args.spec)
     try:
@@ -68,6 +69,26 @@ def main(argv: list[str] | None = None) -> int:
 
         kill_process_tree(os.getpid(), include_parent=False)
     return 0
+
+
+def fork_children_on_cpu(device: str) -> None:
+    """SGLang starts its scheduler and detokenizer processes with `spawn` (a forked child could not use a CUDA
+    context its parent made), so each imports torch and SGLang again: about two thirds of a CPU engine's start. A CPU
+    engine has no CUDA context: its children are forked from the launcher, which has imported all of it and started
+    no thread yet (SGLang starts them before its TokenizerManager). On CUDA nothing changes."""
+    if device != "cpu":
+        return
+    import multiprocessing
+
+    from sglang.srt.entrypoints import engine
+
+    set_envs_and_config = engine._set_envs_and_config  # where SGLang sets the start method, before any child starts
+
+    def then_fork(server_args) -> None:
+        set_envs_and_config(server_args)
+        multiprocessing.set_start_method("fork", force=True)
+
+    engine._set_envs_and_config = then_fork
 
 
 if __name__ == "__main__":

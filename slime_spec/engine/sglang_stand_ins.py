@@ -8,8 +8,8 @@ package imports (a GPU machine with torchvision), the real one is used. transfor
 first, so it keeps reporting "no torchvision" (the truth).
 
 `install()` is idempotent and must run before the first `import sglang.srt.managers...` in every process: SGLang
-starts its children with `spawn`, and `python -m slime_spec.engine` installs it when its module is imported, which
-every spawned child does first.
+starts its children with `spawn` on CUDA, and `python -m slime_spec.engine` installs it when its module is imported,
+which every spawned child does first (on CPU the children are forked and inherit it).
 """
 
 from __future__ import annotations

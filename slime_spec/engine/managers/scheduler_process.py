@@ -14,10 +14,11 @@ process's main thread receives messages and posts them there. Replies are sent f
 work, under one lock (ZMQ sockets are not thread-safe). Weight routes run through SGLang's own
 SchedulerWeightUpdaterManager over our runners (`weight_updater.EngineWeights`).
 
-SGLang starts its children with `spawn`, and a child imports the module of its target function before anything
-else: importing this module installs what SGLang's imports need on this machine (sglang_stand_ins, hf_configs), so
-both processes SGLang spawns here (this scheduler, and its DetokenizerManager through `run_detokenizer_process`)
-import SGLang safely.
+On CUDA SGLang starts its children with `spawn`, and a child imports the module of its target function before
+anything else: importing this module installs what SGLang's imports need on this machine (sglang_stand_ins,
+hf_configs), so both processes SGLang spawns here (this scheduler, and its DetokenizerManager through
+`run_detokenizer_process`) import SGLang safely. On CPU they are forked from the launcher, which installed them
+already (`slime_spec.engine.__main__.fork_children_on_cpu`).
 """
 
 from __future__ import annotations
