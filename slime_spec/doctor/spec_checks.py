@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from slime_spec.common.dtypes import config_dtype
-from slime_spec.common.model_families import MLA_FAMILIES, MOE_FAMILIES
+from slime_spec.common.model_families import ARCHITECTURES, MLA_FAMILIES, MOE_FAMILIES
 from slime_spec.config.run_config import moe_expert_layout_refusal
 from slime_spec.doctor.codes import Finding, Rule
 from slime_spec.speculative import settings as spec
@@ -251,9 +251,7 @@ def check_model_flags(inp: CheckInput, shape_flags: dict) -> list[Finding]:
     return out
 
 
-TRAINER_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "qwen3_moe": "Qwen3MoeForCausalLM", "mimo": "MiMoForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                    "deepseek_v3": "DeepseekV3ForCausalLM", "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}
+TRAINER_FAMILIES = ARCHITECTURES  # every family the trainer builds, with its architecture
 
 
 # megatron-core's MLA applies YaRN itself

@@ -11,16 +11,23 @@ import math
 
 import torch
 
-from slime_spec.common.model_families import MLA_FAMILIES, NEXTN_FAMILIES
+from slime_spec.common.model_families import (
+    ARCHITECTURES,
+    FAMILIES,
+    MLA_FAMILIES,
+    MTP_FAMILIES,
+    NEXTN_FAMILIES,
+    QK_NORM_FAMILIES,
+)
 from slime_spec.tools.tiny_tokenizer import BOS_ID, EOS_ID, PAD_ID
 
-ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
-QK_NORM_ARCHS = ("qwen3", "qwen3_moe")
+ARCHS = FAMILIES
+QK_NORM_ARCHS = QK_NORM_FAMILIES
 # Families whose MTP layers are decoder layers past the last one, `model.layers.{num_hidden_layers + i}`, each with
 # its own copy of the embedding (`embed_tokens`) and head (`shared_head.head`), as their released checkpoints store.
 SHARED_HEAD_MTP_ARCHS = NEXTN_FAMILIES
 MLA_ARCHS = MLA_FAMILIES
-MTP_ARCHS = ("mimo", *SHARED_HEAD_MTP_ARCHS)
+MTP_ARCHS = MTP_FAMILIES
 # Llama-3.1's RoPE scaling with a short original context, so a tiny model's positions reach the blended band.
 LLAMA31_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                         "original_max_position_embeddings": 64}
@@ -53,9 +60,7 @@ def make_config(arch: str, *, vocab_size: int, hidden_size: int, num_layers: int
             num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
             first_k_dense_replace=first_k_dense_replace)
     config = {
-        "architectures": {"llama": ["LlamaForCausalLM"], "qwen2": ["Qwen2ForCausalLM"],
-                          "qwen3": ["Qwen3ForCausalLM"], "qwen3_moe": ["Qwen3MoeForCausalLM"],
-                          "mimo": ["MiMoForCausalLM"]}[arch],
+        "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,

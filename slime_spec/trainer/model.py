@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from slime_spec.common import rope
+from slime_spec.common.model_families import DENSE_FIRST_FAMILIES
 from slime_spec.config.run_config import TrainConfig
 from slime_spec.trainer.model_config import (
     BUILDABLE_FAMILIES,  # noqa: F401  (re-exported: which families `build_gpt_model` builds)
-    DENSE_FIRST_FAMILIES,
     transformer_config,
 )
 from slime_spec.trainer.packing import causal_mask

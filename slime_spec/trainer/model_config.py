@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slime_spec.common.model_families import MLA_FAMILIES
+from slime_spec.common.model_families import DENSE_FIRST_FAMILIES, FAMILIES, MLA_FAMILIES, QK_NORM_FAMILIES
 from slime_spec.config.run_config import (
     TrainConfig,
     expert_tensor_parallel_size,
@@ -16,10 +16,7 @@ from slime_spec.config.run_config import (
 )
 from slime_spec.weight_sync import convert
 
-BUILDABLE_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "glm4_moe", "deepseek_v3", "glm4_moe_lite")
-QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
-# MoE from `first_k_dense_replace` on, with shared experts and sigmoid routing over a correction bias
-DENSE_FIRST_FAMILIES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
+BUILDABLE_FAMILIES = FAMILIES
 
 
 def transformer_config(hf_config: dict, train: TrainConfig):

@@ -30,16 +30,16 @@ from typing import TypeVar
 
 import torch
 
-from slime_spec.common.model_families import MLA_FAMILIES, MOE_FAMILIES, NEXTN_FAMILIES
+from slime_spec.common.model_families import (
+    FAMILIES,
+    FAMILY_OF_ARCHITECTURE,
+    MLA_FAMILIES,
+    MOE_FAMILIES,
+    MTP_FAMILIES,
+    NEXTN_FAMILIES,
+)
 
 T = TypeVar("T")
-
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
-MTP_FAMILIES = ("mimo", *NEXTN_FAMILIES)
-_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                  "Qwen3MoeForCausalLM": "qwen3_moe", "MiMoForCausalLM": "mimo",
-                  "DeepseekV3ForCausalLM": "deepseek_v3", "Glm4MoeForCausalLM": "glm4_moe",
-                  "Glm4MoeLiteForCausalLM": "glm4_moe_lite"}
 
 # Megatron layer-relative name -> HF layer-relative name, for tensors that are a pure rename.
 # Both the local-spec spellings (input_layernorm, pre_mlp_layernorm) and the TransformerEngine fused
@@ -95,8 +95,8 @@ def family_of(hf_config: dict) -> str:
     if model_type in FAMILIES:
         return model_type
     for arch in hf_config.get("architectures") or ():
-        if arch in _ARCHITECTURES:
-            return _ARCHITECTURES[arch]
+        if arch in FAMILY_OF_ARCHITECTURE:
+            return FAMILY_OF_ARCHITECTURE[arch]
     raise ValueError(f"unsupported model: model_type={model_type!r}, architectures={hf_config.get('architectures')}; "
                      f"supported model_type values: {', '.join(FAMILIES)}")
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slime_spec.common.model_families import MLA_FAMILIES, architectures
 from slime_spec.engine.kernels.ops import Kernels, linear
 from slime_spec.engine.model_executor.attention import fuse_linears
 from slime_spec.engine.model_executor.norm import RMSNorm
@@ -35,7 +36,7 @@ from slime_spec.engine.model_executor.norm import RMSNorm
 if TYPE_CHECKING:
     from slime_spec.engine.model_executor.model_args import ModelArgs
 
-MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")  # GLM-4.7-Flash: DeepSeek-V3's MLA
+MLA_ARCHITECTURES = architectures(MLA_FAMILIES)  # GLM-4.7-Flash: DeepSeek-V3's MLA
 YARN_TYPES = ("yarn", "deepseek_yarn")
 
 

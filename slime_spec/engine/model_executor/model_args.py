@@ -8,16 +8,16 @@ from functools import lru_cache
 
 import torch
 
+from slime_spec.common import model_families as families
 from slime_spec.common import rope as rope_math
 from slime_spec.engine.model_executor.mla import MLA_ARCHITECTURES, MLAArgs, mla_fields
 from slime_spec.engine.model_executor.moe import moe_fields
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "MiMoForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = families.architectures(families.FAMILIES)
+QK_NORM_ARCHITECTURES = families.architectures(families.QK_NORM_FAMILIES)
 # MTP layers as SGLang's NextN draft classes read them: decoder layers past the last, `model.layers.{N + i}`
-NEXTN_ARCHITECTURES = ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
-MTP_ARCHITECTURES = ("MiMoForCausalLM", *NEXTN_ARCHITECTURES)
+NEXTN_ARCHITECTURES = families.architectures(families.NEXTN_FAMILIES)
+MTP_ARCHITECTURES = families.architectures(families.MTP_FAMILIES)
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slime_spec.common.model_families import DENSE_FIRST_FAMILIES, MOE_FAMILIES, architectures
+
 if TYPE_CHECKING:
     from slime_spec.engine.model_executor.model_args import ModelArgs
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+
+MOE_ARCHITECTURES = architectures(MOE_FAMILIES)
 # GLM-4.7-Flash (Glm4MoeLite) routes as GLM-4.5 does (SGLang's Glm4MoeLiteGate: a float32 router)
-GROUPED_TOPK_ARCHITECTURES = ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+GROUPED_TOPK_ARCHITECTURES = architectures(DENSE_FIRST_FAMILIES)
 
 
 def moe_fields(config: dict, arch: str) -> dict:

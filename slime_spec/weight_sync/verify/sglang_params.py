@@ -45,7 +45,7 @@ from typing import Iterable
 
 import torch
 
-from slime_spec.common.model_families import NEXTN_FAMILIES
+from slime_spec.common.model_families import FAMILIES, NEXTN_FAMILIES
 from slime_spec.weight_sync.fp8 import FP8_DTYPE, SCALE_SUFFIX
 
 # (fused name, parts in stacked order), as SGLang's models declare stacked_params_mapping
@@ -117,7 +117,7 @@ class RunnerLayout:
 
 
 # Model types whose served layout this module reproduces; others' checksums are not predicted.
-MODELLED_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
+MODELLED_TYPES = FAMILIES
 
 
 def sync_roles(hf_config: dict, dtype: torch.dtype | None, *, mtp_draft: bool) -> dict[str, RunnerLayout] | None:
