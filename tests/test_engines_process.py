@@ -103,7 +103,16 @@ def test_a_server_without_ready_is_asked_for_it_once(tmp_path):
     import threading
 
     proc = _http_server(tmp_path, with_health=False)
-    threading.Timer(1.5, lambda: (tmp_path / "www" / "health").write_text("ok")).start()  # healthy after a few polls
+
+    def healthy_after_two_health_polls():  # counted in the server's log, whatever the machine's speed
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if proc.log_path.exists() and proc.log_path.read_text().count("GET /health") >= 2:
+                break
+            time.sleep(0.05)
+        (tmp_path / "www" / "health").write_text("ok")
+
+    threading.Thread(target=healthy_after_two_health_polls, daemon=True).start()
     proc.start(timeout_s=30)
     try:
         log = proc.log_path.read_text()
