@@ -115,6 +115,20 @@ def test_beside_engine_binds_the_engines_gpus_explicitly():
     assert beside_engine(Placement(group, Assignment((0,), (), (), ()))) == ({}, None)  # a run with no engines
 
 
+def test_on_gpus_the_placement_counts_the_engines_for_the_embedded_backend_too():
+    """--rollout-num-engines counts engines where there are no GPUs: the GPU demo's slime-style flags (two rollout
+    GPUs, one per engine, the embedded backend, no --rollout-num-engines) start two engines."""
+    from slime_spec.cluster.placement import Placement, engines_to_start
+    from slime_spec.config.args import parse_config
+
+    config, _ = parse_config(["--hf-checkpoint", "/m", "--rollout-backend", "embedded", "--actor-num-gpus-per-node",
+                              "2", "--rollout-num-gpus", "2", "--colocate"])
+    assert config.num_engines == 1  # the flag's default: what a machine without GPUs starts
+    a = assign([("10.0.0.1", g) for g in (0, 1)], actor_gpus=2, rollout_gpus=2, gpus_per_engine=1, colocate=True)
+    assert engines_to_start(config, Placement(object(), a)) == 2
+    assert engines_to_start(config, None) == 1
+
+
 def test_engine_server_process_binds_its_gpus():
     from slime_spec.config.run_config import EngineConfig
     from slime_spec.fleet.process import engine_server_process

@@ -143,6 +143,13 @@ def place_run(config) -> Placement | None:
                             colocate=config.cluster.colocate, timeout_s=config.cluster.placement_timeout)
 
 
+def engines_to_start(config, placement: Placement | None) -> int:
+    """Engines a run starts: on GPUs as many as its placement holds (--rollout-num-gpus /
+    --rollout-num-gpus-per-engine), whatever the backend, as --rollout-num-engines counts engines only on machines
+    without GPUs; without a placement, `config.num_engines`."""
+    return len(placement.assignment.engine_bundles) if placement is not None else config.num_engines
+
+
 def remove_placement(placement: Placement | None) -> None:
     if placement is not None:
         remove_placement_group(placement.group)

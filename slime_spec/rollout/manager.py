@@ -25,7 +25,7 @@ from pathlib import Path
 import ray
 from tqdm import tqdm
 
-from slime_spec.cluster.placement import Placement
+from slime_spec.cluster.placement import Placement, engines_to_start
 from slime_spec.common.net import free_port
 from slime_spec.config.run_config import Config, EngineConfig, RolloutConfig, WandbConfig
 from slime_spec.fleet.client import EngineAuth, EngineError, async_session
@@ -501,5 +501,5 @@ def start_rollout_manager(config: Config, placement: Placement | None = None, **
         else 0
     kwargs.setdefault("log_dir", str(Path(config.output_dir) / "engine_logs"))
     return RolloutManagerActor.options(num_cpus=0).remote(
-        config.rollout, config.engine, config.num_engines, wandb=config.wandb, rollout_num_gpus=gpus,
+        config.rollout, config.engine, engines_to_start(config, placement), wandb=config.wandb, rollout_num_gpus=gpus,
         placement=placement, eval_prompt_data=config.eval_prompt_data, **kwargs)
