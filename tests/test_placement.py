@@ -4,7 +4,7 @@ import pytest
 
 from slime_spec.cluster.gpu_check import layout
 from slime_spec.cluster.placement import assign, node_key, sorted_bundles
-from slime_spec.rollout.manager import ROUTER_HEALTH_INTERVAL_S, sglang_router_argv
+from slime_spec.rollout.router import ROUTER_HEALTH_INTERVAL_S, sglang_router_argv
 
 
 def test_layout_colocate_shares_bundles_separate_adds_them():

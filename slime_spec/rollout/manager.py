@@ -26,7 +26,6 @@ import ray
 from tqdm import tqdm
 
 from slime_spec.cluster.placement import Placement, engines_to_start
-from slime_spec.common.net import free_port
 from slime_spec.config.run_config import Config, EngineConfig, RolloutConfig, WandbConfig
 from slime_spec.fleet.client import EngineAuth, EngineError, async_session
 from slime_spec.fleet.fleet import EngineFleet
@@ -40,11 +39,13 @@ from slime_spec.rollout.metrics import (
     WandbLogger,
     format_metrics_line,
     rollout_metrics,
+    server_spec_info,
     time_shares,
     write_metrics_line,
 )
 from slime_spec.rollout.reward_runner import RewardRunner, report_failures, reward_failure_metrics
 from slime_spec.rollout.rewards import load_function
+from slime_spec.rollout.router import start_router
 from slime_spec.rollout.sample import Sample, Status
 from slime_spec.rollout.sampling_params import sampling_params
 
@@ -184,11 +185,8 @@ class RolloutManager:
 
     def _start_sglang_router(self) -> None:
         """sglang-router in front of the engines; all requests then go through it (it does the routing)."""
-        port = free_port()
-        self._router_process = ServerProcess(
-            sglang_router_argv(sys.executable, port, self.fleet.urls, self.rollout.engine_start_timeout),
-            host="127.0.0.1", port=port, log_path=Path(self.log_dir) / "sglang_router.log")
-        self._router_process.start(self.rollout.engine_start_timeout)
+        self._router_process = start_router(self.fleet.urls, self.rollout.engine_start_timeout,
+                                            Path(self.log_dir) / "sglang_router.log")
 
     # ---- what the training loop calls ----
     def engines(self) -> list:
@@ -457,37 +455,6 @@ class RolloutManager:
                 continue
             out[i] = (info.get("internal_states") or [{}])[0]
         return out
-
-
-def server_spec_info(states: dict[int, dict]) -> dict:
-    """The engines' own running average accept length, for cross-checking."""
-    return {f"engine_{i}/server_avg_spec_accept_length": float(state["avg_spec_accept_length"])
-            for i, state in states.items() if state.get("avg_spec_accept_length") is not None}
-
-
-# The router's health check: SGLang answers /health (and /health_generate) by generating one token, which
-# cannot answer while a weight sync has the engine paused or a colocated train step has its memory released.
-# The fleet, not the router, decides an engine is dead (restart + weight fence), so the router may only mark
-# an engine unhealthy after failing for longer than any such pause: ROUTER_HEALTH_FAILURES checks
-# ROUTER_HEALTH_INTERVAL_S apart, and at least --engine-start-timeout (the longest an engine may take to come back).
-ROUTER_HEALTH_ENDPOINT = "/health"
-ROUTER_HEALTH_INTERVAL_S = 60
-ROUTER_HEALTH_TIMEOUT_S = 30
-ROUTER_HEALTH_OUTLAST_S = 24 * 3600  # a colocated train step of a large model may hold the engines for hours
-
-
-def sglang_router_argv(python: str, port: int, worker_urls: list[str], engine_start_timeout_s: float) -> list[str]:
-    """`python -m sglang_router.launch_router` on 127.0.0.1:`port` over `worker_urls`, with a health check
-    that outlasts a sync or a colocated train step (see ROUTER_HEALTH_*), and recovers after one good answer."""
-    outlast_s = max(ROUTER_HEALTH_OUTLAST_S, engine_start_timeout_s)
-    failures = -(-int(outlast_s) // ROUTER_HEALTH_INTERVAL_S) + 1
-    return [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *worker_urls,
-            "--health-check-endpoint", ROUTER_HEALTH_ENDPOINT,
-            "--health-check-interval-secs", str(ROUTER_HEALTH_INTERVAL_S),
-            "--health-check-timeout-secs", str(ROUTER_HEALTH_TIMEOUT_S),
-            "--health-failure-threshold", str(failures),
-            "--health-success-threshold", "1"]
 
 
 RolloutManagerActor = ray.remote(RolloutManager)

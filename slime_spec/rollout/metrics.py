@@ -263,3 +263,9 @@ class WandbLogger:
 
     def finish(self) -> None:
         self.run.finish()
+
+
+def server_spec_info(states: dict[int, dict]) -> dict:
+    """The engines' own running average accept length, for cross-checking."""
+    return {f"engine_{i}/server_avg_spec_accept_length": float(state["avg_spec_accept_length"])
+            for i, state in states.items() if state.get("avg_spec_accept_length") is not None}
