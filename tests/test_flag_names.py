@@ -25,12 +25,12 @@ OTHER_TOOL_FLAGS = {
     "--smoke": "demo/run.py",  # python -m slime_spec.demo
     "--out": "demo/run.py",
     "--layout": "demo/run.py",
-    "--worker-urls": "rollout/manager.py",  # sglang_router.launch_router, started for --use-sglang-router
-    "--health-check-endpoint": "rollout/manager.py",
-    "--health-check-interval-secs": "rollout/manager.py",
-    "--health-check-timeout-secs": "rollout/manager.py",
-    "--health-failure-threshold": "rollout/manager.py",
-    "--health-success-threshold": "rollout/manager.py",
+    "--worker-urls": "rollout/router.py",  # sglang_router.launch_router, started for --use-sglang-router
+    "--health-check-endpoint": "rollout/router.py",
+    "--health-check-interval-secs": "rollout/router.py",
+    "--health-check-timeout-secs": "rollout/router.py",
+    "--health-failure-threshold": "rollout/router.py",
+    "--health-success-threshold": "rollout/router.py",
 }
 
 
