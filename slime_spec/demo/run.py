@@ -172,7 +172,7 @@ def gpu_layout_argv(layout: str | None) -> list[str]:
     argv = ["--bf16", "--sglang-dtype", "bfloat16", "--actor-num-gpus-per-node", gpus, "--rollout-num-gpus", gpus]
     if layout == "split":
         return argv
-    if layout == "colocate-tp2":  # an embedded engine per GPU (--rollout-num-engines counts them; the GPUs must agree)
+    if layout == "colocate-tp2":  # an engine per GPU; said here too, so the per-engine request cap splits the rollout
         argv += ["--tensor-model-parallel-size", "2", "--rollout-num-engines", "2"]
     # SGLang's memory saver where torch_memory_saver is installed: a release then keeps the engine's addresses and
     # its CUDA graphs, instead of capturing them all again on every resume
