@@ -12,10 +12,9 @@
 # through your cluster's launcher) and set RAY_ADDRESS to the head's GCS address; without RAY_ADDRESS
 # this script starts a head of its own, on one node. Engines spanning several nodes (--rollout-num-gpus-per-engine above one node's GPUs)
 # are not available yet: slime-spec does not pass SGLang's --nnodes/--node-rank/--dist-init-addr.
-# The trainer builds this MoE model under tensor and expert parallelism with whole experts (TP 8 x EP 8,
-# --expert-tensor-parallel-size 1, as below), without pipeline stages: the doctor refuses PP 4 (FLAG_NOT_SUPPORTED)
-# below. Train with EXTRA_ARGS="--pipeline-model-parallel-size 1", or run the speculative rollout alone with
-# DEBUG_ROLLOUT_ONLY=1 (engines, metrics, no trainer). SMALL_MACHINE=1 with a tiny stand-in
+# The trainer builds this MoE model as laid out below: TP 8 x EP 8 with whole experts
+# (--expert-tensor-parallel-size 1) over 4 pipeline stages (megatron-core's 1F1B schedule, the MTP layer on the last).
+# Run the speculative rollout alone with DEBUG_ROLLOUT_ONLY=1 (engines, metrics, no trainer). SMALL_MACHINE=1 with a tiny stand-in
 # (`slime-spec make-tiny-model --arch glm4_moe`) trains it end to end on CPU: policy and MTP layer, speculative
 # rollout, weight sync.
 #

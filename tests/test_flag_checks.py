@@ -157,7 +157,8 @@ def test_expert_parallel_is_acted_on_where_it_fits(qwen3_moe_ckpt):
 
 @pytest.mark.parametrize("extra,says", [
     (["--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "4"],
-     "2 actor GPU(s) are not divisible by --expert-model-parallel-size 4"),
+     "2 actor GPU(s) are not divisible by expert tensor parallel size 1 x --expert-model-parallel-size 4 x "
+     "--pipeline-model-parallel-size 1"),
     (["--actor-num-gpus-per-node", "3", "--expert-model-parallel-size", "3", "--global-batch-size", "3"],
      "--expert-model-parallel-size 3 with a qwen3_moe model: each expert-parallel rank holds an equal share of "
      "the 4 routed experts"),

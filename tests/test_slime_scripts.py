@@ -1,7 +1,8 @@
 """Upstream slime's own run scripts, argument arrays unchanged but for paths (tests/data/slime_scripts), pass
 `slime-spec doctor --rollout-backend sglang` on stand-in checkpoints shaped like their models: a slime user changes
-nothing. GLM-4.7-Flash's script keeps only the refusals of what the trainer does not build yet (pipeline and context
-parallelism)."""
+nothing. GLM-4.7-Flash's script keeps only the refusal of what the trainer does not build yet (context parallelism)
+and one of its layout: on its 8 GPUs, EP 8 x PP 2 is 16 ranks, which megatron-core's initialize_model_parallel refuses
+as well."""
 
 import json
 
@@ -10,10 +11,10 @@ import pytest
 from slime_spec.doctor.diagnose import main
 from tests.helpers.slime_scripts import DENSE, SCRIPTS, script_argv
 
-# What the trainer does not build yet: pipeline and context parallelism (nothing else may stop a script).
+# What the trainer does not build yet (context parallelism), and a layout megatron-core refuses (nothing else may
+# stop a script).
 MOE_REFUSALS = {
-    "run-glm4.7-30B-A3B": {("FLAG_NOT_SUPPORTED", "--context-parallel-size 2"),
-                           ("FLAG_NOT_SUPPORTED", "--pipeline-model-parallel-size 2")},
+    "run-glm4.7-30B-A3B": {("FLAG_NOT_SUPPORTED", "--context-parallel-size 2"), ("FLAG_CONFLICT", "")},
 }
 
 

@@ -41,9 +41,8 @@ def test_master_params_accumulate_and_update_in_float32():
     master = MasterParams(list(layer.parameters()))
     assert master.mixed and master.params[0].dtype == torch.float32
     assert torch.equal(master.params[0].to(torch.bfloat16), layer.weight)
-    for _ in range(2):  # two micro-batches: gradients add up in float32 on the master
+    for _ in range(2):  # two micro-batches: each backward adds its gradient into the float32 master at once
         layer(torch.ones(1, 4, dtype=torch.bfloat16)).sum().backward()
-        master.accumulate_grads()
         assert layer.weight.grad is None
     assert master.params[0].grad.dtype == torch.float32
     torch.testing.assert_close(master.params[0].grad, torch.full((4, 4), 2.0))

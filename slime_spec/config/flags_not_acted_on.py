@@ -17,9 +17,11 @@ from slime_spec.config.flags_upstream import trainer as _trainer
 
 
 def data_parallel_size(ns) -> int:
-    """The trainer's data-parallel size: actor GPUs / --tensor-model-parallel-size (0 when they do not divide)."""
-    gpus, tp = ns.actor_num_nodes * ns.actor_num_gpus_per_node, ns.tensor_model_parallel_size
-    return gpus // tp if tp >= 1 and gpus % tp == 0 else 0
+    """The trainer's data-parallel size: actor GPUs / (--tensor-model-parallel-size x --pipeline-model-parallel-size)
+    (0 when they do not divide)."""
+    gpus = ns.actor_num_nodes * ns.actor_num_gpus_per_node
+    model_parallel = ns.tensor_model_parallel_size * getattr(ns, "pipeline_model_parallel_size", 1)
+    return gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0 else 0
 
 
 NOT_ACTED_ON: dict[str, Ignored] = {
@@ -73,20 +75,14 @@ NOT_ACTED_ON: dict[str, Ignored] = {
                      "float32 master weights) or neither (float32)"),
     # Megatron parallelism and performance
     "sequence_parallel": _MEGATRON_PERF,
-    "pipeline_model_parallel_size": _trainer("the trainer runs tensor, expert and data parallel, not pipeline "
-                                             "stages: with them ignored every rank holds all layers and the "
-                                             "data-parallel size is not the one you planned",
-                                             "--pipeline-model-parallel-size 1 (use "
-                                             "--tensor-model-parallel-size)", accepted=(None, 1)),
-    "context_parallel_size": _trainer("the trainer runs tensor, expert and data parallel, not context parallel "
-                                      "(megatron-core 0.16.1 splits attention over context-parallel ranks only in "
-                                      "Transformer Engine's attention, which needs CUDA): ignored, each rank would "
-                                      "hold whole sequences and the data-parallel size would not be the one you "
+    "context_parallel_size": _trainer("the trainer runs tensor, pipeline, expert and data parallel, not context "
+                                      "parallel (megatron-core 0.16.1 splits attention over context-parallel ranks "
+                                      "only in Transformer Engine's attention, which needs CUDA): ignored, each rank "
+                                      "would hold whole sequences and the data-parallel size would not be the one you "
                                       "planned", "--context-parallel-size 1",
                                       accepted=(None, 1)),
-    # --expert-model-parallel-size is acted on (trainer/parallel.py)
-    "decoder_last_pipeline_num_layers": Ignored("a pipeline layout; pipeline stages are refused separately"),
-    "decoder_first_pipeline_num_layers": Ignored("a pipeline layout; pipeline stages are refused separately"),
+    # --expert-model-parallel-size, --pipeline-model-parallel-size and the stages' layer counts are acted on
+    # (trainer/parallel.py, trainer/pipeline.py)
     "recompute_granularity": _MEGATRON_PERF,
     "recompute_method": _MEGATRON_PERF,
     "recompute_num_layers": _MEGATRON_PERF,

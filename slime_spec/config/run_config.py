@@ -274,6 +274,11 @@ class TrainConfig:
     expert_model_parallel_size: int = flag_default("expert_model_parallel_size")  # MoE experts split over ranks
     # each routed expert split over this many ranks; None: the TP size (Megatron's default)
     expert_tensor_parallel_size: int | None = flag_default("expert_tensor_parallel_size")
+    # pipeline stages (megatron-core's schedules); None: the decoder layers split evenly, else the first / last
+    # stage holds that many and the others split the rest evenly
+    pipeline_model_parallel_size: int = flag_default("pipeline_model_parallel_size")
+    decoder_first_pipeline_num_layers: int | None = flag_default("decoder_first_pipeline_num_layers")
+    decoder_last_pipeline_num_layers: int | None = flag_default("decoder_last_pipeline_num_layers")
     seed: int = flag_default("seed")
 
 

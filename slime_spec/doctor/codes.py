@@ -280,6 +280,11 @@ class Rule(Enum):
         "FLAG_CONFLICT", "error",
         "--expert-model-parallel-size {ep} with a {family} model: {why}",
         "{fix}")
+    TRAINER_PIPELINE_LAYERS = _Entry(
+        "FLAG_CONFLICT", "error",
+        "pipeline stages for a {family} model: {why}",
+        "a --pipeline-model-parallel-size (with --decoder-first-pipeline-num-layers or "
+        "--decoder-last-pipeline-num-layers) that splits config.json's num_hidden_layers")
     TRAINER_UNSUPPORTED_ROPE = _Entry(
         "TRAINER_UNSUPPORTED_MODEL", "error",
         "rope_scaling type {rope_type!r} in a {family} checkpoint: the trainer implements plain RoPE, Llama-3.1's "

@@ -182,6 +182,9 @@ def diagnose(parsed: ParsedArgs, launching: bool = False) -> tuple[Config | None
         tensor_model_parallel_size=config.train.tensor_model_parallel_size,
         expert_model_parallel_size=config.train.expert_model_parallel_size,
         expert_tensor_parallel_size=config.train.expert_tensor_parallel_size,
+        pipeline_model_parallel_size=config.train.pipeline_model_parallel_size,
+        decoder_first_pipeline_num_layers=config.train.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=config.train.decoder_last_pipeline_num_layers,
         in_flight_per_engine=config.engine.in_flight_per_engine,
     ), F.MODEL_SHAPE_FLAGS)
     findings += (flag_findings(parsed) + embedded_flag_findings(config) + rm_type_findings(config)

@@ -83,6 +83,11 @@ BOUNDS: tuple[Bound, ...] = (
     Bound("placement_timeout", _at_least(0), "must be >= 0 seconds (0 waits without bound)", "--placement-timeout 300"),
     Bound("update_weight_buffer_size", _at_least(1), "must be >= 1 byte", "--update-weight-buffer-size 536870912"),
     Bound("tensor_model_parallel_size", _at_least(1), "must be >= 1", "--tensor-model-parallel-size 1", True),
+    Bound("pipeline_model_parallel_size", _at_least(1), "must be >= 1", "--pipeline-model-parallel-size 1", True),
+    Bound("decoder_first_pipeline_num_layers", lambda v: v is None or v >= 1,
+          "must be >= 1 (or unset: the layers split evenly)", "drop --decoder-first-pipeline-num-layers", True),
+    Bound("decoder_last_pipeline_num_layers", lambda v: v is None or v >= 1,
+          "must be >= 1 (or unset: the layers split evenly)", "drop --decoder-last-pipeline-num-layers", True),
     Bound("expert_model_parallel_size", _at_least(1), "must be >= 1", "--expert-model-parallel-size 1", True),
     Bound("expert_tensor_parallel_size", lambda v: v is None or v >= 1, "must be >= 1 (or unset: the TP size)",
           "--expert-tensor-parallel-size 1", True),
@@ -109,22 +114,34 @@ BOUNDS: tuple[Bound, ...] = (
 )
 
 RELATIONS: tuple[Relation, ...] = (
-    Relation(lambda v: v["actor_gpus"] % v["tensor_model_parallel_size"] == 0,
+    Relation(lambda v: v["actor_gpus"] % (v["tensor_model_parallel_size"] * v["pp_size"]) == 0,
              "{actor_gpus} actor GPU(s) (--actor-num-nodes {actor_num_nodes} x --actor-num-gpus-per-node "
              "{actor_num_gpus_per_node}) are not divisible by --tensor-model-parallel-size "
-             "{tensor_model_parallel_size}",
-             "--tensor-model-parallel-size dividing {actor_gpus}, or more actor GPUs", trainer_only=True),
+             "{tensor_model_parallel_size} x --pipeline-model-parallel-size {pp_size}",
+             "tensor x pipeline parallel sizes dividing {actor_gpus}, or more actor GPUs", trainer_only=True),
+    # slime asserts the same (megatron_utils/arguments.py)
+    Relation(lambda v: v["pp_size"] > 1 or (v.get("decoder_first_pipeline_num_layers") is None
+                                            and v.get("decoder_last_pipeline_num_layers") is None),
+             "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers without pipeline stages "
+             "(--pipeline-model-parallel-size 1): there is no first or last stage to size",
+             "drop them, or set --pipeline-model-parallel-size", trainer_only=True),
+    Relation(lambda v: v["pp_size"] == 1 or not v.get("enable_draft_training"),
+             "--enable-draft-training with --pipeline-model-parallel-size {pp_size}: the online EAGLE3 draft reads "
+             "the hidden states of layers spread over the pipeline stages, which the trainer does not gather",
+             "--pipeline-model-parallel-size 1 with --enable-draft-training (or train the draft without stages)",
+             trainer_only=True),
     # Megatron's expert grid: expert TP x EP ranks hold one copy of the experts (which layouts are built:
     # spec_checks.check_trainer_support)
-    Relation(lambda v: v["ep_size"] == 1 or v["actor_gpus"] % (v["etp_size"] * v["ep_size"]) == 0,
-             "{actor_gpus} actor GPU(s) are not divisible by --expert-model-parallel-size {ep_size} x expert tensor "
-             "parallel size {etp_size}: every MoE layer's experts are split over {ep_size} x {etp_size} ranks, each "
-             "replica of that split on its own ranks",
-             "--expert-model-parallel-size dividing {actor_gpus} / {etp_size}, or more actor GPUs",
+    Relation(lambda v: v["ep_size"] == 1 or v["stage_gpus"] % (v["etp_size"] * v["ep_size"]) == 0,
+             "{actor_gpus} actor GPU(s) are not divisible by expert tensor parallel size {etp_size} x "
+             "--expert-model-parallel-size {ep_size} x --pipeline-model-parallel-size {pp_size}: each pipeline "
+             "stage's experts are split over {ep_size} x {etp_size} of its {stage_gpus} ranks (megatron-core's "
+             "initialize_model_parallel refuses this layout too)",
+             "--expert-model-parallel-size dividing {stage_gpus} / {etp_size}, or more actor GPUs",
              trainer_only=True),
     Relation(lambda v: v["dp_size"] == 0 or v["global_batch"] % v["micro_dp"] == 0,
              "global batch {global_batch} is not a multiple of --micro-batch-size {micro_batch_size} x "
-             "data-parallel size {dp_size} (actor GPUs / tensor-parallel size)",
+             "data-parallel size {dp_size} (actor GPUs / (tensor x pipeline parallel sizes))",
              "--global-batch-size a multiple of {micro_dp} (or --micro-batch-size dividing "
              "{global_batch} / {dp_size})", trainer_only=True),
     Relation(lambda v: not v.get("use_tis") or v["tis_clip_low"] <= v["tis_clip"],
@@ -174,9 +191,10 @@ def derived_values(values: dict) -> dict:
     global_batch = resolve_global_batch_size(values["global_batch_size"], values["rollout_batch_size"],
                                              values["n_samples_per_prompt"], values.get("num_steps_per_rollout"))
     actor_gpus = values["actor_num_nodes"] * values["actor_num_gpus_per_node"]
-    tp = values["tensor_model_parallel_size"]
-    dp = actor_gpus // tp if tp >= 1 and actor_gpus % tp == 0 else 0
-    return {**values, "global_batch": global_batch, "actor_gpus": actor_gpus, "dp_size": dp,
+    tp, pp = values["tensor_model_parallel_size"], values.get("pipeline_model_parallel_size") or 1
+    dp = actor_gpus // (tp * pp) if tp >= 1 and pp >= 1 and actor_gpus % (tp * pp) == 0 else 0
+    return {**values, "global_batch": global_batch, "actor_gpus": actor_gpus, "dp_size": dp, "pp_size": pp,
+            "stage_gpus": actor_gpus // pp if pp >= 1 else 0,
             "micro_dp": values["micro_batch_size"] * dp, "ep_size": values.get("expert_model_parallel_size") or 1,
             "etp_size": expert_tensor_parallel_size(max(tp, 1), values.get("expert_tensor_parallel_size"))}
 

@@ -48,6 +48,9 @@ class CheckInput:
     tensor_model_parallel_size: int = 1  # the trainer's (Megatron's --tensor-model-parallel-size)
     expert_model_parallel_size: int = 1  # the trainer's (Megatron's --expert-model-parallel-size)
     expert_tensor_parallel_size: int | None = None  # Megatron's --expert-tensor-parallel-size (None: the TP size)
+    pipeline_model_parallel_size: int = 1  # the trainer's pipeline stages, and the first / last stage's layers
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
     in_flight_per_engine: int | None = None  # the most requests the rollout keeps in flight on one engine
 
     @cached_property
@@ -282,6 +285,13 @@ def check_trainer_support(inp: CheckInput) -> list[Finding]:
             ep=ep, family=family, why=f"each expert-parallel rank holds an equal share of the {experts} routed "
             f"experts (config.json num_experts / n_routed_experts), so the size must divide {experts}",
             fix=f"--expert-model-parallel-size dividing {experts}")]
+    from slime_spec.trainer.pipeline import stage_layer_counts
+    try:
+        if cfg.get("num_hidden_layers"):
+            stage_layer_counts(int(cfg["num_hidden_layers"]), inp.pipeline_model_parallel_size,
+                               inp.decoder_first_pipeline_num_layers, inp.decoder_last_pipeline_num_layers)
+    except ValueError as e:
+        return [Rule.TRAINER_PIPELINE_LAYERS.finding(family=family, why=str(e))]
     scaling = cfg.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type not in TRAINER_ROPE_TYPES.get(family, ("default", "llama3")):

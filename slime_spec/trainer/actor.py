@@ -45,7 +45,8 @@ class TrainActor:
         listener, self.store_listener = self.store_listener, None
         init_parallel(self.rank, self.world_size, master_addr, master_port, train.tensor_model_parallel_size,
                       train.seed, ep_size=train.expert_model_parallel_size,
-                      etp_size=train.expert_tensor_parallel_size, store_listener=listener)
+                      etp_size=train.expert_tensor_parallel_size, store_listener=listener,
+                      pp_size=train.pipeline_model_parallel_size)
         self.trainer = Trainer(train, draft_model_path)
         return self.trainer.get_tp_info()
 
@@ -109,7 +110,9 @@ class TrainActor:
 
         from slime_spec.config.run_config import resolve_transport
         from slime_spec.weight_sync.transports.colocated import colocated_rank_buckets
-        if colocate and resolve_transport(weight_sync.weight_sync_transport, colocate) == "tensor":
+        # under pipeline parallelism no rank but 0 holds every layer: rank 0 sends every engine its bucket
+        if colocate and resolve_transport(weight_sync.weight_sync_transport, colocate) == "tensor" and \
+                self._ready().tp.pp_size == 1:
             self.rank_buckets, self.colocated_ranks = colocated_rank_buckets(self.rank, self.world_size, len(urls),
                                                                              engine_tp_size)
         if self.rank != 0:
@@ -154,8 +157,9 @@ class TrainActor:
 
     def sync_weights(self, weight_version: str, probe_tokens: list[list[int]] | None = None,
                      restarted_urls: list[str] | None = None, defer_canary: bool = False) -> dict:
-        """Gather (every TP rank of the first replica, and of any replica on a colocated engine's GPU), convert
-        and send; returns rank 0's metrics. With per-rank buckets the ranks 1..W-1 hand theirs over through
+        """Gather (every TP rank of the first replica, and of any replica on a colocated engine's GPU; every
+        pipeline stage's to rank 0), convert and send; returns rank 0's metrics.
+        With per-rank buckets the ranks 1..W-1 hand theirs over through
         `follow_sync`; a failure on any of them fails the sync on every rank. With --enable-draft-training the
         online draft's own tensors follow the target's (selector `draft`).
 
@@ -163,6 +167,7 @@ class TrainActor:
         `defer_canary`: the engines cannot generate now (their KV cache is released); the canary's reading before
         was taken by `canary_before`, and `canary_after` takes the one after.
         """
+        from slime_spec.trainer.pipeline import weights_to_first_stage
         from slime_spec.weight_sync.gather import iter_draft_tensors, iter_hf_tensors, quantized
         from slime_spec.weight_sync.transports.colocated import follow_sync
         trainer = self._ready()
@@ -173,7 +178,8 @@ class TrainActor:
         # Every replica holds the same weights: only the first (all EP ranks of it: each holds other experts) gathers.
         if trainer.tp.edp_rank != 0 and first_of_tp_group >= self.colocated_ranks:
             return {}
-        tensors = iter_hf_tensors(trainer.named_megatron_params(), trainer.hf_config, **trainer.gather_groups())
+        tensors = weights_to_first_stage(iter_hf_tensors(trainer.named_megatron_params(stage_copies=False),
+                                                         trainer.hf_config, **trainer.gather_groups()), trainer.device)
         stream = itertools.chain(tensors, iter_draft_tensors(trainer.named_draft_tensors()))
         if trainer.fp8 is not None:  # the engines serve the FP8 checkpoint: its weights quantized as it holds them
             stream = quantized(stream, trainer.fp8)
@@ -181,7 +187,7 @@ class TrainActor:
             if self.rank_buckets is not None:
                 follow_sync(self.rank_buckets, stream)
             else:
-                for _ in tensors:  # take part in the collective gathers, in the same order as rank 0
+                for _ in tensors:  # take part in the collective gathers (and send a stage's to rank 0)
                     pass
             return {}
         syncer = self._syncer()

@@ -9,10 +9,12 @@ Layout (Megatron's naming):
                                                     "optimizer": torch optimizer state_dict or None,
                                                     "draft": online EAGLE3 draft {"model", "optimizer"} or None}
 Under expert parallelism (--expert-model-parallel-size E > 1) each (TP rank, EP rank) has its own file,
-tp_rank_{r:02d}_ep_rank_{e:02d}.pt: its experts (local numbers) and the replicated rest.
+tp_rank_{r:02d}_ep_rank_{e:02d}.pt: its experts (local numbers) and the replicated rest. Under pipeline parallelism
+(--pipeline-model-parallel-size P > 1) each stage has its own files, `_pp_rank_{p:03d}` after the TP rank: its own
+layers, named by their number in the whole model.
 Only the first replica (expert-data-parallel rank 0, which is data-parallel rank 0 without EP) of each shard
 writes; every rank reads its shard's file. Shards are stored as Megatron names and local TP / EP shapes, so
---load needs the same TP and EP sizes.
+--load needs the same TP, EP and PP sizes.
 Every file is written to a temporary name and renamed into place; a failed write removes it and says why.
 `plan_resume` decides, before anything starts, whether a run resumes or starts fresh, and refuses a
 combination of --load and --save that would overwrite saved iterations.
@@ -81,20 +83,23 @@ def save_due(save_interval: int | None, rollout_id: int, num_rollout: int | None
     return (rollout_id + 1) % save_interval == 0 or (num_rollout is not None and rollout_id + 1 == num_rollout)
 
 
-def shard_path(directory: str | Path, rollout_id: int, tp_rank: int, ep_rank: int = 0, ep_size: int = 1) -> Path:
-    name = f"tp_rank_{tp_rank:02d}.pt" if ep_size == 1 else f"tp_rank_{tp_rank:02d}_ep_rank_{ep_rank:02d}.pt"
-    return Path(directory) / f"iter_{rollout_id:07d}" / name
+def shard_path(directory: str | Path, rollout_id: int, tp_rank: int, ep_rank: int = 0, ep_size: int = 1,
+               pp_rank: int = 0, pp_size: int = 1) -> Path:
+    name = f"tp_rank_{tp_rank:02d}" + (f"_pp_rank_{pp_rank:03d}" if pp_size > 1 else "") + \
+        (f"_ep_rank_{ep_rank:02d}" if ep_size > 1 else "")
+    return Path(directory) / f"iter_{rollout_id:07d}" / f"{name}.pt"
 
 
 def save_shard(directory: str | Path, rollout_id: int, tp_rank: int, tp_size: int, hf_config: dict,
                model_state: dict[str, torch.Tensor], optimizer_state: dict | None,
                draft_state: dict | None = None, ep_rank: int = 0, ep_size: int = 1,
-               etp_size: int | None = None) -> Path:
-    path = shard_path(directory, rollout_id, tp_rank, ep_rank, ep_size)
+               etp_size: int | None = None, pp_rank: int = 0, pp_size: int = 1) -> Path:
+    path = shard_path(directory, rollout_id, tp_rank, ep_rank, ep_size, pp_rank, pp_size)
     created = not path.parent.exists()
     try:
         with _written(path, "the checkpoint shard") as f:  # a file object: a full disk raises ENOSPC, not a zip error
             torch.save({"format": FORMAT, "rollout_id": rollout_id, "tp_size": tp_size, "ep_size": ep_size,
+                        "pp_size": pp_size,
                         "etp_size": expert_tensor_parallel_size(tp_size, etp_size), "hf_config": hf_config,
                         "model": {k: v.detach().cpu() for k, v in model_state.items()}, "optimizer": optimizer_state,
                         "draft": draft_state}, f)
@@ -189,9 +194,13 @@ def latest_rollout_id(directory: str | Path) -> int:
 
 
 def load_shard(directory: str | Path, tp_rank: int, tp_size: int, rollout_id: int | None = None,
-               ep_rank: int = 0, ep_size: int = 1, etp_size: int | None = None) -> dict:
+               ep_rank: int = 0, ep_size: int = 1, etp_size: int | None = None, pp_rank: int = 0,
+               pp_size: int = 1) -> dict:
     rollout_id = latest_rollout_id(directory) if rollout_id is None else rollout_id
-    path = shard_path(directory, rollout_id, tp_rank, ep_rank, ep_size)
+    path = shard_path(directory, rollout_id, tp_rank, ep_rank, ep_size, pp_rank, pp_size)
+    saved_pp = _saved_pp_size(directory, rollout_id, tp_rank) if not path.is_file() else None
+    if saved_pp is not None and saved_pp != pp_size:
+        _pp_mismatch(directory, saved_pp, pp_size)
     if not path.is_file() and ep_size != 1 and shard_path(directory, rollout_id, tp_rank).is_file():
         raise ValueError(f"--load {directory}: saved with expert_model_parallel_size=1, now {ep_size}; load it "
                          f"with --expert-model-parallel-size 1")
@@ -200,6 +209,8 @@ def load_shard(directory: str | Path, tp_rank: int, tp_size: int, rollout_id: in
     shard = torch.load(path, map_location="cpu", weights_only=False)
     if shard.get("format") != FORMAT:
         raise ValueError(f"--load {path}: checkpoint format {shard.get('format')!r}, expected {FORMAT}")
+    if shard.get("pp_size", 1) != pp_size:
+        _pp_mismatch(directory, shard.get("pp_size", 1), pp_size)
     if shard["tp_size"] != tp_size:
         raise ValueError(f"--load {directory}: saved with tensor_model_parallel_size={shard['tp_size']}, "
                          f"now {tp_size}; load it with the same --tensor-model-parallel-size")
@@ -211,3 +222,18 @@ def load_shard(directory: str | Path, tp_rank: int, tp_size: int, rollout_id: in
         raise ValueError(f"--load {directory}: saved with expert_tensor_parallel_size={saved_etp}, now {etp_size}; "
                          f"load it with the same --expert-tensor-parallel-size")
     return shard
+
+
+def _pp_mismatch(directory, saved: int, now: int):
+    raise ValueError(f"--load {directory}: saved with pipeline_model_parallel_size={saved}, now {now}; load it with "
+                     f"the same --pipeline-model-parallel-size")
+
+
+def _saved_pp_size(directory: str | Path, rollout_id: int, tp_rank: int) -> int | None:
+    """The pipeline size an iteration's file names show (its highest stage + 1; None: no shard of this TP rank)."""
+    folder = Path(directory) / f"iter_{rollout_id:07d}"
+    names = [p.name for p in folder.glob(f"tp_rank_{tp_rank:02d}*.pt")]
+    if not names:
+        return None
+    stages = [int(n.split("_pp_rank_")[1][:3]) for n in names if "_pp_rank_" in n]
+    return max(stages) + 1 if stages else 1

@@ -5,6 +5,7 @@ tensor-parallel shard once per shard and a replicated tensor once, as Megatron's
 parallelism a routed expert's parameter (megatron-core marks it `allreduce=False`) already holds the gradient of
 every EP rank's tokens (the token dispatcher's all-gather sums them back in its backward), so it is summed over
 the expert-data-parallel group only, and its square counts once per expert (summed over the expert TP x EP group).
+Pipeline stages each add their own layers' squares (the embedding's once, on the first stage).
 """
 
 from __future__ import annotations
@@ -44,10 +45,14 @@ def clip_by_global_norm(params: list[torch.Tensor], clip_grad: float | None, tp_
     A non-finite norm is never clipped (`nan > clip` is false): the trainer skips that step instead."""
     from megatron.core import parallel_state as ps
 
+    from slime_spec.trainer import pipeline
+
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
     experts = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
+        if pipeline.is_stage_copy(p):  # the last stage's copy of the embedding: counted on the first stage
+            continue
         sq = p.grad.double().pow(2).sum()
         if is_ep_split(p):
             experts += sq
@@ -59,7 +64,7 @@ def clip_by_global_norm(params: list[torch.Tensor], clip_grad: float | None, tp_
         dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
     if ps.get_expert_model_parallel_world_size() > 1:
         dist.all_reduce(experts, group=ps.get_expert_tensor_and_model_parallel_group())
-    norm = float((sharded + replicated + experts).sqrt())
+    norm = float(pipeline.sum_over_stages(sharded + replicated + experts).sqrt())
     if clip_grad and clip_grad > 0 and math.isfinite(norm) and norm > clip_grad:
         scale = clip_grad / (norm + 1e-6)
         for p in params:

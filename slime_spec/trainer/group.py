@@ -41,8 +41,10 @@ class TrainGroup:
         self.config = config
         cluster, train = config.cluster, config.train
         n = cluster.actor_num_nodes * cluster.actor_num_gpus_per_node
-        if n % train.tensor_model_parallel_size:
-            raise ValueError(f"--tensor-model-parallel-size {train.tensor_model_parallel_size} must divide "
+        model_parallel = train.tensor_model_parallel_size * train.pipeline_model_parallel_size
+        if n % model_parallel:
+            raise ValueError(f"--tensor-model-parallel-size {train.tensor_model_parallel_size} x "
+                             f"--pipeline-model-parallel-size {train.pipeline_model_parallel_size} must divide "
                              f"--actor-num-nodes x --actor-num-gpus-per-node = {n}")
         if placement is not None and len(placement.assignment.actor_bundles) != n:
             raise ValueError(f"the placement holds {len(placement.assignment.actor_bundles)} train bundle(s) for "

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from slime_spec.common import rope
 from slime_spec.common.model_families import DENSE_FIRST_FAMILIES
 from slime_spec.config.run_config import TrainConfig
+from slime_spec.trainer import pipeline
 from slime_spec.trainer.model_config import (
     BUILDABLE_FAMILIES,  # noqa: F401  (re-exported: which families `build_gpt_model` builds)
     transformer_config,
@@ -77,16 +78,21 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
 
 def build_gpt_model(hf_config: dict, train: TrainConfig):
     """A randomly initialised GPTModel shaped like the HF model (load weights with `load_hf_weights`)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_mtp_block_spec,
     )
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     config = transformer_config(hf_config, train)
     if config.num_moe_experts:
         _define_te_general_gemm()
+    # a pipeline stage builds its own layers (megatron-core's specs slice them by the stage); the first holds the
+    # embedding, the last the final norm, the output layer and the MTP block (with its own copy of the embedding)
+    pre_process, post_process = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     mla = config.multi_latent_attention
     rope_spec = None if mla else rope.rope_spec(hf_config)  # MLA: megatron's MLASelfAttention holds its own RoPE
     if convert.family_of(hf_config) in DENSE_FIRST_FAMILIES:  # a spec per layer, dense or MoE by moe_layer_freq
@@ -104,13 +110,15 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
                 if train.mtp_num_layers else None)
     if config.sequence_parallel:  # MoE under TP (model_config.moe_config)
         from slime_spec.trainer import sequence_parallel
-        layer_spec = sequence_parallel.block_spec(layer_spec, config.num_layers)
+        layer_spec = sequence_parallel.block_spec(layer_spec, get_num_layers_to_build(config))
         mtp_spec = sequence_parallel.with_sequence_parallel_norms(mtp_spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(hf_config["vocab_size"], train.tensor_model_parallel_size),
         max_sequence_length=hf_config.get("max_position_embeddings", 4096),
+        pre_process=pre_process,
+        post_process=post_process,
         parallel_output=False,
         share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
@@ -118,6 +126,12 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
         rotary_base=config.rotary_base if mla else rope_spec.theta,
         mtp_block_spec=mtp_spec,
     )
+    if config.pipeline_model_parallel_size > 1:
+        # each micro-batch's rows have their own length: megatron-core's point-to-point exchange sends the shape
+        # first. Set after construction: the config refuses it next to the all-gather token dispatcher, which needs
+        # equal token counts over the expert-parallel ranks, and the trainer gives each micro-batch those
+        # (Trainer._row_lengths)
+        config.variable_seq_lengths = True
     if not mla:
         # Megatron's own llama3 scaling has fixed numbers: use the checkpoint's (set before the first forward,
         # whose RoPE table Megatron caches).
@@ -180,9 +194,11 @@ def sum_qk_norm_grads_over_tp(model) -> None:
 
 def named_weights(model):
     """(Megatron name, tensor) of every parameter, then of every router's expert bias: a float32 buffer in
-    megatron-core, a weight of the checkpoint (`e_score_correction_bias`) that the engines serve."""
-    yield from model.named_parameters()
-    yield from ((n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias"))
+    megatron-core, a weight of the checkpoint (`e_score_correction_bias`) that the engines serve. Decoder layers
+    by their number in the whole model: a later pipeline stage's first layer is not `decoder.layers.0`."""
+    rename = pipeline.global_layer_names(model)
+    yield from ((rename(n), p) for n, p in model.named_parameters())
+    yield from ((rename(n), b) for n, b in model.named_buffers() if n.endswith("router.expert_bias"))
 
 
 def load_hf_weights(model, hf_state: dict[str, torch.Tensor], hf_config: dict, tp_rank: int, tp_size: int,
@@ -206,6 +222,9 @@ def load_hf_weights(model, hf_state: dict[str, torch.Tensor], hf_config: dict, t
         per_rank = convert.num_experts(hf_config) // ep_size
         full = {k: v for k, v in full.items()
                 if convert.expert_index(k) is None or convert.expert_index(k) // per_rank == ep_rank}
+    if "output_layer.weight" in params and "output_layer.weight" not in full:  # tied: the last stage's own copy
+        full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
+    full = {k: v for k, v in full.items() if pipeline.on_this_stage(k, model)}  # the other stages' are theirs
     missing = sorted(set(params) - set(full))
     unexpected = sorted(set(full) - set(params))
     if missing or unexpected:
@@ -251,8 +270,8 @@ def captured_layer_outputs(model, layer_ids: list[int]):
 class TrunkOutput:
     """The policy's pass over model rows, and what the MTP layers and an EAGLE3 draft reuse from it."""
 
-    hidden: torch.Tensor  # [s, b, h] the decoder's output (before the output layer)
-    logits: torch.Tensor  # [b, s, vocab]
+    hidden: torch.Tensor  # [s, b, h] the decoder's output (before the output layer); a stage's, under PP
+    logits: torch.Tensor | None  # [b, s, vocab]; None on a pipeline stage without the output layer
     position_ids: torch.Tensor  # [b, s]
     mask: torch.Tensor  # the attention mask the decoder used
     rope: torch.Tensor | None  # None under multi-latent attention (its layers apply RoPE)
@@ -290,13 +309,16 @@ def trunk_forward(model, input_ids: torch.Tensor, vocab_size: int, position_ids:
     """The policy's logits for `input_ids` [rows, seq]: right-padded rows by default; packed rows pass their
     per-sample `position_ids` and block-diagonal `attention_mask` (packing.ModelRows).
 
+    On a pipeline stage, this stage's part: the first embeds the tokens, a later one reads the previous stage's
+    output (the tensor megatron-core's schedule hands the model through `set_input_tensor`), and only the last
+    computes logits.
     `aux_layer_ids`: also return those layers' outputs and the embeddings, detached (an EAGLE3 draft's inputs).
     """
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
     mask = causal_mask(input_ids.shape[1], input_ids.device) if attention_mask is None else attention_mask
     rope_table = rope_for_positions(model, position_ids)
-    decoder_input = model.embedding(input_ids=input_ids, position_ids=position_ids)
+    decoder_input = model.embedding(input_ids=input_ids, position_ids=position_ids) if model.pre_process else None
     with captured_layer_outputs(model, aux_layer_ids or []) as captured:
         hidden = model.decoder(hidden_states=decoder_input, attention_mask=mask, rotary_pos_emb=rope_table)
     aux_hidden = embeds = None
@@ -308,8 +330,8 @@ def trunk_forward(model, input_ids: torch.Tensor, vocab_size: int, position_ids:
             aux_hidden, embeds = (gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
                                   for x in (aux_hidden, embeds))
         aux_hidden, embeds = aux_hidden.transpose(0, 1), embeds.transpose(0, 1)
-    return TrunkOutput(hidden, logits_of(model, hidden, output_weight(model), vocab_size), position_ids, mask,
-                       rope_table, aux_hidden, embeds)
+    logits = logits_of(model, hidden, output_weight(model), vocab_size) if model.post_process else None
+    return TrunkOutput(hidden, logits, position_ids, mask, rope_table, aux_hidden, embeds)
 
 
 def mtp_hidden_states(model, input_ids: torch.Tensor, trunk: TrunkOutput,
@@ -358,9 +380,16 @@ def forward(model, input_ids: torch.Tensor, vocab_size: int, with_mtp: bool = Tr
     as in `mtp_hidden_states`.
     """
     trunk = trunk_forward(model, input_ids, vocab_size, position_ids, attention_mask, aux_layer_ids)
-    mtp_logits: list[torch.Tensor] = []
-    if with_mtp and getattr(model, "mtp_process", False):
-        weight = output_weight(model).detach()
-        mtp_logits = [logits_of(model, h, weight, vocab_size)
-                      for h in mtp_hidden_states(model, input_ids, trunk, mtp_zero_first_token, mtp_unroll_steps)]
-    return ModelOutput(trunk.logits, mtp_logits, trunk.aux_hidden, trunk.embeds)
+    mtp = mtp_logits(model, input_ids, trunk, vocab_size, mtp_zero_first_token, mtp_unroll_steps) if with_mtp else []
+    return ModelOutput(trunk.logits, mtp, trunk.aux_hidden, trunk.embeds)
+
+
+def mtp_logits(model, input_ids: torch.Tensor, trunk: TrunkOutput, vocab_size: int,
+               mtp_zero_first_token: bool = False, unroll_steps: int = 1) -> list[torch.Tensor]:
+    """Every MTP layer's full logits [b, s, vocab] (`mtp_hidden_states` through the shared output layer); [] on a
+    model or stage without the MTP block."""
+    if not getattr(model, "mtp_process", False):
+        return []
+    weight = output_weight(model).detach()
+    return [logits_of(model, h, weight, vocab_size)
+            for h in mtp_hidden_states(model, input_ids, trunk, mtp_zero_first_token, unroll_steps)]

@@ -44,6 +44,9 @@ def transformer_config(hf_config: dict, train: TrainConfig):
                          f"num_nextn_predict_layers={hf_mtp} MTP layers to load")
     if train.enable_mtp_training and not train.mtp_num_layers:
         raise ValueError("--enable-mtp-training needs --mtp-num-layers >= 1")
+    from slime_spec.trainer.pipeline import stage_layer_counts
+    stage_layer_counts(hf_config["num_hidden_layers"], train.pipeline_model_parallel_size,
+                       train.decoder_first_pipeline_num_layers, train.decoder_last_pipeline_num_layers)
     heads = hf_config["num_attention_heads"]
     config_class, attention = (MLATransformerConfig, mla_config(hf_config)) if family in MLA_FAMILIES \
         else (TransformerConfig, {})
@@ -75,6 +78,13 @@ def transformer_config(hf_config: dict, train: TrainConfig):
         params_dtype=torch.bfloat16 if train.bf16 else torch.float32,
         bf16=train.bf16,
         tensor_model_parallel_size=train.tensor_model_parallel_size,
+        pipeline_model_parallel_size=train.pipeline_model_parallel_size,
+        pipeline_dtype=torch.bfloat16 if train.bf16 else torch.float32,  # the activations passed between stages
+        num_layers_in_first_pipeline_stage=train.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=train.decoder_last_pipeline_num_layers,
+        # the trainer's losses are already weighted sums: megatron-core's schedule must not divide them by the number
+        # of micro-batches (pipeline.run_schedule)
+        calculate_per_token_loss=True,
         mtp_num_layers=train.mtp_num_layers or None,
         mtp_loss_scaling_factor=train.mtp_loss_scaling_factor,
         **moe_config(hf_config, family, train),

@@ -1,8 +1,9 @@
 """torch.distributed + megatron-core model-parallel state for one train process.
 
-World = data-parallel x tensor-parallel ranks (no pipeline / context parallelism); the MoE layers' experts are
-laid out on Megatron's expert grid over the same ranks: expert TP (--expert-tensor-parallel-size, unset = TP), then
-EP, then expert data parallel. Data parallel size = world / TP as Megatron computes it; each EP rank holds
+World = pipeline stages x data-parallel x tensor-parallel ranks (Megatron's order: TP ranks consecutive, then DP,
+pipeline stages outermost; no context parallelism); within a stage the MoE layers' experts are laid out on
+Megatron's expert grid over the same ranks: expert TP (--expert-tensor-parallel-size, unset = TP), then
+EP, then expert data parallel. Data parallel size = world / (TP x PP) as Megatron computes it; each EP rank holds
 num_experts / EP experts, each split over the expert-TP ranks. gloo on CPU, nccl on CUDA. Megatron's state is
 process-global, so one process holds one model.
 """
@@ -35,22 +36,25 @@ class TPInfo:
     edp_rank: int = 0  # rank among the replicas of this rank's experts (expert data parallel)
     etp_rank: int = 0  # expert tensor parallel: each routed expert split over etp_size ranks
     etp_size: int = 1
+    pp_rank: int = 0  # pipeline stage: holds decoder layers pipeline.layer_range(...) of the model
+    pp_size: int = 1
 
 
 def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int, tp_size: int,
                   seed: int, timeout_s: float = 600.0, ep_size: int = 1, etp_size: int | None = None,
-                  store_listener: socket.socket | None = None) -> TPInfo:
+                  store_listener: socket.socket | None = None, pp_size: int = 1) -> TPInfo:
     """Join the default process group and set Megatron's TP/DP/EP groups and RNG trackers. store_listener: rank 0's
     socket already listening at `master_port` (`net.listen_socket`), from before the other ranks were told the
     port; without one rank 0 binds the port now."""
-    if world_size % tp_size:
-        raise ValueError(f"tensor_model_parallel_size={tp_size} must divide the number of train processes "
-                         f"({world_size} = actor_num_nodes x actor_num_gpus_per_node)")
+    if pp_size < 1 or world_size % (tp_size * pp_size):
+        raise ValueError(f"tensor_model_parallel_size={tp_size} x pipeline_model_parallel_size={pp_size} must divide "
+                         f"the number of train processes ({world_size} = actor_num_nodes x actor_num_gpus_per_node)")
     etp_size = expert_tensor_parallel_size(tp_size, etp_size)
-    if ep_size < 1 or etp_size < 1 or world_size % (etp_size * ep_size):
+    if ep_size < 1 or etp_size < 1 or (world_size // pp_size) % (etp_size * ep_size):
         raise ValueError(f"expert_model_parallel_size={ep_size} x expert_tensor_parallel_size={etp_size} must divide "
-                         f"the number of train processes ({world_size} = actor_num_nodes x "
-                         f"actor_num_gpus_per_node); choose --expert-model-parallel-size accordingly")
+                         f"the train processes of a pipeline stage ({world_size // pp_size} = actor_num_nodes x "
+                         f"actor_num_gpus_per_node / pipeline_model_parallel_size); choose "
+                         f"--expert-model-parallel-size accordingly")
     cpu_compat.apply()
     use_cuda = torch.cuda.is_available()
     if use_cuda:
@@ -64,6 +68,7 @@ def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
+                                                 pipeline_model_parallel_size=pp_size,
                                                  expert_model_parallel_size=ep_size,
                                                  expert_tensor_parallel_size=etp_size)
     torch.manual_seed(seed)
@@ -99,7 +104,8 @@ def current_tp_info() -> TPInfo:
                   dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
                   ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
                   edp_rank=ps.get_expert_data_parallel_rank(), etp_rank=ps.get_expert_tensor_parallel_rank(),
-                  etp_size=ps.get_expert_tensor_parallel_world_size())
+                  etp_size=ps.get_expert_tensor_parallel_world_size(),
+                  pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size())
 
 
 def destroy_parallel() -> None:

@@ -1,8 +1,9 @@
 """float32 master weights for a bfloat16 model (--bf16), the scheme of Megatron's
 Float16OptimizerWithFloat16Params and of its distributed optimizer, on any device.
 
-The model computes in bfloat16; after each micro-batch its bfloat16 gradients are added into float32
-`.grad`s of float32 master copies (gradient accumulation in float32, as Megatron's DDP buffers do); the
+The model computes in bfloat16; each bfloat16 gradient is added into the float32 `.grad` of its float32 master
+copy as soon as a backward pass has produced it (a post-accumulate-grad hook: gradient accumulation in float32
+over micro-batches, as Megatron's DDP buffers do, whatever order the pipeline schedule runs them in); the
 optimizer updates the masters; `copy_to_model` rounds them back into the model. Without --bf16 the
 masters *are* the model's float32 parameters and every step here is a no-op.
 
@@ -21,28 +22,32 @@ class MasterParams:
         self.model_params = list(params)
         self.mixed = any(p.dtype != torch.float32 for p in self.model_params)
         self.params = [self._master_of(p) for p in self.model_params] if self.mixed else self.model_params
+        if self.mixed:
+            for model_param, master in zip(self.model_params, self.params):
+                model_param.register_post_accumulate_grad_hook(self._into_master(master))
 
     @staticmethod
     def _master_of(param: torch.nn.Parameter) -> torch.nn.Parameter:
         master = torch.nn.Parameter(param.detach().clone().float())
         tensor_parallel.copy_tensor_model_parallel_attributes(master, param)  # the clip counts TP shards once
-        if hasattr(param, "allreduce"):  # False on an EP-split expert: grads.py reduces it over its own group
-            master.allreduce = param.allreduce
+        # allreduce: False on an EP-split expert (grads.py reduces it over its own group); shared,
+        # shared_embedding: a pipeline's embedding and its last-stage copy (pipeline.py)
+        for mark in ("allreduce", "shared", "shared_embedding"):
+            if hasattr(param, mark):
+                setattr(master, mark, getattr(param, mark))
         return master
 
-    @torch.no_grad()
-    def accumulate_grads(self) -> None:
-        """Add the model's (bfloat16) gradients into the masters' float32 ones and free them."""
-        if not self.mixed:
-            return
-        for model_param, master in zip(self.model_params, self.params):
-            if model_param.grad is None:
-                continue
+    @staticmethod
+    def _into_master(master: torch.nn.Parameter):
+        @torch.no_grad()
+        def add(model_param: torch.Tensor) -> None:
+            """The model's (bfloat16) gradient added into the master's float32 one, and freed."""
             if master.grad is None:
                 master.grad = model_param.grad.float()
             else:
                 master.grad.add_(model_param.grad)
             model_param.grad = None
+        return add
 
     @torch.no_grad()
     def copy_to_model(self) -> None:

@@ -40,6 +40,40 @@ class PartTimer:
     def reset(self) -> None:
         self.seconds.clear()
 
+    def megatron(self) -> "_MegatronTimers | None":
+        """This timer in the form megatron-core's schedules call theirs (`config.timers(name).start()` and
+        `.stop()`): each micro-batch's backward pass there is "trunk backward". None when off."""
+        return _MegatronTimers(self) if self.enabled else None
+
+
+class _MegatronTimers:
+    PARTS = {"backward-compute": "trunk backward"}  # megatron-core's timer names -> ours; the rest are not timed
+
+    def __init__(self, timer: PartTimer):
+        self.timer = timer
+        self.started: dict[str, float] = {}
+
+    def __call__(self, name: str, log_level: int | None = None) -> "_Span":
+        return _Span(self, name)
+
+
+class _Span:
+    """What `timers(name)` returns: megatron-core starts and stops a name through two separate calls."""
+
+    def __init__(self, timers: _MegatronTimers, name: str):
+        self.timers, self.name, self.part = timers, name, timers.PARTS.get(name)
+
+    def start(self, barrier: bool = False) -> None:
+        if self.part is not None:
+            _synchronize()
+            self.timers.started[self.name] = time.perf_counter()
+
+    def stop(self, barrier: bool = False) -> None:
+        started = self.timers.started.pop(self.name, None)
+        if self.part is not None and started is not None:
+            _synchronize()
+            self.timers.timer.seconds[self.part] += time.perf_counter() - started
+
 
 def _synchronize() -> None:
     if torch.cuda.is_available():

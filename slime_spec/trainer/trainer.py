@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from slime_spec.config.run_config import TrainConfig
 from slime_spec.rollout.sample import Sample, Status
-from slime_spec.trainer import checkpoint, grads, losses, mtp_loss, step_metrics
+from slime_spec.trainer import checkpoint, grads, losses, mtp_loss, pipeline, step_metrics
 from slime_spec.trainer import model as M
 from slime_spec.trainer.batch import TokenBatch, collate, packed_step_slices, response_mask, step_slices
 from slime_spec.trainer.eagle3_online import OnlineDraft
@@ -58,6 +59,10 @@ class Trainer:
                              "packed micro-batch)")
         if train.max_tokens_per_gpu is not None and train.max_tokens_per_gpu < 1:
             raise ValueError(f"--max-tokens-per-gpu {train.max_tokens_per_gpu}: give a positive token count")
+        if train.enable_draft_training and train.pipeline_model_parallel_size > 1:
+            raise ValueError(f"--enable-draft-training with --pipeline-model-parallel-size "
+                             f"{train.pipeline_model_parallel_size}: the online EAGLE3 draft reads hidden states of "
+                             f"layers spread over the stages; train it with --pipeline-model-parallel-size 1")
         self.train = train
         self.packed = bool(train.max_tokens_per_gpu)
         self.tp: TPInfo = current_tp_info()
@@ -118,8 +123,9 @@ class Trainer:
 
     @property
     def _ep_shard(self) -> dict:
-        """Which checkpoint shard file is this rank's under expert parallelism (checkpoint.shard_path)."""
-        return dict(ep_rank=self.tp.ep_rank, ep_size=self.tp.ep_size, etp_size=self.tp.etp_size)
+        """Which checkpoint shard file is this rank's under expert and pipeline parallelism (checkpoint.shard_path)."""
+        return dict(ep_rank=self.tp.ep_rank, ep_size=self.tp.ep_size, etp_size=self.tp.etp_size,
+                    pp_rank=self.tp.pp_rank, pp_size=self.tp.pp_size)
 
     def _weights_copy(self) -> dict[str, torch.Tensor]:
         """A copy of every weight a checkpoint holds (`model.named_weights`: the routers' expert bias too)."""
@@ -160,23 +166,27 @@ class Trainer:
         finally:
             self._copy_into_model(current)
 
-    def named_megatron_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Megatron name, this rank's TP shard) for every weight, in a fixed order (for the weight sync). Each on
+    def named_megatron_params(self, stage_copies: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Megatron name, this rank's TP shard) for every weight of this pipeline stage, in a fixed order. Each on
         the trainer's device: while the trainer is offloaded (--colocate syncs after the offload, as slime does),
-        one tensor at a time is copied back from host memory, never the whole trainer."""
+        one tensor at a time is copied back from host memory, never the whole trainer. `stage_copies=False` leaves
+        out the last stage's copy of the embedding (the weight sync sends the first stage's)."""
         for name, p in M.named_weights(self.model):
-            yield name, p.detach().to(self.device, non_blocking=True)
+            if stage_copies or not pipeline.is_stage_copy(p):
+                yield name, p.detach().to(self.device, non_blocking=True)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full HF-named weights on the CPU: TP shards and EP ranks' experts all-gathered (collective: every TP
-        and EP rank must call it). Without a gather the weights are read where they lie (an offloaded trainer's
-        from host memory, with no round trip through the GPU)."""
+        """The full HF-named weights on the CPU: TP shards and EP ranks' experts all-gathered, and under pipeline
+        parallelism every stage's sent to global rank 0 (collective: every rank must call it; the other stages'
+        ranks return their own stage's). Without a gather the weights are read where they lie (an offloaded
+        trainer's from host memory, with no round trip through the GPU)."""
         from slime_spec.weight_sync.gather import iter_hf_tensors
         groups = self.gather_groups()
-        gathers = groups["tp_size"] > 1 or groups["ep_size"] > 1 or groups["etp_size"] > 1
-        named = (self.named_megatron_params() if gathers
+        gathers = groups["tp_size"] > 1 or groups["ep_size"] > 1 or groups["etp_size"] > 1 or self.tp.pp_size > 1
+        named = (self.named_megatron_params(stage_copies=False) if gathers
                  else ((n, p.detach()) for n, p in M.named_weights(self.model)))
-        return {t.name: t.tensor.cpu() for t in iter_hf_tensors(named, self.hf_config, **groups)}
+        tensors = pipeline.weights_to_first_stage(iter_hf_tensors(named, self.hf_config, **groups), self.device)
+        return {t.name: t.tensor.cpu() for t in tensors}
 
     def gather_groups(self) -> dict:
         """The process groups `gather.iter_hf_tensors` gathers whole tensors over (TP shards, EP ranks' experts)."""
@@ -190,15 +200,24 @@ class Trainer:
 
     @torch.no_grad()
     def forward_logits(self, input_ids: list[list[int]]) -> dict[str, torch.Tensor]:
-        """Policy and MTP logits (CPU, [b, s, vocab]) for equal-length token lists: for checks against engines."""
+        """Policy and MTP logits (CPU, [b, s, vocab]) for equal-length token lists: for checks against engines.
+        Under pipeline parallelism every stage returns the last stage's."""
         self.model.eval()
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         seq = ids.shape[1]
         if self.model.config.sequence_parallel:  # rows a multiple of the TP size; the padding comes after (causal)
             ids = F.pad(ids, (0, -seq % self.tp.tp_size))
-        out = M.forward(self.model, ids, self.vocab_size, with_mtp=True, mtp_zero_first_token=self.mtp_zero_first_token)
-        return {"logits": out.logits[:, :seq].float().cpu(),
-                "mtp_logits": [x[:, :seq].float().cpu() for x in out.mtp_logits]}
+
+        def forward(_m_idx, rows_ids):
+            trunk = M.trunk_forward(self.model, rows_ids, self.vocab_size)
+            if trunk.logits is None:  # not the last pipeline stage
+                return trunk.hidden, None
+            mtp = M.mtp_logits(self.model, rows_ids, trunk, self.vocab_size, self.mtp_zero_first_token)
+            return trunk.hidden, lambda: (trunk.hidden.new_zeros(()), {
+                "logits": trunk.logits[:, :seq].float().cpu(), "mtp_logits": [x[:, :seq].float().cpu() for x in mtp]})
+
+        results = pipeline.run_schedule(self.model, [ids], forward, forward_only=True)
+        return pipeline.from_last_stage(results[0] if results else None)
 
     def named_draft_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, tensor) of the online EAGLE3 draft's own parameters, for selector `draft`;
@@ -245,11 +264,21 @@ class Trainer:
                                attention_mask=rows.attention_mask, aux_layer_ids=aux_ids)
 
     @torch.no_grad()
-    def _log_probs(self, batch: TokenBatch) -> torch.Tensor:
+    def _log_probs(self, batches: list[TokenBatch]) -> list[torch.Tensor | None]:
+        """Each micro-batch's token log-probs under the current weights (None on a stage before the last, where
+        they are never read)."""
         self.model.eval()
-        rows = model_rows(batch, self.packed, batch.min_row_len)
-        return rows.to_samples(losses.token_log_probs(self._trunk(rows).logits, rows.input_ids,
-                                                      self.train.rollout_temperature))
+
+        def forward(_m_idx, batch):
+            rows = model_rows(batch, self.packed, batch.min_row_len)
+            trunk = self._trunk(rows)
+            if trunk.logits is None:
+                return trunk.hidden, None
+            return trunk.hidden, lambda: (trunk.hidden.new_zeros(()), {"log_probs": rows.to_samples(
+                losses.token_log_probs(trunk.logits, rows.input_ids, self.train.rollout_temperature))})
+
+        results = pipeline.run_schedule(self.model, batches, forward, forward_only=True)
+        return [r["log_probs"] for r in results] if self.model.post_process else [None] * len(batches)
 
     def _mtp_loss(self, rows: ModelRows, trunk: M.TrunkOutput, loss_mask: torch.Tensor) -> torch.Tensor:
         """[n] MTP loss of a micro-batch; with a graph only for --enable-mtp-training (a frozen draft's
@@ -323,8 +352,8 @@ class Trainer:
             step_sums = torch.zeros_like(prepared.sums)
             self._backward_step(prepared, s_idx, sums=step_sums)
             with self.timer("optimizer"):
-                grad_norm = grads.clip_by_global_norm(grads.reduce_grads(self.master.params, self.tp.dp_size),
-                                                      self.train.clip_grad, self.tp.tp_size, self.device)
+                grad_norm = grads.clip_by_global_norm(self._reduced_grads(), self.train.clip_grad, self.tp.tp_size,
+                                                      self.device)
                 reason = self._nonfinite_step(prepared, s_idx, step_sums, grad_norm, rollout_id, samples)
                 if reason is None:
                     self.optimizer.step()
@@ -346,6 +375,7 @@ class Trainer:
                 with self.timer("EAGLE3 draft"):
                     self.online_draft.step(ps.get_data_parallel_group() if self.tp.dp_size > 1 else None,
                                            self.tp.dp_size)
+        pipeline.sum_over_stages(prepared.sums)  # the last stage's, where the loss is computed
         metrics = step_metrics.step_metrics(prepared.sums, grad_norms, self.optimizer.param_groups[0]["lr"],
                                             self.tp.dp_size, self.device, use_tis=self.train.use_tis and not
                                             prepared.sft)
@@ -362,9 +392,11 @@ class Trainer:
         from megatron.core import parallel_state as ps
 
         bad = torch.tensor([float(not torch.isfinite(step_sums[0]))], dtype=torch.float64)
-        if self.tp.dp_size > 1:
+        if self.tp.dp_size > 1 or self.tp.pp_size > 1:  # every stage learns what the last one's loss was
             bad = bad.to(self.device)
-            dist.all_reduce(bad, group=ps.get_data_parallel_group())
+            if self.tp.dp_size > 1:
+                dist.all_reduce(bad, group=ps.get_data_parallel_group())
+            pipeline.sum_over_stages(bad)
             bad = bad.cpu()
         where = f"rollout {rollout_id}, optimizer step {s_idx}"
         gbs = self.train.global_batch_size  # step s_idx takes samples [s_idx * gbs, (s_idx + 1) * gbs) on all ranks
@@ -416,12 +448,18 @@ class Trainer:
         prepared = self._prepare(samples, loss_type)
         self.optimizer.zero_grad(set_to_none=True)
         self._backward_step(prepared, 0, train_draft=False)
-        grads.reduce_grads(self.master.params, self.tp.dp_size)
-        names = {id(p): n for n, p in self.model.named_parameters()}
+        self._reduced_grads()
+        names = {id(p): n for n, p in M.named_weights(self.model)}
         out = {names[id(p)]: m.grad.detach().clone() for p, m in zip(self.master.model_params, self.master.params)
                if m.grad is not None}
         self.optimizer.zero_grad(set_to_none=True)
         return out
+
+    def _reduced_grads(self) -> list[torch.Tensor]:
+        """The master gradients summed over data-parallel ranks, and the embedding's over its pipeline copies;
+        returns the parameters that have one."""
+        pipeline.sum_shared_embedding_grads(self.master.params)
+        return grads.reduce_grads(self.master.params, self.tp.dp_size)
 
     def _prepare(self, samples: list[Sample], loss_type: str | None) -> "_Prepared":
         """Micro-batches, advantages, and the old-policy (and reference) log-probs before any update."""
@@ -455,11 +493,11 @@ class Trainer:
             if t.normalize_advantages:
                 advantages = losses.whiten_advantages(advantages, torch.tensor(trained, dtype=torch.float32))
             # --use-rollout-logprobs: the ratios are against the engine's log-probs, as slime's; no forward here
-            old = [[b.rollout_log_probs if t.use_rollout_logprobs else self._log_probs(b) for b in step]
+            old = [[b.rollout_log_probs for b in step] if t.use_rollout_logprobs else self._log_probs(step)
                    for step in batches]
             if self.ref_state is not None:
                 with self._reference_model():
-                    ref = [[self._log_probs(b) for b in step] for step in batches]
+                    ref = [self._log_probs(step) for step in batches]
         step_tokens = self._step_tokens(samples, trained, steps) if t.calculate_per_token_loss else None
         return _Prepared(sft, steps, batches, advantages, old, ref, step_metrics.new_sums(), left_out=left_out,
                          step_tokens=step_tokens)
@@ -473,58 +511,73 @@ class Trainer:
 
     def _backward_step(self, p: "_Prepared", s_idx: int, train_draft: bool = True,
                        sums: torch.Tensor | None = None) -> None:
-        """Forward and backward every micro-batch of optimizer step `s_idx`; gradients accumulate in float32.
+        """Forward and backward every micro-batch of optimizer step `s_idx` through megatron-core's schedule
+        (pipeline.run_schedule: 1F1B over pipeline stages); gradients accumulate in float32. The loss is the last
+        stage's (`_micro_batch_loss`)."""
+        self.model.train()
+        train_draft = self.online_draft is not None and train_draft
+        sums = p.sums if sums is None else sums
 
-        The MTP loss is backpropagated on its own: its graph starts from the detached trunk, so the two
+        def forward(m_idx, batch):
+            rows = model_rows(batch, self.packed, batch.min_row_len)
+            with self.timer("trunk forward"):
+                trunk = self._trunk(rows, with_aux=train_draft)
+            if trunk.logits is None:  # a stage before the last: its output goes on to the next stage
+                return trunk.hidden, None
+            return trunk.hidden, functools.partial(self._micro_batch_loss, p, s_idx, m_idx, rows, trunk, train_draft,
+                                                   sums)
+
+        pipeline.run_schedule(self.model, p.batches[s_idx], forward, forward_only=False, timers=self.timer.megatron())
+
+    def _micro_batch_loss(self, p: "_Prepared", s_idx: int, m_idx: int, rows: ModelRows, trunk: M.TrunkOutput,
+                          train_draft: bool, sums: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The last stage's loss of micro-batch `m_idx`: the scalar the schedule backpropagates through the trunk,
+        with its metrics accumulated into `sums`.
+
+        The MTP loss is backpropagated here, on its own: its graph starts from the detached trunk, so the two
         backward passes give the gradients one pass over their sum would, and each is timed apart.
         The online draft's loss (--enable-draft-training) also has its own backward: its inputs are detached,
         so it reaches the draft only."""
         t = self.train
-        self.model.train()
-        train_draft = self.online_draft is not None and train_draft
-        for m_idx, batch in enumerate(p.batches[s_idx]):
-            rows = model_rows(batch, self.packed, batch.min_row_len)
-            with self.timer("trunk forward"):
-                trunk = self._trunk(rows, with_aux=train_draft)
-                log_probs, entropy = map(rows.to_samples,
-                                         losses.token_log_probs_and_entropy(trunk.logits, rows.input_ids,
-                                                                            t.rollout_temperature))
-                if p.sft:
-                    terms = losses.sft_loss_terms(log_probs, batch.loss_mask, entropy)
-                else:
-                    adv = p.advantages[p.steps[s_idx][m_idx]].to(self.device)[:, None].expand_as(log_probs)
-                    terms = losses.policy_loss_terms(
-                        log_probs, p.old[s_idx][m_idx], adv, batch.loss_mask, eps_clip=t.eps_clip,
-                        eps_clip_high=t.eps_clip_high, eps_clip_c=t.eps_clip_c, entropy=entropy,
-                        entropy_coef=t.entropy_coef,
-                        ref_log_probs=None if p.ref is None else p.ref[s_idx][m_idx],
-                        kl_loss_coef=t.kl_loss_coef, kl_loss_type=t.kl_loss_type,
-                        tis=losses.TisWeights(t.tis_clip, t.tis_clip_low) if t.use_tis else None,
-                        rollout_log_probs=batch.rollout_log_probs)
-            if t.mtp_num_layers and getattr(self.model, "mtp_process", False):
-                terms.mtp_loss = self._mtp_loss(rows, trunk, batch.loss_mask)
-                if t.enable_mtp_training:
-                    with self.timer("MTP backward"):
-                        (t.mtp_loss_scaling_factor * terms.mtp_loss.sum() / t.global_batch_size).backward()
-            with self.timer("trunk backward"):
-                # a sample's mean over its tokens, summed over the step: per sample (slime's default), or weighed
-                # by its trained tokens over the step's (--calculate-per-token-loss: a mean over every token)
-                weight = batch.loss_mask.sum(-1) / p.step_tokens[s_idx] if p.step_tokens else 1.0 / t.global_batch_size
-                (terms.total * weight).sum().backward()
-                self.master.accumulate_grads()
-            if train_draft:
-                with self.timer("EAGLE3 draft"):
-                    self.online_draft.accumulate(trunk, rows.position_ids, _row_layout(rows, batch.loss_mask),
-                                                 rows.attention_mask, 1.0 / len(p.batches[s_idx]))
-            # the trainer's log-probs against the rollout's: before the update, or (--use-rollout-logprobs, where
-            # those are the old ones) this forward's, as slime's train_rollout_logprob_abs_diff
-            compared = log_probs.detach() if t.use_rollout_logprobs else None if p.sft else p.old[s_idx][m_idx]
-            step_metrics.accumulate(p.sums if sums is None else sums, terms, batch, compared,
-                                    per_token=p.step_tokens is not None)
-            nonfinite = (~torch.isfinite(terms.total.detach())).nonzero().flatten().tolist()
-            if nonfinite:
-                mb = p.steps[s_idx][m_idx]
-                p.nonfinite_loss_samples.setdefault(s_idx, []).extend(mb[i] for i in nonfinite)
+        batch = p.batches[s_idx][m_idx]
+        with self.timer("trunk forward"):
+            log_probs, entropy = map(rows.to_samples,
+                                     losses.token_log_probs_and_entropy(trunk.logits, rows.input_ids,
+                                                                        t.rollout_temperature))
+            if p.sft:
+                terms = losses.sft_loss_terms(log_probs, batch.loss_mask, entropy)
+            else:
+                adv = p.advantages[p.steps[s_idx][m_idx]].to(self.device)[:, None].expand_as(log_probs)
+                terms = losses.policy_loss_terms(
+                    log_probs, p.old[s_idx][m_idx], adv, batch.loss_mask, eps_clip=t.eps_clip,
+                    eps_clip_high=t.eps_clip_high, eps_clip_c=t.eps_clip_c, entropy=entropy,
+                    entropy_coef=t.entropy_coef,
+                    ref_log_probs=None if p.ref is None else p.ref[s_idx][m_idx],
+                    kl_loss_coef=t.kl_loss_coef, kl_loss_type=t.kl_loss_type,
+                    tis=losses.TisWeights(t.tis_clip, t.tis_clip_low) if t.use_tis else None,
+                    rollout_log_probs=batch.rollout_log_probs)
+        if t.mtp_num_layers and getattr(self.model, "mtp_process", False):
+            terms.mtp_loss = self._mtp_loss(rows, trunk, batch.loss_mask)
+            if t.enable_mtp_training:
+                with self.timer("MTP backward"):
+                    (t.mtp_loss_scaling_factor * terms.mtp_loss.sum() / t.global_batch_size).backward()
+        # a sample's mean over its tokens, summed over the step: per sample (slime's default), or weighed by its
+        # trained tokens over the step's (--calculate-per-token-loss: a mean over every token)
+        weight = batch.loss_mask.sum(-1) / p.step_tokens[s_idx] if p.step_tokens else 1.0 / t.global_batch_size
+        loss = (terms.total * weight).sum()
+        if train_draft:
+            with self.timer("EAGLE3 draft"):
+                self.online_draft.accumulate(trunk, rows.position_ids, _row_layout(rows, batch.loss_mask),
+                                             rows.attention_mask, 1.0 / len(p.batches[s_idx]))
+        # the trainer's log-probs against the rollout's: before the update, or (--use-rollout-logprobs, where
+        # those are the old ones) this forward's, as slime's train_rollout_logprob_abs_diff
+        compared = log_probs.detach() if t.use_rollout_logprobs else None if p.sft else p.old[s_idx][m_idx]
+        step_metrics.accumulate(sums, terms, batch, compared, per_token=p.step_tokens is not None)
+        nonfinite = (~torch.isfinite(terms.total.detach())).nonzero().flatten().tolist()
+        if nonfinite:
+            mb = p.steps[s_idx][m_idx]
+            p.nonfinite_loss_samples.setdefault(s_idx, []).extend(mb[i] for i in nonfinite)
+        return loss, {}
 
 
 def check_rollout_log_probs(samples: list[Sample], flag: str) -> None:

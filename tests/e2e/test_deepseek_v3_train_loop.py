@@ -2,8 +2,10 @@
 its NextN MTP layer through the whole loop: `python -m slime_spec.train`, two GRPO steps on CPU with the trainer's
 megatron-core MLA + MoE model and its MTP layer trained online, NEXTN speculative rollout on the embedded engine
 drafting with that layer, every step's target and MTP tensors synced and checked against the engine's runners
-(--check-weight-sync). DeepSeek-V3's FP8 release format runs through scripts/run-deepseek-v3-mtp.sh
-(tests/e2e/test_slime_scripts_small.py)."""
+(--check-weight-sync). DeepSeek-V3 trains on two pipeline stages, as slime's DeepSeek scripts ask for stages
+(the dense layer on the first; the MoE layer, the output layer and the MTP layer on the last; megatron-core's 1F1B
+schedule over two micro-batches per step, every stage's weights sent to the engine by rank 0). DeepSeek-V3's FP8 release
+format runs through scripts/run-deepseek-v3-mtp.sh (tests/e2e/test_slime_scripts_small.py)."""
 
 import json
 
@@ -22,7 +24,8 @@ def test_two_grpo_steps_with_trained_mtp_and_nextn_rollout(tmp_path, ray_head, a
         "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "3",
         "--mtp-num-layers", "1", "--enable-mtp-training", "--check-weight-sync",
         # GLM-4.7-Flash's run also takes the engine's log-probs as the old policy's (slime's --use-rollout-logprobs)
-        *(["--use-rollout-logprobs"] if arch == "glm4_moe_lite" else [])], ray_head)
+        *(["--use-rollout-logprobs"] if arch == "glm4_moe_lite" else
+          ["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2"])], ray_head)
     config = json.loads((model / "config.json").read_text())
     # layer 0 dense: 2 norms, MLA's q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
     # o_proj, gate/up/down; layer 1 and the MTP layer sparse: the router and its correction bias, each expert's three,

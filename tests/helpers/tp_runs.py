@@ -84,7 +84,7 @@ def assert_same_adam_step(after_tp2: dict, after_tp1: dict, keys, lr: float) -> 
 
 def two_ranks_with_mtp_equal_one(arch: str, layout: dict, tmp_path, resume: bool = False) -> None:
     """A tiny MoE model of `arch` with its MTP layer trained online, on two gloo train ranks laid out as `layout`
-    says (TP or EP sizes), computes what one rank computes: logits and MTP logits, the gathered weights, one packed
+    says (TP, EP or PP sizes), computes what one rank computes: logits and MTP logits, the gathered weights, one packed
     step's metrics and the weights it moved (the MTP layer's among them); then target and MTP tensors reach a NEXTN
     engine, checked by its checksums. `resume`: the step is saved, and two new ranks of the same layout resume it
     with exactly those weights."""
@@ -105,6 +105,9 @@ def two_ranks_with_mtp_equal_one(arch: str, layout: dict, tmp_path, resume: bool
     group = TrainGroup(two_rank_config(path, engine, {**kw, **layout, **save}, tmp_path / "out"), use_gpu=False)
     server = engine_server_process(engine, log_path=tmp_path / "engine.log")
     try:
+        sizes = [(i["tp_size"], i["ep_size"], i["pp_size"]) for i in group.get_tp_info()]
+        assert sizes == [(layout.get("tensor_model_parallel_size", 1), layout.get("expert_model_parallel_size", 1),
+                          layout.get("pipeline_model_parallel_size", 1))] * 2, sizes
         parallel.init_single_process(seed=0)
         single = Trainer(TrainConfig(**kw))
         probe = [tp_rollout()[0].tokens, tp_rollout()[3].tokens]  # 9 tokens: padded to 10 under sequence parallelism

@@ -1,0 +1,94 @@
+"""Pipeline parallel size 2 on CPU (two Ray train actors, gloo, megatron-core's 1F1B schedule) computes what one rank
+computes, MTP on the last stage included, gathers every stage's weights for the sync, and resumes per stage."""
+
+from __future__ import annotations
+
+import pytest
+
+from slime_spec.trainer.pipeline import stage_layer_counts
+from tests.helpers.tp_runs import local_ray_cluster, two_ranks_with_mtp_equal_one
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    with local_ray_cluster():
+        yield
+
+
+def test_pp2_equals_one_rank_for_glm45_with_its_mtp_layer_and_resumes(ray_cluster, tmp_path):
+    """GLM-4.5 as slime's run-glm4.7-30B-A3B.sh lays it out (--pipeline-model-parallel-size 2): the dense first layer
+    on stage 0, the MoE layer, the output layer and the MTP layer (with its copy of the embedding) on stage 1, several
+    packed micro-batches per step through megatron-core's schedule. Each stage's checkpoint shard resumes exactly."""
+    two_ranks_with_mtp_equal_one("glm4_moe", {"pipeline_model_parallel_size": 2}, tmp_path, resume=True)
+
+
+def test_pp2_equals_one_rank_for_deepseek_v3(ray_cluster, tmp_path):
+    """Multi-latent attention and the MTP layer over two stages (slime's run-deepseek-r1.sh asks for PP 4)."""
+    two_ranks_with_mtp_equal_one("deepseek_v3", {"pipeline_model_parallel_size": 2}, tmp_path)
+
+
+def test_stage_layer_counts_follow_megatron_and_name_the_flags():
+    assert stage_layer_counts(4, 2) == [2, 2]
+    assert stage_layer_counts(61, 4, last=13) == [16, 16, 16, 13]  # DeepSeek-R1's script
+    assert stage_layer_counts(5, 3, first=1, last=2) == [1, 2, 2]
+    with pytest.raises(ValueError, match="--pipeline-model-parallel-size 2"):
+        stage_layer_counts(5, 2)
+    with pytest.raises(ValueError, match="--decoder-last-pipeline-num-layers 4"):
+        stage_layer_counts(4, 2, last=4)
+
+
+def test_pp2_keeps_a_tied_embedding_and_its_last_stage_copy_equal_over_steps(ray_cluster, tmp_path):
+    """Qwen3 ties its output layer to the embedding: the last stage computes logits with its own copy
+    (megatron-core's `output_layer.weight` there), whose gradient is summed with the first stage's every step. Two
+    GRPO steps with a KL reference match one rank's, and after them both copies are still the same tensor."""
+    import ray
+    import torch
+
+    from slime_spec.config.run_config import EngineConfig, TrainConfig
+    from slime_spec.tools.tiny_model import make_tiny_model
+    from slime_spec.trainer import parallel
+    from slime_spec.trainer.group import TrainGroup
+    from slime_spec.trainer.trainer import Trainer
+    from tests.helpers.tp_runs import assert_same_adam_step, two_rank_config, varied_rollout
+
+    path = make_tiny_model(tmp_path / "ckpt", arch="qwen3", hidden_size=32, num_layers=4, seed=7)
+    kw = dict(hf_checkpoint=str(path), lr=1e-3, global_batch_size=4, micro_batch_size=1, n_samples_per_prompt=2,
+              use_kl_loss=True, kl_loss_coef=0.1)
+    group = TrainGroup(two_rank_config(path, EngineConfig("embedded", str(path)),
+                                       {**kw, "pipeline_model_parallel_size": 2}, tmp_path / "out"), use_gpu=False)
+    try:
+        parallel.init_single_process(seed=0)
+        single = Trainer(TrainConfig(**kw))
+        before = {k: v.clone() for k, v in single.hf_state_dict().items()}
+        for rollout_id in range(2):
+            m2, m1 = group.train_step(varied_rollout(), rollout_id), single.train_step(varied_rollout(), rollout_id)
+            for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
+                assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), (rollout_id, key)
+        after2, after1 = group.hf_state_dict(), single.hf_state_dict()
+        assert sorted(after2) == sorted(before) and "lm_head.weight" not in after2
+        assert not torch.equal(after1["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+        assert_same_adam_step(after2, after1, [k for k in before if not k.endswith("k_proj.bias")], 2 * kw["lr"])
+        first, last = (dict(ray.get(a.named_megatron_params.remote())) for a in group.actors)
+        assert "decoder.layers.0.mlp.linear_fc1.weight" in first and "decoder.layers.2.mlp.linear_fc1.weight" in last
+        assert "decoder.layers.2.mlp.linear_fc1.weight" not in first and "embedding.word_embeddings.weight" not in last
+        assert torch.equal(first["embedding.word_embeddings.weight"], last["output_layer.weight"])  # the tied copy
+    finally:
+        group.shutdown()
+
+
+def test_doctor_refuses_stages_that_do_not_split_the_layers_or_an_online_draft(tmp_path):
+    from slime_spec.config.args import parse
+    from slime_spec.doctor.diagnose import diagnose
+    from slime_spec.tools.tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path, arch="qwen3", hidden_size=32, num_layers=3)
+    base = ["--hf-checkpoint", str(path), "--rollout-backend", "embedded", "--actor-num-gpus-per-node", "2",
+            "--pipeline-model-parallel-size", "2"]
+
+    def errors(*extra):
+        return [f.message for f in diagnose(parse([*base, *extra]))[1] if f.level == "error"]
+
+    assert any("3 decoder layers over --pipeline-model-parallel-size 2" in m for m in errors())
+    assert errors("--decoder-last-pipeline-num-layers", "1") == []  # 2 + 1
+    assert any("--enable-draft-training with --pipeline-model-parallel-size 2" in m
+               for m in errors("--decoder-first-pipeline-num-layers", "1", "--enable-draft-training"))
