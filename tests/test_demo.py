@@ -53,17 +53,20 @@ def test_bf16_sft_only_where_the_cpu_multiplies_bfloat16_natively():
     assert not cpu_has_bf16(older) and not cpu_has_bf16("")
 
 
-def test_gpu_layouts_train_in_bf16_on_one_gpu_each_one_shared_or_two_shared_at_tp2():
+def test_gpu_layouts_train_in_bf16_on_one_gpu_each_one_shared_or_two_shared_at_tp2_or_pp2():
     from slime_spec.demo.run import gpu_layout_argv
     split, colocate, tp2 = gpu_layout_argv("split"), gpu_layout_argv("colocate"), gpu_layout_argv("colocate-tp2")
-    for argv, gpus in ((split, "1"), (colocate, "1"), (tp2, "2")):
+    pp2 = gpu_layout_argv("colocate-pp2")
+    for argv, gpus in ((split, "1"), (colocate, "1"), (tp2, "2"), (pp2, "2")):
         assert "--bf16" in argv and argv[argv.index("--sglang-dtype") + 1] == "bfloat16"
         assert argv[argv.index("--rollout-num-gpus") + 1] == gpus
         assert argv[argv.index("--actor-num-gpus-per-node") + 1] == gpus
     assert "--colocate" in colocate and "--colocate" in tp2 and "--colocate" not in split
     assert tp2[tp2.index("--tensor-model-parallel-size") + 1] == "2"
     assert tp2[tp2.index("--rollout-num-engines") + 1] == "2"
-    assert "--tensor-model-parallel-size" not in split + colocate
+    assert pp2[pp2.index("--pipeline-model-parallel-size") + 1] == "2" and "--colocate" in pp2
+    assert pp2[pp2.index("--rollout-num-engines") + 1] == "2"
+    assert "--tensor-model-parallel-size" not in split + colocate + pp2
     assert gpu_layout_argv(None) == []
     with pytest.raises(ValueError, match="--layout='tp2'"):
         gpu_layout_argv("tp2")
@@ -81,3 +84,5 @@ def test_device_and_layout_follow_the_gpus_seen_and_refuse_what_cannot_run():
     with pytest.raises(ValueError, match="--layout colocate-tp2 needs two GPUs"):
         resolve_layout("colocate-tp2", 1)
     assert resolve_layout("colocate-tp2", 2) == "colocate-tp2"
+    with pytest.raises(ValueError, match="--layout colocate-pp2 needs two GPUs"):
+        resolve_layout("colocate-pp2", 1)

@@ -15,7 +15,9 @@ On a machine with CUDA (`--device cuda`, the default there) the target has 0.5B 
 with float32 master weights; `--layout split` puts the trainer on GPU 0 and the engine on GPU 1 (weights over NCCL),
 `--layout colocate` both on one GPU, the engine's memory released while the trainer trains and the trainer's moved
 to host memory while the engine generates; `--layout colocate-tp2` is slime's colocated layout on two GPUs: the
-trainer at tensor parallel 2 over both, one engine on each, each engine fed by the trainer rank on its GPU.
+trainer at tensor parallel 2 over both, one engine on each, each engine fed by the trainer rank on its GPU;
+`--layout colocate-pp2` the same with the trainer's layers in two pipeline stages (megatron-core's 1F1B schedule,
+activations over NCCL), rank 0 sending both engines every stage's weights.
 metrics.jsonl then also has, per step, the rollout, train, sync, offload and onload seconds and the peak memory of
 each GPU, over the step and during its sync.
 """
@@ -49,7 +51,8 @@ SIZES = {  # name: model, data and loop sizes
                 max_response_len=128, speedup_interval=2, speedup_repeats=3, terse_share=0.35,
                 rm_type="scratchpad_concise", grpo_lr="1e-5"),
 }
-LAYOUTS = ("split", "colocate", "colocate-tp2")
+LAYOUTS = ("split", "colocate", "colocate-tp2", "colocate-pp2")
+TWO_GPU_LAYOUTS = ("split", "colocate-tp2", "colocate-pp2")
 # NEXTN with the MTP layer, 3 steps on every engine: the online and the frozen draft's speed-ups then differ only by
 # their drafts. With --spec-auto each engine chose its own k from its own cost history, and the frozen-draft engine,
 # which serves only the measurements, settled on a cheaper k than engine 0 (docs/en/benchmarks.md, the demo).
@@ -153,8 +156,8 @@ def grpo_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path, siz
               layout: str | None = None) -> list[str]:
     """The demo's GRPO run: MTP trained online, timed against plain and against its draft frozen at the start.
     `layout` (on GPUs): "split", trainer on GPU 0 and the engine on GPU 1, weights over NCCL; "colocate", both on
-    GPU 0, each one's memory released while the other works; "colocate-tp2", the trainer at TP 2 over GPUs 0 and 1 and
-    an engine on each, colocated."""
+    GPU 0, each one's memory released while the other works; "colocate-tp2" / "colocate-pp2", the trainer at TP 2 / in
+    two pipeline stages over GPUs 0 and 1 and an engine on each, colocated."""
     argv = grpo_task_argv(model, train_data, eval_data, run_dir, size, seed, lr=size.get("grpo_lr", GRPO_LR))
     return argv + [*MTP_FLAGS, *SPEC_FLAGS, "--enable-mtp-training", "--spec-speedup-frozen-draft",
                    *gpu_layout_argv(layout)]
@@ -162,18 +165,20 @@ def grpo_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path, siz
 
 def gpu_layout_argv(layout: str | None) -> list[str]:
     """The flags of a GPU layout (None: the CPU demo): bfloat16 training with float32 master weights, a bfloat16
-    engine, and one GPU each for trainer and engine (split), one shared (colocate), or two shared by a TP 2 trainer
-    and two engines (colocate-tp2)."""
+    engine, and one GPU each for trainer and engine (split), one shared (colocate), or two shared by a TP 2 (or two
+    stage) trainer and two engines (colocate-tp2, colocate-pp2)."""
     if layout is None:
         return []
     if layout not in LAYOUTS:
         raise ValueError(f"--layout={layout!r}: one of {LAYOUTS}")
-    gpus = "2" if layout == "colocate-tp2" else "1"
+    gpus = "2" if layout in ("colocate-tp2", "colocate-pp2") else "1"
     argv = ["--bf16", "--sglang-dtype", "bfloat16", "--actor-num-gpus-per-node", gpus, "--rollout-num-gpus", gpus]
     if layout == "split":
         return argv
-    if layout == "colocate-tp2":  # an engine per GPU; said here too, so the per-engine request cap splits the rollout
-        argv += ["--tensor-model-parallel-size", "2", "--rollout-num-engines", "2"]
+    if layout in ("colocate-tp2", "colocate-pp2"):  # an engine per GPU; said here too, so the per-engine request
+        # cap splits the rollout
+        argv += ["--tensor-model-parallel-size" if layout == "colocate-tp2" else "--pipeline-model-parallel-size", "2",
+                 "--rollout-num-engines", "2"]
     # SGLang's memory saver where torch_memory_saver is installed: a release then keeps the engine's addresses and
     # its CUDA graphs, instead of capturing them all again on every resume
     saver = ["--sglang-enable-memory-saver"] if importlib.util.find_spec("torch_memory_saver") else []
@@ -190,11 +195,11 @@ def resolve_device(device: str, gpus: int) -> str:
 
 
 def resolve_layout(layout: str | None, gpus: int) -> str:
-    """--layout on GPUs: split and colocate-tp2 need two (trainer on GPU 0 and engine on GPU 1; a TP 2 trainer and
-    an engine on each); unset, split where two are seen."""
+    """--layout on GPUs: split, colocate-tp2 and colocate-pp2 need two (trainer on GPU 0 and engine on GPU 1; a TP 2
+    or two-stage trainer and an engine on each); unset, split where two are seen."""
     if layout is None:
         return "split" if gpus >= 2 else "colocate"
-    if layout in ("split", "colocate-tp2") and gpus < 2:
+    if layout in TWO_GPU_LAYOUTS and gpus < 2:
         raise ValueError(f"--layout {layout} needs two GPUs, and torch sees {gpus}; use --layout colocate (trainer "
                          "and engine on one GPU)")
     return layout
@@ -251,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="on cuda: split (trainer GPU 0, engine GPU 1, NCCL weight sync; the default with 2 GPUs), "
                         "colocate (one GPU shared, each side's memory offloaded while the other works) or "
-                        "colocate-tp2 (two GPUs shared by a TP 2 trainer and an engine on each)")
+                        "colocate-tp2 / colocate-pp2 (two GPUs shared by a TP 2 or two-stage trainer and an engine on "
+                        "each)")
     args = p.parse_args(argv)
     import torch
 

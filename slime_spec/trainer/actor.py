@@ -110,9 +110,7 @@ class TrainActor:
 
         from slime_spec.config.run_config import resolve_transport
         from slime_spec.weight_sync.transports.colocated import colocated_rank_buckets
-        # under pipeline parallelism no rank but 0 holds every layer: rank 0 sends every engine its bucket
-        if colocate and resolve_transport(weight_sync.weight_sync_transport, colocate) == "tensor" and \
-                self._ready().tp.pp_size == 1:
+        if colocate and resolve_transport(weight_sync.weight_sync_transport, colocate) == "tensor":
             self.rank_buckets, self.colocated_ranks = colocated_rank_buckets(self.rank, self.world_size, len(urls),
                                                                              engine_tp_size)
         if self.rank != 0:
@@ -167,7 +165,7 @@ class TrainActor:
         `defer_canary`: the engines cannot generate now (their KV cache is released); the canary's reading before
         was taken by `canary_before`, and `canary_after` takes the one after.
         """
-        from slime_spec.trainer.pipeline import weights_to_first_stage
+        from slime_spec.trainer.pipeline import weights_of_every_stage, weights_to_first_stage
         from slime_spec.weight_sync.gather import iter_draft_tensors, iter_hf_tensors, quantized
         from slime_spec.weight_sync.transports.colocated import follow_sync
         trainer = self._ready()
@@ -175,11 +173,15 @@ class TrainActor:
             trainer.check_weights_finite(f"synced into the engines as weight version {weight_version!r} (the engines "
                                          "keep serving the weights they have)")
         first_of_tp_group = self.rank - trainer.tp.tp_rank  # Megatron's TP groups are consecutive ranks
+        # Pipeline stages with per-rank buckets: every rank receives every stage's tensors (each feeds the engine on
+        # its own GPU), so every rank takes part.
+        every_stage_everywhere = trainer.tp.pp_size > 1 and self.colocated_ranks > 0
         # Every replica holds the same weights: only the first (all EP ranks of it: each holds other experts) gathers.
-        if trainer.tp.edp_rank != 0 and first_of_tp_group >= self.colocated_ranks:
+        if not every_stage_everywhere and trainer.tp.edp_rank != 0 and first_of_tp_group >= self.colocated_ranks:
             return {}
-        tensors = weights_to_first_stage(iter_hf_tensors(trainer.named_megatron_params(stage_copies=False),
-                                                         trainer.hf_config, **trainer.gather_groups()), trainer.device)
+        stages = weights_of_every_stage if every_stage_everywhere else weights_to_first_stage
+        tensors = stages(iter_hf_tensors(trainer.named_megatron_params(stage_copies=False), trainer.hf_config,
+                                         **trainer.gather_groups()), trainer.device)
         stream = itertools.chain(tensors, iter_draft_tensors(trainer.named_draft_tensors()))
         if trainer.fp8 is not None:  # the engines serve the FP8 checkpoint: its weights quantized as it holds them
             stream = quantized(stream, trainer.fp8)

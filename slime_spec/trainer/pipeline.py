@@ -11,6 +11,7 @@ its metrics and the MTP and draft losses are computed on the last stage only.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any, Callable, Iterable, Iterator
 
@@ -113,11 +114,14 @@ def sum_shared_embedding_grads(params: list[torch.Tensor]) -> None:
             dist.all_reduce(p.grad, group=ps.get_embedding_group())
 
 
-def sum_over_stages(tensor: torch.Tensor) -> torch.Tensor:
+def sum_over_stages(tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
     """`tensor` summed over this rank's pipeline stages, in place (what only the last stage computes, with zeros on
-    the others, becomes every stage's)."""
+    the others, becomes every stage's); through `device` when given (NCCL reduces CUDA tensors only)."""
     if pp_size() > 1:
-        dist.all_reduce(tensor, group=_ps().get_pipeline_model_parallel_group())
+        moved = tensor if device is None else tensor.to(device)
+        dist.all_reduce(moved, group=_ps().get_pipeline_model_parallel_group())
+        if moved is not tensor:
+            tensor.copy_(moved)
     return tensor
 
 
@@ -129,6 +133,26 @@ def from_last_stage(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=dist.get_process_group_ranks(group)[-1], group=group)
     return box[0]
+
+
+_FAILED = "stage failed"
+
+
+@contextlib.contextmanager
+def _failure_sent(send: Callable[[list], None]):
+    """A stage whose own stream fails (a gather, a conversion) tells the ranks waiting for its tensors, then raises:
+    they fail naming it instead of waiting for tensors that never come."""
+    try:
+        yield
+    except Exception as e:
+        send([(_FAILED, f"{type(e).__name__}: {e}")])
+        raise
+
+
+def _header(header: tuple, stage: int, rank: int) -> tuple:
+    if header[0] == _FAILED:
+        raise RuntimeError(f"pipeline stage {stage} (trainer rank {rank}) failed sending its weights: {header[1]}")
+    return header
 
 
 def weights_to_first_stage(tensors: Iterable, device: torch.device) -> Iterator:
@@ -151,19 +175,20 @@ def weights_to_first_stage(tensors: Iterable, device: torch.device) -> Iterator:
         yield from tensors
         return
     if rank != 0:
-        for t in tensors:
-            dist.send_object_list([(t.name, t.tensor.shape, t.tensor.dtype, t.kind)], dst=0, group=group)
-            dist.send(t.tensor.contiguous(), dst=0, group=group)
+        with _failure_sent(lambda header: dist.send_object_list(header, dst=0, group=group)):
+            for t in tensors:
+                dist.send_object_list([(t.name, t.tensor.shape, t.tensor.dtype, t.kind)], dst=0, group=group)
+                dist.send(t.tensor.contiguous(), dst=0, group=group)
         dist.send_object_list([None], dst=0, group=group)
         return
     yield from tensors
-    for src in ranks[1:]:
+    for stage, src in enumerate(ranks[1:], start=1):
         while True:
             header = [None]
             dist.recv_object_list(header, src=src, group=group)
             if header[0] is None:
                 break
-            name, shape, dtype, kind = header[0]
+            name, shape, dtype, kind = _header(header[0], stage, src)
             tensor = torch.empty(shape, dtype=dtype, device=device)
             dist.recv(tensor, src=src, group=group)
             yield NamedTensor(name, tensor, kind)
@@ -184,3 +209,37 @@ def stage_layer_counts(num_layers: int, stages: int, first: int | None = None, l
         raise ValueError(f"{where}: the stages cannot hold them evenly (each stage needs at least one layer, the "
                          f"stages without a given count an equal share); choose sizes that split the layers")
     return [given.get(s, rest // others if others else 0) for s in range(stages)]
+
+
+def weights_of_every_stage(tensors: Iterable, device: torch.device) -> Iterator:
+    """The weight sync's stream (gather.NamedTensor, each whole) of every stage, on every rank: each stage in turn
+    broadcasts its tensors over the pipeline group (a header object, then the tensor). For colocated engines fed by
+    the trainer rank on their own GPU (SGLang opens a CUDA IPC handle only on a device the engine sees), where every
+    such rank needs the whole model."""
+    from slime_spec.weight_sync.gather import NamedTensor
+
+    if pp_size() == 1:
+        yield from tensors
+        return
+    ps = _ps()
+    group = ps.get_pipeline_model_parallel_group()
+    ranks, stage = dist.get_process_group_ranks(group), ps.get_pipeline_model_parallel_rank()
+    for src_stage, src in enumerate(ranks):
+        if src_stage == stage:
+            with _failure_sent(lambda header: dist.broadcast_object_list(header, src=src, group=group)):
+                for t in tensors:
+                    dist.broadcast_object_list([(t.name, t.tensor.shape, t.tensor.dtype, t.kind)], src=src,
+                                               group=group)
+                    dist.broadcast(t.tensor.contiguous(), src=src, group=group)
+                    yield t
+            dist.broadcast_object_list([None], src=src, group=group)
+            continue
+        while True:
+            header = [None]
+            dist.broadcast_object_list(header, src=src, group=group)
+            if header[0] is None:
+                break
+            name, shape, dtype, kind = _header(header[0], src_stage, src)
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(tensor, src=src, group=group)
+            yield NamedTensor(name, tensor, kind)

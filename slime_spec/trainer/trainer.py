@@ -375,7 +375,7 @@ class Trainer:
                 with self.timer("EAGLE3 draft"):
                     self.online_draft.step(ps.get_data_parallel_group() if self.tp.dp_size > 1 else None,
                                            self.tp.dp_size)
-        pipeline.sum_over_stages(prepared.sums)  # the last stage's, where the loss is computed
+        pipeline.sum_over_stages(prepared.sums, self.device)  # the last stage's, where the loss is computed
         metrics = step_metrics.step_metrics(prepared.sums, grad_norms, self.optimizer.param_groups[0]["lr"],
                                             self.tp.dp_size, self.device, use_tis=self.train.use_tis and not
                                             prepared.sft)

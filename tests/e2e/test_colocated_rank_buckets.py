@@ -7,6 +7,10 @@ GPU of trainer rank e, so it must serve rank e's bytes: after the train step, ra
 final norm (real DP replicas hold equal weights), so an entry that came from the wrong rank is seen. A second
 sync, in which rank 1's tensor stream fails midway, must fail on both ranks (no hang) and leave both engines on
 the weights of the first sync (the embedded engine rolls the session back).
+
+The same with the two ranks as two pipeline stages: each stage broadcasts its tensors to the other, so both ranks
+hold the whole model and each feeds the engine on its own GPU (SGLang opens a CUDA IPC handle only on a device the
+engine sees); rank 1 holds the final norm, so both engines serve its moved copy.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import multiprocessing
 import pickle
 import traceback
 
+import pytest
 import torch
 
 from slime_spec.common.net import free_port
@@ -46,14 +51,16 @@ def failing_after(params, n: int):
         yield item
 
 
-def run_trainer_rank(rank: int, port: int, model: str, urls: list[str], out_path: str, disk_dir: str) -> None:
+def run_trainer_rank(rank: int, port: int, model: str, urls: list[str], out_path: str, disk_dir: str,
+                     pp: int = 1) -> None:
     from slime_spec.config.run_config import TrainConfig, WeightSyncConfig
     from slime_spec.trainer.actor import TrainActor
     result = {}
     actor = TrainActor(rank, 2)
     try:
         train = TrainConfig(hf_checkpoint=model, mtp_num_layers=1, enable_mtp_training=True, lr=1e-2,
-                            global_batch_size=4, micro_batch_size=2, n_samples_per_prompt=2)
+                            global_batch_size=4, micro_batch_size=2, n_samples_per_prompt=2,
+                            pipeline_model_parallel_size=pp)
         actor.init(train, "127.0.0.1", port)
         actor.connect_engines(urls, WeightSyncConfig(weight_sync_transport="tensor", update_weight_buffer_size=4096,
                                                      weight_sync_check_interval=1),
@@ -61,6 +68,7 @@ def run_trainer_rank(rank: int, port: int, model: str, urls: list[str], out_path
         result["colocated_ranks"] = actor.colocated_ranks
         actor.train_step(rollout(), 0)
         trainer = actor.trainer
+        result["pp"] = trainer.tp.pp_size
         if rank == 1:
             norm = next(p for n, p in trainer.model.named_parameters() if n.endswith("decoder.final_layernorm.weight"))
             with torch.no_grad():
@@ -69,7 +77,7 @@ def run_trainer_rank(rank: int, port: int, model: str, urls: list[str], out_path
         result["sync"] = actor.sync_weights("1")
         if rank == 1:
             own = trainer.named_megatron_params
-            trainer.named_megatron_params = lambda: failing_after(own(), 3)
+            trainer.named_megatron_params = lambda **kw: failing_after(own(**kw), 3)
         try:
             actor.sync_weights("2")
             result["second"] = "succeeded"
@@ -87,7 +95,8 @@ def served(engine: EngineServer, name: str) -> torch.Tensor:
     return engine.served(name)
 
 
-def test_each_colocated_engine_serves_its_own_trainer_ranks_trained_weights(tmp_path, tiny_mimo_engine):
+@pytest.mark.parametrize("pp", [1, 2])
+def test_each_colocated_engine_serves_its_own_trainer_ranks_trained_weights(tmp_path, tiny_mimo_engine, pp):
     # engine 0: the session's (tests/conftest.py), back on its checkpoint; engine 1: a fresh one of the same model
     model = tiny_mimo_engine.model_path
     engines = [tiny_mimo_engine, EngineServer(model, EAGLE_FLAGS, log_path=tmp_path / "engine1.log").launch()]
@@ -98,7 +107,8 @@ def test_each_colocated_engine_serves_its_own_trainer_ranks_trained_weights(tmp_
         ctx = multiprocessing.get_context("spawn")
         port, outs = free_port(), [tmp_path / f"rank{r}.pkl" for r in range(2)]
         procs = [ctx.Process(target=run_trainer_rank, args=(r, port, str(model), [e.url for e in engines],
-                                                            str(outs[r]), str(tmp_path / "disk"))) for r in range(2)]
+                                                            str(outs[r]), str(tmp_path / "disk"), pp))
+                 for r in range(2)]
         for p in procs:
             p.start()
         for p in procs:
@@ -109,26 +119,32 @@ def test_each_colocated_engine_serves_its_own_trainer_ranks_trained_weights(tmp_
         assert not alive, "a trainer rank hung: the sync did not end on every rank"
         ranks = [pickle.loads(o.read_bytes()) for o in outs]
         assert all("error" not in r for r in ranks), [r.get("error") for r in ranks]
-        assert [r["colocated_ranks"] for r in ranks] == [2, 2]
+        assert [r["colocated_ranks"] for r in ranks] == [2, 2] and [r["pp"] for r in ranks] == [pp, pp]
         first = ranks[0]["sync"]
         assert first["weight_sync_params"] > 0 and first["weight_sync_mtp_params"] > 0
         assert first["weight_sync_buckets"] > 1
         assert 0 < first["weight_sync_ranks_wait_s"] <= first["weight_sync_send_s"]  # rank 0 waited for rank 1
         assert ranks[1]["sync"] == {}  # rank 0 reports the sync
 
-        # engine e serves trainer rank e's trained tensors: the embedding both ranks trained alike, the norm rank 1
-        # moved on its own copy only
-        for e, engine in enumerate(engines):
-            own = ranks[e]["hf"]
-            assert torch.equal(served(engine, EMBED), own[EMBED].float()), e
-            assert torch.equal(served(engine, NORM), own[NORM].float()), e
+        if pp == 1:
+            # engine e serves trainer rank e's trained tensors: the embedding both ranks trained alike, the norm
+            # rank 1 moved on its own copy only
+            for e, engine in enumerate(engines):
+                own = ranks[e]["hf"]
+                assert torch.equal(served(engine, EMBED), own[EMBED].float()), e
+                assert torch.equal(served(engine, NORM), own[NORM].float()), e
+            assert torch.equal(served(engines[1], NORM), served(engines[0], NORM) + 1)
+        else:  # rank 0's gathered view holds every stage's: the first's embedding, the last's (moved) norm
+            whole = ranks[0]["hf"]
+            for e, engine in enumerate(engines):
+                assert torch.equal(served(engine, EMBED), whole[EMBED].float()), e
+                assert torch.equal(served(engine, NORM), whole[NORM].float()), e
         assert not torch.equal(ranks[0]["hf"][EMBED], checkpoint[EMBED])  # trained, not the checkpoint
-        assert torch.equal(served(engines[1], NORM), served(engines[0], NORM) + 1)
 
         # rank 1's stream failed in the second sync: both ranks fail, naming it; the engines keep the first sync
         assert INJECTED in ranks[1]["second"] and INJECTED in ranks[0]["second"], [r["second"] for r in ranks]
         assert "trainer rank 1" in ranks[0]["second"]
         for e, engine in enumerate(engines):
-            assert torch.equal(served(engine, NORM), ranks[e]["hf"][NORM].float()), e
+            assert torch.equal(served(engine, NORM), ranks[e if pp == 1 else 0]["hf"][NORM].float()), e
     finally:
         engines[1].close()
