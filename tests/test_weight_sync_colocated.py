@@ -213,3 +213,13 @@ def test_layout_needs_a_multiple_of_the_engine_tp_size():
     assert ColocatedLayout.of(4, 2).entries_of(1, ["a", "b", "c", "d"]) == ["c", "d"]
     with pytest.raises(ValueError, match="multiple of the engines' --tp-size"):
         ColocatedLayout.of(3, 2)
+
+
+def test_on_gpus_an_engine_without_a_trainer_rank_on_its_gpu_is_refused_at_connect():
+    """SGLang's update_weights_from_tensor opens a CUDA IPC handle only on a device the engine sees (its
+    patch_torch raises "Invalid device_uuid", met on two H200s): two engines on two GPUs with one trainer rank would
+    fail at the first sync, so the connect refuses it; on the CPU rank 0 sends every entry as before."""
+    from slime_spec.weight_sync.transports.colocated import colocated_rank_buckets
+    with pytest.raises(ValueError, match="span 2 GPUs but the trainer has 1 rank.*--rollout-num-gpus <="):
+        colocated_rank_buckets(0, 1, num_engines=2, engine_tp_size=1, cuda=True)
+    assert colocated_rank_buckets(0, 1, num_engines=2, engine_tp_size=1, cuda=False) == (None, 0)

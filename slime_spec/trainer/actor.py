@@ -111,8 +111,8 @@ class TrainActor:
         from slime_spec.config.run_config import resolve_transport
         from slime_spec.weight_sync.transports.colocated import colocated_rank_buckets
         if colocate and resolve_transport(weight_sync.weight_sync_transport, colocate) == "tensor":
-            self.rank_buckets, self.colocated_ranks = colocated_rank_buckets(self.rank, self.world_size, len(urls),
-                                                                             engine_tp_size)
+            self.rank_buckets, self.colocated_ranks = colocated_rank_buckets(
+                self.rank, self.world_size, len(urls), engine_tp_size, cuda=torch.cuda.is_available())
         if self.rank != 0:
             return
         from slime_spec.fleet.client import EngineAuth, EngineClient

@@ -149,20 +149,30 @@ class RankBuckets:
             self._broadcast(("abort", reason))
 
 
-def colocated_rank_buckets(rank: int, world_size: int, num_engines: int,
-                           engine_tp_size: int) -> tuple[RankBuckets | None, int]:
+def colocated_rank_buckets(rank: int, world_size: int, num_engines: int, engine_tp_size: int,
+                           cuda: bool = False) -> tuple[RankBuckets | None, int]:
     """Every trainer rank calls this once per set of engines (`dist.new_group` is collective over the default
     group): this rank's RankBuckets (None outside the group) and W, the number of colocated trainer ranks that
-    hand over buckets (0: rank 0 alone sends, as with one colocated GPU, where there is nothing to spread)."""
+    hand over buckets (0: rank 0 alone sends, as with one colocated GPU, where there is nothing to spread).
+
+    `cuda`: the trainer's tensors are on GPUs. An engine TP rank on a GPU without a trainer rank of its own is then
+    refused: SGLang's update_weights_from_tensor opens a CUDA IPC handle only on a device the engine sees
+    (sglang/srt/utils/patch_torch.py raises "Invalid device_uuid"; met on two H200s)."""
     layout = ColocatedLayout(num_engines, engine_tp_size)
+    if layout.world_size > world_size and cuda:
+        raise ValueError(f"--colocate: {num_engines} engine(s) of --tp-size {engine_tp_size} span {layout.world_size} "
+                         f"GPUs but the trainer has {world_size} rank(s), so some engine would read another GPU's "
+                         f"weights, which SGLang's update_weights_from_tensor refuses (a CUDA IPC handle opens only on "
+                         f"a device the engine sees); give every rollout GPU a trainer rank: --rollout-num-gpus <= "
+                         f"--actor-num-nodes x --actor-num-gpus-per-node")
     if world_size < 2 or layout.world_size < 2:
         return None, 0
-    if layout.world_size > world_size:  # engine TP ranks on GPUs without a trainer rank of their own
+    if layout.world_size > world_size:  # on the CPU: shared memory, which every engine process can map
         if rank == 0:
-            logger.warning("%d engine(s) of --tp-size %d span %d GPUs but the trainer has %d rank(s): rank 0 sends "
-                           "every engine TP rank its bucket (read across GPUs); per-rank buckets need "
-                           "--rollout-num-gpus <= --actor-num-nodes x --actor-num-gpus-per-node", num_engines,
-                           engine_tp_size, layout.world_size, world_size)
+            logger.warning("%d engine(s) of --tp-size %d span %d devices but the trainer has %d rank(s): rank 0 "
+                           "sends every engine TP rank its bucket; per-rank buckets need --rollout-num-gpus <= "
+                           "--actor-num-nodes x --actor-num-gpus-per-node", num_engines, engine_tp_size,
+                           layout.world_size, world_size)
         return None, 0
     group = dist.new_group(ranks=list(range(layout.world_size)), backend="gloo")
     return (RankBuckets(group, layout) if rank < layout.world_size else None), layout.world_size
