@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -91,3 +91,32 @@ class SkipTracker:
                 f"{self.consecutive} optimizer steps in a row were skipped for non-finite values "
                 f"(--max-consecutive-skipped-steps {self.max_consecutive}), so the run stops; no update was made "
                 f"from them. " + "; ".join(self.reasons))
+
+
+def check_weights_finite(named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]], purpose: str) -> None:
+    """Raise NonFiniteError naming every non-finite tensor `named_tensors()` yields before the weights are `purpose`
+    (synced, saved). Collective: every rank checks its own and all learn what any rank found. A rank that fails to
+    read its weights still joins the collective (else the others would wait on it), and every rank names it."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        report = (rank, nonfinite_tensors(named_tensors()), None)
+    except Exception as e:
+        own_error, report = e, (rank, [], f"{type(e).__name__}: {e}")
+    else:
+        own_error = None
+    reports = [report]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, report)
+    if own_error is not None:
+        raise own_error
+    failed = [(r, error) for r, _, error in reports if error]
+    if failed:
+        raise RuntimeError("; ".join(f"trainer rank {r} failed reading its weights before they are {purpose}: "
+                                     f"{error}" for r, error in failed))
+    total = sum(len(bad) for _, bad, _ in reports)
+    if total:
+        found = "; ".join(f"rank {r}: {bad}" for r, bad, _ in reports if bad)
+        raise NonFiniteError(f"{total} weight tensor(s) hold NaN or inf, so they are not {purpose}; {found}")

@@ -42,6 +42,12 @@ class ModelRows:
         keep[:, 0] = False
         return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
+    def to_rows(self, per_sample: torch.Tensor) -> torch.Tensor:
+        """[n, S] per-token values of the samples -> the rows' layout [r, L] (0 on padding)."""
+        flat = torch.zeros(self.input_ids.numel(), dtype=per_sample.dtype, device=per_sample.device)
+        flat[self.index[self.valid]] = per_sample[self.valid]
+        return flat.view_as(self.input_ids)
+
 
 def causal_mask(seq_len: int, device) -> torch.Tensor:
     """[1, 1, s, s] True above the diagonal: right padding needs nothing more."""

@@ -12,7 +12,6 @@ import functools
 import itertools
 import logging
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -22,21 +21,21 @@ import torch.nn.functional as F
 
 from slime_spec.config.run_config import TrainConfig
 from slime_spec.rollout.sample import Sample, Status
-from slime_spec.trainer import checkpoint, grads, losses, mtp_loss, pipeline, step_metrics
+from slime_spec.trainer import checkpoint, grads, losses, mtp_loss, pipeline, step_metrics, step_plan
 from slime_spec.trainer import model as M
-from slime_spec.trainer.batch import TokenBatch, collate, packed_step_slices, response_mask, step_slices
+from slime_spec.trainer.batch import TokenBatch, collate, response_mask
 from slime_spec.trainer.eagle3_online import OnlineDraft
 from slime_spec.trainer.finite_guard import (
-    NonFiniteError,
     SkipTracker,
+    check_weights_finite,
     describe_value,
     grpo_advantages_without,
-    nonfinite_tensors,
     reward_left_out,
 )
 from slime_spec.trainer.packing import ModelRows, model_rows
 from slime_spec.trainer.parallel import TPInfo, current_tp_info
 from slime_spec.trainer.precision import MasterParams
+from slime_spec.trainer.step_plan import PreparedStep
 from slime_spec.trainer.timing import PartTimer
 from slime_spec.weight_sync import convert, fp8
 
@@ -300,35 +299,16 @@ class Trainer:
                 return mtp_loss.mtp_loss_per_sample(hidden, weight, rows, loss_mask, self.vocab_size,
                                                     vocab_start=self.tp.tp_rank * weight.shape[0], group=group)
 
-    def plan(self, samples: list[Sample], dp_rank: int | None = None) -> list[list[list[int]]]:
-        """This rank's (or data-parallel rank `dp_rank`'s) sample indices per optimizer step, per micro-batch.
-        Under expert parallelism every rank packs as many micro-batches per step as the others (collective MoE)."""
+    @property
+    def step_layout(self) -> step_plan.StepLayout:
         t = self.train
-        dp_rank = self.tp.dp_rank if dp_rank is None else dp_rank
-        if self.packed:
-            return packed_step_slices([len(s.tokens) for s in samples], t.global_batch_size, t.max_tokens_per_gpu,
-                                      dp_rank, self.tp.dp_size, equal_counts=self.tp.ep_size > 1)
-        return step_slices(len(samples), t.global_batch_size, t.micro_batch_size, dp_rank, self.tp.dp_size)
+        return step_plan.StepLayout(t.global_batch_size, t.micro_batch_size, t.max_tokens_per_gpu, self.tp.dp_rank,
+                                    self.tp.dp_size, self.tp.ep_size,
+                                    row_multiple=self.tp.tp_size if self.model.config.sequence_parallel else 1)
 
-    def _row_lengths(self, samples: list[Sample], steps: list[list[list[int]]]) -> tuple[int, list[list[int]]]:
-        """The least model-row lengths: (padded rows' length, each packed micro-batch's row length); 0 where any do.
-
-        Under expert parallelism every EP rank must hand the MoE layers' all-gather token dispatcher the same token
-        count: padded rows as long as the rollout's longest sample; a packed row as long as the longest packed row of
-        that micro-batch on any data-parallel rank (each rank computes every rank's plan). Under sequence
-        parallelism a row's length is a multiple of the TP size. Padding follows the real tokens, unseen by them
-        (causal mask, its own packed segment), and dropless routing computes each token alone."""
-        tp = self.tp.tp_size if self.model.config.sequence_parallel else 1
-        seq_len = max(len(s.tokens) for s in samples) if self.tp.ep_size > 1 and not self.packed else 0
-        rows = [[sum(len(samples[i].tokens) for i in mb) for mb in step] for step in steps] if self.packed else \
-            [[0] * len(step) for step in steps]
-        if self.packed and self.tp.ep_size > 1:
-            plans = [self.plan(samples, r) for r in range(self.tp.dp_size)]
-            rows = [[max(sum(len(samples[i].tokens) for i in plan[s_idx][m_idx]) for plan in plans)
-                     for m_idx in range(len(step))] for s_idx, step in enumerate(steps)]
-        if tp > 1 and not self.packed:
-            seq_len = -(-max(seq_len, *(len(s.tokens) for s in samples)) // tp) * tp
-        return seq_len, [[-(-r // tp) * tp for r in step] for step in rows]
+    def plan(self, samples: list[Sample], dp_rank: int | None = None) -> step_plan.Steps:
+        """This rank's (or data-parallel rank `dp_rank`'s) sample indices per optimizer step, per micro-batch."""
+        return step_plan.plan([len(s.tokens) for s in samples], self.step_layout, dp_rank)
 
     def sft_step(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         """A supervised step on the samples' response tokens whatever --loss-type is (warm-up)."""
@@ -385,7 +365,7 @@ class Trainer:
             metrics.update(self.online_draft.pop_metrics())
         return metrics
 
-    def _nonfinite_step(self, p: "_Prepared", s_idx: int, step_sums: torch.Tensor, grad_norm: float,
+    def _nonfinite_step(self, p: PreparedStep, s_idx: int, step_sums: torch.Tensor, grad_norm: float,
                         rollout_id: int, samples: list[Sample]) -> str | None:
         """Why optimizer step `s_idx` must be skipped (its loss or gradient norm is not finite), or None.
         Every rank decides the same: the loss flags are summed over data-parallel ranks, the norm is global."""
@@ -413,31 +393,9 @@ class Trainer:
 
     def check_weights_finite(self, purpose: str) -> None:
         """Raise NonFiniteError naming every non-finite tensor before the weights are `purpose` (synced, saved).
-        Collective: every rank checks its shard and all learn what any rank found. A rank that fails to read its
-        weights still joins the collective (else the others would wait on it), and every rank names it."""
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        try:
-            report = (rank, nonfinite_tensors(itertools.chain(self.named_megatron_params(),
-                                                              self.named_draft_tensors())), None)
-        except Exception as e:
-            own_error, report = e, (rank, [], f"{type(e).__name__}: {e}")
-        else:
-            own_error = None
-        reports = [report]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            reports = [None] * dist.get_world_size()
-            dist.all_gather_object(reports, report)
-        if own_error is not None:
-            raise own_error
-        failed = [(r, error) for r, _, error in reports if error]
-        if failed:
-            raise RuntimeError("; ".join(f"trainer rank {r} failed reading its weights before they are {purpose}: "
-                                         f"{error}" for r, error in failed))
-        total = sum(len(bad) for _, bad, _ in reports)
-        if total == 0:
-            return
-        found = "; ".join(f"rank {r}: {bad}" for r, bad, _ in reports if bad)
-        raise NonFiniteError(f"{total} weight tensor(s) hold NaN or inf, so they are not {purpose}; {found}")
+        Collective: every rank checks its shard and all learn what any rank found (finite_guard.py)."""
+        check_weights_finite(lambda: itertools.chain(self.named_megatron_params(), self.named_draft_tensors()),
+                             purpose)
 
     def gradients(self, samples: list[Sample], loss_type: str | None = None) -> dict[str, torch.Tensor]:
         """The data-parallel-averaged, unclipped float32 gradient of one optimizer step (exactly
@@ -461,7 +419,7 @@ class Trainer:
         pipeline.sum_shared_embedding_grads(self.master.params)
         return grads.reduce_grads(self.master.params, self.tp.dp_size)
 
-    def _prepare(self, samples: list[Sample], loss_type: str | None) -> "_Prepared":
+    def _prepare(self, samples: list[Sample], loss_type: str | None) -> PreparedStep:
         """Micro-batches, advantages, and the old-policy (and reference) log-probs before any update."""
         t = self.train
         sft = (loss_type or t.loss_type) == "sft"
@@ -475,12 +433,13 @@ class Trainer:
                 logger.warning("%d of %d samples left out for their reward; first: %s", sum(left_out),
                                len(samples), first)
             if t.use_tis or t.use_rollout_logprobs:
-                check_rollout_log_probs([s for s, out in zip(samples, left_out) if not out],
+                step_plan.check_rollout_log_probs([s for s, out in zip(samples, left_out) if not out],
                                         "--use-tis" if t.use_tis else "--use-rollout-logprobs")
             # a left-out sample trains no token: collated as an aborted one (loss mask all zero)
             samples = [dataclasses.replace(s, status=Status.ABORTED) if out else s
                        for s, out in zip(samples, left_out)]
-        seq_len, row_lens = self._row_lengths(samples, steps)
+        lengths = [len(s.tokens) for s in samples]
+        seq_len, row_lens = step_plan.row_lengths(lengths, steps, self.step_layout)
         batches = [[dataclasses.replace(collate([samples[i] for i in mb], self.device, seq_len), min_row_len=row)
                     for mb, row in zip(step, rows)] for step, rows in zip(steps, row_lens)]
         advantages = old = ref = None
@@ -498,18 +457,12 @@ class Trainer:
             if self.ref_state is not None:
                 with self._reference_model():
                     ref = [self._log_probs(step) for step in batches]
-        step_tokens = self._step_tokens(samples, trained, steps) if t.calculate_per_token_loss else None
-        return _Prepared(sft, steps, batches, advantages, old, ref, step_metrics.new_sums(), left_out=left_out,
+        step_tokens = step_plan.step_tokens(lengths, trained, steps, self.step_layout) \
+            if t.calculate_per_token_loss else None
+        return PreparedStep(sft, steps, batches, advantages, old, ref, step_metrics.new_sums(), left_out=left_out,
                          step_tokens=step_tokens)
 
-    def _step_tokens(self, samples: list[Sample], trained: list[int], steps: list[list[list[int]]]) -> list[int]:
-        """--calculate-per-token-loss: the trained tokens of each optimizer step over every data-parallel rank (each
-        rank plans every rank's share), what slime's token-level loss divides by."""
-        plans = [steps] if self.tp.dp_size == 1 else [self.plan(samples, r) for r in range(self.tp.dp_size)]
-        return [max(1, sum(trained[i] for plan in plans for mb in plan[s_idx] for i in mb))
-                for s_idx in range(len(steps))]
-
-    def _backward_step(self, p: "_Prepared", s_idx: int, train_draft: bool = True,
+    def _backward_step(self, p: PreparedStep, s_idx: int, train_draft: bool = True,
                        sums: torch.Tensor | None = None) -> None:
         """Forward and backward every micro-batch of optimizer step `s_idx` through megatron-core's schedule
         (pipeline.run_schedule: 1F1B over pipeline stages); gradients accumulate in float32. The loss is the last
@@ -529,7 +482,7 @@ class Trainer:
 
         pipeline.run_schedule(self.model, p.batches[s_idx], forward, forward_only=False, timers=self.timer.megatron())
 
-    def _micro_batch_loss(self, p: "_Prepared", s_idx: int, m_idx: int, rows: ModelRows, trunk: M.TrunkOutput,
+    def _micro_batch_loss(self, p: PreparedStep, s_idx: int, m_idx: int, rows: ModelRows, trunk: M.TrunkOutput,
                           train_draft: bool, sums: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The last stage's loss of micro-batch `m_idx`: the scalar the schedule backpropagates through the trunk,
         with its metrics accumulated into `sums`.
@@ -567,7 +520,7 @@ class Trainer:
         loss = (terms.total * weight).sum()
         if train_draft:
             with self.timer("EAGLE3 draft"):
-                self.online_draft.accumulate(trunk, rows.position_ids, _row_layout(rows, batch.loss_mask),
+                self.online_draft.accumulate(trunk, rows.position_ids, rows.to_rows(batch.loss_mask),
                                              rows.attention_mask, 1.0 / len(p.batches[s_idx]))
         # the trainer's log-probs against the rollout's: before the update, or (--use-rollout-logprobs, where
         # those are the old ones) this forward's, as slime's train_rollout_logprob_abs_diff
@@ -578,37 +531,3 @@ class Trainer:
             mb = p.steps[s_idx][m_idx]
             p.nonfinite_loss_samples.setdefault(s_idx, []).extend(mb[i] for i in nonfinite)
         return loss, {}
-
-
-def check_rollout_log_probs(samples: list[Sample], flag: str) -> None:
-    """--use-tis and --use-rollout-logprobs read each trained token's rollout log-prob: every sample that trains must
-    carry them."""
-    missing = [s.index for s in samples
-               if s.status != Status.ABORTED and s.response_length > 0 and not s.rollout_log_probs]
-    if missing:
-        raise ValueError(f"{flag} reads each token's rollout log-prob, and {len(missing)} sample(s) came back without "
-                         f"them (first: sample {missing[0]}): a custom generate function must keep the engine's "
-                         f"output log-probs (Sample.rollout_log_probs), or drop {flag}")
-
-
-def _row_layout(rows: ModelRows, per_sample: torch.Tensor) -> torch.Tensor:
-    """[n, S] per-token values of the samples -> the model rows' layout [r, L] (0 on padding)."""
-    flat = torch.zeros(rows.input_ids.numel(), dtype=per_sample.dtype, device=per_sample.device)
-    flat[rows.index[rows.valid]] = per_sample[rows.valid]
-    return flat.view_as(rows.input_ids)
-
-
-@dataclass
-class _Prepared:
-    """One train_step's inputs, computed before the first update."""
-
-    sft: bool
-    steps: list[list[list[int]]]  # sample indices per optimizer step, per micro-batch
-    batches: list[list[TokenBatch]]
-    advantages: torch.Tensor | None
-    old: list[list[torch.Tensor]] | None
-    ref: list[list[torch.Tensor]] | None
-    sums: torch.Tensor
-    left_out: list[bool] = field(default_factory=list)  # per sample: left out for its reward (reward_left_out)
-    step_tokens: list[int] | None = None  # --calculate-per-token-loss: trained tokens per optimizer step
-    nonfinite_loss_samples: dict[int, list[int]] = field(default_factory=dict)  # step -> sample positions
