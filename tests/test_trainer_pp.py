@@ -92,3 +92,57 @@ def test_doctor_refuses_stages_that_do_not_split_the_layers_or_an_online_draft(t
     assert errors("--decoder-last-pipeline-num-layers", "1") == []  # 2 + 1
     assert any("--enable-draft-training with --pipeline-model-parallel-size 2" in m
                for m in errors("--decoder-first-pipeline-num-layers", "1", "--enable-draft-training"))
+
+
+def _stage_streams(rank: int, port: int, fail_at: int | None, out: str) -> None:
+    """One of two gloo ranks as two pipeline stages: each streams two tensors of its own to the sync's gathers."""
+    import pickle
+
+    import torch
+
+    from slime_spec.trainer import parallel, pipeline
+    from slime_spec.weight_sync.gather import NamedTensor
+
+    parallel.init_parallel(rank, 2, "127.0.0.1", port, tp_size=1, seed=0, pp_size=2)
+
+    def own():
+        for i in range(2):
+            if rank == 1 and i == fail_at:
+                raise RuntimeError("stage 1 lost a tensor (injected)")
+            yield NamedTensor(f"model.layers.{2 * rank + i}.w", torch.full((2,), float(2 * rank + i)))
+
+    result = {}
+    for name, stages in (("first", pipeline.weights_to_first_stage), ("every", pipeline.weights_of_every_stage)):
+        try:
+            result[name] = [(t.name, t.tensor.tolist()) for t in stages(own(), torch.device("cpu"))]
+        except Exception as e:
+            result[name] = f"{type(e).__name__}: {e}"
+    with open(out, "wb") as f:
+        pickle.dump(result, f)
+    parallel.destroy_parallel()
+
+
+@pytest.mark.parametrize("fail_at", [None, 1])
+def test_every_stages_weights_reach_rank_0_or_every_rank_and_a_failed_stage_is_named(tmp_path, fail_at):
+    import multiprocessing
+    import pickle
+
+    from slime_spec.common.net import free_port
+
+    ctx, port = multiprocessing.get_context("spawn"), free_port()
+    outs = [tmp_path / f"rank{r}.pkl" for r in range(2)]
+    procs = [ctx.Process(target=_stage_streams, args=(r, port, fail_at, str(outs[r]))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert not [p for p in procs if p.is_alive()], "a stage hung"
+    ranks = [pickle.loads(o.read_bytes()) for o in outs]
+    whole = [(f"model.layers.{i}.w", [float(i)] * 2) for i in range(4)]
+    if fail_at is None:
+        assert ranks[0]["first"] == whole and ranks[1]["first"] == []  # stage 1 sent its own to rank 0
+        assert ranks[0]["every"] == whole and ranks[1]["every"] == whole
+    else:  # stage 1 failed after sending one tensor: rank 0 fails naming it instead of waiting
+        for r in ranks:
+            assert "stage 1 lost a tensor" in r["first"] and "stage 1 lost a tensor" in r["every"], r
+        assert "pipeline stage 1 (trainer rank 1) failed sending its weights" in ranks[0]["first"]
