@@ -129,6 +129,35 @@ def test_on_gpus_the_placement_counts_the_engines_for_the_embedded_backend_too()
     assert engines_to_start(config, None) == 1
 
 
+def test_the_engines_started_get_their_share_of_the_rollout_as_request_cap(monkeypatch):
+    """The per-engine request cap (a plain embedded engine's --max-running-requests) is the rollout's samples over
+    the engines actually started: two on the placement's two GPUs, not the one --rollout-num-engines defaults to."""
+    from slime_spec.cluster.placement import Placement
+    from slime_spec.config.args import parse_config
+    from slime_spec.rollout import manager
+
+    config, _ = parse_config(["--hf-checkpoint", "/m", "--rollout-backend", "embedded", "--actor-num-gpus-per-node",
+                              "2", "--rollout-num-gpus", "2", "--colocate", "--rollout-batch-size", "8",
+                              "--n-samples-per-prompt", "8"])
+    assert config.engine.in_flight_per_engine == 64  # the flags' one engine takes the whole rollout
+    started = {}
+
+    class Actor:
+        @staticmethod
+        def options(**_):
+            return Actor
+
+        @staticmethod
+        def remote(rollout, engine, engines, **_):
+            started.update(engine=engine, engines=engines)
+
+    monkeypatch.setattr(manager, "RolloutManagerActor", Actor)
+    a = assign([("10.0.0.1", g) for g in (0, 1)], actor_gpus=2, rollout_gpus=2, gpus_per_engine=1, colocate=True)
+    manager.start_rollout_manager(config, Placement(object(), a))
+    assert started["engines"] == 2 and started["engine"].in_flight_per_engine == 32
+    assert started["engine"].embedded_running_argv() == ["--max-running-requests", "32"]
+
+
 def test_engine_server_process_binds_its_gpus():
     from slime_spec.config.run_config import EngineConfig
     from slime_spec.fleet.process import engine_server_process

@@ -25,6 +25,7 @@ from slime_spec.config.run_config import (
     WandbConfig,
     WeightSyncConfig,
     colocated_engine_flags,
+    in_flight_per_engine,
     resolve_global_batch_size,
     resolve_loss_type,
     resolve_rollout_gpus,
@@ -277,11 +278,9 @@ def to_config(p: ParsedArgs, refuse_unknown: bool = True) -> Config:
         train=train, weight_sync=weight_sync,
         wandb=from_flags(WandbConfig, a, wandb_dir=a.wandb_dir or a.output_dir),  # offline runs land in the run's dir
     )
-    # a rollout's samples spread over the engines, each engine holding at most --sglang-server-concurrency (a
-    # count below 1 is refused by the flag checks, which name it)
-    samples = a.rollout_batch_size * a.n_samples_per_prompt
-    in_flight = min(a.sglang_server_concurrency, -(-samples // max(1, config.num_engines)))
-    return replace(config, engine=replace(engine, in_flight_per_engine=in_flight))
+    # as many engines as the flags say; on GPUs the placement may start another count (start_rollout_manager)
+    return replace(config, engine=replace(engine, in_flight_per_engine=in_flight_per_engine(config.rollout,
+                                                                                            config.num_engines)))
 
 
 def parse_config(argv: list[str]) -> tuple[Config, ParsedArgs]:

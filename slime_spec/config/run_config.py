@@ -19,6 +19,13 @@ Transport = Literal["distributed", "tensor", "disk"]
 LossType = Literal["policy_loss", "sft"]
 
 
+def in_flight_per_engine(rollout: "RolloutConfig", engines: int) -> int:
+    """The most requests the rollout keeps in flight on one engine: a rollout's samples spread over the engines, each
+    engine holding at most --sglang-server-concurrency (a count below 1 is refused by the flag checks)."""
+    samples = rollout.rollout_batch_size * rollout.n_samples_per_prompt
+    return min(rollout.sglang_server_concurrency, -(-samples // max(1, engines)))
+
+
 def resolve_global_batch_size(global_batch_size: int | None, rollout_batch_size: int, n_samples_per_prompt: int,
                               num_steps_per_rollout: int | None = None) -> int:
     """--global-batch-size, else a rollout's samples over --num-steps-per-rollout optimizer steps (one by default),

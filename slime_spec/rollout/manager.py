@@ -26,7 +26,7 @@ import ray
 from tqdm import tqdm
 
 from slime_spec.cluster.placement import Placement, engines_to_start
-from slime_spec.config.run_config import Config, EngineConfig, RolloutConfig, WandbConfig
+from slime_spec.config.run_config import Config, EngineConfig, RolloutConfig, WandbConfig, in_flight_per_engine
 from slime_spec.fleet.client import EngineAuth, EngineError, async_session
 from slime_spec.fleet.fleet import EngineFleet
 from slime_spec.fleet.process import ServerProcess
@@ -467,6 +467,9 @@ def start_rollout_manager(config: Config, placement: Placement | None = None, **
     gpus = c.rollout_num_gpus if (placement is None and config.engine.backend == "sglang" and c.rollout_num_gpus) \
         else 0
     kwargs.setdefault("log_dir", str(Path(config.output_dir) / "engine_logs"))
+    engines = engines_to_start(config, placement)
+    # the per-engine request cap of the engines actually started (the placement counts them on GPUs)
+    engine = dataclasses.replace(config.engine, in_flight_per_engine=in_flight_per_engine(config.rollout, engines))
     return RolloutManagerActor.options(num_cpus=0).remote(
-        config.rollout, config.engine, engines_to_start(config, placement), wandb=config.wandb, rollout_num_gpus=gpus,
+        config.rollout, engine, engines, wandb=config.wandb, rollout_num_gpus=gpus,
         placement=placement, eval_prompt_data=config.eval_prompt_data, **kwargs)
