@@ -11,7 +11,6 @@ its metrics and the MTP and draft losses are computed on the last stage only.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from typing import Any, Callable, Iterable, Iterator
 
@@ -135,65 +134,6 @@ def from_last_stage(obj):
     return box[0]
 
 
-_FAILED = "stage failed"
-
-
-@contextlib.contextmanager
-def _failure_sent(send: Callable[[list], None]):
-    """A stage whose own stream fails (a gather, a conversion) tells the ranks waiting for its tensors, then raises:
-    they fail naming it instead of waiting for tensors that never come."""
-    try:
-        yield
-    except Exception as e:
-        send([(_FAILED, f"{type(e).__name__}: {e}")])
-        raise
-
-
-def _header(header: tuple, stage: int, rank: int) -> tuple:
-    if header[0] == _FAILED:
-        raise RuntimeError(f"pipeline stage {stage} (trainer rank {rank}) failed sending its weights: {header[1]}")
-    return header
-
-
-def weights_to_first_stage(tensors: Iterable, device: torch.device) -> Iterator:
-    """The weight sync's stream (gather.NamedTensor, each whole) of every stage, on global rank 0.
-
-    Rank 0 yields its own stage's tensors, then those of each later stage in turn, which the ranks of global rank
-    0's pipeline group send it one by one (a header object, then the tensor); on those ranks this yields nothing.
-    Other ranks' streams pass through (they take part in their stage's tensor- and expert-parallel gathers only).
-    """
-    from slime_spec.weight_sync.gather import NamedTensor
-
-    if pp_size() == 1:
-        yield from tensors
-        return
-    ps = _ps()
-    group = ps.get_pipeline_model_parallel_group()
-    ranks = dist.get_process_group_ranks(group)
-    rank = dist.get_rank()
-    if ranks[0] != 0:
-        yield from tensors
-        return
-    if rank != 0:
-        with _failure_sent(lambda header: dist.send_object_list(header, dst=0, group=group)):
-            for t in tensors:
-                dist.send_object_list([(t.name, t.tensor.shape, t.tensor.dtype, t.kind)], dst=0, group=group)
-                dist.send(t.tensor.contiguous(), dst=0, group=group)
-        dist.send_object_list([None], dst=0, group=group)
-        return
-    yield from tensors
-    for stage, src in enumerate(ranks[1:], start=1):
-        while True:
-            header = [None]
-            dist.recv_object_list(header, src=src, group=group)
-            if header[0] is None:
-                break
-            name, shape, dtype, kind = _header(header[0], stage, src)
-            tensor = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(tensor, src=src, group=group)
-            yield NamedTensor(name, tensor, kind)
-
-
 def stage_layer_counts(num_layers: int, stages: int, first: int | None = None, last: int | None = None) -> list[int]:
     """Decoder layers per stage as megatron-core lays them out: `first` / `last` on the first / last stage where
     given (--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers), the rest split evenly over
@@ -211,13 +151,38 @@ def stage_layer_counts(num_layers: int, stages: int, first: int | None = None, l
     return [given.get(s, rest // others if others else 0) for s in range(stages)]
 
 
+def weights_to_first_stage(tensors: Iterable, device: torch.device) -> Iterator:
+    """The weight sync's stream (gather.NamedTensor, each whole) of every stage, on global rank 0.
+
+    Rank 0 yields its own stage's tensors, then those of each later stage in turn, which the ranks of global rank
+    0's pipeline group send it one by one (a header object, then the tensor); on those ranks this yields nothing.
+    Other ranks' streams pass through (they take part in their stage's tensor- and expert-parallel gathers only).
+    """
+    if pp_size() == 1:
+        yield from tensors
+        return
+    group = _ps().get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    if ranks[0] != 0:
+        yield from tensors
+        return
+    if dist.get_rank() != 0:
+        for _ in _send_stage(tensors, lambda header: dist.send_object_list(header, dst=0, group=group),
+                             lambda tensor: dist.send(tensor, dst=0, group=group)):
+            pass
+        return
+    yield from tensors
+    for stage, src in enumerate(ranks[1:], start=1):
+        yield from _receive_stage(stage, src, device,
+                                  lambda header, src=src: dist.recv_object_list(header, src=src, group=group),
+                                  lambda tensor, src=src: dist.recv(tensor, src=src, group=group))
+
+
 def weights_of_every_stage(tensors: Iterable, device: torch.device) -> Iterator:
     """The weight sync's stream (gather.NamedTensor, each whole) of every stage, on every rank: each stage in turn
     broadcasts its tensors over the pipeline group (a header object, then the tensor). For colocated engines fed by
     the trainer rank on their own GPU (SGLang opens a CUDA IPC handle only on a device the engine sees), where every
     such rank needs the whole model."""
-    from slime_spec.weight_sync.gather import NamedTensor
-
     if pp_size() == 1:
         yield from tensors
         return
@@ -225,21 +190,52 @@ def weights_of_every_stage(tensors: Iterable, device: torch.device) -> Iterator:
     group = ps.get_pipeline_model_parallel_group()
     ranks, stage = dist.get_process_group_ranks(group), ps.get_pipeline_model_parallel_rank()
     for src_stage, src in enumerate(ranks):
-        if src_stage == stage:
-            with _failure_sent(lambda header: dist.broadcast_object_list(header, src=src, group=group)):
-                for t in tensors:
-                    dist.broadcast_object_list([(t.name, t.tensor.shape, t.tensor.dtype, t.kind)], src=src,
-                                               group=group)
-                    dist.broadcast(t.tensor.contiguous(), src=src, group=group)
-                    yield t
-            dist.broadcast_object_list([None], src=src, group=group)
-            continue
-        while True:
-            header = [None]
+        def header_of(header, src=src):
             dist.broadcast_object_list(header, src=src, group=group)
-            if header[0] is None:
-                break
-            name, shape, dtype, kind = _header(header[0], src_stage, src)
-            tensor = torch.empty(shape, dtype=dtype, device=device)
+
+        def tensor_of(tensor, src=src):
             dist.broadcast(tensor, src=src, group=group)
-            yield NamedTensor(name, tensor, kind)
+
+        if src_stage == stage:
+            yield from _send_stage(tensors, header_of, tensor_of)
+        else:
+            yield from _receive_stage(src_stage, src, device, header_of, tensor_of)
+
+
+_FAILED = "stage failed"
+
+
+def _send_stage(tensors: Iterable, send_header: Callable[[list], None],
+                send_tensor: Callable[[torch.Tensor], None]) -> Iterator:
+    """Send each of this stage's tensors (a header, then the tensor), yielding it once sent; then the end marker. A
+    stream that fails (a gather, a conversion) sends a failure header and raises: the receivers fail naming this
+    stage instead of waiting for tensors that never come."""
+    try:
+        for t in tensors:
+            send_header([(t.name, t.tensor.shape, t.tensor.dtype, t.kind)])
+            send_tensor(t.tensor.contiguous())
+            yield t
+    except Exception as e:
+        send_header([(_FAILED, f"{type(e).__name__}: {e}")])
+        raise
+    send_header([None])
+
+
+def _receive_stage(stage: int, rank: int, device: torch.device, receive_header: Callable[[list], None],
+                   receive_tensor: Callable[[torch.Tensor], None]) -> Iterator:
+    """Stage `stage`'s tensors (sent by trainer rank `rank` through `_send_stage`), each into a new tensor on
+    `device`, until its end marker."""
+    from slime_spec.weight_sync.gather import NamedTensor
+
+    while True:
+        header = [None]
+        receive_header(header)
+        if header[0] is None:
+            return
+        if header[0][0] == _FAILED:
+            raise RuntimeError(f"pipeline stage {stage} (trainer rank {rank}) failed sending its weights: "
+                               f"{header[0][1]}")
+        name, shape, dtype, kind = header[0]
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        receive_tensor(tensor)
+        yield NamedTensor(name, tensor, kind)

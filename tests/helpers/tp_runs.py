@@ -22,11 +22,12 @@ from slime_spec.rollout.sample import Sample
 
 
 @contextmanager
-def local_ray_cluster():
-    """A Ray cluster of this process's own (never a shared one), shut down on exit."""
+def local_ray_cluster(num_cpus: int = 2):
+    """A Ray cluster of this process's own (never a shared one), shut down on exit; `num_cpus`: the logical CPUs
+    Ray schedules (one per train actor)."""
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:
@@ -64,10 +65,10 @@ def tp2_config(path, engine: EngineConfig, train_kw: dict, output_dir) -> Config
     return two_rank_config(path, engine, {**train_kw, "tensor_model_parallel_size": 2}, output_dir)
 
 
-def two_rank_config(path, engine: EngineConfig, train_kw: dict, output_dir) -> Config:
-    """Two gloo train ranks laid out as `train_kw` says (TP, EP sizes), syncing into `engine` with the syncer's
-    checksum check on."""
-    return Config(cluster=ClusterConfig(actor_num_nodes=1, actor_num_gpus_per_node=2), engine=engine,
+def two_rank_config(path, engine: EngineConfig, train_kw: dict, output_dir, ranks: int = 2) -> Config:
+    """Two (or `ranks`) gloo train ranks laid out as `train_kw` says (TP, EP, PP sizes), syncing into `engine` with
+    the syncer's checksum check on."""
+    return Config(cluster=ClusterConfig(actor_num_nodes=1, actor_num_gpus_per_node=ranks), engine=engine,
                   rollout=RolloutConfig(hf_checkpoint=str(path)), train=TrainConfig(**train_kw),
                   weight_sync=WeightSyncConfig(weight_sync_transport="distributed", check_weight_sync=True),
                   wandb=WandbConfig(), output_dir=str(output_dir))
