@@ -15,13 +15,15 @@ def ray_cluster():
         yield
 
 
-def test_pp2_equals_one_rank_for_glm45_with_its_mtp_layer_and_resumes(ray_cluster, tmp_path):
-    """GLM-4.5 as slime's run-glm4.7-30B-A3B.sh lays it out (--pipeline-model-parallel-size 2): the dense first layer
-    on stage 0, the MoE layer, the output layer and the MTP layer (with its copy of the embedding) on stage 1, several
-    packed micro-batches per step through megatron-core's schedule. Each stage's checkpoint shard resumes exactly.
-    DeepSeek-V3 (multi-latent attention) trains on two stages through the whole loop in
-    tests/e2e/test_deepseek_v3_train_loop.py."""
-    two_ranks_with_mtp_equal_one("glm4_moe", {"pipeline_model_parallel_size": 2}, tmp_path, resume=True)
+def test_tp2_times_pp2_equals_one_rank_for_glm45_with_its_mtp_layer_and_resumes(ray_cluster, tmp_path):
+    """GLM-4.5 on four ranks, TP 2 x PP 2, as slime's run-glm4.7-30B-A3B.sh lays out its stages: the dense first layer
+    on stage 0, the MoE layer (with sequence parallelism), the output layer and the MTP layer (with its copy of the
+    embedding) on stage 1, each stage's layers split over two TP ranks; several packed micro-batches per step through
+    megatron-core's schedule; each stage's tensors TP-gathered, then sent to rank 0 for the sync. Each (TP rank,
+    stage) checkpoint shard resumes exactly. Two stages alone (two ranks) run through the whole loop in
+    tests/e2e/test_mla_moe_pipeline_loop.py and tests/e2e/test_colocated_rank_buckets.py."""
+    two_ranks_with_mtp_equal_one("glm4_moe", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+                                 tmp_path, resume=True, ranks=4)
 
 
 def test_stage_layer_counts_follow_megatron_and_name_the_flags():
@@ -143,41 +145,3 @@ def test_every_stages_weights_reach_rank_0_or_every_rank_and_a_failed_stage_is_n
         for r in ranks:
             assert "stage 1 lost a tensor" in r["first"] and "stage 1 lost a tensor" in r["every"], r
         assert "pipeline stage 1 (trainer rank 1) failed sending its weights" in ranks[0]["first"]
-
-
-def test_tp2_times_pp2_equals_one_rank_for_glm45(ray_cluster, tmp_path):
-    """Four ranks, TP 2 x PP 2: each stage's layers split over two TP ranks (GLM-4.5's MoE layer with sequence
-    parallelism), the stage's tensors TP-gathered before they go to rank 0; forward, MTP logits, the gathered
-    weights and one packed step equal one rank's."""
-    import torch
-
-    from slime_spec.config.run_config import EngineConfig, TrainConfig
-    from slime_spec.tools.tiny_model import make_tiny_model
-    from slime_spec.trainer import parallel
-    from slime_spec.trainer.group import TrainGroup
-    from slime_spec.trainer.trainer import Trainer
-    from tests.helpers.tp_runs import tp_rollout, two_rank_config, varied_rollout
-
-    path = make_tiny_model(tmp_path / "ckpt", arch="glm4_moe", hidden_size=32, num_layers=2, num_experts=4,
-                           num_experts_per_tok=2, mtp_layers=1, first_k_dense_replace=1, seed=45)
-    kw = dict(hf_checkpoint=str(path), lr=1e-3, global_batch_size=8, max_tokens_per_gpu=20, n_samples_per_prompt=2,
-              mtp_num_layers=1, enable_mtp_training=True)
-    group = TrainGroup(two_rank_config(path, EngineConfig("embedded", str(path)),
-                                       {**kw, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
-                                       tmp_path / "out", ranks=4), use_gpu=False)
-    try:
-        assert [(i["tp_rank"], i["pp_rank"]) for i in group.get_tp_info()] == [(0, 0), (1, 0), (0, 1), (1, 1)]
-        parallel.init_single_process(seed=0)
-        single = Trainer(TrainConfig(**kw))
-        probe = [tp_rollout()[0].tokens, tp_rollout()[3].tokens]
-        four, one = group.forward_logits(probe), single.forward_logits(probe)
-        torch.testing.assert_close(four["logits"], one["logits"], atol=1e-5, rtol=0)
-        torch.testing.assert_close(four["mtp_logits"][0], one["mtp_logits"][0], atol=1e-5, rtol=0)
-        before = single.hf_state_dict()
-        gathered = group.hf_state_dict()
-        assert sorted(gathered) == sorted(before) and all(torch.equal(gathered[k], before[k]) for k in before)
-        m4, m1 = group.train_step(varied_rollout(), 0), single.train_step(varied_rollout(), 0)
-        for key in ("loss", "pg_loss", "entropy", "mtp_loss", "grad_norm"):
-            assert m4[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
-    finally:
-        group.shutdown()

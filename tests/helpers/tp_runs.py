@@ -83,12 +83,12 @@ def assert_same_adam_step(after_tp2: dict, after_tp1: dict, keys, lr: float) -> 
         assert float((diff > 1e-5).float().mean()) < 0.01, k
 
 
-def two_ranks_with_mtp_equal_one(arch: str, layout: dict, tmp_path, resume: bool = False) -> None:
-    """A tiny MoE model of `arch` with its MTP layer trained online, on two gloo train ranks laid out as `layout`
-    says (TP, EP or PP sizes), computes what one rank computes: logits and MTP logits, the gathered weights, one packed
-    step's metrics and the weights it moved (the MTP layer's among them); then target and MTP tensors reach a NEXTN
-    engine, checked by its checksums. `resume`: the step is saved, and two new ranks of the same layout resume it
-    with exactly those weights."""
+def two_ranks_with_mtp_equal_one(arch: str, layout: dict, tmp_path, resume: bool = False, ranks: int = 2) -> None:
+    """A tiny MoE model of `arch` with its MTP layer trained online, on two (or `ranks`) gloo train ranks laid out as
+    `layout` says (TP, EP or PP sizes), computes what one rank computes: logits and MTP logits, the gathered weights,
+    one packed step's metrics and the weights it moved (the MTP layer's among them); then target and MTP tensors
+    reach a NEXTN engine, checked by its checksums. `resume`: the step is saved, and new ranks of the same layout
+    resume it with exactly those weights."""
     from slime_spec.fleet.process import engine_server_process
     from slime_spec.tools.tiny_model import make_tiny_model
     from slime_spec.trainer import parallel
@@ -103,12 +103,12 @@ def two_ranks_with_mtp_equal_one(arch: str, layout: dict, tmp_path, resume: bool
     flags = tuple(x for k, v in nextn.items() for x in ("--" + k.replace("_", "-"), str(v)))
     engine = EngineConfig("embedded", str(path), forwarded_argv=flags, server_args=nextn)
     save = {"save": str(tmp_path / "save")} if resume else {}
-    group = TrainGroup(two_rank_config(path, engine, {**kw, **layout, **save}, tmp_path / "out"), use_gpu=False)
+    group = TrainGroup(two_rank_config(path, engine, {**kw, **layout, **save}, tmp_path / "out", ranks), use_gpu=False)
     server = engine_server_process(engine, log_path=tmp_path / "engine.log")
     try:
         sizes = [(i["tp_size"], i["ep_size"], i["pp_size"]) for i in group.get_tp_info()]
         assert sizes == [(layout.get("tensor_model_parallel_size", 1), layout.get("expert_model_parallel_size", 1),
-                          layout.get("pipeline_model_parallel_size", 1))] * 2, sizes
+                          layout.get("pipeline_model_parallel_size", 1))] * ranks, sizes
         parallel.init_single_process(seed=0)
         single = Trainer(TrainConfig(**kw))
         probe = [tp_rollout()[0].tokens, tp_rollout()[3].tokens]  # 9 tokens: padded to 10 under sequence parallelism
@@ -139,9 +139,9 @@ def two_ranks_with_mtp_equal_one(arch: str, layout: dict, tmp_path, resume: bool
     finally:
         group.shutdown()
         server.stop()
-    if resume:  # each rank's shard (its TP slice, its EP rank's experts) back where it was
+    if resume:  # each rank's shard (its TP slice, its EP rank's experts, its stage's layers) back where it was
         resumed = TrainGroup(two_rank_config(path, engine, {**kw, **layout, **save, "load": save["save"]},
-                                             tmp_path / "out2"), use_gpu=False)
+                                             tmp_path / "out2", ranks), use_gpu=False)
         try:
             assert resumed.start_rollout_id() == 1
             again = resumed.hf_state_dict()
