@@ -15,15 +15,20 @@ def ray_cluster():
         yield
 
 
-def test_tp2_times_pp2_equals_one_rank_for_glm45_with_its_mtp_layer_and_resumes(ray_cluster, tmp_path):
-    """GLM-4.5 on four ranks, TP 2 x PP 2, as slime's run-glm4.7-30B-A3B.sh lays out its stages: the dense first layer
-    on stage 0, the MoE layer (with sequence parallelism), the output layer and the MTP layer (with its copy of the
-    embedding) on stage 1, each stage's layers split over two TP ranks; several packed micro-batches per step through
-    megatron-core's schedule; each stage's tensors TP-gathered, then sent to rank 0 for the sync. Each (TP rank,
-    stage) checkpoint shard resumes exactly. Two stages alone (two ranks) run through the whole loop in
-    tests/e2e/test_mla_moe_pipeline_loop.py and tests/e2e/test_colocated_rank_buckets.py."""
-    two_ranks_with_mtp_equal_one("glm4_moe", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
-                                 tmp_path, resume=True, ranks=4)
+@pytest.mark.parametrize("layout", [
+    {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+    {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1, "pipeline_model_parallel_size": 2},
+], ids=["tp2xpp2", "ep2xpp2"])
+def test_four_ranks_with_two_stages_equal_one_rank_for_glm45_with_its_mtp_layer_and_resume(ray_cluster, tmp_path,
+                                                                                           layout):
+    """GLM-4.5 on four ranks in two stages, as slime's run-glm4.7-30B-A3B.sh and run-glm4.5-mtp.sh lay out theirs: the
+    dense first layer on stage 0, the MoE layer, the output layer and the MTP layer (with its copy of the embedding)
+    on stage 1; within each stage either TP 2 (the MoE layer with sequence parallelism) or two data-parallel ranks
+    holding half the routed experts each (EP 2, whole experts); several packed micro-batches per step through
+    megatron-core's schedule; each stage's tensors gathered (TP shards, EP ranks' experts), then sent to rank 0 for the
+    sync. Each (TP or EP rank, stage) checkpoint shard resumes exactly. Two stages alone (two ranks) run through the
+    whole loop in tests/e2e/test_mla_moe_pipeline_loop.py and tests/e2e/test_colocated_rank_buckets.py."""
+    two_ranks_with_mtp_equal_one("glm4_moe", layout, tmp_path, resume=True, ranks=4)
 
 
 def test_stage_layer_counts_follow_megatron_and_name_the_flags():
