@@ -254,7 +254,6 @@ def check_model_flags(inp: CheckInput, shape_flags: dict) -> list[Finding]:
     return out
 
 
-TRAINER_FAMILIES = ARCHITECTURES  # every family the trainer builds, with its architecture
 
 
 # megatron-core's MLA applies YaRN itself
@@ -268,8 +267,9 @@ def check_trainer_support(inp: CheckInput) -> list[Finding]:
     if inp.debug_rollout_only or cfg is None:
         return []
     archs = cfg.get("architectures") or []
-    family = cfg.get("model_type") if cfg.get("model_type") in TRAINER_FAMILIES else \
-        next((f for f, a in TRAINER_FAMILIES.items() if a in archs), None)
+    # every family the trainer builds, by model_type or architecture
+    family = cfg.get("model_type") if cfg.get("model_type") in ARCHITECTURES else \
+        next((f for f, a in ARCHITECTURES.items() if a in archs), None)
     if family is None:
         return [Rule.TRAINER_UNSUPPORTED_FAMILY.finding(family=cfg.get("model_type") or archs)]
     ep = inp.expert_model_parallel_size

@@ -32,10 +32,7 @@ from slime_spec.common import rope
 from slime_spec.common.model_families import DENSE_FIRST_FAMILIES
 from slime_spec.config.run_config import TrainConfig
 from slime_spec.trainer import pipeline
-from slime_spec.trainer.model_config import (
-    BUILDABLE_FAMILIES,  # noqa: F401  (re-exported: which families `build_gpt_model` builds)
-    transformer_config,
-)
+from slime_spec.trainer.model_config import transformer_config
 from slime_spec.trainer.packing import causal_mask
 from slime_spec.weight_sync import convert
 

@@ -16,8 +16,6 @@ from slime_spec.config.run_config import (
 )
 from slime_spec.weight_sync import convert
 
-BUILDABLE_FAMILIES = FAMILIES
-
 
 def transformer_config(hf_config: dict, train: TrainConfig):
     """Megatron TransformerConfig equivalent to an HF Llama / Qwen2 / Qwen3 / Qwen3-MoE / MiMo / GLM-4.5 config;
@@ -25,8 +23,8 @@ def transformer_config(hf_config: dict, train: TrainConfig):
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     family = convert.family_of(hf_config)
-    if family not in BUILDABLE_FAMILIES:
-        raise ValueError(f"the trainer builds {', '.join(BUILDABLE_FAMILIES)} models; {family} is conversion-only")
+    if family not in FAMILIES:
+        raise ValueError(f"the trainer builds {', '.join(FAMILIES)} models; {family} is conversion-only")
     if hf_config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf_config['hidden_act']!r}: the trainer builds SwiGLU (silu) MLPs only")
     if hf_config.get("mlp_bias"):

@@ -50,12 +50,13 @@ def megatron_weights(checkpoint: Path, config: dict) -> list[tuple[str, torch.Te
     state dict."""
     from safetensors.torch import load_file
 
+    from slime_spec.common.model_families import FAMILIES
     from slime_spec.config.run_config import TrainConfig
     from slime_spec.trainer import model as M
     from slime_spec.trainer import parallel
     from slime_spec.weight_sync import convert
     family = convert.family_of(config)
-    if family not in M.BUILDABLE_FAMILIES:
+    if family not in FAMILIES:
         return list(convert.hf_to_megatron(family, load_file(str(checkpoint / "model.safetensors")), config).items())
     parallel.init_single_process(seed=0)
     model = M.build_gpt_model(config, TrainConfig(hf_checkpoint=str(checkpoint), mtp_num_layers=1))
