@@ -96,3 +96,18 @@ def test_unwritable_save_dir_is_named(tmp_path):
             checkpoint.save_shard(d, 0, 0, 1, {}, {"w": torch.ones(1)}, None)
     finally:
         d.chmod(0o700)
+
+
+def test_pipeline_stages_save_a_file_each_and_load_needs_the_same_stage_count(tmp_path):
+    for stage in range(2):
+        checkpoint.save_shard(tmp_path, 3, 0, 1, {}, {f"decoder.layers.{stage}.w": torch.full((2,), float(stage))},
+                              None, pp_rank=stage, pp_size=2)
+    checkpoint.mark_latest(tmp_path, 3)
+    assert sorted(p.name for p in (tmp_path / "iter_0000003").iterdir()) == \
+        ["tp_rank_00_pp_rank_000.pt", "tp_rank_00_pp_rank_001.pt"]
+    shard = checkpoint.load_shard(tmp_path, 0, 1, pp_rank=1, pp_size=2)
+    assert list(shard["model"]) == ["decoder.layers.1.w"] and shard["pp_size"] == 2
+    for pp_size in (1, 4):  # a file missing for this layout, or one saved with another stage count
+        with pytest.raises(ValueError, match=f"saved with pipeline_model_parallel_size=2, now {pp_size}; load it "
+                                             "with the same --pipeline-model-parallel-size"):
+            checkpoint.load_shard(tmp_path, 0, 1, pp_rank=pp_size - 1, pp_size=pp_size)
