@@ -20,7 +20,7 @@ def data_parallel_size(ns) -> int:
     """The trainer's data-parallel size: actor GPUs / (--tensor-model-parallel-size x --pipeline-model-parallel-size)
     (0 when they do not divide)."""
     gpus = ns.actor_num_nodes * ns.actor_num_gpus_per_node
-    model_parallel = ns.tensor_model_parallel_size * getattr(ns, "pipeline_model_parallel_size", 1)
+    model_parallel = ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size
     return gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0 else 0
 
 

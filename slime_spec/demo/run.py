@@ -17,7 +17,7 @@ with float32 master weights; `--layout split` puts the trainer on GPU 0 and the 
 to host memory while the engine generates; `--layout colocate-tp2` is slime's colocated layout on two GPUs: the
 trainer at tensor parallel 2 over both, one engine on each, each engine fed by the trainer rank on its GPU;
 `--layout colocate-pp2` the same with the trainer's layers in two pipeline stages (megatron-core's 1F1B schedule,
-activations over NCCL), rank 0 sending both engines every stage's weights.
+activations over NCCL), each stage broadcasting its weights to the other before each rank feeds its own engine.
 metrics.jsonl then also has, per step, the rollout, train, sync, offload and onload seconds and the peak memory of
 each GPU, over the step and during its sync.
 """
@@ -51,8 +51,11 @@ SIZES = {  # name: model, data and loop sizes
                 max_response_len=128, speedup_interval=2, speedup_repeats=3, terse_share=0.35,
                 rm_type="scratchpad_concise", grpo_lr="1e-5"),
 }
-LAYOUTS = ("split", "colocate", "colocate-tp2", "colocate-pp2")
-TWO_GPU_LAYOUTS = ("split", "colocate-tp2", "colocate-pp2")
+# two GPUs shared by trainer and engines: the trainer's flag that splits it over both
+SHARED_TWO_GPU_LAYOUTS = {"colocate-tp2": "--tensor-model-parallel-size",
+                          "colocate-pp2": "--pipeline-model-parallel-size"}
+LAYOUTS = ("split", "colocate", *SHARED_TWO_GPU_LAYOUTS)
+TWO_GPU_LAYOUTS = ("split", *SHARED_TWO_GPU_LAYOUTS)
 # NEXTN with the MTP layer, 3 steps on every engine: the online and the frozen draft's speed-ups then differ only by
 # their drafts. With --spec-auto each engine chose its own k from its own cost history, and the frozen-draft engine,
 # which serves only the measurements, settled on a cheaper k than engine 0 (docs/en/benchmarks.md, the demo).
@@ -171,14 +174,12 @@ def gpu_layout_argv(layout: str | None) -> list[str]:
         return []
     if layout not in LAYOUTS:
         raise ValueError(f"--layout={layout!r}: one of {LAYOUTS}")
-    gpus = "2" if layout in ("colocate-tp2", "colocate-pp2") else "1"
+    gpus = "2" if layout in SHARED_TWO_GPU_LAYOUTS else "1"
     argv = ["--bf16", "--sglang-dtype", "bfloat16", "--actor-num-gpus-per-node", gpus, "--rollout-num-gpus", gpus]
     if layout == "split":
         return argv
-    if layout in ("colocate-tp2", "colocate-pp2"):  # an engine per GPU; said here too, so the per-engine request
-        # cap splits the rollout
-        argv += ["--tensor-model-parallel-size" if layout == "colocate-tp2" else "--pipeline-model-parallel-size", "2",
-                 "--rollout-num-engines", "2"]
+    if layout in SHARED_TWO_GPU_LAYOUTS:  # an engine per GPU (the placement counts them; the flag says it too)
+        argv += [SHARED_TWO_GPU_LAYOUTS[layout], "2", "--rollout-num-engines", "2"]
     # SGLang's memory saver where torch_memory_saver is installed: a release then keeps the engine's addresses and
     # its CUDA graphs, instead of capturing them all again on every resume
     saver = ["--sglang-enable-memory-saver"] if importlib.util.find_spec("torch_memory_saver") else []

@@ -156,10 +156,10 @@ class TrainActor:
     def sync_weights(self, weight_version: str, probe_tokens: list[list[int]] | None = None,
                      restarted_urls: list[str] | None = None, defer_canary: bool = False) -> dict:
         """Gather (every TP rank of the first replica, and of any replica on a colocated engine's GPU; every
-        pipeline stage's to rank 0), convert and send; returns rank 0's metrics.
-        With per-rank buckets the ranks 1..W-1 hand theirs over through
-        `follow_sync`; a failure on any of them fails the sync on every rank. With --enable-draft-training the
-        online draft's own tensors follow the target's (selector `draft`).
+        pipeline stage's to rank 0, or to every colocated rank), convert and send; returns rank 0's metrics. With
+        per-rank buckets the ranks 1..W-1 hand theirs over through `follow_sync`; a failure on any of them fails the
+        sync on every rank. With --enable-draft-training the online draft's own tensors follow the target's
+        (selector `draft`).
 
         `restarted_urls`: engines restarted since the last sync; they rejoin the weight-update group first.
         `defer_canary`: the engines cannot generate now (their KV cache is released); the canary's reading before

@@ -127,7 +127,7 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
         # each micro-batch's rows have their own length: megatron-core's point-to-point exchange sends the shape
         # first. Set after construction: the config refuses it next to the all-gather token dispatcher, which needs
         # equal token counts over the expert-parallel ranks, and the trainer gives each micro-batch those
-        # (Trainer._row_lengths)
+        # (step_plan.row_lengths)
         config.variable_seq_lengths = True
     if not mla:
         # Megatron's own llama3 scaling has fixed numbers: use the checkpoint's (set before the first forward,

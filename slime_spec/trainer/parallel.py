@@ -36,7 +36,7 @@ class TPInfo:
     edp_rank: int = 0  # rank among the replicas of this rank's experts (expert data parallel)
     etp_rank: int = 0  # expert tensor parallel: each routed expert split over etp_size ranks
     etp_size: int = 1
-    pp_rank: int = 0  # pipeline stage: holds decoder layers pipeline.layer_range(...) of the model
+    pp_rank: int = 0  # pipeline stage: holds its share of the decoder layers (pipeline.stage_layer_counts)
     pp_size: int = 1
 
 

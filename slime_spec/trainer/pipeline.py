@@ -99,6 +99,16 @@ def run_schedule(model, batches: list, forward: Callable[[int, Any], tuple[torch
         config.timers = None
 
 
+def run_forward(model, batches: list, forward: Callable[[int, Any], tuple[torch.Tensor, dict | None]]) -> list[dict]:
+    """`run_schedule` without a backward pass: `forward(m_idx, batch)` returns this stage's output tensor and, on the
+    last stage, the micro-batch's results; the last stage's results in micro-batch order ([] elsewhere)."""
+    def with_no_loss(m_idx, batch):
+        output, results = forward(m_idx, batch)
+        return output, None if results is None else (lambda: (output.new_zeros(()), results))
+
+    return run_schedule(model, batches, with_no_loss, forward_only=True)
+
+
 def sum_shared_embedding_grads(params: list[torch.Tensor]) -> None:
     """Add up the gradients of the first stage's embedding and the last stage's copy (megatron-core marks both
     `shared_embedding`), so both apply the same update and stay equal (what Megatron's finalize_model_grads does

@@ -9,7 +9,7 @@ token dispatcher gathers the tokens over TP x EP. What the trainer's local layer
 - the gradient of a weight every TP rank holds whole but applies to its own tokens only (those norms, the MoE
   router): each rank's is a partial sum, added up over the TP group as Megatron's finalize_model_grads does for
   parameters marked `sequence_parallel`;
-- every row's length a multiple of the TP size (the trainer pads rows: `trainer.Trainer._row_lengths`).
+- every row's length a multiple of the TP size (the trainer pads rows: `step_plan.row_lengths`).
 """
 
 from __future__ import annotations

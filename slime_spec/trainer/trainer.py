@@ -212,10 +212,10 @@ class Trainer:
             if trunk.logits is None:  # not the last pipeline stage
                 return trunk.hidden, None
             mtp = M.mtp_logits(self.model, rows_ids, trunk, self.vocab_size, self.mtp_zero_first_token)
-            return trunk.hidden, lambda: (trunk.hidden.new_zeros(()), {
-                "logits": trunk.logits[:, :seq].float().cpu(), "mtp_logits": [x[:, :seq].float().cpu() for x in mtp]})
+            return trunk.hidden, {"logits": trunk.logits[:, :seq].float().cpu(),
+                                  "mtp_logits": [x[:, :seq].float().cpu() for x in mtp]}
 
-        results = pipeline.run_schedule(self.model, [ids], forward, forward_only=True)
+        results = pipeline.run_forward(self.model, [ids], forward)
         return pipeline.from_last_stage(results[0] if results else None)
 
     def named_draft_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -273,10 +273,10 @@ class Trainer:
             trunk = self._trunk(rows)
             if trunk.logits is None:
                 return trunk.hidden, None
-            return trunk.hidden, lambda: (trunk.hidden.new_zeros(()), {"log_probs": rows.to_samples(
-                losses.token_log_probs(trunk.logits, rows.input_ids, self.train.rollout_temperature))})
+            return trunk.hidden, {"log_probs": rows.to_samples(
+                losses.token_log_probs(trunk.logits, rows.input_ids, self.train.rollout_temperature))}
 
-        results = pipeline.run_schedule(self.model, batches, forward, forward_only=True)
+        results = pipeline.run_forward(self.model, batches, forward)
         return [r["log_probs"] for r in results] if self.model.post_process else [None] * len(batches)
 
     def _mtp_loss(self, rows: ModelRows, trunk: M.TrunkOutput, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -371,13 +371,10 @@ class Trainer:
         Every rank decides the same: the loss flags are summed over data-parallel ranks, the norm is global."""
         from megatron.core import parallel_state as ps
 
-        bad = torch.tensor([float(not torch.isfinite(step_sums[0]))], dtype=torch.float64)
-        if self.tp.dp_size > 1 or self.tp.pp_size > 1:  # every stage learns what the last one's loss was
-            bad = bad.to(self.device)
-            if self.tp.dp_size > 1:
-                dist.all_reduce(bad, group=ps.get_data_parallel_group())
-            pipeline.sum_over_stages(bad)
-            bad = bad.cpu()
+        bad = torch.tensor([float(not torch.isfinite(step_sums[0]))], dtype=torch.float64, device=self.device)
+        if self.tp.dp_size > 1:
+            dist.all_reduce(bad, group=ps.get_data_parallel_group())
+        pipeline.sum_over_stages(bad)  # every stage learns what the last one's loss was
         where = f"rollout {rollout_id}, optimizer step {s_idx}"
         gbs = self.train.global_batch_size  # step s_idx takes samples [s_idx * gbs, (s_idx + 1) * gbs) on all ranks
         if p.left_out and all(p.left_out[s_idx * gbs:(s_idx + 1) * gbs]):
@@ -434,7 +431,7 @@ class Trainer:
                                len(samples), first)
             if t.use_tis or t.use_rollout_logprobs:
                 step_plan.check_rollout_log_probs([s for s, out in zip(samples, left_out) if not out],
-                                        "--use-tis" if t.use_tis else "--use-rollout-logprobs")
+                                                  "--use-tis" if t.use_tis else "--use-rollout-logprobs")
             # a left-out sample trains no token: collated as an aborted one (loss mask all zero)
             samples = [dataclasses.replace(s, status=Status.ABORTED) if out else s
                        for s, out in zip(samples, left_out)]
