@@ -233,6 +233,44 @@ def test_a_server_that_cannot_bind_its_port_moves_or_fails_at_once(tmp_path, ret
             assert not proc.alive()
 
 
+# Test double for a server whose uvicorn could not bind and that exited before the start noticed, the holder of the
+# port gone by then: the first launch logs uvicorn's error and exits 1; a later one serves /health.
+BIND_FAILED_THEN_EXITED = r"""
+import http.server, os, sys
+os.chdir(os.path.dirname(os.path.abspath(__file__)))
+port = int(sys.argv[sys.argv.index("--port") + 1])
+if not os.path.exists("launched"):
+    open("launched", "w").close()
+    print("ERROR:    [Errno 98] error while attempting to bind on address "
+          f"('127.0.0.1', {port}): address already in use", flush=True)
+    sys.exit(1)
+http.server.HTTPServer(("127.0.0.1", port), http.server.SimpleHTTPRequestHandler).serve_forever()
+"""
+
+
+def test_a_server_that_exited_after_failing_to_bind_is_moved_even_once_the_port_is_free(tmp_path):
+    (tmp_path / "health").write_text("ok")
+    script = tmp_path / "bind_failed.py"
+    script.write_text(BIND_FAILED_THEN_EXITED)
+    port = free_port()
+    proc = ServerProcess([sys.executable, str(script), "--port", str(port)], host="127.0.0.1", port=port,
+                         log_path=tmp_path / "server.log", port_retries=1)
+    try:
+        proc.start(timeout_s=120)
+        assert proc.port != port and requests.get(f"{proc.url}/health").text == "ok"
+    finally:
+        proc.stop()
+
+
+def test_an_engine_on_a_port_it_chose_moves_when_the_port_is_taken_one_on_a_given_port_does_not():
+    from slime_spec.config.run_config import EngineConfig
+    from slime_spec.fleet.process import engine_server_process
+
+    engine = EngineConfig(backend="embedded", model_path="/m")
+    assert engine_server_process(engine, log_path="/tmp/unused.log").port_retries == 2
+    assert engine_server_process(engine, log_path="/tmp/unused.log", port=free_port()).port_retries == 0
+
+
 @pytest.mark.parametrize("user_value", [None, "1"])
 def test_the_embedded_engine_stops_without_sglangs_crash_diagnostics_pause(user_value):
     """SGLang's TokenizerManager sleeps 5 s before its py-spy / CUDA-coredump diagnostics on every SIGTERM; the

@@ -137,9 +137,10 @@ class ServerProcess:
         while True:
             code = self.proc.poll()
             bind_failed = False
-            if code is None and time.monotonic() >= next_bind_check:
+            if code is not None or time.monotonic() >= next_bind_check:
                 # SGLang's server does not exit when uvicorn cannot bind: it stays alive, warming up against
-                # whatever holds the port, until --engine-start-timeout
+                # whatever holds the port, until --engine-start-timeout. When it has exited meanwhile, its log
+                # still says why, even after the holder let the port go.
                 next_bind_check = time.monotonic() + 2.0
                 bind_failed = self._bind_failed()
             if code is not None or bind_failed:
@@ -280,11 +281,12 @@ def engine_server_process(engine: EngineConfig, *, log_path: str | Path, host: s
                           port: int | None = None, gpu_ids: list[int] | None = None,
                           engine_index: int = 0) -> ServerProcess:
     """The server of one engine: `EngineConfig.server_argv` (seed + engine index), on `gpu_ids` if given."""
+    retries = 0 if port else 2  # a port we chose may be taken before the server binds it: choose another
     port = port or free_port(host)
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))} if gpu_ids else None
     return ServerProcess(engine.server_argv(host, port, base_gpu_id=0, engine_index=engine_index), host=host,
                          port=port, log_path=log_path, env=env, auth=EngineAuth.from_server_args(engine.server_args),
-                         port_retries=0 if port else 2)
+                         port_retries=retries)
 
 
 def embedded_server_process(model_path: str | Path, extra_args: list[str] = (), *, log_path: str | Path,
