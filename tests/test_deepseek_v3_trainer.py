@@ -244,6 +244,6 @@ def test_refusals_name_the_config_key(deepseek):
         M.transformer_config({**hf_config, "attention_bias": True}, train)
     with pytest.raises(ValueError, match="rope_scaling type 'linear'"):
         M.transformer_config({**hf_config, "rope_scaling": {"type": "linear", "factor": 2.0}}, train)
-    # under TP with sequence parallelism (tests/test_trainer_tp.py)
+    # under TP with sequence parallelism (tests/test_trainer_cp.py at TP 2 x CP 2)
     assert M.transformer_config(hf_config, TrainConfig(hf_checkpoint=str(deepseek),
                                                        tensor_model_parallel_size=2)).sequence_parallel

@@ -1,8 +1,7 @@
 """Upstream slime's own run scripts, argument arrays unchanged but for paths (tests/data/slime_scripts), pass
 `slime-spec doctor --rollout-backend sglang` on stand-in checkpoints shaped like their models: a slime user changes
-nothing. GLM-4.7-Flash's script keeps only the refusal of what the trainer does not build yet (context parallelism)
-and one of its layout: on its 8 GPUs, EP 8 x PP 2 is 16 ranks, which megatron-core's initialize_model_parallel refuses
-as well."""
+nothing. GLM-4.7-Flash's script keeps one refusal, of its layout: on its 8 GPUs, EP 8 x PP 2 is 16 ranks, which
+megatron-core's initialize_model_parallel refuses as well."""
 
 import json
 
@@ -11,10 +10,9 @@ import pytest
 from slime_spec.doctor.diagnose import main
 from tests.helpers.slime_scripts import DENSE, SCRIPTS, script_argv
 
-# What the trainer does not build yet (context parallelism), and a layout megatron-core refuses (nothing else may
-# stop a script).
+# A layout megatron-core refuses (nothing else may stop a script).
 MOE_REFUSALS = {
-    "run-glm4.7-30B-A3B": {("FLAG_NOT_SUPPORTED", "--context-parallel-size 2"), ("FLAG_CONFLICT", "")},
+    "run-glm4.7-30B-A3B": {("FLAG_CONFLICT", "")},
 }
 
 

@@ -105,13 +105,6 @@ def test_ep2_equals_ep1_forward_gather_train_step_sync_and_resume(ray_cluster, t
             resumed.shutdown()
 
 
-def test_deepseek_v3_with_its_mtp_layer_under_ep2_equals_ep1_and_syncs(ray_cluster, tmp_path):
-    """DeepSeek-V3 (multi-latent attention, dense first layer, shared experts, sigmoid routing over a correction bias)
-    with its MTP layer trained online, each EP rank holding half the routed experts (the two ranks are data-parallel
-    for everything else). GLM-4.5, the same MoE block with GQA, runs EP 2 with TP 2 below."""
-    two_ranks_with_mtp_equal_one("deepseek_v3", {"expert_model_parallel_size": 2}, tmp_path)
-
-
 def test_equal_counts_split_the_fewer_packs_and_padding_is_a_segment_of_its_own():
     lengths = [len(s.tokens) for s in varied_rollout()]
     alone = [packed_step_slices(lengths, 8, 20, r, 2) for r in range(2)]

@@ -15,21 +15,22 @@ def ray_cluster():
         yield
 
 
-@pytest.mark.parametrize("layout", [
-    {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
-    {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1, "pipeline_model_parallel_size": 2},
-], ids=["tp2xpp2", "ep2xpp2"])
-def test_four_ranks_with_two_stages_equal_one_rank_for_glm45_with_its_mtp_layer_and_resume(ray_cluster, tmp_path,
-                                                                                           layout):
-    """GLM-4.5 on four ranks in two stages, as slime's run-glm4.7-30B-A3B.sh and run-glm4.5-mtp.sh lay out theirs: the
-    dense first layer on stage 0, the MoE layer, the output layer and the MTP layer (with its copy of the embedding)
-    on stage 1; within each stage either TP 2 (the MoE layer with sequence parallelism) or two data-parallel ranks
-    holding half the routed experts each (EP 2, whole experts); several packed micro-batches per step through
-    megatron-core's schedule; each stage's tensors gathered (TP shards, EP ranks' experts), then sent to rank 0 for the
-    sync. Each (TP rank, stage) checkpoint shard resumes exactly. Two stages alone (two ranks) run through the
+@pytest.mark.parametrize("arch,layout", [
+    ("glm4_moe", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}),
+    ("deepseek_v3", {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1,
+                     "pipeline_model_parallel_size": 2}),
+], ids=["glm4_moe-tp2xpp2", "deepseek_v3-ep2xpp2"])
+def test_four_ranks_with_two_stages_equal_one_rank_with_the_mtp_layer_and_resume(ray_cluster, tmp_path, arch, layout):
+    """GLM-4.5 and DeepSeek-V3 (multi-latent attention, shared experts, sigmoid routing over a correction bias) on four
+    ranks in two stages, as slime's run-glm4.7-30B-A3B.sh and run-glm4.5-mtp.sh lay out theirs: the dense first layer
+    on stage 0, the MoE layer, the output layer and the MTP layer (with its copy of the embedding) on stage 1; within
+    each stage either TP 2 (the MoE layer with sequence parallelism) or two data-parallel ranks holding half the routed
+    experts each (EP 2, whole experts); several packed micro-batches per step through megatron-core's schedule; each
+    stage's tensors gathered (TP shards, EP ranks' experts), then sent to rank 0 for the sync. Each (TP rank, stage)
+    checkpoint shard resumes exactly. Two stages alone (two ranks) run through the
     whole loop in tests/e2e/test_mla_moe_pipeline_loop.py and tests/e2e/test_colocated_rank_buckets.py."""
     # resuming from per-stage shards is checked once, at TP x PP (the suite's time)
-    two_ranks_with_mtp_equal_one("glm4_moe", layout, tmp_path, resume="tensor_model_parallel_size" in layout, ranks=4)
+    two_ranks_with_mtp_equal_one(arch, layout, tmp_path, resume="tensor_model_parallel_size" in layout, ranks=4)
 
 
 def test_stage_layer_counts_follow_megatron_and_name_the_flags():
@@ -49,12 +50,10 @@ def test_pp2_keeps_a_tied_embedding_and_its_last_stage_copy_equal_over_steps(ray
     import ray
     import torch
 
-    from slime_spec.config.run_config import EngineConfig, TrainConfig
+    from slime_spec.config.run_config import EngineConfig
     from slime_spec.tools.tiny_model import make_tiny_model
-    from slime_spec.trainer import parallel
     from slime_spec.trainer.group import TrainGroup
-    from slime_spec.trainer.trainer import Trainer
-    from tests.helpers.tp_runs import assert_same_adam_step, two_rank_config, varied_rollout
+    from tests.helpers.tp_runs import assert_same_adam_step, grpo_steps_equal_one_rank, two_rank_config
 
     path = make_tiny_model(tmp_path / "ckpt", arch="qwen3", hidden_size=32, num_layers=4, seed=7)
     kw = dict(hf_checkpoint=str(path), lr=1e-3, global_batch_size=4, micro_batch_size=1, n_samples_per_prompt=2,
@@ -62,14 +61,7 @@ def test_pp2_keeps_a_tied_embedding_and_its_last_stage_copy_equal_over_steps(ray
     group = TrainGroup(two_rank_config(path, EngineConfig("embedded", str(path)),
                                        {**kw, "pipeline_model_parallel_size": 2}, tmp_path / "out"), use_gpu=False)
     try:
-        parallel.init_single_process(seed=0)
-        single = Trainer(TrainConfig(**kw))
-        before = {k: v.clone() for k, v in single.hf_state_dict().items()}
-        for rollout_id in range(2):
-            m2, m1 = group.train_step(varied_rollout(), rollout_id), single.train_step(varied_rollout(), rollout_id)
-            for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
-                assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), (rollout_id, key)
-        after2, after1 = group.hf_state_dict(), single.hf_state_dict()
+        before, after2, after1 = grpo_steps_equal_one_rank(group, kw)
         assert sorted(after2) == sorted(before) and "lm_head.weight" not in after2
         assert not torch.equal(after1["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
         assert_same_adam_step(after2, after1, [k for k in before if not k.endswith("k_proj.bias")], 2 * kw["lr"])
@@ -82,16 +74,13 @@ def test_pp2_keeps_a_tied_embedding_and_its_last_stage_copy_equal_over_steps(ray
 
 
 def test_doctor_refuses_stages_that_do_not_split_the_layers_or_an_online_draft(tmp_path):
-    from slime_spec.config.args import parse
-    from slime_spec.doctor.diagnose import diagnose
     from slime_spec.tools.tiny_model import make_tiny_model
+    from tests.helpers.tp_runs import doctor_errors
 
     path = make_tiny_model(tmp_path, arch="qwen3", hidden_size=32, num_layers=3)
-    base = ["--hf-checkpoint", str(path), "--rollout-backend", "embedded", "--actor-num-gpus-per-node", "2",
-            "--pipeline-model-parallel-size", "2"]
 
     def errors(*extra):
-        return [f.message for f in diagnose(parse([*base, *extra]))[1] if f.level == "error"]
+        return doctor_errors(path, "--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2", *extra)
 
     assert any("3 decoder layers over --pipeline-model-parallel-size 2" in m for m in errors())
     assert errors("--decoder-last-pipeline-num-layers", "1") == []  # 2 + 1

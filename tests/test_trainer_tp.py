@@ -17,7 +17,6 @@ from tests.helpers.tp_runs import (
     assert_same_adam_step,
     local_ray_cluster,
     tp2_config,
-    two_ranks_with_mtp_equal_one,
     varied_rollout,
 )
 from tests.helpers.tp_runs import tp_rollout as rollout
@@ -133,12 +132,3 @@ def test_qwen3_moe_tp2_sequence_parallel_with_an_online_eagle3_draft_equals_tp1_
     finally:
         group.shutdown()
         server.stop()
-
-
-@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
-def test_moe_with_its_mtp_layer_under_tp2_equals_tp1_and_syncs(ray_cluster, tmp_path, arch):
-    """GLM-4.5 (GQA with q/k/v biases) and DeepSeek-V3 (multi-latent attention) with their MTP layers trained online,
-    at TP 2 with sequence parallelism: the MTP layer's norms run on each rank's half of the sequence and its loss reads
-    the whole sequence (trainer.Trainer._mtp_loss); MLA's RoPE key gets every rank's heads' gradient
-    (sequence_parallel.mla_kv_down_proj_full_width)."""
-    two_ranks_with_mtp_equal_one(arch, {"tensor_model_parallel_size": 2}, tmp_path)

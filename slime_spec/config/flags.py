@@ -345,7 +345,7 @@ ACTED_ON = {
     "enable_draft_training", "draft_lr", "draft_ttt_steps",
     "tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "max_tokens_per_gpu",
     "pipeline_model_parallel_size", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-    "use_dynamic_batch_size", "bf16",
+    "context_parallel_size", "use_dynamic_batch_size", "bf16",
     "config", "rollout_backend", "rollout_num_engines", "metrics_jsonl", "output_dir", "update_weight_buffer_size",
     "weight_sync_transport", "check_weight_sync", "weight_sync_check_interval", "engine_start_timeout",
     "rollout_request_retries", "placement_timeout",

@@ -14,15 +14,7 @@ from slime_spec.config.flags_upstream import MEGATRON_PERF as _MEGATRON_PERF
 from slime_spec.config.flags_upstream import Ignored
 from slime_spec.config.flags_upstream import refused as _refused
 from slime_spec.config.flags_upstream import trainer as _trainer
-
-
-def data_parallel_size(ns) -> int:
-    """The trainer's data-parallel size: actor GPUs / (--tensor-model-parallel-size x --pipeline-model-parallel-size)
-    (0 when they do not divide)."""
-    gpus = ns.actor_num_nodes * ns.actor_num_gpus_per_node
-    model_parallel = ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size
-    return gpus // model_parallel if model_parallel >= 1 and gpus % model_parallel == 0 else 0
-
+from slime_spec.config.parallel_sizes import data_parallel_size
 
 NOT_ACTED_ON: dict[str, Ignored] = {
     # cluster and checkpoints
@@ -44,7 +36,9 @@ NOT_ACTED_ON: dict[str, Ignored] = {
                             "ranks in order, not balanced by tokens", "add --max-tokens-per-gpu N (packed "
                             "micro-batches; each step's samples balanced by tokens over the data-parallel ranks)",
                             accepted=(None, False), trainer_only=True, covered_by=lambda ns: bool(
-                                ns.max_tokens_per_gpu) or data_parallel_size(ns) == 1,
+                                ns.max_tokens_per_gpu) or data_parallel_size(
+                                ns.actor_num_nodes * ns.actor_num_gpus_per_node, ns.tensor_model_parallel_size,
+                                ns.pipeline_model_parallel_size, ns.context_parallel_size) == 1,
                             covered_why="the samples are balanced by tokens over the data-parallel ranks already: "
                                         "with --max-tokens-per-gpu each optimizer step's samples are dealt to them "
                                         "by tokens (equal counts), and one data-parallel rank has nothing to balance"),
@@ -75,14 +69,8 @@ NOT_ACTED_ON: dict[str, Ignored] = {
                      "float32 master weights) or neither (float32)"),
     # Megatron parallelism and performance
     "sequence_parallel": _MEGATRON_PERF,
-    "context_parallel_size": _trainer("the trainer runs tensor, pipeline, expert and data parallel, not context "
-                                      "parallel (megatron-core 0.16.1 splits attention over context-parallel ranks "
-                                      "only in Transformer Engine's attention, which needs CUDA): ignored, each rank "
-                                      "would hold whole sequences and the data-parallel size would not be the one you "
-                                      "planned", "--context-parallel-size 1",
-                                      accepted=(None, 1)),
-    # --expert-model-parallel-size, --pipeline-model-parallel-size and the stages' layer counts are acted on
-    # (trainer/parallel.py, trainer/pipeline.py)
+    # --expert-model-parallel-size, --pipeline-model-parallel-size, the stages' layer counts and
+    # --context-parallel-size are acted on (trainer/parallel.py, trainer/pipeline.py, trainer/context_parallel.py)
     "recompute_granularity": _MEGATRON_PERF,
     "recompute_method": _MEGATRON_PERF,
     "recompute_num_layers": _MEGATRON_PERF,

@@ -258,7 +258,8 @@ _TABLE: dict[str, list[tuple[str, dict, Ignored]]] = {
         ("--moe-shared-expert-gate", _ON, FROM_CONFIG_JSON),
         ("--moe-token-drop-policy", {"default": None}, FROM_CONFIG_JSON),
         ("--enable-experimental", _ON, Ignored("enables Megatron's experimental features, none of which run here")),
-        ("--allgather-cp", _ON, Ignored("a context-parallel layout; context parallel is refused separately")),
+        ("--allgather-cp", _ON, Ignored("the trainer's context parallelism always gathers keys and "
+                                                  "values over the context-parallel ranks")),
         ("--no-rope-fusion", _ON, MEGATRON_PERF),
         ("--no-masked-softmax-fusion", _ON, MEGATRON_PERF),
         ("--no-gradient-accumulation-fusion", _ON, MEGATRON_PERF),

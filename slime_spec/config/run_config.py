@@ -286,6 +286,8 @@ class TrainConfig:
     pipeline_model_parallel_size: int = flag_default("pipeline_model_parallel_size")
     decoder_first_pipeline_num_layers: int | None = flag_default("decoder_first_pipeline_num_layers")
     decoder_last_pipeline_num_layers: int | None = flag_default("decoder_last_pipeline_num_layers")
+    # each sequence split over this many ranks (two load-balanced chunks each, as Megatron lays them out)
+    context_parallel_size: int = flag_default("context_parallel_size")
     seed: int = flag_default("seed")
 
 

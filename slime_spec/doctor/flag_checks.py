@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from slime_spec.config.parallel_sizes import data_parallel_size
 from slime_spec.config.run_config import expert_tensor_parallel_size, resolve_global_batch_size
 from slime_spec.doctor.codes import Finding, Rule
 
@@ -84,6 +85,7 @@ BOUNDS: tuple[Bound, ...] = (
     Bound("update_weight_buffer_size", _at_least(1), "must be >= 1 byte", "--update-weight-buffer-size 536870912"),
     Bound("tensor_model_parallel_size", _at_least(1), "must be >= 1", "--tensor-model-parallel-size 1", True),
     Bound("pipeline_model_parallel_size", _at_least(1), "must be >= 1", "--pipeline-model-parallel-size 1", True),
+    Bound("context_parallel_size", _at_least(1), "must be >= 1", "--context-parallel-size 1", True),
     Bound("decoder_first_pipeline_num_layers", lambda v: v is None or v >= 1,
           "must be >= 1 (or unset: the layers split evenly)", "drop --decoder-first-pipeline-num-layers", True),
     Bound("decoder_last_pipeline_num_layers", lambda v: v is None or v >= 1,
@@ -114,11 +116,12 @@ BOUNDS: tuple[Bound, ...] = (
 )
 
 RELATIONS: tuple[Relation, ...] = (
-    Relation(lambda v: v["actor_gpus"] % (v["tensor_model_parallel_size"] * v["pp_size"]) == 0,
+    Relation(lambda v: v["dp_size"] > 0,
              "{actor_gpus} actor GPU(s) (--actor-num-nodes {actor_num_nodes} x --actor-num-gpus-per-node "
              "{actor_num_gpus_per_node}) are not divisible by --tensor-model-parallel-size "
-             "{tensor_model_parallel_size} x --pipeline-model-parallel-size {pp_size}",
-             "tensor x pipeline parallel sizes dividing {actor_gpus}, or more actor GPUs", trainer_only=True),
+             "{tensor_model_parallel_size} x --pipeline-model-parallel-size {pp_size} x --context-parallel-size "
+             "{cp_size}",
+             "tensor x pipeline x context parallel sizes dividing {actor_gpus}, or more actor GPUs", trainer_only=True),
     # slime asserts the same (megatron_utils/arguments.py)
     Relation(lambda v: v["pp_size"] > 1 or (v.get("decoder_first_pipeline_num_layers") is None
                                             and v.get("decoder_last_pipeline_num_layers") is None),
@@ -130,6 +133,10 @@ RELATIONS: tuple[Relation, ...] = (
              "the hidden states of layers spread over the pipeline stages, which the trainer does not gather",
              "--pipeline-model-parallel-size 1 with --enable-draft-training (or train the draft without stages)",
              trainer_only=True),
+    Relation(lambda v: v["cp_size"] == 1 or not v.get("enable_draft_training"),
+             "--enable-draft-training with --context-parallel-size {cp_size}: the online EAGLE3 draft trains on "
+             "whole sequences, which the trainer does not gather from the context-parallel ranks",
+             "--context-parallel-size 1 with --enable-draft-training", trainer_only=True),
     # Megatron's expert grid: expert TP x EP ranks hold one copy of the experts (which layouts are built:
     # spec_checks.check_trainer_support)
     Relation(lambda v: v["ep_size"] == 1 or v["stage_gpus"] % (v["etp_size"] * v["ep_size"]) == 0,
@@ -141,7 +148,7 @@ RELATIONS: tuple[Relation, ...] = (
              trainer_only=True),
     Relation(lambda v: v["dp_size"] == 0 or v["global_batch"] % v["micro_dp"] == 0,
              "global batch {global_batch} is not a multiple of --micro-batch-size {micro_batch_size} x "
-             "data-parallel size {dp_size} (actor GPUs / (tensor x pipeline parallel sizes))",
+             "data-parallel size {dp_size} (actor GPUs / (tensor x pipeline x context parallel sizes))",
              "--global-batch-size a multiple of {micro_dp} (or --micro-batch-size dividing "
              "{global_batch} / {dp_size})", trainer_only=True),
     Relation(lambda v: not v.get("use_tis") or v["tis_clip_low"] <= v["tis_clip"],
@@ -192,8 +199,10 @@ def derived_values(values: dict) -> dict:
                                              values["n_samples_per_prompt"], values.get("num_steps_per_rollout"))
     actor_gpus = values["actor_num_nodes"] * values["actor_num_gpus_per_node"]
     tp, pp = values["tensor_model_parallel_size"], values.get("pipeline_model_parallel_size") or 1
-    dp = actor_gpus // (tp * pp) if tp >= 1 and pp >= 1 and actor_gpus % (tp * pp) == 0 else 0
+    cp = values.get("context_parallel_size") or 1
+    dp = data_parallel_size(actor_gpus, tp, pp, cp)
     return {**values, "global_batch": global_batch, "actor_gpus": actor_gpus, "dp_size": dp, "pp_size": pp,
+            "cp_size": cp,
             "stage_gpus": actor_gpus // pp if pp >= 1 else 0,
             "micro_dp": values["micro_batch_size"] * dp, "ep_size": values.get("expert_model_parallel_size") or 1,
             "etp_size": expert_tensor_parallel_size(max(tp, 1), values.get("expert_tensor_parallel_size"))}

@@ -46,7 +46,7 @@ class TrainActor:
         init_parallel(self.rank, self.world_size, master_addr, master_port, train.tensor_model_parallel_size,
                       train.seed, ep_size=train.expert_model_parallel_size,
                       etp_size=train.expert_tensor_parallel_size, store_listener=listener,
-                      pp_size=train.pipeline_model_parallel_size)
+                      pp_size=train.pipeline_model_parallel_size, cp_size=train.context_parallel_size)
         self.trainer = Trainer(train, draft_model_path)
         return self.trainer.get_tp_info()
 

@@ -5,8 +5,9 @@ per-parallel-region RNG states through the CUDA generator. On a CPU-only machine
 `_lazy_call` queues the RNG restore forever and it silently never happens). Its pipeline schedules also
 synchronise the CUDA device after each point-to-point exchange, count tokens in a tensor made with
 `device="cuda"`, and copy the embedding shared by the first and last stages to the GPU before summing it
-over them. `apply()` redirects exactly those calls to the CPU. It does nothing when CUDA is available, and is
-idempotent.
+over them; under context parallelism its RoPE tables pick a rank's chunks through an index made in pinned
+memory and copied to the GPU. `apply()` redirects exactly those calls to the CPU. It does nothing when CUDA is
+available, and is idempotent.
 
 Apply it before building a model or calling `model_parallel_cuda_manual_seed`.
 """
@@ -41,6 +42,7 @@ def apply() -> bool:
     mp_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     _pipeline_on_cpu()
+    _rope_chunks_on_cpu()
     _applied = True
     return True
 
@@ -79,3 +81,18 @@ def _pipeline_on_cpu() -> None:
 
     setup_on_cpu._on_cpu = True
     language_module.LanguageModule.setup_embeddings_and_output_layer = setup_on_cpu
+
+
+def _rope_chunks_on_cpu() -> None:
+    """megatron-core's `get_pos_emb_on_this_cp_rank` (rope_utils; imported by name into the RoPE modules): the same
+    two chunks of the table, chunks cp_rank and 2 x CP - 1 - cp_rank, picked on the CPU."""
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    from slime_spec.trainer.context_parallel import row_positions
+
+    def on_cpu(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+        held = row_positions(pos_emb.shape[seq_dim], cp_group.size(), cp_group.rank(), pos_emb.device)
+        return pos_emb.index_select(seq_dim, held)
+
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = on_cpu

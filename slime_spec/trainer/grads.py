@@ -1,11 +1,11 @@
 """An optimizer step's gradients across ranks: the data-parallel sum, and clipping by the global norm.
 
-The float32 master gradients (precision.MasterParams) are summed over the data-parallel group; the norm counts a
-tensor-parallel shard once per shard and a replicated tensor once, as Megatron's clip_grad_norm does. Under expert
-parallelism a routed expert's parameter (megatron-core marks it `allreduce=False`) already holds the gradient of
-every EP rank's tokens (the token dispatcher's all-gather sums them back in its backward), so it is summed over
-the expert-data-parallel group only, and its square counts once per expert (summed over the expert TP x EP group).
-Pipeline stages each add their own layers' squares (the embedding's once, on the first stage).
+The float32 master gradients (precision.MasterParams) are summed over the data-parallel x context-parallel group;
+the norm counts a tensor-parallel shard once per shard and a replicated tensor once, as Megatron's clip_grad_norm
+does. Under expert parallelism a routed expert's parameter (megatron-core marks it `allreduce=False`) already holds
+the gradient of every EP rank's tokens (the token dispatcher's all-gather sums them back in its backward), so it is
+summed over the expert-data-parallel group only, and its square counts once per expert (summed over the expert TP x EP
+group). Pipeline stages each add their own layers' squares (the embedding's once, on the first stage).
 """
 
 from __future__ import annotations
@@ -16,20 +16,21 @@ import torch
 import torch.distributed as dist
 
 
-def reduce_grads(params: list[torch.Tensor], dp_size: int) -> list[torch.Tensor]:
-    """Sum the gradients over data-parallel ranks (an EP-split expert's over its expert-data-parallel ranks);
-    returns the parameters that have one."""
+def reduce_grads(params: list[torch.Tensor], dp_size: int, cp_size: int = 1) -> list[torch.Tensor]:
+    """Sum the gradients over data-parallel x context-parallel ranks (each context-parallel rank holds its own
+    positions' share; an EP-split expert's over its expert-data-parallel ranks, which include them); returns the
+    parameters that have one."""
     from megatron.core import parallel_state as ps
 
     params = [p for p in params if p.grad is not None]
-    if dp_size > 1:
+    if dp_size * cp_size > 1:
         edp_size = ps.get_expert_data_parallel_world_size()
         for p in params:
             if is_ep_split(p):
                 if edp_size > 1:
                     dist.all_reduce(p.grad, group=ps.get_expert_data_parallel_group())
             else:
-                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+                dist.all_reduce(p.grad, group=ps.get_data_parallel_group(with_context_parallel=True))
     return params
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import ray
 
 from slime_spec.cluster.placement import TRAIN_GPU_FRACTION, Placement, in_bundle
+from slime_spec.config.parallel_sizes import data_parallel_size
 from slime_spec.config.run_config import Config
 from slime_spec.rollout.sample import Sample
 from slime_spec.trainer.actor import TrainActor
@@ -41,10 +42,11 @@ class TrainGroup:
         self.config = config
         cluster, train = config.cluster, config.train
         n = cluster.actor_num_nodes * cluster.actor_num_gpus_per_node
-        model_parallel = train.tensor_model_parallel_size * train.pipeline_model_parallel_size
-        if n % model_parallel:
+        if not data_parallel_size(n, train.tensor_model_parallel_size, train.pipeline_model_parallel_size,
+                                  train.context_parallel_size):
             raise ValueError(f"--tensor-model-parallel-size {train.tensor_model_parallel_size} x "
-                             f"--pipeline-model-parallel-size {train.pipeline_model_parallel_size} must divide "
+                             f"--pipeline-model-parallel-size {train.pipeline_model_parallel_size} x "
+                             f"--context-parallel-size {train.context_parallel_size} must divide "
                              f"--actor-num-nodes x --actor-num-gpus-per-node = {n}")
         if placement is not None and len(placement.assignment.actor_bundles) != n:
             raise ValueError(f"the placement holds {len(placement.assignment.actor_bundles)} train bundle(s) for "

@@ -58,17 +58,33 @@ def whiten_advantages(advantages: torch.Tensor, trained_tokens: torch.Tensor, ep
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """float32 logits of positions 0..s-2, divided by the rollout temperature as slime does: SGLang returns the
-    log-probs of the temperature-scaled distribution it sampled from, so the trainer's must be of the same one."""
-    logits = logits[:, :-1].float()
+    """float32 logits divided by the rollout temperature as slime does: SGLang returns the log-probs of the
+    temperature-scaled distribution it sampled from, so the trainer's must be of the same one."""
+    logits = logits.float()
     return logits / temperature if temperature > 0 and temperature != 1.0 else logits
+
+
+def next_token_log_probs(logits: torch.Tensor, next_ids: torch.Tensor, temperature: float = 1.0,
+                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """At each position i of logits [b, s, V]: log p(next_ids[:, i]) at `temperature`, and (`with_entropy`) the
+    entropy of that distribution, from one float32 log-softmax (two would hold two [b, s, V] float32 copies
+    for the backward). Per position, so a context-parallel rank computes its own positions
+    (`context_parallel.LocalRows.next_ids`)."""
+    logp = torch.log_softmax(_scaled(logits, temperature), dim=-1)
+    lp = logp.gather(-1, next_ids[..., None]).squeeze(-1)
+    return lp, -(logp.exp() * logp).sum(-1) if with_entropy else None
+
+
+def to_token_positions(per_position: torch.Tensor) -> torch.Tensor:
+    """[b, s] values of the distribution at position i (which predicts token i + 1) -> at token i + 1; column 0
+    (no context) is 0."""
+    return F.pad(per_position[:, :-1], (1, 0))
 
 
 def token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """[b, s] log p(input_ids[:, j] | input_ids[:, <j]) from logits [b, s, V] (position i predicts i+1) at
     `temperature`; column 0 (no context) is 0."""
-    lp = torch.log_softmax(_scaled(logits, temperature), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return F.pad(lp, (1, 0))
+    return F.pad(next_token_log_probs(logits[:, :-1], input_ids[:, 1:], temperature)[0], (1, 0))
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -79,11 +95,9 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 def token_log_probs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor,
                                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """`token_log_probs` and `token_entropy` at `temperature` from one float32 log-softmax (the training step
-    needs both; two would hold two [b, s, V] float32 copies for the backward)."""
-    logp = torch.log_softmax(_scaled(logits, temperature), dim=-1)
-    lp = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    return F.pad(lp, (1, 0)), F.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+    """`token_log_probs` and `token_entropy` at `temperature` (`next_token_log_probs`)."""
+    lp, ent = next_token_log_probs(logits[:, :-1], input_ids[:, 1:], temperature, with_entropy=True)
+    return F.pad(lp, (1, 0)), F.pad(ent, (1, 0))
 
 
 def approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str) -> torch.Tensor:

@@ -94,14 +94,17 @@ def build_gpt_model(hf_config: dict, train: TrainConfig):
     rope_spec = None if mla else rope.rope_spec(hf_config)  # MLA: megatron's MLASelfAttention holds its own RoPE
     if convert.family_of(hf_config) in DENSE_FIRST_FAMILIES:  # a spec per layer, dense or MoE by moe_layer_freq
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        layer_specs = layer_spec.layer_specs
         if mla:
-            from slime_spec.trainer.sdpa_attention import SDPACoreAttention
             _mark_te_linear_absent()
-            for spec in layer_spec.layer_specs:
-                spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     else:
         layer_spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                               normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+        layer_specs = [layer_spec]
+    if mla or config.context_parallel_size > 1:  # core attention megatron-core builds only with TransformerEngine
+        from slime_spec.trainer.sdpa_attention import SDPACoreAttention
+        for spec in layer_specs:
+            spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     rotary_percent = float(hf_config.get("partial_rotary_factor") or 1.0)
     mtp_spec = (get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
                 if train.mtp_num_layers else None)
@@ -284,7 +287,8 @@ def rope_for_positions(model, position_ids: torch.Tensor) -> torch.Tensor | None
     (RoPE scores depend on q / k position differences only, and the mask keeps each sample to itself)."""
     if model.config.multi_latent_attention:
         return None
-    table = model.rotary_pos_emb(int(position_ids.max()) + 1)  # [max_pos, 1, 1, d]
+    # the whole table (RotaryEmbedding.forward would cut this context-parallel rank's chunks from it)
+    table = model.rotary_pos_emb.get_emb(int(position_ids.max()) + 1)  # [max_pos, 1, 1, d]
     return table[:, 0, 0][position_ids.t()][:, :, None]
 
 

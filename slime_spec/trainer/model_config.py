@@ -77,6 +77,7 @@ def transformer_config(hf_config: dict, train: TrainConfig):
         bf16=train.bf16,
         tensor_model_parallel_size=train.tensor_model_parallel_size,
         pipeline_model_parallel_size=train.pipeline_model_parallel_size,
+        context_parallel_size=train.context_parallel_size,
         pipeline_dtype=torch.bfloat16 if train.bf16 else torch.float32,  # the activations passed between stages
         num_layers_in_first_pipeline_stage=train.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=train.decoder_last_pipeline_num_layers,

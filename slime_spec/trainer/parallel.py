@@ -1,9 +1,11 @@
 """torch.distributed + megatron-core model-parallel state for one train process.
 
-World = pipeline stages x data-parallel x tensor-parallel ranks (Megatron's order: TP ranks consecutive, then DP,
-pipeline stages outermost; no context parallelism); within a stage the MoE layers' experts are laid out on
+World = pipeline stages x data-parallel x context-parallel x tensor-parallel ranks (Megatron's order: TP ranks
+consecutive, then CP, then DP, pipeline stages outermost); within a stage the MoE layers' experts are laid out on
 Megatron's expert grid over the same ranks: expert TP (--expert-tensor-parallel-size, unset = TP), then
-EP, then expert data parallel. Data parallel size = world / (TP x PP) as Megatron computes it; each EP rank holds
+EP, then expert data parallel (the CP ranks among them). Data parallel size = world / (TP x PP x CP) as Megatron
+computes it; the CP ranks of a data-parallel rank train the same samples, each on its part of every sequence
+(trainer/context_parallel.py); each EP rank holds
 num_experts / EP experts, each split over the expert-TP ranks. gloo on CPU, nccl on CUDA. Megatron's state is
 process-global, so one process holds one model.
 """
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from slime_spec.common.net import listen_host, listen_on, listen_socket
+from slime_spec.config.parallel_sizes import data_parallel_size
 from slime_spec.config.run_config import expert_tensor_parallel_size
 from slime_spec.trainer import cpu_compat
 
@@ -38,17 +41,20 @@ class TPInfo:
     etp_size: int = 1
     pp_rank: int = 0  # pipeline stage: holds its share of the decoder layers (pipeline.stage_layer_counts)
     pp_size: int = 1
+    cp_rank: int = 0  # context parallel: holds two load-balanced chunks of every sequence (context_parallel.py)
+    cp_size: int = 1
 
 
 def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int, tp_size: int,
                   seed: int, timeout_s: float = 600.0, ep_size: int = 1, etp_size: int | None = None,
-                  store_listener: socket.socket | None = None, pp_size: int = 1) -> TPInfo:
+                  store_listener: socket.socket | None = None, pp_size: int = 1, cp_size: int = 1) -> TPInfo:
     """Join the default process group and set Megatron's TP/DP/EP groups and RNG trackers. store_listener: rank 0's
     socket already listening at `master_port` (`net.listen_socket`), from before the other ranks were told the
     port; without one rank 0 binds the port now."""
-    if pp_size < 1 or world_size % (tp_size * pp_size):
-        raise ValueError(f"tensor_model_parallel_size={tp_size} x pipeline_model_parallel_size={pp_size} must divide "
-                         f"the number of train processes ({world_size} = actor_num_nodes x actor_num_gpus_per_node)")
+    if pp_size < 1 or cp_size < 1 or not data_parallel_size(world_size, tp_size, pp_size, cp_size):
+        raise ValueError(f"tensor_model_parallel_size={tp_size} x pipeline_model_parallel_size={pp_size} x "
+                         f"context_parallel_size={cp_size} must divide the number of train processes ({world_size} = "
+                         f"actor_num_nodes x actor_num_gpus_per_node)")
     etp_size = expert_tensor_parallel_size(tp_size, etp_size)
     if ep_size < 1 or etp_size < 1 or (world_size // pp_size) % (etp_size * ep_size):
         raise ValueError(f"expert_model_parallel_size={ep_size} x expert_tensor_parallel_size={etp_size} must divide "
@@ -69,6 +75,7 @@ def init_parallel(rank: int, world_size: int, master_addr: str, master_port: int
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
                                                  pipeline_model_parallel_size=pp_size,
+                                                 context_parallel_size=cp_size,
                                                  expert_model_parallel_size=ep_size,
                                                  expert_tensor_parallel_size=etp_size)
     torch.manual_seed(seed)
@@ -105,7 +112,8 @@ def current_tp_info() -> TPInfo:
                   ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
                   edp_rank=ps.get_expert_data_parallel_rank(), etp_rank=ps.get_expert_tensor_parallel_rank(),
                   etp_size=ps.get_expert_tensor_parallel_world_size(),
-                  pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size())
+                  pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+                  cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size())
 
 
 def destroy_parallel() -> None:

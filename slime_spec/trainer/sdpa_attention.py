@@ -1,4 +1,5 @@
-"""Core attention for megatron-core's multi-latent attention without TransformerEngine.
+"""Core attention without TransformerEngine: for multi-latent attention, and for every layer under context
+parallelism.
 
 megatron-core 0.16.1 builds MLA's core attention with `k_channels` / `v_channels` (MLA's keys are
 qk_nope + qk_rope wide, its values v_head_dim), which only TransformerEngine's DotProductAttention takes: the local
@@ -7,6 +8,10 @@ for TE's fused attention there: megatron's core-attention interface (query / key
 boolean mask with True = masked, output [s, b, heads * v_dim]) over torch's scaled_dot_product_attention, which
 takes a value head dim apart from the key's. It holds no parameters; everything around it (projections, norms,
 YaRN RoPE, softmax scale) is megatron's MLASelfAttention.
+
+Under context parallelism (megatron-core's local DotProductAttention refuses it) each rank's queries attend to the
+keys and values of the whole row, gathered from every context-parallel rank (context_parallel.py); the mask holds
+this rank's query rows against every column.
 """
 
 from __future__ import annotations
@@ -27,9 +32,7 @@ class SDPACoreAttention(MegatronModule):
                  k_channels: int | None = None, v_channels: int | None = None, cp_comm_type: str | None = None,
                  pg_collection=None):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError(f"--context-parallel-size {config.context_parallel_size}: the trainer's attention "
-                             "without TransformerEngine runs whole sequences; use --context-parallel-size 1")
+        self.context_parallel = config.context_parallel_size > 1
         self.attn_mask_type = attn_mask_type
         k_channels = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels)
@@ -41,6 +44,13 @@ class SDPACoreAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPACoreAttention takes a boolean attention mask only (no packed_seq_params / "
                              "attention_bias): packed rows reach it as one row with a block-diagonal mask")
+        if self.context_parallel:
+            from slime_spec.trainer.context_parallel import gather_keys_values
+
+            if attention_mask is None:
+                raise ValueError("context parallel attention needs the mask of this rank's query rows "
+                                 "(context_parallel.ContextSplit.local_rows)")
+            key, value = gather_keys_values(key), gather_keys_values(value)
         heads = query.shape[2]
         if key.shape[2] != heads:  # grouped keys and values: each group serves heads / groups query heads
             key = key.repeat_interleave(heads // key.shape[2], dim=2)

@@ -24,6 +24,7 @@ from slime_spec.rollout.sample import Sample, Status
 from slime_spec.trainer import checkpoint, grads, losses, mtp_loss, pipeline, step_metrics, step_plan
 from slime_spec.trainer import model as M
 from slime_spec.trainer.batch import TokenBatch, collate, response_mask
+from slime_spec.trainer.context_parallel import ContextSplit, LocalRows
 from slime_spec.trainer.eagle3_online import OnlineDraft
 from slime_spec.trainer.finite_guard import (
     SkipTracker,
@@ -32,7 +33,7 @@ from slime_spec.trainer.finite_guard import (
     grpo_advantages_without,
     reward_left_out,
 )
-from slime_spec.trainer.packing import ModelRows, model_rows
+from slime_spec.trainer.packing import ModelRows, causal_mask, model_rows
 from slime_spec.trainer.parallel import TPInfo, current_tp_info
 from slime_spec.trainer.precision import MasterParams
 from slime_spec.trainer.step_plan import PreparedStep
@@ -62,9 +63,14 @@ class Trainer:
             raise ValueError(f"--enable-draft-training with --pipeline-model-parallel-size "
                              f"{train.pipeline_model_parallel_size}: the online EAGLE3 draft reads hidden states of "
                              f"layers spread over the stages; train it with --pipeline-model-parallel-size 1")
+        if train.enable_draft_training and train.context_parallel_size > 1:
+            raise ValueError(f"--enable-draft-training with --context-parallel-size {train.context_parallel_size}: "
+                             f"the online EAGLE3 draft trains on whole sequences; train it with "
+                             f"--context-parallel-size 1")
         self.train = train
         self.packed = bool(train.max_tokens_per_gpu)
         self.tp: TPInfo = current_tp_info()
+        self.cp = ContextSplit.current()  # this rank's part of every row (context_parallel.py)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
         self.hf_config = M.read_hf_config(train.hf_checkpoint)
@@ -204,16 +210,17 @@ class Trainer:
         self.model.eval()
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         seq = ids.shape[1]
-        if self.model.config.sequence_parallel:  # rows a multiple of the TP size; the padding comes after (causal)
-            ids = F.pad(ids, (0, -seq % self.tp.tp_size))
+        ids = F.pad(ids, (0, -seq % self._row_multiple))  # the padding comes after the tokens (causal)
 
         def forward(_m_idx, rows_ids):
-            trunk = M.trunk_forward(self.model, rows_ids, self.vocab_size)
+            positions = torch.arange(rows_ids.shape[1], device=self.device)[None].expand_as(rows_ids)
+            inputs = self.cp.local_rows(rows_ids, positions, causal_mask(rows_ids.shape[1], self.device))
+            trunk = self._trunk(inputs)
             if trunk.logits is None:  # not the last pipeline stage
                 return trunk.hidden, None
-            mtp = M.mtp_logits(self.model, rows_ids, trunk, self.vocab_size, self.mtp_zero_first_token)
-            return trunk.hidden, {"logits": trunk.logits[:, :seq].float().cpu(),
-                                  "mtp_logits": [x[:, :seq].float().cpu() for x in mtp]}
+            mtp = M.mtp_logits(self.model, inputs.input_ids, trunk, self.vocab_size, self.mtp_zero_first_token)
+            whole = [self.cp.gather(x, dim=1)[:, :seq].float().cpu() for x in [trunk.logits, *mtp]]
+            return trunk.hidden, {"logits": whole[0], "mtp_logits": whole[1:]}
 
         results = pipeline.run_forward(self.model, [ids], forward)
         return pipeline.from_last_stage(results[0] if results else None)
@@ -256,11 +263,27 @@ class Trainer:
         return path
 
     # ---------------------------------------------------------------- steps
-    def _trunk(self, rows: ModelRows, with_aux: bool = False) -> M.TrunkOutput:
-        """`with_aux`: also the online draft's inputs (its aux layers' outputs and the embeddings, detached)."""
+    @property
+    def _row_multiple(self) -> int:
+        """Model rows' lengths are a multiple of this: 2 chunks per context-parallel rank, each split over the TP
+        ranks under sequence parallelism."""
+        return self.cp.row_multiple * (self.tp.tp_size if self.model.config.sequence_parallel else 1)
+
+    def _trunk(self, inputs: LocalRows, with_aux: bool = False) -> M.TrunkOutput:
+        """The policy's pass over this rank's part of the rows (`ContextSplit.local_rows`). `with_aux`: also the
+        online draft's inputs (its aux layers' outputs and the embeddings, detached)."""
         aux_ids = self.online_draft.aux_layer_ids if with_aux and self.online_draft is not None else None
-        return M.trunk_forward(self.model, rows.input_ids, self.vocab_size, position_ids=rows.position_ids,
-                               attention_mask=rows.attention_mask, aux_layer_ids=aux_ids)
+        return M.trunk_forward(self.model, inputs.input_ids, self.vocab_size, position_ids=inputs.position_ids,
+                               attention_mask=inputs.attention_mask, aux_layer_ids=aux_ids)
+
+    def _token_log_probs(self, rows: ModelRows, inputs: LocalRows, trunk: M.TrunkOutput,
+                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[n, S] log-probs of the samples' tokens (and the entropies of the distributions that predict them), from
+        this rank's logits, gathered over the context-parallel ranks."""
+        per_position = losses.next_token_log_probs(trunk.logits, inputs.next_ids, self.train.rollout_temperature,
+                                                   with_entropy)
+        return tuple(None if x is None else rows.to_samples(losses.to_token_positions(self.cp.gather(x, dim=1)))
+                     for x in per_position)
 
     @torch.no_grad()
     def _log_probs(self, batches: list[TokenBatch]) -> list[torch.Tensor | None]:
@@ -270,29 +293,35 @@ class Trainer:
 
         def forward(_m_idx, batch):
             rows = model_rows(batch, self.packed, batch.min_row_len)
-            trunk = self._trunk(rows)
+            inputs = self._local_rows(rows)
+            trunk = self._trunk(inputs)
             if trunk.logits is None:
                 return trunk.hidden, None
-            return trunk.hidden, {"log_probs": rows.to_samples(
-                losses.token_log_probs(trunk.logits, rows.input_ids, self.train.rollout_temperature))}
+            return trunk.hidden, {"log_probs": self._token_log_probs(rows, inputs, trunk)[0]}
 
         results = pipeline.run_forward(self.model, batches, forward)
         return [r["log_probs"] for r in results] if self.model.post_process else [None] * len(batches)
 
-    def _mtp_loss(self, rows: ModelRows, trunk: M.TrunkOutput, loss_mask: torch.Tensor) -> torch.Tensor:
+    def _local_rows(self, rows: ModelRows) -> LocalRows:
+        return self.cp.local_rows(rows.input_ids, rows.position_ids, rows.attention_mask)
+
+    def _mtp_loss(self, rows: ModelRows, inputs: LocalRows, trunk: M.TrunkOutput,
+                  loss_mask: torch.Tensor) -> torch.Tensor:
         """[n] MTP loss of a micro-batch; with a graph only for --enable-mtp-training (a frozen draft's
         loss is a metric)."""
         from megatron.core import parallel_state as ps
 
         with torch.set_grad_enabled(self.train.enable_mtp_training and torch.is_grad_enabled()):
             with self.timer("MTP forward"):
-                hidden = M.mtp_hidden_states(self.model, rows.input_ids, trunk, self.mtp_zero_first_token,
+                hidden = M.mtp_hidden_states(self.model, inputs.input_ids, trunk, self.mtp_zero_first_token,
                                               self.train.mtp_unroll_steps)
             if self.model.config.sequence_parallel:  # each rank holds a slice of the sequence: the loss reads all
                 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
                 # the loss's hidden-state gradient is already summed over the vocabulary shards: each rank keeps
                 # its own slice of it, unsummed
                 hidden = [gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False) for h in hidden]
+            # the whole rows from every context-parallel rank, likewise
+            hidden = [self.cp.gather(h, dim=0) for h in hidden]
             with self.timer("MTP loss"):
                 weight = M.output_weight(self.model)
                 group = ps.get_tensor_model_parallel_group() if self.tp.tp_size > 1 else None
@@ -304,7 +333,7 @@ class Trainer:
         t = self.train
         return step_plan.StepLayout(t.global_batch_size, t.micro_batch_size, t.max_tokens_per_gpu, self.tp.dp_rank,
                                     self.tp.dp_size, self.tp.ep_size,
-                                    row_multiple=self.tp.tp_size if self.model.config.sequence_parallel else 1)
+                                    row_multiple=self._row_multiple)
 
     def plan(self, samples: list[Sample], dp_rank: int | None = None) -> step_plan.Steps:
         """This rank's (or data-parallel rank `dp_rank`'s) sample indices per optimizer step, per micro-batch."""
@@ -414,7 +443,7 @@ class Trainer:
         """The master gradients summed over data-parallel ranks, and the embedding's over its pipeline copies;
         returns the parameters that have one."""
         pipeline.sum_shared_embedding_grads(self.master.params)
-        return grads.reduce_grads(self.master.params, self.tp.dp_size)
+        return grads.reduce_grads(self.master.params, self.tp.dp_size, self.tp.cp_size)
 
     def _prepare(self, samples: list[Sample], loss_type: str | None) -> PreparedStep:
         """Micro-batches, advantages, and the old-policy (and reference) log-probs before any update."""
@@ -470,17 +499,18 @@ class Trainer:
 
         def forward(m_idx, batch):
             rows = model_rows(batch, self.packed, batch.min_row_len)
+            inputs = self._local_rows(rows)
             with self.timer("trunk forward"):
-                trunk = self._trunk(rows, with_aux=train_draft)
+                trunk = self._trunk(inputs, with_aux=train_draft)
             if trunk.logits is None:  # a stage before the last: its output goes on to the next stage
                 return trunk.hidden, None
-            return trunk.hidden, functools.partial(self._micro_batch_loss, p, s_idx, m_idx, rows, trunk, train_draft,
-                                                   sums)
+            return trunk.hidden, functools.partial(self._micro_batch_loss, p, s_idx, m_idx, rows, inputs, trunk,
+                                                   train_draft, sums)
 
         pipeline.run_schedule(self.model, p.batches[s_idx], forward, forward_only=False, timers=self.timer.megatron())
 
-    def _micro_batch_loss(self, p: PreparedStep, s_idx: int, m_idx: int, rows: ModelRows, trunk: M.TrunkOutput,
-                          train_draft: bool, sums: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def _micro_batch_loss(self, p: PreparedStep, s_idx: int, m_idx: int, rows: ModelRows, inputs: LocalRows,
+                          trunk: M.TrunkOutput, train_draft: bool, sums: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The last stage's loss of micro-batch `m_idx`: the scalar the schedule backpropagates through the trunk,
         with its metrics accumulated into `sums`.
 
@@ -491,9 +521,7 @@ class Trainer:
         t = self.train
         batch = p.batches[s_idx][m_idx]
         with self.timer("trunk forward"):
-            log_probs, entropy = map(rows.to_samples,
-                                     losses.token_log_probs_and_entropy(trunk.logits, rows.input_ids,
-                                                                        t.rollout_temperature))
+            log_probs, entropy = self._token_log_probs(rows, inputs, trunk, with_entropy=True)
             if p.sft:
                 terms = losses.sft_loss_terms(log_probs, batch.loss_mask, entropy)
             else:
@@ -507,7 +535,7 @@ class Trainer:
                     tis=losses.TisWeights(t.tis_clip, t.tis_clip_low) if t.use_tis else None,
                     rollout_log_probs=batch.rollout_log_probs)
         if t.mtp_num_layers and getattr(self.model, "mtp_process", False):
-            terms.mtp_loss = self._mtp_loss(rows, trunk, batch.loss_mask)
+            terms.mtp_loss = self._mtp_loss(rows, inputs, trunk, batch.loss_mask)
             if t.enable_mtp_training:
                 with self.timer("MTP backward"):
                     (t.mtp_loss_scaling_factor * terms.mtp_loss.sum() / t.global_batch_size).backward()

@@ -148,3 +148,31 @@ def two_ranks_with_mtp_equal_one(arch: str, layout: dict, tmp_path, resume: bool
             assert sorted(again) == sorted(after2) and all(torch.equal(again[k], after2[k]) for k in after2)
         finally:
             resumed.shutdown()
+
+
+def doctor_errors(checkpoint, *flags: str) -> list[str]:
+    """The doctor's error messages for the embedded engine serving `checkpoint`, with `flags`."""
+    from slime_spec.config.args import parse
+    from slime_spec.doctor.diagnose import diagnose
+
+    _, findings = diagnose(parse(["--hf-checkpoint", str(checkpoint), "--rollout-backend", "embedded", *flags]))
+    return [f.message for f in findings if f.level == "error"]
+
+
+def grpo_steps_equal_one_rank(group, kw: dict, steps: int = 2) -> tuple[dict, dict, dict]:
+    """`steps` GRPO steps of `group` on `varied_rollout()` give one rank's (`TrainConfig(**kw)`) loss, KL, entropy and
+    gradient norm; returns the HF weights before, after on the group and after on the one rank."""
+    import pytest
+
+    from slime_spec.config.run_config import TrainConfig
+    from slime_spec.trainer import parallel
+    from slime_spec.trainer.trainer import Trainer
+
+    parallel.init_single_process(seed=0)
+    single = Trainer(TrainConfig(**kw))
+    before = {k: v.clone() for k, v in single.hf_state_dict().items()}
+    for rollout_id in range(steps):
+        m2, m1 = group.train_step(varied_rollout(), rollout_id), single.train_step(varied_rollout(), rollout_id)
+        for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), (rollout_id, key)
+    return before, group.hf_state_dict(), single.hf_state_dict()
