@@ -66,7 +66,7 @@ def test_cp2_trains_padded_rows_of_a_dense_model_as_one_rank_over_steps(ray_clus
         group.shutdown()
 
 
-def test_doctor_refuses_context_parallel_ranks_that_do_not_divide_the_gpus_or_an_online_draft(tmp_path):
+def test_doctor_refuses_cp_ranks_that_do_not_divide_the_gpus_an_online_draft_or_slimes_dsa_layout(tmp_path):
     from slime_spec.tools.tiny_model import make_tiny_model
     from tests.helpers.tp_runs import doctor_errors
 
@@ -80,3 +80,6 @@ def test_doctor_refuses_context_parallel_ranks_that_do_not_divide_the_gpus_or_an
                for m in errors("--tensor-model-parallel-size", "3"))
     assert any("--enable-draft-training with --context-parallel-size 2" in m
                for m in errors("--enable-draft-training"))
+    # slime's --allgather-cp is its contiguous layout for DSA attention models (DeepSeek-V3.2, GLM-5.1), refused for
+    # others: the trainer keeps Megatron's load-balanced one
+    assert any(m.startswith("--allgather-cp") for m in errors("--allgather-cp"))

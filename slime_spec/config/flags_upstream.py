@@ -258,8 +258,13 @@ _TABLE: dict[str, list[tuple[str, dict, Ignored]]] = {
         ("--moe-shared-expert-gate", _ON, FROM_CONFIG_JSON),
         ("--moe-token-drop-policy", {"default": None}, FROM_CONFIG_JSON),
         ("--enable-experimental", _ON, Ignored("enables Megatron's experimental features, none of which run here")),
-        ("--allgather-cp", _ON, Ignored("the trainer's context parallelism always gathers keys and "
-                                                  "values over the context-parallel ranks")),
+        ("--allgather-cp", _ON, Ignored(
+            "slime lays sequences out in contiguous context-parallel chunks with it, for DSA attention models only "
+            "(DeepSeek-V3.2, GLM-5.1), which the trainer does not build (slime refuses it for other models)",
+            "drop --allgather-cp: the trainer lays each sequence out in Megatron's load-balanced chunks, slime's "
+            "default", accepted=(None, False), trainer_only=True,
+            covered_by=lambda ns: (ns.context_parallel_size or 1) <= 1,
+            covered_why="no effect at --context-parallel-size 1")),
         ("--no-rope-fusion", _ON, MEGATRON_PERF),
         ("--no-masked-softmax-fusion", _ON, MEGATRON_PERF),
         ("--no-gradient-accumulation-fusion", _ON, MEGATRON_PERF),
