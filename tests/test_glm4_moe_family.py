@@ -85,7 +85,7 @@ def test_refusals(glm):
         M.transformer_config({**hf_config, "norm_topk_prob": False}, train)
     with pytest.raises(ValueError, match="num_experts_per_tok=2, topk_group=2"):
         M.transformer_config({**hf_config, "n_group": 2, "topk_group": 2}, train)
-    # under TP with sequence parallelism, its MTP layer too (tests/test_trainer_ep.py, tests/test_trainer_pp.py)
+    # under TP with sequence parallelism, its MTP layer too (tests/test_trainer_pp.py)
     assert M.transformer_config(hf_config, TrainConfig(hf_checkpoint=str(glm), tensor_model_parallel_size=2,
                                                        mtp_num_layers=1)).sequence_parallel
     with pytest.raises(ValueError, match="unsupported model: model_type='gpt2'"):

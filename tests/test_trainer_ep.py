@@ -1,7 +1,7 @@
 """Expert parallel size 2 on CPU (two Ray train actors, gloo, megatron-core's all-gather token dispatcher): each rank
-loads and trains only its half of the experts, and computes what one rank holding every expert computes, padded and
-packed micro-batches; the weight sync gathers every expert into a real embedded engine process; a checkpoint saved
-under EP 2 resumes exactly."""
+loads and trains only its half of the experts and computes what one rank holding every expert computes; the weight
+sync gathers every expert into a real embedded engine process; a checkpoint saved under EP 2 resumes exactly. EP over
+the TP ranks, in pipeline stages, with packed micro-batches: tests/test_trainer_pp.py."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from tests.helpers.tp_runs import (
     assert_same_adam_step,
     local_ray_cluster,
     two_rank_config,
-    two_ranks_with_mtp_equal_one,
     varied_rollout,
 )
 from tests.helpers.tp_runs import tp_rollout as rollout
@@ -122,11 +121,3 @@ def test_equal_counts_split_the_fewer_packs_and_padding_is_a_segment_of_its_own(
     assert torch.equal(padded.attention_mask[..., :13, :13], plain.attention_mask)
     assert bool(padded.attention_mask[0, 0, 13:, :13].all()) and bool(padded.attention_mask[0, 0, :13, 13:].all())
     assert torch.equal(padded.index, plain.index) and torch.equal(padded.valid, plain.valid)
-
-
-def test_moe_under_tp2_with_ep2_and_whole_experts_equals_one_rank_syncs_and_resumes(ray_cluster, tmp_path):
-    """megatron-core's MoE folding, as slime's MoE scripts lay it out (--expert-tensor-parallel-size 1): attention
-    and the dense layer split over two TP ranks (sequence parallel), the routed experts whole, half on each of the
-    same two ranks as EP ranks; with GLM-4.5's MTP layer trained online. Its checkpoint resumes exactly."""
-    two_ranks_with_mtp_equal_one("glm4_moe", {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
-                                              "expert_tensor_parallel_size": 1}, tmp_path, resume=True)

@@ -15,22 +15,17 @@ def ray_cluster():
         yield
 
 
-@pytest.mark.parametrize("arch,layout", [
-    ("glm4_moe", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}),
-    ("deepseek_v3", {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1,
-                     "pipeline_model_parallel_size": 2}),
-], ids=["glm4_moe-tp2xpp2", "deepseek_v3-ep2xpp2"])
-def test_four_ranks_with_two_stages_equal_one_rank_with_the_mtp_layer_and_resume(ray_cluster, tmp_path, arch, layout):
-    """GLM-4.5 and DeepSeek-V3 (multi-latent attention, shared experts, sigmoid routing over a correction bias) on four
-    ranks in two stages, as slime's run-glm4.7-30B-A3B.sh and run-glm4.5-mtp.sh lay out theirs: the dense first layer
-    on stage 0, the MoE layer, the output layer and the MTP layer (with its copy of the embedding) on stage 1; within
-    each stage either TP 2 (the MoE layer with sequence parallelism) or two data-parallel ranks holding half the routed
-    experts each (EP 2, whole experts); several packed micro-batches per step through megatron-core's schedule; each
-    stage's tensors gathered (TP shards, EP ranks' experts), then sent to rank 0 for the sync. Each (TP rank, stage)
-    checkpoint shard resumes exactly. Two stages alone (two ranks) run through the
-    whole loop in tests/e2e/test_mla_moe_pipeline_loop.py and tests/e2e/test_colocated_rank_buckets.py."""
-    # resuming from per-stage shards is checked once, at TP x PP (the suite's time)
-    two_ranks_with_mtp_equal_one(arch, layout, tmp_path, resume="tensor_model_parallel_size" in layout, ranks=4)
+def test_four_ranks_in_two_stages_of_tp2_with_whole_experts_over_ep2_equal_one_rank_and_resume(ray_cluster, tmp_path):
+    """GLM-4.5 on four ranks as slime's run-glm4.7-30B-A3B.sh lays out each stage (TP 2 with sequence parallelism,
+    the routed experts whole, half on each TP rank as EP ranks: --expert-tensor-parallel-size 1), in two stages: the
+    dense first layer on stage 0, the MoE layer, the output layer and the MTP layer (with its copy of the embedding)
+    on stage 1; several packed micro-batches per step through megatron-core's schedule; each stage's tensors
+    gathered (TP shards, EP ranks' experts), then sent to rank 0 for the sync. Each (TP rank, EP rank, stage)
+    checkpoint shard resumes exactly. Two stages alone (two ranks) run through the whole loop in
+    tests/e2e/test_mla_moe_pipeline_loop.py and tests/e2e/test_colocated_rank_buckets.py."""
+    two_ranks_with_mtp_equal_one("glm4_moe", {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
+                                              "expert_tensor_parallel_size": 1, "pipeline_model_parallel_size": 2},
+                                 tmp_path, resume=True, ranks=4)
 
 
 def test_stage_layer_counts_follow_megatron_and_name_the_flags():

@@ -54,6 +54,8 @@ def test_placement_that_cannot_fit_times_out_naming_request_and_cluster(gpu_clus
 
 
 def test_colocate_two_actor_and_two_rollout_gpus_on_two_gpus(gpu_cluster, capsys):
+    """Two colocated steps of the whole loop: NEXTN rollout drafting with the MTP layer trained online, both synced
+    every step, a checkpoint every step, --use-tis weighing the policy loss by the engine's log-probs."""
     root, model, data = gpu_cluster
     out = root / "run"
     argv = ["--hf-checkpoint", str(model), "--rollout-backend", "embedded", "--colocate",
@@ -61,13 +63,27 @@ def test_colocate_two_actor_and_two_rollout_gpus_on_two_gpus(gpu_cluster, capsys
             "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label", "--rm-type", "exact_match",
             "--rollout-skip-special-tokens", "--num-rollout", "2", "--rollout-batch-size", "2",
             "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--global-batch-size", "4",
-            "--micro-batch-size", "2", "--lr", "1e-3", "--placement-timeout", "120", "--output-dir", str(out)]
+            "--micro-batch-size", "2", "--lr", "1e-3", "--placement-timeout", "120", "--output-dir", str(out),
+            "--mtp-num-layers", "1", "--enable-mtp-training", "--sglang-speculative-algorithm", "NEXTN",
+            "--sglang-speculative-num-steps", "2", "--sglang-speculative-eagle-topk", "1",
+            "--sglang-speculative-num-draft-tokens", "3", "--save", str(root / "ckpt"), "--save-interval", "1",
+            "--use-tis", "--normalize-advantages", "--eps-clip-c", "3"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "[placement] train rank 1" in printed and "[placement] engine 1" in printed
     steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["rollout_id"] for m in steps] == [0, 1]
-    assert all(m["num_samples"] == 4 and "loss" in m and m["weight_sync_params"] > 0 for m in steps)
+    assert all((root / "ckpt" / f"iter_{i:07d}" / "tp_rank_00.pt").exists() for i in range(2))
+    for m in steps:
+        assert m["num_samples"] == 4 and m["spec_accept_length"] >= 1.0 and "loss" in m
+        # target AND MTP layers reached the engines
+        assert m["weight_sync_params"] > 0 and m["weight_sync_mtp_params"] > 0
+        assert m["spec_canary_accept_length"] >= 1.0
+        # --use-tis (with --normalize-advantages and --eps-clip-c, whose bound cannot bite in a first epoch, where the
+        # ratio is 1): the engine's log-probs (the target's, under speculation) weigh the policy loss
+        assert 0 < m["tis"] and 0 <= m["tis_clipfrac"] <= 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_steps"] == 2 and (out / "plot.png").stat().st_size > 1000
     assert gpus_free_again()  # the run's placement group is gone
 
 

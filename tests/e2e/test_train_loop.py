@@ -2,8 +2,8 @@
 
 `python -m slime_spec.train` in a subprocess (joining the package's Ray head, tests/helpers/ray_head.py), a tiny
 MiMo checkpoint, the embedded engine with NEXTN speculation: debug-rollout-only (saving rollout data, with dynamic
-sampling), debug-train-only (replaying it), colocate; separate placement runs in the demo smoke test below. The
-rollout-only run has two engines.
+sampling), debug-train-only (replaying it); separate placement runs in the demo smoke test below, colocated two steps
+in tests/e2e/test_placement.py. The rollout-only run has two engines.
 """
 
 import json
@@ -75,25 +75,6 @@ def test_debug_rollout_only_then_debug_train_only(setup, ray_head):
     steps = lines(root / "train_only" / "metrics.jsonl")
     assert [m["rollout_id"] for m in steps] == [0, 1]
     assert all(m["replayed_samples"] == 4 and "loss" in m and "weight_sync_s" not in m for m in steps)
-
-
-def test_colocate_two_steps(setup, ray_head):
-    root, model, data = setup
-    train(root, model, data, "colocate", "--colocate", "--save", str(root / "ckpt"), "--save-interval", "1",
-          "--use-tis", "--normalize-advantages", "--eps-clip-c", "3", head=ray_head)
-    steps = lines(root / "colocate" / "metrics.jsonl")
-    assert all((root / "ckpt" / f"iter_{i:07d}" / "tp_rank_00.pt").exists() for i in range(STEPS))
-    assert [m["rollout_id"] for m in steps] == [0, 1]
-    for m in steps:
-        assert m["num_samples"] == 4 and m["spec_accept_length"] >= 1.0
-        # target AND MTP layers reached the engine
-        assert m["weight_sync_params"] > 0 and m["weight_sync_mtp_params"] > 0
-        assert m["spec_canary_accept_length"] >= 1.0 and "loss" in m
-        # --use-tis (with --normalize-advantages and --eps-clip-c, whose bound cannot bite in a first epoch, where the
-        # ratio is 1): the engine's log-probs (the target's, under speculation) weigh the policy loss
-        assert 0 < m["tis"] and 0 <= m["tis_clipfrac"] <= 1
-    summary = json.loads((root / "colocate" / "summary.json").read_text())
-    assert summary["num_steps"] == STEPS and (root / "colocate" / "plot.png").stat().st_size > 1000
 
 
 def test_doctor_error_stops_training_before_launch(setup):
