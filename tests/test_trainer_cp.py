@@ -28,26 +28,20 @@ def test_each_rank_holds_an_early_and_a_late_chunk_as_megatron_lays_them_out():
         row_positions(6, 2, 0)
 
 
-@pytest.mark.parametrize("arch,layout,ranks", [
-    ("glm4_moe", {"context_parallel_size": 2}, 2),
-    ("deepseek_v3", {"tensor_model_parallel_size": 2, "context_parallel_size": 2}, 4),
-], ids=["glm4_moe-cp2", "deepseek_v3-tp2xcp2"])
-def test_context_parallel_ranks_equal_one_rank_with_the_mtp_layer_trained_online(ray_cluster, tmp_path, arch, layout,
-                                                                                 ranks):
-    """GLM-4.5 (grouped-query attention, MoE, its MTP layer) at CP 2, and DeepSeek-V3 (multi-latent attention with YaRN
-    RoPE picked per chunk by megatron-core) at TP 2 x CP 2 with its MoE layer sequence parallel, as slime's GLM-4.7,
-    GLM4-9B and Qwen3-235B scripts lay theirs out.
-    Packed rows of several samples split into 2 x CP chunks, attention across the ranks' chunks under the
-    block-diagonal mask, the MTP layer's shifted inputs exchanged at the chunk boundaries (megatron-core's
+def test_tp2_x_cp2_equals_one_rank_for_deepseek_v3_with_its_mtp_layer_trained_online(ray_cluster, tmp_path):
+    """DeepSeek-V3 (multi-latent attention with YaRN RoPE picked per chunk by megatron-core, MoE, its MTP layer) at
+    TP 2 x CP 2 on four ranks, its MoE layer sequence parallel, as slime's GLM-4.7, GLM4-9B and Qwen3-235B scripts
+    lay theirs out. Packed rows of several samples split into 2 x CP chunks, attention across the ranks' chunks under
+    the block-diagonal mask, the MTP layer's shifted inputs exchanged at the chunk boundaries (megatron-core's
     roll_tensor): logits, MTP logits, one step's metrics and the weights it moved equal one rank's; then target and
-    MTP tensors reach a NEXTN engine, checked. At TP 2 x CP 2 the step is saved (one writer per TP shard: the CP
-    ranks hold the same weights) and four new ranks resume exactly those weights."""
-    two_ranks_with_mtp_equal_one(arch, layout, tmp_path, resume="tensor_model_parallel_size" in layout, ranks=ranks)
+    MTP tensors reach a NEXTN engine, checked."""
+    two_ranks_with_mtp_equal_one("deepseek_v3", {"tensor_model_parallel_size": 2, "context_parallel_size": 2},
+                                 tmp_path, ranks=4)
 
 
 def test_cp2_trains_padded_rows_of_a_dense_model_as_one_rank_over_steps(ray_cluster, tmp_path):
-    """Qwen3 (q/k norms, tied embedding) in right-padded rows, one sample per micro-batch: two GRPO steps with a KL
-    reference at CP 2 match one rank's."""
+    """Qwen3 (grouped-query attention with q/k norms, tied embedding) in right-padded rows, one sample per micro-batch:
+    two GRPO steps with a KL reference at CP 2 match one rank's."""
     from slime_spec.config.run_config import EngineConfig
     from slime_spec.tools.tiny_model import make_tiny_model
     from slime_spec.trainer.group import TrainGroup
