@@ -16,6 +16,7 @@ data-parallel x context-parallel group completes them. (Megatron sums each rank'
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +32,10 @@ def row_positions(length: int, size: int, rank: int, device=None) -> torch.Tenso
                       torch.arange(second, second + chunk, device=device)])
 
 
+@functools.lru_cache(maxsize=64)
 def gathered_order(length: int, size: int, device=None) -> torch.Tensor:
-    """For each row position, where it sits in the rank-by-rank concatenation of every rank's part."""
+    """For each row position, where it sits in the rank-by-rank concatenation of every rank's part. Cached: every
+    attention layer of every micro-batch reads it (read-only) for its row length."""
     held = torch.cat([row_positions(length, size, r, device) for r in range(size)])
     return torch.argsort(held)
 

@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 
 
-def reduce_grads(params: list[torch.Tensor], dp_size: int, cp_size: int = 1) -> list[torch.Tensor]:
+def reduce_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Sum the gradients over data-parallel x context-parallel ranks (each context-parallel rank holds its own
     positions' share; an EP-split expert's over its expert-data-parallel ranks, which include them); returns the
     parameters that have one."""
     from megatron.core import parallel_state as ps
 
     params = [p for p in params if p.grad is not None]
-    if dp_size * cp_size > 1:
+    if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
         edp_size = ps.get_expert_data_parallel_world_size()
         for p in params:
             if is_ep_split(p):

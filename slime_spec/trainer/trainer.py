@@ -443,7 +443,7 @@ class Trainer:
         """The master gradients summed over data-parallel ranks, and the embedding's over its pipeline copies;
         returns the parameters that have one."""
         pipeline.sum_shared_embedding_grads(self.master.params)
-        return grads.reduce_grads(self.master.params, self.tp.dp_size, self.tp.cp_size)
+        return grads.reduce_grads(self.master.params)
 
     def _prepare(self, samples: list[Sample], loss_type: str | None) -> PreparedStep:
         """Micro-batches, advantages, and the old-policy (and reference) log-probs before any update."""
