@@ -12,7 +12,8 @@ The sync's split (SyncSplit) is printed beside it: trainer-side gather+convert, 
 rollback values, copies), inside the load the rollback snapshot alone (a copy only where the engine's host mirror
 does not hold the value already), the rest being HTTP and queueing; then flush, and the coverage check (run every
 --weight-sync-check-interval syncs). `--format per-tensor flattened` adds rows with one broadcast per bucket
-(`load_format: "flattened_bucket"`) beside one per tensor.
+(`load_format: "flattened_bucket"`) beside one per tensor; `--sync pipelined serial` adds rows of the sync before
+2026-12-01 (no bucket gathered while another is on the wire, separate /flush_cache and /update_weight_version).
 
     .venv/bin/python bench/weight_sync.py                                   # CPU, gloo
     python bench/weight_sync.py --backend nccl --device cuda --engine-gpu 1 # two GPUs: trainer 0, engine 1
@@ -161,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", nargs="+", default=["per-tensor"], choices=["per-tensor", "flattened"],
                    help="per-tensor: one broadcast per tensor (into the engine's parameters); flattened: one per "
                         "bucket (load_format flattened_bucket, one copy on each side); several: one row each")
+    p.add_argument("--sync", nargs="+", default=["pipelined"], choices=["pipelined", "serial"],
+                   help="pipelined: the product's sync (the next bucket gathered while one is on the wire, the last "
+                        "update labelling and flushing); serial: each bucket gathered after the last one's reply, "
+                        "then /flush_cache and /update_weight_version (the sync before 2026-12-01); several: one row "
+                        "each, interleaved")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     p.add_argument("--device", default="cpu", help="trainer device: cpu, or cuda with --backend nccl")
@@ -188,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     M.load_hf_weights(model, M.read_hf_state(trained), hf_config, tp_rank=0, tp_size=1)
     sent = [t.tensor.clone() for t in iter_hf_tensors(model.named_parameters(), hf_config)]
     raw = RawBroadcast(sent, a.backend, a.device, a.engine_gpu,
-                       rounds=a.repeats * len(a.bucket_mb) * len(a.format) + 1)
+                       rounds=a.repeats * len(a.bucket_mb) * len(a.format) * len(a.sync) + 1)
     raw.round()  # warm-up
     engine_device = "cuda" if a.backend == "nccl" else "cpu"
     try:
@@ -196,20 +202,22 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         raw.proc.kill()  # it waits for rounds that will not come
         raise
-    rows, raw_s = {(fmt, mb): [] for fmt in a.format for mb in a.bucket_mb}, []
+    rows, raw_s = {(fmt, mb, mode): [] for fmt in a.format for mb in a.bucket_mb for mode in a.sync}, []
     try:
-        for fmt, mb in rows:
+        for fmt, mb in dict.fromkeys((fmt, mb) for fmt, mb, _ in rows):
             config = WeightSyncConfig(update_weight_buffer_size=mb << 20, weight_sync_check_interval=a.check_interval)
             syncer = WeightSyncer([EngineClient(url)], config, hf_config=hf_config, hf_checkpoint=served,
                                   spec=SpecSetup("EAGLE", None, str(served)), has_mtp_layers=True,
                                   transport="distributed", backend=a.backend)
             syncer.prepare()
             syncer.transport.flatten = fmt == "flattened"  # the group forms at the first sync
-            for i in range(a.repeats):  # interleaved, so both see the same machine load
-                raw_s.append(raw.round())
-                time.sleep(a.between_syncs_s)
-                rows[(fmt, mb)].append(syncer.sync_report(iter_hf_tensors(model.named_parameters(), hf_config),
-                                                          weight_version=f"{fmt}-{mb}-{i}"))
+            for i in range(a.repeats):  # interleaved, so every row sees the same machine load
+                for mode in a.sync:
+                    syncer.overlap_buckets = syncer.close_with_last_update = mode == "pipelined"
+                    raw_s.append(raw.round())
+                    time.sleep(a.between_syncs_s)
+                    rows[(fmt, mb, mode)].append(syncer.sync_report(
+                        iter_hf_tensors(model.named_parameters(), hf_config), weight_version=f"{fmt}-{mb}-{mode}-{i}"))
             syncer.close()
     finally:
         proc.terminate()
@@ -223,19 +231,20 @@ def main(argv: list[str] | None = None) -> int:
     print("| path | bucket MiB | buckets | MB | seconds | GB/s | / raw | gather+convert | control | send | "
           "engine receive | engine load | engine snapshot | HTTP rest | flush | check |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for (fmt, mb), reports in rows.items():
+    for (fmt, mb, mode), reports in rows.items():
         med = sorted(reports, key=lambda r: r.transfer_seconds)[len(reports) // 2]
         sp = med.split
-        print(f"| full sync, {fmt} | {mb} | {med.buckets} | {med.bytes / 1e6:.1f} | {med.transfer_seconds:.3f} | "
-              f"{med.gbps:.3f} | {med.gbps / raw_gbps:.2f} | {sp.gather_convert_s:.3f} | {sp.control_s:.3f} | "
+        print(f"| full sync, {mode}, {fmt} | {mb} | {med.buckets} | {med.bytes / 1e6:.1f} | "
+              f"{med.transfer_seconds:.3f} | {med.gbps:.3f} | {med.gbps / raw_gbps:.2f} | {sp.gather_convert_s:.3f} | "
+              f"{sp.control_s:.3f} | "
               f"{sp.send_s:.3f} | {sp.engine_receive_s:.3f} | {sp.engine_load_s:.3f} | {sp.engine_snapshot_s:.3f} | "
               f"{sp.http_s:.3f} | {sp.flush_s:.3f} | {sp.check_s:.3f} |")
     print(f"| raw {a.backend} broadcast, same tensors | - | - | {raw.nbytes / 1e6:.1f} | {raw_med:.3f} | "
           f"{raw_gbps:.3f} | 1.00 | | | | | | | | | |")
-    for (fmt, mb), reports in rows.items():  # the first sync of a syncer also reads the baseline: left out
+    for (fmt, mb, mode), reports in rows.items():  # the first sync of a syncer also reads the baseline: left out
         checksum = [r.split.check_s for r in reports[1:] if r.checked]
         names = [r.split.check_s for r in reports[1:] if r.covered and not r.checked]
-        print(f"check, {fmt}, bucket {mb} MiB: checksum read-back {_median_text(checksum)}; names only "
+        print(f"check, {mode}, {fmt}, bucket {mb} MiB: checksum read-back {_median_text(checksum)}; names only "
               f"{_median_text(names)}")
     print("raw rounds (s): " + ", ".join(f"{x:.3f}" for x in raw_s))
     return 0

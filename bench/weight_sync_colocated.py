@@ -84,11 +84,24 @@ class SnapshotTierTransport(TensorTransport):
         super().start()
         self.snapshot_copied_bytes = self.snapshot_mirrored_bytes = 0
 
-    def send(self, bucket, selector, weight_version):
-        replies = super().send(bucket, selector, weight_version)
-        self.snapshot_copied_bytes += int(engine_timing(replies, "snapshot_copied_bytes"))
-        self.snapshot_mirrored_bytes += int(engine_timing(replies, "snapshot_mirrored_bytes"))
+    def post(self, staged, selector, weight_version, flush_cache=False):
+        return CountingInFlight(self, super().post(staged, selector, weight_version, flush_cache))
+
+
+class CountingInFlight:
+    """An InFlight whose replies add their snapshot bytes to the transport's sums."""
+
+    def __init__(self, transport: SnapshotTierTransport, in_flight):
+        self.transport, self.in_flight = transport, in_flight
+
+    def wait(self) -> list[dict]:
+        replies = self.in_flight.wait()
+        self.transport.snapshot_copied_bytes += int(engine_timing(replies, "snapshot_copied_bytes"))
+        self.transport.snapshot_mirrored_bytes += int(engine_timing(replies, "snapshot_mirrored_bytes"))
         return replies
+
+    def settle(self, timeout_s: float) -> str | None:
+        return self.in_flight.settle(timeout_s)
 
 
 class DeviceCopy:
@@ -121,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", nargs="+", default=["flattened"], choices=["flattened", "direct"],
                    help="flattened: one flat tensor per bucket (load_format flattened_bucket, the default of the "
                         "tensor transport); direct: every tensor as it is; several: one row each")
+    p.add_argument("--sync", nargs="+", default=["pipelined"], choices=["pipelined", "serial"],
+                   help="pipelined: the product's sync (the next bucket gathered and flattened while one is in "
+                        "flight, the last update labelling and flushing); serial: each bucket after the last one's "
+                        "reply, then /flush_cache and /update_weight_version (before 2026-12-01); several: one row "
+                        "each, interleaved")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--between-syncs-s", type=float, default=1.0,
                    help="idle seconds before each sync, as rollouts would take in a run: the engine copies what the "
@@ -160,14 +178,16 @@ def main(argv: list[str] | None = None) -> int:
                 syncer.transport = SnapshotTierTransport(syncer.clients, session=syncer.protocol.session,
                                                          flatten=fmt == "flattened")
                 syncer.sync_report(iter_hf_tensors(model.named_parameters(), config), "warm-up")  # + baseline read
-                rows[(fmt, mb)] = []
-                for i in range(a.repeats):  # interleaved, so both see the same machine load
-                    copy_s.append(copy.round())
-                    time.sleep(a.between_syncs_s)
-                    report = syncer.sync_report(iter_hf_tensors(model.named_parameters(), config), f"{fmt}-{mb}-{i}")
-                    t = syncer.transport
-                    rows[(fmt, mb)].append((report, t.flatten_s, t.serialize_s, t.snapshot_copied_bytes,
-                                            t.snapshot_mirrored_bytes))
+                for i in range(a.repeats):  # interleaved, so every row sees the same machine load
+                    for mode in a.sync:
+                        syncer.overlap_buckets = syncer.close_with_last_update = mode == "pipelined"
+                        copy_s.append(copy.round())
+                        time.sleep(a.between_syncs_s)
+                        report = syncer.sync_report(iter_hf_tensors(model.named_parameters(), config),
+                                                    f"{fmt}-{mb}-{mode}-{i}")
+                        t = syncer.transport
+                        rows.setdefault((fmt, mb, mode), []).append(
+                            (report, t.flatten_s, t.serialize_s, t.snapshot_copied_bytes, t.snapshot_mirrored_bytes))
                 syncer.close()
         served_norm = requests.post(url + "/get_weights_by_name", timeout=60,
                                     json={"name": "model.norm.weight", "truncate_size": 1 << 30}).json()
@@ -188,21 +208,22 @@ def print_table(a, config: dict, rows: dict, copy_s: list[float], nbytes: int) -
     print(f"model: mimo hidden {config['hidden_size']}, {config['num_hidden_layers']} layers + 1 MTP, vocab "
           f"{config['vocab_size']}, {a.dtype}; trainer and engine on {device}; median of {a.repeats} syncs, each "
           "next to a device copy of the same tensors")
-    print("| format | bucket MiB | buckets | GB | seconds | GB/s | / copy | gather+convert | flatten | serialize | "
-          "HTTP | engine receive | engine load, less snapshot | engine snapshot | snapshot GB copied / mirrored | "
-          "flush | control |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for (fmt, mb), reports in rows.items():
+    print("| sync | format | bucket MiB | buckets | GB | seconds | GB/s | / copy | gather+convert | flatten | "
+          "serialize | HTTP | engine receive | engine load, less snapshot | engine snapshot | "
+          "snapshot GB copied / mirrored | flush | control |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (fmt, mb, mode), reports in rows.items():
         report, flatten_s, serialize_s, copied_bytes, mirrored_bytes = sorted(
             reports, key=lambda r: r[0].transfer_seconds)[len(reports) // 2]
         sp = report.split
         http = max(0.0, sp.http_s - flatten_s - serialize_s)  # SyncSplit's, less the sender's own work
-        print(f"| {fmt} | {mb} | {report.buckets} | {report.bytes / 1e9:.2f} | {report.transfer_seconds:.3f} | "
-              f"{report.gbps:.2f} | {report.gbps / copy_gbps:.3f} | {sp.gather_convert_s:.3f} | {flatten_s:.3f} | "
+        print(f"| {mode} | {fmt} | {mb} | {report.buckets} | {report.bytes / 1e9:.2f} | "
+              f"{report.transfer_seconds:.3f} | {report.gbps:.2f} | {report.gbps / copy_gbps:.3f} | "
+              f"{sp.gather_convert_s:.3f} | {flatten_s:.3f} | "
               f"{serialize_s:.3f} | {http:.3f} | {sp.engine_receive_s:.3f} | "
               f"{sp.engine_load_s - sp.engine_snapshot_s:.3f} | {sp.engine_snapshot_s:.3f} | "
               f"{copied_bytes / 1e9:.2f} / {mirrored_bytes / 1e9:.2f} | {sp.flush_s:.3f} | {sp.control_s:.3f} |")
-    print(f"| device copy, same tensors | - | - | {nbytes / 1e9:.2f} | {copy_med:.4f} | {copy_gbps:.2f} | 1.000 "
+    print(f"| device copy, same tensors | - | - | - | {nbytes / 1e9:.2f} | {copy_med:.4f} | {copy_gbps:.2f} | 1.000 "
           "| | | | | | | | | | |")
     print("copy rounds (s): " + ", ".join(f"{x:.4f}" for x in copy_s))
 

@@ -80,13 +80,13 @@ def victim():
 
 def kill_before_first_bucket(syncer: WeightSyncer, victim: FakeEngineProcess) -> None:
     syncer.prepare()
-    send = syncer.transport.send
+    post = syncer.transport.post
 
-    def send_after_kill(bucket, selector, version):
+    def post_after_kill(*args, **kwargs):
         victim.kill()
-        return send(bucket, selector, version)
+        return post(*args, **kwargs)
 
-    syncer.transport.send = send_after_kill
+    syncer.transport.post = post_after_kill
 
 
 def record_replies(server: FakeSGLangServer, path: str) -> list[tuple[int, dict]]:

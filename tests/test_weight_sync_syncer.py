@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 
 import pytest
 import torch
@@ -81,10 +83,106 @@ def test_native_mtp_sync_reaches_target_and_draft(make_server, transport, ckpt):
         assert paths[0] == "/pause_generation" and paths[-1] == "/continue_generation" and not s.paused
         if transport == "disk":
             assert "/begin_weight_update" not in paths  # disk needs no session and has no selector
-        else:
-            assert paths.index("/begin_weight_update") < paths.index("/end_weight_update") < paths.index("/flush_cache")
-            selectors = {b.get("selector") for p, b in s.calls if p.startswith("/update_weights_from")}
-            assert selectors == {"all"}
+            continue
+        updates = [b for p, b in s.calls if p.startswith("/update_weights_from")]
+        assert {b.get("selector") for b in updates} == {"all"} and len(updates) > 1
+        # the last update labels and flushes, as /update_weight_version and /flush_cache would; no earlier one does
+        closing = [(b["weight_version"], b["flush_cache"], b.get("torch_empty_cache")) for b in updates]
+        assert closing == [(None, False, False)] * (len(updates) - 1) + [("1", True, True)]
+        assert "/flush_cache" not in paths and "/update_weight_version" not in paths
+        last_update = max(i for i, p in enumerate(paths) if p.startswith("/update_weights_from"))
+        assert paths.index("/begin_weight_update") < last_update < paths.index("/end_weight_update")
+
+
+def _gated_updates(server: FakeSGLangServer, gate: threading.Event, log: list[str]) -> None:
+    """The server receives and loads an update at once but answers only once `gate` is set (or 10 s passed: then
+    with an error, so a sync that waits for the reply before gathering on fails instead of hanging); `log` records
+    each request, and when each update was received and answered."""
+    handle = server.handle
+
+    def gated(method, path, body):
+        if not path.startswith("/update_weights_from"):
+            log.append(path)
+            return handle(method, path, body)
+        log.append(f"{path} received")
+        out = handle(method, path, body)
+        if not gate.wait(10):
+            out = 500, {"detail": "the next bucket was never gathered"}
+        log.append(f"{path} answered")
+        return out
+
+    server.handle = gated
+
+
+def _note_posts(syncer: WeightSyncer) -> threading.Event:
+    """Set once the syncer has posted an update (the transport's `post` returned)."""
+    posted, post = threading.Event(), syncer.transport.post
+
+    def noting(*args, **kwargs):
+        in_flight = post(*args, **kwargs)
+        posted.set()
+        return in_flight
+
+    syncer.transport.post = noting
+    return posted
+
+
+def _received(log: list[str], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not any(p.endswith("received") for p in log):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("transport", ["distributed", "tensor"])
+def test_the_next_bucket_is_gathered_while_one_is_in_flight(make_server, transport):
+    """Each update is answered only after the sync has pulled the next bucket's first tensor: a sync that waits for
+    a bucket's reply before gathering the next would never get it."""
+    server = make_server(draft="mtp")
+    new = make_weights(MIMO, seed=1)
+    tensors = list(iter_hf_state(new, MIMO))
+    syncer = make_syncer([server], transport, buffer=sum(t.nbytes for t in tensors) // 3)
+    syncer.prepare()
+    gate, log = threading.Event(), []
+    _gated_updates(server, gate, log)
+    posted = _note_posts(syncer)
+
+    def stream():
+        for t in tensors:
+            if posted.is_set() and _received(log):
+                gate.set()  # an update is in flight and the sync asks for more: the next bucket is being gathered
+            yield t
+        gate.set()  # the last bucket has nothing after it to gather
+
+    syncer.sync(stream(), weight_version="1")
+    syncer.close()
+    assert_serves(server, new, "target") and assert_serves(server, new, "draft")
+
+
+def test_a_failure_while_a_bucket_is_in_flight_lets_it_land_before_undoing(make_server):
+    """The tensor stream fails while a bucket is posted and not answered: the syncer waits for that bucket's reply
+    before it rolls back, so the session is closed after the last update, never under it."""
+    server = make_server(draft="mtp")
+    tensors = list(iter_hf_state(make_weights(MIMO, seed=1), MIMO))
+    syncer = make_syncer([server], "tensor", buffer=sum(t.nbytes for t in tensors) // 3)
+    syncer.prepare()
+    gate, log = threading.Event(), []
+    _gated_updates(server, gate, log)
+    posted = _note_posts(syncer)
+
+    def failing():
+        for t in tensors:
+            if posted.is_set() and _received(log):
+                threading.Timer(0.5, gate.set).start()  # answered only after the stream has failed
+                raise RuntimeError("injected: the gather failed")
+            yield t
+
+    with pytest.raises(WeightSyncError, match="injected: the gather failed") as err:
+        syncer.sync(failing(), weight_version="2")
+    assert log.index("/update_weights_from_tensor answered") < log.index("/end_weight_update")
+    assert "1 applied bucket" in str(err.value) and err.value.engines_serve_previous_weights is False
 
 
 def test_old_sglang_is_spoken_without_session_or_selector(make_server):
@@ -94,6 +192,11 @@ def test_old_sglang_is_spoken_without_session_or_selector(make_server):
     syncer.sync(iter_hf_state(new, MIMO), weight_version="1")
     assert not syncer.protocol.session
     assert "/begin_weight_update" not in server.paths() and server.contract_errors == []
+    # without a session the label and the flush stay separate requests, after every update
+    paths = server.paths()
+    last_update = max(i for i, p in enumerate(paths) if p.startswith("/update_weights_from"))
+    assert last_update < paths.index("/flush_cache") < paths.index("/update_weight_version")
+    assert all(b["weight_version"] is None for p, b in server.calls if p.startswith("/update_weights_from"))
     assert_serves(server, new, "target")
     assert_serves(server, new, "draft")
 
@@ -238,7 +341,8 @@ def test_gpu_engine_without_get_weights_by_name_says_values_cannot_be_compared(m
 # ---- a failed sync claims only what it verified (issue 11, item 2) ----
 
 def _injecting(tensors, at: int, inject):
-    """The tensors, with `inject()` run when the sync asks for tensor `at` (the buckets before it have landed)."""
+    """The tensors, with `inject()` run when the sync asks for tensor `at` (the buckets before it have been posted;
+    the last of them may still be in flight)."""
     for i, t in enumerate(tensors):
         if i == at:
             inject()

@@ -26,6 +26,14 @@ def test_buckets_respect_size_and_keep_order():
     buckets = list(make_buckets(tensors, buffer_bytes=100))
     assert [b.names for b in buckets] == [["w0", "w1"], ["w2", "w3"], ["w4"]]
     assert all(b.nbytes <= 100 for b in buckets)
+    assert [b.last for b in buckets] == [False, False, True]  # the final one closes the sync
+
+
+def test_only_the_final_bucket_is_last_whatever_its_kind():
+    tensors = [_t("a", 4), _t("d1", 4, "draft"), _t("m1", 4, "mtp"), _t("b", 40)]
+    buckets = list(make_buckets(tensors, buffer_bytes=10))
+    assert [(b.kind, b.names, b.last) for b in buckets] == [
+        ("target", ["a"], False), ("target", ["b"], False), ("draft", ["d1"], False), ("mtp", ["m1"], True)]
 
 
 def test_tensor_larger_than_buffer_gets_its_own_bucket():

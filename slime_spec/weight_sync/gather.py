@@ -43,6 +43,7 @@ class NamedTensor:
 class Bucket:
     kind: Kind
     tensors: list[NamedTensor] = field(default_factory=list)
+    last: bool = False  # the stream's final bucket: its update request may close the sync (label, flush)
 
     @property
     def nbytes(self) -> int:
@@ -124,7 +125,8 @@ def make_buckets(tensors: Iterable[NamedTensor], buffer_bytes: int) -> Iterator[
 
     The two halves of a fused pair (`FUSED_PAIRS`) always share a bucket, even if that makes it larger
     than the buffer. Streams: a bucket is yielded as soon as it is full, so only one bucket per kind is
-    held at a time.
+    held at a time. The final bucket is marked `last` (a full bucket is yielded only when a tensor follows it, so
+    the stream knows its end without reading ahead).
     """
     if buffer_bytes <= 0:
         raise ValueError(f"update_weight_buffer_size={buffer_bytes}: must be a positive number of bytes")
@@ -138,9 +140,10 @@ def make_buckets(tensors: Iterable[NamedTensor], buffer_bytes: int) -> Iterator[
         if bucket is None:
             bucket = open_buckets[kind] = Bucket(kind)
         bucket.tensors.extend(unit)
-    for bucket in open_buckets.values():
-        if bucket.tensors:
-            yield bucket
+    remaining = [b for b in open_buckets.values() if b.tensors]
+    for i, bucket in enumerate(remaining):
+        bucket.last = i == len(remaining) - 1
+        yield bucket
 
 
 def quantized(tensors: Iterable[NamedTensor], scheme) -> Iterator[NamedTensor]:

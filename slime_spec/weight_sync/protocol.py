@@ -210,7 +210,7 @@ def distributed_payload(names: list[str], dtypes: list[str], shapes: list[list[i
     if load_format is not None:
         payload["load_format"] = load_format
     if session:
-        payload["selector"] = selector
+        payload.update(selector=selector, torch_empty_cache=flush_cache)
     return payload
 
 
@@ -221,7 +221,7 @@ def tensor_payload(serialized_named_tensors: list[str], *, selector: Selector, w
     if load_format is not None:
         payload["load_format"] = load_format
     if session:
-        payload["selector"] = selector
+        payload.update(selector=selector, torch_empty_cache=flush_cache)
     return payload
 
 
@@ -252,10 +252,18 @@ def continue_payload() -> dict:
     return {}
 
 
+def closes_with_last_update(session: bool, transport: Transport) -> bool:
+    """Whether a sync's last update request closes it: SGLang >= 0.5.23 labels the weights (`weight_version`) and
+    flushes the cache (`flush_cache`, `torch_empty_cache`: what `/flush_cache` does) after that request's load, which
+    saves the `/flush_cache` and `/update_weight_version` round trips. Only the last: SGLang relabels after each
+    update that carries a version, and one sent with every bucket would name weights a failed sync never finished.
+    Sessionless releases keep the separate requests; the disk transport's one update carries the version itself."""
+    return session and transport != "disk"
+
+
 def weight_version_payload(new_version: str) -> dict:
-    """Label the weights served once a sync has ended. SGLang relabels after each successful update that carries
-    a `weight_version`, so a version sent with every bucket would name weights a failed sync never finished;
-    sent once at the end, the label changes only with a complete sync. Generation is paused: nothing to abort."""
+    """Label the weights served once a sync has ended, where its last update did not (`closes_with_last_update`).
+    Generation is paused: nothing to abort."""
     return {"new_version": new_version, "abort_all_requests": False}
 
 

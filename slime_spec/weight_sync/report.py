@@ -20,8 +20,9 @@ class SyncSplit:
 
     gather_convert_s: float = 0.0  # trainer: TP gather, Megatron -> HF conversion, bucketing (the tensor stream)
     control_s: float = 0.0  # HTTP control requests: pause, begin, end, (group set-up), not the update requests
-    send_s: float = 0.0  # update requests: HTTP + wire + engine-side load, as the trainer waits for them
-    flush_s: float = 0.0  # /flush_cache
+    send_s: float = 0.0  # update requests: HTTP + wire + engine-side load, as the trainer waits for them, and the
+    # staging of each bucket (which overlaps the bucket in flight)
+    flush_s: float = 0.0  # /flush_cache; 0 where the last update flushed (its time then in send_s)
     check_s: float = 0.0  # coverage (and value) check after the sync; 0 when skipped
     # inside send_s, as the embedded engine reports it (slime_spec_engine_timing; 0 on SGLang): the slowest
     # engine's seconds receiving bytes (the wire, and the wait for the sender) and loading them

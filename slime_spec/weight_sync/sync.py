@@ -3,8 +3,10 @@
 One sync:
   pause generation (retract: running requests are recomputed with the new weights afterwards)
   -> [begin_weight_update {selector}]  (SGLang >= 0.5.23; not for disk, which needs no session)
-  -> one update request per bucket (target, MTP and a trained draft's tensors each with their own selector)
-  -> [end_weight_update] -> flush the cache
+  -> one update request per bucket (target, MTP and a trained draft's tensors each with their own selector;
+     the next bucket is gathered and staged while this one is in flight); the last update also labels the
+     weights and flushes the cache (SGLang >= 0.5.23: protocol.closes_with_last_update)
+  -> [end_weight_update] -> [flush the cache, label the weights: where the last update did not]
   -> coverage: every weight the updated runners serve (target, and the MTP draft) was written; every sent
      tensor of a trained separate draft (--enable-draft-training) is served by the draft runner, and the
      draft's other tensors (neither sent nor shared with the target) are unchanged
@@ -53,6 +55,7 @@ from slime_spec.weight_sync.gather import NamedTensor, make_buckets, only_wanted
 from slime_spec.weight_sync.report import Clock, SyncReport, SyncSplit, one_intra_op_thread
 from slime_spec.weight_sync.transports.colocated import RankBuckets
 from slime_spec.weight_sync.transports.http_transports import (
+    BROKEN_GROUP_REPLY_S,
     BroadcastStuck,
     DiskTransport,
     DistributedTransport,
@@ -103,6 +106,9 @@ class WeightSyncer:
         self.engine_device: str | None = None
         self.check_sample = check_sample
         self._syncs = 0  # completed syncs, for --weight-sync-check-interval
+        # How a sync runs (both on; off is the earlier serial sync, for bench/weight_sync.py's side-by-side row):
+        self.overlap_buckets = True  # gather and stage the next bucket while this one is in flight
+        self.close_with_last_update = True  # label and flush with the last update (protocol.closes_with_last_update)
 
     # ---- set-up, once, from what the engines say about themselves ----
     def prepare(self) -> None:
@@ -176,6 +182,7 @@ class WeightSyncer:
         recorded = self.checks.recorder() if self.config.check_weight_sync else None
         counts, nbytes, buckets, buckets_applied = {"target": 0, "mtp": 0, "draft": 0}, 0, 0, 0
         sent, draft_sent = set(), set()  # a trained draft's names apart: they may be the target's
+        in_flight = None  # (bucket, InFlight): posted, its replies not read yet
         clock = Clock()
         t0 = time.perf_counter()
         session_open = False
@@ -197,18 +204,30 @@ class WeightSyncer:
                              protocol.begin_payload(protocol.session_selector(plan)))
             stream = clock.timed_iter("gather_convert", make_buckets(only_wanted(tensors, plan),
                                                                      self.config.update_weight_buffer_size))
-            for bucket in stream:
-                selector = {"target": plan.target, "mtp": plan.mtp, "draft": plan.draft}[bucket.kind]
+            closes = self.close_with_last_update and protocol.closes_with_last_update(session, self.transport_name)
+            closed = False  # the last update labelled the weights and flushed the cache
+            for bucket in stream:  # gathered and staged while the previous bucket is in flight
                 with clock("send"):
-                    replies = self.transport.send(bucket, selector, None)  # labelled once it has all landed
-                clock.add_engine(*engine_seconds(replies), snapshot_s=engine_timing(replies, "snapshot_s"))
+                    staged = self.transport.stage(bucket)
+                landing, in_flight = in_flight, None
+                buckets_applied += self._land(landing, clock)
+                selector = {"target": plan.target, "mtp": plan.mtp, "draft": plan.draft}[bucket.kind]
+                closed = closes and bucket.last  # a version only on the last: it labels weights that have all landed
+                with clock("send"):
+                    in_flight = bucket, self.transport.post(staged, selector, weight_version if closed else None,
+                                                            flush_cache=closed)
+                del staged  # the transport holds it while it is in flight
                 buckets += 1
-                buckets_applied += self.transport_name != "disk"  # disk buckets only load in finish()
                 counts[bucket.kind] += len(bucket.tensors)
                 nbytes += bucket.nbytes
                 (draft_sent if bucket.kind == "draft" else sent).update(bucket.names)
                 if recorded is not None:
                     recorded.add(bucket)
+                if not self.overlap_buckets:
+                    landing, in_flight = in_flight, None
+                    buckets_applied += self._land(landing, clock)
+            landing, in_flight = in_flight, None
+            buckets_applied += self._land(landing, clock)
             with clock("send"):
                 self.transport.finish(weight_version)
             if self.rank_buckets is not None:
@@ -217,13 +236,20 @@ class WeightSyncer:
                 if use_session:  # open until every engine has ended it: _failed rolls back where end failed
                     post_all(self.clients, "/end_weight_update", protocol.end_payload())
                     session_open = False
-            with clock("flush"):
-                post_all(self.clients, "/flush_cache", {})
-            if weight_version is not None and self.transport_name != "disk":  # disk's one update carried it
+            if not closed:
+                with clock("flush"):
+                    post_all(self.clients, "/flush_cache", {})
+            if weight_version is not None and self.transport_name != "disk" and not closed:  # disk's update has it
                 with clock("control"):
                     post_all(self.clients, "/update_weight_version", protocol.weight_version_payload(weight_version))
         except Exception as e:
-            raise self._failed(e, buckets_applied, session_open, weight_version) from e
+            notes = []
+            if in_flight is not None:  # the bucket on the wire lands (or fails) before anything is undone
+                unsettled = in_flight[1].settle(min(self._transport_args["timeout_s"], BROKEN_GROUP_REPLY_S))
+                buckets_applied += unsettled is None and self.transport_name != "disk"
+                if unsettled is not None:
+                    notes.append(f"the bucket on the wire when this failed did not land: {unsettled}")
+            raise self._failed(e, buckets_applied, session_open, weight_version, notes) from e
         transfer_s = time.perf_counter() - t0
         self._syncs += 1
         checked = recorded is not None or self._syncs % max(1, self.config.weight_sync_check_interval) == 0
@@ -238,13 +264,23 @@ class WeightSyncer:
                           buckets=buckets, served_written=served_written, split=split, checked=checked,
                           covered=bool(served_written), draft_tensors=counts["draft"])
 
+    def _land(self, in_flight, clock: Clock) -> int:
+        """Wait for a posted (bucket, InFlight)'s replies (EngineGroupError if an engine failed it) and count the
+        engines' time; the number of buckets now applied on the engines (disk buckets load only in finish())."""
+        if in_flight is None:
+            return 0
+        with clock("send"):
+            replies = in_flight[1].wait()
+        clock.add_engine(*engine_seconds(replies), snapshot_s=engine_timing(replies, "snapshot_s"))
+        return int(self.transport_name != "disk")
+
     def _failed(self, error: Exception, buckets_applied: int, session_open: bool,
-                weight_version: str | None) -> WeightSyncError:
+                weight_version: str | None, notes: list[str] | None = None) -> WeightSyncError:
         """Undo first, then report what was verified: end the sync on the other trainer ranks (they wait in the
         bucket exchange), close the session on every engine (rolled back where the engine can), read every engine
         back, and continue generation only if each engine that answers was verified, by its own checksums, to
         serve the previous weights. No step's failure skips the ones after it; each is named in the error."""
-        notes: list[str] = []
+        notes = list(notes or [])
         stuck = error.urls if isinstance(error, BroadcastStuck) else []  # their routes would wait on the collective
         self._end_other_ranks(error, notes)
         if session_open:

@@ -129,8 +129,8 @@ def _patch_train_group(module) -> None:
 
 
 def _patch_syncer(module) -> None:
-    """mid_sync keys on the sync's own version (the argument of `WeightSyncer.sync_report`; buckets carry none):
-    that sync's transport kills the engine as its first bucket is about to go out."""
+    """mid_sync keys on the sync's own version (the argument of `WeightSyncer.sync_report`; only the last bucket
+    carries it): that sync's transport kills the engine as its first bucket is about to go out."""
     original = module.WeightSyncer.sync_report
 
     def sync_report(self, tensors, weight_version=None):
@@ -139,18 +139,18 @@ def _patch_syncer(module) -> None:
             return original(self, tensors, weight_version)
         self.prepare()  # idempotent: the transport exists from here on
         transport = self.transport
-        send = transport.send
+        post = transport.post
 
-        def send_striking(bucket, selector, version):
+        def post_striking(*args, **kwargs):
             strike("mid_sync", engine=at["engine"])
-            return send(bucket, selector, version)
+            return post(*args, **kwargs)
 
-        transport.send = send_striking
+        transport.post = post_striking
         try:
             return original(self, tensors, weight_version)
         finally:
-            if transport.__dict__.get("send") is send_striking:
-                del transport.send
+            if transport.__dict__.get("post") is post_striking:
+                del transport.post
 
     module.WeightSyncer.sync_report = sync_report
 

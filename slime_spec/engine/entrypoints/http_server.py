@@ -9,8 +9,10 @@ Every SGLang route, status and body is SGLang's. The additions, both slime-spec 
 - `POST /abort_weight_update {}`: roll back and close the open weight-update session (the syncer calls it on
   every engine when one engine's update failed). It travels through SGLang's own end-of-session path (its
   TokenizerManager's weight-update lock and communicator) as an `EndWeightUpdateReqInput` whose rid is
-  `ABORT_SESSION_RID`; the scheduler's reply `success` says whether a session was rolled back. Admin level, as
-  SGLang's session routes.
+  `ABORT_SESSION_RID`; the scheduler's reply `success` says whether a session was rolled back. The rollback
+  restores the weight version too: the scheduler names it after `RESTORED_VERSION_TAG` in its message, and the
+  route relabels the front end through SGLang's own `TokenizerManager.update_weight_version` (a session's last
+  update may have labelled the weights it rolled back). Admin level, as SGLang's session routes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,22 @@ from slime_spec.engine.managers.io_struct import HISTORY_FIELD, history_extra_ke
 
 GENERATE_PATHS = frozenset({"/generate"})
 ABORT_SESSION_RID = "slime_spec:abort_weight_update"  # an EndWeightUpdateReqInput with this rid rolls back
+RESTORED_VERSION_TAG = "slime_spec_restored_weight_version="  # then a JSON string: the version serving again
+
+
+def tag_restored_version(message: str, version: str) -> str:
+    """A rollback's reply message naming the weight version that serves again (SGLang's reply struct has only
+    success and message)."""
+    return f"{message} {RESTORED_VERSION_TAG}{json.dumps(version)}"
+
+
+def restored_version(message: str) -> str | None:
+    """The version `tag_restored_version` put in `message`; None where there is none."""
+    at = message.find(RESTORED_VERSION_TAG)
+    if at < 0:
+        return None
+    version, _ = json.JSONDecoder().raw_decode(message, at + len(RESTORED_VERSION_TAG))
+    return version if isinstance(version, str) else None
 
 
 def _error(message: str) -> tuple[int, bytes]:
@@ -102,10 +120,14 @@ def _replay(messages: list[dict], then=None):
 async def abort_weight_update():
     from fastapi.responses import JSONResponse
     from sglang.srt.entrypoints.http_server import _global_state
-    from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
+    from sglang.srt.managers.io_struct import EndWeightUpdateReqInput, UpdateWeightVersionReqInput
 
-    rolled_back, message = await _global_state.tokenizer_manager.end_weight_update(
-        EndWeightUpdateReqInput(rid=ABORT_SESSION_RID))
+    manager = _global_state.tokenizer_manager
+    rolled_back, message = await manager.end_weight_update(EndWeightUpdateReqInput(rid=ABORT_SESSION_RID))
+    version = restored_version(message) if rolled_back else None
+    if version is not None:
+        await manager.update_weight_version(UpdateWeightVersionReqInput(new_version=version,
+                                                                        abort_all_requests=False))
     return JSONResponse({"success": True, "message": message, "rolled_back": rolled_back})
 
 

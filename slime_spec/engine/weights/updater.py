@@ -48,6 +48,7 @@ import torch
 from slime_spec.common.dist_group import WeightUpdateGroup
 from slime_spec.engine.entrypoints.http_server import (
     ABORT_SESSION_RID,  # an EndWeightUpdateReqInput with this rid rolls back
+    tag_restored_version,
 )
 from slime_spec.engine.model_executor.model import CausalLM, hf_weight_names
 from slime_spec.engine.weights.receive import DeviceSpan, EngineTiming, copy_threads, receive_in_place, settle
@@ -294,8 +295,10 @@ class EngineWeights:
         restored = self.session.close(self.core)  # rolled back, then ended
         self.core.session_runners = None
         out = self.manager.end_weight_update(msg)
-        return EndWeightUpdateReqOutput(success=out.success, message=f"rolled back {restored} tensor(s); the "
-                                        "weights from before begin_weight_update() keep serving")
+        message = (f"rolled back {restored} tensor(s); the weights from before begin_weight_update() keep serving, "
+                   f"as version {self.weight_version}")
+        return EndWeightUpdateReqOutput(success=out.success, message=tag_restored_version(message,
+                                                                                          self.weight_version))
 
     def fail(self, message: str) -> str:
         """A failed update inside a session: restore everything the session wrote, refuse the rest of it; returns

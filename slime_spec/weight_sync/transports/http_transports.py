@@ -1,9 +1,11 @@
 """How a bucket of HF-named tensors reaches the engines: distributed, tensor or disk.
 
-A transport is `start()` (once per sync), `send(bucket, selector, weight_version)` per bucket (returns
-the engines' replies, where `engine_seconds` finds the embedded engine's own timing),
-`finish(weight_version)`, and `close()` at shutdown; the session (begin/end), pausing and
-verification are the syncer's job (sync.py).
+A transport is `start()` (once per sync); per bucket `stage(bucket)` (made ready to post: flattened, on the
+device the wire needs) and `post(staged, selector, weight_version, flush_cache)`, which returns an `InFlight` whose
+`wait()` gives the engines' replies (where `engine_seconds` finds the embedded engine's own timing; `send` is all
+three); `finish(weight_version)`; and `close()` at shutdown. The session (begin/end), pausing and verification are
+the syncer's job (sync.py). The distributed and the (single-rank) tensor transport post without waiting for the
+replies, so the syncer gathers and stages the next bucket while this one is in flight: up to two buckets are held.
 
 - distributed: the trainer's rank 0 and every engine form one process group through
   `/init_weights_update_group` (trainer = rank 0, engine i's TP rank r = rank_offset_i + r); per bucket
@@ -28,8 +30,9 @@ import logging
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -131,21 +134,33 @@ class DistributedTransport:
             posts.join()
         posts.result()
 
-    def send(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None) -> list[dict]:
+    def send(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None,
+             flush_cache: bool = False) -> list[dict]:
+        return self.post(self.stage(bucket), selector, weight_version, flush_cache).wait()
+
+    def stage(self, bucket: Bucket) -> "StagedBucket":
+        """What goes on the wire: (name, dtype, shape) per tensor as the receiver reads them, and the tensors to
+        broadcast (on the GPU for NCCL; flattened into one where `flatten`)."""
         named = [(t.name, t.tensor.to("cuda") if self.backend == "nccl" else t.tensor) for t in bucket.tensors]
         specs, wire = broadcast_plan(named, self.flatten)
+        return StagedBucket(bucket, (specs, wire))
+
+    def post(self, staged: "StagedBucket", selector: protocol.Selector, weight_version: str | None,
+             flush_cache: bool = False) -> "InFlight":
+        """Ask every engine to receive the bucket and queue its broadcast; returns before the engines reply (NCCL
+        queues the broadcast on its stream; gloo's returns once sent), holding the bucket until they have."""
+        specs, wire = staged.wire
         payload = protocol.distributed_payload(
             [n for n, _, _ in specs], [dtype_name(d) for _, d, _ in specs], [shape for _, _, shape in specs],
             group_name=self.group_name, selector=selector, weight_version=weight_version,
-            flush_cache=False, session=self.session, load_format=FLATTENED_BUCKET if self.flatten else None)
+            flush_cache=flush_cache, session=self.session, load_format=FLATTENED_BUCKET if self.flatten else None)
         posts = PostEach(self.clients, "/update_weights_from_distributed", payload)
         try:
             for t in wire:
                 self.group.broadcast(t, src=0)
         except BaseException as e:
             self._leave_broken_group(posts, e)  # raises
-        posts.join()
-        return posts.result()
+        return InFlight(posts, holds=staged)
 
     def _leave_broken_group(self, posts: "PostEach", error: BaseException) -> None:
         """After a failed broadcast (a member is gone: a collective with a dead member never completes): leave the
@@ -233,21 +248,31 @@ class TensorTransport:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.ipc_collect()
 
-    def send(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None) -> list[dict]:
-        """The engine replies only after its copy from our memory completed (on CUDA after a device sync:
-        engine/weight_receive.settle), so the bucket may be freed or reused once every engine has replied."""
-        if self.rank_buckets is not None:
-            return self._send_rank_buckets(bucket, selector, weight_version)
-        staged = self._stage(bucket)
-        if any(t.tensor.is_cuda for t in bucket.tensors):  # each engine gets its own handles, as each rank does
-            return post_all(self.clients, "/update_weights_from_tensor",
-                            lambda _: self._payload(self._entries(staged, self.engine_tp_size), selector,
-                                                    weight_version))
-        # inline bytes: one serialization serves every engine
-        return post_all(self.clients, "/update_weights_from_tensor",
-                        self._payload(self._entries(staged, self.engine_tp_size), selector, weight_version))
+    def send(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None,
+             flush_cache: bool = False) -> list[dict]:
+        return self.post(self.stage(bucket), selector, weight_version, flush_cache).wait()
 
-    def _send_rank_buckets(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None) -> list[dict]:
+    def stage(self, bucket: Bucket) -> "StagedBucket":
+        """The bucket as the engines will read it (flattened: one device copy; on CUDA written before this returns).
+        With per-rank buckets every rank stages its own in the exchange, at post."""
+        return StagedBucket(bucket, None if self.rank_buckets is not None else self._stage(bucket))
+
+    def post(self, staged: "StagedBucket", selector: protocol.Selector, weight_version: str | None,
+             flush_cache: bool = False) -> "InFlight":
+        """The engine replies only after its copy from our memory completed (on CUDA after a device sync:
+        engine/weight_receive.settle), so the bucket is held until every engine has replied. Per-rank buckets are
+        exchanged with the other trainer ranks and answered before this returns."""
+        closing = dict(weight_version=weight_version, flush_cache=flush_cache)
+        if self.rank_buckets is not None:
+            return InFlight.answered(self._send_rank_buckets(staged.bucket, selector, closing))
+        if any(t.tensor.is_cuda for t in staged.bucket.tensors):  # each engine its own handles, as each rank has
+            entries = [self._entries(staged.wire, self.engine_tp_size) for _ in self.clients]
+            payload = lambda i: self._payload(entries[i], selector, closing)  # noqa: E731
+        else:  # inline bytes: one serialization serves every engine
+            payload = self._payload(self._entries(staged.wire, self.engine_tp_size), selector, closing)
+        return InFlight(PostEach(self.clients, "/update_weights_from_tensor", payload), holds=staged)
+
+    def _send_rank_buckets(self, bucket: Bucket, selector: protocol.Selector, closing: dict) -> list[dict]:
         """Engine e's entries come from its own GPUs' trainer ranks (weight_sync/transports/colocated.py); every rank
         keeps its bucket
         until the engines have replied, then `release` lets them drop it. Rank 0 makes its entry as every other
@@ -264,7 +289,7 @@ class TensorTransport:
             raise RuntimeError(f"trainer rank {entries.rank} could not hand over its bucket: {entries.message}")
         try:
             replies = post_all(self.clients, "/update_weights_from_tensor", lambda e: self._payload(
-                channel.layout.entries_of(e, entries), selector, weight_version))
+                channel.layout.entries_of(e, entries), selector, closing))
         except Exception as e:
             channel.release(repr(e))
             raise
@@ -285,9 +310,10 @@ class TensorTransport:
         self.serialize_s += time.perf_counter() - t0
         return entries
 
-    def _payload(self, entries: list[str], selector: protocol.Selector, weight_version: str | None) -> dict:
-        return protocol.tensor_payload(entries, selector=selector, weight_version=weight_version, flush_cache=False,
-                                       session=self.session, load_format=self.load_format)
+    def _payload(self, entries: list[str], selector: protocol.Selector, closing: dict) -> dict:
+        """closing: this update's `weight_version` and `flush_cache` (set on a sync's last update only)."""
+        return protocol.tensor_payload(entries, selector=selector, session=self.session,
+                                       load_format=self.load_format, **closing)
 
     def close(self) -> None:
         pass
@@ -316,6 +342,14 @@ class DiskTransport:
             if (self.hf_checkpoint / name).exists():
                 shutil.copy2(self.hf_checkpoint / name, self.out_dir / name)
         self._weight_map = {}
+
+    def stage(self, bucket: Bucket) -> "StagedBucket":
+        return StagedBucket(bucket)
+
+    def post(self, staged: "StagedBucket", selector: protocol.Selector, weight_version: str | None,
+             flush_cache: bool = False) -> "InFlight":
+        """Written to its shard at once; the engines load every shard in finish()."""
+        return InFlight.answered(self.send(staged.bucket, selector, weight_version))
 
     def send(self, bucket: Bucket, selector: protocol.Selector, weight_version: str | None) -> list[dict]:
         from safetensors.torch import save_file
@@ -398,13 +432,56 @@ class BackgroundCall:
         return self._result
 
 
+@dataclass
+class StagedBucket:
+    """A bucket made ready to post; `wire` is what its transport sends (its own form: see each `stage`)."""
+
+    bucket: Bucket
+    wire: Any = None
+
+
+class InFlight:
+    """One bucket's update requests, posted: `wait()` gives every engine's reply (EngineGroupError naming those
+    that failed), `settle(timeout_s)` waits without raising. Holds the bucket's tensors until the replies are in
+    (an engine replies once its receive has completed)."""
+
+    def __init__(self, posts: "PostEach | None", holds=None, replies: list[dict] | None = None):
+        self._posts, self._holds, self._replies = posts, holds, replies
+
+    @classmethod
+    def answered(cls, replies: list[dict]) -> "InFlight":
+        return cls(None, replies=replies)
+
+    def wait(self) -> list[dict]:
+        if self._posts is not None:
+            self._posts.join()
+            self._replies, self._posts, self._holds = self._posts.result(), None, None
+        return self._replies
+
+    def settle(self, timeout_s: float) -> str | None:
+        """While another failure is handled: wait at most `timeout_s` for the replies; None if every engine
+        answered with success, else what went wrong (for the caller's error message)."""
+        if self._posts is None:
+            return None
+        silent = self._posts.join(timeout_s)
+        if silent:
+            return f"no reply from {', '.join(silent)} within {timeout_s:g} s"
+        try:
+            self.wait()
+        except EngineGroupError as e:
+            return str(e)
+        return None
+
+
 class PostEach:
     """One POST per engine, each on its own thread (they block on a collective), so a caller that stops waiting
     knows which engines have not answered."""
 
-    def __init__(self, clients: Sequence[EngineClient], path: str, payload: dict):
+    def __init__(self, clients: Sequence[EngineClient], path: str, payload: dict | Callable[[int], dict]):
+        """payload: one body for every engine, or engine i's body as payload(i) (as post_all)."""
         self.clients, self.path = list(clients), path
-        self._calls = [BackgroundCall(lambda c=c: c.post(path, payload)) for c in self.clients]
+        body = payload if callable(payload) else (lambda _: payload)
+        self._calls = [BackgroundCall(lambda c=c, i=i: c.post(path, body(i))) for i, c in enumerate(self.clients)]
 
     def join(self, timeout_s: float | None = None) -> list[str]:
         """Wait for every reply (at most `timeout_s` in all); the URLs of the engines that have not answered."""
