@@ -94,94 +94,81 @@ def test_native_mtp_sync_reaches_target_and_draft(make_server, transport, ckpt):
         assert paths.index("/begin_weight_update") < last_update < paths.index("/end_weight_update")
 
 
-def _gated_updates(server: FakeSGLangServer, gate: threading.Event, log: list[str]) -> None:
-    """The server receives and loads an update at once but answers only once `gate` is set (or 10 s passed: then
-    with an error, so a sync that waits for the reply before gathering on fails instead of hanging); `log` records
-    each request, and when each update was received and answered."""
-    handle = server.handle
+class GatedUpdates:
+    """A syncer into one FakeSGLangServer that receives and loads each update at once but answers it only once
+    `gate` is set (or after 10 s, then with an error, so a sync that waits for the reply before gathering on fails
+    instead of hanging). `log` records each request, and when each update was received and answered; `in_flight()`
+    says (waiting up to 10 s for the server) that an update has been posted and reached the server."""
 
-    def gated(method, path, body):
-        if not path.startswith("/update_weights_from"):
-            log.append(path)
-            return handle(method, path, body)
-        log.append(f"{path} received")
-        out = handle(method, path, body)
-        if not gate.wait(10):
-            out = 500, {"detail": "the next bucket was never gathered"}
-        log.append(f"{path} answered")
-        return out
+    def __init__(self, make_server, transport: str, seed: int):
+        self.server = make_server(draft="mtp")
+        self.new = make_weights(MIMO, seed=seed)
+        self.tensors = list(iter_hf_state(self.new, MIMO))
+        self.syncer = make_syncer([self.server], transport, buffer=sum(t.nbytes for t in self.tensors) // 3)
+        self.syncer.prepare()
+        self.gate, self.log, self._posted = threading.Event(), [], threading.Event()
+        handle, post = self.server.handle, self.syncer.transport.post
 
-    server.handle = gated
+        def gated(method, path, body):
+            if not path.startswith("/update_weights_from"):
+                self.log.append(path)
+                return handle(method, path, body)
+            self.log.append(f"{path} received")
+            out = handle(method, path, body)
+            if not self.gate.wait(10):
+                out = 500, {"detail": "the next bucket was never gathered"}
+            self.log.append(f"{path} answered")
+            return out
 
+        def noting(*args, **kwargs):
+            in_flight = post(*args, **kwargs)
+            self._posted.set()
+            return in_flight
 
-def _note_posts(syncer: WeightSyncer) -> threading.Event:
-    """Set once the syncer has posted an update (the transport's `post` returned)."""
-    posted, post = threading.Event(), syncer.transport.post
+        self.server.handle, self.syncer.transport.post = gated, noting
 
-    def noting(*args, **kwargs):
-        in_flight = post(*args, **kwargs)
-        posted.set()
-        return in_flight
-
-    syncer.transport.post = noting
-    return posted
-
-
-def _received(log: list[str], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not any(p.endswith("received") for p in log):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    def in_flight(self) -> bool:
+        deadline = time.monotonic() + 10
+        while self._posted.is_set() and not any(p.endswith("received") for p in self.log):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return self._posted.is_set()
 
 
 @pytest.mark.parametrize("transport", ["distributed", "tensor"])
 def test_the_next_bucket_is_gathered_while_one_is_in_flight(make_server, transport):
-    """Each update is answered only after the sync has pulled the next bucket's first tensor: a sync that waits for
-    a bucket's reply before gathering the next would never get it."""
-    server = make_server(draft="mtp")
-    new = make_weights(MIMO, seed=1)
-    tensors = list(iter_hf_state(new, MIMO))
-    syncer = make_syncer([server], transport, buffer=sum(t.nbytes for t in tensors) // 3)
-    syncer.prepare()
-    gate, log = threading.Event(), []
-    _gated_updates(server, gate, log)
-    posted = _note_posts(syncer)
+    """Each update is answered only after the sync has pulled the next bucket's tensors: a sync that waits for a
+    bucket's reply before gathering the next would never get it."""
+    g = GatedUpdates(make_server, transport, seed=1)
 
     def stream():
-        for t in tensors:
-            if posted.is_set() and _received(log):
-                gate.set()  # an update is in flight and the sync asks for more: the next bucket is being gathered
+        for t in g.tensors:
+            if g.in_flight():
+                g.gate.set()  # an update is in flight and the sync asks for more: the next bucket is being gathered
             yield t
-        gate.set()  # the last bucket has nothing after it to gather
+        g.gate.set()  # the last bucket has nothing after it to gather
 
-    syncer.sync(stream(), weight_version="1")
-    syncer.close()
-    assert_serves(server, new, "target") and assert_serves(server, new, "draft")
+    g.syncer.sync(stream(), weight_version="1")
+    g.syncer.close()
+    assert_serves(g.server, g.new, "target") and assert_serves(g.server, g.new, "draft")
 
 
 def test_a_failure_while_a_bucket_is_in_flight_lets_it_land_before_undoing(make_server):
     """The tensor stream fails while a bucket is posted and not answered: the syncer waits for that bucket's reply
     before it rolls back, so the session is closed after the last update, never under it."""
-    server = make_server(draft="mtp")
-    tensors = list(iter_hf_state(make_weights(MIMO, seed=1), MIMO))
-    syncer = make_syncer([server], "tensor", buffer=sum(t.nbytes for t in tensors) // 3)
-    syncer.prepare()
-    gate, log = threading.Event(), []
-    _gated_updates(server, gate, log)
-    posted = _note_posts(syncer)
+    g = GatedUpdates(make_server, "tensor", seed=1)
 
     def failing():
-        for t in tensors:
-            if posted.is_set() and _received(log):
-                threading.Timer(0.5, gate.set).start()  # answered only after the stream has failed
+        for t in g.tensors:
+            if g.in_flight():
+                threading.Timer(0.5, g.gate.set).start()  # answered only after the stream has failed
                 raise RuntimeError("injected: the gather failed")
             yield t
 
     with pytest.raises(WeightSyncError, match="injected: the gather failed") as err:
-        syncer.sync(failing(), weight_version="2")
-    assert log.index("/update_weights_from_tensor answered") < log.index("/end_weight_update")
+        g.syncer.sync(failing(), weight_version="2")
+    assert g.log.index("/update_weights_from_tensor answered") < g.log.index("/end_weight_update")
     assert "1 applied bucket" in str(err.value) and err.value.engines_serve_previous_weights is False
 
 
