@@ -15,7 +15,6 @@ the sync checked, trainer-engine log-prob difference, accept length, sync second
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -53,8 +52,8 @@ def train_argv(model: Path, data: Path, out: Path, has_mtp: bool, device: str) -
             "--micro-batch-size", "4", "--lr", "1e-3", "--output-dir", str(out), "--check-weight-sync",
             *(MTP_SPEC if has_mtp else NGRAM_SPEC)]
     if device == "cuda":
-        saver = ["--sglang-enable-memory-saver"] if importlib.util.find_spec("torch_memory_saver") else []
-        argv += ["--bf16", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--colocate", *saver]
+        from slime_spec.demo.run import gpu_layout_argv
+        argv += gpu_layout_argv("colocate")
     return argv
 
 

@@ -182,7 +182,7 @@ class WeightSyncer:
         recorded = self.checks.recorder() if self.config.check_weight_sync else None
         counts, nbytes, buckets, buckets_applied = {"target": 0, "mtp": 0, "draft": 0}, 0, 0, 0
         sent, draft_sent = set(), set()  # a trained draft's names apart: they may be the target's
-        in_flight = None  # (bucket, InFlight): posted, its replies not read yet
+        in_flight = None  # the bucket posted last (an InFlight), its replies not read yet
         clock = Clock()
         t0 = time.perf_counter()
         session_open = False
@@ -209,13 +209,13 @@ class WeightSyncer:
             for bucket in stream:  # gathered and staged while the previous bucket is in flight
                 with clock("send"):
                     staged = self.transport.stage(bucket)
-                landing, in_flight = in_flight, None
+                landing, in_flight = in_flight, None  # not settled again in `except` if its wait raises
                 buckets_applied += self._land(landing, clock)
                 selector = {"target": plan.target, "mtp": plan.mtp, "draft": plan.draft}[bucket.kind]
                 closed = closes and bucket.last  # a version only on the last: it labels weights that have all landed
                 with clock("send"):
-                    in_flight = bucket, self.transport.post(staged, selector, weight_version if closed else None,
-                                                            flush_cache=closed)
+                    in_flight = self.transport.post(staged, selector, weight_version if closed else None,
+                                                    flush_cache=closed)
                 del staged  # the transport holds it while it is in flight
                 buckets += 1
                 counts[bucket.kind] += len(bucket.tensors)
@@ -245,7 +245,7 @@ class WeightSyncer:
         except Exception as e:
             notes = []
             if in_flight is not None:  # the bucket on the wire lands (or fails) before anything is undone
-                unsettled = in_flight[1].settle(min(self._transport_args["timeout_s"], BROKEN_GROUP_REPLY_S))
+                unsettled = in_flight.settle(min(self._transport_args["timeout_s"], BROKEN_GROUP_REPLY_S))
                 buckets_applied += unsettled is None and self.transport_name != "disk"
                 if unsettled is not None:
                     notes.append(f"the bucket on the wire when this failed did not land: {unsettled}")
@@ -265,12 +265,12 @@ class WeightSyncer:
                           covered=bool(served_written), draft_tensors=counts["draft"])
 
     def _land(self, in_flight, clock: Clock) -> int:
-        """Wait for a posted (bucket, InFlight)'s replies (EngineGroupError if an engine failed it) and count the
-        engines' time; the number of buckets now applied on the engines (disk buckets load only in finish())."""
+        """Wait for a posted bucket's replies (EngineGroupError if an engine failed it) and count the engines' time;
+        the number of buckets now applied on the engines (disk buckets load only in finish())."""
         if in_flight is None:
             return 0
         with clock("send"):
-            replies = in_flight[1].wait()
+            replies = in_flight.wait()
         clock.add_engine(*engine_seconds(replies), snapshot_s=engine_timing(replies, "snapshot_s"))
         return int(self.transport_name != "disk")
 
