@@ -69,6 +69,21 @@ def describe_value(x: float) -> str:
     return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
 
 
+def step_skip_reason(where: str, step_left_out: Sequence[bool], first_sample: Sample, loss_finite: bool,
+                     nonfinite_loss_samples: Sequence, grad_norm: float) -> str | None:
+    """Why the optimizer step `where` must be skipped, or None: every sample of it left out for its reward, its loss
+    not finite on some rank (`loss_finite` already agreed over ranks), or its gradient norm not finite."""
+    if step_left_out and all(step_left_out):
+        return f"every sample of {where} was left out for its reward (first: {reward_left_out(first_sample)})"
+    if not loss_finite:
+        shown = f" (this rank's samples with a non-finite loss: {list(nonfinite_loss_samples)})" \
+            if nonfinite_loss_samples else ""
+        return f"loss not finite at {where}{shown}"
+    if not math.isfinite(grad_norm):
+        return f"gradient norm {describe_value(grad_norm)} at {where}"
+    return None
+
+
 @dataclass
 class SkipTracker:
     """Skipped optimizer steps: counted, and the run stopped after `max_consecutive` in a row (0: never)."""

@@ -201,6 +201,22 @@ def named_weights(model):
     yield from ((rename(n), b) for n, b in model.named_buffers() if n.endswith("router.expert_bias"))
 
 
+def weights_copy(model) -> dict[str, torch.Tensor]:
+    """A copy of every weight a checkpoint holds (`named_weights`: the routers' expert bias too)."""
+    return {n: p.detach().clone() for n, p in named_weights(model)}
+
+
+def copy_weights_into(model, state: dict[str, torch.Tensor]) -> None:
+    """Copy `state` (exactly the model's `named_weights`) into the model in place."""
+    params = dict(named_weights(model))
+    if set(state) != set(params):
+        raise ValueError(f"checkpoint does not match the model: missing {sorted(set(params) - set(state))}, "
+                         f"unexpected {sorted(set(state) - set(params))}")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(state[name])
+
+
 def load_hf_weights(model, hf_state: dict[str, torch.Tensor], hf_config: dict, tp_rank: int, tp_size: int,
                     ep_rank: int = 0, ep_size: int = 1, etp_rank: int | None = None,
                     etp_size: int | None = None) -> None:

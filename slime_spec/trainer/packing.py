@@ -56,13 +56,18 @@ def causal_mask(seq_len: int, device) -> torch.Tensor:
 
 def padded_rows(batch: TokenBatch) -> ModelRows:
     """One right-padded row per sample (the layout of `batch` itself)."""
-    n, s = batch.input_ids.shape
-    device = batch.input_ids.device
-    cols = torch.arange(s, device=device)
-    return ModelRows(input_ids=batch.input_ids, position_ids=cols[None].expand(n, s),
-                     attention_mask=causal_mask(s, device),
-                     index=torch.arange(n * s, device=device).view(n, s),
-                     valid=cols[None] < batch.lengths[:, None])
+    rows = equal_rows(batch.input_ids)
+    rows.valid = torch.arange(rows.input_ids.shape[1], device=rows.input_ids.device)[None] < batch.lengths[:, None]
+    return rows
+
+
+def equal_rows(input_ids: torch.Tensor) -> ModelRows:
+    """One row per sample of equal-length token rows [n, s] (every position a token)."""
+    n, s = input_ids.shape
+    device = input_ids.device
+    return ModelRows(input_ids=input_ids, position_ids=torch.arange(s, device=device)[None].expand(n, s),
+                     attention_mask=causal_mask(s, device), index=torch.arange(n * s, device=device).view(n, s),
+                     valid=torch.ones(n, s, dtype=torch.bool, device=device))
 
 
 def packed_rows(batch: TokenBatch, min_len: int = 0) -> ModelRows:

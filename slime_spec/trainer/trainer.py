@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import math
 from pathlib import Path
 from typing import Iterator
 
@@ -29,11 +28,11 @@ from slime_spec.trainer.eagle3_online import OnlineDraft
 from slime_spec.trainer.finite_guard import (
     SkipTracker,
     check_weights_finite,
-    describe_value,
     grpo_advantages_without,
     reward_left_out,
+    step_skip_reason,
 )
-from slime_spec.trainer.packing import ModelRows, causal_mask, model_rows
+from slime_spec.trainer.packing import ModelRows, equal_rows, model_rows
 from slime_spec.trainer.parallel import TPInfo, current_tp_info
 from slime_spec.trainer.precision import MasterParams
 from slime_spec.trainer.step_plan import PreparedStep
@@ -115,7 +114,7 @@ class Trainer:
         t = self.train
         if t.load and (Path(t.load) / checkpoint.LATEST).is_file():
             shard = checkpoint.load_shard(t.load, self.tp.tp_rank, self.tp.tp_size, **self._ep_shard)
-            self._copy_into_model(shard["model"])
+            M.copy_weights_into(self.model, shard["model"])
             self.start_rollout_id = shard["rollout_id"] + 1
             logger.info("resumed from %s at rollout %d", t.load, shard["rollout_id"])
             return shard
@@ -132,44 +131,31 @@ class Trainer:
         return dict(ep_rank=self.tp.ep_rank, ep_size=self.tp.ep_size, etp_size=self.tp.etp_size,
                     pp_rank=self.tp.pp_rank, pp_size=self.tp.pp_size)
 
-    def _weights_copy(self) -> dict[str, torch.Tensor]:
-        """A copy of every weight a checkpoint holds (`model.named_weights`: the routers' expert bias too)."""
-        return {n: p.detach().clone() for n, p in M.named_weights(self.model)}
-
-    def _copy_into_model(self, state: dict[str, torch.Tensor]) -> None:
-        params = dict(M.named_weights(self.model))
-        if set(state) != set(params):
-            raise ValueError(f"checkpoint does not match the model: missing {sorted(set(params) - set(state))}, "
-                             f"unexpected {sorted(set(state) - set(params))}")
-        with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(state[name])
-
     def _reference_weights(self, resumed: dict | None) -> dict[str, torch.Tensor]:
         """The KL reference: --ref-load (an HF or slime-spec checkpoint) or the --hf-checkpoint weights."""
         if resumed is None and not self.train.ref_load:  # the model holds exactly the --hf-checkpoint weights
-            return self._weights_copy()
+            return M.weights_copy(self.model)
         source = self.train.ref_load or self.train.hf_checkpoint
-        current = self._weights_copy()
+        current = M.weights_copy(self.model)
         if (Path(source) / checkpoint.LATEST).is_file():
-            self._copy_into_model(checkpoint.load_shard(source, self.tp.tp_rank, self.tp.tp_size,
+            M.copy_weights_into(self.model, checkpoint.load_shard(source, self.tp.tp_rank, self.tp.tp_size,
                                                         **self._ep_shard)["model"])
         else:
             M.load_hf_weights(self.model, M.read_hf_state(source), self.hf_config, self.tp.tp_rank, self.tp.tp_size,
                               self.tp.ep_rank, self.tp.ep_size, self.tp.etp_rank, self.tp.etp_size)
-        ref = self._weights_copy()
-        self._copy_into_model(current)
+        ref = M.weights_copy(self.model)
+        M.copy_weights_into(self.model, current)
         return ref
 
     @contextlib.contextmanager
     def _reference_model(self):
         """The model with the reference weights swapped in (one model in memory, as slime does)."""
-        current = self._weights_copy()
-        self._copy_into_model(self.ref_state)
+        current = M.weights_copy(self.model)
+        M.copy_weights_into(self.model, self.ref_state)
         try:
             yield self.model
         finally:
-            self._copy_into_model(current)
+            M.copy_weights_into(self.model, current)
 
     def named_megatron_params(self, stage_copies: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """(Megatron name, this rank's TP shard) for every weight of this pipeline stage, in a fixed order. Each on
@@ -213,8 +199,7 @@ class Trainer:
         ids = F.pad(ids, (0, -seq % self._row_multiple))  # the padding comes after the tokens (causal)
 
         def forward(_m_idx, rows_ids):
-            positions = torch.arange(rows_ids.shape[1], device=self.device)[None].expand_as(rows_ids)
-            inputs = self.cp.local_rows(rows_ids, positions, causal_mask(rows_ids.shape[1], self.device))
+            inputs = self._local_rows(equal_rows(rows_ids))
             trunk = self._trunk(inputs)
             if trunk.logits is None:  # not the last pipeline stage
                 return trunk.hidden, None
@@ -404,18 +389,12 @@ class Trainer:
         if self.tp.dp_size > 1:
             dist.all_reduce(bad, group=ps.get_data_parallel_group())
         pipeline.sum_over_stages(bad)  # every stage learns what the last one's loss was
-        where = f"rollout {rollout_id}, optimizer step {s_idx}"
         gbs = self.train.global_batch_size  # step s_idx takes samples [s_idx * gbs, (s_idx + 1) * gbs) on all ranks
-        if p.left_out and all(p.left_out[s_idx * gbs:(s_idx + 1) * gbs]):
-            return (f"every sample of {where} was left out for its reward (first: "
-                    f"{reward_left_out(samples[s_idx * gbs])})")
-        if bool(bad[0]):
-            names = [samples[i].index for i in p.nonfinite_loss_samples.get(s_idx, [])]
-            shown = f" (this rank's samples with a non-finite loss: {names})" if names else ""
-            return f"loss not finite at {where}{shown}"
-        if not math.isfinite(grad_norm):
-            return f"gradient norm {describe_value(grad_norm)} at {where}"
-        return None
+        step = slice(s_idx * gbs, (s_idx + 1) * gbs)
+        bad_samples = [samples[i].index for i in p.nonfinite_loss_samples.get(s_idx, [])]
+        return step_skip_reason(f"rollout {rollout_id}, optimizer step {s_idx}", p.left_out[step], samples[step.start],
+                                loss_finite=not bool(bad[0]), nonfinite_loss_samples=bad_samples,
+                                grad_norm=grad_norm)
 
     def check_weights_finite(self, purpose: str) -> None:
         """Raise NonFiniteError naming every non-finite tensor before the weights are `purpose` (synced, saved).
