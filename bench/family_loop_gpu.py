@@ -36,20 +36,16 @@ MTP_SPEC = ["--mtp-num-layers", "1", "--enable-mtp-training", "--sglang-speculat
             "--sglang-speculative-num-steps", "2", "--sglang-speculative-eagle-topk", "1",
             "--sglang-speculative-num-draft-tokens", "3"]
 NGRAM_SPEC = ["--sglang-speculative-algorithm", "NGRAM", "--sglang-speculative-num-draft-tokens", "3"]
-# a reward that differs between a prompt's samples (a random model never answers right): nonzero advantages
-DIGIT_SHARE_RM = '''
-def digit_share(sample):
-    return sum(c.isdigit() for c in sample.response) / max(1, len(sample.response))
-'''
 
 
 def train_argv(model: Path, data: Path, out: Path, has_mtp: bool, device: str) -> list[str]:
     """`python -m slime_spec.train` for two GRPO steps of `model`; on cuda colocated on one GPU, as the GPU demo."""
     argv = [sys.executable, "-m", "slime_spec.train", "--hf-checkpoint", str(model), "--rollout-backend", "embedded",
             "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label",
-            "--custom-rm-path", "loop_rm.digit_share", "--num-rollout", "2", "--rollout-batch-size", "2",
-            "--n-samples-per-prompt", "4", "--rollout-max-response-len", "16", "--global-batch-size", "8",
-            "--micro-batch-size", "4", "--lr", "1e-3", "--output-dir", str(out), "--check-weight-sync",
+            "--custom-rm-path", "slime_spec.tools.tiny_reward.digit_share", "--num-rollout", "2",
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "16",
+            "--global-batch-size", "8", "--micro-batch-size", "4", "--lr", "1e-3", "--output-dir", str(out),
+            "--check-weight-sync",
             *(MTP_SPEC if has_mtp else NGRAM_SPEC)]
     if device == "cuda":
         from slime_spec.demo.run import gpu_layout_argv
@@ -81,14 +77,11 @@ def run_family(family: str, root: Path, device: str, timeout_s: float) -> str:
                             **shape)
     data = work / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "label": str(2 * a)}) + "\n" for a in range(8)))
-    (work / "rm").mkdir()
-    (work / "rm" / "loop_rm.py").write_text(DIGIT_SHARE_RM)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(work / "rm"), env.get("PYTHONPATH")) if p)
     t0 = time.perf_counter()
-    try:  # the reward's directory is the driver's working directory: Ray's workers have it on their path
-        done = subprocess.run(train_argv(model, data, work / "out", has_mtp, device), env=env, cwd=work / "rm",
-                              capture_output=True, text=True, timeout=timeout_s)
+    try:
+        done = subprocess.run(train_argv(model, data, work / "out", has_mtp, device), env=env, capture_output=True,
+                              text=True, timeout=timeout_s)
         returncode, tail = done.returncode, done.stdout[-4000:] + done.stderr[-4000:]
     except subprocess.TimeoutExpired as e:
         returncode, tail = -1, f"timed out after {timeout_s:.0f} s; {(e.stdout or b'')[-2000:]!r}"

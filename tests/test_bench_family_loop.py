@@ -30,3 +30,13 @@ def test_a_row_says_what_the_steps_say_or_why_the_run_failed():
     assert "| NO |" in bench.summary("qwen3", 0, 12.0, steps, "")
     failed = bench.summary("glm4_moe", 1, 3.0, [], "a\nb\nValueError: --x is refused\n")
     assert failed.startswith("| glm4_moe | exit 1 | 0 |") and "ValueError: --x is refused" in failed
+
+
+def test_the_reward_flag_names_a_function_that_varies_with_the_response():
+    from types import SimpleNamespace
+
+    from slime_spec.rollout.rewards import load_function
+
+    argv = bench.train_argv(Path("m"), Path("d"), Path("o"), has_mtp=False, device="cpu")
+    reward = load_function(argv[argv.index("--custom-rm-path") + 1], "--custom-rm-path")
+    assert reward(SimpleNamespace(response="12ab")) == 0.5 and reward(SimpleNamespace(response="")) == 0.0

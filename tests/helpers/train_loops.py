@@ -10,12 +10,8 @@ from pathlib import Path
 
 from tests.helpers.ray_head import RayHead
 
-# A reward that differs between a prompt's samples (a random model never answers right), so GRPO's advantages,
-# and the step's gradients, are not all zero.
-DIGIT_SHARE_RM = '''
-def digit_share(sample):
-    return sum(c.isdigit() for c in sample.response) / max(1, len(sample.response))
-'''
+# The reward as a user's own module (--custom-rm-path from the driver's directory), here slime_spec's tiny-run reward
+DIGIT_SHARE_RM = "from slime_spec.tools.tiny_reward import digit_share  # noqa: F401\n"
 
 
 def run_grpo_steps(tmp_path: Path, model: Path, extra_argv: list[str], head: RayHead | None = None,
