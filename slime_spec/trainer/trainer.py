@@ -265,10 +265,12 @@ class Trainer:
                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[n, S] log-probs of the samples' tokens (and the entropies of the distributions that predict them), from
         this rank's logits, gathered over the context-parallel ranks."""
-        per_position = losses.next_token_log_probs(trunk.logits, inputs.next_ids, self.train.rollout_temperature,
-                                                   with_entropy)
-        return tuple(None if x is None else rows.to_samples(losses.to_token_positions(self.cp.gather(x, dim=1)))
-                     for x in per_position)
+        lp, entropy = losses.next_token_log_probs(trunk.logits, inputs.next_ids, self.train.rollout_temperature,
+                                                  with_entropy)
+        if entropy is None:
+            return rows.to_samples(losses.to_token_positions(self.cp.gather(lp, dim=1))), None
+        both = self.cp.gather(torch.stack((lp, entropy), dim=-1), dim=1)  # one collective for the two
+        return tuple(rows.to_samples(losses.to_token_positions(x)) for x in both.unbind(-1))
 
     @torch.no_grad()
     def _log_probs(self, batches: list[TokenBatch]) -> list[torch.Tensor | None]:
