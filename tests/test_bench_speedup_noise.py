@@ -27,6 +27,7 @@ def test_refuses_a_missing_checkpoint(tmp_path):
         speedup_noise.main(["--model", str(tmp_path)])
 
 
+@pytest.mark.nightly(covered_by="tests/test_bench_speedup_noise.py::test_table_rows_per_pass_and_per_median")
 def test_a_short_run_times_identical_engines_and_prints_the_table(tmp_path, capsys):
     from slime_spec.tools.tiny_model import make_tiny_model
     model = make_tiny_model(tmp_path / "mimo", arch="mimo", hidden_size=32, num_layers=1, mtp_layers=1)

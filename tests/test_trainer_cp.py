@@ -28,6 +28,8 @@ def test_each_rank_holds_an_early_and_a_late_chunk_as_megatron_lays_them_out():
         row_positions(6, 2, 0)
 
 
+@pytest.mark.nightly(
+    covered_by="tests/test_trainer_cp.py::test_cp2_trains_padded_rows_of_a_dense_model_as_one_rank_over_steps")
 def test_tp2_x_cp2_equals_one_rank_for_deepseek_v3_with_its_mtp_layer_trained_online(ray_cluster, tmp_path):
     """DeepSeek-V3 (multi-latent attention with YaRN RoPE picked per chunk by megatron-core, MoE, its MTP layer) at
     TP 2 x CP 2 on four ranks, its MoE layer sequence parallel, as slime's GLM-4.7, GLM4-9B and Qwen3-235B scripts

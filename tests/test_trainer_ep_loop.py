@@ -9,6 +9,8 @@ and tests/test_trainer_ep.py."""
 
 import json
 
+import pytest
+
 from slime_spec.tools.tiny_model import make_tiny_eagle3_draft, make_tiny_model
 from tests.helpers.train_loops import run_grpo_steps
 
@@ -16,6 +18,8 @@ TP2_EP2 = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", 
            "--expert-tensor-parallel-size", "1"]
 
 
+@pytest.mark.nightly(
+    covered_by="tests/test_trainer_ep.py::test_ep2_equals_ep1_forward_gather_train_step_sync_and_resume")
 def test_qwen3_moe_with_an_online_eagle3_draft_two_grpo_steps_at_tp2_ep2(tmp_path):
     model = make_tiny_model(tmp_path / "model", arch="qwen3_moe", hidden_size=32, num_layers=4, intermediate_size=64,
                             max_position_embeddings=128, num_experts=4, seed=3)

@@ -15,6 +15,8 @@ def ray_cluster():
         yield
 
 
+@pytest.mark.nightly(
+    covered_by="tests/test_trainer_pp.py::test_pp2_keeps_a_tied_embedding_and_its_last_stage_copy_equal_over_steps")
 def test_four_ranks_in_two_stages_of_tp2_with_whole_experts_over_ep2_equal_one_rank_and_resume(ray_cluster, tmp_path):
     """GLM-4.5 on four ranks as slime's run-glm4.7-30B-A3B.sh lays out each stage (TP 2 with sequence parallelism,
     the routed experts whole, half on each TP rank as EP ranks: --expert-tensor-parallel-size 1), in two stages: the

@@ -95,7 +95,9 @@ def served(engine: EngineServer, name: str) -> torch.Tensor:
     return engine.served(name)
 
 
-@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("pp", [1, pytest.param(2, marks=pytest.mark.nightly(
+    covered_by="tests/e2e/test_colocated_rank_buckets.py::"
+               "test_each_colocated_engine_serves_its_own_trainer_ranks_trained_weights[1]"))])
 def test_each_colocated_engine_serves_its_own_trainer_ranks_trained_weights(tmp_path, tiny_mimo_engine, pp):
     # engine 0: the session's (tests/conftest.py), back on its checkpoint; engine 1: a fresh one of the same model
     model = tiny_mimo_engine.model_path

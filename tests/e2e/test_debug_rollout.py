@@ -45,6 +45,7 @@ def _config(tmp_path, model, spec_argv):
                   wandb=WandbConfig(), debug_rollout_only=True, output_dir=str(tmp_path / "out"))
 
 
+@pytest.mark.nightly(covered_by="tests/e2e/test_train_loop.py::test_debug_rollout_only_then_debug_train_only")
 def test_debug_rollout_only_ngram_two_engines(ray_cluster, tmp_path):
     model = make_tiny_model(tmp_path / "llama", arch="llama", seed=1)
     summary = run_debug_rollout_only(_config(tmp_path, model, ("--speculative-algorithm", "NGRAM")),

@@ -25,6 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "run-eagle3-llama3.1-8B.sh"
 
 
+@pytest.mark.nightly(
+    covered_by="tests/test_trainer_tp.py::"
+               "test_qwen3_moe_tp2_sequence_parallel_with_an_online_eagle3_draft_equals_tp1_and_syncs")
 def test_eagle3_script_trains_the_draft_online_on_a_tiny_stand_in(workdir):  # noqa: F811
     tmp, ray_tmp = workdir
     # 2048 positions: the script serves --sglang-context-length 2048, which SGLang refuses above the model's own

@@ -23,6 +23,11 @@ from slime_spec.tools.tiny_model import make_tiny_model
 from tests.e2e.run_processes import REPO, RUN_MARKER, wait_gone
 from tests.helpers import engine_faults as faults
 
+# Per commit: an engine killed mid-rollout (tests/test_rollout_manager.py), restarted and resynced
+# (tests/test_engines_fleet.py), a failed or broken sync (tests/test_weight_sync_engine.py,
+# tests/test_weight_sync_broken_group.py). This whole run, each fault at its phase of a training run, is nightly.
+pytestmark = pytest.mark.nightly(
+    covered_by="tests/test_rollout_manager.py::test_killed_engine_is_restarted_and_nothing_is_lost")
 BATCH, N, EVAL_PROMPTS = 2, 2, 2
 PHASE_STEP = {"mid_rollout": 1, "after_rollout": 2, "mid_train": 3, "mid_sync": 4, "mid_eval": 5, "hang": 6}
 STEPS = 7

@@ -96,6 +96,8 @@ def test_bad_rewards_never_reach_weights_engines_or_checkpoints(first_run, ray_h
     assert digest(ckpt) == before and not (root / "out2").exists()
 
 
+@pytest.mark.nightly(
+    covered_by="tests/e2e/test_integrity_nan_reward.py::test_bad_rewards_never_reach_weights_engines_or_checkpoints")
 def test_resume_says_what_it_loaded_and_continues_the_data_with_another_batch_size(first_run, ray_head):
     root, model, data, ckpt, out, proc = first_run
     assert proc.returncode == 0

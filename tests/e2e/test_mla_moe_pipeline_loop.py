@@ -10,10 +10,15 @@ scripts/run-deepseek-v3-mtp.sh (tests/e2e/test_slime_scripts_small.py)."""
 
 import json
 
+import pytest
+
 from slime_spec.tools.tiny_model import make_tiny_model
 from tests.helpers.train_loops import run_grpo_steps
 
 
+@pytest.mark.nightly(
+    covered_by="tests/e2e/test_slime_scripts_small.py::"
+               "test_own_mtp_script_trains_policy_and_mtp_layer_on_a_tiny_stand_in[run-deepseek-v3-mtp.sh]")
 def test_two_grpo_steps_on_two_stages_with_trained_mtp_and_nextn_rollout(tmp_path, ray_head):
     model = make_tiny_model(tmp_path / "model", arch="glm4_moe_lite", hidden_size=32, num_layers=2,
                             intermediate_size=64, max_position_embeddings=128, mtp_layers=1, first_k_dense_replace=1,

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from slime_spec.tools.tiny_model import make_tiny_model
-from tests.helpers.slime_scripts import DENSE, small_machine_argv, without_model_args
+from tests.helpers.slime_scripts import small_machine_argv, without_model_args
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCH = {"run-qwen3-4B": "qwen3", "run-mimo-7B-rl-eagle": "mimo"}
@@ -30,7 +30,9 @@ EXTRA = {"run-qwen3-4B": "--check-weight-sync --sglang-speculative-algorithm NGR
          "run-mimo-7B-rl-eagle": ""}
 
 
-@pytest.mark.parametrize("name", DENSE)
+@pytest.mark.parametrize("name", ["run-qwen3-4B", pytest.param("run-mimo-7B-rl-eagle", marks=pytest.mark.nightly(
+    covered_by="tests/e2e/test_slime_scripts_small.py::test_dense_slime_script_trains_two_grpo_steps_on_a_tiny_stand_in"
+               "[run-qwen3-4B]"))])
 def test_dense_slime_script_trains_two_grpo_steps_on_a_tiny_stand_in(tmp_path, name):
     model = make_tiny_model(tmp_path / "model", arch=ARCH[name], mtp_layers=1, hidden_size=32, num_layers=1,
                             intermediate_size=64, max_position_embeddings=1024, seed=3)
@@ -85,7 +87,10 @@ STAND_IN = {"glm4_moe": dict(hidden_size=32, intermediate_size=64),
             "deepseek_v3": dict(hidden_size=512, intermediate_size=256, dtype="bfloat16", fp8=True)}
 
 
-@pytest.mark.parametrize("script", sorted(OWN_SCRIPTS))
+@pytest.mark.parametrize("script", ["run-deepseek-v3-mtp.sh", pytest.param(
+    "run-glm4.5-mtp.sh", marks=pytest.mark.nightly(
+    covered_by="tests/e2e/test_slime_scripts_small.py::test_own_mtp_script_trains_policy_and_mtp_layer_on_a_tiny_stand_in"
+               "[run-deepseek-v3-mtp.sh]"))])
 def test_own_mtp_script_trains_policy_and_mtp_layer_on_a_tiny_stand_in(tmp_path, script, ray_head):
     arch = OWN_SCRIPTS[script]
     model = make_tiny_model(tmp_path / "model", arch=arch, mtp_layers=1, num_layers=2, max_position_embeddings=1024,
