@@ -30,8 +30,12 @@ def check_nothing_left(done: Signalled) -> None:
         assert done.returncode != 0 and "[ray_reaper]" not in done.output, done.output[-3000:]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, pytest.param(signal.SIGINT, marks=pytest.mark.nightly(
-    covered_by="tests/e2e/test_driver_signals.py::test_sigterm_mid_rollout_of_a_training_run_leaves_nothing_behind"))],
+@pytest.mark.parametrize("sig", [
+    # the reaper's part of a SIGKILL, per commit: tests/test_ray_reaper.py
+    pytest.param(signal.SIGKILL, marks=pytest.mark.nightly(
+        covered_by="tests/test_ray_reaper.py::test_descendants_of_a_killed_driver_are_stopped_and_nothing_else")),
+    pytest.param(signal.SIGINT, marks=pytest.mark.nightly(
+        covered_by="tests/e2e/test_driver_signals.py::test_sigterm_mid_rollout_of_a_training_run_leaves_nothing_behind"))],
     ids=lambda s: s.name)
 def test_signal_mid_rollout_leaves_nothing_behind(inputs, sig):
     root, model, data = inputs
