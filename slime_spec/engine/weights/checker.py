@@ -131,7 +131,7 @@ def warm_checksum_kernels(device: torch.device) -> float:
     """Compile SGLang's content hash of CUDA tensors (`mm_utils.tensor_hash` -> Triton `gpu_tensor_hash`, what
     `WeightChecker` hashes with) at engine start; returns its seconds. Otherwise the first `/weights_checker`, which
     a sync reads before its first update, pays the compile: 6.6 s on an H200 without a Triton cache, 0.04 s once
-    compiled (411 tensors, 1.07 GB). Nothing to compile on CPU (SGLang hashes a CPU tensor with hashlib)."""
+    compiled (411 bf16 tensors, 0.84 GB). Nothing to compile on CPU (SGLang hashes a CPU tensor with hashlib)."""
     if device.type != "cuda":
         return 0.0
     from slime_spec.engine import sglang_stand_ins
