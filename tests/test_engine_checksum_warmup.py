@@ -34,11 +34,11 @@ def scheduler_whose_call_gives(outcome):
 
 def test_a_failed_warm_up_is_logged_and_the_engine_starts(caplog):
     with caplog.at_level(logging.INFO):
-        EmbeddedScheduler._warm_checksum_kernels(scheduler_whose_call_gives(ImportError("no triton")), None)
+        EmbeddedScheduler._warm_checksum_kernels(scheduler_whose_call_gives(ImportError("no triton")))
     assert "not compiled at start (ImportError: no triton)" in caplog.text
 
 
 def test_the_warm_up_says_how_long_it_took(caplog):
     with caplog.at_level(logging.INFO):
-        EmbeddedScheduler._warm_checksum_kernels(scheduler_whose_call_gives(6.5), None)
+        EmbeddedScheduler._warm_checksum_kernels(scheduler_whose_call_gives(6.5))
     assert "checksum kernels compiled in 6.50 s" in caplog.text

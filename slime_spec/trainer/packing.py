@@ -56,18 +56,17 @@ def causal_mask(seq_len: int, device) -> torch.Tensor:
 
 def padded_rows(batch: TokenBatch) -> ModelRows:
     """One right-padded row per sample (the layout of `batch` itself)."""
-    rows = equal_rows(batch.input_ids)
-    rows.valid = torch.arange(rows.input_ids.shape[1], device=rows.input_ids.device)[None] < batch.lengths[:, None]
-    return rows
+    return equal_rows(batch.input_ids, batch.lengths)
 
 
-def equal_rows(input_ids: torch.Tensor) -> ModelRows:
-    """One row per sample of equal-length token rows [n, s] (every position a token)."""
+def equal_rows(input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> ModelRows:
+    """One row per sample of token rows [n, s]: sample i's first lengths[i] positions (all s without `lengths`)."""
     n, s = input_ids.shape
     device = input_ids.device
-    return ModelRows(input_ids=input_ids, position_ids=torch.arange(s, device=device)[None].expand(n, s),
-                     attention_mask=causal_mask(s, device), index=torch.arange(n * s, device=device).view(n, s),
-                     valid=torch.ones(n, s, dtype=torch.bool, device=device))
+    cols = torch.arange(s, device=device)
+    valid = torch.ones(n, s, dtype=torch.bool, device=device) if lengths is None else cols[None] < lengths[:, None]
+    return ModelRows(input_ids=input_ids, position_ids=cols[None].expand(n, s), attention_mask=causal_mask(s, device),
+                     index=torch.arange(n * s, device=device).view(n, s), valid=valid)
 
 
 def packed_rows(batch: TokenBatch, min_len: int = 0) -> ModelRows:

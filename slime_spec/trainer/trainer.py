@@ -139,7 +139,7 @@ class Trainer:
         current = M.weights_copy(self.model)
         if (Path(source) / checkpoint.LATEST).is_file():
             M.copy_weights_into(self.model, checkpoint.load_shard(source, self.tp.tp_rank, self.tp.tp_size,
-                                                        **self._ep_shard)["model"])
+                                                                  **self._ep_shard)["model"])
         else:
             M.load_hf_weights(self.model, M.read_hf_state(source), self.hf_config, self.tp.tp_rank, self.tp.tp_size,
                               self.tp.ep_rank, self.tp.ep_size, self.tp.etp_rank, self.tp.etp_size)
@@ -267,10 +267,11 @@ class Trainer:
         this rank's logits, gathered over the context-parallel ranks."""
         lp, entropy = losses.next_token_log_probs(trunk.logits, inputs.next_ids, self.train.rollout_temperature,
                                                   with_entropy)
-        if entropy is None:
-            return rows.to_samples(losses.to_token_positions(self.cp.gather(lp, dim=1))), None
-        both = self.cp.gather(torch.stack((lp, entropy), dim=-1), dim=1)  # one collective for the two
-        return tuple(rows.to_samples(losses.to_token_positions(x)) for x in both.unbind(-1))
+        if entropy is not None and self.cp.size > 1:  # one collective for the two
+            lp, entropy = self.cp.gather(torch.stack((lp, entropy), dim=-1), dim=1).unbind(-1)
+        else:
+            lp = self.cp.gather(lp, dim=1)
+        return tuple(None if x is None else rows.to_samples(losses.to_token_positions(x)) for x in (lp, entropy))
 
     @torch.no_grad()
     def _log_probs(self, batches: list[TokenBatch]) -> list[torch.Tensor | None]:

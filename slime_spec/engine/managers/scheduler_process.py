@@ -79,7 +79,6 @@ class EmbeddedScheduler:
 
         from slime_spec.engine.managers.output_stream import OutputStream
         from slime_spec.engine.managers.scheduler import EngineLoop
-        from slime_spec.engine.weights.checker import warm_checksum_kernels
         from slime_spec.engine.weights.updater import EngineWeights
         self.args, self.server_args = engine_args, server_args
         self.spec_enabled = engine_args.spec is not None
@@ -98,15 +97,17 @@ class EmbeddedScheduler:
         self.loop.start()  # raises the engine's construction error
         self.load_seconds = time.perf_counter() - t0
         self.weights = EngineWeights(self.loop.core, server_args.weight_version, engine_args.device)
-        self._warm_checksum_kernels(warm_checksum_kernels)
+        self._warm_checksum_kernels()
         self.startup_time = time.time()
         self._handlers = self._control_handlers()
 
-    def _warm_checksum_kernels(self, warm) -> None:
+    def _warm_checksum_kernels(self) -> None:
         """SGLang's checksum kernels compiled before serving (weights/checker.py); a failure is logged, not fatal:
         the first /weights_checker then compiles them, or fails as it would have."""
+        from slime_spec.engine.weights.checker import warm_checksum_kernels
         try:
-            seconds = self.loop.call(lambda core: warm(core.device), label="compiling the checksum kernels").result()
+            seconds = self.loop.call(lambda core: warm_checksum_kernels(core.device),
+                                     label="compiling the checksum kernels").result()
         except Exception as e:
             logger.warning("SGLang's checksum kernels were not compiled at start (%s: %s); the first /weights_checker "
                            "compiles them", type(e).__name__, e)

@@ -28,8 +28,8 @@ from slime_spec.weight_sync.verify.sglang_params import CAUSAL_LM, EAGLE3, Runne
 
 CHECKSUM_ACTION = "checksum"
 NAMES_ACTION = "names"  # slime-spec's former extension (names without hashing): refused, see the module docstring
-# gpu_tensor_hash hashes 8192-word tiles, then reduces the per-tile hashes: sizes of 2, 17 and 128 tiles (a weight of
-# 1M words has 128) compile its tile kernel and its reduce kernel for the tile counts a model's weights give
+# gpu_tensor_hash hashes tiles of words, then reduces the per-tile hashes: sizes of 2, 17 and 128 tiles (a weight of
+# 1M words has 128 at its default 8192-word tile) compile its tile kernel and its reduce kernel for such counts
 WARM_TILE_COUNTS = (2, 17, 128)
 
 
@@ -136,9 +136,13 @@ def warm_checksum_kernels(device: torch.device) -> float:
         return 0.0
     from slime_spec.engine import sglang_stand_ins
     sglang_stand_ins.install()
+    import inspect
+
+    from sglang.kernels.ops.memory.gpu_tensor_hash import gpu_tensor_hash
     from sglang.srt.managers.mm_utils import tensor_hash
 
+    tile_words = inspect.signature(gpu_tensor_hash).parameters["tile_words"].default  # what tensor_hash tiles with
     t0 = time.perf_counter()
     for tiles in WARM_TILE_COUNTS:
-        tensor_hash(torch.zeros(tiles * 8192, dtype=torch.int32, device=device))
+        tensor_hash(torch.zeros(tiles * tile_words, dtype=torch.int32, device=device))
     return time.perf_counter() - t0
