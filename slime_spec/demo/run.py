@@ -236,10 +236,11 @@ def grpo_task_argv(model: Path, train_data: Path, eval_data: Path, run_dir: Path
 def grpo(argv: list[str]) -> dict:
     import ray
 
-    from slime_spec.driver.loop import preflight, run
+    from slime_spec.driver.loop import preflight, run, stop_private_ray
     try:
         return run(preflight(argv))
     finally:
+        stop_private_ray()  # the Ray the SFT warm-up started
         ray.shutdown()
 
 

@@ -50,17 +50,30 @@ def preflight(argv: list[str]) -> Config:
     return config
 
 
-def init_ray() -> None:
+def init_ray() -> bool:
+    """Join Ray (RAY_ADDRESS, or the job's cluster), or start a private one; True when this call started one."""
     import ray
 
-    from slime_spec.cluster.ray_env import pin_private_ray_to_loopback, ray_init_kwargs, starts_private_ray
-    from slime_spec.cluster.ray_reaper import start_reaper
-    if not ray.is_initialized():  # inside a job: only what the job's runtime env lacks (see cluster/ray_env.py)
-        if starts_private_ray(os.environ):  # loopback only, and stopped even if this driver is SIGKILLed
-            pin_private_ray_to_loopback(os.environ)
-            start_reaper()
+    from slime_spec.cluster import private_ray
+    from slime_spec.cluster.ray_env import ray_init_kwargs, starts_private_ray
+    if ray.is_initialized():
+        return False
+    if starts_private_ray(os.environ):  # loopback only, and stopped even if this driver is SIGKILLed
+        private_ray.start()
+    else:  # inside a job: only what the job's runtime env lacks (see cluster/ray_env.py)
         ray.init(**ray_init_kwargs(os.environ, os.cpu_count()))
-        exit_on_sigterm()  # ray.init installs its own SIGTERM handler (it aborts): SIGTERM must unwind instead
+    exit_on_sigterm()  # ray.init installs its own SIGTERM handler (it aborts): SIGTERM must unwind instead
+    return private_ray.running()
+
+
+def stop_private_ray() -> None:
+    """Stop the private Ray this driver started, if any, and wait until its processes are gone; names those
+    that outlive the wait (its reaper stops them once this driver exits)."""
+    from slime_spec.cluster import private_ray
+    left = private_ray.stop()
+    if left:
+        print(f"[train] {len(left)} process(es) of the private Ray still running {private_ray.STOP_WAIT_S:.0f} s "
+              f"after ray.shutdown, left to its reaper: {', '.join(left)}", file=sys.stderr, flush=True)
 
 
 RESYNC_POLL_S = 1.0
@@ -224,12 +237,16 @@ def sync_all(trainer, manager, version: str, probe_samples=None, engines_generat
 def run(config: Config, *, manager_kwargs: dict | None = None) -> dict:
     """The whole loop; returns the summary that is also printed and written to output_dir."""
     from slime_spec.cluster.placement import place_run, remove_placement
-    init_ray()
-    placement = place_run(config)  # one placement group for trainer and engines (None without GPUs)
+    started_ray = init_ray()
     try:
-        return _run_placed(config, placement, manager_kwargs or {})
+        placement = place_run(config)  # one placement group for trainer and engines (None without GPUs)
+        try:
+            return _run_placed(config, placement, manager_kwargs or {})
+        finally:
+            remove_placement(placement)
     finally:
-        remove_placement(placement)
+        if started_ray:  # the driver exits only once every process of its Ray is gone
+            stop_private_ray()
 
 
 def _run_placed(config: Config, placement, manager_kwargs: dict) -> dict:

@@ -115,6 +115,7 @@ class Signalled:
     sig: signal.Signals
     names: str  # every process of the run mid-rollout, by name
     cmdlines: list[str]
+    described: dict[int, str]  # pid -> `describe` of every process of the run mid-rollout
     sockets: list[tuple[str, str, int]]  # (process, ip, port) of every listening TCP socket mid-rollout
     returncode: int
     left: list[str]  # processes of the run still alive GONE_WITHIN_S after the driver exited
@@ -134,6 +135,7 @@ def signal_mid_rollout(run: Run, sig: signal.Signals) -> Signalled:
         run.wait_mid_rollout()
         procs = run.processes()
         names, cmdlines, sockets = " ".join(p.name() for p in procs), [], listening(procs)
+        described = {p.pid: describe(p) for p in procs}
         for p in procs:
             try:
                 cmdlines.append(" ".join(p.cmdline()))
@@ -142,7 +144,7 @@ def signal_mid_rollout(run: Run, sig: signal.Signals) -> Signalled:
         run.proc.send_signal(sig)
         run.proc.wait(DRIVER_EXIT_S)
         left, waited = wait_gone(run.tag, GONE_WITHIN_S)
-        return Signalled(sig, names, cmdlines, sockets, run.proc.returncode, left, waited, run.output())
+        return Signalled(sig, names, cmdlines, described, sockets, run.proc.returncode, left, waited, run.output())
     finally:
         run.stop()
 

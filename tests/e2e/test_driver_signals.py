@@ -7,6 +7,7 @@ through the shutdown path, which must not restart the engines it just stopped; a
 (slime_spec/cluster/ray_reaper.py) and the engines' PR_SET_PDEATHSIG do it.
 """
 
+import re
 import signal
 
 import pytest
@@ -27,7 +28,15 @@ def check_nothing_left(done: Signalled) -> None:
     print(f"{done.sig.name}: every process of the run gone {done.waited:.1f} s after the driver exited")
     assert "was restarted" not in done.output, done.output[-3000:]
     if done.sig != signal.SIGKILL:  # the shutdown path stopped everything; the reaper had nothing left to stop
-        assert done.returncode != 0 and "[ray_reaper]" not in done.output, done.output[-3000:]
+        assert done.returncode != 0 and "[ray_reaper]" not in done.output, \
+            "the reaper stopped:\n" + "\n".join(reaped(done)) + "\n--- driver log ---\n" + done.output[-3000:]
+
+
+def reaped(done: Signalled) -> list[str]:
+    """What the reaper says it stopped, each pid as it was seen mid-rollout."""
+    found = re.search(r"\[ray_reaper\].*stopped \d+ process\(es\) it left: \[([\d, ]*)\]", done.output)
+    pids = [int(p) for p in found.group(1).split(",") if p.strip()] if found else []
+    return [done.described.get(pid, f"{pid} (not a process of the run mid-rollout)") for pid in pids]
 
 
 @pytest.mark.parametrize("sig", [

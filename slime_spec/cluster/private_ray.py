@@ -1,0 +1,104 @@
+"""A driver's private local Ray: started on loopback with a reaper beside it, and stopped so that the driver
+exits only once every process of that Ray is gone.
+
+`ray.shutdown()` stops the processes Ray started (gcs_server, raylet, agents) and returns; the workers (actors,
+idle workers) and what they started exit on their own once their raylet is gone, which on a loaded machine can
+take seconds more. `stop()` waits for them (bounded), so a finished or signalled run leaves nothing for the
+reaper (ray_reaper.py), whose part is a driver that could not stop Ray itself (SIGKILL, a crash).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import psutil
+
+from slime_spec.cluster.ray_env import pin_private_ray_to_loopback, ray_init_kwargs
+from slime_spec.cluster.ray_reaper import descendants, start_reaper
+
+STOP_WAIT_S = 20.0  # workers notice their raylet is gone within ~1 s on an idle machine
+
+_reaper: subprocess.Popen | None = None  # set while this process has a private Ray running
+
+
+def start() -> None:
+    """Start a private Ray on 127.0.0.1, watched by a reaper of this process."""
+    import ray
+
+    global _reaper
+    pin_private_ray_to_loopback(os.environ)
+    _reaper = start_reaper()
+    ray.init(**ray_init_kwargs(os.environ, os.cpu_count()))
+
+
+def running() -> bool:
+    """Whether this process started the private Ray it is connected to (and has not stopped it)."""
+    return _reaper is not None
+
+
+def stop(wait_s: float = STOP_WAIT_S) -> list[str]:
+    """`ray.shutdown()`, then wait until every process of the private Ray (its servers, workers and their
+    descendants) has exited; returns those still alive after `wait_s`, described (the reaper stops them once
+    this driver exits). A no-op returning [] where this process started no private Ray."""
+    import ray
+
+    global _reaper
+    if _reaper is None:
+        return []
+    processes = _processes_of_ray(_reaper.pid)
+    ray.shutdown()
+    _reaper = None
+    return [_describe(p) for p in _wait_gone(processes, wait_s)]
+
+
+def _wait_gone(processes: list[psutil.Process], wait_s: float, poll_s: float = 0.1) -> list[psutil.Process]:
+    """Poll until none of `processes` is alive; those still alive after `wait_s`. A zombie counts as gone (not
+    `psutil.wait_procs`: it waits on one whose parent has not reaped it, as in a container whose init does not)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        processes = [p for p in processes if _alive(p)]
+        if not processes or time.monotonic() > deadline:
+            return processes
+        time.sleep(poll_s)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _processes_of_ray(reaper_pid: int) -> list[psutil.Process]:
+    """The processes Ray's node started in this driver, and every descendant of theirs (workers, engine servers)."""
+    import ray
+
+    node = ray._private.worker._global_node
+    roots = [info.process.pid for infos in (node.all_processes.values() if node else []) for info in infos
+             if info.process is not None]
+    known: dict[int, float] = {}
+    for pid in roots:
+        try:
+            known[pid] = psutil.Process(pid).create_time()
+        except psutil.NoSuchProcess:
+            continue
+        known.update(descendants(pid))
+    known.pop(reaper_pid, None)
+    out = []
+    for pid, started in known.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == started:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def _describe(p: psutil.Process) -> str:
+    try:
+        return f"{p.pid} {p.name()}"
+    except psutil.Error:
+        return f"{p.pid} (gone)"
