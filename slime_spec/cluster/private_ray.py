@@ -1,10 +1,10 @@
 """A driver's private local Ray: started on loopback with a reaper beside it, and stopped so that the driver
 exits only once every process of that Ray is gone.
 
-`ray.shutdown()` stops the processes Ray started (gcs_server, raylet, agents) and returns; the workers (actors,
-idle workers) and what they started exit on their own once their raylet is gone, which on a loaded machine can
-take seconds more. `stop()` waits for them (bounded), so a finished or signalled run leaves nothing for the
-reaper (ray_reaper.py), whose part is a driver that could not stop Ray itself (SIGKILL, a crash).
+`ray.shutdown()` waits for the processes Ray's node started (gcs_server, raylet, agents), not for the workers
+(actors, idle workers) and what they started: those are the raylet's, and one it did not stop exits on its own once
+its raylet is gone. `stop()` waits for them (bounded), so a finished or signalled run leaves nothing for the reaper
+(ray_reaper.py), whose part is a driver that could not stop Ray itself (SIGKILL, a crash).
 """
 
 from __future__ import annotations
