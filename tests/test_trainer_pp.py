@@ -85,6 +85,20 @@ def test_doctor_refuses_stages_that_do_not_split_the_layers_or_an_online_draft(t
                for m in errors("--decoder-first-pipeline-num-layers", "1", "--enable-draft-training"))
 
 
+
+@pytest.mark.parametrize("layout", [{"pipeline_model_parallel_size": 2}, {"context_parallel_size": 2}],
+                         ids=["pp2", "cp2"])
+def test_a_trainer_built_without_the_doctor_refuses_an_online_draft_in_its_words(layout):
+    """Tests and benches build a Trainer directly: it refuses the layouts the doctor refuses, with the doctor's
+    message, before it builds anything."""
+    from slime_spec.config.run_config import TrainConfig
+    from slime_spec.trainer.trainer import Trainer
+
+    flag = next(iter(layout)).replace("_", "-")
+    with pytest.raises(ValueError, match=f"--enable-draft-training with --{flag} 2: .*; fix: --{flag} 1"):
+        Trainer(TrainConfig(hf_checkpoint="/nonexistent", enable_draft_training=True, **layout))
+
+
 def _stage_streams(rank: int, port: int, out: str) -> None:
     """One of two gloo ranks as two pipeline stages: each streams two tensors of its own to the sync's gathers, both
     ways (to rank 0, to every rank); then again with stage 1's stream failing after its first tensor."""

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from slime_spec.config.run_config import TrainConfig
+from slime_spec.doctor.flag_checks import online_draft_layout_refusal
 from slime_spec.rollout.sample import Sample, Status
 from slime_spec.trainer import checkpoint, grads, losses, mtp_loss, pipeline, step_metrics, step_plan
 from slime_spec.trainer import model as M
@@ -58,14 +59,10 @@ class Trainer:
                              "packed micro-batch)")
         if train.max_tokens_per_gpu is not None and train.max_tokens_per_gpu < 1:
             raise ValueError(f"--max-tokens-per-gpu {train.max_tokens_per_gpu}: give a positive token count")
-        if train.enable_draft_training and train.pipeline_model_parallel_size > 1:
-            raise ValueError(f"--enable-draft-training with --pipeline-model-parallel-size "
-                             f"{train.pipeline_model_parallel_size}: the online EAGLE3 draft reads hidden states of "
-                             f"layers spread over the stages; train it with --pipeline-model-parallel-size 1")
-        if train.enable_draft_training and train.context_parallel_size > 1:
-            raise ValueError(f"--enable-draft-training with --context-parallel-size {train.context_parallel_size}: "
-                             f"the online EAGLE3 draft trains on whole sequences; train it with "
-                             f"--context-parallel-size 1")
+        refusal = online_draft_layout_refusal(train.pipeline_model_parallel_size, train.context_parallel_size,
+                                              train.enable_draft_training)
+        if refusal:
+            raise ValueError(refusal)
         self.train = train
         self.packed = bool(train.max_tokens_per_gpu)
         self.tp: TPInfo = current_tp_info()
