@@ -110,16 +110,22 @@ class Trainer:
         """--load when it holds a checkpoint (resume), else the HF checkpoint; returns the loaded shard."""
         t = self.train
         if t.load and (Path(t.load) / checkpoint.LATEST).is_file():
-            shard = checkpoint.load_shard(t.load, self.tp.tp_rank, self.tp.tp_size, **self._ep_shard)
-            M.copy_weights_into(self.model, shard["model"])
+            shard = self._load_weights(t.load)
             self.start_rollout_id = shard["rollout_id"] + 1
             logger.info("resumed from %s at rollout %d", t.load, shard["rollout_id"])
             return shard
         if t.load:
             logger.info("--load %s holds no checkpoint yet; starting from --hf-checkpoint", t.load)
-        M.load_hf_weights(self.model, M.read_hf_state(t.hf_checkpoint), self.hf_config,
-                          self.tp.tp_rank, self.tp.tp_size, self.tp.ep_rank, self.tp.ep_size,
-                          self.tp.etp_rank, self.tp.etp_size)
+        return self._load_weights(t.hf_checkpoint)
+
+    def _load_weights(self, source: str) -> dict | None:
+        """`source` into the model: this rank's shard of a slime-spec checkpoint (returned), or HF weights (None)."""
+        if (Path(source) / checkpoint.LATEST).is_file():
+            shard = checkpoint.load_shard(source, self.tp.tp_rank, self.tp.tp_size, **self._ep_shard)
+            M.copy_weights_into(self.model, shard["model"])
+            return shard
+        M.load_hf_weights(self.model, M.read_hf_state(source), self.hf_config, self.tp.tp_rank, self.tp.tp_size,
+                          self.tp.ep_rank, self.tp.ep_size, self.tp.etp_rank, self.tp.etp_size)
         return None
 
     @property
@@ -132,14 +138,8 @@ class Trainer:
         """The KL reference: --ref-load (an HF or slime-spec checkpoint) or the --hf-checkpoint weights."""
         if resumed is None and not self.train.ref_load:  # the model holds exactly the --hf-checkpoint weights
             return M.weights_copy(self.model)
-        source = self.train.ref_load or self.train.hf_checkpoint
         current = M.weights_copy(self.model)
-        if (Path(source) / checkpoint.LATEST).is_file():
-            M.copy_weights_into(self.model, checkpoint.load_shard(source, self.tp.tp_rank, self.tp.tp_size,
-                                                                  **self._ep_shard)["model"])
-        else:
-            M.load_hf_weights(self.model, M.read_hf_state(source), self.hf_config, self.tp.tp_rank, self.tp.tp_size,
-                              self.tp.ep_rank, self.tp.ep_size, self.tp.etp_rank, self.tp.etp_size)
+        self._load_weights(self.train.ref_load or self.train.hf_checkpoint)
         ref = M.weights_copy(self.model)
         M.copy_weights_into(self.model, current)
         return ref
