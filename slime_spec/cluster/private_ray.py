@@ -16,7 +16,7 @@ import time
 import psutil
 
 from slime_spec.cluster.ray_env import pin_private_ray_to_loopback, ray_init_kwargs
-from slime_spec.cluster.ray_reaper import descendants, start_reaper
+from slime_spec.cluster.ray_reaper import descendants, live_processes, start_reaper
 
 STOP_WAIT_S = 20.0  # workers notice their raylet is gone within ~1 s on an idle machine
 
@@ -86,15 +86,7 @@ def _processes_of_ray(reaper_pid: int) -> list[psutil.Process]:
             continue
         known.update(descendants(pid))
     known.pop(reaper_pid, None)
-    out = []
-    for pid, started in known.items():
-        try:
-            p = psutil.Process(pid)
-            if p.create_time() == started:
-                out.append(p)
-        except psutil.NoSuchProcess:
-            continue
-    return out
+    return live_processes(known)
 
 
 def _describe(p: psutil.Process) -> str:

@@ -41,9 +41,8 @@ def descendants(pid: int) -> dict[int, float]:
     return out
 
 
-def stop_all(known: dict[int, float], settle_s: float = SETTLE_S, grace_s: float = GRACE_S) -> list[int]:
-    """SIGTERM every process of `known` (same pid and start time) still alive after `settle_s`, SIGKILL
-    those left after `grace_s` more; returns the pids signalled."""
+def live_processes(known: dict[int, float]) -> list[psutil.Process]:
+    """The processes of `known` ({pid: start time}) still running: same pid and start time, not a zombie."""
     procs = []
     for pid, started in known.items():
         try:
@@ -52,7 +51,13 @@ def stop_all(known: dict[int, float], settle_s: float = SETTLE_S, grace_s: float
                 procs.append(p)
         except psutil.NoSuchProcess:
             continue
-    _, procs = psutil.wait_procs(procs, timeout=settle_s)
+    return procs
+
+
+def stop_all(known: dict[int, float], settle_s: float = SETTLE_S, grace_s: float = GRACE_S) -> list[int]:
+    """SIGTERM every process of `known` (same pid and start time) still alive after `settle_s`, SIGKILL
+    those left after `grace_s` more; returns the pids signalled."""
+    _, procs = psutil.wait_procs(live_processes(known), timeout=settle_s)
     _signal_each(procs, psutil.Process.terminate)
     _, alive = psutil.wait_procs(procs, timeout=grace_s)
     _signal_each(alive, psutil.Process.kill)
