@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from slime_spec.config import online_draft_layout
 from slime_spec.config.parallel_sizes import data_parallel_size
 from slime_spec.config.run_config import expert_tensor_parallel_size, resolve_global_batch_size
 from slime_spec.doctor.codes import Finding, Rule
@@ -115,21 +116,6 @@ BOUNDS: tuple[Bound, ...] = (
           "--sglang-mem-fraction-static 0.7"),
 )
 
-# An online EAGLE3 draft in a layout the trainer cannot train it in (the trainer refuses these too:
-# online_draft_layout_refusal)
-ONLINE_DRAFT_LAYOUT: tuple[Relation, ...] = (
-    Relation(lambda v: v["pp_size"] == 1 or not v.get("enable_draft_training"),
-             "--enable-draft-training with --pipeline-model-parallel-size {pp_size}: the online EAGLE3 draft "
-             "reads the hidden states of layers spread over the pipeline stages, which the trainer does not "
-             "gather",
-             "--pipeline-model-parallel-size 1 with --enable-draft-training (or train the draft without stages)",
-             trainer_only=True),
-    Relation(lambda v: v["cp_size"] == 1 or not v.get("enable_draft_training"),
-             "--enable-draft-training with --context-parallel-size {cp_size}: the online EAGLE3 draft trains on "
-             "whole sequences, which the trainer does not gather from the context-parallel ranks",
-             "--context-parallel-size 1 with --enable-draft-training", trainer_only=True),
-)
-
 RELATIONS: tuple[Relation, ...] = (
     Relation(lambda v: v["dp_size"] > 0,
              "{actor_gpus} actor GPU(s) (--actor-num-nodes {actor_num_nodes} x --actor-num-gpus-per-node "
@@ -143,7 +129,10 @@ RELATIONS: tuple[Relation, ...] = (
              "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers without pipeline stages "
              "(--pipeline-model-parallel-size 1): there is no first or last stage to size",
              "drop them, or set --pipeline-model-parallel-size", trainer_only=True),
-    *ONLINE_DRAFT_LAYOUT,
+    Relation(lambda v: v["pp_size"] == 1 or not v.get("enable_draft_training"),
+             *online_draft_layout.WITH_PIPELINE_STAGES, trainer_only=True),
+    Relation(lambda v: v["cp_size"] == 1 or not v.get("enable_draft_training"),
+             *online_draft_layout.WITH_CONTEXT_PARALLEL, trainer_only=True),
     # Megatron's expert grid: expert TP x EP ranks hold one copy of the experts (which layouts are built:
     # spec_checks.check_trainer_support)
     Relation(lambda v: v["ep_size"] == 1 or v["stage_gpus"] % (v["etp_size"] * v["ep_size"]) == 0,
@@ -197,16 +186,6 @@ RELATIONS: tuple[Relation, ...] = (
              "{rollout_num_gpus_per_engine}: the remainder would sit idle",
              "--rollout-num-gpus a multiple of {rollout_num_gpus_per_engine}"),
 )
-
-
-def online_draft_layout_refusal(pp_size: int, cp_size: int, enable_draft_training: bool) -> str | None:
-    """The doctor's refusal of an online draft in a layout the trainer cannot train it in, as the trainer repeats
-    it for a Trainer built without the doctor (tests, benches); None where the layout is fine."""
-    values = {"pp_size": pp_size, "cp_size": cp_size, "enable_draft_training": enable_draft_training}
-    for r in ONLINE_DRAFT_LAYOUT:
-        if not r.holds(values):
-            return f"{r.problem.format(**values)}; fix: {r.fix.format(**values)}"
-    return None
 
 
 def derived_values(values: dict) -> dict:

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from slime_spec.config import online_draft_layout
 from slime_spec.config.run_config import TrainConfig
-from slime_spec.doctor.flag_checks import online_draft_layout_refusal
 from slime_spec.rollout.sample import Sample, Status
 from slime_spec.trainer import checkpoint, grads, losses, mtp_loss, pipeline, step_metrics, step_plan
 from slime_spec.trainer import model as M
@@ -59,7 +59,7 @@ class Trainer:
                              "packed micro-batch)")
         if train.max_tokens_per_gpu is not None and train.max_tokens_per_gpu < 1:
             raise ValueError(f"--max-tokens-per-gpu {train.max_tokens_per_gpu}: give a positive token count")
-        refusal = online_draft_layout_refusal(train.pipeline_model_parallel_size, train.context_parallel_size,
+        refusal = online_draft_layout.refusal(train.pipeline_model_parallel_size, train.context_parallel_size,
                                               train.enable_draft_training)
         if refusal:
             raise ValueError(refusal)
