@@ -1,6 +1,7 @@
 """engine/managers/finish.py: a speculative step appends several tokens at once, and the row ends exactly where
 appending them one at a time under SGLang's rules would (a stop token, max_new_tokens or the context length in the
-middle of a chunk), logprobs included; and where SGLang's own `Req.update_finish_state` ends it, over the same chunks."""
+middle of a chunk), logprobs included; and where SGLang's own `Req.update_finish_state` ends it, over the same
+chunks."""
 
 import random
 
