@@ -5,6 +5,8 @@ and a speculative chain (NEXTN, the MTP layer drafting; adaptive, its plain step
     python bench/step_profile_gpu.py --batch 8 --steps 3
     python bench/step_profile_gpu.py --engines plain --cprofile --top 25   # plain decoding's host work
     python bench/step_profile_gpu.py --model outputs/demo/model_sft --batch 128 --steps 3 --temperature 1 --logprobs
+    python bench/step_profile_gpu.py --vocab 151936 --batch 128 --steps 3 --temperature 1 --logprobs --phases 3 \
+        --sampling-backends flashinfer,pytorch   # the sampling kernel against eager sampling, side by side
 
 The target is random (the MTP layer too), so drafts are rarely accepted: the point is each step's structure (k draft
 steps, one verify of k + 1 tokens, its read-back and the host's bookkeeping), not its yield. Per engine it prints
@@ -28,6 +30,7 @@ import argparse
 import cProfile
 import gc
 import io
+import itertools
 import pstats
 import statistics
 import tempfile
@@ -40,6 +43,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from slime_spec.engine.kernels.ops import Kernels
 from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
 from slime_spec.engine.model_executor.cuda_graph import CudaGraphSettings
 from slime_spec.speculative.settings import SpecConfig
@@ -292,6 +296,10 @@ def main(argv: list[str] | None = None) -> None:
                    "outputs/demo/model_sft) instead of a random one of the 0.7B shape")
     p.add_argument("--temperature", type=float, default=0.0, help="the requests' temperature (RL rollouts: 1)")
     p.add_argument("--logprobs", action="store_true", help="the requests ask for output logprobs, as RL rollouts do")
+    p.add_argument("--vocab", type=int, default=SHAPE["vocab_size"], help="the random model's vocabulary (Qwen's: "
+                   "151936)")
+    p.add_argument("--sampling-backends", default="flashinfer", help="SGLang's --sampling-backend values, each "
+                   "engine built once per value: flashinfer (the sampling kernel), pytorch (eager sampling)")
     a = p.parse_args(argv)
     engines = set(a.engines.split(","))
     w = Workload(a.batch, a.tokens, a.temperature, a.logprobs, a.tail)
@@ -299,18 +307,22 @@ def main(argv: list[str] | None = None) -> None:
           f"logprobs {a.logprobs}")
     with tempfile.TemporaryDirectory() as tmp:
         path = a.model or make_tiny_model(Path(tmp) / "mimo", arch="mimo", mtp_layers=1, dtype="bfloat16",
-                                          max_position_embeddings=1024, **SHAPE)
+                                          max_position_embeddings=1024, **{**SHAPE, "vocab_size": a.vocab})
         # with a tail the batch shrinks: capture engine_gpu.py's sizes, so its rows pad as that bench's do
         graphs = CudaGraphSettings(batch_sizes=tuple(sorted({1, 8, 32, a.batch})) if a.tail else (a.batch,))
         cores = {}
-        for key, name, spec in (("plain", "plain", None),
-                                ("spec", f"NEXTN k={a.steps}", SpecConfig("EAGLE", a.steps, 1, a.steps + 1)),
-                                ("adaptive", "NEXTN k=3, adaptive (random drafts: it settles on plain steps)",
-                                 SpecConfig("EAGLE", 3, 1, 4, speculative_adaptive=True))):
+        backends = a.sampling_backends.split(",")
+        for (key, name, spec), backend in itertools.product((
+                ("plain", "plain", None),
+                ("spec", f"NEXTN k={a.steps}", SpecConfig("EAGLE", a.steps, 1, a.steps + 1)),
+                ("adaptive", "NEXTN k=3, adaptive (random drafts: it settles on plain steps)",
+                 SpecConfig("EAGLE", 3, 1, 4, speculative_adaptive=True))), backends):
             if key not in engines:
                 continue
+            name += f", --sampling-backend {backend}" if len(backends) > 1 else ""
             core = EngineCore(str(path), spec, dtype="bfloat16", device="cuda", max_running_requests=a.batch,
-                              context_length=32 + a.tokens + max(a.steps, 3) + 8, cuda_graph=graphs)
+                              context_length=32 + a.tokens + max(a.steps, 3) + 8, cuda_graph=graphs,
+                              kernels=Kernels.from_values({"sampling_backend": backend}))
             if a.phases:
                 decode(core, w, seed=0)  # warm: graphs captured, kernels compiled
                 cores[name] = core
@@ -325,6 +337,7 @@ def main(argv: list[str] | None = None) -> None:
             if a.cprofile:
                 print("\n".join(host_profile(core, w, 3 * a.top)), flush=True)
             del core
+        decode_ms, step_ms = defaultdict(list), defaultdict(list)
         for r in range(a.phases):
             for name, core in cores.items():
                 phases = StepPhases()
@@ -333,8 +346,28 @@ def main(argv: list[str] | None = None) -> None:
                 with phases.watching(core):
                     decode(core, w, seed=10 + r)
                 torch.cuda.synchronize()
-                print(f"{name}, batch {a.batch}, tail {a.tail}, repeat {r}: {(time.perf_counter() - t) * 1e3:.1f} ms")
+                decode_ms[name].append((time.perf_counter() - t) * 1e3)
+                step_ms[name].append(statistics.median(s for _, _, s in phases.steps[1:]) * 1e3)
+                print(f"{name}, batch {a.batch}, tail {a.tail}, repeat {r}: {decode_ms[name][-1]:.1f} ms")
                 print("\n".join(phases.lines()), flush=True)
+        if cores:
+            print("\n".join(phase_summary(decode_ms, step_ms, backends)))
+
+
+def phase_summary(decode_ms: dict, step_ms: dict, backends: list[str]) -> list[str]:
+    """Median whole decode and median step per engine over the repeats, and, with several sampling backends, each
+    engine's time under the others as a ratio to the first's (interleaved in one process: side by side)."""
+    lines = ["median over the repeats: engine, decode ms, step ms (steps after the prefill)"]
+    for name in decode_ms:
+        lines.append(f"  {name}: {statistics.median(decode_ms[name]):.1f} ms, {statistics.median(step_ms[name]):.3f}")
+    first = f", --sampling-backend {backends[0]}"
+    for name in [n for n in decode_ms if n.endswith(first)]:
+        for other in backends[1:]:
+            twin = name[: -len(first)] + f", --sampling-backend {other}"
+            lines.append(f"  {name[: -len(first)]}: {other} / {backends[0]} = "
+                         f"{statistics.median(decode_ms[twin]) / statistics.median(decode_ms[name]):.2f}x decode, "
+                         f"{statistics.median(step_ms[twin]) / statistics.median(step_ms[name]):.2f}x step")
+    return lines
 
 
 if __name__ == "__main__":

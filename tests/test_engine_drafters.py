@@ -135,13 +135,15 @@ def test_mtp_only_update_changes_acceptance_not_greedy_output(ckpts):
     assert [again[r].spec_accept_token_num for r in after] == [after[r].spec_accept_token_num for r in after]
 
 
+@pytest.mark.parametrize("temps", [[0.0, 0.7], [0.7]])
 @pytest.mark.parametrize("device", DEVICES)
-def test_logprobs_under_speculation_equal_a_full_forward(ckpts, device):
-    """On CUDA the engine replays CUDA graphs (float32 here: the tolerance is float32's, 1e-3 for GPU kernels)."""
+def test_logprobs_under_speculation_equal_a_full_forward(ckpts, device, temps):
+    """On CUDA the engine replays CUDA graphs (float32 here: the tolerance is float32's, 1e-3 for GPU kernels); with
+    every row sampled it samples and accepts through the sampling kernel."""
     engine = EngineCore(str(ckpts["llama"]), SpecConfig("STANDALONE", 2, 1, 3, str(ckpts["draft"])),
                         max_running_requests=4, seed=3, device=device)
-    outs = generate(engine, make_requests(engine.tokenizer, temps=[0.0, 0.7], logprob=True))
-    requests = make_requests(engine.tokenizer, temps=[0.0, 0.7])
+    outs = generate(engine, make_requests(engine.tokenizer, temps=temps, logprob=True))
+    requests = make_requests(engine.tokenizer, temps=temps)
     assert_logprobs_equal_a_full_forward(load_model(ckpts["llama"])[0], requests, outs, device)
 
 

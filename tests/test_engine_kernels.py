@@ -3,69 +3,12 @@ that pick them, and on CUDA the engine's greedy output with and without them."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-import threading
-
 import pytest
 import torch
 
 from slime_spec.engine.kernels.decode_attention import num_splits, supports
 from slime_spec.engine.kernels.gemv import serves
 from slime_spec.engine.kernels.ops import Kernels
-
-# Runs each snippet it reads from stdin (a JSON string a line) in a fresh namespace and answers a JSON line on the
-# stdout it started with: the snippet's printed output, or its traceback. Anything else written to fd 1 (native
-# code) goes to stderr, out of the answers' way.
-INTERPRETER = """
-import contextlib, io, json, os, sys, traceback
-answers = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)
-for line in sys.stdin:
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            exec(compile(json.loads(line), "<snippet>", "exec"), {"__name__": "__snippet__"})
-        reply = {"out": out.getvalue()}
-    except BaseException:
-        reply = {"error": out.getvalue() + traceback.format_exc()}
-    answers.write(json.dumps(reply) + "\\n")
-    answers.flush()
-"""
-
-
-@pytest.fixture(scope="module")
-def interpreter():
-    """A process with TRITON_INTERPRET=1 (read when the kernels are defined: they run on CPU tensors there), kept
-    for the module: torch and Triton are imported once, not once per test."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", INTERPRETER], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    yield proc
-    proc.stdin.close()
-    proc.wait(timeout=60)
-
-
-@pytest.fixture
-def run_interpreted(interpreter):
-    """Run a snippet in the interpreter process (a fresh namespace each time); its stdout."""
-    def run(code: str) -> str:
-        timer = threading.Timer(300, interpreter.kill)  # a hung snippet fails its test, not the suite
-        timer.start()
-        try:
-            interpreter.stdin.write(json.dumps(textwrap.dedent(code)) + "\n")
-            interpreter.stdin.flush()
-            line = interpreter.stdout.readline()
-        finally:
-            timer.cancel()
-        assert line, f"the interpreter process exited (code {interpreter.poll()})"
-        reply = json.loads(line)
-        assert "error" not in reply, reply["error"][-3000:]
-        return reply["out"]
-    return run
 
 
 def test_gemv_equals_linear_for_every_row_count_with_and_without_bias(run_interpreted):
@@ -263,9 +206,10 @@ def test_the_model_with_kernels_equals_the_model_without(run_interpreted):
 
 
 def test_flags_pick_the_kernels():
-    assert Kernels.from_values({}) == Kernels(gemv=True, attention=True, norm=True)
-    assert Kernels.from_values({"bf16_gemm_backend": "torch"}) == Kernels(gemv=False, attention=True, norm=True)
-    assert Kernels.from_values({"attention_backend": "torch_native"}) == Kernels(gemv=True, attention=False, norm=True)
+    assert Kernels.from_values({}) == Kernels(gemv=True, attention=True, norm=True, sampling=True)
+    assert Kernels.from_values({"bf16_gemm_backend": "torch"}) == Kernels(False, True, True, True)
+    assert Kernels.from_values({"attention_backend": "torch_native"}) == Kernels(True, False, True, True)
+    assert Kernels.from_values({"sampling_backend": "pytorch"}) == Kernels(True, True, True, False)
     assert Kernels.from_values({"attention_backend": "fa3", "decode_attention_backend": "torch_native"}).attention \
         is False
     assert Kernels.from_values({"attention_backend": "fa3"}).attention is True  # no fa3 here: the Triton kernel
@@ -278,8 +222,11 @@ def test_engine_flags_reach_the_kernels(tmp_path):
                            num_kv_heads=1, intermediate_size=64, vocab_size=64)
     args = parse_server_args(["--model-path", str(path), "--bf16-gemm-backend", "torch", "--attention-backend",
                               "torch_native"], cuda_available=False)
-    assert args.kernels == Kernels(norm=True) and not args.ignored_flags  # the norm kernel has no flag (as in SGLang)
-    assert parse_server_args(["--model-path", str(path)], cuda_available=False).kernels == Kernels(True, True, True)
+    assert args.kernels == Kernels(norm=True, sampling=True) and not args.ignored_flags  # norm: no flag, as in SGLang
+    assert parse_server_args(["--model-path", str(path)], cuda_available=False).kernels == Kernels(True, True, True,
+                                                                                                   True)
+    eager = parse_server_args(["--model-path", str(path), "--sampling-backend", "pytorch"], cuda_available=False)
+    assert eager.kernels == Kernels(True, True, True, False) and not eager.ignored_flags
 
 
 def test_gemv_serves_one_or_two_rows_of_small_matrices_and_splits_depend_on_rows_not_tokens():

@@ -43,6 +43,7 @@ IMPLEMENTED = frozenset({
     "disable_cuda_graph", "cuda_graph_bs_decode", "cuda_graph_max_bs_decode", "disable_cuda_graph_padding",
     "enable_torch_compile", "torch_compile_max_bs", "disable_overlap_schedule", "enable_cudagraph_gc",
     "attention_backend", "decode_attention_backend", "bf16_gemm_backend", "gc_threshold", "enable_memory_saver",
+    "sampling_backend",
 })
 
 # Speed, memory, scheduling, logging and serving knobs: they cannot change a generated token of the
@@ -63,7 +64,7 @@ PERFORMANCE_ONLY = frozenset({
     "export_metrics_to_file", "export_metrics_to_file_dir", "bucket_time_to_first_token",
     "bucket_inter_token_latency", "bucket_e2e_request_latency", "prompt_tokens_buckets",
     "generation_tokens_buckets", "load_snapshot_publish_interval",
-    "prefill_attention_backend", "sampling_backend",
+    "prefill_attention_backend",
     "grammar_backend", "mm_attention_backend", "fp8_gemm_runner_backend", "fp4_gemm_runner_backend",
     "moe_runner_backend",
     "disable_prefill_cuda_graph", "disable_decode_cuda_graph", "enable_profile_cuda_graph",

@@ -20,4 +20,13 @@ def test_the_sdpa_backends_are_sglang_attention_backends():
 
 
 def test_sglangs_defaults_select_every_kernel():
-    assert Kernels.from_values(defaults_of(engine_parser())) == Kernels(gemv=True, attention=True, norm=True)
+    assert Kernels.from_values(defaults_of(engine_parser())) == Kernels(gemv=True, attention=True, norm=True,
+                                                                        sampling=True)
+
+
+def test_sglangs_pytorch_sampling_backend_and_deterministic_inference_keep_eager_sampling():
+    assert "pytorch" in choices_of("sampling_backend")
+    defaults = defaults_of(engine_parser())
+    assert not Kernels.from_values({**defaults, "sampling_backend": "pytorch"}).sampling
+    assert not Kernels.from_values({**defaults, "enable_deterministic_inference": True}).sampling
+    assert Kernels.from_values({**defaults, "sampling_backend": "flashinfer"}).sampling

@@ -30,16 +30,19 @@ class Kernels:
     gemv: bool = False       # one-row matmuls of small matrices (gemv.serves; --bf16-gemm-backend)
     attention: bool = False  # RoPE + cache write + causal attention of decode and verify (--attention-backend)
     norm: bool = False       # RMSNorm with the residual add before it (always, as SGLang's fused_add_rmsnorm)
+    sampling: bool = False   # temperature sampling and its logprobs in one pass per row (--sampling-backend)
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> "Kernels":
         """SGLang's flags -> kernels on a CUDA device: the gemv kernel unless `--bf16-gemm-backend torch`, the
         decode-attention kernel unless torch's SDPA is asked for (`--attention-backend torch_native`, or as the
-        decode backend), and the RMSNorm kernel. The embedded engine has no fa3 or flashinfer: those names get its
-        Triton kernel."""
+        decode backend), the RMSNorm kernel, and the sampling kernel unless `--sampling-backend pytorch` (which
+        SGLang also picks under `--enable-deterministic-inference`). The embedded engine has no fa3 or flashinfer:
+        those names get its Triton kernels."""
         decode = values.get("decode_attention_backend") or values.get("attention_backend")
+        sampling = values.get("sampling_backend") != "pytorch" and not values.get("enable_deterministic_inference")
         return cls(gemv=(values.get("bf16_gemm_backend") or "auto") in GEMV_BACKENDS,
-                   attention=decode not in SDPA_BACKENDS, norm=True)
+                   attention=decode not in SDPA_BACKENDS, norm=True, sampling=sampling)
 
 
 @torch.library.custom_op("slime_spec::gemv", mutates_args=())

@@ -16,6 +16,7 @@ from slime_spec.common.dtypes import canonical_dtype
 from slime_spec.common.threads import intra_op_threads
 from slime_spec.engine.drafters import Drafter, HybridDrafter, MTPDrafter, make_drafter
 from slime_spec.engine.kernels.ops import Kernels
+from slime_spec.engine.kernels.sampling import sample_rows
 from slime_spec.engine.managers import memory_occupation
 from slime_spec.engine.managers.finish import FinishRules
 from slime_spec.engine.managers.memory_occupation import MemoryOccupation
@@ -272,7 +273,11 @@ class EngineCore:
     def _pick_on_device(self, rows: list[Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`_pick` without reading back: tokens [B] and logprobs [B] (or None) stay on the device."""
         p = self.batch_params(rows)
-        if p.all_sampled:  # the RL case: no per-row copies
+        wants_logprobs = any(r.req.return_logprob for r in rows)
+        if p.unfiltered and self.model.kernels.sampling:  # the RL case, in one pass per row (kernels/sampling.py)
+            drawn = sample_rows(logits, p.temps, self.generator)
+            return drawn.tokens, drawn.token_z - drawn.lse if wants_logprobs else None
+        if p.all_sampled:  # no per-row copies
             tokens = sampling.sample(p.sampled_probs(logits), self.generator)
         else:
             tokens = logits.argmax(-1)
@@ -280,7 +285,7 @@ class EngineCore:
                 drawn = sampling.sample(p.sampled_probs(p.of_sampled(logits)), self.generator)
                 tokens.index_copy_(0, p.sampled, drawn)
         logprobs = None
-        if any(r.req.return_logprob for r in rows):
+        if wants_logprobs:
             logprobs = sampling.token_logprobs(logits, p.temps, p.greedy, tokens)
         return tokens, logprobs
 

@@ -318,8 +318,10 @@ class CausalLM(nn.Module):
             self._compiled_layer = torch.compile(DecoderLayer.forward, dynamic=True)
         return self._compiled_layer
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight, None, self.kernels).float()
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """The lm_head's logits, in float32 unless not `upcast` (the sampling kernel reads the model's dtype)."""
+        out = linear(hidden, self.lm_head.weight, None, self.kernels)
+        return out.float() if upcast else out
 
     def mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
                     cache: KVCache, slots: torch.Tensor, layer: int = 0, num_keys: int | None = None) -> torch.Tensor:

@@ -40,6 +40,12 @@ class BatchParams(NamedTuple):
     all_sampled: bool
     min_p: bool            # some sampled row has an active min-p filter
 
+    @property
+    def unfiltered(self) -> bool:
+        """Every row sampled at its temperature alone (no top-k, top-p or min-p): RL's rollouts, and what the
+        sampling kernel serves (kernels/sampling.py)."""
+        return self.all_sampled and not self.sorting.numel() and not self.min_p
+
     def of_sampled(self, t: torch.Tensor) -> torch.Tensor:
         """The sampled rows of `t` (one row per batch row), in row order; `t` itself when every row is sampled."""
         return t if self.all_sampled else t.index_select(0, self.sampled)

@@ -26,7 +26,7 @@ from slime_spec.engine.managers.request import NAN_FINISH, Row
 from slime_spec.engine.model_executor import sampling
 from slime_spec.engine.model_executor.transfer import device_tensor, start_read_back
 from slime_spec.engine.speculative import tree, tree_graphs
-from slime_spec.engine.speculative.accept import accept_drafts, draft_pick
+from slime_spec.engine.speculative.accept import accept_drafts, accept_unfiltered, draft_pick
 from slime_spec.engine.speculative.policy import AutoSteps, StepPolicy
 from slime_spec.engine.speculative.timing import StepTimes, sync
 
@@ -55,7 +55,8 @@ class TargetEngine(Protocol):
 
 @dataclass
 class Verified:
-    """A chain verify's device results: logits [n, k + 1, V] (non-finite rows masked and flagged in `broken`),
+    """A chain verify's device results: logits [n, k + 1, V] (non-finite rows masked and flagged in `broken`, or,
+    for the sampling kernel, raw and `broken` None until accepted),
     what the drafter reads of the target (`features`: the hidden states, or EAGLE3's aux states), and each row's
     first verified position and cache slot."""
 
@@ -123,7 +124,8 @@ class SpecWorker:
         params = self.engine.batch_params(rows)
         drafts, draft_probs = self.draft(rows, params)
         draft_s = clock.lap("draft")
-        verified = self.verify(rows, drafts)
+        verified = self.verify(rows, drafts, fused=draft_probs is None and params.unfiltered
+                               and self.engine.model.kernels.sampling)
         clock.lap("verify")
         acceptance = self.accept(rows, verified, drafts, draft_probs, params)
         clock.lap("sampling")
@@ -153,8 +155,10 @@ class SpecWorker:
             return self.drafter.propose(rows), None
         return self.drafter.sample_draft(rows, pick)
 
-    def verify(self, rows: list[Row], drafts: torch.Tensor) -> Verified:
-        """The target over each row's pending token and its k drafts, one batched forward and one lm_head matmul."""
+    def verify(self, rows: list[Row], drafts: torch.Tensor, fused: bool = False) -> Verified:
+        """The target over each row's pending token and its k drafts, one batched forward and one lm_head matmul.
+        fused: the logits stay in the model's dtype, unmasked, for the sampling kernel, which finds broken rows
+        itself (`broken` None until `accept`)."""
         e, dev = self.engine, self.engine.device
         n, k = drafts.shape
         meta = device_tensor([(r.tokens[-1], r.kv_len, r.slot) for r in rows], dev)  # one host-to-device copy
@@ -163,6 +167,9 @@ class SpecWorker:
         aux_ids = self.drafter.aux_layer_ids  # EAGLE3 drafts from the target's aux states
         out = e.model(ids, positions, e.cache, meta[:, 2], max(r.kv_len for r in rows) + k + 1, aux_layer_ids=aux_ids)
         hidden, features = out if aux_ids else (out, out)
+        if fused:
+            return Verified(e.model.logits(hidden.flatten(0, 1), upcast=False).view(n, k + 1, -1), None, features,
+                            meta[:, 1], meta[:, 2])
         # broken: read back with the result, not synced on here; such a row is finished at commit
         logits, broken = sampling.mask_non_finite(e.model.logits(hidden.flatten(0, 1)).view(n, k + 1, -1))
         return Verified(logits, broken, features, meta[:, 1], meta[:, 2])
@@ -173,14 +180,19 @@ class SpecWorker:
         when a row asks for them, logprobs)."""
         n, k = drafts.shape
         logits = verified.logits
-        accept, next_token = accept_drafts(logits, drafts, draft_probs, params, self.engine.generator)
+        if verified.broken is None:  # verify(fused=True): one pass of the sampling kernel over the logits
+            accept, next_token, logprobs, verified.broken = accept_unfiltered(logits, drafts, params.temps,
+                                                                              self.engine.generator)
+        else:
+            accept, next_token = accept_drafts(logits, drafts, draft_probs, params, self.engine.generator)
+            logprobs = None
         chosen = torch.cat((drafts, drafts.new_zeros(n, 1)), dim=1)
         chosen[torch.arange(n, device=drafts.device), accept] = next_token
         columns = [accept[:, None], verified.broken[:, None], chosen]
         if any(r.req.return_logprob for r in rows):
-            columns.append(sampling.token_logprobs(logits.flatten(0, 1), params.temps.repeat_interleave(k + 1),
-                                                   params.greedy.repeat_interleave(k + 1),
-                                                   chosen.flatten()).view(n, k + 1))
+            columns.append(logprobs if logprobs is not None else sampling.token_logprobs(
+                logits.flatten(0, 1), params.temps.repeat_interleave(k + 1), params.greedy.repeat_interleave(k + 1),
+                chosen.flatten()).view(n, k + 1))
         read_back = start_read_back(torch.cat([c.double() for c in columns], dim=1))
         return Acceptance(accept, chosen, read_back, len(columns) == 4)
 
