@@ -6,7 +6,7 @@ and a speculative chain (NEXTN, the MTP layer drafting; adaptive, its plain step
     python bench/step_profile_gpu.py --engines plain --cprofile --top 25   # plain decoding's host work
     python bench/step_profile_gpu.py --model outputs/demo/model_sft --batch 128 --steps 3 --temperature 1 --logprobs
     python bench/step_profile_gpu.py --vocab 151936 --batch 128 --steps 3 --temperature 1 --logprobs --phases 3 \
-        --sampling-backends flashinfer,pytorch   # the sampling kernel against eager sampling, side by side
+        --without sampling --without activation   # the engine without a kernel, side by side with all of them
 
 The target is random (the MTP layer too), so drafts are rarely accepted: the point is each step's structure (k draft
 steps, one verify of k + 1 tokens, its read-back and the host's bookkeeping), not its yield. Per engine it prints
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import gc
 import io
 import itertools
@@ -298,8 +299,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--logprobs", action="store_true", help="the requests ask for output logprobs, as RL rollouts do")
     p.add_argument("--vocab", type=int, default=SHAPE["vocab_size"], help="the random model's vocabulary (Qwen's: "
                    "151936)")
-    p.add_argument("--sampling-backends", default="flashinfer", help="SGLang's --sampling-backend values, each "
-                   "engine built once per value: flashinfer (the sampling kernel), pytorch (eager sampling)")
+    p.add_argument("--without", action="append", default=[], metavar="KERNEL[,KERNEL]",
+                   help="also build each engine without these kernels (fields of kernels.ops.Kernels: gemv, "
+                   "attention, norm, activation, sampling), timed side by side with all of them (--phases)")
     a = p.parse_args(argv)
     engines = set(a.engines.split(","))
     w = Workload(a.batch, a.tokens, a.temperature, a.logprobs, a.tail)
@@ -311,18 +313,21 @@ def main(argv: list[str] | None = None) -> None:
         # with a tail the batch shrinks: capture engine_gpu.py's sizes, so its rows pad as that bench's do
         graphs = CudaGraphSettings(batch_sizes=tuple(sorted({1, 8, 32, a.batch})) if a.tail else (a.batch,))
         cores = {}
-        backends = a.sampling_backends.split(",")
-        for (key, name, spec), backend in itertools.product((
+        variants = {"all kernels": Kernels.from_values({})}
+        for off in a.without:
+            variants[f"without {off}"] = dataclasses.replace(variants["all kernels"],
+                                                             **{k: False for k in off.split(",")})
+        for (key, name, spec), variant in itertools.product((
                 ("plain", "plain", None),
                 ("spec", f"NEXTN k={a.steps}", SpecConfig("EAGLE", a.steps, 1, a.steps + 1)),
                 ("adaptive", "NEXTN k=3, adaptive (random drafts: it settles on plain steps)",
-                 SpecConfig("EAGLE", 3, 1, 4, speculative_adaptive=True))), backends):
+                 SpecConfig("EAGLE", 3, 1, 4, speculative_adaptive=True))), variants):
             if key not in engines:
                 continue
-            name += f", --sampling-backend {backend}" if len(backends) > 1 else ""
+            name += f", {variant}" if len(variants) > 1 else ""
             core = EngineCore(str(path), spec, dtype="bfloat16", device="cuda", max_running_requests=a.batch,
                               context_length=32 + a.tokens + max(a.steps, 3) + 8, cuda_graph=graphs,
-                              kernels=Kernels.from_values({"sampling_backend": backend}))
+                              kernels=variants[variant])
             if a.phases:
                 decode(core, w, seed=0)  # warm: graphs captured, kernels compiled
                 cores[name] = core
@@ -351,20 +356,20 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{name}, batch {a.batch}, tail {a.tail}, repeat {r}: {decode_ms[name][-1]:.1f} ms")
                 print("\n".join(phases.lines()), flush=True)
         if cores:
-            print("\n".join(phase_summary(decode_ms, step_ms, backends)))
+            print("\n".join(phase_summary(decode_ms, step_ms, list(variants))))
 
 
-def phase_summary(decode_ms: dict, step_ms: dict, backends: list[str]) -> list[str]:
-    """Median whole decode and median step per engine over the repeats, and, with several sampling backends, each
-    engine's time under the others as a ratio to the first's (interleaved in one process: side by side)."""
+def phase_summary(decode_ms: dict, step_ms: dict, variants: list[str]) -> list[str]:
+    """Median whole decode and median step per engine over the repeats, and, with several kernel variants, each
+    engine's time in the others as a ratio to all kernels (interleaved in one process: side by side)."""
     lines = ["median over the repeats: engine, decode ms, step ms (steps after the prefill)"]
     for name in decode_ms:
         lines.append(f"  {name}: {statistics.median(decode_ms[name]):.1f} ms, {statistics.median(step_ms[name]):.3f}")
-    first = f", --sampling-backend {backends[0]}"
+    first = f", {variants[0]}"
     for name in [n for n in decode_ms if n.endswith(first)]:
-        for other in backends[1:]:
-            twin = name[: -len(first)] + f", --sampling-backend {other}"
-            lines.append(f"  {name[: -len(first)]}: {other} / {backends[0]} = "
+        for other in variants[1:]:
+            twin = name[: -len(first)] + f", {other}"
+            lines.append(f"  {name[: -len(first)]}: {other} / {variants[0]} = "
                          f"{statistics.median(decode_ms[twin]) / statistics.median(decode_ms[name]):.2f}x decode, "
                          f"{statistics.median(step_ms[twin]) / statistics.median(step_ms[name]):.2f}x step")
     return lines

@@ -3,6 +3,8 @@ that pick them, and on CUDA the engine's greedy output with and without them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -119,6 +121,29 @@ def test_gated_gemv_applies_silu_times_up_as_it_loads(run_interpreted):
     assert out.strip() == "ok"
 
 
+def test_silu_and_mul_equals_the_eager_pair_on_strided_rows(run_interpreted):
+    """float32 to float32's rounding; bfloat16 within one bf16 step of the exact result of its bf16 inputs (one
+    rounding, where the eager pair rounds after the silu too); rows of a wider tensor (strided), leading dimensions
+    kept."""
+    out = run_interpreted("""
+        import torch, torch.nn.functional as F
+        from slime_spec.engine.kernels import activation
+        activation.BLOCK = 64   # several blocks per row
+        torch.manual_seed(0)
+        wide = torch.randn(3, 4, 2 * 150 + 8) * 3
+        gate_up = wide[..., :300]
+        gate, up = gate_up.chunk(2, dim=-1)
+        ref = F.silu(gate.double()) * up.double()
+        got = activation.silu_and_mul(gate_up)
+        assert got.shape == (3, 4, 150) and torch.allclose(got.double(), ref, atol=1e-5, rtol=1e-5)
+        gate, up = gate_up.bfloat16().double().chunk(2, dim=-1)
+        half = activation.silu_and_mul(gate_up.bfloat16()).double()
+        assert ((half - F.silu(gate) * up).abs() <= (F.silu(gate) * up).abs() * 2 ** -7 + 1e-6).all()
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+
+
 def test_rms_norm_equals_hf_rmsnorm_with_and_without_the_residual_add(run_interpreted):
     """float32: the math, to float32 rounding; bf16: the sum and the rounding points (Triton's interpreter rounds
     bf16 toward zero where the GPU rounds to nearest, so here within two bf16 steps; exact on CUDA below)."""
@@ -187,7 +212,7 @@ def test_the_model_with_kernels_equals_the_model_without(run_interpreted):
         start = torch.tensor([[long], [short]])  # each row's next position
         verify = start + torch.arange(4)
         outs = []
-        for kernels in (Kernels(), Kernels(gemv=True, attention=True, norm=True)):
+        for kernels in (Kernels(), Kernels(gemv=True, attention=True, norm=True, activation=True)):
             model.use_kernels(kernels)
             cache, mtp_cache = model.new_cache(3, long + 8), model.new_mtp_cache(3, long + 8)
             got = [model.eager_forward(ids[:1, :long], torch.arange(long)[None], cache, slots[:1]),
@@ -205,11 +230,15 @@ def test_the_model_with_kernels_equals_the_model_without(run_interpreted):
     assert out.strip() == "ok"
 
 
+ALL_KERNELS = Kernels(gemv=True, attention=True, norm=True, activation=True, sampling=True)
+
+
 def test_flags_pick_the_kernels():
-    assert Kernels.from_values({}) == Kernels(gemv=True, attention=True, norm=True, sampling=True)
-    assert Kernels.from_values({"bf16_gemm_backend": "torch"}) == Kernels(False, True, True, True)
-    assert Kernels.from_values({"attention_backend": "torch_native"}) == Kernels(True, False, True, True)
-    assert Kernels.from_values({"sampling_backend": "pytorch"}) == Kernels(True, True, True, False)
+    assert Kernels.from_values({}) == ALL_KERNELS
+    assert Kernels.from_values({"bf16_gemm_backend": "torch"}) == dataclasses.replace(ALL_KERNELS, gemv=False)
+    assert Kernels.from_values({"attention_backend": "torch_native"}) == dataclasses.replace(ALL_KERNELS,
+                                                                                          attention=False)
+    assert Kernels.from_values({"sampling_backend": "pytorch"}) == dataclasses.replace(ALL_KERNELS, sampling=False)
     assert Kernels.from_values({"attention_backend": "fa3", "decode_attention_backend": "torch_native"}).attention \
         is False
     assert Kernels.from_values({"attention_backend": "fa3"}).attention is True  # no fa3 here: the Triton kernel
@@ -221,12 +250,10 @@ def test_engine_flags_reach_the_kernels(tmp_path):
     path = make_tiny_model(tmp_path / "m", arch="llama", mtp_layers=0, hidden_size=32, num_layers=1, num_heads=2,
                            num_kv_heads=1, intermediate_size=64, vocab_size=64)
     args = parse_server_args(["--model-path", str(path), "--bf16-gemm-backend", "torch", "--attention-backend",
-                              "torch_native"], cuda_available=False)
-    assert args.kernels == Kernels(norm=True, sampling=True) and not args.ignored_flags  # norm: no flag, as in SGLang
-    assert parse_server_args(["--model-path", str(path)], cuda_available=False).kernels == Kernels(True, True, True,
-                                                                                                   True)
-    eager = parse_server_args(["--model-path", str(path), "--sampling-backend", "pytorch"], cuda_available=False)
-    assert eager.kernels == Kernels(True, True, True, False) and not eager.ignored_flags
+                              "torch_native", "--sampling-backend", "pytorch"], cuda_available=False)
+    # the norm and activation kernels have no flag (as in SGLang)
+    assert args.kernels == Kernels(norm=True, activation=True) and not args.ignored_flags
+    assert parse_server_args(["--model-path", str(path)], cuda_available=False).kernels == ALL_KERNELS
 
 
 def test_gemv_serves_one_or_two_rows_of_small_matrices_and_splits_depend_on_rows_not_tokens():

@@ -21,7 +21,7 @@ def test_the_sdpa_backends_are_sglang_attention_backends():
 
 def test_sglangs_defaults_select_every_kernel():
     assert Kernels.from_values(defaults_of(engine_parser())) == Kernels(gemv=True, attention=True, norm=True,
-                                                                        sampling=True)
+                                                                        activation=True, sampling=True)
 
 
 def test_sglangs_pytorch_sampling_backend_and_deterministic_inference_keep_eager_sampling():

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from slime_spec.engine.kernels.activation import silu_and_mul
 from slime_spec.engine.kernels.decode_attention import decode_attention as _decode_attention
 from slime_spec.engine.kernels.gemv import gemv as _gemv
 from slime_spec.engine.kernels.gemv import serves as gemv_serves
@@ -30,19 +31,20 @@ class Kernels:
     gemv: bool = False       # one-row matmuls of small matrices (gemv.serves; --bf16-gemm-backend)
     attention: bool = False  # RoPE + cache write + causal attention of decode and verify (--attention-backend)
     norm: bool = False       # RMSNorm with the residual add before it (always, as SGLang's fused_add_rmsnorm)
+    activation: bool = False  # silu(gate) * up in one kernel (always, as SGLang's SiluAndMul)
     sampling: bool = False   # temperature sampling and its logprobs in one pass per row (--sampling-backend)
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> "Kernels":
         """SGLang's flags -> kernels on a CUDA device: the gemv kernel unless `--bf16-gemm-backend torch`, the
         decode-attention kernel unless torch's SDPA is asked for (`--attention-backend torch_native`, or as the
-        decode backend), the RMSNorm kernel, and the sampling kernel unless `--sampling-backend pytorch` (which
-        SGLang also picks under `--enable-deterministic-inference`). The embedded engine has no fa3 or flashinfer:
-        those names get its Triton kernels."""
+        decode backend), the RMSNorm and activation kernels, and the sampling kernel unless `--sampling-backend
+        pytorch` (which SGLang also picks under `--enable-deterministic-inference`). The embedded engine has no fa3
+        or flashinfer: those names get its Triton kernels."""
         decode = values.get("decode_attention_backend") or values.get("attention_backend")
         sampling = values.get("sampling_backend") != "pytorch" and not values.get("enable_deterministic_inference")
         return cls(gemv=(values.get("bf16_gemm_backend") or "auto") in GEMV_BACKENDS,
-                   attention=decode not in SDPA_BACKENDS, norm=True, sampling=sampling)
+                   attention=decode not in SDPA_BACKENDS, norm=True, sampling=sampling, activation=True)
 
 
 @torch.library.custom_op("slime_spec::gemv", mutates_args=())
@@ -127,5 +129,7 @@ def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, kernels: Kernels) 
     kernel applies the activation as it loads, where it serves the shape."""
     if kernels.gemv and gemv_serves(gate_up.numel() // gate_up.shape[-1], weight.shape[0], weight.shape[1]):
         return _gemv_call(gate_up, weight, None, gated=True)
+    if kernels.activation and not torch.compiler.is_compiling():  # compiled: inductor fuses the two itself
+        return F.linear(silu_and_mul(gate_up), weight)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, weight)

@@ -121,5 +121,5 @@ def mtp_chain(model, mtp_cache, k: int, ids: torch.Tensor, positions: torch.Tens
         if j > 0:
             hidden = model.eager_mtp_forward(tokens[-1][:, None], hidden[:, None], positions + (j - 1), mtp_cache,
                                              slots, num_keys=num_keys, graphed=True)[:, 0]
-        tokens.append(model.logits(hidden).argmax(-1))
+        tokens.append(model.logits(hidden, upcast=False).argmax(-1))  # the same argmax, no float32 copy
     return torch.stack(tokens, dim=1)
