@@ -90,6 +90,8 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, generator: tor
     (-1: none). One token per row from softmax(logits / T), never the row's `exclude` token (unless nothing else
     has mass), with the statistics of SampledRows. The noise's seed is drawn from `generator` on the device: no
     host synchronisation, and the same generator state gives the same tokens."""
+    import triton
+
     n, vocab = logits.shape
     if logits.stride(-1) != 1 or temperatures.shape != (n,):
         raise ValueError(f"sample_rows: logits {tuple(logits.shape)} with strides {logits.stride()}, temperatures "
@@ -102,7 +104,8 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, generator: tor
     tokens = torch.empty(n, dtype=torch.int64, device=dev)
     token_z, probe_z, lse = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3))
     finite = torch.empty(n, dtype=torch.int8, device=dev)
+    block = min(BLOCK, triton.next_power_of_2(vocab))  # a small vocabulary: no noise drawn for masked lanes
     _kernel()[(n,)](logits, logits.stride(0), temperatures.float().contiguous(), exclude.contiguous(),
-                    probe.contiguous(), seed, tokens, token_z, probe_z, lse, finite, vocab, BLOCK=BLOCK,
-                    num_warps=8)
+                    probe.contiguous(), seed, tokens, token_z, probe_z, lse, finite, vocab, BLOCK=block,
+                    num_warps=8 if block >= 1024 else 4)
     return SampledRows(tokens, token_z, probe_z, lse, finite.view(torch.bool))
