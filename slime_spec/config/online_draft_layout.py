@@ -13,9 +13,14 @@ WITH_CONTEXT_PARALLEL = (
     "--context-parallel-size 1 with --enable-draft-training")
 
 
+# (refused(pp_size, cp_size), (problem, fix)): the one statement of each refusal, for the doctor and the trainer
+REFUSED_LAYOUTS = ((lambda pp_size, cp_size: pp_size > 1, WITH_PIPELINE_STAGES),
+                   (lambda pp_size, cp_size: cp_size > 1, WITH_CONTEXT_PARALLEL))
+
+
 def refusal(pp_size: int, cp_size: int, enable_draft_training: bool) -> str | None:
     """"problem; fix: ..." for a layout the online draft cannot be trained in; None where it can (or none is)."""
-    for refused, (problem, fix) in ((pp_size > 1, WITH_PIPELINE_STAGES), (cp_size > 1, WITH_CONTEXT_PARALLEL)):
-        if enable_draft_training and refused:
+    for refused, (problem, fix) in REFUSED_LAYOUTS:
+        if enable_draft_training and refused(pp_size, cp_size):
             return f"{problem.format(pp_size=pp_size, cp_size=cp_size)}; fix: {fix}"
     return None

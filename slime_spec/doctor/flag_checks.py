@@ -129,10 +129,8 @@ RELATIONS: tuple[Relation, ...] = (
              "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers without pipeline stages "
              "(--pipeline-model-parallel-size 1): there is no first or last stage to size",
              "drop them, or set --pipeline-model-parallel-size", trainer_only=True),
-    Relation(lambda v: v["pp_size"] == 1 or not v.get("enable_draft_training"),
-             *online_draft_layout.WITH_PIPELINE_STAGES, trainer_only=True),
-    Relation(lambda v: v["cp_size"] == 1 or not v.get("enable_draft_training"),
-             *online_draft_layout.WITH_CONTEXT_PARALLEL, trainer_only=True),
+    *(Relation(lambda v, refused=refused: not (v.get("enable_draft_training") and refused(v["pp_size"], v["cp_size"])),
+               problem, fix, trainer_only=True) for refused, (problem, fix) in online_draft_layout.REFUSED_LAYOUTS),
     # Megatron's expert grid: expert TP x EP ranks hold one copy of the experts (which layouts are built:
     # spec_checks.check_trainer_support)
     Relation(lambda v: v["ep_size"] == 1 or v["stage_gpus"] % (v["etp_size"] * v["ep_size"]) == 0,
