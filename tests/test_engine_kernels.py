@@ -274,7 +274,7 @@ def test_cuda_engine_with_kernels_decodes_as_without(tmp_path):
                            num_kv_heads=2, intermediate_size=512, vocab_size=512, max_position_embeddings=1024)
     prompts = torch.randint(3, 512, (4, 24), generator=torch.Generator().manual_seed(0)).tolist()
     outputs = []
-    for kernels in (Kernels(), Kernels(gemv=True, attention=True)):
+    for kernels in (Kernels(), Kernels(gemv=True, attention=True, activation=True)):
         core = EngineCore(str(path), None, device="cuda", max_running_requests=4, kernels=kernels)
         for i, ids in enumerate(prompts):
             core.add_request(Request(rid=str(i), input_ids=ids, params=SamplingParams(
