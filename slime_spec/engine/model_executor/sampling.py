@@ -1,6 +1,7 @@
 """Sampling and speculative acceptance as pure tensor functions (one row per request, per-row parameters).
 
-Filtering mirrors SGLang's `top_k_top_p_min_p_sampling_from_probs_torch` (sglang/srt/layers/sampler.py):
+Filtering is SGLang's `top_k_top_p_min_p_sampling_from_probs_torch` (sglang/srt/layers/sampler.py; the conformance
+test runs it against `filtered_probs`):
 probs = softmax(logits / temperature); on the probs sorted descending, zero ranks >= top_k, zero every
 entry whose preceding cumulative mass already exceeds top_p (cumsum computed before the top-k zeroing),
 then zero entries below min_p * max prob. A request is greedy when temperature == 0 or top_k == 1
