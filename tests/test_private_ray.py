@@ -29,7 +29,7 @@ class Worker:
 workers = [Worker.remote() for _ in range(2)]
 pids = ray.get([w.pid.remote() for w in workers])
 child = ray.get(workers[0].start_child.remote())
-watched = [p.pid for p in private_ray._processes_of_ray(private_ray._reaper.pid)]
+watched = list(private_ray._processes_of_ray(private_ray._reaper.pid))
 reaper = private_ray._reaper.pid
 left = private_ray.stop()
 alive = [pid for pid in pids + [child] if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
@@ -55,7 +55,7 @@ def test_a_zombie_counts_as_gone_and_a_live_process_is_returned():
     try:
         while psutil.Process(zombie.pid).status() != psutil.STATUS_ZOMBIE:
             time.sleep(0.05)
-        left = _wait_gone([psutil.Process(zombie.pid), psutil.Process(sleeper.pid)], wait_s=0.5)
+        left = _wait_gone({p.pid: psutil.Process(p.pid).create_time() for p in (zombie, sleeper)}, wait_s=0.5)
         assert [p.pid for p in left] == [sleeper.pid]
     finally:
         sleeper.kill()

@@ -47,32 +47,28 @@ def stop(wait_s: float = STOP_WAIT_S) -> list[str]:
     global _reaper
     if _reaper is None:
         return []
-    processes = _processes_of_ray(_reaper.pid)
+    known = _processes_of_ray(_reaper.pid)
     ray.shutdown()
     _reaper = None
-    return [_describe(p) for p in _wait_gone(processes, wait_s)]
+    return [_describe(p) for p in _wait_gone(known, wait_s)]
 
 
-def _wait_gone(processes: list[psutil.Process], wait_s: float, poll_s: float = 0.1) -> list[psutil.Process]:
-    """Poll until none of `processes` is alive; those still alive after `wait_s`. A zombie counts as gone (not
-    `psutil.wait_procs`: it waits on one whose parent has not reaped it, as in a container whose init does not)."""
+def _wait_gone(known: dict[int, float], wait_s: float, poll_s: float = 0.1) -> list[psutil.Process]:
+    """Poll until none of `known` ({pid: start time}) is alive; those still alive after `wait_s`. A zombie counts as
+    gone (ray_reaper.live_processes; not `psutil.wait_procs`: it waits on one whose parent has not reaped it, as in a
+    container whose init does not)."""
     deadline = time.monotonic() + wait_s
     while True:
-        processes = [p for p in processes if _alive(p)]
-        if not processes or time.monotonic() > deadline:
-            return processes
+        alive = live_processes(known)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        known = {p.pid: known[p.pid] for p in alive}
         time.sleep(poll_s)
 
 
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _processes_of_ray(reaper_pid: int) -> list[psutil.Process]:
-    """The processes Ray's node started in this driver, and every descendant of theirs (workers, engine servers)."""
+def _processes_of_ray(reaper_pid: int) -> dict[int, float]:
+    """The processes Ray's node started in this driver, and every descendant of theirs (workers, engine servers):
+    {pid: start time}."""
     import ray
 
     node = ray._private.worker._global_node
@@ -86,7 +82,7 @@ def _processes_of_ray(reaper_pid: int) -> list[psutil.Process]:
             continue
         known.update(descendants(pid))
     known.pop(reaper_pid, None)
-    return live_processes(known)
+    return known
 
 
 def _describe(p: psutil.Process) -> str:
