@@ -1,7 +1,7 @@
 """engine/managers/finish.py: a speculative step appends several tokens at once, and the row ends exactly where
-appending them one at a time under SGLang's rules would (a stop token, max_new_tokens or the context length in the
-middle of a chunk), logprobs included; and where SGLang's own `Req.update_finish_state` ends it, over the same
-chunks."""
+appending them one at a time under SGLang's rules would (a stop token, or max_new_tokens as SGLang clips it to the
+context, in the middle of a chunk), logprobs included; where SGLang's own `Req.update_finish_state` ends it, over
+the same chunks; and the clip is the one SGLang's own `Scheduler.init_req_max_new_tokens` makes."""
 
 import random
 
@@ -14,17 +14,17 @@ PROMPT = [5, 6, 7]
 
 def one_at_a_time(tokens, logprobs, params: SamplingParams, context_length: int):
     """SGLang's order for each appended token (stop strings aside): a stop token unless ignore_eos, then
-    max_new_tokens, then the context length; (tokens, logprobs, finish) of the row."""
+    max_new_tokens as its scheduler clips it to the context (checked against SGLang's own clip below);
+    (tokens, logprobs, finish) of the row."""
     out, lps = list(PROMPT), []
+    limit = max(0, min(params.max_new_tokens, context_length - 2 - len(PROMPT)))
     for t, lp in zip(tokens, logprobs):
         out.append(t)
         lps.append(lp)
         if not params.ignore_eos and (t in EOS or t in params.stop_token_ids):
             return out, lps, {"type": "stop", "matched": t}
-        if len(out) - len(PROMPT) >= params.max_new_tokens:
-            return out, lps, {"type": "length", "length": params.max_new_tokens}
-        if len(out) >= context_length:
-            return out, lps, {"type": "length", "length": len(out) - len(PROMPT)}
+        if len(out) - len(PROMPT) >= limit:
+            return out, lps, {"type": "length", "length": limit}
     return out, lps, None
 
 
@@ -94,3 +94,41 @@ def test_chunked_appends_finish_as_sglangs_own_request_does():
             if row.finish is None:
                 rules.append_tokens(row, chunk, None)
         assert (row.output_ids, row.finish) == sglang_finish(chunks, params), (case, params, chunks)
+
+
+def sglang_clipped_max_new_tokens(max_new_tokens: int, prompt_len: int, context_length: int) -> int:
+    """SGLang's own Scheduler.init_req_max_new_tokens on a request, its scheduler stood in by what that method
+    reads, with a KV pool ample for a whole context per request (as the embedded engine's static cache is) and the
+    pool's own clip from SGLang's base allocator."""
+    from types import SimpleNamespace
+
+    from slime_spec.engine import sglang_stand_ins
+    sglang_stand_ins.install()
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+    from sglang.srt.sampling.sampling_params import SamplingParams as SGLangParams
+
+    pool = 64 * context_length  # tokens: many requests' worth
+    allocator = SimpleNamespace(page_size=1)
+    allocator.max_new_tokens_for_memory = BaseTokenToKVPoolAllocator.max_new_tokens_for_memory.__get__(allocator)
+    scheduler = SimpleNamespace(max_new_tokens_limit=None, max_req_len=min(context_length - 1, pool - 1),
+                                max_total_num_tokens=pool, kv_shard_widening=1, page_size=1,
+                                token_to_kv_pool_allocator=allocator, sliding_window_size=None,
+                                chunked_prefill_size=8192)
+    req = SimpleNamespace(rid="r", origin_input_ids=list(range(prompt_len)),
+                          sampling_params=SGLangParams(max_new_tokens=max_new_tokens))
+    Scheduler.init_req_max_new_tokens(scheduler, req)
+    return req.sampling_params.max_new_tokens
+
+
+def test_max_new_tokens_is_clipped_to_the_context_as_sglangs_scheduler_clips_it():
+    rng = random.Random(2)
+    for case in range(200):
+        context_length = rng.randint(8, 64)
+        prompt_len = rng.randint(1, context_length - 1)
+        max_new_tokens = rng.randint(0, context_length - prompt_len)  # TokenizerManager refuses more
+        rules = FinishRules(tokenizer=None, eos_token_ids=EOS, context_length=context_length)
+        row = Row(Request(f"c{case}", list(range(prompt_len)), SamplingParams(max_new_tokens=max_new_tokens)),
+                  tokens=list(range(prompt_len)))
+        want = sglang_clipped_max_new_tokens(max_new_tokens, prompt_len, context_length)
+        assert rules.max_new_tokens(row) == want, (context_length, prompt_len, max_new_tokens)

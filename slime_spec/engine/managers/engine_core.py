@@ -210,7 +210,7 @@ class EngineCore:
             row = self.waiting.popleft()
             row.slot = self.free_slots.pop()
             self.running.append(row)
-            if row.req.params.max_new_tokens == 0:
+            if self.finish_rules.max_new_tokens(row) == 0:  # as SGLang clips it to the context
                 row.finish = {"type": "length", "length": 0}
             else:
                 new_rows.append(row)

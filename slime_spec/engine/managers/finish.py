@@ -1,8 +1,10 @@
 """When a request finishes and what it returns: SGLang's stop rules and stop trimming, for one engine.
 
 A token is appended, then checked in SGLang's order: a stop string, a stop token (EOS or `stop_token_ids`,
-unless `ignore_eos`), `max_new_tokens`, the context length. A finished row's text leaves out the stop token or
-what follows the stop string's start, unless `no_stop_trim`.
+unless `ignore_eos`), `max_new_tokens`. The context bounds `max_new_tokens` as SGLang's scheduler clips it when a
+request arrives (`Scheduler.init_req_max_new_tokens`, its KV pool ample: the embedded engine's static cache holds a
+whole context per slot): at most context length - 2 - prompt tokens. A finished row's text leaves out the stop token
+or what follows the stop string's start, unless `no_stop_trim`.
 """
 
 from __future__ import annotations
@@ -14,9 +16,15 @@ class FinishRules:
     def __init__(self, tokenizer, eos_token_ids: set[int], context_length: int):
         self.tokenizer, self.eos_token_ids, self.context_length = tokenizer, eos_token_ids, context_length
 
+    def max_new_tokens(self, row: Row) -> int:
+        """The row's `max_new_tokens` as SGLang's scheduler clips it: within max_req_len = context length - 1, less
+        the prompt and one more."""
+        return max(0, min(row.req.params.max_new_tokens, self.context_length - 1 - row.prompt_len - 1))
+
     def append_tokens(self, row: Row, tokens: list[int], logprobs: list[float] | None) -> None:
         """Append tokens one by one, stopping at the first finish."""
         p = row.req.params
+        limit = self.max_new_tokens(row)
         for j, t in enumerate(tokens):
             row.tokens.append(t)
             if row.req.return_logprob:
@@ -27,10 +35,8 @@ class FinishRules:
                 row.finish = {"type": "stop", "matched": matched}
             elif not p.ignore_eos and (t in self.eos_token_ids or t in p.stop_token_ids):
                 row.finish = {"type": "stop", "matched": t}
-            elif out_len >= p.max_new_tokens:
-                row.finish = {"type": "length", "length": p.max_new_tokens}
-            elif len(row.tokens) >= self.context_length:
-                row.finish = {"type": "length", "length": out_len}
+            elif out_len >= limit:
+                row.finish = {"type": "length", "length": limit}
             if row.finish is not None:
                 return
 
