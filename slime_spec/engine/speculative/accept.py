@@ -63,9 +63,9 @@ def accept_unfiltered(logits: torch.Tensor, drafts: torch.Tensor, temperatures: 
     the eager path samples from) and is finished by the caller."""
     n, k1, vocab = logits.shape
     k = k1 - 1
-    excluded = torch.cat((drafts, drafts.new_full((n, 1), -1)), dim=1)
+    excluded = torch.cat((drafts, drafts.new_full((n, 1), -1)), dim=1).flatten()  # also the probed tokens
     drawn = sample_rows(logits.view(n * k1, vocab), temperatures.repeat_interleave(k1), generator,
-                        exclude=excluded.flatten(), probe=excluded.flatten())
+                        exclude=excluded, probe=excluded)
     lse, probe_z = drawn.lse.view(n, k1), drawn.probe_z.view(n, k1)
     broken = ~drawn.finite.view(n, k1).all(1)
     u = torch.rand((n, k), generator=generator, device=logits.device)

@@ -56,12 +56,12 @@ class TargetEngine(Protocol):
 @dataclass
 class Verified:
     """A chain verify's device results: logits [n, k + 1, V] (non-finite rows masked and flagged in `broken`, or,
-    for the sampling kernel, raw and `broken` None until accepted),
-    what the drafter reads of the target (`features`: the hidden states, or EAGLE3's aux states), and each row's
-    first verified position and cache slot."""
+    for the sampling kernel, raw and `broken` None: the kernel finds them), what the drafter reads of the target
+    (`features`: the hidden states, or EAGLE3's aux states), and each row's first verified position and cache
+    slot."""
 
     logits: torch.Tensor
-    broken: torch.Tensor
+    broken: torch.Tensor | None
     features: torch.Tensor
     start: torch.Tensor
     slots: torch.Tensor
@@ -180,15 +180,15 @@ class SpecWorker:
         when a row asks for them, logprobs)."""
         n, k = drafts.shape
         logits = verified.logits
-        if verified.broken is None:  # verify(fused=True): one pass of the sampling kernel over the logits
-            accept, next_token, logprobs, verified.broken = accept_unfiltered(logits, drafts, params.temps,
-                                                                              self.engine.generator)
+        broken, logprobs = verified.broken, None
+        if broken is None:  # verify(fused=True): one pass of the sampling kernel over the logits
+            accept, next_token, logprobs, broken = accept_unfiltered(logits, drafts, params.temps,
+                                                                     self.engine.generator)
         else:
             accept, next_token = accept_drafts(logits, drafts, draft_probs, params, self.engine.generator)
-            logprobs = None
         chosen = torch.cat((drafts, drafts.new_zeros(n, 1)), dim=1)
         chosen[torch.arange(n, device=drafts.device), accept] = next_token
-        columns = [accept[:, None], verified.broken[:, None], chosen]
+        columns = [accept[:, None], broken[:, None], chosen]
         if any(r.req.return_logprob for r in rows):
             columns.append(logprobs if logprobs is not None else sampling.token_logprobs(
                 logits.flatten(0, 1), params.temps.repeat_interleave(k + 1), params.greedy.repeat_interleave(k + 1),
