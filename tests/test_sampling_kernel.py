@@ -156,3 +156,47 @@ def test_cuda_kernel_sampling_and_acceptance_queue_without_waiting_for_the_strea
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_a_speculative_engine_samples_and_accepts_through_the_kernel(run_interpreted, tmp_path):
+    """The engine's wiring of the kernel (engine_core's pick, SpecWorker's verify and accept) on CPU, the kernel in
+    Triton's interpreter: NEXTN rows all sampled at temperature 0.8 with logprobs; the returned logprobs equal a
+    full forward's, drafts were verified and some accepted (the MTP layer a copy of the target's last layer)."""
+    out = run_interpreted(f"""
+        import torch
+        from slime_spec.engine.kernels.ops import Kernels
+        from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams, SpecConfig
+        from slime_spec.engine.model_executor.model import load_model
+        from slime_spec.tools.tiny_model import make_tiny_model
+        from tests.helpers.engine_runs import assert_logprobs_equal_a_full_forward
+        from tests.helpers.spec_runs import copy_target_into_mtp
+        path = make_tiny_model({str(tmp_path / "mimo")!r}, arch="mimo", mtp_layers=1, hidden_size=32, num_layers=2,
+                               vocab_size=48, seed=1)
+        engine = EngineCore(str(path), SpecConfig("NEXTN", 2, 1, 3), max_running_requests=4, seed=0)
+        engine.model.kernels = Kernels(sampling=True)  # CPU forwards take no kernel but this one
+        copy_target_into_mtp(engine)
+        from slime_spec.engine.managers import engine_core
+        from slime_spec.engine.speculative import accept
+        calls = {{"pick": 0, "accept": 0}}
+        def counting(module, key):
+            real = module.sample_rows
+            def wrapper(*a, **kw):
+                calls[key] += 1
+                return real(*a, **kw)
+            module.sample_rows = wrapper
+        counting(engine_core, "pick")
+        counting(accept, "accept")
+        params = SamplingParams(temperature=0.8, max_new_tokens=10, ignore_eos=True)
+        requests = [Request(f"r{{i}}", [3 + i, 5, 7, 9], params, return_logprob=True) for i in range(3)]
+        for r in requests:
+            engine.add_request(r)
+        outs = {{}}
+        while engine.has_work():
+            outs.update({{o.rid: o for o in engine.step()}})
+        assert all(len(o.output_ids) == 10 for o in outs.values())
+        assert_logprobs_equal_a_full_forward(load_model(path)[0], requests, outs, "cpu")
+        print(sum(o.spec_verify_ct for o in outs.values()), sum(o.spec_accept_token_num for o in outs.values()),
+              calls["pick"], calls["accept"])
+    """)
+    verifies, accepted, picks, accepts = map(int, out.split())
+    assert verifies > 0 and accepted > 0 and picks > 0 and accepts > 0  # the kernel did the sampling
