@@ -135,6 +135,16 @@ def test_a_prompt_longer_than_the_context_gets_a_fix_that_helps(tiny, tmp_path):
                                                "16", "--rollout-max-prompt-len", "48")
 
 
+def test_a_prompt_sglangs_scheduler_would_refuse_is_found_though_prompt_and_response_fit(tiny, tmp_path):
+    """SGLang refuses a prompt of context length - 6 tokens or more (max_req_input_len), below the context."""
+    path = write_lines(tmp_path, [json.dumps({"input": "x" * 58}), json.dumps({"input": "short"})])
+    (f,) = doctor(tiny, tmp_path, "--prompt-data", path, "--rollout-max-response-len", "4")["SPEC_CONTEXT_LENGTH"]
+    assert "refuses a prompt of 58 tokens or more" in f.message, f.message
+    assert f.fix.startswith("--rollout-max-prompt-len 57 leaves the longer prompts out")
+    assert "SPEC_CONTEXT_LENGTH" not in doctor(tiny, tmp_path, "--prompt-data", path, "--rollout-max-response-len",
+                                               "4", "--rollout-max-prompt-len", "57")
+
+
 def test_doctor_checks_the_output_dirs_and_room_for_a_checkpoint(tiny, tmp_path, monkeypatch):
     from collections import namedtuple
 

@@ -17,6 +17,7 @@ from slime_spec.tools.tiny_model import make_tiny_model
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+CONTEXT_LENGTH = 1024  # make_tiny_model's max_position_embeddings
 PROMPTS = ["hello world", "the cat sat on", "abc abc abc", "0123", "zz", "Once upon a time", "q", "RL is fun"]
 
 
@@ -214,6 +215,20 @@ def test_info_endpoints(plain):
         assert "--model-path" in info["launch_command"]  # SGLang's build_server_info
         state = info["internal_states"][0]
         assert "last_gen_throughput" in state and state["engine_step_s"] > 0  # ours: seconds inside engine steps
+
+
+def test_a_prompt_of_max_req_input_len_tokens_is_refused_as_sglangs_scheduler_refuses_it(plain):
+    """SGLang's TpModelWorker sets max_req_input_len = context length - 1 - 5 and its scheduler refuses a prompt of
+    that many tokens or more (validate_input_length), below the TokenizerManager's own context check."""
+    info = requests.get(plain.url + "/server_info", headers=AUTH, timeout=10).json()
+    limit = info["max_req_input_len"]
+    assert limit == CONTEXT_LENGTH - 6, info
+    ok = generate(plain, {"input_ids": [5] * (limit - 1), "sampling_params": greedy(1)})
+    assert ok["meta_info"]["prompt_tokens"] == limit - 1 and ok["meta_info"]["completion_tokens"] == 1
+    r = post(plain, "/generate", {"input_ids": [5] * limit, "sampling_params": greedy(1)})
+    assert r.status_code == 400, r.text
+    assert f"Input length ({limit} tokens) exceeds the maximum allowed length ({limit} tokens)" in error_message(r)
+    assert generate(plain, {"text": "a", "sampling_params": greedy(2)})["meta_info"]["completion_tokens"] == 2
 
 
 def test_openai_compatible_routes(plain):

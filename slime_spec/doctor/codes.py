@@ -177,8 +177,9 @@ class Rule(Enum):
         "longer context")
     SPEC_CONTEXT_PROMPT_EXCEEDS = _Entry(
         "SPEC_CONTEXT_LENGTH", "error",
-        "the longest prompt ({prompt} tokens) leaves no room for a response in the context length {ctx} "
-        "(--rollout-max-response-len {response} needs {need} positions); a shorter response cannot help",
+        "the longest prompt ({prompt} tokens) leaves no room for a response in the context length {ctx}: SGLang's "
+        "scheduler refuses a prompt of {max_input} tokens or more (its max_req_input_len, the context length less "
+        "6), so a shorter response than --rollout-max-response-len {response} cannot help",
         "--rollout-max-prompt-len {limit} leaves the longer prompts out (the run and doctor count them), or use a "
         "model with a longer context")
     SPEC_FLASHINFER = _Entry(

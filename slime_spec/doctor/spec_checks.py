@@ -106,15 +106,19 @@ def check_context_length(inp: CheckInput) -> list[Finding]:
                                                            ctx="unset" if ctx is None else ctx))
     effective = ctx or (min(x for x in (t_len, d_len) if x) if (t_len or d_len) else None)
     if effective and inp.longest_prompt_tokens is not None and inp.max_response_len is not None:
-        need = inp.longest_prompt_tokens + inp.max_response_len
-        if need > effective:
-            # a prompt that fills the context leaves nothing a shorter response could fit in: leave it out
-            rule = (Rule.SPEC_CONTEXT_RESPONSE_TOO_LONG if inp.max_response_len >= effective
-                    else Rule.SPEC_CONTEXT_PROMPT_EXCEEDS if inp.longest_prompt_tokens >= effective
+        prompt, response = inp.longest_prompt_tokens, inp.max_response_len
+        # SGLang's TpModelWorker: max_req_input_len = (context length - 1) - 5; its scheduler refuses a prompt
+        # of that many tokens or more, whatever the response length
+        max_input = effective - 6
+        need = prompt + response
+        if need > effective or prompt >= max_input:
+            # such a prompt leaves nothing a shorter response could fit in: leave it out
+            rule = (Rule.SPEC_CONTEXT_RESPONSE_TOO_LONG if response >= effective
+                    else Rule.SPEC_CONTEXT_PROMPT_EXCEEDS if prompt >= max_input
                     else Rule.SPEC_CONTEXT_PROMPT_TOO_LONG)
-            out.append(rule.finding(
-                prompt=inp.longest_prompt_tokens, response=inp.max_response_len, need=need, ctx=effective,
-                fit=effective - inp.longest_prompt_tokens, limit=max(1, effective - inp.max_response_len)))
+            out.append(rule.finding(prompt=prompt, response=response, need=need, ctx=effective,
+                                    max_input=max_input, fit=effective - prompt,
+                                    limit=max(1, min(effective - response, max_input - 1))))
     return out
 
 

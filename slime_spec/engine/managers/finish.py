@@ -3,8 +3,9 @@
 A token is appended, then checked in SGLang's order: a stop string, a stop token (EOS or `stop_token_ids`,
 unless `ignore_eos`), `max_new_tokens`. The context bounds `max_new_tokens` as SGLang's scheduler clips it when a
 request arrives (`Scheduler.init_req_max_new_tokens`, its KV pool ample: the embedded engine's static cache holds a
-whole context per slot): at most context length - 2 - prompt tokens. A finished row's text leaves out the stop token
-or what follows the stop string's start, unless `no_stop_trim`.
+whole context per slot): at most context length - 2 - prompt tokens. Its bounds are SGLang's TpModelWorker's:
+max_req_len = context length - 1, and a prompt must stay under max_req_input_len = max_req_len - 5. A finished
+row's text leaves out the stop token or what follows the stop string's start, unless `no_stop_trim`.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from slime_spec.engine.managers.request import Output, Row
 class FinishRules:
     def __init__(self, tokenizer, eos_token_ids: set[int], context_length: int):
         self.tokenizer, self.eos_token_ids, self.context_length = tokenizer, eos_token_ids, context_length
+        self.max_req_len = context_length - 1
+        self.max_req_input_len = self.max_req_len - 5
 
     def max_new_tokens(self, row: Row) -> int:
         """The row's `max_new_tokens` as SGLang's scheduler clips it: within max_req_len = context length - 1, less
         the prompt and one more."""
-        return max(0, min(row.req.params.max_new_tokens, self.context_length - 1 - row.prompt_len - 1))
+        return max(0, min(row.req.params.max_new_tokens, self.max_req_len - row.prompt_len - 1))
 
     def append_tokens(self, row: Row, tokens: list[int], logprobs: list[float] | None) -> None:
         """Append tokens one by one, stopping at the first finish."""

@@ -4,6 +4,8 @@ SGLang's TokenizerManager has already validated, tokenized and normalized a requ
 through `normalize` and `verify`) when it reaches the scheduler. What is left to the scheduler, and so to us:
 - the sampling fields the embedded engine does not implement are refused by name (`UnsupportedRequest`, answered
   as SGLang's scheduler answers a request it cannot serve: an abort with status 400);
+- a prompt of max_req_input_len tokens or more, refused by SGLang's own `validate_input_length` (the
+  TokenizerManager refuses only a prompt that fills the context);
 - the stop and EOS rules (EngineCore applies them; SGLang's DetokenizerManager trims the matched stop);
 - the reply: `BatchTokenIDOutput` messages (the tokens since a request's last message, with the counters SGLang's
   TokenizerManager turns into `meta_info`: `spec_verify_ct`, `spec_num_correct_drafts`, token counts).
@@ -172,6 +174,18 @@ def ends_in_stop_prefix(tail: str, stops: list[str]) -> bool:
         if any(tail.endswith(stop[:i]) for i in range(1, min(len(tail), len(stop)) + 1)):
             return True
     return False
+
+
+def prompt_length_error(input_ids: list[int], max_req_input_len: int) -> str | None:
+    """SGLang's scheduler's own refusal of a prompt of max_req_input_len tokens or more (`validate_input_length`,
+    which reads only the request's `origin_input_ids`); None when it fits. `--allow-auto-truncate` is refused at
+    launch (server_args), so this never truncates."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.utils import validate_input_length
+
+    return validate_input_length(SimpleNamespace(origin_input_ids=input_ids), max_req_input_len,
+                                 allow_auto_truncate=False)
 
 
 def rejection(rid: str, message: str, http_worker_ipc: str | None = None, status_code: int = 400):

@@ -133,7 +133,7 @@ class EmbeddedScheduler:
         graphs = empty_graph_time_usage()  # seconds per capture phase; ours are decode-time graphs
         if "decode" in graphs:
             graphs["decode"] = core.graph_capture_seconds
-        return {"status": "ready", "max_req_input_len": core.context_length - 1,
+        return {"status": "ready", "max_req_input_len": core.finish_rules.max_req_input_len,
                 "max_total_num_tokens": core.max_running_requests * core.context_length,
                 "startup_time": {"load_weight": self.load_seconds, "kv_cache_allocation": 0.0,
                                  "scheduler_e2e": self.load_seconds, "cuda_graph": graphs}}
@@ -172,7 +172,12 @@ class EmbeddedScheduler:
         from sglang.srt.managers.io_struct import HealthCheckOutput
         from sglang.srt.managers.utils import is_health_check_generate_req
 
-        from slime_spec.engine.managers.io_struct import UnsupportedRequest, rejection, to_core_request
+        from slime_spec.engine.managers.io_struct import (
+            UnsupportedRequest,
+            prompt_length_error,
+            rejection,
+            to_core_request,
+        )
         core = self.loop.core
         if is_health_check_generate_req(req) and (core.has_work() or self.loop.load()["num_waiting_reqs"]):
             # As SGLang's scheduler: a busy engine answers the probe at once instead of queueing it.
@@ -182,6 +187,10 @@ class EmbeddedScheduler:
             request = to_core_request(req, core.context_length)
         except UnsupportedRequest as e:
             self.reply(rejection(req.rid, str(e), req.http_worker_ipc))
+            return
+        too_long = prompt_length_error(request.input_ids, core.finish_rules.max_req_input_len)
+        if too_long is not None:
+            self.reply(rejection(req.rid, too_long, req.http_worker_ipc))
             return
         self._inflight[req.rid] = req
         self.outputs.add_stream(req)
