@@ -200,3 +200,44 @@ def test_a_speculative_engine_samples_and_accepts_through_the_kernel(run_interpr
     """)
     verifies, accepted, picks, accepts = map(int, out.split())
     assert verifies > 0 and accepted > 0 and picks > 0 and accepts > 0  # the kernel did the sampling
+
+
+def test_a_row_whose_logits_break_finishes_with_finite_logprobs_through_the_kernel(run_interpreted, tmp_path):
+    """A plain engine sampling through the kernel (Triton's interpreter) reads the lm_head's logits unmasked: a row
+    whose logits turn NaN mid-decode finishes with SGLang's "NaN happened", and the logprob of its last token is
+    -log V (as from zeroed logits), never NaN; the engine then serves the next request."""
+    out = run_interpreted(f"""
+        import math
+        import torch
+        from slime_spec.engine.kernels import sampling
+        from slime_spec.engine.kernels.ops import Kernels
+        from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
+        from slime_spec.tools.tiny_model import make_tiny_model
+        # one block with masked lanes: the interpreter's argmax (numpy's nanargmax) raises on an all-NaN block,
+        # which a GPU's does not; earlier snippets in this process may have set a smaller block
+        sampling.BLOCK = 64
+        path = make_tiny_model({str(tmp_path / "llama")!r}, arch="llama", hidden_size=32, num_layers=2,
+                               vocab_size=48, seed=1)
+        engine = EngineCore(str(path), None, max_running_requests=2, seed=0)
+        engine.model.kernels = Kernels(sampling=True)
+        params = SamplingParams(temperature=0.8, max_new_tokens=8, ignore_eos=True)
+        engine.add_request(Request("nan", [3, 5, 7], params, return_logprob=True))
+        engine.step()
+        engine.step()
+        norm = engine.named_weights("target")["model.norm.weight"].clone()
+        engine.load_weights([("model.norm.weight", torch.full_like(norm, float("nan")))])
+        outs = {{}}
+        while engine.has_work():
+            outs.update({{o.rid: o for o in engine.step()}})
+        broken = outs["nan"]
+        assert broken.finish_reason == {{"type": "stop", "matched": "NaN happened"}}, broken.finish_reason
+        assert all(math.isfinite(x) for x in broken.output_logprobs), broken.output_logprobs
+        assert abs(broken.output_logprobs[-1] + math.log(48)) < 1e-6, broken.output_logprobs
+        engine.load_weights([("model.norm.weight", norm)])
+        engine.add_request(Request("after", [3, 5], params, return_logprob=True))
+        while engine.has_work():
+            outs.update({{o.rid: o for o in engine.step()}})
+        assert len(outs["after"].output_ids) == 8
+        print(len(broken.output_ids))
+    """)
+    assert int(out) >= 2  # tokens before the logits broke, then the broken step's

@@ -7,6 +7,7 @@ Called from a single thread (the server's engine thread); nothing here locks.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from pathlib import Path
 
@@ -271,12 +272,17 @@ class EngineCore:
         return self.batch_params(rows).all_greedy and not any(r.req.return_logprob for r in rows)
 
     def _pick_on_device(self, rows: list[Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`_pick` without reading back: tokens [B] and logprobs [B] (or None) stay on the device."""
+        """`_pick` without reading back: tokens [B] and logprobs [B] (or None) stay on the device. `logits` as the
+        lm_head gives them (a fresh tensor): a row holding NaN or inf gets a token and logprob -log V, as from
+        zeroed logits, and the caller finishes it."""
         p = self.batch_params(rows)
         wants_logprobs = any(r.req.return_logprob for r in rows)
         if p.unfiltered and self.model.kernels.sampling:  # the RL case, in one pass per row (kernels/sampling.py)
             drawn = sample_rows(logits, p.temps, self.generator)
-            return drawn.tokens, drawn.token_z - drawn.lse if wants_logprobs else None
+            if not wants_logprobs:
+                return drawn.tokens, None
+            return drawn.tokens, (drawn.token_z - drawn.lse).masked_fill_(~drawn.finite, -math.log(logits.shape[-1]))
+        logits = sampling.finite_float32(logits)
         if p.all_sampled:  # no per-row copies
             tokens = sampling.sample(p.sampled_probs(logits), self.generator)
         else:
@@ -306,7 +312,8 @@ class EngineCore:
         else:
             out = self.model(ids, positions, self.cache, slots, aux_layer_ids=aux_ids)
         hidden, features = out if aux_ids else (out, out)
-        logits, broken = self.non_finite_rows(self.model.logits(hidden[torch.arange(len(rows), device=dev), last]))
+        logits = self.model.logits(hidden[torch.arange(len(rows), device=dev), last], upcast=False)
+        broken = set(sampling.non_finite(logits).nonzero().flatten().tolist())
         tokens, logprobs = self._pick(rows, logits)
         alive = []
         for i, row in enumerate(rows):
@@ -336,7 +343,8 @@ class EngineCore:
         aux_ids = self.drafter.aux_layer_ids if self.drafter else None
         out = self.model(ids, positions, self.cache, slots, max(r.kv_len for r in rows) + 1, aux_layer_ids=aux_ids)
         hidden, features = out if aux_ids else (out, out)
-        logits, broken = sampling.mask_non_finite(self.model.logits(hidden[:, 0]))  # a broken row ends on append
+        logits = self.model.logits(hidden[:, 0], upcast=False)
+        broken = sampling.non_finite(logits)  # a broken row ends on append
         tokens, logprobs = self._pick_on_device(rows, logits)
         for row in rows:
             row.kv_len += 1

@@ -7,7 +7,8 @@ gather and scatter, packing the read-back) and copied the hidden states out. At 
 launch costs the host more than its kernel costs the device, and the device waits for them. Here the step's inputs
 (position and slot per row) go in as one copy from pinned memory, the graph does the rest, and its packed result
 (token and non-finite flag per row) comes back as one copy. Rows that sample or ask for logprobs take the graph's
-logits and are picked eagerly (the greedy rows' tokens stay the argmax either way).
+logits, in the model's dtype and unmasked as the sampling kernel reads them (the eager sampler upcasts and masks its
+own copy), and are picked outside the graph (the greedy rows' tokens stay the argmax either way).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from slime_spec.engine.model_executor.cuda_graph import GraphedForward
 
 
 class DecodeStepGraph(GraphedForward):
-    """Captured (hidden [B, 1, H], logits [B, V] float32, tokens [B], values [2, B] float64: token and non-finite
-    flag) per (batch, key count), reading each row's input token from `last_token[slot]` and writing the argmax
-    back there. Its outputs are the graph's own buffers: the next replay overwrites them, so what must outlive the
-    step (a drafter's hidden states) is cloned by the caller; the device reads them in stream order."""
+    """Captured (hidden [B, 1, H], logits [B, V] as the lm_head gives them, tokens [B], values [2, B] float64:
+    token and non-finite flag) per (batch, key count), reading each row's input token from `last_token[slot]` and
+    writing the argmax back there. Its outputs are the graph's own buffers: the next replay overwrites them, so what
+    must outlive the step (a drafter's hidden states) is cloned by the caller; the device reads them in stream
+    order."""
 
     def __init__(self, model, cache, last_token: torch.Tensor, **common):
         common = {**common, "token_counts": [1]}
@@ -40,8 +42,11 @@ class DecodeStepGraph(GraphedForward):
         ids = self.last_token[slots][:, None]
         hidden = self.model.eager_forward(ids, positions, self.cache, slots, num_keys, compiled=compiled,
                                           graphed=True)
-        logits, broken = sampling.mask_non_finite(self.model.logits(hidden[:, 0]))
-        tokens = logits.argmax(-1)
+        # raw: the sampling kernel reads the model's dtype and checks finiteness itself; the argmax of the raw
+        # logits is the argmax of their float32 copy, and a broken row's token is 0, as of its zeroed logits
+        logits = self.model.logits(hidden[:, 0], upcast=False)
+        broken = sampling.non_finite(logits)
+        tokens = logits.argmax(-1).masked_fill_(broken, 0)
         self.last_token[slots] = tokens  # padded rows all write the scratch slot's entry
         return hidden, logits, tokens, torch.stack((tokens.double(), broken.double()))
 

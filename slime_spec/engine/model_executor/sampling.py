@@ -81,11 +81,23 @@ def batch_params(params: list, vocab_size: int, device) -> BatchParams:
                        min_p=any(params[i].min_p > 0 for i in sampled))
 
 
+def non_finite(logits: torch.Tensor) -> torch.Tensor:
+    """broken [rows]: whether a row (over the first dimension) holds a NaN or inf; nothing changed, nothing read
+    back."""
+    return ~torch.isfinite(logits).flatten(1).all(-1)
+
+
+def finite_float32(logits: torch.Tensor) -> torch.Tensor:
+    """The logits the eager sampler reads: float32, every row with a NaN or inf zeroed (as mask_non_finite).
+    A float32 `logits` is masked in place, so it must be a fresh tensor."""
+    return mask_non_finite(logits.float())[0]
+
+
 def mask_non_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits with every row that holds NaN/inf zeroed in place, so sampling still runs; broken [rows]), rows
     over the first dimension. Nothing is read back: the caller finishes broken rows from its one read-back, as
     SGLang finishes them ("NaN happened") instead of crashing the batch. `logits` must be a fresh tensor."""
-    broken = ~torch.isfinite(logits).flatten(1).all(-1)
+    broken = non_finite(logits)
     return logits.masked_fill_(broken.view(-1, *([1] * (logits.dim() - 1))), 0.0), broken
 
 
