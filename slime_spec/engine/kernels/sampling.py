@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-BLOCK = 2048  # vocabulary entries per iteration of a row's program
+BLOCK = 1024  # vocabulary entries per iteration of a row's program (a multiple of 4)
 
 
 class SampledRows(NamedTuple):
@@ -47,39 +47,50 @@ def _kernel():
     @triton.jit
     def sample_kernel(x_ptr, stride_x, temps_ptr, exclude_ptr, probe_ptr, seed_ptr, token_ptr, token_z_ptr,
                       probe_z_ptr, lse_ptr, finite_ptr, V, BLOCK: tl.constexpr):
+        # Every lane keeps its own running state over the row (max and sum of exp for logsumexp, best noisy score
+        # and its token, non-finite count), reduced across lanes once at the end: a reduction per block would
+        # synchronise the program's warps 4 times per block.
         row = tl.program_id(0)
         base = x_ptr + row.to(tl.int64) * stride_x
         t = tl.load(temps_ptr + row)
         exclude = tl.load(exclude_ptr + row).to(tl.int32)
         seed = tl.load(seed_ptr) + row  # one Philox key per row; the offset is the token
-        m = tl.full((), float("-inf"), tl.float32)
-        s = tl.zeros((), tl.float32)
-        best = tl.full((), float("-inf"), tl.float32)
-        best_i = tl.maximum(exclude, 0)  # kept only if every other score is -inf: p itself, as the eager residual
-        bad = tl.zeros((), tl.int32)
+        lanes = tl.arange(0, BLOCK)
+        fallback = tl.maximum(exclude, 0)  # kept only if every other score is -inf: p itself, as the eager residual
+        m = tl.full((BLOCK,), float("-inf"), tl.float32)
+        s = tl.zeros((BLOCK,), tl.float32)
+        best = tl.full((BLOCK,), float("-inf"), tl.float32)
+        best_i = tl.zeros((BLOCK,), tl.int32) + fallback
+        bad = tl.zeros((BLOCK,), tl.int32)
         for start in range(0, V, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
+            offs = start + lanes
             ok = offs < V
             x = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32)
-            bad += tl.sum((((x != x) | (tl.abs(x) == float("inf"))) & ok).to(tl.int32), 0)
+            bad += (((x != x) | (tl.abs(x) == float("inf"))) & ok).to(tl.int32)
             z = tl.where(ok, x / t, float("-inf"))
-            m_new = tl.maximum(m, tl.max(z, 0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+            m_new = tl.maximum(m, z)
+            s = tl.where(m_new == float("-inf"), 0.0, s * tl.exp(m - m_new) + tl.exp(z - m_new))
             m = m_new
-            u = tl.rand(seed, offs)
+            # one Philox call gives four uniforms (tl.rand uses one of them): tokens 4q..4q+3 share call q
+            r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + tl.arange(0, BLOCK // 4))
+            u = tl.uint_to_uniform_float(tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BLOCK,)))
             score = tl.where(ok & (offs != exclude), z - tl.log(-tl.log(u)), float("-inf"))
-            top = tl.max(score, 0)
-            at = start + tl.argmax(score, 0)
-            take = top > best
-            best_i = tl.where(take, at, best_i)
-            best = tl.where(take, top, best)
+            take = score > best
+            best_i = tl.where(take, offs, best_i)
+            best = tl.where(take, score, best)
+        row_max = tl.max(m, 0)
+        total = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - row_max)), 0)
+        top = tl.max(best, 0)
+        # the smallest token at the top score, as a left-first argmax (scores tie only where all are -inf)
+        pick = tl.min(tl.where(best == top, best_i, V), 0)
+        pick = tl.where(pick < V, pick, fallback)  # a NaN row matches no lane: any token in range
         probe = tl.load(probe_ptr + row)
-        tl.store(token_ptr + row, best_i.to(tl.int64))
-        tl.store(token_z_ptr + row, tl.load(base + best_i).to(tl.float32) / t)
+        tl.store(token_ptr + row, pick.to(tl.int64))
+        tl.store(token_z_ptr + row, tl.load(base + pick).to(tl.float32) / t)
         tl.store(probe_z_ptr + row, tl.where(probe >= 0, tl.load(base + tl.maximum(probe, 0)).to(tl.float32) / t,
                                              0.0))
-        tl.store(lse_ptr + row, m + tl.log(s))
-        tl.store(finite_ptr + row, (bad == 0).to(tl.int8))
+        tl.store(lse_ptr + row, row_max + tl.log(total))
+        tl.store(finite_ptr + row, (tl.sum(bad, 0) == 0).to(tl.int8))
 
     return sample_kernel
 
@@ -104,7 +115,7 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, generator: tor
     tokens = torch.empty(n, dtype=torch.int64, device=dev)
     token_z, probe_z, lse = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3))
     finite = torch.empty(n, dtype=torch.int8, device=dev)
-    block = min(BLOCK, triton.next_power_of_2(vocab))  # a small vocabulary: no noise drawn for masked lanes
+    block = max(4, min(BLOCK, triton.next_power_of_2(vocab)))  # a small vocabulary: no noise drawn for masked lanes
     _kernel()[(n,)](logits, logits.stride(0), temperatures.float().contiguous(), exclude.contiguous(),
                     probe.contiguous(), seed, tokens, token_z, probe_z, lse, finite, vocab, BLOCK=block,
                     num_warps=8 if block >= 1024 else 4)
