@@ -6,7 +6,6 @@ Megatron's parallel state must be initialised first (`parallel.init_parallel`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from slime_spec.config import online_draft_layout
 from slime_spec.config.run_config import TrainConfig
 from slime_spec.rollout.sample import Sample, Status
-from slime_spec.trainer import checkpoint, grads, losses, mtp_loss, pipeline, step_metrics, step_plan
+from slime_spec.trainer import checkpoint, grads, initial_weights, losses, mtp_loss, pipeline, step_metrics, step_plan
 from slime_spec.trainer import model as M
 from slime_spec.trainer.batch import TokenBatch, collate, response_mask
 from slime_spec.trainer.context_parallel import ContextSplit, LocalRows
@@ -76,8 +75,8 @@ class Trainer:
         # SGLang serves MiMo's MTP layer with the position-0 token embedding zeroed; train it the same way.
         self.mtp_zero_first_token = convert.family_of(self.hf_config) == "mimo"
         self.model = M.build_gpt_model(self.hf_config, train)
-        self.start_rollout_id = 0
-        resumed = self._load_initial_weights()
+        resumed = initial_weights.load_initial(self.model, train, self.hf_config, self.tp)
+        self.start_rollout_id = 0 if resumed is None else resumed["rollout_id"] + 1
         # --enable-draft-training: an EAGLE3 draft trained next to the policy; without it none is built,
         # so the engines' draft stays as loaded (frozen) and nothing ever overwrites it.
         self.online_draft = OnlineDraft(train, draft_model_path, self.hf_config["num_hidden_layers"],
@@ -101,59 +100,12 @@ class Trainer:
             state = dict(resumed["optimizer"])
             self.master.load_state_dict(state.pop("master_params", None))
             self.optimizer.load_state_dict(state)
-        self.ref_state = self._reference_weights(resumed) if train.use_kl_loss else None
+        self.ref_state = initial_weights.reference_weights(self.model, train, self.hf_config, self.tp,
+                                                           resumed is not None) if train.use_kl_loss else None
         self.timer = PartTimer()  # bench/trainer.py enables it for the per-part split
         self.skips = SkipTracker(train.max_consecutive_skipped_steps)
 
     # ---------------------------------------------------------------- weights
-    def _load_initial_weights(self) -> dict | None:
-        """--load when it holds a checkpoint (resume), else the HF checkpoint; returns the loaded shard."""
-        t = self.train
-        if t.load and (Path(t.load) / checkpoint.LATEST).is_file():
-            shard = self._load_weights(t.load)
-            self.start_rollout_id = shard["rollout_id"] + 1
-            logger.info("resumed from %s at rollout %d", t.load, shard["rollout_id"])
-            return shard
-        if t.load:
-            logger.info("--load %s holds no checkpoint yet; starting from --hf-checkpoint", t.load)
-        return self._load_weights(t.hf_checkpoint)
-
-    def _load_weights(self, source: str) -> dict | None:
-        """`source` into the model: this rank's shard of a slime-spec checkpoint (returned), or HF weights (None)."""
-        if (Path(source) / checkpoint.LATEST).is_file():
-            shard = checkpoint.load_shard(source, self.tp.tp_rank, self.tp.tp_size, **self._ep_shard)
-            M.copy_weights_into(self.model, shard["model"])
-            return shard
-        M.load_hf_weights(self.model, M.read_hf_state(source), self.hf_config, self.tp.tp_rank, self.tp.tp_size,
-                          self.tp.ep_rank, self.tp.ep_size, self.tp.etp_rank, self.tp.etp_size)
-        return None
-
-    @property
-    def _ep_shard(self) -> dict:
-        """Which checkpoint shard file is this rank's under expert and pipeline parallelism (checkpoint.shard_path)."""
-        return dict(ep_rank=self.tp.ep_rank, ep_size=self.tp.ep_size, etp_size=self.tp.etp_size,
-                    pp_rank=self.tp.pp_rank, pp_size=self.tp.pp_size)
-
-    def _reference_weights(self, resumed: dict | None) -> dict[str, torch.Tensor]:
-        """The KL reference: --ref-load (an HF or slime-spec checkpoint) or the --hf-checkpoint weights."""
-        if resumed is None and not self.train.ref_load:  # the model holds exactly the --hf-checkpoint weights
-            return M.weights_copy(self.model)
-        current = M.weights_copy(self.model)
-        self._load_weights(self.train.ref_load or self.train.hf_checkpoint)
-        ref = M.weights_copy(self.model)
-        M.copy_weights_into(self.model, current)
-        return ref
-
-    @contextlib.contextmanager
-    def _reference_model(self):
-        """The model with the reference weights swapped in (one model in memory, as slime does)."""
-        current = M.weights_copy(self.model)
-        M.copy_weights_into(self.model, self.ref_state)
-        try:
-            yield self.model
-        finally:
-            M.copy_weights_into(self.model, current)
-
     def named_megatron_params(self, stage_copies: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """(Megatron name, this rank's TP shard) for every weight of this pipeline stage, in a fixed order. Each on
         the trainer's device: while the trainer is offloaded (--colocate syncs after the offload, as slime does),
@@ -233,7 +185,7 @@ class Trainer:
             path = checkpoint.save_shard(self.train.save, rollout_id, self.tp.tp_rank, self.tp.tp_size,
                                          self.hf_config, dict(self.named_megatron_params()), optimizer_state,
                                          draft_state=None if self.online_draft is None
-                                         else self.online_draft.state_dict(), **self._ep_shard)
+                                         else self.online_draft.state_dict(), **initial_weights.shard_of(self.tp))
             # servable as is: SGLang's EAGLE3 layout (written once: by global rank 0)
             if self.online_draft is not None and self.tp.tp_rank == 0 and self.tp.ep_rank == 0:
                 self.online_draft.export(path.parent / EAGLE3_DRAFT_DIR)
@@ -460,7 +412,7 @@ class Trainer:
             old = [[b.rollout_log_probs for b in step] if t.use_rollout_logprobs else self._log_probs(step)
                    for step in batches]
             if self.ref_state is not None:
-                with self._reference_model():
+                with initial_weights.swapped_in(self.model, self.ref_state):
                     ref = [self._log_probs(step) for step in batches]
         step_tokens = step_plan.step_tokens(lengths, trained, steps, self.step_layout) \
             if t.calculate_per_token_loss else None
