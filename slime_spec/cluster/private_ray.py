@@ -21,16 +21,20 @@ from slime_spec.cluster.ray_reaper import descendants, live_processes, start_rea
 STOP_WAIT_S = 20.0  # workers notice their raylet is gone within ~1 s on an idle machine
 
 _reaper: subprocess.Popen | None = None  # set while this process has a private Ray running
+_node: dict[int, float] = {}  # {pid: start time} of what ray.init started here: Ray's node (gcs_server, raylet, ...)
 
 
 def start() -> None:
     """Start a private Ray on 127.0.0.1, watched by a reaper of this process."""
     import ray
 
-    global _reaper
+    global _reaper, _node
     pin_private_ray_to_loopback(os.environ)
     _reaper = start_reaper()
+    before = descendants(os.getpid())
     ray.init(**ray_init_kwargs(os.environ, os.cpu_count()))
+    # Ray's node runs as this process's children; told apart from what was here before by pid and start time
+    _node = {pid: t for pid, t in descendants(os.getpid()).items() if before.get(pid) != t and pid != _reaper.pid}
 
 
 def running() -> bool:
@@ -44,12 +48,12 @@ def stop(wait_s: float = STOP_WAIT_S) -> list[str]:
     this driver exits). A no-op returning [] where this process started no private Ray."""
     import ray
 
-    global _reaper
+    global _reaper, _node
     if _reaper is None:
         return []
     known = _processes_of_ray(_reaper.pid)
     ray.shutdown()
-    _reaper = None
+    _reaper, _node = None, {}
     return [_describe(p) for p in _wait_gone(known, wait_s)]
 
 
@@ -67,20 +71,12 @@ def _wait_gone(known: dict[int, float], wait_s: float, poll_s: float = 0.1) -> l
 
 
 def _processes_of_ray(reaper_pid: int) -> dict[int, float]:
-    """The processes Ray's node started in this driver, and every descendant of theirs (workers, engine servers):
-    {pid: start time}."""
-    import ray
-
-    node = ray._private.worker._global_node
-    roots = [info.process.pid for infos in (node.all_processes.values() if node else []) for info in infos
-             if info.process is not None]
+    """The processes Ray's node started in this driver (at `start`) still running, and every descendant of theirs
+    now (workers, engine servers): {pid: start time}."""
     known: dict[int, float] = {}
-    for pid in roots:
-        try:
-            known[pid] = psutil.Process(pid).create_time()
-        except psutil.NoSuchProcess:
-            continue
-        known.update(descendants(pid))
+    for p in live_processes(_node):
+        known[p.pid] = _node[p.pid]
+        known.update(descendants(p.pid))
     known.pop(reaper_pid, None)
     return known
 
