@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 
 from slime_spec.config.run_config import Config
@@ -171,12 +172,16 @@ def axis_limits(values: list[float], floor: float, ceiling: float | None = None)
 # The accept-length panel is token-weighted throughout (rollouts, eval, canary, speed-up probe: speculative/stats.py);
 # slime's per-sample `spec_accept_length` is a different mean and stays in the table and metrics.jsonl.
 ACCEPT_LENGTH = "spec_accept_length_token_weighted"
-PANELS = (  # (key, y label, baseline, range kept when the data fits in it)
-    ("reward_mean", "reward (mean per rollout)", 0.0, 1.0),
-    (ACCEPT_LENGTH, "accept length, token-weighted (tokens per verify pass; 1 = none accepted)", 1.0, None),
+PANELS = (  # (key, title: what the panel shows, y label: the quantity, short enough for the panel's height,
+    #         baseline, range kept when the data fits in it)
+    ("reward_mean", "Reward", "reward (mean per rollout)", 0.0, 1.0),
+    (ACCEPT_LENGTH, "Accept length: tokens per verify pass (1 = no draft token accepted)",
+     "accept length, token-weighted", 1.0, None),
 )
-ACCEPT_RATE_PANEL = ("spec_accept_rate", "accept rate (accepted / drafted tokens: the draft's quality)", 0.0, 1.0)
-SPEEDUP_PANEL = ("spec_speedup", "spec_speedup (plain time / spec. time)", 0.0, None)
+ACCEPT_RATE_PANEL = ("spec_accept_rate", "Accept rate: the draft's quality", "accept rate (accepted / drafted)",
+                     0.0, 1.0)
+SPEEDUP_PANEL = ("spec_speedup", "Speed-up of speculative rollout over plain decoding",
+                 "spec_speedup (plain / spec. time)", 0.0, None)
 FROZEN_SERIES = {"spec_speedup": "spec_speedup_frozen", "spec_accept_rate": "spec_speedup_frozen_accept_rate",
                  ACCEPT_LENGTH: "spec_speedup_frozen_accept_length"}
 FROZEN_COLOR = "tab:red"
@@ -206,8 +211,12 @@ def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[s
 
     panels = (PANELS + ((ACCEPT_RATE_PANEL,) if measured("spec_accept_rate") else ())
               + ((SPEEDUP_PANEL,) if measured("spec_speedup") else ()))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.4))
-    for ax, (key, ylabel, floor, ceiling) in zip(axes, panels):
+    cols = min(2, len(panels))  # at most two panels a row: each wide enough for its legend and labels
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7.5 * cols, 4.6 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        fig.delaxes(ax)
+    for ax, (key, panel_title, ylabel, floor, ceiling) in zip(axes.flat, panels):
         if key == "spec_speedup":
             ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="plain decoding (1.0x)")
         shown: list[float] = []
@@ -245,13 +254,14 @@ def plot(steps: list[dict], path: Path, title: str = "slime-spec", extra: dict[s
                             label=f"{name}: canary after weight sync")
                     shown += cys
         ax.set_ylim(*axis_limits(shown + ([1.0] if key == "spec_speedup" else []), floor, ceiling))
+        ax.set_title(panel_title, fontsize=11)
         ax.set_xlabel("rollout step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         if shown:
             ax.legend(fontsize=8, loc="best")
-    fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0, 1, 0.94))  # room for the title
+    fig.suptitle(textwrap.fill(title, width=40 * cols))
+    fig.tight_layout(rect=(0, 0, 1, 0.95 if rows > 1 else 0.92))  # room for the title
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
