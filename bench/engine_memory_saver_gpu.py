@@ -1,8 +1,9 @@
 """An embedded engine's memory release and resume, without and with SGLang's memory saver, side by side in one run.
 
-For each mode: graph capture at start, seconds to release and to resume (median of --cycles), the GPU memory the
-release hands back (the driver's free memory, which is what a colocated trainer can take), whether the resume
-captured graphs again, and whether greedy output after each resume equals the output before the first release.
+For each mode: graph capture at start, seconds to release and to resume (median of --cycles) and then for one more
+cycle a tag at a time (kv_cache, weights, cuda_graph; resumed in reverse), the GPU memory the release hands back
+(the driver's free memory, which is what a colocated trainer can take), whether the resume captured graphs again, and
+whether greedy output after each resume equals the output before the first release.
 Then the ratio plain / saver of the resume time. The engine is the GPU demo's: a 0.5B-parameter MiMo-shaped target
 (34 layers of hidden 1024, one MTP layer), NEXTN 3 steps, bfloat16, 32 running requests.
 
@@ -40,6 +41,7 @@ def free_bytes() -> int:
 
 def run_mode(model: Path, saver: bool, cycles: int) -> dict:
     from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
+    from slime_spec.engine.model_executor.memory_saver import MEMORY_TAGS
     from slime_spec.speculative.settings import SpecConfig
     from tests.helpers.engine_runs import run_to_completion
 
@@ -69,10 +71,23 @@ def run_mode(model: Path, saver: bool, cycles: int) -> dict:
         torch.cuda.synchronize()
         resume_s.append(time.perf_counter() - t0)
         equal.append(greedy(f"after{i}") == before)
+    # one more cycle a tag at a time, in SGLang's release order and its reverse for the resume: which tag costs what
+    per_tag = {}
+    for tag in MEMORY_TAGS:
+        t0 = time.perf_counter()
+        core.release_memory([tag])
+        torch.cuda.synchronize()
+        per_tag[f"release {tag}"] = time.perf_counter() - t0
+    for tag in reversed(MEMORY_TAGS):
+        t0 = time.perf_counter()
+        core.resume_memory([tag])
+        torch.cuda.synchronize()
+        per_tag[f"resume {tag}"] = time.perf_counter() - t0
+    equal.append(greedy("after tag by tag") == before)
     row = dict(mode="memory saver" if saver else "plain", start_s=start_s, capture_s=capture_at_start,
                recaptured=any(core.model.graphs.get(name) is not g for name, g in graphs.items()),
                release_s=statistics.median(release_s), resume_s=statistics.median(resume_s),
-               freed_gib=statistics.median(freed) / GIB, greedy_equal=all(equal))
+               freed_gib=statistics.median(freed) / GIB, greedy_equal=all(equal), per_tag=per_tag)
     return row
 
 
@@ -106,6 +121,8 @@ def main() -> int:
               f"{r['resume_s']:.3f} | {r['freed_gib']:.2f} | {'yes' if r['recaptured'] else 'no'} | "
               f"{r['greedy_equal']} |")
     print(f"resume, plain / memory saver: {rows[0]['resume_s'] / rows[1]['resume_s']:.1f}x")
+    for r in rows:
+        print(f"{r['mode']}, a tag at a time, s: " + ", ".join(f"{k} {v:.3f}" for k, v in r["per_tag"].items()))
     return 0 if all(r["greedy_equal"] for r in rows) else 1
 
 
