@@ -16,6 +16,7 @@ from slime_spec.common.dtypes import config_dtype
 from slime_spec.common.model_families import ARCHITECTURES, MLA_FAMILIES, MOE_FAMILIES
 from slime_spec.config.run_config import moe_expert_layout_refusal
 from slime_spec.doctor.codes import Finding, Rule
+from slime_spec.engine.managers.finish import request_limits
 from slime_spec.speculative import settings as spec
 from slime_spec.speculative.settings import Algorithm, SpecConfig, native_mtp_layers
 
@@ -107,9 +108,8 @@ def check_context_length(inp: CheckInput) -> list[Finding]:
     effective = ctx or (min(x for x in (t_len, d_len) if x) if (t_len or d_len) else None)
     if effective and inp.longest_prompt_tokens is not None and inp.max_response_len is not None:
         prompt, response = inp.longest_prompt_tokens, inp.max_response_len
-        # SGLang's TpModelWorker: max_req_input_len = (context length - 1) - 5; its scheduler refuses a prompt
-        # of that many tokens or more, whatever the response length
-        max_input = effective - 6
+        # SGLang's scheduler refuses a prompt of max_req_input_len tokens or more, whatever the response length
+        _, max_input = request_limits(effective)
         need = prompt + response
         if need > effective or prompt >= max_input:
             # such a prompt leaves nothing a shorter response could fit in: leave it out

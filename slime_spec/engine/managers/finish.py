@@ -13,11 +13,18 @@ from __future__ import annotations
 from slime_spec.engine.managers.request import Output, Row
 
 
+def request_limits(context_length: int) -> tuple[int, int]:
+    """(max_req_len, max_req_input_len) as SGLang's TpModelWorker sets them where the KV pool holds a whole context:
+    a request spans at most context length - 1 positions, and its scheduler refuses a prompt of max_req_len - 5
+    tokens or more."""
+    max_req_len = context_length - 1
+    return max_req_len, max_req_len - 5
+
+
 class FinishRules:
     def __init__(self, tokenizer, eos_token_ids: set[int], context_length: int):
         self.tokenizer, self.eos_token_ids, self.context_length = tokenizer, eos_token_ids, context_length
-        self.max_req_len = context_length - 1
-        self.max_req_input_len = self.max_req_len - 5
+        self.max_req_len, self.max_req_input_len = request_limits(context_length)
 
     def max_new_tokens(self, row: Row) -> int:
         """The row's `max_new_tokens` as SGLang's scheduler clips it: within max_req_len = context length - 1, less
