@@ -3,7 +3,8 @@
 
 Two ways, as SGLang has them:
 - with the memory saver (`--enable-memory-saver`, model_executor/memory_saver.py): each tag's memory is unmapped and
-  mapped again at the same addresses, in SGLang's order; captured graphs stay valid;
+  mapped again at the same addresses, in SGLang's order; captured graphs stay valid; the weights (one allocation)
+  are copied into a pinned host buffer before the release and back after the resume;
 - without it (the default, and always on CPU): the weights move to a CPU backup, the KV caches and graphs are
   dropped, and resume allocates them again and captures the graphs again once nothing is left released.
 """
@@ -33,17 +34,20 @@ class MemoryOccupation:
         self.core, self.saver = core, saver
         self.released: set[str] = set()
         self._weight_backup: dict[int, torch.Tensor] = {}
+        self._weights: torch.Tensor | None = None  # with the saver: the weights' one allocation, as uint8
+        self._pinned_backup: torch.Tensor | None = None  # its host copy, pinned at the first release
         if saver:
             memory_saver.enable(core.device)
             self._move_into_saver()
 
     def _move_into_saver(self) -> None:
-        """Weights into the saver's "weights" region (views and ties kept), KV caches allocated again in its
-        "kv_cache" region; what they occupied before goes back to the driver."""
+        """Weights into the saver's "weights" region as one allocation (views and ties kept), KV caches allocated
+        again in its "kv_cache" region; what they occupied before goes back to the driver."""
         core = self.core
         draft = core.drafter.draft if core.drafter is not None else None
         with memory_saver.weights_region():
-            memory_saver.copy_keeping_views([core.model] + ([draft] if draft is not None else []), core.device)
+            self._weights = memory_saver.copy_into_one_allocation([core.model] + ([draft] if draft is not None else []),
+                                                                  core.device)
         core.cache = None
         if core.drafter is not None:
             core.drafter.drop_cache()
@@ -57,6 +61,10 @@ class MemoryOccupation:
         """`tags` as check_tags returns them; the engine is idle."""
         core = self.core
         if self.saver:  # SGLang's order; addresses kept, graphs stay valid
+            if "weights" in tags and "weights" not in self.released:
+                if self._pinned_backup is None:
+                    self._pinned_backup = torch.empty_like(self._weights, device="cpu", pin_memory=True)
+                self._pinned_backup.copy_(self._weights, non_blocking=True)
             torch.cuda.synchronize(core.device)
             for tag in MEMORY_TAGS:
                 if tag in tags and tag not in self.released:
@@ -99,10 +107,12 @@ class MemoryOccupation:
     def resume(self, tags: set[str]) -> None:
         core = self.core
         if self.saver:
-            for tag in reversed(MEMORY_TAGS):  # SGLang's order: graphs, weights (from the CPU backup), KV caches
+            for tag in reversed(MEMORY_TAGS):  # SGLang's order: graphs, weights, KV caches
                 if tag in tags and tag in self.released:
                     memory_saver.resume(tag)
                     self.released.discard(tag)
+                    if tag == "weights":
+                        self._weights.copy_(self._pinned_backup, non_blocking=True)
             torch.cuda.synchronize(core.device)
             return
         if "weights" in tags and "weights" in self.released:

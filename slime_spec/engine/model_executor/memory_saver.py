@@ -7,9 +7,12 @@ addresses; a resume maps new memory there, so every captured graph still points 
 captured again. SGLang's launcher preloads torch_memory_saver's allocator hook into the scheduler process
 (`configure_subprocess`) when the flag is set.
 
-Weights are restored from the saver's CPU backup on resume (the embedded engine always keeps one: its weights then
-serve as they did before the release, as without the saver). KV caches and graph memory come back uninitialised:
-the engine is idle across a release, and a graph rewrites its buffers on every replay.
+Weights come back on resume as they were: before the release the engine copies them into a pinned host buffer
+(allocated at the first release, reused) and after the resume copies them back (managers/memory_occupation.py). The
+saver's own CPU backup (SGLang's `--enable-weights-cpu-backup`) does the same, ~27x slower on the GPU demo's 1 GiB
+(bench/memory_saver_allocations_gpu.py); SGLang keeps none by default, and a weight sync must follow its resume. KV
+caches and graph memory come back uninitialised: the engine is idle across a release, and a graph rewrites its
+buffers on every replay.
 
 Without the saver (the default, and always on CPU) the engine moves its weights to a CPU backup and drops its KV
 caches and graphs; resume allocates them again and captures the graphs again (managers/memory_occupation.py).
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Iterable
 
 import torch
@@ -98,59 +101,76 @@ def resume(tag: str) -> None:
     _adapter.resume(tag)
 
 
-def copy_keeping_views(modules: Iterable[torch.nn.Module], device: torch.device) -> int:
-    """Copy every parameter, buffer and tensor attribute of `modules` (and their submodules) into fresh storage on
-    `device`, one copy per storage: tensors that shared a storage (a fused projection and the parameters that are
-    its views, tied embeddings) share the new one, at the same offsets. Parameters stay the same objects. Returns
-    the bytes copied. Run inside `region("weights")` this moves the served weights into the saver's memory."""
-    copies: dict[int, torch.UntypedStorage] = {}  # old storage's address -> its copy
-    fresh: set[int] = set()  # the copies' addresses: a tensor met twice (shared by two modules) is moved once
-    copied = 0
+SLOT_ALIGN = 256  # bytes: every tensor's storage starts as aligned as the CUDA allocator's own blocks
 
-    def relocate(t: torch.Tensor) -> torch.Tensor:
-        nonlocal copied
-        storage = t.untyped_storage()
-        if storage.nbytes() == 0:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-        key = storage.data_ptr()
-        if key in fresh:
-            return t
-        new = copies.get(key)
-        if new is None:
-            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            new = copies[key] = whole.to(device, copy=True).untyped_storage()
-            fresh.add(new.data_ptr())
-            copied += storage.nbytes()
-        return torch.empty(0, dtype=t.dtype, device=device).set_(new, t.storage_offset(), t.shape, t.stride())
 
+def _visit_tensors(modules: Iterable[torch.nn.Module], move) -> None:
+    """Replace every parameter's data, buffer and tensor attribute (bare or in a tuple) of `modules` and their
+    submodules by `move(tensor)`; parameters stay the same objects, a module or parameter met twice is moved once."""
     seen: set[int] = set()
+    for root in modules:
+        for module in root.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            for param in module._parameters.values():
+                if param is not None and id(param) not in seen:
+                    seen.add(id(param))
+                    param.data = move(param.data)
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = move(buf)
+            for name, value in list(vars(module).items()):
+                if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                    setattr(module, name, move(value))
+                elif isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
+                    setattr(module, name, tuple(move(v) if isinstance(v, torch.Tensor) else v for v in value))
+
+
+def copy_into_one_allocation(modules: Iterable[torch.nn.Module], device: torch.device) -> torch.Tensor:
+    """Copy every parameter, buffer and tensor attribute of `modules` (and their submodules) into one fresh
+    allocation on `device`, each old storage at its own aligned offset: tensors that shared a storage (a fused
+    projection and the parameters that are its views, tied embeddings) still share bytes, at the same relative
+    offsets. Parameters stay the same objects. Returns the allocation, as uint8 (its tail past the last tensor is
+    alignment padding).
+
+    Run inside `region("weights")` this moves the served weights into the saver's memory as one allocation, which
+    the engine backs up and restores with one copy each way."""
+    slots: dict[int, tuple[torch.UntypedStorage, int]] = {}  # old storage's address -> (storage, byte offset)
+    total = 0
+
+    def plan(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in slots:
+            slots[storage.data_ptr()] = (storage, total)
+            total += -(-storage.nbytes() // SLOT_ALIGN) * SLOT_ALIGN
+        return t
+
     with torch.no_grad():
-        for root in modules:
-            for module in root.modules():
-                if id(module) in seen:
-                    continue
-                seen.add(id(module))
-                for param in module._parameters.values():
-                    if param is not None and id(param) not in seen:
-                        seen.add(id(param))
-                        param.data = relocate(param.data)
-                for name, buf in module._buffers.items():
-                    if buf is not None:
-                        module._buffers[name] = relocate(buf)
-                for name, value in list(vars(module).items()):
-                    if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                        setattr(module, name, relocate(value))
-                    elif isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
-                        setattr(module, name, tuple(relocate(v) if isinstance(v, torch.Tensor) else v
-                                                    for v in value))
-    return copied
+        _visit_tensors(modules, plan)
+        block = torch.empty(total, dtype=torch.uint8, device=device)
+        for storage, offset in slots.values():
+            whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            block[offset:offset + storage.nbytes()].copy_(whole)
+        new_storage = block.untyped_storage()
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0:
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            if storage.data_ptr() == new_storage.data_ptr():  # met before, through another module
+                return t
+            offset = slots[storage.data_ptr()][1] // t.element_size() + t.storage_offset()
+            return torch.empty(0, dtype=t.dtype, device=device).set_(new_storage, offset, t.shape, t.stride())
+
+        _visit_tensors(modules, move)
+    return block
 
 
-@contextmanager
 def weights_region():
-    """The weights' region, with the CPU backup the embedded engine keeps (see the module docstring)."""
-    with region(GPU_MEMORY_TYPE_WEIGHTS, enable_cpu_backup=True):
-        yield
+    """The weights' region, without the saver's CPU backup: the engine keeps its own (see the module docstring)."""
+    return region(GPU_MEMORY_TYPE_WEIGHTS)
 
 
 def kv_cache_region():
