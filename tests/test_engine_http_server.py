@@ -29,7 +29,7 @@ def servers(tmp_path_factory):
                                     log_path=root / "plain.log", env={"SGLANG_HEALTH_CHECK_TIMEOUT": "5"}).launch()
     spec = embedded_server_process(model, ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
                                  "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
-                                 "--random-seed", "0", "--mem-fraction-static", "0.7"],
+                                 "--random-seed", "0", "--mem-fraction-static", "0.7", "--skip-server-warmup"],
                                    log_path=root / "spec.log").launch()
     try:
         yield plain.wait_ready(300), spec.wait_ready(300)
@@ -437,6 +437,13 @@ def test_freeze_gc_reaches_the_engine(plain):
     r = post(plain, "/freeze_gc")
     assert r.status_code == 200 and r.text == "Garbage collection frozen.\n"
     assert generate(plain, {"text": "hi", "sampling_params": greedy(2)})["meta_info"]["completion_tokens"] == 2
+
+
+def test_sglangs_post_warmup_freeze_gc_reaches_a_server_started_without_warmup(spec):
+    """SGLang posts its own /freeze_gc once warm; with --skip-server-warmup (slime always passes it) that post ran
+    before uvicorn listened and was refused, leaving the front end's collector unfrozen."""
+    poll(lambda: '"POST /freeze_gc HTTP/1.1" 200' in spec.log_path.read_text())
+    assert "post-warmup freeze_gc failed" not in spec.log_path.read_text()
 
 
 def test_the_engine_thread_blocks_while_released(tmp_path):

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     server_args = prepare_server_args(sglang_argv(argv, args))
     install_extensions(http_server.app)
     fork_children_on_cpu(args.device)
+    freeze_gc_once_listening(args.host, args.port)
     logger.info("serving %s on http://%s:%d through SGLang's front end (device %s, dtype %s, speculative %s)",
                 args.model_path, args.host, args.port, args.device, args.dtype, args.spec)
     try:
@@ -69,6 +70,36 @@ def main(argv: list[str] | None = None) -> int:
 
         kill_process_tree(os.getpid(), include_parent=False)
     return 0
+
+
+def freeze_gc_once_listening(host: str, port: int, timeout_s: float = 120.0) -> None:
+    """SGLang freezes the collector of its HTTP server, scheduler and detokenizer after warmup by posting its own
+    /freeze_gc (`_freeze_gc_after_server_warmup`). With `--skip-server-warmup` (slime always passes it) that post
+    runs as uvicorn starts, is refused ("post-warmup freeze_gc failed" in the log), and the front end's heap is
+    never frozen: its full collections then took ~0.55 s each under a rollout's requests (CPU engine, 1,920
+    requests: two of them, 1.1 s). The post now waits until the server accepts connections, then runs SGLang's."""
+    import socket
+    import time
+
+    from sglang.srt.entrypoints import http_server
+
+    freeze = http_server._freeze_gc_after_server_warmup
+
+    def when_listening(server_args) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                socket.create_connection((host, port), timeout=1.0).close()
+                break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    logger.warning("freeze_gc: %s:%d accepted no connection within %.0f s (%s); the collectors stay "
+                                   "unfrozen", host, port, timeout_s, e)
+                    return
+                time.sleep(0.05)
+        freeze(server_args)
+
+    http_server._freeze_gc_after_server_warmup = when_listening
 
 
 def fork_children_on_cpu(device: str) -> None:

@@ -282,9 +282,10 @@ class EmbeddedScheduler:
                             lambda f: io.ResumeMemoryOccupationReqOutput(http_worker_ipc=msg.http_worker_ipc),
                             label="/resume_memory_occupation")
 
-        def freeze(msg):
+        def freeze(msg):  # as SGLang's scheduler: freeze here, then forward to the detokenizer
             frozen = freeze_gc(self.args.gc_threshold)
             logger.debug("froze the collector: %d objects in the permanent generation", frozen)
+            self._send(self._to_detokenizer, msg)
 
         handlers = {
             "FlushCacheReqInput": flush, "AbortReq": abort, "PauseGenerationReqInput": pause,
