@@ -1,7 +1,8 @@
-"""The embedded server's per-request cost: one batched /generate of N prompts vs N concurrent single calls.
+"""The embedded server's per-request cost: one batched /generate of N prompts vs N concurrent single calls (and,
+with `--group-size G`, N / G concurrent batched calls of G: how the rollout sends GRPO groups).
 
     python bench/engine_http.py [--quick] [--model DIR] [--requests 8,32,128] [--max-new-tokens N] [--repeats N]
-                                [--server-flags "SGLANG FLAGS"] [--return-logprob] [--plain-twins]
+                                [--server-flags "SGLANG FLAGS"] [--return-logprob] [--plain-twins] [--group-size G]
                                 [--baseline-pythonpath DIR | --limits 32,128]
 
 The server is `python -m slime_spec.engine` in a child process (as the rollout talks to it): SGLang's HTTP
@@ -73,14 +74,18 @@ def front_end_cpu_seconds(pid: int) -> float:
     return total
 
 
-async def one_run(session, url: str, pid: int, prompts: list[list[int]], params: dict, batched: bool,
+async def one_run(session, url: str, pid: int, prompts: list[list[int]], params: dict, group: int,
                   return_logprob: bool) -> tuple[float, float, int, float]:
-    """(wall seconds, engine step seconds, generated tokens, front-end CPU seconds) for one shape."""
+    """(wall seconds, engine step seconds, generated tokens, front-end CPU seconds) for one shape: the prompts sent
+    `group` at a time as concurrent batched calls (all of them: one batched call; 1: one call each)."""
     before, cpu_before = await engine_seconds(session, url), front_end_cpu_seconds(pid)
     start = time.perf_counter()
     extra = {"return_logprob": True} if return_logprob else {}
-    if batched:
-        outs = await generate(session, url, {"input_ids": prompts, "sampling_params": params, **extra})
+    if group > 1:
+        answers = await asyncio.gather(*(generate(session, url, {"input_ids": prompts[i:i + group],
+                                                                 "sampling_params": params, **extra})
+                                         for i in range(0, len(prompts), group)))
+        outs = [o for answer in answers for o in answer]
     else:
         outs = await asyncio.gather(*(generate(session, url, {"input_ids": p, "sampling_params": params, **extra})
                                       for p in prompts))
@@ -102,8 +107,14 @@ def rollout_prompts(path: str, model: str, n: int, samples: int = 8) -> list[lis
     return [tokenizer.encode(texts[i // samples], add_special_tokens=False) for i in range(n)]
 
 
+def shape_name(n: int, group: int) -> str:
+    if group >= n:
+        return "one batched /generate"
+    return f"{n // group} concurrent batched calls of {group}" if group > 1 else f"{n} concurrent single calls"
+
+
 async def measure(servers: list[tuple[str, int]], sizes: list[int], max_new: int, repeats: int,
-                  return_logprob: bool = False, prompt_source=None) -> list[list[dict]]:
+                  return_logprob: bool = False, prompt_source=None, group_size: int | None = None) -> list[list[dict]]:
     """Rows per server (url, pid); within one repeat every server runs each shape, the order of the servers
     alternating between repeats, so load drift hits them alike. `prompt_source(n)`: real prompts, decoded to EOS
     (None: synthetic ones, EOS ignored)."""
@@ -113,28 +124,28 @@ async def measure(servers: list[tuple[str, int]], sizes: list[int], max_new: int
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=1.0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         for url, pid in servers:
-            await one_run(session, url, pid, [[5, 6, 7]] * 2, params, True, return_logprob)  # warm-up
+            await one_run(session, url, pid, [[5, 6, 7]] * 2, params, 2, return_logprob)  # warm-up
         for n in sizes:
             prompts = prompt_source(n) if prompt_source else [[5 + (i * 7 + j) % 40 for j in range(12)]
                                                               for i in range(n)]
-            runs = [{True: [], False: []} for _ in servers]
+            groups = [n] + ([group_size] if group_size and 1 < group_size < n else []) + [1]
+            runs = [{g: [] for g in groups} for _ in servers]
             for r in range(repeats):
                 order = list(enumerate(servers))
                 for k, (url, pid) in order if r % 2 == 0 else order[::-1]:
-                    for batched in (True, False):
-                        runs[k][batched].append(await one_run(session, url, pid, prompts, params, batched,
-                                                              return_logprob))
+                    for g in groups:
+                        runs[k][g].append(await one_run(session, url, pid, prompts, params, g, return_logprob))
             for k in range(len(servers)):
-                for batched, rs in runs[k].items():
+                for g, rs in runs[k].items():
                     wall = statistics.median(r[0] for r in rs)
                     spent = statistics.median(r[1] for r in rs)
                     tokens = statistics.median(r[2] for r in rs)
-                    rows[k].append({"shape": "one batched /generate" if batched else f"{n} concurrent single calls",
+                    rows[k].append({"shape": shape_name(n, g),
                                     "n": n, "wall_s": wall, "wall_mean_s": statistics.fmean(r[0] for r in rs),
                                     "engine_s": spent, "outside": 1 - spent / wall,
                                     "tokens_per_s": tokens / wall,
                                     "front_cpu_ms": 1e3 * statistics.median(r[3] for r in rs) / n})
-            print(to_markdown(rows[0][-2:]), flush=True)
+            print(to_markdown(rows[0][-len(groups):]), flush=True)
     return rows
 
 
@@ -212,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also measure the server whose slime_spec is imported from this directory, side by side")
     p.add_argument("--prompt-data", default=None, help="a JSONL file with a \"prompt\" field (e.g. the demo's "
                    "outputs/demo/data/train.jsonl): its prompts, 8 samples each, decoded to EOS as a rollout does")
+    p.add_argument("--group-size", type=int, default=None, help="also send the prompts this many at a time as "
+                   "concurrent batched calls, as the rollout sends a GRPO group (e.g. 8: --n-samples-per-prompt)")
     p.add_argument("--limits", default=None, help="comma-separated --max-running-requests values: one server (and "
                    "plain twin) per value, side by side, e.g. 32,128 (a rollout in waves against one at once)")
     a = p.parse_args(argv)
@@ -248,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             server.wait_ready(600)
         source = (lambda n: rollout_prompts(a.prompt_data, model, n)) if a.prompt_data else None
         rows = asyncio.run(measure([(s.url, s.pid) for s in servers], sizes, max_new, repeats, a.return_logprob,
-                                   source))
+                                   source, a.group_size))
     finally:
         for server in servers:
             server.stop()

@@ -110,7 +110,8 @@ def main(argv=None) -> int:
 
         def timed(name: str) -> tuple[float, float]:
             before = engine_step_s(name)
-            half = asyncio.run(time_generation(servers[name].url, EngineAuth(), prompts, params, len(prompts), 600))
+            half = asyncio.run(time_generation(servers[name].url, EngineAuth(), [[p] for p in prompts], params,
+                                                  len(prompts), 600))
             return half.seconds, half.seconds - (engine_step_s(name) - before)
 
         names = ("spec_b", "plain", "spec_a") if a.swap else ("spec_a", "plain", "spec_b")

@@ -34,6 +34,25 @@ def test_pick_engine():
     assert pick_engine([3, 1, 1], [True, True, True], 4) == 1
     assert pick_engine([3, 1, 0], [True, True, False], 4) == 1
     assert pick_engine([4, 4], [True, True], 4) is None
+    assert pick_engine([1, 2], [True, True], 4, requests=3) == 0  # a group's requests fit under the cap
+    assert pick_engine([2, 3], [True, True], 4, requests=3) is None
+    assert pick_engine([0, 1], [True, True], 4, requests=8) == 0  # an idle engine takes a group past the cap
+
+
+def test_a_waiting_group_does_not_hold_back_a_single_request():
+    async def main():
+        r = Router(1, max_concurrency=4)
+        assert await r.acquire(4) == 0
+        group = asyncio.create_task(r.acquire(2))  # both wait, the group first
+        await asyncio.sleep(0.01)
+        single = asyncio.create_task(r.acquire())
+        await asyncio.sleep(0.01)
+        await r.release(0)  # room for one: the single request, though the group waited longer
+        await asyncio.sleep(0.01)
+        assert single.done() and not group.done() and r.in_flight == [4]
+        await r.release(0, 3)  # room for the group
+        assert await group == 0 and r.in_flight == [3]
+    asyncio.run(main())
 
 
 def test_router_waits_for_capacity_and_fails_when_all_dead():

@@ -72,8 +72,17 @@ def managers(workdir):
     bad = RolloutManagerActor.options(num_cpus=0).remote(
         RolloutConfig(hf_checkpoint=str(workdir / "llama"), engine_start_timeout=120), bad_engine, 1,
         log_dir=str(workdir / "bad_logs"))
-    yield good, bad
-    ray.get(good.shutdown.remote())
+    # The grouped manager's prompts: its rollout 1 holds prompt 5, past the engine's context
+    lines = [json.dumps({"input": ("9" * 3000 if i == 5 else f"{i}+{i}="), "label": str(2 * i)}) for i in range(8)]
+    (workdir / "group_prompts.jsonl").write_text("\n".join(lines) + "\n")
+    grouped = RolloutManagerActor.options(num_cpus=0).remote(  # the default generate function: a group per request
+        RolloutConfig(hf_checkpoint=str(workdir / "llama"), prompt_data=str(workdir / "group_prompts.jsonl"),
+                      label_key="label", rm_type="math", rollout_batch_size=BATCH, n_samples_per_prompt=N_SAMPLES,
+                      rollout_max_response_len=MAX_LEN),
+        EngineConfig(backend="embedded", model_path=str(workdir / "llama")), 1, log_dir=str(workdir / "group_logs"),
+        show_progress=False)
+    yield good, bad, grouped
+    ray.get([good.shutdown.remote(), grouped.shutdown.remote()])
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +134,9 @@ def test_generate_metrics_and_replay(manager, workdir):
 
 
 def test_group_samples_differ_across_engines_at_temperature_one(manager):
-    """Engine i runs with --random-seed seed + i: the n samples of one GRPO group, spread over two engines,
-    must not be the same draws (with one seed for all, two fresh engines answer one prompt identically)."""
+    """Engine i runs with --random-seed seed + i: the n samples of one GRPO group, spread over two engines (one
+    request per sample, as a custom generate function sends them), must not be the same draws (with one seed for
+    all, two fresh engines answer one prompt identically)."""
     engines = ray.get(manager.engines.remote())
     seeds = [ray.get(e.server_info.remote())["random_seed"] for e in engines]
     assert seeds == [1234, 1235]
@@ -136,6 +146,30 @@ def test_group_samples_differ_across_engines_at_temperature_one(manager):
         assert len(group) == N_SAMPLES and all(s.weight_version == "default" for s in group)
         if len({s.engine_index for s in group}) > 1:
             assert len({tuple(s.tokens) for s in group}) == N_SAMPLES, f"group {g} drew identical samples"
+
+
+def test_the_default_generate_sends_each_group_as_one_batched_request(managers, workdir):
+    grouped = managers[2]
+    log = workdir / "group_logs" / "engine_0.log"
+    posts_before = log.read_text().count("POST /generate ") if log.exists() else 0
+    samples = ray.get(grouped.generate.remote(0))
+    assert log.read_text().count("POST /generate ") - posts_before == BATCH  # SGLang's access log: one per group
+    assert [s.group_index for s in samples] == [g for g in range(BATCH) for _ in range(N_SAMPLES)]
+    for s in samples:
+        assert s.status in (Status.COMPLETED, Status.TRUNCATED) and s.error is None, s.error
+        assert 0 < s.response_length <= MAX_LEN and s.engine_index == 0 and s.weight_version == "default"
+        assert len(s.rollout_log_probs) == s.response_length == len(s.tokens) - s.prompt_length
+        assert s.reward in (0.0, 1.0)
+    for g in range(BATCH):  # the group's samples are separate draws, not one answer repeated
+        assert len({tuple(s.tokens) for s in samples if s.group_index == g}) == N_SAMPLES
+
+
+def test_a_group_whose_batched_request_fails_goes_one_request_per_sample(managers):
+    samples = ray.get(managers[2].generate.remote(1))  # prompts 4-7; prompt 5 is past the context
+    failed = [s for s in samples if s.status == Status.ABORTED]
+    assert [s.group_index for s in failed] == [1] * N_SAMPLES  # the rollout's second group
+    assert all("request failed" in s.error and "400" in s.error for s in failed), [s.error for s in failed]
+    assert all(s.status != Status.ABORTED and s.response_length > 0 for s in samples if s.group_index != 1)
 
 
 def test_killed_engine_is_restarted_and_nothing_is_lost(manager, workdir):

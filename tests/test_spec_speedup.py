@@ -1,10 +1,13 @@
-"""The speed-up measurement's pure parts: the plain engine's flags, when it runs, what it reports, what it refuses."""
+"""The speed-up measurement's pure parts: the plain engine's flags, when it runs, what it reports, what it refuses,
+how a timed half sends its prompts."""
 
+import asyncio
 import gc
 
 import pytest
 
 from slime_spec.config.args import parse_config
+from slime_spec.fleet.client import AsyncEngineClient, EngineAuth
 from slime_spec.speculative.speedup import (
     TimedHalf,
     check_config,
@@ -14,6 +17,7 @@ from slime_spec.speculative.speedup import (
     median_half,
     plain_engine_config,
     speedup_metrics,
+    time_generation,
     without_speculative_flags,
 )
 
@@ -184,3 +188,28 @@ def test_the_probe_engines_of_an_fp8_checkpoint_load_what_the_sync_sends(tmp_pat
     assert torch.equal(saved[o_proj + fp8.SCALE_SUFFIX], s)
     assert probe.clients["plain"].posted == [("/update_weights_from_disk", {"model_path": str(probe.weights_dir),
                                                                             "weight_version": "3"})]
+
+
+def test_a_timed_half_sends_the_prompts_as_the_rollout_sends_them(monkeypatch):
+    """A group of several as one batched /generate (the default generate function's groups), else one request per
+    prompt (a custom generate function, the sglang-router, history drafting: rollout/generate.py sends_groups)."""
+    sent = []
+    meta = {"meta_info": {"completion_tokens": 2, "spec_verify_ct": 1}}
+
+    async def generate(self, payload):
+        sent.append(("one", payload["input_ids"]))
+        return meta
+
+    async def generate_batch(self, payload):
+        sent.append(("batch", payload["input_ids"]))
+        return [meta] * len(payload["input_ids"])
+
+    monkeypatch.setattr(AsyncEngineClient, "generate", generate)
+    monkeypatch.setattr(AsyncEngineClient, "generate_batch", generate_batch)
+    groups = [[[1], [1]], [[2]]]
+    for batched, expected in ((True, [("batch", [[1], [1]]), ("one", [2])]),
+                              (False, [("one", [1]), ("one", [1]), ("one", [2])])):
+        sent.clear()
+        half = asyncio.run(time_generation("http://127.0.0.1:9", EngineAuth(), groups, {"max_new_tokens": 2}, 8, 5,
+                                           batched=batched))
+        assert sorted(sent) == expected and half.response_tokens == 6 and half.verify_ct == 3

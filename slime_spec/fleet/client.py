@@ -231,6 +231,14 @@ class AsyncEngineClient:
     async def generate(self, payload: dict) -> dict:
         return await self.post("/generate", payload)
 
+    async def generate_batch(self, payload: dict) -> list:
+        """A batched /generate (lists of inputs): SGLang answers with one output per input, in order."""
+        answer = await self.post("/generate", payload)
+        if set(answer) != {"result"} or not isinstance(answer["result"], list):
+            raise ValueError(f"{self.url}/generate answered a batched request with {str(answer)[:200]}: SGLang "
+                             "answers one with a list of outputs")
+        return answer["result"]
+
     async def request(self, method: str, path: str, payload: dict | None) -> dict:
         try:
             async with self.session.request(method, f"{self.url}{path}", json=payload,

@@ -63,9 +63,10 @@ class NoEngineAvailable(RuntimeError):
     pass
 
 
-def pick_engine(in_flight: list[int], available: list[bool], cap: int) -> int | None:
-    """The available engine with the fewest in-flight requests below `cap` (lowest index on ties), or None."""
-    candidates = [i for i, (n, ok) in enumerate(zip(in_flight, available)) if ok and n < cap]
+def pick_engine(in_flight: list[int], available: list[bool], cap: int, requests: int = 1) -> int | None:
+    """The available engine with the fewest in-flight requests that has room for `requests` more under `cap` (an idle
+    one always has; lowest index on ties), or None."""
+    candidates = [i for i, (n, ok) in enumerate(zip(in_flight, available)) if ok and (n + requests <= cap or n == 0)]
     return min(candidates, key=lambda i: in_flight[i]) if candidates else None
 
 
@@ -79,24 +80,33 @@ class Router:
         self.in_flight = [0] * num_engines
         self.available = [True] * num_engines
         self.dead = [False] * num_engines  # could not be restarted: never used again
+        self._group_waiters = 0  # acquire() calls for more than one request now waiting
         self._cond = asyncio.Condition()
 
-    async def acquire(self) -> int:
+    async def acquire(self, requests: int = 1) -> int:
+        """An engine for `requests` requests (a group's batched /generate counts each of its inputs)."""
         async with self._cond:
             while True:
                 if all(self.dead):
                     raise NoEngineAvailable("every rollout engine is down and could not be restarted; "
                                             "see the engine logs and run `slime-spec doctor`")
-                idx = pick_engine(self.in_flight, self.available, self.cap)
+                idx = pick_engine(self.in_flight, self.available, self.cap, requests)
                 if idx is not None:
-                    self.in_flight[idx] += 1
+                    self.in_flight[idx] += requests
                     return idx
-                await self._cond.wait()
+                self._group_waiters += requests > 1
+                try:
+                    await self._cond.wait()
+                finally:
+                    self._group_waiters -= requests > 1
 
-    async def release(self, idx: int) -> None:
+    async def release(self, idx: int, requests: int = 1) -> None:
         async with self._cond:
-            self.in_flight[idx] -= 1
-            self._cond.notify(1)  # one slot freed: wake one waiter, not all (no thundering herd)
+            self.in_flight[idx] -= requests
+            if requests == 1 and not self._group_waiters:
+                self._cond.notify(1)  # one slot freed: wake one waiter, not all (no thundering herd)
+            else:  # the one woken might be a group that does not fit yet while a single request would
+                self._cond.notify_all()
 
     async def set_available(self, idx: int, ok: bool, dead: bool = False) -> None:
         async with self._cond:

@@ -33,7 +33,14 @@ from slime_spec.fleet.process import ServerProcess
 from slime_spec.rollout.data import PromptDataset
 from slime_spec.rollout.debug_data import load_rollout, save_rollout
 from slime_spec.rollout.dynamic_sampling import OverSampled, load_filter, over_sample
-from slime_spec.rollout.generate import GenerateFn, RolloutEngineClient, default_generate
+from slime_spec.rollout.generate import (
+    GenerateFn,
+    RolloutEngineClient,
+    default_generate,
+    default_generate_group,
+    group_request,
+    sends_groups,
+)
 from slime_spec.rollout.history_sync import make_history_sync
 from slime_spec.rollout.metrics import (
     WandbLogger,
@@ -46,7 +53,7 @@ from slime_spec.rollout.metrics import (
 from slime_spec.rollout.reward_runner import RewardRunner, report_failures, reward_failure_metrics
 from slime_spec.rollout.rewards import load_function
 from slime_spec.rollout.router import start_router
-from slime_spec.rollout.sample import Sample, Status
+from slime_spec.rollout.sample import Sample, Status, groups_of
 from slime_spec.rollout.sampling_params import sampling_params
 
 # Where the bar cannot redraw in place (a Ray worker's stderr is a file), a progress line at most this often.
@@ -345,9 +352,10 @@ class RolloutManager:
                 self._session = async_session(self.request_timeout_s)
             start = time.perf_counter()
             bar = progress_bar(len(samples), desc, self.show_progress, sys.stderr)
-            tasks = [asyncio.create_task(self._sample_task(s, bar, params or self.sampling_params)) for s in samples]
+            tasks = [asyncio.create_task(self._group_task(g, bar, params or self.sampling_params))
+                     for g in groups_of(samples)]
             try:
-                done = await asyncio.gather(*tasks)
+                done = [s for group in await asyncio.gather(*tasks) for s in group]
             except BaseException:
                 for t in tasks:
                     t.cancel()
@@ -357,12 +365,45 @@ class RolloutManager:
                 progress_done(bar, desc, sys.stderr, time.perf_counter() - start)
             return sorted(done, key=lambda s: s.index), time.perf_counter() - start
 
-    async def _sample_task(self, sample: Sample, bar: tqdm | None, params: dict) -> Sample:
-        result = await self._generate_one(sample, params)
-        await self.rewards.assign(result)
+    async def _group_task(self, group: list[Sample], bar: tqdm | None, params: dict) -> list[Sample]:
+        """One GRPO group's samples generated (one batched request where the default generate function runs, else
+        one request each) and rewarded."""
+        results = await self._generate_group(group, params)
+        await asyncio.gather(*(self.rewards.assign(r) for r in results))
         if bar is not None:
-            bar.update(1)
-        return result
+            bar.update(len(results))
+        return results
+
+    async def _generate_group(self, group: list[Sample], params: dict) -> list[Sample]:
+        """The group as one batched /generate on one engine; where that is not possible (a custom generate
+        function, the sglang-router in front, a sample needing its own request) or fails, each sample through
+        `_generate_one` with its own retries."""
+        body = group_request(group, params) if len(group) > 1 and sends_groups(self.rollout) else None
+        if body is not None:
+            fleet = self.fleet
+            idx = await fleet.router.acquire(len(group))
+            generation, version = fleet.generation[idx], fleet.version_of(idx)
+            client = RolloutEngineClient(fleet.urls[idx], self._session, self.auth, engine_index=idx,
+                                         config=self.rollout, tokenizer=self.tokenizer)
+            try:
+                results = await default_generate_group(client, [fresh_copy(s) for s in group], body)
+            except EngineError as e:
+                await fleet.router.release(idx, len(group))
+                print(f"[rollout] engine {idx}: a group's batched /generate failed ({e}); its {len(group)} samples "
+                      "go one request each, with their retries", flush=True)
+                if e.unreachable:  # the engine may be gone: check it, restart it if dead
+                    await fleet.recover(idx, generation)
+            except BaseException:
+                await fleet.router.release(idx, len(group))
+                raise
+            else:
+                await fleet.router.release(idx, len(group))
+                for r in results:
+                    r.engine_index = idx
+                    if r.weight_version is None:  # a server that does not report it: what the fleet recorded
+                        r.weight_version = version
+                return results
+        return list(await asyncio.gather(*(self._generate_one(s, params) for s in group)))
 
     async def _run_dynamic(self, rollout_id: int, start: int) -> tuple[list[Sample], float, OverSampled]:
         """A rollout by dynamic sampling from stream position `start`: groups submitted, filtered and kept as
@@ -378,7 +419,7 @@ class RolloutManager:
             return [batch[i:i + n] for i in range(0, len(batch), n)]
 
         async def run_group(group: list[Sample]) -> list[Sample]:
-            return list(await asyncio.gather(*[self._sample_task(s, None, self.sampling_params) for s in group]))
+            return await self._group_task(group, None, self.sampling_params)
 
         async with self._lock:
             if self._session is None:

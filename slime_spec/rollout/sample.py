@@ -54,3 +54,14 @@ class Sample:
         d["status"] = Status(d["status"])
         d["spec"] = SpecStats(**d["spec"])
         return cls(**d)
+
+
+def groups_of(samples: list[Sample]) -> list[list[Sample]]:
+    """`samples` cut into their GRPO groups (consecutive samples of one `group_index`), in order."""
+    groups: list[list[Sample]] = []
+    for s in samples:
+        if groups and groups[-1][0].group_index == s.group_index:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups

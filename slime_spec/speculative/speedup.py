@@ -38,6 +38,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from slime_spec.config.run_config import Config, EngineConfig
+from slime_spec.rollout.generate import sends_groups
+from slime_spec.rollout.sample import groups_of
 from slime_spec.speculative.stats import SpecStats, accept_length, accept_rate
 
 
@@ -207,23 +209,29 @@ def collector_paused():
             gc.enable()
 
 
-async def time_generation(url: str, auth, prompts: list[list[int]], params: dict, concurrency: int,
-                          read_timeout_s: float) -> TimedHalf:
-    """Every prompt through /generate on one engine, at most `concurrency` in flight; wall time of the batch.
-    Callers time it inside `collector_paused`."""
+async def time_generation(url: str, auth, groups: list[list[list[int]]], params: dict, concurrency: int,
+                          read_timeout_s: float, batched: bool = True) -> TimedHalf:
+    """Every prompt through /generate on one engine as the rollout sends it (`batched`: a group of several as one
+    batched request, as the default generate function's groups go; else one request per prompt), at most
+    `concurrency` prompts in flight; wall time of the batch. Callers time it inside `collector_paused`."""
     from slime_spec.fleet.client import AsyncEngineClient, async_session
-    gate = asyncio.Semaphore(concurrency)
+    requests = list(groups) if batched else [[ids] for g in groups for ids in g]
+    gate = asyncio.Semaphore(max(1, concurrency // max(len(r) for r in requests)))
     async with async_session(read_timeout_s) as session:
         client = AsyncEngineClient(url, session, auth)
 
-        async def one(ids: list[int]) -> dict:
+        async def one(inputs: list[list[int]]) -> list[dict]:
             async with gate:
-                out = await client.generate({"input_ids": ids, "sampling_params": dict(params),
-                                             "return_logprob": True})
-            return out["meta_info"]
+                if len(inputs) == 1:
+                    outs = [await client.generate({"input_ids": inputs[0], "sampling_params": dict(params),
+                                                   "return_logprob": True})]
+                else:
+                    outs = await client.generate_batch({"input_ids": inputs, "sampling_params": dict(params),
+                                                        "return_logprob": True})
+            return [out["meta_info"] for out in outs]
 
         start = time.perf_counter()
-        metas = await asyncio.gather(*(one(ids) for ids in prompts))
+        metas = [m for ms in await asyncio.gather(*(one(inputs) for inputs in requests)) for m in ms]
         seconds = time.perf_counter() - start
 
     total = SpecStats.total(SpecStats.from_meta_info(m) for m in metas)
@@ -306,13 +314,14 @@ class SpeedupProbe:
         """Time the samples' prompts on the speculative engine, the plain one and the frozen-draft one if any (same
         target weights, `version`), one after another, `--spec-speedup-repeats` rounds in a rotating order."""
         self.load_weights(state_dict, version)
-        prompts = [list(s.tokens[:s.prompt_length]) for s in samples]
+        groups = [[list(s.tokens[:s.prompt_length]) for s in g] for g in groups_of(samples)]
         r = self.config.rollout
         urls = {"spec": self.spec_url, **self.urls}
 
-        def half(name: str) -> TimedHalf:
-            return asyncio.run(time_generation(urls[name], self.auth, prompts, self.params,
-                                               r.sglang_server_concurrency, r.engine_start_timeout))
+        def half(name: str) -> TimedHalf:  # sent as the rollout sends them (rollout/manager.py `_generate_group`)
+            return asyncio.run(time_generation(urls[name], self.auth, groups, self.params,
+                                               r.sglang_server_concurrency, r.engine_start_timeout,
+                                               batched=sends_groups(r)))
 
         orders = [half_order(self.count + i, "frozen" in self.urls) for i in range(self.config.spec_speedup_repeats)]
         passes: dict[str, list[TimedHalf]] = {}
