@@ -15,7 +15,7 @@ import torch
 
 from slime_spec.config.run_config import RolloutConfig
 from slime_spec.fleet.actor import Engine
-from slime_spec.rollout.generate import default_generate
+from slime_spec.rollout.generate import default_generate, group_request
 from slime_spec.rollout.sample import Sample
 from slime_spec.rollout.sampling_params import sampling_params
 from slime_spec.weight_sync import protocol
@@ -158,6 +158,17 @@ def test_rollout_generate_body_passes_sglangs_request_checks(cfg):
     assert params.max_new_tokens == cfg.rollout_max_response_len
     if cfg.rollout_temperature == 0:
         assert params.top_k == 1  # SGLang reads temperature 0 as greedy
+
+
+@pytest.mark.parametrize("cfg", ROLLOUT_CONFIGS, ids=["defaults", "script-like", "greedy"])
+def test_a_groups_batched_generate_body_passes_sglangs_request_checks(cfg):
+    group = [Sample(index=i, group_index=0, prompt="p", tokens=[11, 12, 13]) for i in range(3)]
+    group[2].tokens, group[2].response_length = [11, 12, 13, 14], 1  # a partial response continued
+    req, params = build_generate(group_request(group, sampling_params(cfg)), VOCAB)
+    assert req.batch_size == 3 and req.input_ids == [[11, 12, 13], [11, 12, 13], [11, 12, 13, 14]]
+    assert [sp["max_new_tokens"] for sp in req.sampling_params] == [cfg.rollout_max_response_len] * 2 + [
+        cfg.rollout_max_response_len - 1]
+    assert req.return_logprob == [True] * 3  # SGLang's normalization spreads the batch's flag to each input
 
 
 def test_canary_generate_body_passes_sglangs_request_checks():
