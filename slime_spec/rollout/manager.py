@@ -103,6 +103,15 @@ class RolloutFailed(RuntimeError):
     """Every sample of a rollout failed: nothing to train on, and the cause is the same everywhere."""
 
 
+def served_by(sample: Sample, idx: int, version: str | None) -> Sample:
+    """A generated sample marked with its engine, and with the weight version the fleet recorded for it where the
+    server did not report one."""
+    sample.engine_index = idx
+    if sample.weight_version is None:
+        sample.weight_version = version
+    return sample
+
+
 def check_not_all_failed(samples: list[Sample], desc: str) -> None:
     """Raise `RolloutFailed` naming the first sample's error when no sample of `desc` was generated."""
     if not samples or any(s.status != Status.ABORTED for s in samples):
@@ -383,10 +392,9 @@ class RolloutManager:
             fleet = self.fleet
             idx = await fleet.router.acquire(len(group))
             generation, version = fleet.generation[idx], fleet.version_of(idx)
-            client = RolloutEngineClient(fleet.urls[idx], self._session, self.auth, engine_index=idx,
-                                         config=self.rollout, tokenizer=self.tokenizer)
             try:
-                results = await default_generate_group(client, [fresh_copy(s) for s in group], body)
+                results = await default_generate_group(self._generation_client(idx), [fresh_copy(s) for s in group],
+                                                       body)
             except EngineError as e:
                 await fleet.router.release(idx, len(group))
                 print(f"[rollout] engine {idx}: a group's batched /generate failed ({e}); its {len(group)} samples "
@@ -398,11 +406,7 @@ class RolloutManager:
                 raise
             else:
                 await fleet.router.release(idx, len(group))
-                for r in results:
-                    r.engine_index = idx
-                    if r.weight_version is None:  # a server that does not report it: what the fleet recorded
-                        r.weight_version = version
-                return results
+                return [served_by(r, idx, version) for r in results]
         return list(await asyncio.gather(*(self._generate_one(s, params) for s in group)))
 
     async def _run_dynamic(self, rollout_id: int, start: int) -> tuple[list[Sample], float, OverSampled]:
@@ -448,6 +452,12 @@ class RolloutManager:
                       f"{str(outcome)[:200]}); its cut-off requests end when SGLang sees their clients gone",
                       flush=True)
 
+    def _generation_client(self, idx: int) -> RolloutEngineClient:
+        """The client a generate function gets for engine `idx` (the sglang-router's URL where it is in front)."""
+        url = self._router_process.url if self._router_process else self.fleet.urls[idx]
+        return RolloutEngineClient(url, self._session, self.auth, engine_index=idx, config=self.rollout,
+                                   tokenizer=self.tokenizer)
+
     async def _generate_one(self, sample: Sample, params: dict) -> Sample:
         fleet = self.fleet
         attempts = 1 + self.rollout.rollout_request_retries
@@ -455,12 +465,9 @@ class RolloutManager:
         for attempt in range(attempts):
             idx = await fleet.router.acquire()
             generation, version = fleet.generation[idx], fleet.version_of(idx)
-            url = self._router_process.url if self._router_process else fleet.urls[idx]
-            client = RolloutEngineClient(url, self._session, self.auth, engine_index=idx, config=self.rollout,
-                                         tokenizer=self.tokenizer)
             work = fresh_copy(sample)  # a retry starts from the untouched sample
             try:
-                result = await self.generate_fn(client, work, dict(params))
+                result = await self.generate_fn(self._generation_client(idx), work, dict(params))
             except EngineError as e:
                 errors.append(f"engine {idx}: {e}")
                 await fleet.router.release(idx)
@@ -473,9 +480,7 @@ class RolloutManager:
                 await fleet.router.release(idx)
                 raise
             await fleet.router.release(idx)
-            result.engine_index = idx
-            if result.weight_version is None:  # a server that does not report it: what the fleet recorded
-                result.weight_version = version
+            result = served_by(result, idx, version)
             if attempt:
                 result.metadata["attempts"] = attempt + 1
             return result
