@@ -267,10 +267,14 @@ def _run_placed(config: Config, placement, manager_kwargs: dict) -> dict:
     if manager is not None:
         steps.append(("rollout manager shutdown", lambda: ray.get(manager.shutdown.remote())))
         steps.append(("rollout manager kill", lambda: ray.kill(manager)))
+    probe = None
     try:
+        if manager is not None and config.spec_speedup_interval:  # its engines start with the fleet's and trainer
+            probe = spec_speedup.SpeedupProbe(config, engines_placement)
+            steps.insert(0, ("speed-up probe shutdown", probe.shutdown))
         trainer = TrainGroup(config, placement=placement)
         steps.insert(0, ("trainer shutdown", trainer.shutdown))
-        summary = _loop(config, trainer, manager, engines_placement)
+        summary = _loop(config, trainer, manager, probe)
     except BaseException:
         run_all(steps)  # the loop's error is the one raised; shutdown failures are printed
         raise
@@ -280,22 +284,17 @@ def _run_placed(config: Config, placement, manager_kwargs: dict) -> dict:
     return summary
 
 
-def _loop(config: Config, trainer, manager, engines_placement=None) -> dict:
-    """The steps, with the plain engine of `--spec-speedup-interval` (if set) beside the fleet."""
-    import ray
-
+def _loop(config: Config, trainer, manager, probe=None) -> dict:
+    """The steps, with the plain engine of `--spec-speedup-interval` (`probe`, if set) beside the fleet."""
     from slime_spec.driver.gpu_memory import GpuMemoryMonitor
     report = LoopReport(config)
     start = trainer.start_rollout_id()
-    probe = None
     memory = GpuMemoryMonitor.start_if_available()  # peak memory per GPU, per step
     try:
-        if manager is not None and config.spec_speedup_interval:
-            probe = spec_speedup.SpeedupProbe(config, ray.get(manager.engine_urls.remote())[0], engines_placement)
+        if probe is not None:
+            probe.connect(manager.engine_urls.remote())
         return _steps(config, trainer, manager, report, start, probe, memory)
     finally:
-        if probe is not None:
-            probe.shutdown()
         if memory is not None:
             memory.close()
 

@@ -249,18 +249,16 @@ class SpeedupProbe:
     they run on engine 0's GPUs (`beside_engine`), so the three engines are timed on the same device.
     """
 
-    def __init__(self, config: Config, spec_url: str, placement=None):
-        """`placement`: the run's engines' (cluster/placement.py); the probe's engines then share engine 0's GPUs."""
-        import ray
-
+    def __init__(self, config: Config, placement=None):
+        """Launches the probe's engines and returns: they start while the fleet's engines and the trainer do (one
+        engine start, 15-80 s, instead of two in a row); `connect` waits for them. `placement`: the run's engines'
+        (cluster/placement.py); the probe's engines then share engine 0's GPUs."""
         from slime_spec.cluster.placement import beside_engine
         from slime_spec.fleet.actor import EngineActor
-        from slime_spec.fleet.client import EngineAuth, EngineClient
+        from slime_spec.fleet.client import EngineAuth
         from slime_spec.rollout.sampling_params import sampling_params
-        from slime_spec.weight_sync import fp8
-        from slime_spec.weight_sync.gather import hf_mtp_matcher
         check_config(config)
-        self.config, self.spec_url = config, spec_url
+        self.config = config
         self.dir = Path(config.output_dir) / "spec_speedup"
         self.weights_dir = self.dir / "weights"
         engines = {"plain": plain_engine_config(config.engine)}
@@ -268,24 +266,31 @@ class SpeedupProbe:
             engines["frozen"] = config.engine  # engine 0's flags; its draft is never sent weights
         self.auth = EngineAuth.from_server_args(config.engine.server_args)
         self.params = sampling_params(config.rollout)
+        self.clients: dict = {}
         options, gpu_ids = beside_engine(placement)
         self.actors = {name: EngineActor.options(num_cpus=0, **options).remote(
             engine, 0, log_dir=str(self.dir / f"{name}_engine"), start_timeout_s=config.rollout.engine_start_timeout,
             gpu_ids=gpu_ids) for name, engine in engines.items()}  # the starts overlap
-        try:
-            self.urls = dict(zip(self.actors, ray.get([a.get_url.remote() for a in self.actors.values()])))
-        except BaseException:
-            self.shutdown()
-            raise
+        self.count = 0  # rounds timed so far: each starts the rotation one place on
+
+    def connect(self, spec_url) -> None:
+        """Wait until the probe's engines serve; `spec_url`: engine 0's URL, or a Ray reference to the fleet's
+        engine URLs (the RolloutManager's `engine_urls`)."""
+        import ray
+
+        from slime_spec.fleet.client import EngineClient
+        from slime_spec.weight_sync import fp8
+        from slime_spec.weight_sync.gather import hf_mtp_matcher
+        self.urls = dict(zip(self.actors, ray.get([a.get_url.remote() for a in self.actors.values()])))
+        self.spec_url = spec_url if isinstance(spec_url, str) else ray.get(spec_url)[0]
         self.clients = {name: EngineClient(url, self.auth) for name, url in self.urls.items()}
-        hf_config = json.loads((Path(config.engine.model_path) / "config.json").read_text())
+        hf_config = json.loads((Path(self.config.engine.model_path) / "config.json").read_text())
         self.is_mtp = hf_mtp_matcher(hf_config)
         self.fp8 = fp8.Fp8BlockScheme.from_hf_config(hf_config)  # an FP8 checkpoint's engines load it quantized
-        self.count = 0  # rounds timed so far: each starts the rotation one place on
         frozen = (f", and a frozen-draft engine (speculative, its draft as launched) at {self.urls['frozen']}"
                   if "frozen" in self.urls else "")
         print(f"[spec_speedup] plain engine (no speculation) at {self.urls['plain']}{frozen} for the speed-up "
-              f"measurement every {config.spec_speedup_interval} rollout(s)", flush=True)
+              f"measurement every {self.config.spec_speedup_interval} rollout(s)", flush=True)
 
     def load_weights(self, state_dict: dict, version: str) -> None:
         """The trainer's current target weights into the plain engine (it has no MTP layer) and the frozen-draft
@@ -340,7 +345,7 @@ class SpeedupProbe:
     def shutdown(self) -> None:
         import ray
 
-        for client in getattr(self, "clients", {}).values():
+        for client in self.clients.values():
             client.close()
         for name, actor in self.actors.items():
             try:
