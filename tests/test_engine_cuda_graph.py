@@ -262,3 +262,46 @@ def test_prefills_padded_to_a_captured_width_keep_greedy_output(tmp_path):
             calls = {n: g.calls for n, g in core.model.graphs.items()}
             assert calls["prefill16"] > 0 and calls["prefill32"] > 0 and calls["prefill128"] == 0, calls
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive", "auto"])
+def test_every_decode_forward_has_a_graph_of_its_width(tmp_path, policy):
+    """The target's and the MTP layer's graphs are captured only for the widths the step policy's decode steps run
+    (`verify_widths`: k + 1 for fixed speculation, where the graphs of every width up to k + 1 took twice the capture
+    time); each decode-time forward, sampled or greedy, must find a graph of its width (capture=False runs the
+    graphs' padded shapes eagerly on CPU), leaving only the MTP layer's extends over whole prompts to run eagerly."""
+    from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
+    from slime_spec.engine.model_executor.model_graphs import graph_model
+    from slime_spec.speculative.settings import resolve_or_raise
+    from slime_spec.tools.tiny_model import make_tiny_model
+    from tests.helpers.engine_runs import run_to_completion
+    path = make_tiny_model(tmp_path / "m", arch="mimo", mtp_layers=1, hidden_size=64, num_layers=2)
+    spec = resolve_or_raise({"speculative_algorithm": "EAGLE", "speculative_num_steps": 3, "speculative_eagle_topk": 1,
+                             "speculative_num_draft_tokens": 4, "speculative_adaptive": policy == "adaptive"})
+    core = EngineCore(str(path), spec, max_running_requests=8, spec_auto=policy == "auto")
+    widths = core.policy.verify_widths()
+    assert widths == {"fixed": (4,), "adaptive": (1, 2, 4, 6, 8), "auto": (1, 2, 3, 4)}[policy]
+    sizes = CudaGraphSettings(batch_sizes=(1, 4, 8))
+    core.model.graphs = graph_model(core.model, core.cache, core.drafter.mtp.cache, sizes, max_running_requests=8,
+                                    max_draft_tokens=core.policy.max_num_steps, max_seq=core.max_seq, capture=False,
+                                    chain_lengths=core.policy.draft_lengths(), verify_widths=widths)
+    eager = []
+    for name in ("eager_forward", "eager_mtp_forward"):
+        run = getattr(core.model, name)
+
+        def counted(*args, run=run, name=name, **kwargs):
+            if not kwargs.get("graphed"):
+                eager.append((name, args[0].shape[1]))
+            return run(*args, **kwargs)
+        setattr(core.model, name, counted)
+    ids = core.tokenizer("hello there " * 3)["input_ids"]
+    for temperature in (0.0, 1.0):
+        requests = [Request(f"{temperature}-{i}", ids[:5 + i], SamplingParams(temperature=temperature,
+                                                                              max_new_tokens=30 + 3 * i,
+                                                                              ignore_eos=True)) for i in range(8)]
+        outs = run_to_completion(core, requests)
+        assert all(len(o.output_ids) == r.params.max_new_tokens for o, r in zip(outs.values(), requests))
+    prompts = {len(ids[:5 + i]) for i in range(8)}  # prefills, and the MTP layer's extends over them
+    assert {w for name, w in eager if name == "eager_forward"} <= prompts, eager
+    # wider than any graph: an MTP extend deferred over many plain steps (adaptive, auto), eager as before
+    assert all(w in prompts or w > widths[-1] for name, w in eager if name == "eager_mtp_forward"), eager

@@ -404,6 +404,7 @@ class EngineCore:
                                         max_draft_tokens=widest, max_seq=self.max_seq,
                                         aux_layer_ids=self.drafter.aux_layer_ids if self.drafter else None,
                                         chain_lengths=self.policy.draft_lengths() if self.policy is not None else (),
+                                        verify_widths=self.policy.verify_widths() if self.policy is not None else None,
                                         last_token=self.overlap.last_token if self.overlap is not None else None,
                                         prefill=True)
         draft = self.causal_lms()[1:]

@@ -24,10 +24,14 @@ from slime_spec.engine.model_executor.decode_graph import DecodeStepGraph
 def graph_model(model, cache, mtp_cache, settings: CudaGraphSettings, *, max_running_requests: int,
                 max_draft_tokens: int, max_seq: int, capture: bool = True,
                 aux_layer_ids: list[int] | None = None, chain_lengths: tuple[int, ...] = (),
+                verify_widths: tuple[int, ...] | None = None,
                 last_token: torch.Tensor | None = None, prefill: bool = False) -> dict[str, GraphedForward]:
     """Captured decode/verify forwards of `model` (and of its MTP layer when `mtp_cache` is given), on one
     memory pool. The caches hold one slot more than `max_running_requests`: the scratch slot of padded rows.
-    Token counts cover every verify width up to k+1, since adaptive and auto speculation change k per step.
+    Token counts: `verify_widths` (the step policy's: k + 1 for every k it may choose, 1 for a plain step); the MTP
+    layer's those and 1 (its draft steps), and every width up to the widest where a policy takes plain steps (the
+    extends deferred over them catch up at any width); None: every width up to max_draft_tokens + 1. A forward of
+    another width runs eagerly.
     aux_layer_ids (EAGLE3): instead, the forward that also returns those layers' outputs, as "target_aux", its
     output the final hidden states and the aux states concatenated on the last dimension.
     chain_lengths: the k a greedy MTP draft chain may have (the step policy's `draft_lengths`), one
@@ -35,7 +39,9 @@ def graph_model(model, cache, mtp_cache, settings: CudaGraphSettings, *, max_run
     step, as "decode" (engine/model_executor/decode_graph.py). prefill: also short prefills ("prefill{t}",
     `prefill_graphs`)."""
     sizes = settings.capture_sizes(max_running_requests, speculative=max_draft_tokens > 0)
-    common = dict(batch_sizes=sizes, token_counts=list(range(1, max_draft_tokens + 2)), key_counts=key_buckets(max_seq),
+    widths = sorted(set(verify_widths)) if verify_widths else list(range(1, max_draft_tokens + 2))
+    mtp_widths = list(range(1, widths[-1] + 1)) if widths[0] == 1 else [1, *widths]
+    common = dict(batch_sizes=sizes, token_counts=widths, key_counts=key_buckets(max_seq),
                   scratch_slot=max_running_requests, device=model.lm_head.weight.device, capture=capture)
     compile_args = dict(compile_max_bs=settings.torch_compile_max_bs) if settings.torch_compile else {}
 
@@ -70,7 +76,8 @@ def graph_model(model, cache, mtp_cache, settings: CudaGraphSettings, *, max_run
             return mtp(ids, positions, slots, num_keys, prev_hidden, compiled=True)
 
         hidden = ((model.args.hidden_size,), model.lm_head.weight.dtype)
-        graphs["mtp"] = GraphedForward(mtp, cache=mtp_cache, extra={"prev_hidden": hidden}, **common, **compile_args,
+        graphs["mtp"] = GraphedForward(mtp, cache=mtp_cache, extra={"prev_hidden": hidden},
+                                       **{**common, "token_counts": mtp_widths}, **compile_args,
                                        compiled_fn=compiled_mtp if compile_args else None)
         for k in chain_lengths:
             graphs[mtp_chain_name(k)] = GraphedForward(partial(mtp_chain, model, mtp_cache, k), cache=mtp_cache,

@@ -48,6 +48,8 @@ class StepPolicy(Protocol):
 
     def draft_lengths(self) -> tuple[int, ...]: ...
 
+    def verify_widths(self) -> tuple[int, ...]: ...
+
     def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float,
                 switch_s: float = 0.0) -> None: ...
 
@@ -64,6 +66,11 @@ class FixedSteps:
     def draft_lengths(self) -> tuple[int, ...]:
         """Every k > 0 `choose` may return (what the engine captures a draft chain graph for)."""
         return (self.max_num_steps,) if self.max_num_steps > 0 else ()
+
+    def verify_widths(self) -> tuple[int, ...]:
+        """Every width of a decode step's target forward: k + 1 for each k `choose` may return (1: a plain step);
+        what the engine captures the target's graphs for."""
+        return (self.max_num_steps + 1,)
 
     def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float,
                 switch_s: float = 0.0) -> None:
@@ -149,6 +156,10 @@ class AdaptiveSteps:
     def draft_lengths(self) -> tuple[int, ...]:
         """Every k > 0 `choose` may return: the tiers' candidates."""
         return tuple(sorted({c for t in self.tiers.values() for c in t.candidates if c > 0}))
+
+    def verify_widths(self) -> tuple[int, ...]:
+        """k + 1 for every tier candidate k (0: a plain step)."""
+        return tuple(sorted({c + 1 for t in self.tiers.values() for c in t.candidates}))
 
     def observe(self, batch_size: int, k: int, accepted: list[int], draft_s: float, verify_s: float,
                 switch_s: float = 0.0) -> None:
@@ -291,6 +302,10 @@ class AutoSteps:
     def draft_lengths(self) -> tuple[int, ...]:
         """Every k > 0 `choose` may return: 1..max_num_steps."""
         return tuple(range(1, self.max_num_steps + 1))
+
+    def verify_widths(self) -> tuple[int, ...]:
+        """1 (a plain step) to max_num_steps + 1."""
+        return tuple(range(1, self.max_num_steps + 2))
 
     def describe(self) -> str:
         """What the policy believes, per batch-size bucket: the accept rate, a step's ms by k (draft and verify),
