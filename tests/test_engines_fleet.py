@@ -19,8 +19,8 @@ from slime_spec.config.run_config import EngineConfig, RolloutConfig, WeightSync
 from slime_spec.driver.loop import generate_fenced, run_all
 from slime_spec.fleet.client import EngineClient, EngineGroupError
 from slime_spec.fleet.fleet import NoEngineAvailable, Router, pick_engine
-from slime_spec.rollout.manager import RolloutManagerActor, exclude_stale
-from slime_spec.rollout.sample import Sample, Status
+from slime_spec.rollout.manager import RolloutManagerActor
+from slime_spec.rollout.sample import Sample, Status, exclude_stale
 from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.weight_sync.gather import iter_hf_state
 from slime_spec.weight_sync.protocol import SpecSetup

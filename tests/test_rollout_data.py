@@ -126,7 +126,7 @@ def test_sglang_router_asked_but_not_installed(tmp_path):
 
 
 def test_fresh_copy_shares_no_mutable_state():
-    from slime_spec.rollout.manager import fresh_copy
+    from slime_spec.rollout.sample import fresh_copy
     s = Sample(index=0, group_index=0, prompt="p", tokens=[1], rollout_log_probs=[-1.0], loss_mask=[1],
                meta_info={"a": [1]}, spec=SpecStats(1, 1), metadata={"k": [1]})
     c = fresh_copy(s)

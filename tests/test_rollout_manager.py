@@ -229,7 +229,7 @@ def test_progress_off_a_terminal_is_one_line_per_rollout():
     import io
     import time
 
-    from slime_spec.rollout.manager import progress_bar, progress_done
+    from slime_spec.rollout.progress import progress_bar, progress_done
     stream = io.StringIO()  # not a tty, like a Ray worker's stderr
     bar = progress_bar(50, "rollout 7", True, stream)
     for _ in range(50):

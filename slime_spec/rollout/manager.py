@@ -15,7 +15,6 @@ excluded (ABORTED, counted as `stale_samples`). The training loop uses `generate
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import importlib.util
 import sys
@@ -50,66 +49,19 @@ from slime_spec.rollout.metrics import (
     time_shares,
     write_metrics_line,
 )
+from slime_spec.rollout.progress import progress_bar, progress_done
 from slime_spec.rollout.reward_runner import RewardRunner, report_failures, reward_failure_metrics
 from slime_spec.rollout.rewards import load_function
 from slime_spec.rollout.router import start_router
-from slime_spec.rollout.sample import Sample, Status, groups_of
+from slime_spec.rollout.sample import Sample, Status, exclude_stale, fresh_copy, groups_of, served_by
 from slime_spec.rollout.sampling_params import sampling_params
 
-# Where the bar cannot redraw in place (a Ray worker's stderr is a file), a progress line at most this often.
-NON_TTY_PROGRESS_EVERY_S = 60.0
 # Silence of an engine on one request (no byte for this long) that counts as a failure; never a total bound.
 DEFAULT_REQUEST_TIMEOUT_S = 1800.0
 
 
-def fresh_copy(s: Sample) -> Sample:
-    """A copy whose mutable fields are new objects (deepcopy's per-token recursion costs ~1 ms a sample)."""
-    return dataclasses.replace(s, tokens=list(s.tokens), rollout_log_probs=list(s.rollout_log_probs),
-                               loss_mask=None if s.loss_mask is None else list(s.loss_mask),
-                               meta_info=copy.deepcopy(s.meta_info), spec=dataclasses.replace(s.spec),
-                               metadata=copy.deepcopy(s.metadata))
-
-
-def exclude_stale(samples: list[Sample], current_version: str | None) -> int:
-    """Mark samples generated with other weights than `current_version` ABORTED (never trained on); count."""
-    stale = 0
-    for s in samples:
-        if s.status != Status.ABORTED and s.weight_version != current_version:
-            s.status = Status.ABORTED
-            s.error = (f"generated with weight version {s.weight_version!r} on engine {s.engine_index}, but the "
-                       f"policy is at {current_version!r}: excluded from training")
-            stale += 1
-    return stale
-
-
-def progress_bar(total: int, desc: str, enabled: bool, stream) -> tqdm:
-    """A live bar on a terminal. Elsewhere (under Ray) a bar would print a line per refresh: instead a line
-    at most every NON_TTY_PROGRESS_EVERY_S (none for a shorter rollout), and `progress_done` prints one."""
-    tty = stream.isatty()
-    every = 1.0 if tty else NON_TTY_PROGRESS_EVERY_S
-    return tqdm(total=total, desc=desc, disable=not enabled, file=stream, mininterval=every,
-                delay=0 if tty else every)
-
-
-def progress_done(bar: tqdm, desc: str, stream, elapsed_s: float) -> None:
-    """Close the bar; off a terminal, the rollout's one progress line."""
-    shown = not bar.disable  # tqdm's close() disables the bar
-    bar.close()
-    if shown and not stream.isatty():
-        print(f"{desc}: {bar.n}/{bar.total} samples in {elapsed_s:.1f}s", file=stream, flush=True)
-
-
 class RolloutFailed(RuntimeError):
     """Every sample of a rollout failed: nothing to train on, and the cause is the same everywhere."""
-
-
-def served_by(sample: Sample, idx: int, version: str | None) -> Sample:
-    """A generated sample marked with its engine, and with the weight version the fleet recorded for it where the
-    server did not report one."""
-    sample.engine_index = idx
-    if sample.weight_version is None:
-        sample.weight_version = version
-    return sample
 
 
 def check_not_all_failed(samples: list[Sample], desc: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
@@ -65,3 +67,32 @@ def groups_of(samples: list[Sample]) -> list[list[Sample]]:
         else:
             groups.append([s])
     return groups
+
+
+def fresh_copy(s: Sample) -> Sample:
+    """A copy whose mutable fields are new objects (deepcopy's per-token recursion costs ~1 ms a sample)."""
+    return dataclasses.replace(s, tokens=list(s.tokens), rollout_log_probs=list(s.rollout_log_probs),
+                               loss_mask=None if s.loss_mask is None else list(s.loss_mask),
+                               meta_info=copy.deepcopy(s.meta_info), spec=dataclasses.replace(s.spec),
+                               metadata=copy.deepcopy(s.metadata))
+
+
+def exclude_stale(samples: list[Sample], current_version: str | None) -> int:
+    """Mark samples generated with other weights than `current_version` ABORTED (never trained on); count."""
+    stale = 0
+    for s in samples:
+        if s.status != Status.ABORTED and s.weight_version != current_version:
+            s.status = Status.ABORTED
+            s.error = (f"generated with weight version {s.weight_version!r} on engine {s.engine_index}, but the "
+                       f"policy is at {current_version!r}: excluded from training")
+            stale += 1
+    return stale
+
+
+def served_by(sample: Sample, idx: int, version: str | None) -> Sample:
+    """A generated sample marked with its engine, and with the weight version the fleet recorded for it where the
+    server did not report one."""
+    sample.engine_index = idx
+    if sample.weight_version is None:
+        sample.weight_version = version
+    return sample
