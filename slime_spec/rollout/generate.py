@@ -100,7 +100,13 @@ def group_request(samples: list[Sample], sampling_params: dict) -> dict | None:
         if p["max_new_tokens"] <= 0:
             return None
         params.append(p)
-    return {"input_ids": [list(s.tokens) for s in samples], "sampling_params": params, "return_logprob": True}
+    return batched_body([list(s.tokens) for s in samples], params)
+
+
+def batched_body(input_ids: list[list[int]], sampling_params: list[dict] | dict) -> dict:
+    """A batched /generate body (SGLang's GenerateReqInput with lists): one input per row, one sampling_params per
+    row or one for all, the response's logprobs returned (as the rollout asks for them)."""
+    return {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
 
 
 async def default_generate_group(client: RolloutEngineClient, samples: list[Sample], body: dict) -> list[Sample]:

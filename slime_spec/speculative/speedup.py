@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from slime_spec.config.run_config import Config, EngineConfig
-from slime_spec.rollout.generate import sends_groups
+from slime_spec.rollout.generate import batched_body, sends_groups
 from slime_spec.rollout.sample import groups_of
 from slime_spec.speculative.stats import SpecStats, accept_length, accept_rate
 
@@ -226,8 +226,7 @@ async def time_generation(url: str, auth, groups: list[list[list[int]]], params:
                     outs = [await client.generate({"input_ids": inputs[0], "sampling_params": dict(params),
                                                    "return_logprob": True})]
                 else:
-                    outs = await client.generate_batch({"input_ids": inputs, "sampling_params": dict(params),
-                                                        "return_logprob": True})
+                    outs = await client.generate_batch(batched_body(inputs, dict(params)))
             return [out["meta_info"] for out in outs]
 
         start = time.perf_counter()

@@ -15,7 +15,7 @@ import torch
 
 from slime_spec.config.run_config import RolloutConfig
 from slime_spec.fleet.actor import Engine
-from slime_spec.rollout.generate import default_generate, group_request
+from slime_spec.rollout.generate import batched_body, default_generate, group_request
 from slime_spec.rollout.sample import Sample
 from slime_spec.rollout.sampling_params import sampling_params
 from slime_spec.weight_sync import protocol
@@ -169,6 +169,14 @@ def test_a_groups_batched_generate_body_passes_sglangs_request_checks(cfg):
     assert [sp["max_new_tokens"] for sp in req.sampling_params] == [cfg.rollout_max_response_len] * 2 + [
         cfg.rollout_max_response_len - 1]
     assert req.return_logprob == [True] * 3  # SGLang's normalization spreads the batch's flag to each input
+
+
+def test_the_speedup_probes_batched_body_passes_sglangs_request_checks():
+    """The spec_speedup probe sends a group with one sampling_params for all its inputs: SGLang's normalization gives
+    every input that dict."""
+    params = sampling_params(ROLLOUT_CONFIGS[1])
+    req, _ = build_generate(batched_body([[11, 12, 13], [14, 15]], dict(params)), VOCAB)
+    assert req.batch_size == 2 and req.sampling_params == [params, params] and req.return_logprob == [True, True]
 
 
 def test_canary_generate_body_passes_sglangs_request_checks():
