@@ -150,8 +150,9 @@ def test_group_samples_differ_across_engines_at_temperature_one(manager):
 
 def test_the_default_generate_sends_each_group_as_one_batched_request(managers, workdir):
     grouped = managers[2]
+    ray.get(grouped.engine_urls.remote())  # its engine ready: SGLang's warm-up /generate at start is in the log
     log = workdir / "group_logs" / "engine_0.log"
-    posts_before = log.read_text().count("POST /generate ") if log.exists() else 0
+    posts_before = log.read_text().count("POST /generate ")
     samples = ray.get(grouped.generate.remote(0))
     assert log.read_text().count("POST /generate ") - posts_before == BATCH  # SGLang's access log: one per group
     assert [s.group_index for s in samples] == [g for g in range(BATCH) for _ in range(N_SAMPLES)]
