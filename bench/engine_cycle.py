@@ -15,7 +15,7 @@ and prints A / B wall time per phase (median of --repeats interleaved runs): 1.0
 its twin.
 
     python bench/engine_cycle.py                      # on a GPU machine: the GPU demo's engine shape, memory saver
-    python bench/engine_cycle.py --size tiny --device cpu --requests 16 --max-new-tokens 16   # a quick check
+    python bench/engine_cycle.py --size tiny --device cpu --requests 16 --max-new-tokens 16   # the script's check
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 import aiohttp
-import requests
 import torch
 
 if not __package__:  # `python bench/<name>.py`: import bench as a package, from the repository root
@@ -38,37 +37,27 @@ if not __package__:  # `python bench/<name>.py`: import bench as a package, from
 
 from bench.common import publish
 from bench.engine_http import one_run, server_process
+from bench.engine_memory_saver_gpu import SIZES
+from slime_spec.fleet.client import EngineClient
 from slime_spec.tools.tiny_model import make_tiny_model
 
-SIZES = {  # demo: the GPU demo's target (slime_spec/demo/task.py SIZES["gpu"])
-    "demo": dict(hidden_size=1024, num_layers=34, num_heads=16, num_kv_heads=4, intermediate_size=4096),
-    "tiny": dict(hidden_size=128, num_layers=4, intermediate_size=384, num_heads=4, num_kv_heads=2),
-}
 NEXTN = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
          "--speculative-num-draft-tokens", "4")
 
 
-def post(url: str, route: str, body: dict) -> dict:
-    r = requests.post(url + route, json=body, timeout=600)
-    if r.status_code != 200:
-        raise RuntimeError(f"{route} answered {r.status_code}: {r.text[:300]}")
-    return r.json() if r.content else {}
-
-
 def served_tensors(model: Path, device: str):
-    """The checkpoint's tensors on `device`, as the trainer's sync sends them (HF names)."""
+    """The checkpoint's tensors on `device`, as the trainer's sync sends them (HF names, MTP tensors marked)."""
     from safetensors.torch import load_file
 
-    from slime_spec.weight_sync.gather import NamedTensor
-    tensors = {}
+    from slime_spec.weight_sync.gather import iter_hf_state
+    state = {}
     for f in sorted(model.glob("*.safetensors")):
-        tensors.update(load_file(str(f), device=device))
-    return [NamedTensor(name, t) for name, t in tensors.items()]
+        state.update(load_file(str(f), device=device))
+    return list(iter_hf_state(state, json.loads((model / "config.json").read_text())))
 
 
 def make_syncer(url: str, model: Path):
     from slime_spec.config.run_config import WeightSyncConfig
-    from slime_spec.fleet.client import EngineClient
     from slime_spec.weight_sync.protocol import SpecSetup
     from slime_spec.weight_sync.sync import WeightSyncer
     config = json.loads((model / "config.json").read_text())
@@ -120,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             s.wait_ready(600)
         pair = [(s.url, s.pid) for s in servers]
         url = servers[0].url
+        engine_a = EngineClient(url)
         syncer = make_syncer(url, model)
         tensors = served_tensors(model, a.device)
 
@@ -131,20 +121,21 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(time_pair(pair, prompts, params, a.group_size, 1))  # warm-up, untimed
         measure("both as started")
         t0 = time.perf_counter()
-        post(url, "/release_memory_occupation", {})
-        post(url, "/resume_memory_occupation", {})
+        engine_a.post("/release_memory_occupation", {})
+        engine_a.post("/resume_memory_occupation", {})
         measure("A released and resumed (every tag)", time.perf_counter() - t0)
         t0 = time.perf_counter()
         syncer.sync_report(iter(tensors), "same-values")
         measure("A synced (tensor transport, same values)", time.perf_counter() - t0)
         for c in range(a.cycles):
             t0 = time.perf_counter()
-            post(url, "/release_memory_occupation", {})
-            post(url, "/resume_memory_occupation", {"tags": ["weights"]})
+            engine_a.post("/release_memory_occupation", {})
+            engine_a.post("/resume_memory_occupation", {"tags": ["weights"]})
             syncer.sync_report(iter(tensors), f"cycle-{c}")
-            post(url, "/resume_memory_occupation", {"tags": ["cuda_graph", "kv_cache"]})
+            engine_a.post("/resume_memory_occupation", {"tags": ["cuda_graph", "kv_cache"]})
             measure(f"A through the loop's cycle ({c + 1})", time.perf_counter() - t0)
         syncer.close()
+        engine_a.close()
     finally:
         for s in servers:
             s.stop()

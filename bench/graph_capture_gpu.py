@@ -27,26 +27,24 @@ if not __package__:  # `python bench/<name>.py`: import bench as a package, from
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from bench.common import publish
-from bench.engine_cycle import SIZES
+from bench.engine_memory_saver_gpu import SIZES
 
 WAYS = {"every width up to k + 1 (before)": False, "the policy's widths (now)": True}
 
 
 def capture(core, policy_widths: bool) -> tuple[float, int]:
-    """The engine's target and MTP graphs captured again; (seconds, graphs)."""
-    from slime_spec.engine.model_executor.model_graphs import graph_model
+    """The engine's graphs captured again by the engine itself (`EngineCore.capture_graphs`), at the policy's widths
+    or, with its `verify_widths` answering none, at every width up to k + 1; (seconds, graphs)."""
+    if policy_widths:
+        vars(core.policy).pop("verify_widths", None)
+    else:
+        core.policy.verify_widths = tuple  # () : graph_model's every width up to max_draft_tokens + 1
     core.model.graphs = {}
     gc.collect()
     if core.device.type == "cuda":
         torch.cuda.empty_cache()
-    policy = core.policy
     t0 = time.perf_counter()
-    core.model.graphs = graph_model(core.model, core.cache, core.drafter.mtp.cache, core.cuda_graph,
-                                    max_running_requests=core.max_running_requests,
-                                    max_draft_tokens=policy.max_num_steps, max_seq=core.max_seq,
-                                    chain_lengths=policy.draft_lengths(),
-                                    verify_widths=policy.verify_widths() if policy_widths else None, prefill=True,
-                                    capture=core.device.type == "cuda")
+    core.capture_graphs()
     seconds = time.perf_counter() - t0
     return seconds, sum(len(g.batch_sizes) * len(g.token_counts) * len(g.key_counts)  # shapes, one graph each
                         for g in core.model.graphs.values())
@@ -101,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{a.max_new_tokens} tokens, s | tokens equal |\n| --- | ---: | ---: | ---: | --- |\n")
     table += "\n".join(f"| {w} | {g} | {c:.1f} | {d:.3f} | {eq} |" for w, (c, g, d, eq) in med.items())
     (before, after) = med.values()
-    table += (f"\n\ncapture, before / now: {before[0] / after[0]:.2f}x; decode, before / now: "
-              f"{before[2] / after[2]:.2f}x")
+    ratio = f"{before[0] / after[0]:.2f}x" if after[0] > 0 else "n/a (nothing captured on CPU)"
+    table += f"\n\ncapture, before / now: {ratio}; decode, before / now: {before[2] / after[2]:.2f}x"
     publish(table, a.out)
     return 0 if all(m[3] for m in med.values()) else 1
 

@@ -286,13 +286,15 @@ def _run_placed(config: Config, placement, manager_kwargs: dict) -> dict:
 
 def _loop(config: Config, trainer, manager, probe=None) -> dict:
     """The steps, with the plain engine of `--spec-speedup-interval` (`probe`, if set) beside the fleet."""
+    import ray
+
     from slime_spec.driver.gpu_memory import GpuMemoryMonitor
     report = LoopReport(config)
     start = trainer.start_rollout_id()
     memory = GpuMemoryMonitor.start_if_available()  # peak memory per GPU, per step
     try:
         if probe is not None:
-            probe.connect(manager.engine_urls.remote())
+            probe.connect(ray.get(manager.engine_urls.remote())[0])
         return _steps(config, trainer, manager, report, start, probe, memory)
     finally:
         if memory is not None:

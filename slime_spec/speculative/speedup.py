@@ -272,16 +272,15 @@ class SpeedupProbe:
             gpu_ids=gpu_ids) for name, engine in engines.items()}  # the starts overlap
         self.count = 0  # rounds timed so far: each starts the rotation one place on
 
-    def connect(self, spec_url) -> None:
-        """Wait until the probe's engines serve; `spec_url`: engine 0's URL, or a Ray reference to the fleet's
-        engine URLs (the RolloutManager's `engine_urls`)."""
+    def connect(self, spec_url: str) -> None:
+        """Wait until the probe's engines serve; `spec_url`: engine 0's, timed against them."""
         import ray
 
         from slime_spec.fleet.client import EngineClient
         from slime_spec.weight_sync import fp8
         from slime_spec.weight_sync.gather import hf_mtp_matcher
         self.urls = dict(zip(self.actors, ray.get([a.get_url.remote() for a in self.actors.values()])))
-        self.spec_url = spec_url if isinstance(spec_url, str) else ray.get(spec_url)[0]
+        self.spec_url = spec_url
         self.clients = {name: EngineClient(url, self.auth) for name, url in self.urls.items()}
         hf_config = json.loads((Path(self.config.engine.model_path) / "config.json").read_text())
         self.is_mtp = hf_mtp_matcher(hf_config)
