@@ -27,6 +27,15 @@ from slime_spec.tools.tiny_model import make_tiny_model
 from slime_spec.weight_sync.transports.http_transports import reported_timing
 from slime_spec.weight_sync.transports.tensor_payload import serialize_named_tensors
 from slime_spec.weight_sync.verify.sglang_params import MIMO_MTP, RunnerLayout, served_name
+from tests.helpers.engine_weights import (
+    abort,
+    begin,
+    engine_weights,
+    request,
+    served_bytes,
+    tensor_update,
+    update_bucket,
+)
 
 PROMPTS = ["hello world", "the cat sat on", "abc abc abc", "Once upon a time"]
 NORM = "model.norm.weight"
@@ -389,34 +398,6 @@ def test_a_disk_update_in_a_failed_session_is_refused(server, model, tmp_path):
 
 
 
-def engine_weights(core, device: str = "cpu"):
-    """The engine thread's weight side (SGLang's SchedulerWeightUpdaterManager over our runners), in this process."""
-    from slime_spec.engine.weights.updater import EngineWeights
-    return EngineWeights(core, "v0", device)
-
-
-def request(kind: str, **fields):
-    """SGLang's own request struct, as its TokenizerManager sends it to the scheduler."""
-    sglang_stand_ins.install()
-    from sglang.srt.managers import io_struct
-
-    return getattr(io_struct, kind)(**fields)
-
-
-def begin(weights, selector: str):
-    return weights.handle(request("BeginWeightUpdateReqInput", selector=selector))
-
-
-def tensor_update(weights, selector: str, named):
-    return weights.handle(request("UpdateWeightsFromTensorReqInput", selector=selector,
-                                  serialized_named_tensors=[serialize_named_tensors(named)]))
-
-
-def abort(weights):
-    from slime_spec.engine.entrypoints.http_server import ABORT_SESSION_RID
-    return weights.handle(request("EndWeightUpdateReqInput", rid=ABORT_SESSION_RID))
-
-
 def test_the_reply_comes_after_the_device_has_finished_the_copies(model, monkeypatch):
     """On CUDA the copy out of a CUDA-IPC bucket is queued on the device; the sender may free or reuse that memory
     the moment it reads the reply, so the update settles the device after the copy and before replying.
@@ -435,16 +416,6 @@ def test_the_reply_comes_after_the_device_has_finished_the_copies(model, monkeyp
     assert out.success, out
     assert events == ["copy", "settle cuda"]
     assert torch.equal(core.named_weights("target")[NORM], torch.zeros(32))
-
-
-def served_bytes(core) -> dict[str, torch.Tensor]:
-    return {f"{role}.{n}": t.clone() for role in ("target", "draft") for n, t in core.named_weights(role).items()}
-
-
-def update_bucket(weights, names, value, target):
-    reply = tensor_update(weights, "target", [(n, torch.full_like(target[n], value)) for n in names])
-    assert reply.success, reply
-    return weights.last_timing
 
 
 def test_a_failure_after_buckets_landed_restores_every_old_byte_from_the_host_mirror(model):

@@ -459,6 +459,7 @@ class EngineCore:
         with torch.no_grad():
             for param, tensor in plan:
                 param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+                self.memory.written(param)
 
 
 def cache_fits_error(cache_bytes: int, free_bytes: int, max_running_requests: int, context_length: int) -> str | None:

@@ -4,7 +4,8 @@
 Two ways, as SGLang has them:
 - with the memory saver (`--enable-memory-saver`, model_executor/memory_saver.py): each tag's memory is unmapped and
   mapped again at the same addresses, in SGLang's order; captured graphs stay valid; the weights (one allocation)
-  are copied into a pinned host buffer before the release and back after the resume;
+  are copied back after the resume from a pinned host copy, which a release brings up to date first (only what a
+  load changed since the rollback mirror, which shares that copy, last copied it: model_executor/pinned_weights.py);
 - without it (the default, and always on CPU): the weights move to a CPU backup, the KV caches and graphs are
   dropped, and resume allocates them again and captures the graphs again once nothing is left released.
 """
@@ -17,6 +18,7 @@ import torch
 
 from slime_spec.engine.model_executor import memory_saver
 from slime_spec.engine.model_executor.memory_saver import MEMORY_TAGS
+from slime_spec.engine.model_executor.pinned_weights import PinnedWeightCopy
 
 
 def check_tags(tags: list[str] | None) -> set[str]:
@@ -34,11 +36,15 @@ class MemoryOccupation:
         self.core, self.saver = core, saver
         self.released: set[str] = set()
         self._weight_backup: dict[int, torch.Tensor] = {}
-        self._weights: torch.Tensor | None = None  # with the saver: the weights' one allocation, as uint8
-        self._pinned_backup: torch.Tensor | None = None  # its host copy, pinned at the first release
+        self.host_copy: PinnedWeightCopy | None = None  # with the saver: of the weights' one allocation
         if saver:
             memory_saver.enable(core.device)
             self._move_into_saver()
+
+    def written(self, tensor: torch.Tensor) -> None:
+        """A load wrote `tensor` (a served weight) on the device."""
+        if self.host_copy is not None:
+            self.host_copy.written(tensor)
 
     def _move_into_saver(self) -> None:
         """Weights into the saver's "weights" region as one allocation (views and ties kept), KV caches allocated
@@ -46,8 +52,9 @@ class MemoryOccupation:
         core = self.core
         draft = core.drafter.draft if core.drafter is not None else None
         with memory_saver.weights_region():
-            self._weights = memory_saver.copy_into_one_allocation([core.model] + ([draft] if draft is not None else []),
-                                                                  core.device)
+            weights = memory_saver.copy_into_one_allocation([core.model] + ([draft] if draft is not None else []),
+                                                            core.device)
+        self.host_copy = PinnedWeightCopy(weights)
         core.cache = None
         if core.drafter is not None:
             core.drafter.drop_cache()
@@ -62,9 +69,7 @@ class MemoryOccupation:
         core = self.core
         if self.saver:  # SGLang's order; addresses kept, graphs stay valid
             if "weights" in tags and "weights" not in self.released:
-                if self._pinned_backup is None:
-                    self._pinned_backup = torch.empty_like(self._weights, device="cpu", pin_memory=True)
-                self._pinned_backup.copy_(self._weights, non_blocking=True)
+                self.host_copy.save(session_open=core.session_runners is not None)  # set while a session is open
             torch.cuda.synchronize(core.device)
             for tag in MEMORY_TAGS:
                 if tag in tags and tag not in self.released:
@@ -112,7 +117,7 @@ class MemoryOccupation:
                     memory_saver.resume(tag)
                     self.released.discard(tag)
                     if tag == "weights":
-                        self._weights.copy_(self._pinned_backup, non_blocking=True)
+                        self.host_copy.restore()
             torch.cuda.synchronize(core.device)
             return
         if "weights" in tags and "weights" in self.released:

@@ -12,7 +12,9 @@ session) is copied just before its first write, as before.
 Freshness is kept per (role, name), which survives a memory release and resume (the values come back the same,
 at new addresses); a tensor several runners serve (MiMo's embedding in the target and the MTP runner) shares one
 host buffer. Cost: one model's size of host memory (pinned on a CUDA engine, so the copies run at bus speed) for
-the engine's life, and one device-to-host copy of each written tensor per sync, off the critical path.
+the engine's life, and one device-to-host copy of each written tensor per sync, off the critical path. With the
+memory saver that host memory is the memory release's own copy of the weights (model_executor/pinned_weights.py):
+the buffers are views into it, and every copy into one tells it which bytes are now current.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import threading
 from typing import Iterable
 
 import torch
+
+from slime_spec.engine.model_executor.pinned_weights import PinnedWeightCopy
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +40,14 @@ def storage_key(tensor: torch.Tensor) -> tuple:
 class HostMirror:
     """Host buffers per (role, name) and which of them equal what is served (`fresh`)."""
 
-    def __init__(self):
+    def __init__(self, host: PinnedWeightCopy | None = None):
+        """host: the release's copy of the weights, whose views serve as the buffers of the tensors it holds."""
         self.buffers: dict[Key, torch.Tensor] = {}
         self.fresh: set[Key] = set()
+        self.host = host
         self._pending: _Refresh | None = None
+        if host is not None:
+            host.settle = self.wait  # a release reads the host only after the copies in flight
 
     @property
     def host_bytes_held(self) -> int:
@@ -48,15 +56,29 @@ class HostMirror:
     def backup_of(self, key: Key, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The host copy of `tensor`'s value now, and whether it had to be copied (False: the mirror held it)."""
         self.wait()
-        buf = self.buffers.get(key)
-        if key in self.fresh and _fits(buf, tensor):
+        buf, shared = self._buffer_for(key, tensor)
+        if key in self.fresh or (shared and self.host.current(tensor)):
+            self.fresh.add(key)
             return buf, False
-        if not _fits(buf, tensor):
-            buf = _host_buffer(tensor)
-            self.buffers[key] = buf
         buf.copy_(tensor.detach(), non_blocking=tensor.is_cuda)  # stream-ordered before the write that follows
+        if shared:
+            self.host.copied(tensor)
         self.fresh.add(key)  # rollback restores this value; a successful session marks it stale at its end
         return buf, True
+
+    def _buffer_for(self, key: Key, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """`key`'s buffer for `tensor`, and whether it is the host copy's view of it (where there is one; else a
+        buffer of its own). A buffer of another place, shape or dtype is replaced, and its entry is not fresh."""
+        view = self.host.view_of(tensor) if self.host is not None else None
+        buf = self.buffers.get(key)
+        if view is not None and (buf is None or buf.data_ptr() != view.data_ptr() or not _fits(buf, tensor)):
+            buf = view
+        elif view is None and not _fits(buf, tensor):
+            buf = _host_buffer(tensor)
+        if buf is not self.buffers.get(key):
+            self.buffers[key] = buf
+            self.fresh.discard(key)
+        return buf, view is not None
 
     def invalidate(self) -> None:
         """Served weights changed outside a session: nothing in the mirror can be trusted."""
@@ -78,12 +100,15 @@ class HostMirror:
         copies = []
         for skey, keys in groups.items():
             tensor = tensors[skey]
-            buf = next((self.buffers[k] for k in keys if _fits(self.buffers.get(k), tensor)), None)
+            buf = self.host.view_of(tensor) if self.host is not None else None
+            shared = buf is not None
+            if buf is None:
+                buf = next((self.buffers[k] for k in keys if _fits(self.buffers.get(k), tensor)), None)
             if buf is None:
                 buf = _host_buffer(tensor)
             for k in keys:
                 self.buffers[k] = buf
-            copies.append((buf, tensor, keys))
+            copies.append((buf, tensor, keys, shared))
         if copies:
             self._pending = _Refresh(copies)
 
@@ -93,15 +118,17 @@ class HostMirror:
         if pending is None:
             return
         if pending.wait():
-            for _, _, keys in pending.copies:
+            for _, tensor, keys, shared in pending.copies:
                 self.fresh.update(keys)
+                if shared:
+                    self.host.copied(tensor)
 
 
 class _Refresh:
     """Device-to-host copies in flight: on a side stream (CUDA), or on a thread (CPU: the copy releases the GIL, so
     the engine thread generates meanwhile)."""
 
-    def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor, list[Key]]]):
+    def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor, list[Key], bool]]):
         self.copies, self.error = copies, None
         self.cuda = copies[0][1].is_cuda
         if self.cuda:
@@ -109,7 +136,7 @@ class _Refresh:
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))  # after the session's writes
             with torch.cuda.stream(stream):
-                for buf, tensor, _ in copies:
+                for buf, tensor, _, _ in copies:
                     buf.copy_(tensor, non_blocking=True)
                     tensor.record_stream(stream)  # a memory release meanwhile must not hand the block to another
                 self.done = torch.cuda.Event()
@@ -121,7 +148,7 @@ class _Refresh:
     def _copy(self) -> None:
         try:
             with torch.no_grad():
-                for buf, tensor, _ in self.copies:
+                for buf, tensor, _, _ in self.copies:
                     buf.copy_(tensor)
         except Exception as e:  # the entries stay stale: the next session copies them on its own path
             self.error = e

@@ -28,6 +28,7 @@ from typing import Iterable
 
 import torch
 
+from slime_spec.engine.model_executor.pinned_weights import PinnedWeightCopy
 from slime_spec.engine.weights.mirror import HostMirror, storage_key
 from slime_spec.engine.weights.receive import EngineTiming
 
@@ -46,9 +47,10 @@ def roles_of(selector: str) -> list[str]:
 class WeightSession:
     """The open session, if any, and the engine's host mirror of what it serves (kept across sessions)."""
 
-    def __init__(self, device: str, served=None):
+    def __init__(self, device: str, served=None, host: PinnedWeightCopy | None = None):
         """served(core, role, names): those names' served tensors, as core.named_weights(role) has them (the engine
-        passes a look-up that walks the model once per session: weight_updater.served_weights_named)."""
+        passes a look-up that walks the model once per session: weight_updater.served_weights_named). host: the
+        memory release's pinned copy of the weights, which the mirror shares (with the memory saver)."""
         self.device = device
         self.served = served or _named_weights_of
         self.selector: str | None = None  # None: no session is open
@@ -56,7 +58,7 @@ class WeightSession:
         self.version_before: str | None = None
         self.restored = 0  # tensors this session's rollbacks restored
         self.backup: Backup = {}
-        self.mirror = HostMirror()  # the buffers `backup` points into
+        self.mirror = HostMirror(host)  # the buffers `backup` points into
         self._copies: dict[tuple, torch.Tensor] = {}  # storage_key -> its value before begin: a shared tensor once
 
     @property

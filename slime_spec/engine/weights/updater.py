@@ -217,7 +217,7 @@ class EngineWeights:
     def __init__(self, core, weight_version: str, device: str):
         self.core, self.device = core, device
         self.weight_version = weight_version
-        self.session = WeightSession(device, served=served_weights_named)
+        self.session = WeightSession(device, served=served_weights_named, host=core.memory.host_copy)
         self.groups: dict[str, WeightUpdateGroup] = {}
         self.call: UpdateCall | None = None
         self.last_timing: dict | None = None  # the last update's `slime_spec_engine_timing` (also logged: SGLang's
