@@ -15,7 +15,15 @@ import torch
 
 from slime_spec.engine.model_executor.pinned_weights import ByteRanges, PinnedWeightCopy
 from slime_spec.tools.tiny_model import make_tiny_model
-from tests.helpers.engine_weights import abort, begin, engine_weights, request, served_bytes, update_bucket
+from tests.helpers.engine_weights import (
+    abort,
+    begin,
+    engine_weights,
+    request,
+    served_bytes,
+    tensor_update,
+    update_bucket,
+)
 
 
 def test_byte_ranges_equal_a_set_of_bytes_under_random_adds_and_removes():
@@ -47,13 +55,13 @@ def test_a_save_copies_only_what_a_load_wrote_since_the_last_copy():
     assert copy.saved_bytes == 64 and copy.current(a) and torch.equal(copy.host, block)
     copy.save(session_open=False)
     assert copy.saved_bytes == 0  # nothing written since
-    a.fill_(2.0)
-    copy.written(a)
+    copy.load(a, torch.full((4,), 2.0))
     assert not copy.current(a) and copy.current(block[32:40])
     copy.save(session_open=False)
     assert copy.saved_bytes == 16 and torch.equal(copy.view_of(a), a)
     block.fill_(0xAB)  # the memory a resume maps again holds anything
     copy.restore()
+    assert copy.pending.nbytes == 64 and copy.complete() == 64 and not copy.pending
     assert torch.equal(a, torch.full((4,), 2.0)) and torch.equal(block[:8], torch.arange(8, dtype=torch.uint8))
     assert copy.span(torch.zeros(4)) is None and copy.view_of(torch.zeros(4)) is None  # not in the block
     assert copy.view_of(block[:16].view(4, 4)[:, :2]) is None  # a non-contiguous tensor has no view
@@ -63,14 +71,48 @@ def test_a_release_inside_an_open_session_keeps_its_rollback_values():
     block = torch.zeros(32, dtype=torch.uint8)
     copy = PinnedWeightCopy(block)
     copy.save(session_open=False)
-    block[:16] = 7  # a session wrote; the host still holds the value its rollback restores
-    copy.written(block[:16])
+    copy.load(block[:16], torch.full((16,), 7, dtype=torch.uint8))  # the host keeps what a rollback restores
     copy.save(session_open=True)
     assert torch.equal(copy.host, torch.zeros(32, dtype=torch.uint8))  # untouched
     block.fill_(0xAB)
-    copy.restore()
+    copy.restore()  # from the release's own buffer, at once
     assert torch.equal(block[:16], torch.full((16,), 7, dtype=torch.uint8)) and not block[16:].any()
-    assert copy._side is None and not copy.current(block[:16])
+    assert copy._side is None and not copy.current(block[:16]) and not copy.pending
+
+
+def test_a_resume_copies_back_only_what_no_load_wrote_and_only_before_a_read():
+    block = torch.arange(64, dtype=torch.uint8)
+    copy = PinnedWeightCopy(block)
+    copy.save(session_open=False)
+    block.fill_(0xAB)
+    copy.restore()
+    assert not torch.equal(block, torch.arange(64, dtype=torch.uint8))  # nothing copied yet
+    copy.load(block[0:16], torch.full((16,), 1, dtype=torch.uint8))  # the sync after the resume
+    strided = block[32:48].view(4, 4)[:, :2]  # a strided write: the bytes between its elements come back first
+    copy.load(strided, torch.full((4, 2), 2, dtype=torch.uint8))
+    assert copy.complete(block[16:24]) == 8 and torch.equal(block[16:24], torch.arange(16, 24, dtype=torch.uint8))
+    assert copy.pending.nbytes == 64 - 16 - 8 - 14  # the strided write's extent: 4 rows of 4 bytes, less 2
+    assert copy.complete() == 26 and not copy.pending
+    expected = torch.arange(64, dtype=torch.uint8)
+    expected[0:16] = 1
+    expected[32:48].view(4, 4)[:, :2] = 2
+    assert torch.equal(block, expected)
+
+
+def test_the_mirror_keeps_a_keys_view_until_its_tensor_moves():
+    from slime_spec.engine.weights.mirror import HostMirror
+    block = torch.arange(64, dtype=torch.uint8)
+    copy = PinnedWeightCopy(block)
+    mirror = HostMirror(copy)
+    a, b = block[:16].view(torch.float32), block[16:32].view(torch.float32)
+    buf, copied = mirror.backup_of(("target", "w"), a)
+    assert copied and buf.data_ptr() == copy.host.data_ptr() and torch.equal(buf, a)
+    assert mirror.backup_of(("target", "w"), a) == (buf, False)  # fresh: the same view
+    buf, copied = mirror.backup_of(("target", "w"), b)  # the name now serves other bytes
+    assert copied and buf.data_ptr() == copy.host.data_ptr() + 16 and torch.equal(buf, b)
+    outside = torch.ones(4)
+    buf, copied = mirror.backup_of(("target", "w"), outside)  # outside the block: a buffer of its own
+    assert copied and not copy.host.data_ptr() <= buf.data_ptr() < copy.host.data_ptr() + 64
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +130,21 @@ def core_in_one_allocation(model):
     return core
 
 
-def release_and_resume(core, session_open: bool = False) -> int:
-    """What the saver's release and resume do to the weights (managers/memory_occupation.py), the unmapping aside."""
+def release(core, session_open: bool = False) -> int:
+    """What the saver's release and resume of the weights do to them (managers/memory_occupation.py), the unmapping
+    aside: the memory mapped again holds anything."""
     copy = core.memory.host_copy
     copy.save(session_open=session_open)
     copy.block.fill_(0xAB)
     copy.restore()
     return copy.saved_bytes
+
+
+def release_and_resume(core, session_open: bool = False) -> int:
+    """A release, and a resume of everything (the engine copies back what is left at once)."""
+    saved = release(core, session_open)
+    core.memory.host_copy.complete()
+    return saved
 
 
 def test_the_mirror_and_the_release_share_one_copy_and_a_release_after_a_sync_copies_nothing(model):
@@ -129,6 +179,40 @@ def test_the_mirror_and_the_release_share_one_copy_and_a_release_after_a_sync_co
     assert all(torch.equal(served_bytes(core)[k], synced[k]) for k in synced)
     assert release_and_resume(core) == nbytes  # the rollback wrote them: copied again, conservatively
     assert all(torch.equal(served_bytes(core)[k], synced[k]) for k in synced)
+
+
+def test_the_sync_after_a_resume_of_the_weights_leaves_only_the_rest_to_copy_back(model):
+    """slime's staged order: the weights resumed, a sync, then the KV cache and graphs. The resume copies nothing
+    back; the sync writes its tensors; what it did not write comes back before a checksum reads it, and a failed
+    sync rolls back to the values from before the release."""
+    from slime_spec.engine.weights.checker import runner_checksums
+    core = core_in_one_allocation(model)
+    copy = core.memory.host_copy
+    target = core.named_weights("target")
+    names = [n for n in target if n.startswith("model.layers.")][:4]
+    nbytes = sum(target[n].numel() * target[n].element_size() for n in names)
+    weights = engine_weights(core)
+    start, sums = served_bytes(core), runner_checksums(core, "target")
+    release(core)
+    assert copy.pending.nbytes == copy.block.numel()
+    assert begin(weights, "target").success
+    assert update_bucket(weights, names, 7.0, target)["snapshot_copied_bytes"] == 0
+    assert weights.handle(request("EndWeightUpdateReqInput")).success
+    assert copy.pending.nbytes == copy.block.numel() - nbytes
+    assert copy.complete() == copy.block.numel() - nbytes
+    served = served_bytes(core)
+    assert all(torch.equal(served[k], start[k]) for k in start if k.split(".", 1)[1] not in names)
+    assert all(torch.equal(served["target." + n], torch.full_like(target[n], 7.0)) for n in names)
+
+    release(core)
+    assert runner_checksums(core, "target") != sums and not copy.pending  # a read copies the rest back first
+    release(core)
+    assert begin(weights, "target").success
+    update_bucket(weights, names[:2], 9.0, target)
+    assert not tensor_update(weights, "target", [(names[2], torch.zeros(3))]).success  # rolled back
+    assert abort(weights).success
+    copy.complete()
+    assert all(torch.equal(served_bytes(core)[k], served[k]) for k in served)
 
 
 def test_a_load_outside_a_session_is_copied_at_the_next_release(model):
@@ -194,6 +278,20 @@ CUDA_CHECK = textwrap.dedent("""
     host = copy.host
     assert host.is_pinned() and all(host.data_ptr() <= b.data_ptr() < host.data_ptr() + host.numel()
                                     for b in weights.session.mirror.buffers.values())
+    core.release_memory(None)  # slime's staged order: the weights, a sync, then the KV cache and graphs
+    core.resume_memory(["weights"])
+    assert copy.pending.nbytes == copy.block.numel()  # nothing copied back yet
+    assert begin(weights, "target").success
+    load(0.03)
+    assert weights.handle(request("EndWeightUpdateReqInput")).success
+    written = sum(target[n].numel() * target[n].element_size() for n in names)
+    assert copy.pending.nbytes == copy.block.numel() - written
+    core.resume_memory(["kv_cache", "cuda_graph"])
+    assert not copy.pending
+    served = served_bytes(core)
+    assert all(torch.equal(served["target." + n], torch.full_like(target[n], 0.03)) for n in names)
+    assert all(torch.equal(served[k], synced[k]) for k in synced if k.split(".", 1)[1] not in names)
+    assert len(greedy("c")) == 24
     print("ok")
 """)
 

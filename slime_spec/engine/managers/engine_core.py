@@ -458,8 +458,7 @@ class EngineCore:
             self.overlap.drain()  # the step in flight was launched with the old weights: its tokens come first
         with torch.no_grad():
             for param, tensor in plan:
-                param.copy_(tensor.to(device=param.device, dtype=param.dtype))
-                self.memory.written(param)
+                self.memory.load(param, tensor.to(device=param.device, dtype=param.dtype))
 
 
 def cache_fits_error(cache_bytes: int, free_bytes: int, max_running_requests: int, context_length: int) -> str | None:

@@ -4,8 +4,9 @@
 Two ways, as SGLang has them:
 - with the memory saver (`--enable-memory-saver`, model_executor/memory_saver.py): each tag's memory is unmapped and
   mapped again at the same addresses, in SGLang's order; captured graphs stay valid; the weights (one allocation)
-  are copied back after the resume from a pinned host copy, which a release brings up to date first (only what a
-  load changed since the rollback mirror, which shares that copy, last copied it: model_executor/pinned_weights.py);
+  come back from a pinned host copy, which a release brings up to date first (only what a load changed since the
+  rollback mirror, which shares that copy, last copied it), and which fills what the sync after a resume did not
+  write once the engine is resumed whole or the values are read (model_executor/pinned_weights.py);
 - without it (the default, and always on CPU): the weights move to a CPU backup, the KV caches and graphs are
   dropped, and resume allocates them again and captures the graphs again once nothing is left released.
 """
@@ -41,10 +42,18 @@ class MemoryOccupation:
             memory_saver.enable(core.device)
             self._move_into_saver()
 
-    def written(self, tensor: torch.Tensor) -> None:
-        """A load wrote `tensor` (a served weight) on the device."""
+    def load(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Write `value` into the served weight `param` (the host copy keeps its account of what changed)."""
         if self.host_copy is not None:
-            self.host_copy.written(tensor)
+            self.host_copy.load(param, value)
+        else:
+            param.copy_(value)
+
+    def complete_weights(self) -> None:
+        """Before the weights' values are read outside a decode: what a resume has not copied back yet (queued on
+        the stream that reads them)."""
+        if self.host_copy is not None:
+            self.host_copy.complete()
 
     def _move_into_saver(self) -> None:
         """Weights into the saver's "weights" region as one allocation (views and ties kept), KV caches allocated
@@ -118,6 +127,8 @@ class MemoryOccupation:
                     self.released.discard(tag)
                     if tag == "weights":
                         self.host_copy.restore()
+            if not self.released:  # the engine generates again: every weight on the device
+                self.host_copy.complete()
             torch.cuda.synchronize(core.device)
             return
         if "weights" in tags and "weights" in self.released:

@@ -11,6 +11,12 @@ date, and the first session after a release finds every tensor on the host alrea
 
 A weight-update session that is open holds its rollback values in the mirror's views: a release then must not
 overwrite them, so it copies the whole allocation into a second buffer for the resume, as before this was shared.
+
+A resume does not copy the weights back at once: slime resumes the weights, syncs, then resumes the KV cache and the
+graphs, and the sync overwrites what the resume would have copied. The ranges the device does not hold yet are
+`pending`; a load removes what it writes, and `complete` copies the rest back before anything reads the values: the
+engine's last resume (it generates only with nothing released), a checksum, `get_weights_by_name`, a copy to the
+mirror.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ class PinnedWeightCopy:
         self.block = block
         self.host: torch.Tensor | None = None
         self.stale = ByteRanges([(0, block.numel())])
+        self.pending = ByteRanges()  # the ranges the device does not hold since a resume; the host holds them
         self.settle: Callable[[], None] = lambda: None  # the mirror's wait: its copies in flight land in `host`
         self._side: torch.Tensor | None = None  # a release's own copy while a session holds rollback values here
         self.saved_bytes = 0  # what the last save copied
@@ -108,11 +115,33 @@ class PinnedWeightCopy:
         span = self.span(tensor)
         return span is not None and self.host is not None and not self.stale.overlaps(*span)
 
-    def written(self, tensor: torch.Tensor) -> None:
-        """A load wrote `tensor` on the device."""
-        span = self.span(tensor)
+    def load(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Write `value` into `param` (a served tensor) and keep the account: what a contiguous write covers is no
+        longer pending; a strided one first gets the bytes between its elements back."""
+        span = self.span(param)
+        contiguous = param.is_contiguous()
+        if span is not None and not contiguous:
+            self.complete(param)
+        param.copy_(value)
         if span is not None:
             self.stale.add(*span)
+            if contiguous:
+                self.pending.remove(*span)
+
+    def complete(self, tensor: torch.Tensor | None = None) -> int:
+        """Copy back to the device what a resume deferred (of `tensor` only, where given), before it is read; returns
+        the bytes copied (queued on the current stream)."""
+        span = (0, self.block.numel()) if tensor is None else self.span(tensor)
+        if span is None or not self.pending.overlaps(*span):
+            return 0
+        copied = 0
+        for start, end in list(self.pending):
+            start, end = max(start, span[0]), min(end, span[1])
+            if start < end:
+                self.block[start:end].copy_(self._host()[start:end], non_blocking=True)
+                self.pending.remove(start, end)
+                copied += end - start
+        return copied
 
     def copied(self, tensor: torch.Tensor) -> None:
         """The device's `tensor` was copied into `view_of(tensor)`, and nothing has written it since."""
@@ -136,6 +165,10 @@ class PinnedWeightCopy:
         self.stale.clear()
 
     def restore(self) -> None:
-        """After a resume: the block as `save` left it."""
-        source, self._side = (self._side, None) if self._side is not None else (self._host(), None)
-        self.block.copy_(source, non_blocking=True)
+        """After a resume: the block as `save` left it, copied back from a release's own buffer at once, or from the
+        shared copy as it is read or written (`pending`, `complete`)."""
+        if self._side is not None:
+            self.block.copy_(self._side, non_blocking=True)
+            self._side = None
+            return
+        self.pending = ByteRanges([(0, self.block.numel())])

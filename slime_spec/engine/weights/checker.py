@@ -68,6 +68,7 @@ def runner_layout(core, role: str, named: dict[str, torch.Tensor]) -> RunnerLayo
 
 def runner_weights(core, role: str) -> dict[str, torch.Tensor]:
     """Checkpoint-named tensors runner `role` loads; an EAGLE3 draft also holds the target's embedding."""
+    core.memory.complete_weights()  # their values are read
     named = dict(core.named_weights(role))
     if role != "target" and named and "model.embed_tokens.weight" not in named:
         from slime_spec.engine.drafters import Eagle3Drafter

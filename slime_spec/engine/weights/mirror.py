@@ -45,6 +45,7 @@ class HostMirror:
         self.buffers: dict[Key, torch.Tensor] = {}
         self.fresh: set[Key] = set()
         self.host = host
+        self._views: dict[Key, int] = {}  # keys whose buffer is the host copy's view, by their tensor's address
         self._pending: _Refresh | None = None
         if host is not None:
             host.settle = self.wait  # a release reads the host only after the copies in flight
@@ -60,6 +61,8 @@ class HostMirror:
         if key in self.fresh or (shared and self.host.current(tensor)):
             self.fresh.add(key)
             return buf, False
+        if self.host is not None:
+            self.host.complete(tensor)  # its value on the device, where a resume deferred it
         buf.copy_(tensor.detach(), non_blocking=tensor.is_cuda)  # stream-ordered before the write that follows
         if shared:
             self.host.copied(tensor)
@@ -69,15 +72,21 @@ class HostMirror:
     def _buffer_for(self, key: Key, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """`key`'s buffer for `tensor`, and whether it is the host copy's view of it (where there is one; else a
         buffer of its own). A buffer of another place, shape or dtype is replaced, and its entry is not fresh."""
-        view = self.host.view_of(tensor) if self.host is not None else None
         buf = self.buffers.get(key)
+        if self._views.get(key) == tensor.data_ptr() and _fits(buf, tensor):  # the view made for this tensor
+            return buf, True
+        view = self.host.view_of(tensor) if self.host is not None else None
         if view is not None and (buf is None or buf.data_ptr() != view.data_ptr() or not _fits(buf, tensor)):
             buf = view
-        elif view is None and not _fits(buf, tensor):
+        elif view is None and (not _fits(buf, tensor) or key in self._views):  # a view of other bytes: not ours
             buf = _host_buffer(tensor)
         if buf is not self.buffers.get(key):
             self.buffers[key] = buf
             self.fresh.discard(key)
+        if view is not None:
+            self._views[key] = tensor.data_ptr()
+        else:
+            self._views.pop(key, None)
         return buf, view is not None
 
     def invalidate(self) -> None:
@@ -100,6 +109,8 @@ class HostMirror:
         copies = []
         for skey, keys in groups.items():
             tensor = tensors[skey]
+            if self.host is not None:
+                self.host.complete(tensor)  # written by the session: nothing pending, unless strided
             buf = self.host.view_of(tensor) if self.host is not None else None
             shared = buf is not None
             if buf is None:
@@ -108,6 +119,10 @@ class HostMirror:
                 buf = _host_buffer(tensor)
             for k in keys:
                 self.buffers[k] = buf
+                if shared:
+                    self._views[k] = tensor.data_ptr()
+                else:
+                    self._views.pop(k, None)
             copies.append((buf, tensor, keys, shared))
         if copies:
             self._pending = _Refresh(copies)

@@ -114,6 +114,7 @@ class EngineTpWorker:
 
     def get_weights_by_name(self, recv_req) -> list | None:
         """The target runner's tensor as float32 nested lists, its first `truncate_size` rows (SGLang's Llama)."""
+        self.weights.core.memory.complete_weights()
         weights = self.weights.core.named_weights("target")
         name = recv_req.name
         if name not in weights and name == "lm_head.weight":
