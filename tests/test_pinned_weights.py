@@ -130,6 +130,14 @@ def core_in_one_allocation(model):
     return core
 
 
+def engine_with_layer_names(model):
+    """core_in_one_allocation's engine, its weight side, its target's tensors, four layer tensors' names and bytes."""
+    core = core_in_one_allocation(model)
+    target = core.named_weights("target")
+    names = [n for n in target if n.startswith("model.layers.")][:4]
+    return core, engine_weights(core), target, names, sum(target[n].numel() * target[n].element_size() for n in names)
+
+
 def release(core, session_open: bool = False) -> int:
     """What the saver's release and resume of the weights do to them (managers/memory_occupation.py), the unmapping
     aside: the memory mapped again holds anything."""
@@ -148,12 +156,8 @@ def release_and_resume(core, session_open: bool = False) -> int:
 
 
 def test_the_mirror_and_the_release_share_one_copy_and_a_release_after_a_sync_copies_nothing(model):
-    core = core_in_one_allocation(model)
+    core, weights, target, names, nbytes = engine_with_layer_names(model)
     copy = core.memory.host_copy
-    target = core.named_weights("target")
-    names = [n for n in target if n.startswith("model.layers.")][:4]
-    nbytes = sum(target[n].numel() * target[n].element_size() for n in names)
-    weights = engine_weights(core)
     start = served_bytes(core)
     assert release_and_resume(core) == copy.block.numel()  # the first release copies everything
     assert all(torch.equal(served_bytes(core)[k], start[k]) for k in start)
@@ -186,12 +190,8 @@ def test_the_sync_after_a_resume_of_the_weights_leaves_only_the_rest_to_copy_bac
     back; the sync writes its tensors; what it did not write comes back before a checksum reads it, and a failed
     sync rolls back to the values from before the release."""
     from slime_spec.engine.weights.checker import runner_checksums
-    core = core_in_one_allocation(model)
+    core, weights, target, names, nbytes = engine_with_layer_names(model)
     copy = core.memory.host_copy
-    target = core.named_weights("target")
-    names = [n for n in target if n.startswith("model.layers.")][:4]
-    nbytes = sum(target[n].numel() * target[n].element_size() for n in names)
-    weights = engine_weights(core)
     start, sums = served_bytes(core), runner_checksums(core, "target")
     release(core)
     assert copy.pending.nbytes == copy.block.numel()
