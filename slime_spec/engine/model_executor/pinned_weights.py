@@ -1,22 +1,20 @@
 """One pinned host copy of the weights' one allocation, shared by the memory release and the rollback mirror.
 
 With the memory saver the engine's weights live in one allocation (memory_saver.copy_into_one_allocation). A
-release copies that allocation to the host and a resume copies it back (managers/memory_occupation.py); the
-weight sessions' rollback mirror (engine/weights/mirror.py) keeps a host copy of every served tensor between
-syncs. Both held the same bytes in the steady state: two model-sized pinned buffers per engine (2 x 15.7 GB at
-MiMo-7B's size). Here they are one: the mirror's buffers are views into this copy, and the copy knows which byte
-ranges may differ from the device (`stale`): a load marks what it wrote, a mirror copy clears what it copied. A
-release copies only the stale ranges, none when the mirror's background refresh has already brought the host up to
-date, and the first session after a release finds every tensor on the host already.
+release copies it to the host and a resume copies it back (managers/memory_occupation.py); the weight sessions'
+rollback mirror (engine/weights/mirror.py) keeps a host copy of every served tensor between syncs. Between syncs the
+two hold the same bytes, so they share this copy (one model's size of pinned memory, not two): the mirror's buffers
+are views into it, and it knows which byte ranges may differ from the device (`stale`): a load marks what it wrote,
+a mirror copy clears what it copied. A release copies only the stale ranges (none once the mirror's background copy
+after a sync is done), and the first session after a release finds every rollback value on the host.
 
-A weight-update session that is open holds its rollback values in the mirror's views: a release then must not
-overwrite them, so it copies the whole allocation into a second buffer for the resume, as before this was shared.
+A release inside an open weight-update session must not overwrite that session's rollback values in the mirror's
+views: it copies the whole allocation into a buffer of its own for the resume.
 
-A resume does not copy the weights back at once: slime resumes the weights, syncs, then resumes the KV cache and the
-graphs, and the sync overwrites what the resume would have copied. The ranges the device does not hold yet are
-`pending`; a load removes what it writes, and `complete` copies the rest back before anything reads the values: the
-engine's last resume (it generates only with nothing released), a checksum, `get_weights_by_name`, a copy to the
-mirror.
+A resume copies nothing back at once: in slime's order (the weights resumed, the sync, then the KV cache and graphs)
+the sync overwrites most of it. The ranges the device does not hold yet are `pending`; a load removes what it
+writes, and `complete` copies the rest back before anything reads the values: the engine's last resume (it generates
+only with nothing released), a checksum, `get_weights_by_name`, a copy to the mirror.
 """
 
 from __future__ import annotations
