@@ -108,6 +108,17 @@ class PinnedWeightCopy:
             return None
         return self._host()[span[0]:span[1]].view(tensor.dtype).view(tensor.shape)
 
+    def holds(self, buf: torch.Tensor | None) -> bool:
+        """Whether `buf` is a view into the host copy."""
+        return (buf is not None and self.host is not None
+                and 0 <= buf.data_ptr() - self.host.data_ptr() < self.host.numel())
+
+    def is_view_of(self, buf: torch.Tensor | None, tensor: torch.Tensor) -> bool:
+        """Whether `buf` is `view_of(tensor)` (without making that view again)."""
+        span = self.span(tensor) if self.holds(buf) and tensor.is_contiguous() else None
+        return (span is not None and buf.data_ptr() - self.host.data_ptr() == span[0]
+                and buf.dtype == tensor.dtype and buf.shape == tensor.shape)
+
     def current(self, tensor: torch.Tensor) -> bool:
         """Whether the host holds `tensor`'s served value (no load since it was last copied)."""
         span = self.span(tensor)

@@ -45,7 +45,6 @@ class HostMirror:
         self.buffers: dict[Key, torch.Tensor] = {}
         self.fresh: set[Key] = set()
         self.host = host
-        self._views: dict[Key, int] = {}  # keys whose buffer is the host copy's view, by their tensor's address
         self._pending: _Refresh | None = None
         if host is not None:
             host.settle = self.wait  # a release reads the host only after the copies in flight
@@ -73,20 +72,16 @@ class HostMirror:
         """`key`'s buffer for `tensor`, and whether it is the host copy's view of it (where there is one; else a
         buffer of its own). A buffer of another place, shape or dtype is replaced, and its entry is not fresh."""
         buf = self.buffers.get(key)
-        if self._views.get(key) == tensor.data_ptr() and _fits(buf, tensor):  # the view made for this tensor
+        if self.host is not None and self.host.is_view_of(buf, tensor):
             return buf, True
         view = self.host.view_of(tensor) if self.host is not None else None
-        if view is not None and (buf is None or buf.data_ptr() != view.data_ptr() or not _fits(buf, tensor)):
+        if view is not None:
             buf = view
-        elif view is None and (not _fits(buf, tensor) or key in self._views):  # a view of other bytes: not ours
+        elif not _fits(buf, tensor) or (self.host is not None and self.host.holds(buf)):  # a view of other bytes
             buf = _host_buffer(tensor)
         if buf is not self.buffers.get(key):
             self.buffers[key] = buf
             self.fresh.discard(key)
-        if view is not None:
-            self._views[key] = tensor.data_ptr()
-        else:
-            self._views.pop(key, None)
         return buf, view is not None
 
     def invalidate(self) -> None:
@@ -119,10 +114,6 @@ class HostMirror:
                 buf = _host_buffer(tensor)
             for k in keys:
                 self.buffers[k] = buf
-                if shared:
-                    self._views[k] = tensor.data_ptr()
-                else:
-                    self._views.pop(k, None)
             copies.append((buf, tensor, keys, shared))
         if copies:
             self._pending = _Refresh(copies)
