@@ -30,6 +30,7 @@ from slime_spec.engine.model_executor.model_graphs import graph_model, prefill_g
 from slime_spec.engine.model_executor.transfer import device_tensor
 from slime_spec.engine.speculative import SpecWorker, StepTimes, tree
 from slime_spec.engine.speculative import policy as spec_policy
+from slime_spec.engine.speculative.accept_graph import AcceptGraph
 from slime_spec.engine.speculative.tree_graphs import capture_tree_graphs
 from slime_spec.engine.weights import updater as weight_updater
 from slime_spec.speculative.settings import SpecConfig, check_resolved
@@ -114,8 +115,8 @@ class EngineCore:
         self.graph_capture_seconds = 0.0
         self.session_runners: dict | None = None  # weights/updater.select_runners' cache while a session is open
         self.memory = MemoryOccupation(self, memory_saver)  # with the saver: weights and caches moved into it
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)  # before capture: graphs draw from it
         self.capture_graphs()
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting: deque[Row] = deque()
         self.running: list[Row] = []
         self._rows: dict[str, Row] = {}      # rid -> row, for every request not yet returned by step()
@@ -387,7 +388,8 @@ class EngineCore:
     def capture_graphs(self) -> None:
         """On CUDA (unless --disable-cuda-graph), capture decode, verify and draft forwards
         (engine/model_executor/cuda_graph.py): MTP
-        steps, a STANDALONE draft's steps and catch-up, an EAGLE3 chain's aux-returning verify and draft-head steps;
+        steps, a STANDALONE draft's steps and catch-up, an EAGLE3 chain's aux-returning verify and draft-head steps,
+        a chain verify's acceptance for the batches the sampling kernel serves (engine/speculative/accept_graph.py);
         with eagle_topk > 1 the tree's verify, draft steps and draft extend or catch-up
         (engine/speculative/tree_graphs.py)."""
         if self.device.type != "cuda" or self.cuda_graph.disable:
@@ -407,6 +409,12 @@ class EngineCore:
                                         verify_widths=self.policy.verify_widths() if self.policy is not None else None,
                                         last_token=self.overlap.last_token if self.overlap is not None else None,
                                         prefill=True)
+        widths = [w for w in self.policy.verify_widths() if w > 1] if self.policy is not None else []
+        if widths and self.model.kernels.sampling:  # a chain verify's acceptance, for the batches the kernel serves
+            self.model.graphs["chain_accept"] = AcceptGraph(
+                self.model, self.generator, batch_sizes=self.cuda_graph.capture_sizes(self.max_running_requests, True),
+                widths=widths, device=self.device)
+            self.model.graphs["chain_accept"].capture()
         draft = self.causal_lms()[1:]
         if draft:
             # A STANDALONE draft's one-token chain steps, and its catch-up before each chain: 1 or 2 tokens after a

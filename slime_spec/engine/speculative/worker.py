@@ -26,7 +26,8 @@ from slime_spec.engine.managers.request import NAN_FINISH, Row
 from slime_spec.engine.model_executor import sampling
 from slime_spec.engine.model_executor.transfer import device_tensor, start_read_back
 from slime_spec.engine.speculative import tree, tree_graphs
-from slime_spec.engine.speculative.accept import accept_drafts, accept_unfiltered, draft_pick
+from slime_spec.engine.speculative.accept import accept_drafts, draft_pick
+from slime_spec.engine.speculative.accept_graph import chain_acceptance
 from slime_spec.engine.speculative.policy import AutoSteps, StepPolicy
 from slime_spec.engine.speculative.timing import StepTimes, sync
 
@@ -55,12 +56,13 @@ class TargetEngine(Protocol):
 
 @dataclass
 class Verified:
-    """A chain verify's device results: logits [n, k + 1, V] (non-finite rows masked and flagged in `broken`, or,
-    for the sampling kernel, raw and `broken` None: the kernel finds them), what the drafter reads of the target
-    (`features`: the hidden states, or EAGLE3's aux states), and each row's first verified position and cache
-    slot."""
+    """A chain verify's device results: the final hidden states [n, k + 1, H]; logits [n, k + 1, V] (non-finite
+    rows masked and flagged in `broken`; both None where the sampling kernel's acceptance computes them from the
+    hidden states); what the drafter reads of the target (`features`: the hidden
+    states, or EAGLE3's aux states), and each row's first verified position and cache slot."""
 
-    logits: torch.Tensor
+    hidden: torch.Tensor
+    logits: torch.Tensor | None
     broken: torch.Tensor | None
     features: torch.Tensor
     start: torch.Tensor
@@ -124,10 +126,11 @@ class SpecWorker:
         params = self.engine.batch_params(rows)
         drafts, draft_probs = self.draft(rows, params)
         draft_s = clock.lap("draft")
-        verified = self.verify(rows, drafts, fused=draft_probs is None and params.unfiltered
-                               and self.engine.model.kernels.sampling)
+        fused = draft_probs is None and params.unfiltered and self.engine.model.kernels.sampling
+        verified = self.verify(rows, drafts, logits=not fused)
         clock.lap("verify")
-        acceptance = self.accept(rows, verified, drafts, draft_probs, params)
+        acceptance = (self.accept_unfiltered(rows, verified, drafts, params) if fused
+                      else self.accept(rows, verified, drafts, draft_probs, params))
         clock.lap("sampling")
         if self.drafter.extends_before_read_back:  # from device results, queued behind the read-back's copy
             self.drafter.verify_extend(rows, verified.features, acceptance.chosen, acceptance.accept,
@@ -155,10 +158,9 @@ class SpecWorker:
             return self.drafter.propose(rows), None
         return self.drafter.sample_draft(rows, pick)
 
-    def verify(self, rows: list[Row], drafts: torch.Tensor, fused: bool = False) -> Verified:
+    def verify(self, rows: list[Row], drafts: torch.Tensor, logits: bool = True) -> Verified:
         """The target over each row's pending token and its k drafts, one batched forward and one lm_head matmul.
-        fused: the logits stay in the model's dtype, unmasked, for the sampling kernel, which finds broken rows
-        itself (`broken` None until `accept`)."""
+        logits=False: no lm_head here; the sampling kernel's acceptance runs it (`accept_unfiltered`)."""
         e, dev = self.engine, self.engine.device
         n, k = drafts.shape
         meta = device_tensor([(r.tokens[-1], r.kv_len, r.slot) for r in rows], dev)  # one host-to-device copy
@@ -167,12 +169,11 @@ class SpecWorker:
         aux_ids = self.drafter.aux_layer_ids  # EAGLE3 drafts from the target's aux states
         out = e.model(ids, positions, e.cache, meta[:, 2], max(r.kv_len for r in rows) + k + 1, aux_layer_ids=aux_ids)
         hidden, features = out if aux_ids else (out, out)
-        if fused:
-            return Verified(e.model.logits(hidden.flatten(0, 1), upcast=False).view(n, k + 1, -1), None, features,
-                            meta[:, 1], meta[:, 2])
+        if not logits:
+            return Verified(hidden, None, None, features, meta[:, 1], meta[:, 2])
         # broken: read back with the result, not synced on here; such a row is finished at commit
         logits, broken = sampling.mask_non_finite(e.model.logits(hidden.flatten(0, 1)).view(n, k + 1, -1))
-        return Verified(logits, broken, features, meta[:, 1], meta[:, 2])
+        return Verified(hidden, logits, broken, features, meta[:, 1], meta[:, 2])
 
     def accept(self, rows: list[Row], verified: Verified, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
                params: sampling.BatchParams) -> Acceptance:
@@ -180,21 +181,30 @@ class SpecWorker:
         when a row asks for them, logprobs)."""
         n, k = drafts.shape
         logits = verified.logits
-        broken, logprobs = verified.broken, None
-        if broken is None:  # verify(fused=True): one pass of the sampling kernel over the logits
-            accept, next_token, logprobs, broken = accept_unfiltered(logits, drafts, params.temps,
-                                                                     self.engine.generator)
-        else:
-            accept, next_token = accept_drafts(logits, drafts, draft_probs, params, self.engine.generator)
+        accept, next_token = accept_drafts(logits, drafts, draft_probs, params, self.engine.generator)
         chosen = torch.cat((drafts, drafts.new_zeros(n, 1)), dim=1)
         chosen[torch.arange(n, device=drafts.device), accept] = next_token
-        columns = [accept[:, None], broken[:, None], chosen]
+        columns = [accept[:, None], verified.broken[:, None], chosen]
         if any(r.req.return_logprob for r in rows):
-            columns.append(logprobs if logprobs is not None else sampling.token_logprobs(
-                logits.flatten(0, 1), params.temps.repeat_interleave(k + 1), params.greedy.repeat_interleave(k + 1),
-                chosen.flatten()).view(n, k + 1))
+            columns.append(sampling.token_logprobs(logits.flatten(0, 1), params.temps.repeat_interleave(k + 1),
+                                                   params.greedy.repeat_interleave(k + 1),
+                                                   chosen.flatten()).view(n, k + 1))
         read_back = start_read_back(torch.cat([c.double() for c in columns], dim=1))
         return Acceptance(accept, chosen, read_back, len(columns) == 4)
+
+    def accept_unfiltered(self, rows: list[Row], verified: Verified, drafts: torch.Tensor,
+                          params: sampling.BatchParams) -> Acceptance:
+        """`accept` for a batch the sampling kernel serves (every row sampled at its temperature alone, greedy
+        drafts): the lm_head, one pass of the kernel and the lossless rule from the verify's hidden states, replayed
+        as one captured graph where one serves the batch (engine/speculative/accept_graph.py); the logprobs are
+        always computed."""
+        e = self.engine
+        graph = e.model.graphs.get("chain_accept")
+        if graph is not None and graph.serves(*verified.hidden.shape[:2]):
+            accept, chosen, packed = graph(verified.hidden, drafts, params.temps)
+        else:
+            accept, chosen, packed = chain_acceptance(e.model, e.generator, verified.hidden, drafts, params.temps)
+        return Acceptance(accept, chosen, start_read_back(packed), any(r.req.return_logprob for r in rows))
 
     def commit(self, rows: list[Row], acceptance: Acceptance, k: int) -> list[int]:
         """Read the step back, count it, and append each row's accepted tokens; returns the accepted drafts per
