@@ -24,7 +24,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from slime_spec.engine.kernels.decode_attention import decode_attention
+from slime_spec.engine.kernels.decode_attention import GRIDS, MAX_BLOCK_ROWS, decode_attention
 from slime_spec.engine.kernels.gemv import GemvConfig, gemv, gemv_config
 from slime_spec.engine.kernels.rms_norm import rms_norm
 from slime_spec.engine.model_executor.model import RMSNorm, apply_rope, causal_mask, rope_cos_sin
@@ -139,22 +139,25 @@ def attention_rows(s: dict) -> list[str]:
 
 
 def attention_grid_rows(s: dict) -> list[str]:
-    """The attention kernel for a verify, one program per row (its tokens in turn) against one per token (side by
-    side), per layer over 24 layers' caches."""
+    """The attention kernel for a verify: one program per row taking its tokens in turn, one per token, and one per
+    row holding all its tokens' query heads as one block, side by side, per layer over the layers' caches (the same
+    bits asserted)."""
     h, kvh = s["heads"], s["kv_heads"]
     out = []
     for batch, tokens, keys in itertools.product((1, 8, 32, 64, 128), (2, 4, 6), (256, 2048)):
         caches, qkv, slots, positions, cos, sin = attention_case(s, batch, tokens, keys)
         ck, cv = caches[0]
-        by_row, by_token = (decode_attention(qkv, cos, sin, ck, cv, slots, positions, keys, h, kvh, per_token=flag)
-                            for flag in (False, True))
-        assert torch.equal(by_row, by_token), f"batch {batch} tokens {tokens} keys {keys}: the grids disagree"
-        t_row, t_token = (graph_ms(lambda flag=flag: [decode_attention(qkv, cos, sin, ck, cv, slots, positions, keys, h,
-                                                                       kvh, per_token=flag) for ck, cv in caches])
-                          for flag in (False, True))
+        grids = [g for g in GRIDS if g != "row_block" or tokens * (h // kvh) <= MAX_BLOCK_ROWS]
+        outs = [decode_attention(qkv, cos, sin, ck, cv, slots, positions, keys, h, kvh, grid=grid) for grid in grids]
+        assert all(torch.equal(outs[0], o) for o in outs), f"batch {batch} tokens {tokens} keys {keys}: grids differ"
+        times = {grid: graph_ms(lambda grid=grid: [decode_attention(qkv, cos, sin, ck, cv, slots, positions, keys, h,
+                                                                    kvh, grid=grid) for ck, cv in caches])
+                 for grid in grids}
         n = s["layers"]
-        out.append(f"| {batch} | {tokens} | {keys} | {t_row * 1e3 / n:.1f} | {t_token * 1e3 / n:.1f} | "
-                   f"{t_row / t_token:.2f}x |")
+        block = f"{times['row_block'] * 1e3 / n:.1f} | {times['token'] / times['row_block']:.2f}x" \
+            if "row_block" in times else "- | -"
+        out.append(f"| {batch} | {tokens} | {keys} | {times['row_serial'] * 1e3 / n:.1f} | "
+                   f"{times['token'] * 1e3 / n:.1f} | {block} |")
     return out
 
 
@@ -177,13 +180,13 @@ def norm_rows(s: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sweep", action="store_true", help="time gemv tile configurations at 1, 2, 4 and 8 rows")
-    p.add_argument("--attention-grids", action="store_true", help="only the attention kernel's two grids for a verify")
+    p.add_argument("--attention-grids", action="store_true", help="only the attention kernel's grids for a verify")
     a = p.parse_args(argv)
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("\n| batch | tokens per row | keys | a program per row us per layer | a program per token us per layer "
-          "| per row / per token |")
-    print("|---|---|---|---|---|---|")
+    print("\n| batch | tokens per row | keys | a program per row, tokens in turn, us per layer | a program per token "
+          "us per layer | a program per row, tokens as one block, us per layer | per token / per row block |")
+    print("|---|---|---|---|---|---|---|")
     for line in attention_grid_rows(SHAPE):
         print(line, flush=True)
     if a.attention_grids:

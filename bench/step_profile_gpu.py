@@ -7,6 +7,8 @@ and a speculative chain (NEXTN, the MTP layer drafting; adaptive, its plain step
     python bench/step_profile_gpu.py --model outputs/demo/model_sft --batch 128 --steps 3 --temperature 1 --logprobs
     python bench/step_profile_gpu.py --vocab 151936 --batch 128 --steps 3 --temperature 1 --logprobs --phases 3 \
         --without sampling --without activation   # the engine without a kernel, side by side with all of them
+    python bench/step_profile_gpu.py --model /tmp/demo_shape --batch 128 --steps 3 --temperature 1 --logprobs \
+        --phases 3 --engines spec --without accept_graph   # a chain's acceptance eager, beside its graph
 
 The target is random (the MTP layer too), so drafts are rarely accepted: the point is each step's structure (k draft
 steps, one verify of k + 1 tokens, its read-back and the host's bookkeeping), not its yield. Per engine it prints
@@ -44,11 +46,29 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from slime_spec.engine.kernels import decode_attention
 from slime_spec.engine.kernels.ops import Kernels
 from slime_spec.engine.managers.engine_core import EngineCore, Request, SamplingParams
 from slime_spec.engine.model_executor.cuda_graph import CudaGraphSettings
 from slime_spec.speculative.settings import SpecConfig
 from slime_spec.tools.tiny_model import make_tiny_model
+
+# --without names that are not kernels: a captured graph set aside, and the attention kernel's per-row block grid
+# for a verify (the engine built, its graphs captured, with the per-token grid instead)
+SWITCHES = ("accept_graph", "row_block")
+
+
+@contextmanager
+def built_without(switches: list[str]):
+    """Build an engine inside this with the attention kernel's per-token grid for every width, when asked."""
+    saved = decode_attention.default_grid
+    if "row_block" in switches:
+        decode_attention.default_grid = lambda rows, tokens, group: "token"
+    try:
+        yield
+    finally:
+        decode_attention.default_grid = saved
+
 
 GAP_US = 4.0  # gaps between kernels at most this long count as launch latency, longer ones as waits for the host
 SHAPE = dict(hidden_size=1536, num_layers=24, num_heads=12, num_kv_heads=2, intermediate_size=4096, vocab_size=32000)
@@ -301,7 +321,9 @@ def main(argv: list[str] | None = None) -> None:
                    "151936)")
     p.add_argument("--without", action="append", default=[], metavar="KERNEL[,KERNEL]",
                    help="also build each engine without these kernels (fields of kernels.ops.Kernels: gemv, "
-                   "attention, norm, activation, sampling), timed side by side with all of them (--phases)")
+                   "attention, norm, activation, sampling), accept_graph (a chain's acceptance eager) or "
+                   "row_block (the attention kernel's per-token grid for a verify), "
+                   "timed side by side with all of them (--phases)")
     a = p.parse_args(argv)
     engines = set(a.engines.split(","))
     w = Workload(a.batch, a.tokens, a.temperature, a.logprobs, a.tail)
@@ -313,10 +335,12 @@ def main(argv: list[str] | None = None) -> None:
         # with a tail the batch shrinks: capture engine_gpu.py's sizes, so its rows pad as that bench's do
         graphs = CudaGraphSettings(batch_sizes=tuple(sorted({1, 8, 32, a.batch})) if a.tail else (a.batch,))
         cores = {}
-        variants = {"all kernels": Kernels.from_values({})}
+        variants = {"all kernels": (Kernels.from_values({}), [])}  # name -> (kernels, graphs set aside)
         for off in a.without:
-            variants[f"without {off}"] = dataclasses.replace(variants["all kernels"],
-                                                             **{k: False for k in off.split(",")})
+            names = off.split(",")
+            variants[f"without {off}"] = (
+                dataclasses.replace(variants["all kernels"][0], **{k: False for k in names if k not in SWITCHES}),
+                [k for k in names if k in SWITCHES])
         for (key, name, spec), variant in itertools.product((
                 ("plain", "plain", None),
                 ("spec", f"NEXTN k={a.steps}", SpecConfig("EAGLE", a.steps, 1, a.steps + 1)),
@@ -325,9 +349,12 @@ def main(argv: list[str] | None = None) -> None:
             if key not in engines:
                 continue
             name += f", {variant}" if len(variants) > 1 else ""
-            core = EngineCore(str(path), spec, dtype="bfloat16", device="cuda", max_running_requests=a.batch,
-                              context_length=32 + a.tokens + max(a.steps, 3) + 8, cuda_graph=graphs,
-                              kernels=variants[variant])
+            with built_without(variants[variant][1]):
+                core = EngineCore(str(path), spec, dtype="bfloat16", device="cuda", max_running_requests=a.batch,
+                                  context_length=32 + a.tokens + max(a.steps, 3) + 8, cuda_graph=graphs,
+                                  kernels=variants[variant][0])
+            if "accept_graph" in variants[variant][1]:
+                core.model.graphs.pop("chain_accept", None)  # plain decoding captures none
             if a.phases:
                 decode(core, w, seed=0)  # warm: graphs captured, kernels compiled
                 cores[name] = core

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from slime_spec.engine.kernels.decode_attention import num_splits, supports
+from slime_spec.engine.kernels.decode_attention import default_grid, num_splits, supports
 from slime_spec.engine.kernels.gemv import serves
 from slime_spec.engine.kernels.ops import Kernels
 
@@ -42,7 +42,7 @@ def test_gemv_refuses_more_rows_than_it_holds():
 def test_decode_attention_writes_rotated_keys_and_equals_masked_sdpa_over_the_cache_rows(run_interpreted):
     out = run_interpreted("""
         import torch, torch.nn.functional as F
-        from slime_spec.engine.kernels.decode_attention import decode_attention
+        from slime_spec.engine.kernels.decode_attention import GRIDS, decode_attention
         from slime_spec.engine.model_executor.model import apply_rope, rope_cos_sin
         torch.manual_seed(0)
         B, T, H, KVH, D, max_seq = 3, 2, 6, 2, 32, 700
@@ -54,8 +54,8 @@ def test_decode_attention_writes_rotated_keys_and_equals_masked_sdpa_over_the_ca
         q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
         q = apply_rope(q.reshape(B, T, H, D), cos, sin)
         k = apply_rope(k.reshape(B, T, KVH, D), cos, sin)
-        for num_keys, splits, per_token in ((602, None, True), (602, 3, True), (602, 3, False), (602, 1, True),
-                                            (602, 1, False), (700, 8, False)):
+        for num_keys, splits, grid in ((602, None, None), (602, None, "token"), (602, 3, "token"),
+                                       (602, 3, "row_block"), (602, 1, "row_serial"), (700, 8, "row_block")):
             ck, cv = torch.randn(5, max_seq, KVH, D), torch.randn(5, max_seq, KVH, D)
             ref_k, ref_v = ck.clone(), cv.clone()
             ref_k[slots[:, None], pos] = k
@@ -66,17 +66,26 @@ def test_decode_attention_writes_rotated_keys_and_equals_masked_sdpa_over_the_ca
             mask = causal & (torch.arange(max_seq) < num_keys)
             ref = F.scaled_dot_product_attention(q.transpose(1, 2).double(), keys.double(), vals.double(),
                                                  attn_mask=mask).transpose(1, 2)
-            got = decode_attention(qkv, cos, sin, ck, cv, slots, pos, num_keys, H, KVH, splits=splits,
-                                   per_token=per_token)
+            got = decode_attention(qkv, cos, sin, ck, cv, slots, pos, num_keys, H, KVH, splits=splits, grid=grid)
             assert torch.allclose(got.double(), ref, atol=1e-5), (num_keys, splits, (got - ref).abs().max())
-            if splits:  # a program per token or one per row: the same sums, the same bits
+            for other in GRIDS:  # a program per token, per row in turn, per row as one block: the same bits
                 again = decode_attention(qkv, cos, sin, ck.clone(), cv.clone(), slots, pos, num_keys, H, KVH,
-                                         splits=splits, per_token=not per_token)
-                assert torch.equal(got, again), (num_keys, splits)
+                                         splits=splits, grid=other)
+                assert torch.equal(got, again), (num_keys, splits, grid, other)
             assert torch.allclose(ck, ref_k, atol=1e-6) and torch.equal(cv, ref_v)  # the cache holds what SDPA read
         print("ok")
     """)
     assert out.strip() == "ok"
+
+
+def test_a_verify_of_a_full_batch_reads_each_key_block_once_for_all_its_tokens():
+    """The layout a forward gets unless it asks: one block per row for a verify from batch 8 up while tokens x
+    heads per KV head fit in 32 rows; a program per token for a decode, a prefill and a small batch."""
+    assert default_grid(128, 4, 4) == "row_block" and default_grid(8, 6, 4) == "row_block"
+    assert default_grid(128, 1, 4) == "token"      # a decode
+    assert default_grid(128, 6, 6) == "token"      # 36 rows: past the block the per-token sums are kept bit for bit
+    assert default_grid(4, 4, 4) == "token"        # a small batch: more programs keep the GPU busy
+    assert default_grid(8, 32, 4) == "token"       # a short prefill
 
 
 def test_decode_attention_serves_a_short_prompt_whole(run_interpreted):
