@@ -9,7 +9,7 @@ reads the cache rows in place up to each query's own position (query at position
 program serves one row's query heads of one KV head (GQA); a long context is split over several programs
 (flash-decoding) and a second kernel merges their partial softmaxes. A verify's query tokens are laid out one of two
 ways (`default_grid`): from batch 8 up, a row's tokens and heads are the rows of one block, so each key block is
-read once for all of them (at batch 128, 4 tokens: 2.05-2.87x against a program per token); in smaller batches each
+read once for all of them (at batch 128, 4 tokens: 2.02-2.79x against a program per token); in smaller batches each
 token gets its own programs, side by side, which keeps more of the GPU busy. A query's sums are the same bits in
 every layout, so a verify computes what a decode of the same token would (bench/kernels_gpu.py, its grid table).
 """
@@ -44,7 +44,7 @@ MIN_BLOCK_BATCH = 8  # row_block: below this many rows a program per token keeps
 
 def default_grid(rows: int, tokens: int, group: int) -> str:
     """A verify's tokens as one block per row where they fit and the batch fills the GPU without them (each key
-    block read once for all of them: 2.05-2.87x at batch 128, 4 tokens on an H200; 0.89-0.98x at batch 1); a
+    block read once for all of them: 2.02-2.79x at batch 128, 4 tokens on an H200; 0.81-0.98x at batch 1); a
     decode, a prefill or a small batch a program per token."""
     return "row_block" if rows >= MIN_BLOCK_BATCH and 1 < tokens and tokens * group <= MAX_BLOCK_ROWS else "token"
 
@@ -69,7 +69,7 @@ def _kernels():
     def attention_kernel(qkv_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, out_ptr, part_ptr, stats_ptr,
                          T, num_keys, scale, stride_xb, stride_xt, stride_cb, stride_ct, stride_cs, stride_cp,
                          stride_ch, stride_sb, stride_pb, stride_pt, stride_ob, stride_ot, stride_oh,
-                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
                          BLOCK_S: tl.constexpr, SPLITS: tl.constexpr, CHUNK, PRECISION: tl.constexpr,
                          GRID: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # every operand comes from earlier kernels: wait for them first
@@ -100,14 +100,17 @@ def _kernels():
             tl.store(k_ptr + at + HALF + h, (k2 * c + k1 * s).to(k_ptr.dtype.element_ty))
             tl.store(v_ptr + at + d, tl.load(x + (HEADS + KV_HEADS + kvh) * D + d))
         tl.debug_barrier()
-        # 2. each of its query tokens' heads of this KV head, rotated, over the keys up to the token's own position
-        if GRID == 2:
-            # "row_block": every query token's heads of this KV head as the rows of one block (row m: token
-            # m // GROUP, head m % GROUP), so each key block is read once for all of them; row m's keys end at its
-            # token's position. A row whose keys are all masked so far keeps m = -inf, l = 0 and a zero sum, as
-            # the per-token loop that never started: each row's sums are the per-token grid's.
-            m = tl.arange(0, BLOCK_M)
-            t, m_ok = m // GROUP, m < T * GROUP
+        # 2. its query tokens' heads of this KV head, rotated, over the keys up to each token's own position. The
+        # rows of a block are (token, head) pairs, m -> token t0 + m // GROUP, head m % GROUP: one token's heads per
+        # block ("token", "row_serial"; the heads padded to 16 rows), or every token of the row at once
+        # ("row_block"), so each key block is read once for all of them. A row whose keys are all masked so far
+        # keeps m = -inf, l = 0 and a zero sum, as a loop that never started: each query's sums are the same bits in
+        # every layout.
+        m = tl.arange(0, BLOCK_M)
+        step = T if GRID == 2 else 1
+        for t0 in range(first, last, step):
+            t = t0 + m // GROUP
+            m_ok = (m // GROUP < step) & (t < last)
             heads = kvh * GROUP + m % GROUP
             x = qkv_ptr + b * stride_xb + t[:, None] * stride_xt + heads[:, None] * D
             c = tl.load(cos_ptr + b * stride_cb + t[:, None] * stride_ct + h[None, :], mask=m_ok[:, None],
@@ -119,7 +122,7 @@ def _kernels():
             r1 = (q1 * c - q2 * s).to(k_ptr.dtype.element_ty)
             r2 = (q2 * c + q1 * s).to(k_ptr.dtype.element_ty)
             pos = tl.load(pos_ptr + b * stride_pb + t * stride_pt, mask=m_ok, other=-1)
-            ends = tl.minimum(tl.minimum(pos + 1, num_keys), (split + 1) * CHUNK)  # per row; -1 + 1 = 0 for padding
+            ends = tl.minimum(tl.minimum(pos + 1, num_keys), (split + 1) * CHUNK)  # per row; 0 for padding rows
             end = tl.max(ends, 0)
             m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
             l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -144,52 +147,11 @@ def _kernels():
             if SPLITS == 1:
                 tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
                          (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
-            else:
+            else:  # partial results [B*T, H, SPLITS, D] and (max, sum) [B*T, H, SPLITS, 2], merged by merge_kernel
                 at = ((b * T + t) * HEADS + heads) * SPLITS + split
                 tl.store(part_ptr + at[:, None] * D + d[None, :], acc, mask=m_ok[:, None])
                 tl.store(stats_ptr + at * 2, m_i, mask=m_ok)
                 tl.store(stats_ptr + at * 2 + 1, l_i, mask=m_ok)
-        else:
-            g = tl.arange(0, BLOCK_G)
-            g_ok = g < GROUP
-            heads = kvh * GROUP + g
-            for t in range(first, last):
-                x = qkv_ptr + b * stride_xb + t * stride_xt
-                c = tl.load(cos_ptr + b * stride_cb + t * stride_ct + h).to(tl.float32)[None, :]
-                s = tl.load(sin_ptr + b * stride_cb + t * stride_ct + h).to(tl.float32)[None, :]
-                q1 = tl.load(x + heads[:, None] * D + h[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
-                q2 = tl.load(x + heads[:, None] * D + HALF + h[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
-                r1 = (q1 * c - q2 * s).to(k_ptr.dtype.element_ty)
-                r2 = (q2 * c + q1 * s).to(k_ptr.dtype.element_ty)
-                pos = tl.load(pos_ptr + b * stride_pb + t * stride_pt)
-                end = tl.minimum(tl.minimum(pos + 1, num_keys), (split + 1) * CHUNK)
-                m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-                l_i = tl.zeros((BLOCK_G,), tl.float32)
-                acc = tl.zeros((BLOCK_G, D), tl.float32)
-                for s0 in range(split * CHUNK, end, BLOCK_S):
-                    keys = s0 + tl.arange(0, BLOCK_S)
-                    k_ok = (keys < end)[:, None]
-                    offs = row + keys[:, None].to(tl.int64) * stride_cp
-                    ka = tl.load(k_ptr + offs + h[None, :], mask=k_ok, other=0.0)
-                    kb = tl.load(k_ptr + offs + HALF + h[None, :], mask=k_ok, other=0.0)
-                    scores = (tl.dot(r1, tl.trans(ka), input_precision=PRECISION)
-                              + tl.dot(r2, tl.trans(kb), input_precision=PRECISION)) * scale
-                    scores = tl.where(k_ok.reshape(1, BLOCK_S), scores, float("-inf"))
-                    m_new = tl.maximum(m_i, tl.max(scores, 1))
-                    p = tl.exp(scores - m_new[:, None])
-                    alpha = tl.exp(m_i - m_new)
-                    v = tl.load(v_ptr + offs + d[None, :], mask=k_ok, other=0.0)
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-                    l_i = l_i * alpha + tl.sum(p, 1)
-                    m_i = m_new
-                if SPLITS == 1:
-                    tl.store(out_ptr + b * stride_ob + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                             (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
-                else:  # partial results [B*T, H, SPLITS, D] and (max, sum) [B*T, H, SPLITS, 2], merged by merge_kernel
-                    at = ((b * T + t) * HEADS + heads) * SPLITS + split
-                    tl.store(part_ptr + at[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
-                    tl.store(stats_ptr + at * 2, m_i, mask=g_ok)
-                    tl.store(stats_ptr + at * 2 + 1, l_i, mask=g_ok)
 
     @triton.jit
     def merge_kernel(part_ptr, stats_ptr, out_ptr, T, H, stride_ob, stride_ot, stride_oh,
@@ -246,10 +208,10 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ca
         qkv, cos, sin, cache_k, cache_v, slots, positions, out, part, stats, t, num_keys, scale or d ** -0.5,
         qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(1), cache_k.stride(0), cache_k.stride(1),
         cache_k.stride(2), slots.stride(0), positions.stride(0), positions.stride(1), out.stride(0), out.stride(1),
-        out.stride(2), HEADS=heads, KV_HEADS=kv_heads, BLOCK_G=max(16, 1 << (group - 1).bit_length()), D=d,
+        out.stride(2), HEADS=heads, KV_HEADS=kv_heads, D=d,
         BLOCK_S=64, SPLITS=splits, CHUNK=-(-num_keys // splits),
         PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32", GRID=GRIDS.index(grid),
-        BLOCK_M=max(16, 1 << (t * group - 1).bit_length()), num_warps=4,
+        BLOCK_M=max(16, 1 << ((t if grid == "row_block" else 1) * group - 1).bit_length()), num_warps=4,
         **pdl_launch(qkv))
     if splits > 1:
         merge_kernel[(b * t * heads,)](part, stats, out, t, heads, out.stride(0), out.stride(1), out.stride(2), D=d,
