@@ -280,6 +280,8 @@ def test_every_drafter_implements_the_hooks_its_capabilities_declare():
             assert cls.catch_up_deferred is not Drafter.catch_up_deferred, cls
         if cls.holds_corpora:
             assert all(hasattr(cls, name) for name in ("add_corpus", "remove_corpus", "list_corpora")), cls
+        # SGLang's manager asks at every weight request whether the draft has weights: declared, never built
+        assert cls.owns_weights == (cls.weight_runner is not Drafter.weight_runner), cls
     with pytest.raises(NotImplementedError, match="chains only"):
         drafters.NgramDrafter(3, 4, 1, "cpu").tree_draft([], None)
 

@@ -48,6 +48,9 @@ class Drafter:
     and the read-back acceptance after it (`after_verify`), instead of `on_verify` after the read-back."""
     holds_corpora: bool = False
     """Whether the drafter serves SGLang's external corpus endpoints (add_corpus, remove_corpus, list_corpora)."""
+    owns_weights: bool = False
+    """Whether the draft has weights that updates reach (`weight_runner` is not None): what SGLang's manager asks of
+    the draft worker at every begin, update and end of a weight session, so it is declared, not built."""
     aux_layer_ids: list[int] | None = None
     """Target layers whose outputs the drafter reads instead of the final hidden state (EAGLE3), or None."""
     draft: torch.nn.Module | None = None

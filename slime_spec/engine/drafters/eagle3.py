@@ -29,6 +29,7 @@ from slime_spec.engine.speculative import tree, tree_graphs
 
 class Eagle3Drafter(Drafter):
     supports_tree = True
+    owns_weights = True
     defers_plain_steps = False  # on_verify extends the head from each plain step's aux states, when it runs (base.py)
 
     def __init__(self, target: CausalLM, draft: eagle3_draft.Eagle3Draft, aux_layer_ids: list[int],

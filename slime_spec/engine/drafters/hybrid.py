@@ -35,6 +35,7 @@ class HybridDrafter(Drafter):
     supports_tree = True
     extends_before_read_back = True
     holds_corpora = True
+    owns_weights = True
     defers_plain_steps = True  # the MTP layer defers its extend; history reads the tokens when it drafts (base.py)
 
     def __init__(self, mtp: MTPDrafter, history: HistoryDrafter):

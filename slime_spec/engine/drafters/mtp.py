@@ -31,6 +31,7 @@ class MTPDrafter(Drafter):
     defers_plain_steps = True  # a plain step's extend waits in `pending` anyway (base.py)
     supports_tree = True
     extends_before_read_back = True
+    owns_weights = True
 
     def __init__(self, target: CausalLM, num_steps: int, slots: int, max_seq: int):
         self.target, self.num_steps, self.slots, self.max_seq = target, num_steps, slots, max_seq

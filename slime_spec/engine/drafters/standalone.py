@@ -23,6 +23,7 @@ class StandaloneDrafter(Drafter):
     """
 
     supports_tree = True
+    owns_weights = True
     defers_plain_steps = True  # a plain step only adds tokens, fed at the next catch-up (base.py)
 
     def __init__(self, draft: CausalLM, num_steps: int, slots: int, max_seq: int):

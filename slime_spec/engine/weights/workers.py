@@ -81,7 +81,7 @@ class EngineDraftWorker:
         """As SGLang's spec workers: [] when the draft owns no weights (n-gram and history drafting)."""
         core = self.runner.weights.core
         drafter = core.drafter
-        if drafter is None or drafter.weight_runner() is None:
+        if drafter is None or not drafter.owns_weights:
             return []
         return [("draft", self.runner)]
 
