@@ -58,8 +58,8 @@ class TargetEngine(Protocol):
 class Verified:
     """A chain verify's device results: the final hidden states [n, k + 1, H]; logits [n, k + 1, V] (non-finite
     rows masked and flagged in `broken`; both None where the sampling kernel's acceptance computes them from the
-    hidden states); what the drafter reads of the target (`features`: the hidden
-    states, or EAGLE3's aux states), and each row's first verified position and cache slot."""
+    hidden states); what the drafter reads of the target (`features`: the hidden states, or EAGLE3's aux states),
+    and each row's first verified position and cache slot."""
 
     hidden: torch.Tensor
     logits: torch.Tensor | None
