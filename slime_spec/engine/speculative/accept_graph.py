@@ -1,12 +1,12 @@
 """A chain verify's acceptance captured whole: lm_head, the sampling kernel's pass, the lossless rule, the accepted
 tokens and the packed read-back in one CUDA graph per (batch size, width).
 
-The target's verify forward is a graph already; the acceptance after it launched about 50 small eager ops at
-batch 128 (the lm_head, the kernel's seed, the uniforms, the cumulative product, gathers, the logprobs, the
-`chosen` scatter and the read-back's packing), each costing the host more than the device. The device ran each in
-microseconds and then waited for the next launch: about 1 ms of each NEXTN step at the GPU demo's shape
-(docs/en/benchmarks/loop-h200-2026-11.md). Here it is one replay. It serves the batches the sampling kernel serves
-(every row sampled at its temperature alone, deterministic drafts: `accept.accept_unfiltered`), RL's rollouts.
+The target's verify forward is a graph already; the acceptance after it launched about 50 small eager ops (the
+lm_head, the kernel's seed, the uniforms, the cumulative product, gathers, the logprobs, the `chosen` scatter and the
+read-back's packing), each costing the host more than the device. Here it is one replay: a NEXTN step 1.08-1.10x
+faster at batch 1-8 on an H200, the same at 128, where those launches hid behind the verify's device time
+(docs/en/benchmarks/loop-h200-2026-11.md). It serves the batches the sampling kernel serves (every row sampled at its
+temperature alone, deterministic drafts: `accept.accept_unfiltered`), RL's rollouts.
 
 The randomness stays the engine's generator's: it is registered with every graph, so each replay draws fresh
 Philox offsets from it, in the order eager acceptance would.
@@ -67,6 +67,8 @@ class AcceptGraph:
         """Capture every shape, largest batch first; returns seconds. The warm-up runs compile the sampling kernel
         and advance the generator, as any sampled step would."""
         t0 = time.perf_counter()
+        # A pool of its own, not the model graphs' (capture_on_one_pool): its outputs are read after the drafter's
+        # graphs replay (the accepted counts by the next chain's lengths), so no other graph may reuse their memory.
         pool = torch.cuda.graph_pool_handle()
         stream = capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
